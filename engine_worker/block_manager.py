@@ -1,0 +1,213 @@
+"""KV block allocation, reference counts, and the prefix cache.
+
+Model: the KV pool is ``num_blocks`` blocks of ``block_size`` token slots. A request
+owns an ordered list of blocks (its block table). A block is in exactly one state:
+
+  * free      - ref_count 0, holds nothing reusable; on the free list;
+  * used      - ref_count > 0: in the block table of that many requests;
+  * cached    - ref_count 0 but holding a full block of a known token prefix; kept
+                in LRU order and reused by a later request with the same prefix, or
+                evicted (oldest first) when a fresh block is needed and none is free.
+
+Prefix cache: a full block is identified by a chained hash: the hash of the previous
+block's hash and this block's token ids, so equal hashes mean equal whole prefixes
+(BLAKE2b-128; the token ids are also compared on every hit). A block is registered
+under its hash when it is scheduled to be filled, before the forward pass, so that a
+request admitted later in the same step can attend to it (in-batch dedup: all KV
+writes of a layer precede its reads).
+
+Each query pairs a cheap check with its action: ``num_blocks_needed`` with
+``can_allocate``/``allocate``; ``free`` undoes ``allocate``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+
+def chain_hash(parent: Optional[bytes], token_ids: Sequence[int]) -> bytes:
+    """Hash of a full block given its parent's hash (None for the first block)."""
+    h = hashlib.blake2b(parent or b"", digest_size=16)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    # Set while the block is registered in the prefix cache.
+    block_hash: Optional[bytes] = None
+    token_ids: Optional[tuple[int, ...]] = None
+
+
+@dataclass
+class BlockTable:
+    """One request's view of its blocks and of its prefix hashes."""
+
+    block_ids: list[int] = field(default_factory=list)
+    # Chained hashes of the request's full blocks, computed once per block.
+    block_hashes: list[bytes] = field(default_factory=list)
+    # Leading blocks already offered to the prefix cache.
+    num_registered: int = 0
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        if num_blocks < 1:
+            raise ValueError("the KV pool needs at least one block")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Free blocks, taken from the front; block 0 first, for readable tests.
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        # Cached (ref 0, hashed) blocks, least recently used first.
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._by_hash: dict[bytes, int] = {}
+
+    # -- queries ---------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation may take: free plus cached-evictable."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def hash_blocks(self, table: BlockTable, token_ids: Sequence[int], num_tokens: int) -> int:
+        """Extend ``table.block_hashes`` over the full blocks among the first
+        ``num_tokens`` tokens; returns how many full blocks that is."""
+        bs = self.block_size
+        num_full = num_tokens // bs
+        while len(table.block_hashes) < num_full:
+            i = len(table.block_hashes)
+            parent = table.block_hashes[-1] if i else None
+            table.block_hashes.append(chain_hash(parent, token_ids[i * bs:(i + 1) * bs]))
+        return num_full
+
+    def find_cached_prefix(self, table: BlockTable, token_ids: Sequence[int]) -> list[int]:
+        """Block ids caching the longest prefix of ``token_ids``; the last token is
+        always left to compute, since its logits are needed."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        hits: list[int] = []
+        for i in range(self.hash_blocks(table, token_ids, len(token_ids) - 1)):
+            block_id = self._by_hash.get(table.block_hashes[i])
+            if block_id is None:
+                break
+            if self.blocks[block_id].token_ids != tuple(token_ids[i * bs:(i + 1) * bs]):
+                break  # a hash collision: never reuse KV of other tokens
+            hits.append(block_id)
+        return hits
+
+    def num_blocks_needed(self, table: BlockTable, num_tokens: int,
+                          cached_block_ids: Sequence[int] = ()) -> int:
+        """Blocks an allocation for ``num_tokens`` total tokens would take from the
+        free pool, counting cached hits that are currently evictable."""
+        new = self.blocks_for(num_tokens) - len(table.block_ids) - len(cached_block_ids)
+        revived = sum(1 for b in cached_block_ids if self.blocks[b].ref_count == 0)
+        return max(new, 0) + revived
+
+    def can_allocate(self, table: BlockTable, num_tokens: int,
+                     cached_block_ids: Sequence[int] = ()) -> bool:
+        return self.num_blocks_needed(table, num_tokens, cached_block_ids) <= self.num_free_blocks
+
+    # -- actions ---------------------------------------------------------------
+
+    def allocate(self, table: BlockTable, token_ids: Sequence[int], num_tokens: int,
+                 cached_block_ids: Sequence[int] = ()) -> bool:
+        """Grow ``table`` to hold ``num_tokens`` tokens, first attaching
+        ``cached_block_ids`` (prefix-cache hits). Registers the full blocks among the
+        first ``num_tokens`` tokens in the prefix cache. Returns False, changing
+        nothing, when the pool cannot supply the blocks."""
+        if not self.can_allocate(table, num_tokens, cached_block_ids):
+            return False
+        for block_id in cached_block_ids:
+            self._ref(block_id)
+            table.block_ids.append(block_id)
+        while len(table.block_ids) < self.blocks_for(num_tokens):
+            block_id = self._take_fresh()
+            self.blocks[block_id].ref_count = 1
+            table.block_ids.append(block_id)
+        if self.enable_prefix_caching:
+            self._register(table, token_ids, num_tokens)
+        return True
+
+    def free(self, table: BlockTable) -> None:
+        """Release the request's blocks. Hashed blocks stay cached; the tail is
+        released first so that it is evicted before the shared head."""
+        for block_id in reversed(table.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                if block.block_hash is not None:
+                    self._evictable[block_id] = None
+                else:
+                    self._free[block_id] = None
+        table.block_ids.clear()
+        table.num_registered = 0
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (after a failed step, whose KV may be garbage)."""
+        for block_id in list(self._evictable):
+            del self._evictable[block_id]
+            self._free[block_id] = None
+        for block in self.blocks:
+            block.block_hash = None
+            block.token_ids = None
+        self._by_hash.clear()
+
+    # -- internals -------------------------------------------------------------
+
+    def _ref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._evictable[block_id]
+        block.ref_count += 1
+
+    def _take_fresh(self) -> int:
+        if self._free:
+            block_id, _ = self._free.popitem(last=False)
+            return block_id
+        block_id, _ = self._evictable.popitem(last=False)  # least recently used
+        block = self.blocks[block_id]
+        assert block.block_hash is not None
+        if self._by_hash.get(block.block_hash) == block_id:
+            del self._by_hash[block.block_hash]
+        block.block_hash = None
+        block.token_ids = None
+        return block_id
+
+    def _register(self, table: BlockTable, token_ids: Sequence[int], num_tokens: int) -> None:
+        bs = self.block_size
+        num_full = self.hash_blocks(table, token_ids, num_tokens)
+        for i in range(table.num_registered, num_full):
+            block_hash = table.block_hashes[i]
+            block = self.blocks[table.block_ids[i]]
+            if block.block_hash is not None:
+                continue  # already registered (a hit, or an earlier step)
+            if block_hash in self._by_hash:
+                continue  # the same prefix is cached in another block; keep that one
+            block.block_hash = block_hash
+            block.token_ids = tuple(token_ids[i * bs:(i + 1) * bs])
+            self._by_hash[block_hash] = block.block_id
+        table.num_registered = max(table.num_registered, num_full)

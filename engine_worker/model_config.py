@@ -1,0 +1,220 @@
+"""What the engine needs to know about a checkpoint, read from its config.json.
+
+Supported: the Llama family (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM:
+RMSNorm, RoPE, grouped-query attention, SwiGLU) and GPT2LMHeadModel. Anything else is
+a ModelLoadError that names the architecture and what is supported.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from common.errors import ModelLoadError
+
+LLAMA_FAMILY = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+GPT2_FAMILY = {"GPT2LMHeadModel": "gpt2"}
+SUPPORTED_ARCHITECTURES = sorted({**LLAMA_FAMILY, **GPT2_FAMILY})
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    # "default", "linear" or "llama3"
+    kind: str = "default"
+    factor: float = 1.0
+    # llama3 only
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    family: str  # "llama" (Llama/Mistral/Qwen2) or "gpt2"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    # Context length: max_position_embeddings, capped by an active sliding window so
+    # that full attention is exact.
+    max_model_len: int
+    norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    hidden_act: str
+    eos_token_ids: tuple[int, ...]
+    rope: Optional[RopeConfig]  # None for GPT-2 (learned positions)
+    torch_dtype: Optional[str]
+
+    @property
+    def num_params(self) -> int:
+        """Parameters, counting tied embeddings once."""
+        c, d = self.hidden_size, self.head_dim
+        attn = c * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        if self.family == "gpt2":
+            mlp = 2 * c * self.intermediate_size
+            pos = self.max_model_len * c
+        else:
+            mlp = 3 * c * self.intermediate_size
+            pos = 0
+        emb = self.vocab_size * c * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * (attn + mlp) + emb + pos
+
+    @property
+    def flops_per_token(self) -> int:
+        """Matmul FLOPs per generated token: 2 x (weights touched, lm_head included)."""
+        lm_head = self.vocab_size * self.hidden_size
+        emb = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        pos = self.max_model_len * self.hidden_size if self.family == "gpt2" else 0
+        return 2 * (self.num_params - emb - pos + lm_head)
+
+
+def load_model_config(model_dir: Path) -> ModelConfig:
+    path = model_dir / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModelLoadError(f"{model_dir} has no config.json") from None
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
+    archs = raw.get("architectures") or []
+    arch = next((a for a in archs if a in LLAMA_FAMILY or a in GPT2_FAMILY), None)
+    if arch is None:
+        raise ModelLoadError(
+            f"{path}: unsupported architecture {archs or raw.get('model_type')!r}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    eos = _eos_token_ids(raw, model_dir)
+    name = model_dir.resolve().name
+    try:
+        if arch in GPT2_FAMILY:
+            return _gpt2_config(raw, str(name), eos)
+        return _llama_config(raw, LLAMA_FAMILY[arch], str(name), eos)
+    except KeyError as e:
+        raise ModelLoadError(f"{path} lacks the field {e.args[0]!r}") from None
+
+
+def _llama_config(raw: dict[str, Any], kind: str, name: str, eos: tuple[int, ...]) -> ModelConfig:
+    num_heads = raw["num_attention_heads"]
+    hidden = raw["hidden_size"]
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelLoadError(f"unsupported hidden_act {act!r} (the Llama family needs 'silu')")
+    max_len = raw["max_position_embeddings"]
+    window = raw.get("sliding_window")
+    # Qwen2 has a window field but uses it only when use_sliding_window is set.
+    if window and raw.get("use_sliding_window", kind == "mistral"):
+        max_len = min(max_len, window)
+    attention_bias = bool(raw.get("attention_bias", False))
+    return ModelConfig(
+        name=name,
+        family="llama",
+        vocab_size=raw["vocab_size"],
+        hidden_size=hidden,
+        num_layers=raw["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+        head_dim=raw.get("head_dim") or hidden // num_heads,
+        intermediate_size=raw["intermediate_size"],
+        max_model_len=max_len,
+        norm_eps=raw.get("rms_norm_eps", 1e-6),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=attention_bias or kind == "qwen2",
+        o_bias=attention_bias,
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        hidden_act=act,
+        eos_token_ids=eos,
+        rope=_rope_config(raw),
+        torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+    )
+
+
+def _rope_config(raw: dict[str, Any]) -> RopeConfig:
+    # transformers >= 5 nests everything under rope_parameters; older configs have
+    # rope_theta at the top and an optional rope_scaling dict.
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = raw.get("rope_scaling") or {}
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    merged = {**scaling, **params}
+    kind = merged.get("rope_type") or merged.get("type") or "default"
+    if kind == "default":
+        return RopeConfig(theta=float(theta))
+    if kind == "linear":
+        return RopeConfig(theta=float(theta), kind="linear", factor=float(merged["factor"]))
+    if kind == "llama3":
+        return RopeConfig(
+            theta=float(theta),
+            kind="llama3",
+            factor=float(merged["factor"]),
+            low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+            original_max_position_embeddings=int(
+                merged.get("original_max_position_embeddings", 8192)),
+        )
+    raise ModelLoadError(
+        f"unsupported rope type {kind!r}; supported: default, linear, llama3")
+
+
+def _gpt2_config(raw: dict[str, Any], name: str, eos: tuple[int, ...]) -> ModelConfig:
+    hidden = raw["n_embd"]
+    num_heads = raw["n_head"]
+    act = raw.get("activation_function", "gelu_new")
+    if act not in ("gelu_new", "gelu", "gelu_pytorch_tanh"):
+        raise ModelLoadError(f"unsupported GPT-2 activation_function {act!r}")
+    for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        if raw.get(flag):
+            raise ModelLoadError(f"GPT-2 option {flag}=true is not supported")
+    if not raw.get("scale_attn_weights", True):
+        raise ModelLoadError("GPT-2 option scale_attn_weights=false is not supported")
+    return ModelConfig(
+        name=name,
+        family="gpt2",
+        vocab_size=raw["vocab_size"],
+        hidden_size=hidden,
+        num_layers=raw["n_layer"],
+        num_heads=num_heads,
+        num_kv_heads=num_heads,
+        head_dim=hidden // num_heads,
+        intermediate_size=raw.get("n_inner") or 4 * hidden,
+        max_model_len=raw["n_positions"],
+        norm_eps=raw.get("layer_norm_epsilon", 1e-5),
+        tie_word_embeddings=True,
+        qkv_bias=True,
+        o_bias=True,
+        mlp_bias=True,
+        hidden_act=act,
+        eos_token_ids=eos,
+        rope=None,
+        torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+    )
+
+
+def _eos_token_ids(raw: dict[str, Any], model_dir: Path) -> tuple[int, ...]:
+    """EOS ids from config.json and generation_config.json (either may list several)."""
+    ids: list[int] = []
+    sources = [raw]
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.is_file():
+        try:
+            sources.append(json.loads(gen_path.read_text()))
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{gen_path} is not valid JSON: {e}") from None
+    for source in sources:
+        value = source.get("eos_token_id")
+        for token_id in value if isinstance(value, list) else [value]:
+            if isinstance(token_id, int) and token_id not in ids:
+                ids.append(token_id)
+    return tuple(ids)
+

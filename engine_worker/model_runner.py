@@ -1,0 +1,147 @@
+"""Runs one step's batch through the model: builds the flat inputs and the attention
+metadata from the scheduled requests, runs the forward pass, computes logits only for
+rows that yield a token, and samples."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from common.config import CacheConfig
+from common.protocol import TokenLogprobs
+from engine_worker.attention import AttentionMetadata, ChunkMetadata, kv_cache_shape
+from engine_worker.model_config import ModelConfig
+from engine_worker.models import load_model
+from engine_worker.sampler import Sampler
+from engine_worker.scheduler import ScheduledRequest
+
+logger = logging.getLogger(__name__)
+
+_DEFAULT_CPU_KV_BYTES = 2 << 30
+_CUDA_MEMORY_FRACTION = 0.9
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for, but torch sees no CUDA device")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return getattr(torch, name)
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, model_dir: Path, cache: CacheConfig,
+                 device: torch.device, dtype: torch.dtype, seed: int) -> None:
+        self.config = model_config
+        self.device = device
+        self.dtype = dtype
+        self.block_size = cache.block_size
+        self.model = load_model(model_config, model_dir, device, dtype)
+        self.num_blocks = self._num_blocks(cache)
+        shape = kv_cache_shape(self.num_blocks, cache.block_size,
+                               model_config.num_kv_heads, model_config.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
+                          for _ in range(model_config.num_layers)]
+        self.sampler = Sampler(device, seed)
+        logger.info("KV cache: %d blocks x %d tokens (%.0f MiB)", self.num_blocks,
+                    cache.block_size, self.num_blocks * self._bytes_per_block() / 2**20)
+
+    def _bytes_per_block(self) -> int:
+        cfg = self.config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
+
+    def _num_blocks(self, cache: CacheConfig) -> int:
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        budget = cache.kv_cache_memory_bytes
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * _CUDA_MEMORY_FRACTION)
+            else:
+                budget = _DEFAULT_CPU_KV_BYTES
+        num_blocks = budget // self._bytes_per_block()
+        if num_blocks < 1:
+            raise ValueError(
+                f"a KV memory budget of {budget} bytes holds no block of "
+                f"{self._bytes_per_block()} bytes")
+        return num_blocks
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledRequest]
+                ) -> tuple[list[int], list[Optional[TokenLogprobs]]]:
+        """Compute the scheduled tokens; sample one token for every request whose step
+        reaches the end of its known tokens. Returns them in ``scheduled`` order."""
+        input_ids, positions, meta, sample_rows = self._prepare(scheduled)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # (N, C)
+        if not sample_rows:
+            return [], []
+        rows = torch.tensor(sample_rows, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))  # (S, V)
+        requests = [s.request for s in scheduled if s.samples]
+        return self.sampler(logits, requests)
+
+    def _prepare(self, scheduled: list[ScheduledRequest]
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        single_tables: list[list[int]] = []
+        single_lens: list[int] = []
+        chunks: list[ChunkMetadata] = []
+        sample_rows: list[int] = []
+        for s in scheduled:
+            r = s.request
+            start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_tokens
+            block_ids = r.blocks.block_ids
+            query_start = len(input_ids)
+            input_ids.extend(r.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
+            num_blocks = -(-end // bs)
+            if s.num_tokens == 1:
+                single_tables.append(block_ids[:num_blocks])
+                single_lens.append(end)
+            else:
+                mask = None
+                if start > 0:  # attends to a cached prefix: causal with an offset
+                    q_pos = torch.arange(start, end).unsqueeze(1)
+                    mask = (torch.arange(end).unsqueeze(0) <= q_pos).to(self.device)
+                chunks.append(ChunkMetadata(
+                    query_start=query_start, query_len=s.num_tokens, context_len=end,
+                    block_ids=torch.tensor(block_ids[:num_blocks], device=self.device),
+                    mask=mask))
+            if s.samples:
+                sample_rows.append(len(input_ids) - 1)
+
+        single_block_tables = single_mask = None
+        if single_tables:
+            width = max(len(t) for t in single_tables)
+            padded = [t + [0] * (width - len(t)) for t in single_tables]
+            single_block_tables = torch.tensor(padded, device=self.device)
+            lens = torch.tensor(single_lens)
+            mask = torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1)
+            single_mask = mask.view(len(single_tables), 1, 1, width * bs).to(self.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, device=self.device),
+            num_single=len(single_tables),
+            single_block_tables=single_block_tables,
+            single_mask=single_mask,
+            chunks=chunks,
+        )
+        return (torch.tensor(input_ids, device=self.device),
+                torch.tensor(positions, device=self.device), meta, sample_rows)

@@ -1,0 +1,202 @@
+"""The Llama family: Llama, Mistral and Qwen2 checkpoints.
+
+RMSNorm, rotary position embeddings (rotate-half convention, as in Hugging Face
+checkpoints), grouped-query attention, SwiGLU MLP; optional q/k/v biases (Qwen2) and
+tied or untied embeddings. Runs on a flat batch of tokens (N, C): every sequence of the
+step is concatenated, so each projection is one matmul for the whole step. q/k/v and
+gate/up are fused into one matmul each at load time.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine_worker.attention import AttentionMetadata, TorchPagedAttention
+from engine_worker.model_config import ModelConfig, RopeConfig
+from engine_worker.weights import Checkpoint
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
+    """Inverse frequencies (head_dim // 2,), scaled as the rope type says."""
+    # Explicit device: models are built under torch.device("meta").
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (rope.theta ** exponents)
+    if rope.kind == "linear":
+        return inv_freq / rope.factor
+    if rope.kind == "llama3":
+        # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the
+        # band between them interpolated.
+        old_len = rope.original_max_position_embeddings
+        low_wavelen = old_len / rope.low_freq_factor
+        high_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+class Rotary:
+    """cos/sin of each position, computed per step from the positions (as Hugging Face
+    does) rather than from a table, so the numbers match bit for bit."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int) -> None:
+        self.inv_freq = rope_inv_freq(rope, head_dim)  # (D/2,), float32
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions (N,) -> cos, sin (N, 1, D/2)."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float().unsqueeze(1) * self.inv_freq
+        return freqs.cos().to(dtype).unsqueeze(1), freqs.sin().to(dtype).unsqueeze(1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (N, H, D) rotated by cos, sin (N, 1, D/2), rotate-half convention."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def _linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
+    layer = nn.Linear(in_features, out_features, bias=bias)
+    layer.requires_grad_(False)
+    return layer
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = _linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias)
+        self.o_proj = _linear(self.q_size, cfg.hidden_size, cfg.o_bias)
+        self.attn = TorchPagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                        scale=cfg.head_dim ** -0.5)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        n = x.shape[0]
+        qkv = self.qkv_proj(x)  # (N, (Hq + 2 Hkv) D)
+        qk = qkv[:, :self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads,
+                                                      self.head_dim)
+        qk = apply_rotary(qk, *rope)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
+        return self.o_proj(self.attn.forward(q, k, v, kv_cache, meta))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = _linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias)
+        self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        assert cfg.rope is not None
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.requires_grad_(False)
+        self.rotary = Rotary(cfg.rope, cfg.head_dim)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.lm_head: Optional[nn.Linear] = (
+            None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, False))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions (N,) -> final hidden states (N, C)."""
+        x = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, x.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, rope, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(S, C) -> (S, V)."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight)
+
+    def load_weights(self, ckpt: Checkpoint) -> None:
+        """Copy Hugging Face tensors in, fusing q/k/v and gate/up."""
+        cfg = self.cfg
+        c = cfg.hidden_size
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.embed_tokens.weight.copy_(ckpt.take("embed_tokens.weight", (cfg.vocab_size, c)))
+        for i, layer in enumerate(self.layers):
+            p = f"layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            attn.qkv_proj.weight.copy_(torch.cat([
+                ckpt.take(p + "self_attn.q_proj.weight", (q, c)),
+                ckpt.take(p + "self_attn.k_proj.weight", (kv, c)),
+                ckpt.take(p + "self_attn.v_proj.weight", (kv, c))]))
+            if cfg.qkv_bias:
+                attn.qkv_proj.bias.copy_(torch.cat([
+                    ckpt.take(p + "self_attn.q_proj.bias", (q,)),
+                    ckpt.take(p + "self_attn.k_proj.bias", (kv,)),
+                    ckpt.take(p + "self_attn.v_proj.bias", (kv,))]))
+            attn.o_proj.weight.copy_(ckpt.take(p + "self_attn.o_proj.weight", (c, q)))
+            if cfg.o_bias:
+                attn.o_proj.bias.copy_(ckpt.take(p + "self_attn.o_proj.bias", (c,)))
+            i_size = cfg.intermediate_size
+            mlp.gate_up_proj.weight.copy_(torch.cat([
+                ckpt.take(p + "mlp.gate_proj.weight", (i_size, c)),
+                ckpt.take(p + "mlp.up_proj.weight", (i_size, c))]))
+            mlp.down_proj.weight.copy_(ckpt.take(p + "mlp.down_proj.weight", (c, i_size)))
+            if cfg.mlp_bias:
+                mlp.gate_up_proj.bias.copy_(torch.cat([
+                    ckpt.take(p + "mlp.gate_proj.bias", (i_size,)),
+                    ckpt.take(p + "mlp.up_proj.bias", (i_size,))]))
+                mlp.down_proj.bias.copy_(ckpt.take(p + "mlp.down_proj.bias", (c,)))
+            layer.input_layernorm.weight.copy_(ckpt.take(p + "input_layernorm.weight", (c,)))
+            layer.post_attention_layernorm.weight.copy_(
+                ckpt.take(p + "post_attention_layernorm.weight", (c,)))
+            ckpt.discard(p + "self_attn.rotary_emb.inv_freq")
+        self.norm.weight.copy_(ckpt.take("norm.weight", (c,)))
+        if self.lm_head is None:
+            ckpt.discard("lm_head.weight")  # tied; some checkpoints store the copy anyway
+        else:
+            self.lm_head.weight.copy_(ckpt.take("lm_head.weight", (cfg.vocab_size, c)))

@@ -1,0 +1,80 @@
+"""A request's mutable state inside the engine, built once from what add_request got."""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Optional
+
+import torch
+
+from common.protocol import FinishReason, SamplingParams
+from engine_worker.block_manager import BlockTable
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, or preempted and queued again for recompute
+    RUNNING = "running"  # holds KV blocks; computing its prompt or decoding
+    FINISHED = "finished"
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 max_tokens: int, eos_token_ids: frozenset[int]) -> None:
+        self.request_id = request_id
+        self.params = params
+        # Prompt then generated tokens: the sequence whose KV the cache holds.
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        # Resolved limit: params.max_tokens, or what the context has room for.
+        self.max_tokens = max_tokens
+        # Tokens that end generation with "stop" (empty with ignore_eos).
+        self.stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else eos_token_ids)
+        self.status = RequestStatus.WAITING
+        self.finish_reason: Optional[FinishReason] = None
+        # Tokens whose KV is in the cache (or is written in the current step).
+        self.num_computed_tokens = 0
+        self.blocks = BlockTable()
+        # Prompt tokens served by the prefix cache at first admission.
+        self.num_cached_tokens: Optional[int] = None
+        self.num_preemptions = 0
+        # With a seed, the sampler gives the request a private generator (on the
+        # engine's device) so that its draws do not depend on the batch.
+        self.generator: Optional[torch.Generator] = None
+        self.arrival_time = time.monotonic()
+        self.first_scheduled_time: Optional[float] = None
+        self.first_token_time: Optional[float] = None
+        self.first_output_sent = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def check_stop(self, max_model_len: int) -> Optional[FinishReason]:
+        """Why generation ends after the newest token, if it does."""
+        last = self.token_ids[-1]
+        if last in self.stop_ids and self.num_output_tokens >= self.params.min_tokens:
+            return FinishReason.STOP
+        if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")

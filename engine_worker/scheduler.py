@@ -1,0 +1,158 @@
+"""Continuous batching under a token budget, with chunked prefill and preemption.
+
+Model: every step computes, for each scheduled request, the next tokens whose KV is
+not yet in the cache: one token for a decoding request, a chunk of the prompt for one
+still prefilling. A step's tokens are capped by the token budget; a prompt longer than
+what is left of the budget is split over several steps (chunked prefill).
+
+Order of service each step:
+  1. running requests that decode (one token each), then running requests that are
+     still prefilling, in admission order. When the KV pool cannot give a request its
+     next block, the most recently admitted running request not yet scheduled this
+     step is preempted: its blocks are released (hashed ones stay in the prefix cache)
+     and it goes back to the head of the queue to be recomputed later. Nothing is
+     corrupted and nothing is dropped.
+  2. waiting requests, first come first served, while the decode batch has room
+     (max_batch_size), this step's admissions are under prefill_max_batch_size, the
+     budget lasts, and no request was preempted this step. An admitted request first
+     attaches the blocks the prefix cache holds for its prompt and computes only the
+     rest.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from common.config import SchedulerConfig
+from engine_worker.block_manager import BlockManager
+from engine_worker.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    # Tokens computed for it this step, starting at its num_computed_tokens.
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the end of its known tokens (and so yields a token)."""
+        r = self.request
+        return r.num_computed_tokens + self.num_tokens == r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    # In batch order: single-token queries first, then multi-token chunks.
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    # Requests preempted in this step (now waiting again).
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 token_budget: int) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.token_budget = token_budget
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self.prefix_cache_query_tokens = 0
+        self.prefix_cache_hit_tokens = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.token_budget
+        scheduled_ids: set[str] = set()
+        # Decodes first: a long prefill chunk must not starve them of budget.
+        order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        for request in order:
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            target = request.num_computed_tokens + num_new
+            while not self.block_manager.allocate(request.blocks, request.token_ids, target):
+                victim = self._pick_victim(scheduled_ids)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status is RequestStatus.RUNNING:
+                out.scheduled.append(ScheduledRequest(request, num_new))
+                scheduled_ids.add(request.request_id)
+                budget -= num_new
+
+        if not out.preempted:
+            budget = self._admit(out, budget)
+        # Single-token queries lead the batch (see attention.py).
+        out.scheduled.sort(key=lambda s: s.num_tokens > 1)
+        now = time.monotonic()
+        for s in out.scheduled:
+            if s.request.first_scheduled_time is None:
+                s.request.first_scheduled_time = now
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> int:
+        admitted = 0
+        while (self.waiting and budget > 0
+               and len(self.running) < self.config.max_batch_size
+               and admitted < self.config.prefill_batch_size):
+            request = self.waiting[0]
+            cached = self.block_manager.find_cached_prefix(request.blocks, request.token_ids)
+            num_cached = len(cached) * self.block_manager.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not self.block_manager.allocate(request.blocks, request.token_ids,
+                                               num_cached + num_new, cached):
+                break  # the pool is full; running requests free blocks as they finish
+            self.waiting.popleft()
+            if request.num_cached_tokens is None:  # first admission, not a recompute
+                request.num_cached_tokens = num_cached
+                self.prefix_cache_query_tokens += request.num_prompt_tokens
+                self.prefix_cache_hit_tokens += num_cached
+            request.num_computed_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, num_new))
+            budget -= num_new
+            admitted += 1
+        return budget
+
+    def _pick_victim(self, scheduled_ids: set[str]) -> Request:
+        """The most recently admitted running request not yet scheduled this step."""
+        for request in reversed(self.running):
+            if request.request_id not in scheduled_ids:
+                return request
+        raise AssertionError("no request left to preempt")
+
+    def _preempt(self, request: Request) -> None:
+        self.block_manager.free(request.blocks)
+        self.running.remove(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def finish(self, request: Request) -> None:
+        """Release a finished or aborted request's blocks and forget it."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            self.block_manager.free(request.blocks)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        request.status = RequestStatus.FINISHED

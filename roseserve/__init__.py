@@ -1,0 +1,1 @@
+"""The ``roseserve`` command: starts roseserve's processes."""

@@ -1,0 +1,3 @@
+from roseserve.cli import main
+
+main()

@@ -1,0 +1,68 @@
+"""``roseserve``: the command-line entry point."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Optional, Sequence
+
+from common.config import CacheConfig, EngineConfig, env_default
+from common.logging_setup import setup_logging
+
+
+def _generate(args: argparse.Namespace) -> int:
+    """A generation demo on the in-process engine: chat prompt in, text out."""
+    from transformers import AutoTokenizer
+
+    from common.model_files import resolve_model_dir
+    from common.protocol import SamplingParams
+    from engine_worker.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=args.model, device=args.device,
+                                    num_threads=args.threads,
+                                    cache=CacheConfig(enable_prefix_caching=True)))
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model_dir(args.model)))
+    prompts = args.prompt or ["What is the capital of France?",
+                              "Write a haiku about the sea."]
+    token_ids = []
+    for prompt in prompts:
+        if tokenizer.chat_template:
+            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                 add_generation_prompt=True, tokenize=False)
+            token_ids.append(tokenizer.encode(text, add_special_tokens=False))
+        else:
+            token_ids.append(tokenizer.encode(prompt))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            seed=args.seed)
+    start = time.perf_counter()
+    outputs = engine.generate(token_ids, params)
+    elapsed = time.perf_counter() - start
+    for prompt, output in zip(prompts, outputs):
+        print(f"> {prompt}\n{tokenizer.decode(output, skip_special_tokens=True).strip()}\n")
+    total = sum(len(o) for o in outputs)
+    print(f"[{engine.model_name}: {total} tokens in {elapsed:.2f} s, "
+          f"{total / elapsed:.1f} tokens/s]")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="roseserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate from prompts with the in-process engine")
+    gen.add_argument("--model", default=env_default("MODEL"),
+                     help="Hugging Face model directory (default: SmolLM2-135M-Instruct)")
+    gen.add_argument("--device", default=env_default("DEVICE", "auto"))
+    gen.add_argument("--threads", type=int, default=None, help="CPU threads for matmuls")
+    gen.add_argument("--prompt", action="append", help="a user message (repeatable)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = build_parser().parse_args(argv)
+    setup_logging("roseserve")
+    sys.exit(args.func(args))

