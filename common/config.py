@@ -95,6 +95,9 @@ class EngineConfig:
     max_model_len: Optional[int] = None
     # Seeds the sampler of requests that carry no seed of their own.
     seed: int = 0
+    # CPU attention kernels compiled from C on first use (falls back to torch when
+    # no compiler is found). Off: always the torch path.
+    cpu_kernels: bool = True
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -13,9 +13,11 @@ multi-token chunks one after another. Single-token queries run as one padded bat
 each multi-token chunk runs on its own. The metadata is built once per step by the
 model runner and passed explicitly to every layer.
 
-This module is the seam for device kernels: ``TorchPagedAttention`` gathers the
-sequence's blocks and calls SDPA, which works on any device; a paged CUDA kernel
-would implement the same ``forward``.
+This module is the seam for device kernels. Single-token queries on the CPU go to a
+C kernel that reads keys and values in place through the block tables
+(engine_worker/kernels.py); everywhere else, and as the fallback, the sequence's
+blocks are gathered and SDPA runs on them, which works on any device. A paged CUDA
+kernel plugs in beside the CPU one.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from engine_worker.kernels import CpuKernels
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,10 @@ class AttentionMetadata:
     num_single: int
     # (num_single, max_blocks) int64 block tables, padded with block 0.
     single_block_tables: Optional[torch.Tensor]
+    # (num_single,) int64: each single-token query's context length (itself included).
+    single_context_lens: Optional[torch.Tensor]
     # (num_single, 1, 1, max_blocks * block_size) bool: key position within context.
+    # Built only for the gather path (PagedAttention.needs_mask).
     single_mask: Optional[torch.Tensor]
     chunks: list[ChunkMetadata]
 
@@ -61,15 +68,22 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
     return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
 
-class TorchPagedAttention:
-    """Gather + scaled_dot_product_attention; any device."""
+class PagedAttention:
+    """One instance serves every layer (they share head counts and scale)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 kernels: Optional[CpuKernels] = None) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.gqa = num_heads != num_kv_heads
+        self.kernels = kernels
+
+    @property
+    def needs_mask(self) -> bool:
+        """Whether single-token queries run on the gather path, which needs a mask."""
+        return self.kernels is None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -97,7 +111,12 @@ class TorchPagedAttention:
 
     def _single(self, q: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        assert meta.single_block_tables is not None and meta.single_mask is not None
+        assert meta.single_block_tables is not None
+        if self.kernels is not None:
+            assert meta.single_context_lens is not None
+            return self.kernels.paged_decode_attention(
+                q, kv_cache, meta.single_block_tables, meta.single_context_lens, self.scale)
+        assert meta.single_mask is not None
         b = q.shape[0]
         kv = self._gather(kv_cache, meta.single_block_tables)  # (2, B, nb, bs, Hkv, D)
         kv = kv.view(2, b, -1, self.num_kv_heads, self.head_dim).transpose(2, 3)

@@ -35,7 +35,7 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.runner = ModelRunner(self.model_config, self.model_dir, config.cache,
-                                  self.device, self.dtype, config.seed)
+                                  self.device, self.dtype, config.seed, config.cpu_kernels)
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         # A request must fit in the pool on its own, or it could never finish.

@@ -12,7 +12,10 @@ import torch
 
 from common.config import CacheConfig
 from common.protocol import TokenLogprobs
-from engine_worker.attention import AttentionMetadata, ChunkMetadata, kv_cache_shape
+from engine_worker.attention import (AttentionMetadata, ChunkMetadata, PagedAttention,
+                                     kv_cache_shape)
+from engine_worker.kernels import cpu_kernels as load_cpu_kernels
+from engine_worker.kernels import mkl_packed_gemm
 from engine_worker.model_config import ModelConfig
 from engine_worker.models import load_model
 from engine_worker.sampler import Sampler
@@ -43,12 +46,20 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, model_dir: Path, cache: CacheConfig,
-                 device: torch.device, dtype: torch.dtype, seed: int) -> None:
+                 device: torch.device, dtype: torch.dtype, seed: int,
+                 cpu_kernels: bool = True) -> None:
         self.config = model_config
         self.device = device
         self.dtype = dtype
         self.block_size = cache.block_size
-        self.model = load_model(model_config, model_dir, device, dtype)
+        kernels = gemm = None
+        if cpu_kernels and device.type == "cpu" and dtype == torch.float32:
+            kernels = load_cpu_kernels()
+            gemm = mkl_packed_gemm()
+        self.attn = PagedAttention(model_config.num_heads, model_config.num_kv_heads,
+                                   model_config.head_dim, model_config.head_dim ** -0.5,
+                                   kernels)
+        self.model = load_model(model_config, model_dir, device, dtype, self.attn, gemm)
         self.num_blocks = self._num_blocks(cache)
         shape = kv_cache_shape(self.num_blocks, cache.block_size,
                                model_config.num_kv_heads, model_config.head_dim)
@@ -128,18 +139,21 @@ class ModelRunner:
             if s.samples:
                 sample_rows.append(len(input_ids) - 1)
 
-        single_block_tables = single_mask = None
+        single_block_tables = single_context_lens = single_mask = None
         if single_tables:
             width = max(len(t) for t in single_tables)
             padded = [t + [0] * (width - len(t)) for t in single_tables]
             single_block_tables = torch.tensor(padded, device=self.device)
             lens = torch.tensor(single_lens)
-            mask = torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1)
-            single_mask = mask.view(len(single_tables), 1, 1, width * bs).to(self.device)
+            single_context_lens = lens.to(self.device)
+            if self.attn.needs_mask:
+                mask = torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1)
+                single_mask = mask.view(len(single_tables), 1, 1, width * bs).to(self.device)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, device=self.device),
             num_single=len(single_tables),
             single_block_tables=single_block_tables,
+            single_context_lens=single_context_lens,
             single_mask=single_mask,
             chunks=chunks,
         )

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import torch
+from torch import nn
 
+from engine_worker.attention import PagedAttention
+from engine_worker.kernels import MklPackedGemm
 from engine_worker.model_config import ModelConfig
 from engine_worker.models.gpt2 import GPT2Model
 from engine_worker.models.llama import LlamaModel
@@ -16,16 +19,49 @@ Model = Union[LlamaModel, GPT2Model]
 
 
 def load_model(cfg: ModelConfig, model_dir: Path, device: torch.device,
-               dtype: torch.dtype) -> Model:
-    """Build the model for ``cfg`` on ``device`` and copy the checkpoint in."""
+               dtype: torch.dtype, attn: PagedAttention,
+               gemm: Optional[MklPackedGemm] = None) -> Model:
+    """Build the model for ``cfg`` on ``device`` and copy the checkpoint in. With
+    ``gemm``, every linear layer (lm_head included) computes from a packed weight."""
     # Built on the meta device, then given uninitialized memory: random init of
     # weights that are overwritten next would be wasted work.
     with torch.device("meta"):
-        model: Model = LlamaModel(cfg) if cfg.family == "llama" else GPT2Model(cfg)
+        model: Model = LlamaModel(cfg, attn) if cfg.family == "llama" else GPT2Model(cfg, attn)
     model = model.to(dtype).to_empty(device=device)
     prefix = ("model.",) if cfg.family == "llama" else ("transformer.",)
     ckpt = Checkpoint(model_dir, strip_prefixes=prefix)
     with torch.no_grad():
         model.load_weights(ckpt)
     ckpt.finish()
+    if gemm is not None:
+        _pack_linears(model, gemm)  # an untied lm_head is one of them
+        if model.lm_head is None:  # tied: pack a copy, the embedding keeps its own
+            model.lm_head = PackedLinear(gemm, model.tied_lm_head_weight(), None)
     return model.eval()
+
+
+class PackedLinear(nn.Module):
+    """A linear layer computing from an MKL-packed copy of its weight (CPU, float32)."""
+
+    def __init__(self, gemm: MklPackedGemm, weight: torch.Tensor,
+                 bias: Optional[torch.Tensor]) -> None:
+        super().__init__()
+        self.gemm = gemm
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("packed", gemm.pack(weight), persistent=False)
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.gemm.linear(x.reshape(-1, self.in_features), self.packed,
+                             self.out_features, self.in_features)
+        if self.bias is not None:
+            y += self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def _pack_linears(module: nn.Module, gemm: MklPackedGemm) -> None:
+    for name, child in module.named_children():
+        if isinstance(child, nn.Linear):
+            setattr(module, name, PackedLinear(gemm, child.weight, child.bias))
+        else:
+            _pack_linears(child, gemm)

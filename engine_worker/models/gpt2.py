@@ -6,11 +6,13 @@ transposed once at load into ordinary linear layers. Runs on a flat batch (N, C)
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_worker.attention import AttentionMetadata, TorchPagedAttention
+from engine_worker.attention import AttentionMetadata, PagedAttention
 from engine_worker.model_config import ModelConfig
 from engine_worker.weights import Checkpoint
 
@@ -28,7 +30,7 @@ def _layer_norm(size: int, eps: float) -> nn.LayerNorm:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, attn: PagedAttention) -> None:
         super().__init__()
         c = cfg.hidden_size
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
@@ -39,8 +41,7 @@ class Block(nn.Module):
         self.ln_2 = _layer_norm(c, cfg.norm_eps)
         self.c_fc = _linear(c, cfg.intermediate_size)
         self.mlp_proj = _linear(cfg.intermediate_size, c)
-        self.attn = TorchPagedAttention(cfg.num_heads, cfg.num_heads, cfg.head_dim,
-                                        scale=cfg.head_dim ** -0.5)
+        self.attn = attn
 
     def forward(self, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -53,15 +54,17 @@ class Block(nn.Module):
 
 
 class GPT2Model(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, attn: PagedAttention) -> None:
         super().__init__()
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.wpe = nn.Embedding(cfg.max_model_len, cfg.hidden_size)
         self.wte.requires_grad_(False)
         self.wpe.requires_grad_(False)
-        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.h = nn.ModuleList(Block(cfg, attn) for _ in range(cfg.num_layers))
         self.ln_f = _layer_norm(cfg.hidden_size, cfg.norm_eps)
+        # Tied to wte; load_model may replace it with a packed copy.
+        self.lm_head: Optional[nn.Module] = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
@@ -71,9 +74,14 @@ class GPT2Model(nn.Module):
             x = block(x, kv_cache, meta)
         return self.ln_f(x)
 
+    def tied_lm_head_weight(self) -> torch.Tensor:
+        return self.wte.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(S, C) -> (S, V), through the tied embedding."""
-        return F.linear(hidden, self.wte.weight)
+        if self.lm_head is None:
+            return F.linear(hidden, self.wte.weight)
+        return self.lm_head(hidden)
 
     def load_weights(self, ckpt: Checkpoint) -> None:
         cfg = self.cfg

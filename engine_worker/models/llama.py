@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_worker.attention import AttentionMetadata, TorchPagedAttention
+from engine_worker.attention import AttentionMetadata, PagedAttention
 from engine_worker.model_config import ModelConfig, RopeConfig
 from engine_worker.weights import Checkpoint
 
@@ -85,15 +85,14 @@ def _linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, attn: PagedAttention) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = _linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias)
         self.o_proj = _linear(self.q_size, cfg.hidden_size, cfg.o_bias)
-        self.attn = TorchPagedAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                        scale=cfg.head_dim ** -0.5)
+        self.attn = attn
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -120,10 +119,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, attn: PagedAttention) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, attn)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
@@ -134,16 +133,17 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, attn: PagedAttention) -> None:
         super().__init__()
         assert cfg.rope is not None
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.requires_grad_(False)
         self.rotary = Rotary(cfg.rope, cfg.head_dim)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, attn) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.lm_head: Optional[nn.Linear] = (
+        # None when tied to the embedding (until load_model packs it).
+        self.lm_head: Optional[nn.Module] = (
             None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, False))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -155,10 +155,14 @@ class LlamaModel(nn.Module):
             x = layer(x, rope, kv_cache, meta)
         return self.norm(x)
 
+    def tied_lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(S, C) -> (S, V)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight)
+        return self.lm_head(hidden)
 
     def load_weights(self, ckpt: Checkpoint) -> None:
         """Copy Hugging Face tensors in, fusing q/k/v and gate/up."""
@@ -196,7 +200,7 @@ class LlamaModel(nn.Module):
                 ckpt.take(p + "post_attention_layernorm.weight", (c,)))
             ckpt.discard(p + "self_attn.rotary_emb.inv_freq")
         self.norm.weight.copy_(ckpt.take("norm.weight", (c,)))
-        if self.lm_head is None:
+        if cfg.tie_word_embeddings:
             ckpt.discard("lm_head.weight")  # tied; some checkpoints store the copy anyway
         else:
             self.lm_head.weight.copy_(ckpt.take("lm_head.weight", (cfg.vocab_size, c)))

@@ -1,0 +1,180 @@
+"""In-process engine throughput against Hugging Face transformers, in one run.
+
+    python benchmarks/engine.py                       # SmolLM2-135M, 64 x 128 tokens
+    python benchmarks/engine.py --shared-prefix 256 --json bench-engine.json
+
+Runs the engine on a workload of random token-id prompts (all forced to their full
+output length), then Hugging Face ``generate`` on the same weights and prompts at
+batch 8 and at the engine's concurrency, and measures this machine's fp32 matmul
+FLOP/s. Prints output tokens/s for each, the ratios, and the engine's fraction of the
+roofline: matmul FLOP/s divided by the model's FLOPs per token (2 x weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from common.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from common.protocol import SamplingParams  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="model directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=128, help="generated tokens per request")
+    p.add_argument("--shared-prefix", type=int, default=0,
+                   help="leading prompt tokens common to every request (prefix-cache workload)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--max-batch-size", type=int, default=None,
+                   help="engine decode batch (default: --num-requests)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--no-prefix-cache", action="store_true")
+    p.add_argument("--hf-batch-sizes", default="8,same",
+                   help="comma-separated HF generate batch sizes; 'same' = engine concurrency")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="engine runs (the median is reported)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", dest="json_path", default=None, help="write the figures here")
+    return p.parse_args(argv)
+
+
+def make_prompts(args, vocab_size: int) -> list[list[int]]:
+    rng = random.Random(args.seed)
+    # Avoid the lowest ids, which are special tokens in most vocabularies.
+    draw = lambda n: [rng.randrange(100, vocab_size) for _ in range(n)]  # noqa: E731
+    prefix = draw(min(args.shared_prefix, args.input_len))
+    return [prefix + draw(args.input_len - len(prefix)) for _ in range(args.num_requests)]
+
+
+def matmul_flops(seconds: float = 2.0) -> float:
+    """Sustained fp32 matmul FLOP/s on this machine, at a size that saturates it."""
+    n = 1024
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    for _ in range(3):
+        a @ b
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        count += 1
+    return 2 * n**3 * count / (time.perf_counter() - start)
+
+
+def run_engine(engine, prompts, output_len: int) -> dict:
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"bench-{time.monotonic_ns()}-{i}", prompt, params)
+    steps, generated = 0, 0
+    while engine.has_unfinished_requests():
+        generated += sum(len(o.new_token_ids) for o in engine.step())
+        steps += 1
+    elapsed = time.perf_counter() - start
+    return {"seconds": elapsed, "output_tokens": generated, "steps": steps,
+            "tokens_per_s": generated / elapsed}
+
+
+@torch.inference_mode()
+def run_hf(model, prompts, output_len: int, batch_size: int) -> dict:
+    start = time.perf_counter()
+    generated = 0
+    for i in range(0, len(prompts), batch_size):
+        batch = torch.tensor(prompts[i:i + batch_size])  # equal lengths: no padding
+        out = model.generate(batch, attention_mask=torch.ones_like(batch),
+                             max_new_tokens=output_len, do_sample=False, pad_token_id=0)
+        generated += (out.shape[1] - batch.shape[1]) * batch.shape[0]
+    elapsed = time.perf_counter() - start
+    return {"seconds": elapsed, "output_tokens": generated, "batch_size": batch_size,
+            "tokens_per_s": generated / elapsed}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from engine_worker.engine import LLMEngine
+
+    concurrency = args.max_batch_size or args.num_requests
+    engine = LLMEngine(EngineConfig(
+        model=args.model, device="cpu", num_threads=args.threads,
+        cache=CacheConfig(block_size=args.block_size,
+                          enable_prefix_caching=not args.no_prefix_cache),
+        scheduler=SchedulerConfig(max_batch_size=concurrency,
+                                  max_num_batched_tokens=args.max_num_batched_tokens)))
+    cfg = engine.model_config
+    prompts = make_prompts(args, cfg.vocab_size)
+    print(f"Model: {cfg.name} ({cfg.num_params / 1e6:.1f}M params, fp32), "
+          f"threads: {args.threads}, cores: {os.cpu_count()}")
+    print(f"Workload: {args.num_requests} requests x {args.input_len} prompt + "
+          f"{args.output_len} output tokens, shared prefix {args.shared_prefix}, "
+          f"engine concurrency {concurrency}")
+
+    run_engine(engine, prompts[:4], 4)  # warm-up
+    engine.block_manager.reset_prefix_cache()
+    runs = []
+    for _ in range(args.repeats):
+        runs.append(run_engine(engine, prompts, args.output_len))
+        engine.block_manager.reset_prefix_cache()
+    eng = sorted(runs, key=lambda r: r["tokens_per_s"])[len(runs) // 2]
+    eng["tokens_per_s_runs"] = [r["tokens_per_s"] for r in runs]
+
+    flops = matmul_flops()
+    roofline = flops / cfg.flops_per_token
+    result = {
+        "model": cfg.name, "threads": args.threads, "num_requests": args.num_requests,
+        "input_len": args.input_len, "output_len": args.output_len,
+        "shared_prefix": args.shared_prefix, "concurrency": concurrency,
+        "engine": eng, "matmul_gflops": flops / 1e9,
+        "roofline_tokens_per_s": roofline,
+        "roofline_fraction": eng["tokens_per_s"] / roofline, "hf": [],
+    }
+
+    if not args.skip_hf:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(engine.model_dir, dtype=torch.float32).eval()
+        hf.generation_config.eos_token_id = None  # forced lengths, like ignore_eos
+        run_hf(hf, prompts[:2], 2, 2)  # warm-up
+        for size in args.hf_batch_sizes.split(","):
+            batch_size = concurrency if size == "same" else int(size)
+            result["hf"].append(run_hf(hf, prompts, args.output_len, batch_size))
+
+    print_report(result)
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(result, indent=2))
+        print(f"wrote {args.json_path}")
+    return 0
+
+
+def print_report(r: dict) -> None:
+    eng = r["engine"]
+    print("=== engine benchmark ===")
+    print(f"Engine: {eng['output_tokens']} tokens in {eng['seconds']:.2f} s "
+          f"({eng['steps']} steps): {eng['tokens_per_s']:.1f} tokens/s")
+    if len(eng["tokens_per_s_runs"]) > 1:
+        runs = ", ".join(f"{x:.1f}" for x in eng["tokens_per_s_runs"])
+        print(f"Engine runs: {runs} (median {statistics.median(eng['tokens_per_s_runs']):.1f})")
+    for hf in r["hf"]:
+        print(f"HF generate batch {hf['batch_size']}: {hf['tokens_per_s']:.1f} tokens/s "
+              f"-> engine / HF = {eng['tokens_per_s'] / hf['tokens_per_s']:.2f}x")
+    print(f"Matmul: {r['matmul_gflops']:.1f} GFLOP/s -> roofline "
+          f"{r['roofline_tokens_per_s']:.1f} tokens/s; engine at "
+          f"{100 * r['roofline_fraction']:.1f}% of roofline")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,127 @@
+/*
+ * Paged attention for single-token queries (decode), on the CPU.
+ *
+ * Every query head of sequence b attends to the sequence's first context_lens[b]
+ * keys, read in place through the block table: no gather copy. Query head i uses KV
+ * head i / (Hq / Hkv) (grouped-query attention). Per sequence, two passes:
+ *   1. scores: each token's keys (all heads: one contiguous row) are loaded once
+ *      and dotted with every query head;
+ *   2. softmax over the scores, then per head the probability-weighted sum of value
+ *      rows, a block at a time (the block stays in L1 across heads).
+ * Sequences are spread over OpenMP threads (torch's runtime: one pool).
+ *
+ * Layout (row-major, float32):
+ *   q            [B, Hq, D]
+ *   k/v cache    [num_blocks, block_size, Hkv, D]
+ *   block_tables [B, max_blocks] int64
+ *   context_lens [B] int64
+ *   out          [B, Hq, D]
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_DIM 256
+
+/* 16 floats: one AVX-512 register (GCC splits it on narrower targets). aligned(4)
+   makes dereferences unaligned loads, since rows are only float-aligned. */
+typedef float vf16 __attribute__((vector_size(64), aligned(4)));
+#define LANES 16
+
+/* One sequence: all its query heads against its first T tokens. D % 16 == 0. */
+static inline void attend_one(const float *q, const float *k_cache, const float *v_cache,
+                              const int64_t *table, int64_t T, float *out, float *scores,
+                              int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale)
+{
+    const int64_t G = Hq / Hkv;
+    const int64_t token_stride = Hkv * D;
+    const int64_t nv = D / LANES;
+    /* Pass 1: scores[i][t] = scale * <q_i, k_t> for query head i (KV head i / G); the
+       token's keys for all heads are one contiguous row. */
+    for (int64_t t = 0; t < T; t++) {
+        const float *kt = k_cache + (table[t / bs] * bs + t % bs) * token_stride;
+        for (int64_t i = 0; i < Hq; i++) {
+            const vf16 *qi = (const vf16 *)(q + i * D);
+            const vf16 *ki = (const vf16 *)(kt + (i / G) * D);
+            vf16 acc = qi[0] * ki[0];
+            for (int64_t v = 1; v < nv; v++)
+                acc += qi[v] * ki[v];
+            float dot = 0.0f;
+            for (int l = 0; l < LANES; l++)
+                dot += acc[l];
+            scores[i * T + t] = dot * scale;
+        }
+    }
+    /* Softmax over t, per query head. */
+    for (int64_t i = 0; i < Hq; i++) {
+        float *s = scores + i * T;
+        float m = s[0];
+        for (int64_t t = 1; t < T; t++)
+            m = s[t] > m ? s[t] : m;
+        float sum = 0.0f;
+        for (int64_t t = 0; t < T; t++) {
+            s[t] = expf(s[t] - m);
+            sum += s[t];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t t = 0; t < T; t++)
+            s[t] *= inv;
+    }
+    /* Pass 2: out_i = sum_t p[i][t] * v_t, one block of tokens at a time so that
+       the block's value rows stay in L1 across the query heads; each head's sum is
+       accumulated in registers within a block. */
+    for (int64_t start = 0; start < T; start += bs) {
+        const int64_t n = T - start < bs ? T - start : bs;
+        const float *vb = v_cache + table[start / bs] * bs * token_stride;
+        for (int64_t i = 0; i < Hq; i++) {
+            vf16 *oi = (vf16 *)(out + i * D);
+            vf16 acc[MAX_DIM / LANES];
+            for (int64_t v = 0; v < nv; v++)
+                acc[v] = start == 0 ? (vf16){0} : oi[v];
+            const float *p = scores + i * T + start;
+            const float *vi = vb + (i / G) * D;
+            for (int64_t j = 0; j < n; j++) {
+                const vf16 *vt = (const vf16 *)(vi + j * token_stride);
+                const float pj = p[j];
+                for (int64_t v = 0; v < nv; v++)
+                    acc[v] += pj * vt[v];
+            }
+            for (int64_t v = 0; v < nv; v++)
+                oi[v] = acc[v];
+        }
+    }
+}
+
+int rs_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+                              const int64_t *block_tables, const int64_t *context_lens,
+                              float *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
+                              int64_t block_size, int64_t max_blocks, float scale)
+{
+    if (D > MAX_DIM || D % LANES != 0)
+        return -2;
+    int failed = 0;
+
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t T = context_lens[b];
+        float *scores = (float *)malloc(sizeof(float) * (size_t)(Hq * T));
+        if (scores == NULL) {
+            failed = 1;
+            continue;
+        }
+        const float *qb = q + b * Hq * D;
+        float *ob = out + b * Hq * D;
+        const int64_t *table = block_tables + b * max_blocks;
+        /* The common shapes get compile-time sizes, so loops vectorize fully. */
+        if (block_size == 16 && D == 64)
+            attend_one(qb, k_cache, v_cache, table, T, ob, scores, Hq, Hkv, 64, 16, scale);
+        else if (block_size == 16 && D == 128)
+            attend_one(qb, k_cache, v_cache, table, T, ob, scores, Hq, Hkv, 128, 16, scale);
+        else
+            attend_one(qb, k_cache, v_cache, table, T, ob, scores, Hq, Hkv, D, block_size,
+                       scale);
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}

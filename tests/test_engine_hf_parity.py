@@ -1,0 +1,141 @@
+"""Greedy output equals Hugging Face transformers' generate, token for token (fp32),
+under every way the scheduler can batch, cache, chunk and preempt."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from common.config import CacheConfig, EngineConfig, SchedulerConfig
+from common.protocol import FinishReason, SamplingParams
+from engine_worker.engine import LLMEngine
+from hf_reference import assert_matches, hf_greedy
+
+MAX_NEW = 12
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+ARCHS = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_gpt2_dir"]
+
+
+def make_engine(model_dir, block_size=4, num_blocks=512, budget=None, max_batch=64,
+                prefix_caching=True) -> LLMEngine:
+    return LLMEngine(EngineConfig(
+        model=str(model_dir), device="cpu",
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                          enable_prefix_caching=prefix_caching),
+        scheduler=SchedulerConfig(max_batch_size=max_batch, max_num_batched_tokens=budget)))
+
+
+def random_prompts(lengths, seed=0, vocab=50257):
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+PROMPTS = random_prompts([1, 5, 17, 33, 60])
+
+
+@pytest.fixture(params=ARCHS)
+def model_dir(request):
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture
+def refs(model_dir):
+    return hf_greedy(model_dir, PROMPTS, MAX_NEW)
+
+
+def run_staggered(engine: LLMEngine, prompts, params, every=2):
+    """Add prompt i after i * every steps; return outputs in prompt order."""
+    results = {f"s{i}": [] for i in range(len(prompts))}
+    pending = list(enumerate(prompts))
+    steps = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and steps >= pending[0][0] * every:
+            i, prompt = pending.pop(0)
+            engine.add_request(f"s{i}", prompt, params)
+        for out in engine.step():
+            results[out.request_id].extend(out.new_token_ids)
+        steps += 1
+    return [results[f"s{i}"] for i in range(len(prompts))]
+
+
+def test_admitted_together(model_dir, refs):
+    engine = make_engine(model_dir)
+    assert_matches(engine.generate(PROMPTS, GREEDY), refs, "together")
+
+
+def test_staggered(model_dir, refs):
+    engine = make_engine(model_dir)
+    assert_matches(run_staggered(engine, PROMPTS, GREEDY), refs, "staggered")
+
+
+def test_chunked_prefill(model_dir, refs):
+    # A budget of 8 tokens per step splits the 17-, 33- and 60-token prompts into chunks.
+    engine = make_engine(model_dir, budget=8)
+    assert_matches(run_staggered(engine, PROMPTS, GREEDY, every=1), refs, "chunked")
+    assert engine.stats().num_prompt_tokens_computed == sum(len(p) for p in PROMPTS)
+
+
+def test_prefix_cache_hits(model_dir):
+    shared = random_prompts([45], seed=7)[0]
+    prompts = [shared + tail for tail in random_prompts([3, 9, 1, 20], seed=8)]
+    refs = hf_greedy(model_dir, prompts, MAX_NEW)
+    engine = make_engine(model_dir)
+    first = engine.generate(prompts[:1], GREEDY)
+    rest = engine.generate(prompts[1:], GREEDY)
+    assert_matches(first + rest, refs, "prefix hits")
+    stats = engine.stats()
+    # 45 shared tokens = 11 full blocks of 4 reused by each of the three later prompts.
+    assert stats.prefix_cache_hit_tokens == 3 * 44
+
+
+def test_preemption(model_dir, refs):
+    # 40 blocks of 4 tokens: the five requests need 3+5+8+12+18 = 46 blocks at the end,
+    # so some are preempted and recomputed.
+    engine = make_engine(model_dir, num_blocks=40)
+    assert_matches(engine.generate(PROMPTS, GREEDY), refs, "preemption")
+    stats = engine.stats()
+    assert stats.num_preemptions > 0
+    assert stats.num_blocks_used == 0
+    assert stats.num_blocks_free == 40
+
+
+def test_preemption_without_prefix_cache(model_dir, refs):
+    engine = make_engine(model_dir, num_blocks=40, budget=16, prefix_caching=False)
+    assert_matches(engine.generate(PROMPTS, GREEDY), refs, "preempt+chunk")
+    assert engine.stats().num_preemptions > 0
+    assert engine.stats().num_blocks_free == 40
+
+
+def test_default_model_matches_hf(default_model_dir):
+    """The real SmolLM2-135M-Instruct, chat-formatted prompts, batched together."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    texts = ["What is the capital of France?", "Write a haiku about the sea.",
+             "List three prime numbers."]
+    prompts = [tok.encode(tok.apply_chat_template([{"role": "user", "content": t}],
+                                                  add_generation_prompt=True, tokenize=False),
+                          add_special_tokens=False) for t in texts]
+    refs = hf_greedy(default_model_dir, prompts, 16)
+    engine = LLMEngine(EngineConfig(device="cpu", cache=CacheConfig(num_blocks=64)))
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    assert_matches(engine.generate(prompts, params), refs, "SmolLM2")
+
+
+def test_default_model_stops_on_eos(default_model_dir):
+    engine = LLMEngine(EngineConfig(device="cpu", cache=CacheConfig(num_blocks=64)))
+    # "<|im_start|>user\nSay OK.<|im_end|>\n<|im_start|>assistant\n" ends quickly.
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    text = tok.apply_chat_template([{"role": "user", "content": "Say OK."}],
+                                   add_generation_prompt=True, tokenize=False)
+    engine.add_request("r", tok.encode(text, add_special_tokens=False),
+                       SamplingParams(max_tokens=200, temperature=0.0))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step())
+    assert outputs[-1].finish_reason is FinishReason.STOP
+    assert outputs[-1].new_token_ids == [2]  # <|im_end|>
+    assert len(outputs) < 200
