@@ -87,14 +87,18 @@ class PagedAttention:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q (N, Hq, D), k and v (N, Hkv, D) -> (N, Hq * D)."""
-        n = q.shape[0]
+        """Write k and v into the cache, then attend. q (N, Hq, D), k and v (N, Hkv, D)
+        -> (N, Hq * D)."""
         h_kv, d = self.num_kv_heads, self.head_dim
-        k_cache = kv_cache[0].view(-1, h_kv, d)  # (slots, Hkv, D)
-        v_cache = kv_cache[1].view(-1, h_kv, d)
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
+        kv_cache[0].view(-1, h_kv, d).index_copy_(0, meta.slot_mapping, k)
+        kv_cache[1].view(-1, h_kv, d).index_copy_(0, meta.slot_mapping, v)
+        return self.attend(q, k, v, kv_cache, meta)
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention for keys and values already in the cache (k and v are the step's
+        own, used directly by chunks without a cached prefix)."""
+        n, d = q.shape[0], self.head_dim
         out = q.new_empty(n, self.num_heads, d)
         if meta.num_single:
             out[:meta.num_single] = self._single(q[:meta.num_single], kv_cache, meta)

@@ -1,7 +1,9 @@
-"""CPU kernels called through ctypes: our C attention kernel, and MKL's packed GEMM.
+"""CPU kernels called through ctypes: our C kernels, and MKL's packed GEMM.
 
-Attention: the C source (engine_worker/csrc/) has no Python or torch headers, so it
-compiles in about a second with the system's C compiler. The shared object is cached
+Ours (engine_worker/csrc/): paged decode attention, and a row-wise argmax (torch's
+is single-threaded and unvectorized on the CPU, ~10x slower over a vocabulary). The C
+sources have no Python or torch headers, so they compile in about a second with the
+system's C compiler. The shared object is cached
 under the cache folder, keyed by the source, the flags and this CPU's feature flags
 (it is built with -march=native). Without a compiler, callers fall back to the
 pure-torch path; that choice is logged.
@@ -33,7 +35,7 @@ from common.config import cache_dir
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_attention.c"
+_SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 
 
@@ -45,6 +47,63 @@ class CpuKernels:
                        ctypes.c_float]
         fn.restype = ctypes.c_int
         self._decode = fn
+        self._argmax = lib.rs_argmax_rows
+        self._argmax.argtypes = [ptr, i64, i64, i64, ptr]
+        self._argmax.restype = None
+        self._add_rms_norm = lib.rs_add_rms_norm
+        self._add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
+        self._add_rms_norm.restype = None
+        self._rope_write_kv = lib.rs_rope_write_kv
+        self._rope_write_kv.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64]
+        self._rope_write_kv.restype = None
+        self._silu_mul = lib.rs_silu_mul
+        self._silu_mul.argtypes = [ptr, ptr, i64, i64]
+        self._silu_mul.restype = None
+
+    # The fused layer ops of engine_worker/ops.py (same signatures as TorchOps).
+
+    def add_rms_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor],
+                     weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x.contiguous()
+        n, c = x.shape
+        out = torch.empty_like(x)
+        if residual is None:
+            residual_in, residual = None, torch.empty_like(x)
+        else:
+            residual_in = residual = residual.contiguous()  # updated in place
+        self._add_rms_norm(x.data_ptr(), None if residual_in is None else residual_in.data_ptr(),
+                           residual.data_ptr(), out.data_ptr(), weight.data_ptr(), n, c, eps)
+        return out, residual
+
+    def rope_write_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      num_heads: int, num_kv_heads: int, head_dim: int,
+                      kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
+        n = qkv.shape[0]
+        self._rope_write_kv(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                            kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+                            slot_mapping.data_ptr(), n, num_heads, num_kv_heads, head_dim)
+        q_end = num_heads * head_dim
+        k_end = q_end + num_kv_heads * head_dim
+        return (qkv[:, :q_end].view(n, num_heads, head_dim),
+                qkv[:, q_end:k_end].view(n, num_kv_heads, head_dim),
+                qkv[:, k_end:].view(n, num_kv_heads, head_dim))
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate_up = gate_up.contiguous()
+        n, two_i = gate_up.shape
+        out = gate_up.new_empty(n, two_i // 2)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), n, two_i // 2)
+        return out
+
+    def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """(R, C) float32 -> (R,) int64, first index of each row's maximum."""
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        out = torch.empty(x.shape[0], dtype=torch.int64)
+        self._argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
+        return out
 
     def paged_decode_attention(self, q: torch.Tensor, kv_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -90,20 +149,20 @@ def _build_and_load() -> Optional[CpuKernels]:
     if compiler is None:
         logger.warning("no C compiler found: CPU attention uses the slower torch path")
         return None
-    source = _SOURCE.read_bytes()
+    source = b"".join(p.read_bytes() for p in _SOURCES)
     key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_signature().encode())
     out_dir = Path(cache_dir()) / "kernels"
-    target = out_dir / f"paged_attention-{key.hexdigest()[:16]}.so"
+    target = out_dir / f"roseserve-kernels-{key.hexdigest()[:16]}.so"
     if not target.is_file():
         out_dir.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
         os.close(fd)
-        cmd = [compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"]
+        cmd = [compiler, *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
             os.unlink(tmp)
-            logger.warning("building the CPU attention kernel failed (%s): using the torch "
-                           "path\n%s", " ".join(cmd), result.stderr.strip())
+            logger.warning("building the CPU kernels failed (%s): using the torch path\n%s",
+                           " ".join(cmd), result.stderr.strip())
             return None
         os.replace(tmp, target)  # atomic: concurrent builders each produce a whole file
     try:

@@ -59,13 +59,13 @@ class ModelRunner:
         self.attn = PagedAttention(model_config.num_heads, model_config.num_kv_heads,
                                    model_config.head_dim, model_config.head_dim ** -0.5,
                                    kernels)
-        self.model = load_model(model_config, model_dir, device, dtype, self.attn, gemm)
+        self.model = load_model(model_config, model_dir, device, dtype, self.attn, kernels, gemm)
         self.num_blocks = self._num_blocks(cache)
         shape = kv_cache_shape(self.num_blocks, cache.block_size,
                                model_config.num_kv_heads, model_config.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
                           for _ in range(model_config.num_layers)]
-        self.sampler = Sampler(device, seed)
+        self.sampler = Sampler(device, seed, kernels)
         logger.info("KV cache: %d blocks x %d tokens (%.0f MiB)", self.num_blocks,
                     cache.block_size, self.num_blocks * self._bytes_per_block() / 2**20)
 

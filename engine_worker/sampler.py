@@ -19,14 +19,22 @@ from typing import Optional, Sequence
 import torch
 
 from common.protocol import TokenLogprobs
+from engine_worker.kernels import CpuKernels
 from engine_worker.request import Request
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int) -> None:
+    def __init__(self, device: torch.device, seed: int,
+                 kernels: Optional[CpuKernels] = None) -> None:
         self.device = device
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.kernels = kernels
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and logits.device.type == "cpu":
+            return self.kernels.argmax_rows(logits)
+        return logits.argmax(dim=-1)
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]
                  ) -> tuple[list[int], list[Optional[TokenLogprobs]]]:
@@ -50,11 +58,11 @@ class Sampler:
         greedy = [i for i, p in enumerate(params) if p.greedy]
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if len(greedy) == len(params):
-            token_ids = logits.argmax(dim=-1)
+            token_ids = self.argmax(logits)
         else:
             if greedy:
                 rows = torch.tensor(greedy, device=logits.device)
-                token_ids[rows] = logits[rows].argmax(dim=-1)
+                token_ids[rows] = self.argmax(logits[rows])
             rows = torch.tensor(sampled, device=logits.device)
             token_ids[rows] = self._sample(logits[rows], [requests[i] for i in sampled])
 

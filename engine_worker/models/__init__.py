@@ -9,24 +9,29 @@ import torch
 from torch import nn
 
 from engine_worker.attention import PagedAttention
-from engine_worker.kernels import MklPackedGemm
+from engine_worker.kernels import CpuKernels, MklPackedGemm
 from engine_worker.model_config import ModelConfig
 from engine_worker.models.gpt2 import GPT2Model
 from engine_worker.models.llama import LlamaModel
+from engine_worker.ops import TorchOps
 from engine_worker.weights import Checkpoint
 
 Model = Union[LlamaModel, GPT2Model]
 
 
 def load_model(cfg: ModelConfig, model_dir: Path, device: torch.device,
-               dtype: torch.dtype, attn: PagedAttention,
+               dtype: torch.dtype, attn: PagedAttention, kernels: Optional[CpuKernels] = None,
                gemm: Optional[MklPackedGemm] = None) -> Model:
     """Build the model for ``cfg`` on ``device`` and copy the checkpoint in. With
-    ``gemm``, every linear layer (lm_head included) computes from a packed weight."""
+    ``kernels``, fused layer ops run in C; with ``gemm``, every linear layer (lm_head
+    included) computes from a packed weight. Both are CPU float32 only."""
     # Built on the meta device, then given uninitialized memory: random init of
     # weights that are overwritten next would be wasted work.
     with torch.device("meta"):
-        model: Model = LlamaModel(cfg, attn) if cfg.family == "llama" else GPT2Model(cfg, attn)
+        if cfg.family == "llama":
+            model: Model = LlamaModel(cfg, attn, kernels or TorchOps())
+        else:
+            model = GPT2Model(cfg, attn)
     model = model.to(dtype).to_empty(device=device)
     prefix = ("model.",) if cfg.family == "llama" else ("transformer.",)
     ckpt = Checkpoint(model_dir, strip_prefixes=prefix)

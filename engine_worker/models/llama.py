@@ -4,21 +4,27 @@ RMSNorm, rotary position embeddings (rotate-half convention, as in Hugging Face
 checkpoints), grouped-query attention, SwiGLU MLP; optional q/k/v biases (Qwen2) and
 tied or untied embeddings. Runs on a flat batch of tokens (N, C): every sequence of the
 step is concatenated, so each projection is one matmul for the whole step. q/k/v and
-gate/up are fused into one matmul each at load time.
+gate/up are fused into one matmul each at load time. The residual stream is carried
+beside the hidden states so that each residual add fuses into the next RMSNorm, and
+the elementwise work goes through ``ops`` (fused C kernels on the CPU, see ops.py).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine_worker.attention import AttentionMetadata, PagedAttention
+from engine_worker.kernels import CpuKernels
 from engine_worker.model_config import ModelConfig, RopeConfig
+from engine_worker.ops import TorchOps
 from engine_worker.weights import Checkpoint
+
+Ops = Union[TorchOps, CpuKernels]
 
 
 def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
@@ -53,17 +59,11 @@ class Rotary:
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions (N,) -> cos, sin (N, 1, D/2)."""
+        """positions (N,) -> cos, sin (N, D/2)."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float().unsqueeze(1) * self.inv_freq
-        return freqs.cos().to(dtype).unsqueeze(1), freqs.sin().to(dtype).unsqueeze(1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (N, H, D) rotated by cos, sin (N, 1, D/2), rotate-half convention."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
 class RMSNorm(nn.Module):
@@ -71,11 +71,6 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
 
 
 def _linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
@@ -85,62 +80,65 @@ def _linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn: PagedAttention) -> None:
+    def __init__(self, cfg: ModelConfig, attn: PagedAttention, ops: Ops) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = _linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias)
-        self.o_proj = _linear(self.q_size, cfg.hidden_size, cfg.o_bias)
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = _linear(cfg.hidden_size, q_size + 2 * kv_size, cfg.qkv_bias)
+        self.o_proj = _linear(q_size, cfg.hidden_size, cfg.o_bias)
         self.attn = attn
+        self.ops = ops
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        n = x.shape[0]
         qkv = self.qkv_proj(x)  # (N, (Hq + 2 Hkv) D)
-        qk = qkv[:, :self.q_size + self.kv_size].view(n, self.num_heads + self.num_kv_heads,
-                                                      self.head_dim)
-        qk = apply_rotary(qk, *rope)
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        v = qkv[:, self.q_size + self.kv_size:].view(n, self.num_kv_heads, self.head_dim)
-        return self.o_proj(self.attn.forward(q, k, v, kv_cache, meta))
+        q, k, v = self.ops.rope_write_kv(qkv, *rope, self.num_heads, self.num_kv_heads,
+                                         self.head_dim, kv_cache, meta.slot_mapping)
+        return self.o_proj(self.attn.attend(q, k, v, kv_cache, meta))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, ops: Ops) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
         self.gate_up_proj = _linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias)
         self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn: PagedAttention) -> None:
+    def __init__(self, cfg: ModelConfig, attn: PagedAttention, ops: Ops) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.self_attn = Attention(cfg, attn)
+        self.self_attn = Attention(cfg, attn, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, ops)
+        self.ops = ops
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor],
+                rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output (or the embeddings, with residual None)."""
+        norm = self.input_layernorm
+        h, residual = self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)
+        h = self.self_attn(h, rope, kv_cache, meta)
+        norm = self.post_attention_layernorm
+        h, residual = self.ops.add_rms_norm(h, residual, norm.weight, norm.eps)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn: PagedAttention) -> None:
+    def __init__(self, cfg: ModelConfig, attn: PagedAttention, ops: Ops) -> None:
         super().__init__()
         assert cfg.rope is not None
         self.cfg = cfg
+        self.ops = ops
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.requires_grad_(False)
         self.rotary = Rotary(cfg.rope, cfg.head_dim)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, attn) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, attn, ops) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         # None when tied to the embedding (until load_model packs it).
         self.lm_head: Optional[nn.Module] = (
@@ -151,9 +149,11 @@ class LlamaModel(nn.Module):
         """input_ids, positions (N,) -> final hidden states (N, C)."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, kv_cache, meta)
+        x, _ = self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
+        return x
 
     def tied_lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight

@@ -1,0 +1,86 @@
+/*
+ * Fused elementwise layers for the Llama family on the CPU. Each replaces several
+ * torch ops (and their per-op dispatch cost, which dominates at decode batch sizes)
+ * with one pass over the step's tokens, spread over OpenMP threads by token.
+ * All tensors are row-major float32.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/*
+ * residual = x + residual (or x when residual_in is NULL); out = RMSNorm(residual) * w.
+ * x, residual_in, residual_out, out: [N, C]. residual_out may alias residual_in.
+ */
+void rs_add_rms_norm(const float *x, const float *residual_in, float *residual_out,
+                     float *out, const float *weight, int64_t N, int64_t C, float eps)
+{
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const float *xr = x + n * C;
+        float *rr = residual_out + n * C;
+        float *orow = out + n * C;
+        float sumsq = 0.0f;
+        if (residual_in != NULL) {
+            const float *ri = residual_in + n * C;
+            for (int64_t c = 0; c < C; c++) {
+                const float h = xr[c] + ri[c];
+                rr[c] = h;
+                sumsq += h * h;
+            }
+        } else {
+            for (int64_t c = 0; c < C; c++) {
+                rr[c] = xr[c];
+                sumsq += xr[c] * xr[c];
+            }
+        }
+        const float inv = 1.0f / sqrtf(sumsq / (float)C + eps);
+        for (int64_t c = 0; c < C; c++)
+            orow[c] = weight[c] * (rr[c] * inv);
+    }
+}
+
+/*
+ * Rotary embedding (rotate-half convention) applied in place to the q and k heads of
+ * a fused qkv projection, then k and v written into the paged cache.
+ *   qkv      [N, (Hq + 2 Hkv) * D], q heads, then k heads, then v heads
+ *   cos, sin [N, D / 2]
+ *   k_cache, v_cache: [num_slots, Hkv, D]; slots [N] int64
+ */
+void rs_rope_write_kv(float *qkv, const float *cos, const float *sin,
+                      float *k_cache, float *v_cache, const int64_t *slots,
+                      int64_t N, int64_t Hq, int64_t Hkv, int64_t D)
+{
+    const int64_t half = D / 2;
+    const int64_t row = (Hq + 2 * Hkv) * D;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        float *r = qkv + n * row;
+        const float *cn = cos + n * half;
+        const float *sn = sin + n * half;
+        for (int64_t h = 0; h < Hq + Hkv; h++) {
+            float *x = r + h * D;
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = x[i], x2 = x[i + half];
+                x[i] = x1 * cn[i] - x2 * sn[i];
+                x[i + half] = x2 * cn[i] + x1 * sn[i];
+            }
+        }
+        const int64_t slot = slots[n];
+        memcpy(k_cache + slot * Hkv * D, r + Hq * D, sizeof(float) * (size_t)(Hkv * D));
+        memcpy(v_cache + slot * Hkv * D, r + (Hq + Hkv) * D, sizeof(float) * (size_t)(Hkv * D));
+    }
+}
+
+/* out = silu(gate) * up, where gate_up [N, 2 I] holds gate then up per row. */
+void rs_silu_mul(const float *gate_up, float *out, int64_t N, int64_t I)
+{
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const float *g = gate_up + n * 2 * I;
+        const float *u = g + I;
+        float *o = out + n * I;
+        for (int64_t i = 0; i < I; i++)
+            o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}

@@ -1,0 +1,51 @@
+"""Fused layer operations, with a pure-torch implementation for every device.
+
+The Llama family's forward pass calls these through an ``ops`` object: ``TorchOps``
+below (any device), or ``CpuKernels`` (engine_worker/kernels.py), which implements the
+same methods in C and is chosen for float32 on the CPU when it builds.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (N, H, D) rotated by cos, sin (N, 1, D/2), rotate-half convention."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class TorchOps:
+    def add_rms_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor],
+                     weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """h = x + residual (x alone when None); returns (RMSNorm(h) * weight, h)."""
+        h = x if residual is None else x + residual
+        h32 = h.float()
+        normed = h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * normed.to(h.dtype), h
+
+    def rope_write_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      num_heads: int, num_kv_heads: int, head_dim: int,
+                      kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv (N, (Hq + 2 Hkv) D); cos, sin (N, D/2). Rotates q and k, writes k and v
+        into their cache slots; returns q (N, Hq, D), k and v (N, Hkv, D)."""
+        n = qkv.shape[0]
+        q_end = num_heads * head_dim
+        k_end = q_end + num_kv_heads * head_dim
+        qk = qkv[:, :k_end].view(n, num_heads + num_kv_heads, head_dim)
+        qk = apply_rotary(qk, cos.unsqueeze(1), sin.unsqueeze(1))
+        q, k = qk[:, :num_heads], qk[:, num_heads:]
+        v = qkv[:, k_end:].view(n, num_kv_heads, head_dim)
+        kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+        return q, k, v
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """(N, 2 I) holding gate then up -> silu(gate) * up, (N, I)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
