@@ -3,32 +3,17 @@ under every way the scheduler can batch, cache, chunk and preempt."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from common.config import CacheConfig, EngineConfig, SchedulerConfig
+from common.config import CacheConfig, EngineConfig
 from common.protocol import FinishReason, SamplingParams
 from engine_worker.engine import LLMEngine
+from helpers import greedy, make_engine, random_prompts, run_staggered
 from hf_reference import assert_matches, hf_greedy
 
 MAX_NEW = 12
-GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+GREEDY = greedy(MAX_NEW)
 ARCHS = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_gpt2_dir"]
-
-
-def make_engine(model_dir, block_size=4, num_blocks=512, budget=None, max_batch=64,
-                prefix_caching=True) -> LLMEngine:
-    return LLMEngine(EngineConfig(
-        model=str(model_dir), device="cpu",
-        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                          enable_prefix_caching=prefix_caching),
-        scheduler=SchedulerConfig(max_batch_size=max_batch, max_num_batched_tokens=budget)))
-
-
-def random_prompts(lengths, seed=0, vocab=50257):
-    rng = random.Random(seed)
-    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
 
 
 PROMPTS = random_prompts([1, 5, 17, 33, 60])
@@ -44,23 +29,9 @@ def refs(model_dir):
     return hf_greedy(model_dir, PROMPTS, MAX_NEW)
 
 
-def run_staggered(engine: LLMEngine, prompts, params, every=2):
-    """Add prompt i after i * every steps; return outputs in prompt order."""
-    results = {f"s{i}": [] for i in range(len(prompts))}
-    pending = list(enumerate(prompts))
-    steps = 0
-    while pending or engine.has_unfinished_requests():
-        while pending and steps >= pending[0][0] * every:
-            i, prompt = pending.pop(0)
-            engine.add_request(f"s{i}", prompt, params)
-        for out in engine.step():
-            results[out.request_id].extend(out.new_token_ids)
-        steps += 1
-    return [results[f"s{i}"] for i in range(len(prompts))]
-
-
-def test_admitted_together(model_dir, refs):
-    engine = make_engine(model_dir)
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["c-kernels", "torch-ops"])
+def test_admitted_together(model_dir, refs, cpu_kernels):
+    engine = make_engine(model_dir, cpu_kernels=cpu_kernels)
     assert_matches(engine.generate(PROMPTS, GREEDY), refs, "together")
 
 
@@ -76,11 +47,12 @@ def test_chunked_prefill(model_dir, refs):
     assert engine.stats().num_prompt_tokens_computed == sum(len(p) for p in PROMPTS)
 
 
-def test_prefix_cache_hits(model_dir):
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["c-kernels", "torch-ops"])
+def test_prefix_cache_hits(model_dir, cpu_kernels):
     shared = random_prompts([45], seed=7)[0]
     prompts = [shared + tail for tail in random_prompts([3, 9, 1, 20], seed=8)]
     refs = hf_greedy(model_dir, prompts, MAX_NEW)
-    engine = make_engine(model_dir)
+    engine = make_engine(model_dir, cpu_kernels=cpu_kernels)
     first = engine.generate(prompts[:1], GREEDY)
     rest = engine.generate(prompts[1:], GREEDY)
     assert_matches(first + rest, refs, "prefix hits")
@@ -89,10 +61,11 @@ def test_prefix_cache_hits(model_dir):
     assert stats.prefix_cache_hit_tokens == 3 * 44
 
 
-def test_preemption(model_dir, refs):
-    # 40 blocks of 4 tokens: the five requests need 3+5+8+12+18 = 46 blocks at the end,
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["c-kernels", "torch-ops"])
+def test_preemption(model_dir, refs, cpu_kernels):
+    # 40 blocks of 4 tokens: the five requests need 4+5+8+12+18 = 47 blocks at the end,
     # so some are preempted and recomputed.
-    engine = make_engine(model_dir, num_blocks=40)
+    engine = make_engine(model_dir, num_blocks=40, cpu_kernels=cpu_kernels)
     assert_matches(engine.generate(PROMPTS, GREEDY), refs, "preemption")
     stats = engine.stats()
     assert stats.num_preemptions > 0

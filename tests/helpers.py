@@ -1,0 +1,58 @@
+"""Small helpers shared by the engine tests."""
+
+from __future__ import annotations
+
+import random
+
+from common.config import CacheConfig, EngineConfig, SchedulerConfig
+from common.protocol import RequestOutput, SamplingParams
+from engine_worker.engine import LLMEngine
+
+
+def make_engine(model_dir, block_size=4, num_blocks=512, budget=None, max_batch=64,
+                prefill_batch=None, prefix_caching=True, cpu_kernels=True,
+                max_model_len=None) -> LLMEngine:
+    return LLMEngine(EngineConfig(
+        model=str(model_dir), device="cpu", cpu_kernels=cpu_kernels,
+        max_model_len=max_model_len,
+        cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                          enable_prefix_caching=prefix_caching),
+        scheduler=SchedulerConfig(max_batch_size=max_batch, prefill_max_batch_size=prefill_batch,
+                                  max_num_batched_tokens=budget)))
+
+
+def random_prompts(lengths, seed=0, vocab=50257) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def run_to_end(engine: LLMEngine) -> dict[str, list[RequestOutput]]:
+    """Step until idle; every output, grouped by request id."""
+    outputs: dict[str, list[RequestOutput]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    return outputs
+
+
+def tokens(outputs: list[RequestOutput]) -> list[int]:
+    return [t for out in outputs for t in out.new_token_ids]
+
+
+def run_staggered(engine: LLMEngine, prompts, params, every=2) -> list[list[int]]:
+    """Add prompt i after i * every steps; return outputs in prompt order."""
+    results = {f"s{i}": [] for i in range(len(prompts))}
+    pending = list(enumerate(prompts))
+    steps = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and steps >= pending[0][0] * every:
+            i, prompt = pending.pop(0)
+            engine.add_request(f"s{i}", prompt, params)
+        for out in engine.step():
+            results[out.request_id].extend(out.new_token_ids)
+        steps += 1
+    return [results[f"s{i}"] for i in range(len(prompts))]

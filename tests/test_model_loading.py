@@ -1,0 +1,133 @@
+"""Reading checkpoints: supported architectures, and clear errors for everything else."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from common.config import EngineConfig
+from common.errors import ModelLoadError
+from common.model_files import resolve_model_dir
+from engine_worker.engine import LLMEngine
+from engine_worker.model_config import RopeConfig, load_model_config
+from engine_worker.models.llama import rope_inv_freq
+
+
+def copy_model(src, tmp_path):
+    dst = tmp_path / "model"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def edit_config(model_dir, **changes):
+    path = model_dir / "config.json"
+    config = json.loads(path.read_text())
+    config.update(changes)
+    path.write_text(json.dumps(config))
+
+
+def test_configs_of_supported_families(tiny_llama_dir, tiny_qwen2_dir, tiny_gpt2_dir):
+    llama = load_model_config(tiny_llama_dir)
+    assert (llama.family, llama.num_heads, llama.num_kv_heads, llama.head_dim) == ("llama", 4, 2, 16)
+    assert not llama.tie_word_embeddings and not llama.qkv_bias
+    assert llama.eos_token_ids == (50256,)
+    qwen = load_model_config(tiny_qwen2_dir)
+    assert qwen.qkv_bias and not qwen.o_bias and qwen.tie_word_embeddings
+    assert qwen.rope.theta == 1000000.0
+    gpt2 = load_model_config(tiny_gpt2_dir)
+    assert (gpt2.family, gpt2.max_model_len, gpt2.rope) == ("gpt2", 512, None)
+
+
+def test_unsupported_architecture_names_it(tiny_llama_dir, tmp_path):
+    model = copy_model(tiny_llama_dir, tmp_path)
+    edit_config(model, architectures=["BertForMaskedLM"], model_type="bert")
+    with pytest.raises(ModelLoadError, match=r"unsupported architecture \['BertForMaskedLM'\].*"
+                                             r"supported: GPT2LMHeadModel, LlamaForCausalLM"):
+        load_model_config(model)
+
+
+def test_unsupported_rope_type_names_it(tiny_llama_dir, tmp_path):
+    model = copy_model(tiny_llama_dir, tmp_path)
+    edit_config(model, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})
+    with pytest.raises(ModelLoadError, match="unsupported rope type 'yarn'"):
+        load_model_config(model)
+
+
+def test_missing_files_are_named(tiny_llama_dir, tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        resolve_model_dir(str(tmp_path / "nowhere"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelLoadError, match="has no config.json"):
+        resolve_model_dir(str(tmp_path / "empty"))
+    model = copy_model(tiny_llama_dir, tmp_path)
+    (model / "model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="has no model.safetensors"):
+        LLMEngine(EngineConfig(model=str(model), device="cpu"))
+
+
+def test_missing_config_field_is_named(tiny_llama_dir, tmp_path):
+    model = copy_model(tiny_llama_dir, tmp_path)
+    config = json.loads((model / "config.json").read_text())
+    del config["num_hidden_layers"]
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="lacks the field 'num_hidden_layers'"):
+        load_model_config(model)
+
+
+def test_missing_and_misshapen_tensors_are_named(tiny_llama_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = copy_model(tiny_llama_dir, tmp_path)
+    weights = load_file(model / "model.safetensors")
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    save_file(weights, model / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="lacks tensor 'layers.1.mlp.up_proj.weight'"):
+        LLMEngine(EngineConfig(model=str(model), device="cpu"))
+    weights["model.layers.1.mlp.up_proj.weight"] = torch.zeros(3, 3)
+    save_file(weights, model / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"'layers.1.mlp.up_proj.weight' has shape \(3, 3\)"):
+        LLMEngine(EngineConfig(model=str(model), device="cpu"))
+
+
+def test_sharded_checkpoint_loads(tiny_gpt2_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = copy_model(tiny_gpt2_dir, tmp_path)
+    weights = load_file(model / "model.safetensors")
+    (model / "model.safetensors").unlink()
+    names = sorted(weights)
+    shards = {"a.safetensors": names[:len(names) // 2], "b.safetensors": names[len(names) // 2:]}
+    for shard, keys in shards.items():
+        save_file({k: weights[k] for k in keys}, model / shard)
+    index = {"weight_map": {k: shard for shard, keys in shards.items() for k in keys}}
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    engine = LLMEngine(EngineConfig(model=str(model), device="cpu"))
+    reference = LLMEngine(EngineConfig(model=str(tiny_gpt2_dir), device="cpu"))
+    from helpers import greedy
+
+    assert engine.generate([[1, 2, 3]], greedy(5)) == reference.generate([[1, 2, 3]], greedy(5))
+
+
+def test_llama3_rope_scaling_matches_transformers():
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+              "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 8192}
+    hf_config = LlamaConfig(hidden_size=128, num_attention_heads=2, rope_parameters=params,
+                            max_position_embeddings=131072)
+    want, _ = ROPE_INIT_FUNCTIONS["llama3"](hf_config, "cpu")
+    ours = rope_inv_freq(RopeConfig(theta=500000.0, kind="llama3", factor=8.0,
+                                    original_max_position_embeddings=8192), 64)
+    assert torch.allclose(ours, want.float(), rtol=1e-6)
+
+
+def test_mistral_sliding_window_caps_the_context(tiny_llama_dir, tmp_path):
+    model = copy_model(tiny_llama_dir, tmp_path)
+    edit_config(model, architectures=["MistralForCausalLM"], model_type="mistral",
+                sliding_window=128)
+    assert load_model_config(model).max_model_len == 128
