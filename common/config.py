@@ -108,3 +108,23 @@ class EngineConfig:
             raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
         _positive("num_threads", self.num_threads)
         _positive("max_model_len", self.max_model_len)
+
+
+DEFAULT_ENGINE_ADDRESS = "tcp://127.0.0.1:5557"
+
+
+@dataclass(frozen=True)
+class EngineServerConfig:
+    # Where the engine's ROUTER socket binds. Loopback unless asked otherwise.
+    bind: str = DEFAULT_ENGINE_ADDRESS
+    # On SIGTERM, in-flight requests get this long to finish before they are aborted.
+    drain_timeout_s: float = 30.0
+    # A client with requests in flight that sends nothing (not even its heartbeat
+    # ping) for this long is presumed gone: its requests are aborted.
+    client_timeout_s: float = 15.0
+
+    def __post_init__(self) -> None:
+        if not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
+            raise ValueError(f"bind must be a tcp://, ipc:// or inproc:// address, got {self.bind!r}")
+        if self.drain_timeout_s < 0 or self.client_timeout_s <= 0:
+            raise ValueError("drain_timeout_s must be >= 0 and client_timeout_s > 0")

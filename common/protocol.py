@@ -162,3 +162,126 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     num_preemptions: int
     num_prompt_tokens_computed: int
     num_generated_tokens: int
+
+
+# -- Engine worker <-> its clients (frontends, benchmarks, tests) ------------------
+#
+# Every frame pair on the engine socket is [type byte, msgpack payload]; the type byte
+# says which Struct the payload holds. Clients use DEALER sockets with identities,
+# the engine a ROUTER, so several clients share one engine and each client's outputs
+# reach only it.
+
+
+class MessageType(enum.IntEnum):
+    # client -> engine
+    HELLO = 1  # Hello: register; the engine answers Ready
+    ADD = 2  # AddRequest
+    ABORT = 3  # AbortRequests
+    PING = 4  # Ping: answered by Pong from the engine loop, with stats
+    # engine -> client
+    READY = 16  # Ready
+    OUTPUTS = 17  # OutputBatch: everything one step produced for this client
+    REQUEST_ERROR = 18  # RequestError: one request refused or failed
+    PONG = 19  # Pong
+    DEAD = 20  # Dead: the engine is going down
+
+
+class Hello(msgspec.Struct, frozen=True, kw_only=True):
+    client_id: str
+
+
+class AddRequest(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams = SamplingParams()
+
+
+class AbortRequests(msgspec.Struct, frozen=True, kw_only=True):
+    request_ids: list[str]
+
+
+class Ping(msgspec.Struct, frozen=True, kw_only=True):
+    nonce: int
+
+
+class Ready(msgspec.Struct, frozen=True, kw_only=True):
+    engine_id: str
+    model_name: str
+    # Longest prompt + output the engine accepts.
+    max_model_len: int
+    vocab_size: int
+    num_kv_blocks: int
+    block_size: int
+    # EOS token ids of the model (the frontend hides them from text).
+    eos_token_ids: list[int]
+
+
+class OutputBatch(msgspec.Struct, frozen=True, kw_only=True):
+    outputs: list[RequestOutput]
+
+
+class RequestErrorKind(str, enum.Enum):
+    INVALID = "invalid_request"  # the request's own fault (HTTP 400)
+    OVERLOADED = "overloaded"  # refused for now, e.g. the engine is draining (HTTP 503)
+    INTERNAL = "internal"  # failed inside the engine (HTTP 500)
+
+
+class RequestError(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+    message: str
+    kind: RequestErrorKind = RequestErrorKind.INVALID
+    # The offending field, for INVALID.
+    param: Optional[str] = None
+
+
+class Pong(msgspec.Struct, frozen=True, kw_only=True):
+    nonce: int
+    stats: EngineStats
+
+
+class Dead(msgspec.Struct, frozen=True, kw_only=True):
+    reason: str
+
+
+CLIENT_MESSAGES: dict[MessageType, type] = {
+    MessageType.HELLO: Hello,
+    MessageType.ADD: AddRequest,
+    MessageType.ABORT: AbortRequests,
+    MessageType.PING: Ping,
+}
+ENGINE_MESSAGES: dict[MessageType, type] = {
+    MessageType.READY: Ready,
+    MessageType.OUTPUTS: OutputBatch,
+    MessageType.REQUEST_ERROR: RequestError,
+    MessageType.PONG: Pong,
+    MessageType.DEAD: Dead,
+}
+_TYPE_OF = {cls: t for t, cls in {**CLIENT_MESSAGES, **ENGINE_MESSAGES}.items()}
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid message; the receiver logs and drops it."""
+
+
+class Codec:
+    """Encodes messages to [type byte, payload] and decodes them back, validating
+    the payload against the Struct its type byte names."""
+
+    def __init__(self, accepts: dict[MessageType, type]) -> None:
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoders = {t: msgspec.msgpack.Decoder(cls) for t, cls in accepts.items()}
+
+    def encode(self, message: msgspec.Struct) -> list[bytes]:
+        return [bytes((_TYPE_OF[type(message)],)), self._encoder.encode(message)]
+
+    def decode(self, frames: list[bytes]) -> msgspec.Struct:
+        if len(frames) != 2 or len(frames[0]) != 1:
+            raise ProtocolError(f"expected [type, payload] frames, got {len(frames)} frame(s)")
+        try:
+            decoder = self._decoders[MessageType(frames[0][0])]
+        except (ValueError, KeyError):
+            raise ProtocolError(f"unknown message type {frames[0][0]}") from None
+        try:
+            return decoder.decode(frames[1])
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise ProtocolError(f"bad {decoder.type.__name__} payload: {e}") from None

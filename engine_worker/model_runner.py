@@ -63,6 +63,8 @@ class ModelRunner:
         self.num_blocks = self._num_blocks(cache)
         shape = kv_cache_shape(self.num_blocks, cache.block_size,
                                model_config.num_kv_heads, model_config.head_dim)
+        # Zeroed, not empty: padded reads of unused slots are masked out, but garbage
+        # there could be NaN, and 0 * NaN would leak through the softmax.
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
                           for _ in range(model_config.num_layers)]
         self.sampler = Sampler(device, seed, kernels)

@@ -1,0 +1,99 @@
+"""python -m engine_worker: run one engine worker process.
+
+    python -m engine_worker --device cuda --model /models/Qwen2-7B --bind tcp://0.0.0.0:5557
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Optional, Sequence
+
+from common.config import (DEFAULT_ENGINE_ADDRESS, CacheConfig, EngineConfig,
+                           EngineServerConfig, SchedulerConfig, env_default)
+from common.errors import ModelLoadError
+from common.logging_setup import setup_logging
+from common.sockets import is_loopback
+
+logger = logging.getLogger("engine_worker")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine's flags (shared with ``roseserve serve``)."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=env_default("MODEL"),
+                   help="Hugging Face model directory (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--device", default=env_default("DEVICE", "auto"),
+                   help="cpu, cuda, cuda:N or auto (cuda when available)")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--threads", type=int, default=None, help="CPU threads for the model")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-batch-size", type=int, default=64, help="decode batch")
+    g.add_argument("--prefill-max-batch-size", type=int, default=None,
+                   help="requests admitted per step (default: --max-batch-size)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step (default: 512 on CPU, 8192 on CUDA)")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-memory-gb", type=float, default=None,
+                   help="KV pool size (default: 2 on CPU, 90%% of free memory on CUDA)")
+    g.add_argument("--no-prefix-cache", action="store_true")
+    g.add_argument("--no-cpu-kernels", action="store_true",
+                   help="use only torch ops (no C kernels, no packed GEMM)")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    memory = None
+    if args.kv_cache_memory_gb is not None:
+        memory = int(args.kv_cache_memory_gb * 2**30)
+    return EngineConfig(
+        model=args.model, device=args.device, dtype=args.dtype, num_threads=args.threads,
+        max_model_len=args.max_model_len, seed=args.seed, cpu_kernels=not args.no_cpu_kernels,
+        cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=memory,
+                          enable_prefix_caching=not args.no_prefix_cache),
+        scheduler=SchedulerConfig(max_batch_size=args.max_batch_size,
+                                  prefill_max_batch_size=args.prefill_max_batch_size,
+                                  max_num_batched_tokens=args.max_num_batched_tokens))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine_worker", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(parser)
+    parser.add_argument("--bind", default=env_default("ENGINE_ADDRESS", DEFAULT_ENGINE_ADDRESS),
+                        help="address of the engine socket (tcp://host:port or ipc://path)")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="seconds in-flight requests get to finish on SIGTERM")
+    parser.add_argument("--client-timeout", type=float, default=15.0,
+                        help="abort a silent client's requests after this many seconds")
+    parser.add_argument("--log-level", default=None)
+    args = parser.parse_args(argv)
+    setup_logging("engine", args.log_level)
+    try:
+        server_config = EngineServerConfig(bind=args.bind, drain_timeout_s=args.drain_timeout,
+                                           client_timeout_s=args.client_timeout)
+        engine_config = engine_config_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    if not is_loopback(server_config.bind):
+        logger.warning("binding %s: reachable beyond this host, as asked", server_config.bind)
+
+    from engine_worker.engine import LLMEngine
+    from engine_worker.server import EngineServer
+
+    try:
+        engine = LLMEngine(engine_config)
+    except (ModelLoadError, RuntimeError, ValueError) as e:
+        logger.error("cannot start the engine: %s", e)
+        return 2
+    try:
+        server = EngineServer(engine, server_config)
+    except Exception as e:  # zmq.ZMQError: address in use, bad address
+        logger.error("cannot bind %s: %s", server_config.bind, e)
+        return 2
+    return server.serve()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,323 @@
+"""The engine worker process: the in-process engine behind a ZeroMQ ROUTER socket.
+
+Threads:
+  * the I/O thread owns the ROUTER socket. It decodes client frames into messages
+    for the engine loop (a malformed or unknown frame is logged and dropped) and
+    forwards the loop's encoded replies to their clients, so the model step never
+    waits on a socket;
+  * the engine loop (the main thread, which also receives signals) drains every
+    message that arrived, handles them as one batch (adds, aborts, pings), runs one
+    engine step, and sends each client one OutputBatch holding everything that step
+    produced for it. With nothing to do it blocks on its inbox.
+
+Failure handling: a request the engine refuses gets a RequestError; a step that
+fails ends its requests with finish reason "error" (the engine goes on); anything
+else is a broken invariant, and the process sends DEAD to every client and exits
+nonzero. SIGTERM/SIGINT drain: new requests are refused, in-flight ones finish (up
+to drain_timeout_s), then DEAD is sent and the process exits 0; a second signal
+aborts what is left at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Optional
+
+import msgspec
+import zmq
+
+from common.config import EngineServerConfig
+from common.errors import InvalidRequestError
+from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, AbortRequests, AddRequest,
+                             Codec, Dead, FinishReason, Hello, OutputBatch, Ping, Pong,
+                             ProtocolError, Ready, RequestError, RequestErrorKind,
+                             RequestOutput)
+from common.sockets import make_socket
+from engine_worker.engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+_OUTBOX_ADDRESS = "inproc://engine-outbox"
+# Sent through the outbox last: everything queued before it is forwarded, then the
+# I/O thread stops.
+_FLUSH_AND_STOP = [b""]
+
+
+class _Stop:
+    """Put in the inbox by the I/O thread or a signal handler to wake the loop."""
+
+
+@dataclass
+class _Client:
+    identity: bytes
+    last_seen: float
+    request_ids: set[str] = field(default_factory=set)
+
+
+class _IOThread(threading.Thread):
+    """Owns the ROUTER socket: client frames in (decoded), encoded replies out."""
+
+    def __init__(self, ctx: zmq.Context, bind: str, inbox: "queue.Queue") -> None:
+        super().__init__(name="engine-io", daemon=True)
+        self.ctx = ctx
+        self.inbox = inbox
+        self.codec = Codec(CLIENT_MESSAGES)
+        # Created here so that bind errors surface in the constructor's caller.
+        self.router = make_socket(ctx, bind, zmq.ROUTER, bind=True, linger_ms=1000)
+        # Sending to a client that is gone raises instead of silently dropping.
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.outbox = make_socket(ctx, _OUTBOX_ADDRESS, zmq.PULL, bind=True)
+        self.unreachable: "queue.Queue[bytes]" = queue.Queue()
+        self.stopping = False
+        self.failed = False
+        self.num_dropped = 0
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.outbox, zmq.POLLIN)
+        try:
+            while not self.stopping:
+                for sock, _ in poller.poll():
+                    if sock is self.router:
+                        self._receive()
+                    else:
+                        self._forward()
+        except Exception:  # the loop learns of it through a _Stop and exits nonzero
+            logger.exception("engine I/O thread failed")
+            self.failed = True
+            self.inbox.put(_Stop())
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            identity, body = frames[0], frames[1:]
+            try:
+                message = self.codec.decode(body)
+            except ProtocolError as e:
+                self.num_dropped += 1
+                logger.warning("dropped a frame from client %r: %s", identity, e)
+                continue
+            self.inbox.put((identity, message))
+
+    def _forward(self) -> None:
+        while True:
+            try:
+                frames = self.outbox.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if frames == _FLUSH_AND_STOP:
+                self.stopping = True
+                return
+            try:
+                self.router.send_multipart(frames, zmq.NOBLOCK)
+            except zmq.ZMQError as e:  # EHOSTUNREACH (gone) or EAGAIN (not reading)
+                logger.warning("client %r unreachable (%s)", frames[0], e)
+                self.unreachable.put(frames[0])
+
+    def close(self) -> None:
+        """After the engine loop sent _FLUSH_AND_STOP: wait, then close (lingering so
+        the last frames, DEAD among them, reach the clients)."""
+        self.join(timeout=5)
+        self.router.close()
+        self.outbox.close()
+
+
+class EngineServer:
+    def __init__(self, engine: LLMEngine, config: EngineServerConfig) -> None:
+        self.engine = engine
+        self.config = config
+        self.engine_id = uuid.uuid4().hex[:12]
+        self.ctx = zmq.Context()
+        self.inbox: "queue.Queue" = queue.Queue()
+        self.io = _IOThread(self.ctx, config.bind, self.inbox)
+        self.codec = Codec(ENGINE_MESSAGES)
+        self.outbox = make_socket(self.ctx, _OUTBOX_ADDRESS, zmq.PUSH, bind=False,
+                                  linger_ms=1000)
+        self.clients: dict[bytes, _Client] = {}
+        self.owner: dict[str, bytes] = {}  # request_id -> client identity
+        self.draining_since: Optional[float] = None
+        self.abort_now = False
+        self.ready = Ready(
+            engine_id=self.engine_id, model_name=engine.model_name,
+            max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
+            num_kv_blocks=engine.block_manager.num_blocks,
+            block_size=engine.block_manager.block_size,
+            eos_token_ids=sorted(engine.eos_token_ids))
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def serve(self) -> int:
+        """Run until drained or failed; the process exit code."""
+        self._install_signal_handlers()
+        self.io.start()
+        logger.info("engine %s serving %s on %s", self.engine_id, self.engine.model_name,
+                    self.config.bind)
+        try:
+            self._loop()
+        except Exception as e:
+            logger.exception("engine loop failed")
+            self._broadcast(Dead(reason=f"engine failed: {e}"))
+            self._close()
+            return 1
+        failed = self.io.failed
+        self._broadcast(Dead(reason="engine I/O failed" if failed else "engine stopped"))
+        self._close()
+        return 1 if failed else 0
+
+    def _install_signal_handlers(self) -> None:
+        def on_signal(signum, _frame) -> None:
+            if self.draining_since is None:
+                logger.info("signal %d: draining %d request(s) (up to %.0f s)", signum,
+                            len(self.owner), self.config.drain_timeout_s)
+                self.draining_since = time.monotonic()
+            else:
+                logger.info("second signal: aborting %d request(s)", len(self.owner))
+                self.abort_now = True
+            self.inbox.put(_Stop())
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
+    def _close(self) -> None:
+        self.outbox.send_multipart(_FLUSH_AND_STOP)
+        self.io.close()
+        self.outbox.close()
+        self.ctx.term()
+
+    # -- the loop --------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            busy = self.engine.has_unfinished_requests()
+            self._handle(self._drain_inbox(block=not busy))
+            self._reap_unreachable_clients()
+            if self.draining_since is not None:
+                overdue = time.monotonic() - self.draining_since > self.config.drain_timeout_s
+                if self.abort_now or overdue:
+                    self._abort(list(self.owner), "the engine is shutting down")
+                if not self.engine.has_unfinished_requests():
+                    return
+            if self.io.failed:
+                return
+            if self.engine.has_unfinished_requests():
+                self._send_outputs(self.engine.step())
+
+    def _drain_inbox(self, block: bool) -> list:
+        messages = []
+        if block:
+            # Idle: sleep until a message or a signal arrives. The timeout only
+            # bounds how late a silent client is noticed.
+            try:
+                messages.append(self.inbox.get(timeout=1.0))
+            except queue.Empty:
+                return messages
+        while True:
+            try:
+                messages.append(self.inbox.get_nowait())
+            except queue.Empty:
+                return messages
+
+    def _handle(self, messages: list) -> None:
+        now = time.monotonic()
+        adds: list[tuple[bytes, AddRequest]] = []
+        for item in messages:
+            if isinstance(item, _Stop):
+                continue
+            identity, message = item
+            client = self.clients.get(identity)
+            if client is None:
+                client = self.clients[identity] = _Client(identity, now)
+            client.last_seen = now
+            if isinstance(message, AddRequest):
+                adds.append((identity, message))
+            elif isinstance(message, AbortRequests):
+                self._abort(message.request_ids, None, identity)
+            elif isinstance(message, Ping):
+                self._send(identity, Pong(nonce=message.nonce, stats=self.engine.stats()))
+            elif isinstance(message, Hello):
+                logger.info("client %s connected", message.client_id)
+                self._send(identity, self.ready)
+        for identity, add in adds:  # batched: all of a loop's adds before one step
+            self._add(identity, add)
+        self._expire_silent_clients(now)
+
+    def _add(self, identity: bytes, add: AddRequest) -> None:
+        if self.draining_since is not None:
+            self._send(identity, RequestError(
+                request_id=add.request_id, message="the engine is shutting down",
+                kind=RequestErrorKind.OVERLOADED))
+            return
+        try:
+            self.engine.add_request(add.request_id, add.prompt_token_ids, add.params)
+        except InvalidRequestError as e:
+            self._send(identity, RequestError(request_id=add.request_id, message=e.message,
+                                              param=e.param))
+            return
+        self.owner[add.request_id] = identity
+        self.clients[identity].request_ids.add(add.request_id)
+
+    def _abort(self, request_ids: list[str], reason: Optional[str],
+               requester: Optional[bytes] = None) -> None:
+        """Abort requests. A client may abort only its own; when the engine aborts on
+        its own (``reason`` set), each owner is told with an ABORT output."""
+        if requester is not None:
+            request_ids = [r for r in request_ids if self.owner.get(r) == requester]
+        by_client: dict[bytes, list[RequestOutput]] = {}
+        for request_id in self.engine.abort_requests(request_ids):
+            identity = self.owner.pop(request_id)
+            self.clients[identity].request_ids.discard(request_id)
+            if reason is not None:
+                by_client.setdefault(identity, []).append(RequestOutput(
+                    request_id=request_id, finish_reason=FinishReason.ABORT, error=reason))
+        for identity, outputs in by_client.items():
+            self._send(identity, OutputBatch(outputs=outputs))
+
+    def _send_outputs(self, outputs: list[RequestOutput]) -> None:
+        by_client: dict[bytes, list[RequestOutput]] = {}
+        for out in outputs:
+            identity = self.owner.get(out.request_id)
+            if identity is None:
+                continue
+            by_client.setdefault(identity, []).append(out)
+            if out.finish_reason is not None:
+                del self.owner[out.request_id]
+                self.clients[identity].request_ids.discard(out.request_id)
+        for identity, batch in by_client.items():
+            self._send(identity, OutputBatch(outputs=batch))
+
+    def _expire_silent_clients(self, now: float) -> None:
+        for client in list(self.clients.values()):
+            if now - client.last_seen > self.config.client_timeout_s:
+                if client.request_ids:
+                    logger.warning("client %r silent for %.0f s: aborting its %d request(s)",
+                                   client.identity, now - client.last_seen,
+                                   len(client.request_ids))
+                    self._abort(list(client.request_ids), None)
+                del self.clients[client.identity]
+
+    def _reap_unreachable_clients(self) -> None:
+        while True:
+            try:
+                identity = self.io.unreachable.get_nowait()
+            except queue.Empty:
+                return
+            client = self.clients.pop(identity, None)
+            if client is not None and client.request_ids:
+                self._abort(list(client.request_ids), None)
+
+    def _send(self, identity: bytes, message: msgspec.Struct) -> None:
+        self.outbox.send_multipart([identity, *self.codec.encode(message)])
+
+    def _broadcast(self, message: msgspec.Struct) -> None:
+        for identity in list(self.clients):
+            self._send(identity, message)
