@@ -2,6 +2,7 @@
 
     python benchmarks/engine.py                       # SmolLM2-135M, 64 x 128 tokens
     python benchmarks/engine.py --shared-prefix 256 --json bench-engine.json
+    python benchmarks/engine.py --zmq --skip-hf      # + through the engine process
 
 Runs the engine on a workload of random token-id prompts (all forced to their full
 output length), then Hugging Face ``generate`` on the same weights and prompts at
@@ -51,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--repeats", type=int, default=3,
                    help="engine runs (medians are reported)")
+    p.add_argument("--zmq", action="store_true",
+                   help="also run the workload through an engine worker process")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_path", default=None, help="write the figures here")
     return p.parse_args(argv)
@@ -95,6 +98,58 @@ def run_engine(engine, prompts, output_len: int) -> dict:
     return {"seconds": elapsed, "output_tokens": generated, "steps": steps,
             "tokens_per_s": generated / elapsed,
             **{f: getattr(after, f) - getattr(before, f) for f in STAT_FIELDS}}
+
+
+def start_engine_process(args, concurrency: int, address: str):
+    import subprocess
+
+    cmd = [sys.executable, "-m", "engine_worker", "--device", "cpu", "--bind", address,
+           "--threads", str(args.threads), "--max-batch-size", str(concurrency),
+           "--block-size", str(args.block_size), "--log-level", "WARNING"]
+    if args.model:
+        cmd += ["--model", args.model]
+    if args.max_num_batched_tokens:
+        cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.no_prefix_cache:
+        cmd += ["--no-prefix-cache"]
+    return subprocess.Popen(cmd, cwd=Path(__file__).resolve().parent.parent)
+
+
+async def _run_zmq(client, prompts, output_len: int, tag: str) -> dict:
+    import asyncio
+
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+
+    async def one(i: int, prompt) -> int:
+        n = 0
+        async for out in client.generate(f"{tag}-{i}", prompt, params):
+            n += len(out.new_token_ids)
+        return n
+
+    start = time.perf_counter()
+    counts = await asyncio.gather(*[one(i, p) for i, p in enumerate(prompts)])
+    elapsed = time.perf_counter() - start
+    return {"seconds": elapsed, "output_tokens": sum(counts),
+            "tokens_per_s": sum(counts) / elapsed}
+
+
+def frame_cost(batch: int = 64, iterations: int = 2000) -> dict:
+    """Size and encode+decode time of one step's OutputBatch for ``batch`` requests."""
+    from common.protocol import ENGINE_MESSAGES, Codec, OutputBatch, RequestOutput
+
+    codec = Codec(ENGINE_MESSAGES)
+    batch_msg = OutputBatch(outputs=[RequestOutput(request_id=f"cmpl-{i:032x}",
+                                                   new_token_ids=[12345 + i])
+                                     for i in range(batch)])
+    frames = codec.encode(batch_msg)
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for _ in range(iterations):
+            codec.decode(codec.encode(batch_msg))
+        times.append((time.perf_counter() - start) / iterations)
+    return {"batch": batch, "frame_bytes": sum(len(f) for f in frames),
+            "encode_decode_us": statistics.median(times) * 1e6}
 
 
 @torch.inference_mode()
@@ -157,6 +212,9 @@ def main(argv=None) -> int:
         "hf": [],
     }
 
+    if args.zmq:
+        result["zmq"] = compare_zmq(args, engine, prompts, concurrency)
+
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
@@ -174,6 +232,43 @@ def main(argv=None) -> int:
     return 0
 
 
+def compare_zmq(args, engine, prompts, concurrency: int) -> dict:
+    """In-process and over-ZeroMQ runs, alternated. Each zmq run is its own client
+    session, so the in-process runs execute exactly as in the plain benchmark (main
+    thread, no event loop alongside)."""
+    import asyncio
+    import tempfile
+
+    from engine_worker.client import EngineClient
+
+    address = f"ipc://{tempfile.mkdtemp(prefix='rs-bench-')}/engine.sock"
+    proc = start_engine_process(args, concurrency, address)
+
+    async def remote_run(tag: str, workload, output_len: int) -> dict:
+        client = EngineClient(address, process=proc)
+        await client.start(timeout_s=300)
+        try:
+            return await _run_zmq(client, workload, output_len, tag)
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(remote_run("warmup", prompts[:4], 4))
+        pairs = []
+        for r in range(args.repeats):
+            local = run_engine(engine, prompts, args.output_len)
+            engine.block_manager.reset_prefix_cache()
+            remote = asyncio.run(remote_run(f"run{r}", prompts, args.output_len))
+            pairs.append((local["tokens_per_s"], remote["tokens_per_s"]))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    ratios = [remote / local for local, remote in pairs]
+    return {"in_process_tokens_per_s": [p[0] for p in pairs],
+            "zmq_tokens_per_s": [p[1] for p in pairs],
+            "ratios": ratios, "ratio": statistics.median(ratios), "frame": frame_cost()}
+
+
 def print_report(r: dict) -> None:
     eng = r["engine"]
     print("=== engine benchmark ===")
@@ -189,6 +284,16 @@ def print_report(r: dict) -> None:
     print(f"Matmul: {r['matmul_gflops']:.1f} GFLOP/s (median) -> roofline "
           f"{r['roofline_tokens_per_s']:.1f} tokens/s; engine at "
           f"{100 * r['roofline_fraction']:.1f}% of roofline (median of runs: {fractions})")
+    if "zmq" in r:
+        z = r["zmq"]
+        pairs = ", ".join(f"{a:.1f}/{b:.1f}" for a, b in
+                          zip(z["in_process_tokens_per_s"], z["zmq_tokens_per_s"]))
+        print(f"Over ZeroMQ (engine process): in-process/zmq tokens/s per pair: {pairs}; "
+              f"zmq / in-process = {z['ratio']:.3f} (median of "
+              f"{', '.join(f'{x:.3f}' for x in z['ratios'])})")
+        f = z["frame"]
+        print(f"Output frame at batch {f['batch']}: {f['frame_bytes']} bytes, "
+              f"encode+decode {f['encode_decode_us']:.1f} us")
     print(f"Engine run: {eng['num_prompt_tokens_computed']} prompt tokens computed, "
           f"{eng['prefix_cache_hit_tokens']} served from the prefix cache, "
           f"{eng['num_preemptions']} preemptions")

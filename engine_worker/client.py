@@ -225,7 +225,12 @@ class EngineClient:
 
     async def _heartbeat_loop(self) -> None:
         while True:
+            before = time.monotonic()
             await asyncio.sleep(self.heartbeat_interval_s)
+            if time.monotonic() - before > self.heartbeat_interval_s + 1.0:
+                # Our own event loop was stalled: the engine's pongs may be waiting
+                # unread, so its silence is not evidence. Restart the clock.
+                self._last_pong_time = time.monotonic()
             if self.process is not None and _exited(self.process):
                 self._mark_dead("the engine process exited")
             elif self.dead_reason is None:
