@@ -135,9 +135,10 @@ async def _run_zmq(client, prompts, output_len: int, tag: str) -> dict:
 
 def frame_cost(batch: int = 64, iterations: int = 2000) -> dict:
     """Size and encode+decode time of one step's OutputBatch for ``batch`` requests."""
-    from common.protocol import ENGINE_MESSAGES, Codec, OutputBatch, RequestOutput
+    from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, Codec, OutputBatch,
+                                 RequestOutput)
 
-    codec = Codec(ENGINE_MESSAGES)
+    codec = Codec(ENGINE_MESSAGES, CLIENT_MESSAGES)
     batch_msg = OutputBatch(outputs=[RequestOutput(request_id=f"cmpl-{i:032x}",
                                                    new_token_ids=[12345 + i])
                                      for i in range(batch)])

@@ -243,20 +243,97 @@ class Dead(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
 
 
-CLIENT_MESSAGES: dict[MessageType, type] = {
+# -- Frontend <-> tokenizer pool ----------------------------------------------------
+#
+# The same framing; the pool's supervisor is a ROUTER facing frontends and another
+# facing its worker processes.
+
+
+class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
+    role: str
+    content: str
+    name: Optional[str] = None
+
+
+class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+    # Exactly one of prompt (plain text) and messages (rendered with the chat template).
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    # Chat: end the rendered text with the assistant's turn header.
+    add_generation_prompt: bool = True
+    # Plain text: add the tokenizer's special tokens (e.g. BOS) around it.
+    add_special_tokens: bool = True
+
+
+class TokenizeResult(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    # Time in the worker (rendering and encoding), not counting the queue.
+    tokenize_ms: float
+
+
+class TokenizeError(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+    message: str
+    kind: RequestErrorKind = RequestErrorKind.INVALID
+
+
+class PoolReady(msgspec.Struct, frozen=True, kw_only=True):
+    pool_id: str
+    num_workers: int
+
+
+class PoolPong(msgspec.Struct, frozen=True, kw_only=True):
+    nonce: int
+    num_workers: int
+    num_alive: int
+    # Jobs received and not yet answered.
+    num_pending: int
+
+
+class TokenizerMessageType(enum.IntEnum):
+    HELLO = 1  # Hello -> PoolReady
+    TOKENIZE = 2  # TokenizeRequest
+    PING = 4  # Ping -> PoolPong
+    READY = 16
+    RESULT = 17  # TokenizeResult
+    ERROR = 18  # TokenizeError
+    PONG = 19
+    WORKER_READY = 32  # worker -> supervisor: Hello, once its tokenizer is loaded
+
+
+CLIENT_MESSAGES: dict[int, type] = {
     MessageType.HELLO: Hello,
     MessageType.ADD: AddRequest,
     MessageType.ABORT: AbortRequests,
     MessageType.PING: Ping,
 }
-ENGINE_MESSAGES: dict[MessageType, type] = {
+ENGINE_MESSAGES: dict[int, type] = {
     MessageType.READY: Ready,
     MessageType.OUTPUTS: OutputBatch,
     MessageType.REQUEST_ERROR: RequestError,
     MessageType.PONG: Pong,
     MessageType.DEAD: Dead,
 }
-_TYPE_OF = {cls: t for t, cls in {**CLIENT_MESSAGES, **ENGINE_MESSAGES}.items()}
+POOL_REQUESTS: dict[int, type] = {
+    TokenizerMessageType.HELLO: Hello,
+    TokenizerMessageType.TOKENIZE: TokenizeRequest,
+    TokenizerMessageType.PING: Ping,
+}
+POOL_REPLIES: dict[int, type] = {
+    TokenizerMessageType.READY: PoolReady,
+    TokenizerMessageType.RESULT: TokenizeResult,
+    TokenizerMessageType.ERROR: TokenizeError,
+    TokenizerMessageType.PONG: PoolPong,
+}
+# Between the pool's supervisor and its workers.
+WORKER_JOBS: dict[int, type] = {TokenizerMessageType.TOKENIZE: TokenizeRequest}
+WORKER_REPLIES: dict[int, type] = {
+    TokenizerMessageType.WORKER_READY: Hello,  # sent once the worker's tokenizer is loaded
+    TokenizerMessageType.RESULT: TokenizeResult,
+    TokenizerMessageType.ERROR: TokenizeError,
+}
 
 
 class ProtocolError(ValueError):
@@ -264,23 +341,24 @@ class ProtocolError(ValueError):
 
 
 class Codec:
-    """Encodes messages to [type byte, payload] and decodes them back, validating
-    the payload against the Struct its type byte names."""
+    """One end of a channel: encodes what it ``sends`` to [type byte, payload] and
+    decodes what it ``accepts``, validating the payload against the Struct its type
+    byte names."""
 
-    def __init__(self, accepts: dict[MessageType, type]) -> None:
+    def __init__(self, sends: dict[int, type], accepts: dict[int, type]) -> None:
         self._encoder = msgspec.msgpack.Encoder()
+        self._type_of = {cls: bytes((t,)) for t, cls in sends.items()}
         self._decoders = {t: msgspec.msgpack.Decoder(cls) for t, cls in accepts.items()}
 
     def encode(self, message: msgspec.Struct) -> list[bytes]:
-        return [bytes((_TYPE_OF[type(message)],)), self._encoder.encode(message)]
+        return [self._type_of[type(message)], self._encoder.encode(message)]
 
     def decode(self, frames: list[bytes]) -> msgspec.Struct:
         if len(frames) != 2 or len(frames[0]) != 1:
             raise ProtocolError(f"expected [type, payload] frames, got {len(frames)} frame(s)")
-        try:
-            decoder = self._decoders[MessageType(frames[0][0])]
-        except (ValueError, KeyError):
-            raise ProtocolError(f"unknown message type {frames[0][0]}") from None
+        decoder = self._decoders.get(frames[0][0])
+        if decoder is None:
+            raise ProtocolError(f"unknown message type {frames[0][0]}")
         try:
             return decoder.decode(frames[1])
         except (msgspec.DecodeError, msgspec.ValidationError) as e:

@@ -67,7 +67,7 @@ class _IOThread(threading.Thread):
         super().__init__(name="engine-io", daemon=True)
         self.ctx = ctx
         self.inbox = inbox
-        self.codec = Codec(CLIENT_MESSAGES)
+        self.codec = Codec(ENGINE_MESSAGES, CLIENT_MESSAGES)
         # Created here so that bind errors surface in the constructor's caller.
         self.router = make_socket(ctx, bind, zmq.ROUTER, bind=True, linger_ms=1000)
         # Sending to a client that is gone raises instead of silently dropping.
@@ -140,7 +140,7 @@ class EngineServer:
         self.ctx = zmq.Context()
         self.inbox: "queue.Queue" = queue.Queue()
         self.io = _IOThread(self.ctx, config.bind, self.inbox)
-        self.codec = Codec(ENGINE_MESSAGES)
+        self.codec = Codec(ENGINE_MESSAGES, CLIENT_MESSAGES)
         self.outbox = make_socket(self.ctx, _OUTBOX_ADDRESS, zmq.PUSH, bind=False,
                                   linger_ms=1000)
         self.clients: dict[bytes, _Client] = {}

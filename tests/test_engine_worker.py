@@ -13,8 +13,8 @@ import msgpack
 import pytest
 import zmq
 
-from common.protocol import (AddRequest, Codec, CLIENT_MESSAGES, FinishReason, Hello,
-                             SamplingParams)
+from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, AddRequest, Codec,
+                             FinishReason, Hello)
 from engine_worker.client import EngineClient, EngineDeadError, EngineRequestError
 from helpers import greedy, make_engine, random_prompts
 
@@ -159,7 +159,7 @@ def test_garbage_frames_do_not_kill_it(shared_engine):
         sock.send_multipart(frames)
     # A well-formed request on the same socket still works, and the reply is plain
     # msgpack any decoder reads.
-    codec = Codec(CLIENT_MESSAGES)
+    codec = Codec(CLIENT_MESSAGES, ENGINE_MESSAGES)
     sock.send_multipart(codec.encode(Hello(client_id="raw")))
     sock.send_multipart(codec.encode(AddRequest(request_id="raw-1", prompt_token_ids=[5, 6],
                                                 params=greedy(2))))
@@ -279,7 +279,7 @@ def test_a_vanished_client_has_its_requests_aborted(engine_factory):
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, b"ghost")
     sock.connect(engine.address)
-    codec = Codec(CLIENT_MESSAGES)
+    codec = Codec(CLIENT_MESSAGES, ENGINE_MESSAGES)
     sock.send_multipart(codec.encode(AddRequest(request_id="orphan", prompt_token_ids=[1, 2, 3],
                                                 params=greedy(480))))
     time.sleep(0.5)

@@ -1,0 +1,223 @@
+"""The async client side of a roseserve service (an engine worker, the tokenizer pool).
+
+What every such client does: connect a DEALER socket, say Hello and wait for the
+service's Ready, read replies in one task and hand them to the subclass, and keep
+checking that the service is alive. Death is detected three ways, whichever comes
+first: a DEAD frame; the connection dropping (a ZeroMQ socket-monitor event, which is
+what a killed process produces); or no pong to the heartbeat within the deadline (a
+hung service). Any of them fails everything in flight (``_fail_pending``) instead of
+leaving it to hang, and new work fails at once until the service is back (a Ready
+revives the client; a Ready from a different instance means the old one's work is
+lost).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import socket
+import time
+import uuid
+from typing import Optional
+
+import msgspec
+import zmq
+import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+from common.protocol import Codec, Dead, Hello, Ping, ProtocolError
+from common.sockets import make_socket
+
+logger = logging.getLogger(__name__)
+
+
+class ServiceDeadError(RuntimeError):
+    """The service is gone (or unreachable); the work did not complete."""
+
+
+class ServiceClient:
+    #: Set by subclasses: what the service calls itself in messages and logs.
+    service = "service"
+    ready_type: type = msgspec.Struct
+    pong_type: type = msgspec.Struct
+    dead_error: type = ServiceDeadError
+
+    def __init__(self, address: str, codec: Codec, *, client_id: Optional[str] = None,
+                 heartbeat_interval_s: float = 1.0, heartbeat_timeout_s: float = 10.0,
+                 process=None) -> None:
+        """``process``: the service's Popen/Process handle when this side started it;
+        its exit is then noticed directly."""
+        self.address = address
+        self.codec = codec
+        self.client_id = client_id or (
+            f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.process = process
+        self.ctx = zmq.asyncio.Context()
+        self.sock: Optional[zmq.asyncio.Socket] = None
+        self.ready = None
+        self.dead_reason: Optional[str] = "not started"
+        self.last_pong = None
+        self._last_pong_time = 0.0
+        self._ready_event = asyncio.Event()
+        self._pings: dict[int, asyncio.Future] = {}
+        self._nonces = itertools.count(1)
+        self._tasks: list[asyncio.Task] = []
+
+    # -- lifecycle -------------------------------------------------------------
+
+    async def start(self, timeout_s: float = 120.0):
+        """Connect and wait for the service's Ready (it may still be loading)."""
+        self.sock = make_socket(self.ctx, self.address, zmq.DEALER, bind=False,
+                                identity=self.client_id.encode())
+        monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._tasks = [asyncio.create_task(self._receive_loop()),
+                       asyncio.create_task(self._monitor_loop(monitor))]
+        await self._send(Hello(client_id=self.client_id))
+        try:
+            await asyncio.wait_for(self._ready_event.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            await self.close()
+            raise self.dead_error(f"{self.service} at {self.address} did not answer within "
+                                  f"{timeout_s:.0f} s") from None
+        self._tasks.append(asyncio.create_task(self._heartbeat_loop()))
+        return self.ready
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        self._fail(f"the {self.service} client closed")
+        if self.sock is not None:
+            self.sock.disable_monitor()
+            self.sock.close(linger=0)
+            self.sock = None
+        self.ctx.term()
+
+    @property
+    def healthy(self) -> bool:
+        return self.dead_reason is None
+
+    def check_alive(self) -> None:
+        if self.dead_reason is not None:
+            raise self.dead_error(self.dead_reason)
+
+    async def ping(self, timeout_s: float = 5.0):
+        """A round trip through the service's loop; raises the dead error on timeout."""
+        self.check_alive()
+        nonce = next(self._nonces)
+        future = asyncio.get_running_loop().create_future()
+        self._pings[nonce] = future
+        try:
+            await self._send(Ping(nonce=nonce))
+            return await asyncio.wait_for(future, timeout_s)
+        except asyncio.TimeoutError:
+            raise self.dead_error(f"no answer from the {self.service} within "
+                                  f"{timeout_s:.1f} s") from None
+        finally:
+            self._pings.pop(nonce, None)
+
+    # -- for subclasses --------------------------------------------------------
+
+    def _dispatch(self, message: msgspec.Struct) -> None:
+        """Handle a reply that is not Ready, Pong or Dead."""
+        raise NotImplementedError
+
+    def _fail_pending(self, error: Exception) -> None:
+        """Fail every piece of work in flight with ``error``."""
+        raise NotImplementedError
+
+    def _instance_id(self, ready) -> str:
+        """Identifies one run of the service (a restart gets a new one)."""
+        raise NotImplementedError
+
+    async def _send(self, message: msgspec.Struct) -> None:
+        assert self.sock is not None
+        await self.sock.send_multipart(self.codec.encode(message))
+
+    # -- internals -------------------------------------------------------------
+
+    async def _receive_loop(self) -> None:
+        assert self.sock is not None
+        while True:
+            frames = await self.sock.recv_multipart()
+            try:
+                message = self.codec.decode(frames)
+            except ProtocolError as e:
+                logger.warning("dropped a frame from the %s: %s", self.service, e)
+                continue
+            if isinstance(message, self.pong_type):
+                self.last_pong = message
+                self._last_pong_time = time.monotonic()
+                future = self._pings.get(message.nonce)
+                if future is not None and not future.done():
+                    future.set_result(message)
+            elif isinstance(message, self.ready_type):
+                self._on_ready(message)
+            elif isinstance(message, Dead):
+                self._mark_dead(f"{self.service} went down: {message.reason}")
+            else:
+                self._dispatch(message)
+
+    def _on_ready(self, ready) -> None:
+        if self.ready is not None and self._instance_id(ready) != self._instance_id(self.ready):
+            self._fail(f"the {self.service} restarted")
+        self.ready = ready
+        self.dead_reason = None
+        self._last_pong_time = time.monotonic()
+        self._ready_event.set()
+
+    async def _monitor_loop(self, monitor: zmq.asyncio.Socket) -> None:
+        try:
+            while True:
+                event = parse_monitor_message(await monitor.recv_multipart())["event"]
+                if event == zmq.EVENT_DISCONNECTED:
+                    self._mark_dead(f"lost the connection to the {self.service} at "
+                                    f"{self.address}")
+                elif event == zmq.EVENT_CONNECTED and self.ready is not None:
+                    await self._send(Hello(client_id=self.client_id))  # reconnected
+        finally:
+            monitor.close(linger=0)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            before = time.monotonic()
+            await asyncio.sleep(self.heartbeat_interval_s)
+            if time.monotonic() - before > self.heartbeat_interval_s + 1.0:
+                # Our own event loop was stalled: the service's pongs may be waiting
+                # unread, so its silence is not evidence. Restart the clock.
+                self._last_pong_time = time.monotonic()
+            if self.process is not None and _exited(self.process):
+                self._mark_dead(f"the {self.service} process exited")
+            elif self.dead_reason is None:
+                silent = time.monotonic() - self._last_pong_time
+                if silent > self.heartbeat_timeout_s:
+                    self._mark_dead(f"the {self.service} did not answer for {silent:.1f} s")
+            if self.dead_reason is None:
+                await self._send(Ping(nonce=next(self._nonces)))
+            else:  # a service that comes back answers with Ready, which revives us
+                await self._send(Hello(client_id=self.client_id))
+
+    def _mark_dead(self, reason: str) -> None:
+        if self.dead_reason is None:  # the first cause is the one worth reporting
+            logger.error("%s", reason)
+            self.dead_reason = reason
+        self._fail(self.dead_reason)
+
+    def _fail(self, reason: str) -> None:
+        error = self.dead_error(reason)
+        self._fail_pending(error)
+        for future in self._pings.values():
+            if not future.done():
+                future.set_exception(self.dead_error(reason))
+
+
+def _exited(process) -> bool:
+    poll = getattr(process, "poll", None)
+    if poll is not None:  # subprocess.Popen
+        return poll() is not None
+    return not process.is_alive()  # multiprocessing.Process
