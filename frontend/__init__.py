@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP frontend. It never runs the model."""

@@ -1,0 +1,84 @@
+"""python -m frontend: the OpenAI-compatible HTTP server.
+
+    python -m frontend --host 127.0.0.1 --port 8000 --engine tcp://127.0.0.1:5557 \\
+        --tokenizer tcp://127.0.0.1:5558
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Optional, Sequence
+
+from common.config import (DEFAULT_ENGINE_ADDRESS, DEFAULT_TOKENIZER_ADDRESS, FrontendConfig,
+                           env_default)
+from common.logging_setup import setup_logging
+
+logger = logging.getLogger("frontend")
+
+
+def add_frontend_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("frontend")
+    g.add_argument("--host", default=env_default("HOST", "127.0.0.1"),
+                   help="address to listen on (default: loopback only)")
+    g.add_argument("--port", type=int, default=int(env_default("PORT", "8000")))
+    g.add_argument("--api-key", default=env_default("API_KEY"),
+                   help="require this Bearer key on /v1/* (ROSESERVE_API_KEY)")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: the model's folder name)")
+    g.add_argument("--max-body-bytes", type=int, default=8 << 20)
+    g.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="admitted requests not yet producing tokens before 429")
+    g.add_argument("--max-waiting-tokens", type=int, default=2_000_000,
+                   help="their estimated prompt tokens before 429")
+
+
+def frontend_config_from_args(args: argparse.Namespace, engines: Sequence[str],
+                              tokenizer: str) -> FrontendConfig:
+    return FrontendConfig(
+        host=args.host, port=args.port, engine_addresses=tuple(engines),
+        tokenizer_address=tokenizer, model=args.model, served_model_name=args.served_model_name,
+        api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+        max_waiting_requests=args.max_waiting_requests,
+        max_waiting_tokens=args.max_waiting_tokens)
+
+
+def serve(config: FrontendConfig, log_level: Optional[str] = None) -> None:
+    import uvicorn
+
+    from frontend.app import create_app
+
+    uvicorn.run(create_app(config), host=config.host, port=config.port,
+                log_level=(log_level or "info").lower(), access_log=False,
+                timeout_graceful_shutdown=10)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m frontend", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=env_default("MODEL"),
+                        help="model directory, for its tokenizer (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--engine", action="append", default=None,
+                        help="engine worker address (repeat for several engines)")
+    parser.add_argument("--tokenizer", default=env_default("TOKENIZER_ADDRESS",
+                                                           DEFAULT_TOKENIZER_ADDRESS),
+                        help="tokenizer pool address")
+    add_frontend_args(parser)
+    parser.add_argument("--log-level", default=None)
+    args = parser.parse_args(argv)
+    setup_logging("frontend", args.log_level)
+    engines = args.engine or [a for a in (env_default("ENGINE_ADDRESS") or
+                                          DEFAULT_ENGINE_ADDRESS).split(",") if a]
+    try:
+        config = frontend_config_from_args(args, engines, args.tokenizer)
+    except ValueError as e:
+        parser.error(str(e))
+    if config.host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("listening on %s: reachable beyond this host, as asked", config.host)
+    serve(config, args.log_level)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

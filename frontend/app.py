@@ -1,0 +1,292 @@
+"""The FastAPI application: routes, authentication, body limits, error shapes.
+
+A client that goes away is noticed in every phase (while its prompt is tokenized,
+while it waits, mid-stream): the work for it is cancelled, which aborts its engine
+requests at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Awaitable, Optional, TypeVar
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from common.config import FrontendConfig
+from common.model_files import resolve_model_dir
+from common.protocol import ChatMessage
+from common.service_client import ServiceDeadError
+from common.tokenizer import load_tokenizer
+from engine_worker.client import EngineClient
+from frontend.errors import APIError, from_validation_error
+from frontend.metrics import Metrics
+from frontend.openai_protocol import ChatCompletionRequest, CompletionRequest
+from frontend.responses import ChatFormatter, CompletionFormatter, Formatter
+from frontend.serving import Admission, EngineRouter, Job, Pipeline
+from tokenizer_worker.client import TokenizerClient
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_OPEN_PATHS = ("/health", "/metrics")
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+def json_response(body: Any, status: int = 200) -> Response:
+    return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")
+
+
+class Guard:
+    """ASGI middleware, before any routing: the API key (401) and the body size (413,
+    by header or by count as it arrives). /health and /metrics stay open."""
+
+    def __init__(self, app, config: FrontendConfig, metrics: Metrics) -> None:
+        self.app = app
+        self.api_key = None if config.api_key is None else config.api_key.encode()
+        self.max_bytes = config.max_body_bytes
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers", []))
+        if self.api_key is not None and scope["path"] not in _OPEN_PATHS:
+            scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.api_key):
+                self.metrics.rejected.labels("401").inc()
+                error = APIError(401, "a valid API key is required (Authorization: Bearer KEY)",
+                                 code="invalid_api_key")
+                return await error.response()(scope, receive, send)
+        too_big = APIError(413, f"the request body exceeds the limit of {self.max_bytes} bytes",
+                           code="request_too_large")
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            self.metrics.rejected.labels("413").inc()
+            return await too_big.response()(scope, receive, send)
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise too_big
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Run ``work`` unless the client disconnects first (then it is cancelled)."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientDisconnected()
+
+
+def create_app(config: FrontendConfig) -> FastAPI:
+    metrics = Metrics()
+    state: dict[str, Any] = {}
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        model_dir = resolve_model_dir(config.model)
+        tokenizer = load_tokenizer(model_dir).backend_tokenizer
+        engines = [EngineClient(a, heartbeat_timeout_s=config.engine_heartbeat_timeout_s)
+                   for a in config.engine_addresses]
+        tok_client = TokenizerClient(config.tokenizer_address)
+        try:
+            ready = await asyncio.gather(*(e.start(config.startup_timeout_s) for e in engines))
+            await tok_client.start(config.startup_timeout_s)
+        except ServiceDeadError:
+            for client in (*engines, tok_client):
+                await client.close()
+            raise
+        names = {r.model_name for r in ready}
+        model_name = config.served_model_name or sorted(names)[0]
+        if len(names) > 1:
+            logger.warning("engines serve different model names: %s", sorted(names))
+        state["pipeline"] = Pipeline(
+            EngineRouter(engines), tok_client, tokenizer, metrics,
+            Admission(config.max_waiting_requests, config.max_waiting_tokens), model_name)
+        state["created"] = int(time.time())
+        logger.info("frontend ready: %s, %d engine(s)", model_name, len(engines))
+        yield
+        for client in (*engines, tok_client):
+            await client.close()
+
+    app = FastAPI(title="roseserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(Guard, config=config, metrics=metrics)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(_request: Request, error: APIError) -> Response:
+        if error.status in (400, 413, 429, 503):
+            metrics.rejected.labels(str(error.status)).inc()
+        return error.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_request: Request, error: StarletteHTTPException) -> Response:
+        return APIError(error.status_code, str(error.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(_request: Request, error: Exception) -> Response:
+        logger.exception("unexpected error")
+        return APIError(500, f"internal error: {type(error).__name__}").response()
+
+    def pipeline() -> Pipeline:
+        return state["pipeline"]
+
+    async def parse(request: Request, model: type[BaseModel]) -> Any:
+        raw = await request.body()
+        try:
+            data = msgspec.json.decode(raw)
+        except msgspec.DecodeError as e:
+            raise APIError(400, f"the body is not valid JSON: {e}", code="invalid_json")
+        if not isinstance(data, dict):
+            raise APIError(400, "the body must be a JSON object", code="invalid_json")
+        try:
+            return model.model_validate(data)
+        except ValidationError as e:
+            raise from_validation_error(e)
+
+    async def respond(request: Request, body, job_work: Awaitable[Job],
+                      formatter_cls: type[Formatter]) -> Response:
+        pipe = pipeline()
+        try:
+            job = await until_disconnected(request, job_work)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        fmt = formatter_cls(job, pipe.token_text)
+        if body.stream:
+            return StreamingResponse(_sse(pipe, job, fmt), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache",
+                                              "X-Accel-Buffering": "no"})
+
+        async def collect() -> None:
+            async for _ in pipe.deltas(job):
+                pass
+
+        try:
+            await until_disconnected(request, collect())
+        except ClientDisconnected:
+            return Response(status_code=499)
+        return json_response(fmt.full())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        received = time.monotonic()
+        body: CompletionRequest = await parse(request, CompletionRequest)
+        work = pipeline().start(body, body.prompts(), None, body.max_tokens, body.logprobs,
+                                "cmpl", received)
+        return await respond(request, body, work, CompletionFormatter)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        received = time.monotonic()
+        body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
+        messages = [ChatMessage(role=m.role, content=m.text(), name=m.name)
+                    for m in body.messages]
+        work = pipeline().start(body, [], messages, body.max_new_tokens(), body.num_logprobs(),
+                                "chatcmpl", received, body.add_generation_prompt)
+        return await respond(request, body, work, ChatFormatter)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        pipe = pipeline()
+        ready = pipe.engines.ready()
+        return json_response({"object": "list", "data": [{
+            "id": pipe.model_name, "object": "model", "created": state["created"],
+            "owned_by": "roseserve", "max_model_len": ready.max_model_len}]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        pipe: Optional[Pipeline] = state.get("pipeline")
+        if pipe is None:
+            return json_response({"status": "starting"}, 503)
+        checks = [*pipe.engines.clients, pipe.tokenizer_client]
+        results = await asyncio.gather(*(c.ping(config.health_timeout_s) for c in checks),
+                                       return_exceptions=True)
+        report = {c.service + (f" {c.address}" if c.service == "engine" else ""):
+                  "ok" if not isinstance(r, BaseException) else str(r)
+                  for c, r in zip(checks, results)}
+        ok = all(not isinstance(r, BaseException) for r in results)
+        return json_response({"status": "ok" if ok else "unavailable", "checks": report},
+                             200 if ok else 503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        pipe: Optional[Pipeline] = state.get("pipeline")
+        if pipe is not None:
+            _refresh_gauges(pipe, metrics)
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _refresh_gauges(pipe: Pipeline, metrics: Metrics) -> None:
+    """From the last heartbeat of each engine and of the tokenizer pool."""
+    running = waiting = used = total = hits = queries = 0
+    healthy = 0
+    for client in pipe.engines.clients:
+        healthy += client.healthy
+        if client.last_pong is None:
+            continue
+        s = client.last_pong.stats
+        running += s.num_running
+        waiting += s.num_waiting
+        used += s.num_blocks_used
+        total += s.num_blocks_total
+        hits += s.prefix_cache_hit_tokens
+        queries += s.prefix_cache_query_tokens
+    metrics.running.set(running)
+    metrics.waiting.set(waiting + pipe.admission.requests)
+    metrics.kv_usage.set(used / total if total else 0.0)
+    metrics.prefix_hit_rate.set(hits / queries if queries else 0.0)
+    metrics.engines_healthy.set(healthy)
+    pool = pipe.tokenizer_client.last_pong
+    metrics.tokenizer_queue.set((pool.num_pending if pool else 0)
+                                + pipe.tokenizer_client.num_pending)
+
+
+async def _sse(pipe: Pipeline, job: Job, fmt: Formatter) -> AsyncIterator[bytes]:
+    encode = msgspec.json.encode
+    try:
+        for chunk in fmt.first_chunks():
+            yield b"data: " + encode(chunk) + b"\n\n"
+        remaining = len(job.choices)
+        async for delta in pipe.deltas(job):
+            if delta.finish_reason is not None:
+                remaining -= 1
+            chunk = fmt.chunk(delta, last=remaining == 0)
+            if chunk is not None:
+                yield b"data: " + encode(chunk) + b"\n\n"
+        if job.include_usage:
+            yield b"data: " + encode(fmt.usage_chunk()) + b"\n\n"
+    except APIError as e:  # the stream has started: the error is its last event
+        yield b"data: " + encode(e.body()) + b"\n\n"
+    yield b"data: [DONE]\n\n"

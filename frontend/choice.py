@@ -1,0 +1,83 @@
+"""One choice of a completion: one engine request, its text and its bookkeeping.
+
+A choice consumes the engine's outputs for its request and turns them into deltas of
+text (detokenized, stop strings applied), token ids and logprobs. It ends when the
+engine finishes the request or when a stop string matches (then the caller stops
+reading, which aborts the engine request).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from common.protocol import FinishReason, RequestOutput, TokenLogprobs
+from frontend.detokenizer import IncrementalDetokenizer, StopStringMatcher
+
+
+class ChoiceFailed(Exception):
+    """The engine ended the request without finishing it (aborted or failed)."""
+
+
+@dataclass
+class Delta:
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[tuple[int, TokenLogprobs]]
+    finish_reason: Optional[str] = None
+
+
+@dataclass
+class Choice:
+    index: int
+    request_id: str
+    prompt_token_ids: list[int]
+    detokenizer: IncrementalDetokenizer
+    stops: StopStringMatcher
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    logprobs: list[tuple[int, TokenLogprobs]] = field(default_factory=list)
+    finish_reason: Optional[str] = None
+    num_cached_tokens: Optional[int] = None
+    queue_ms: Optional[float] = None
+    prefill_ms: Optional[float] = None
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+    # Seconds between consecutive token arrivals (for the ITL histogram).
+    intervals: list[float] = field(default_factory=list)
+
+    def consume(self, out: RequestOutput) -> Delta:
+        now = time.monotonic()
+        if out.num_cached_tokens is not None:
+            self.num_cached_tokens = out.num_cached_tokens
+            self.queue_ms, self.prefill_ms = out.queue_ms, out.prefill_ms
+        if out.finish_reason in (FinishReason.ABORT, FinishReason.ERROR):
+            raise ChoiceFailed(out.error or f"the engine ended the request ({out.finish_reason.value})")
+        new = out.new_token_ids
+        if new:
+            if self.first_token_time is None:
+                self.first_token_time = now
+            elif self.last_token_time is not None:
+                self.intervals.append(now - self.last_token_time)
+            self.last_token_time = now
+        self.token_ids.extend(new)
+        if out.logprobs:
+            self.logprobs.extend(zip(new, out.logprobs))
+        # The token that ended generation on "stop" (EOS or a stop token id) is not
+        # part of the text.
+        visible = new[:-1] if out.finish_reason is FinishReason.STOP else new
+        text = self.stops.push(self.detokenizer.push(visible)) if visible else ""
+        if self.stops.stopped is not None:
+            self.finish_reason = "stop"
+        elif out.finish_reason is not None:
+            text += self.stops.push(self.detokenizer.flush())
+            if self.stops.stopped is not None:
+                self.finish_reason = "stop"
+            else:
+                text += self.stops.flush()
+                self.finish_reason = out.finish_reason.value  # "stop" or "length"
+        self.text.append(text)
+        return Delta(self.index, text, list(new), list(zip(new, out.logprobs or [])),
+                     self.finish_reason)

@@ -1,0 +1,1 @@
+"""The tokenizer pool: text and chat messages in, prompt_token_ids out."""

@@ -1,0 +1,62 @@
+"""python -m tokenizer_worker: run the tokenizer pool (a supervisor and N workers).
+
+    python -m tokenizer_worker --model DIR --workers 2 --bind tcp://127.0.0.1:5558
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Optional, Sequence
+
+from common.config import DEFAULT_TOKENIZER_ADDRESS, env_default
+from common.errors import ModelLoadError
+from common.logging_setup import setup_logging
+from common.model_files import resolve_model_dir
+from common.sockets import is_loopback
+from common.tokenizer import MAX_CHARS_PER_TOKEN, context_length, load_tokenizer
+from tokenizer_worker.pool import TokenizerPool, default_num_workers
+
+logger = logging.getLogger("tokenizer_worker")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tokenizer_worker", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=env_default("MODEL"),
+                        help="Hugging Face model directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--workers", type=int,
+                        default=int(env_default("TOKENIZER_WORKERS") or default_num_workers()),
+                        help="worker processes (default: half the cores, at least 1)")
+    parser.add_argument("--bind", default=env_default("TOKENIZER_ADDRESS",
+                                                      DEFAULT_TOKENIZER_ADDRESS))
+    parser.add_argument("--max-prompt-chars", type=int, default=None,
+                        help=f"refuse longer text before encoding (default: "
+                             f"{MAX_CHARS_PER_TOKEN} x the model's context length)")
+    parser.add_argument("--log-level", default=None)
+    args = parser.parse_args(argv)
+    setup_logging("tokenizer", args.log_level)
+    if args.workers < 1:
+        parser.error(f"--workers must be at least 1, got {args.workers}")
+    if not is_loopback(args.bind):
+        logger.warning("binding %s: reachable beyond this host, as asked", args.bind)
+    try:
+        model_dir = resolve_model_dir(args.model)
+        load_tokenizer(model_dir)  # fail here, clearly, rather than in every worker
+        max_chars = args.max_prompt_chars or MAX_CHARS_PER_TOKEN * context_length(model_dir)
+    except ModelLoadError as e:
+        logger.error("cannot start the tokenizer pool: %s", e)
+        return 2
+    try:
+        pool = TokenizerPool(model_dir, args.workers, args.bind, max_chars,
+                             logging.getLevelName(logging.getLogger().level))
+    except Exception as e:  # zmq.ZMQError: address in use, bad address
+        logger.error("cannot bind %s: %s", args.bind, e)
+        return 2
+    logger.info("tokenizer pool: %d worker(s) for %s on %s", args.workers, model_dir, args.bind)
+    return pool.serve()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""The tokenizer pool's supervisor: one ROUTER facing frontends, one facing workers.
+
+Jobs go to the ready worker with the fewest jobs in flight (at most
+MAX_IN_FLIGHT_PER_WORKER each, so a worker always has a queue to batch from); the
+rest wait here in arrival order. A worker that dies is replaced; each job it held is
+retried once on another worker and, if that fails too, answered with an error that
+says so. Frontends get PoolReady once the first worker has loaded its tokenizer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing
+import os
+import signal
+import tempfile
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import msgspec
+import zmq
+
+from common.protocol import (POOL_REPLIES, POOL_REQUESTS, WORKER_JOBS, WORKER_REPLIES, Codec,
+                             Hello, Ping, PoolPong, PoolReady, ProtocolError, RequestErrorKind,
+                             TokenizeError, TokenizeRequest, TokenizeResult)
+from common.sockets import make_socket
+from tokenizer_worker.worker import worker_main
+
+logger = logging.getLogger(__name__)
+
+MAX_IN_FLIGHT_PER_WORKER = 32
+MAX_ATTEMPTS = 2
+# A worker that keeps dying at start-up is not restarted faster than this.
+RESPAWN_BACKOFF_S = 1.0
+
+
+@dataclass
+class Job:
+    # Unique in the pool (clients' request ids need not be): workers see this one.
+    job_id: str
+    client: bytes
+    request: TokenizeRequest
+    attempts: int = 0
+
+
+@dataclass
+class Worker:
+    slot: int
+    identity: bytes
+    process: multiprocessing.Process
+    started: float
+    ready: bool = False
+    jobs: dict[str, Job] = field(default_factory=dict)  # by job_id
+
+
+class TokenizerPool:
+    def __init__(self, model_dir: Path, num_workers: int, bind: str, max_chars: int,
+                 log_level: str = "INFO") -> None:
+        if num_workers < 1:
+            raise ValueError(f"the pool needs at least one worker, got {num_workers}")
+        self.model_dir = model_dir
+        self.num_workers = num_workers
+        self.max_chars = max_chars
+        self.log_level = log_level
+        self.pool_id = uuid.uuid4().hex[:12]
+        self.ctx = zmq.Context()
+        self.front = make_socket(self.ctx, bind, zmq.ROUTER, bind=True, linger_ms=500)
+        self.front.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.back_address = f"ipc://{tempfile.mkdtemp(prefix='rs-tok-')}/workers.sock"
+        self.back = make_socket(self.ctx, self.back_address, zmq.ROUTER, bind=True)
+        self.front_codec = Codec(POOL_REPLIES, POOL_REQUESTS)
+        self.back_codec = Codec(WORKER_JOBS, WORKER_REPLIES)
+        self.mp = multiprocessing.get_context("spawn")
+        self.workers: dict[bytes, Worker] = {}
+        self.queue: deque[Job] = deque()
+        self.waiting_hellos: list[bytes] = []
+        self.stopping = False
+        self.generation = 0
+        self.job_ids = itertools.count()
+
+    # -- lifecycle -------------------------------------------------------------
+
+    def serve(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        for slot in range(self.num_workers):
+            self._spawn(slot)
+        poller = zmq.Poller()
+        poller.register(self.front, zmq.POLLIN)
+        poller.register(self.back, zmq.POLLIN)
+        try:
+            while not self.stopping:
+                for sock, _ in poller.poll(timeout=200):
+                    if sock is self.front:
+                        self._receive_front()
+                    else:
+                        self._receive_back()
+                self._check_workers()
+                self._dispatch()
+        finally:
+            self._shutdown()
+        return 0
+
+    def _on_signal(self, signum, _frame) -> None:
+        logger.info("signal %d: stopping the tokenizer pool", signum)
+        self.stopping = True
+
+    def _shutdown(self) -> None:
+        for worker in self.workers.values():
+            worker.process.terminate()
+        for worker in self.workers.values():
+            worker.process.join(timeout=5)
+            if worker.process.is_alive():
+                worker.process.kill()
+        self.front.close()
+        self.back.close()
+        self.ctx.term()
+
+    def _spawn(self, slot: int) -> None:
+        self.generation += 1
+        identity = f"w{slot}-{self.generation}"
+        process = self.mp.Process(
+            target=worker_main, name=f"tokenizer-{slot}", daemon=True,
+            args=(str(self.model_dir), self.back_address, slot, identity, self.max_chars,
+                  self.log_level))
+        process.start()
+        self.workers[identity.encode()] = Worker(slot, identity.encode(), process,
+                                                 time.monotonic())
+
+    # -- messages --------------------------------------------------------------
+
+    def _receive_front(self) -> None:
+        while True:
+            try:
+                client, *body = self.front.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                message = self.front_codec.decode(body)
+            except ProtocolError as e:
+                logger.warning("dropped a frame from client %r: %s", client, e)
+                continue
+            if isinstance(message, TokenizeRequest):
+                self.queue.append(Job(str(next(self.job_ids)), client, message))
+            elif isinstance(message, Ping):
+                self._reply(client, PoolPong(
+                    nonce=message.nonce, num_workers=self.num_workers,
+                    num_alive=sum(w.ready for w in self.workers.values()),
+                    num_pending=len(self.queue) + sum(len(w.jobs) for w in self.workers.values())))
+            elif isinstance(message, Hello):
+                self.waiting_hellos.append(client)
+        if any(w.ready for w in self.workers.values()):
+            self._answer_hellos()
+
+    def _receive_back(self) -> None:
+        while True:
+            try:
+                identity, *body = self.back.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            worker = self.workers.get(identity)
+            try:
+                message = self.back_codec.decode(body)
+            except ProtocolError as e:
+                logger.warning("dropped a frame from worker %r: %s", identity, e)
+                continue
+            if worker is None:
+                continue  # a replaced worker's late words
+            if isinstance(message, Hello):
+                worker.ready = True
+                logger.info("tokenizer worker %d ready (pid %d)", worker.slot, worker.process.pid)
+                self._answer_hellos()
+            elif isinstance(message, (TokenizeResult, TokenizeError)):
+                job = worker.jobs.pop(message.request_id, None)
+                if job is not None:
+                    self._reply(job.client, msgspec.structs.replace(
+                        message, request_id=job.request.request_id))
+
+    def _answer_hellos(self) -> None:
+        for client in self.waiting_hellos:
+            self._reply(client, PoolReady(pool_id=self.pool_id, num_workers=self.num_workers))
+        self.waiting_hellos.clear()
+
+    def _reply(self, client: bytes, message: msgspec.Struct) -> None:
+        try:
+            self.front.send_multipart([client, *self.front_codec.encode(message)], zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # the client is gone: nothing to do
+            logger.info("client %r unreachable: %s", client, e)
+
+    # -- workers ---------------------------------------------------------------
+
+    def _check_workers(self) -> None:
+        for identity, worker in list(self.workers.items()):
+            if worker.process.exitcode is None:
+                continue
+            del self.workers[identity]
+            logger.error("tokenizer worker %d (pid %d) died with exit code %s holding %d "
+                         "job(s); replacing it", worker.slot, worker.process.pid,
+                         worker.process.exitcode, len(worker.jobs))
+            for job in reversed(list(worker.jobs.values())):
+                if job.attempts >= MAX_ATTEMPTS:
+                    self._reply(job.client, TokenizeError(
+                        request_id=job.request.request_id, kind=RequestErrorKind.INTERNAL,
+                        message=f"tokenizer workers died {job.attempts} times while "
+                                f"tokenizing this request"))
+                else:
+                    self.queue.appendleft(job)  # retried first
+            delay = max(0.0, RESPAWN_BACKOFF_S - (time.monotonic() - worker.started))
+            if delay:
+                time.sleep(delay)
+            self._spawn(worker.slot)
+
+    def _dispatch(self) -> None:
+        while self.queue:
+            worker = self._least_loaded()
+            if worker is None:
+                return
+            job = self.queue.popleft()
+            job.attempts += 1
+            worker.jobs[job.job_id] = job
+            request = msgspec.structs.replace(job.request, request_id=job.job_id)
+            self.back.send_multipart([worker.identity, *self.back_codec.encode(request)])
+
+    def _least_loaded(self) -> Optional[Worker]:
+        ready = [w for w in self.workers.values()
+                 if w.ready and len(w.jobs) < MAX_IN_FLIGHT_PER_WORKER]
+        return min(ready, key=lambda w: (len(w.jobs), w.slot), default=None)
+
+
+def default_num_workers() -> int:
+    """About half the cores (the engine needs the rest), at least one."""
+    return max(1, (os.cpu_count() or 2) // 2)

@@ -1,0 +1,73 @@
+"""Turning one batch of tokenize requests into token ids. Pure: no sockets.
+
+Chat messages are rendered with the model's chat template; plain prompts are taken
+as they are. A text longer than the character limit is refused before encoding; the
+rest of the batch is encoded in one call to the Rust tokenizer.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Union
+
+from common.protocol import TokenizeError, TokenizeRequest, TokenizeResult
+from common.tokenizer import load_tokenizer
+
+Reply = Union[TokenizeResult, TokenizeError]
+
+
+class PromptTokenizer:
+    def __init__(self, model_dir: Path, max_chars: int) -> None:
+        self.tokenizer = load_tokenizer(model_dir)
+        self.backend = self.tokenizer.backend_tokenizer
+        self.max_chars = max_chars
+
+    def render(self, request: TokenizeRequest) -> str:
+        """The text to encode. Raises ValueError with a message for the user."""
+        if (request.prompt is None) == (request.messages is None):
+            raise ValueError("exactly one of prompt and messages must be given")
+        if request.prompt is not None:
+            return request.prompt
+        if not self.tokenizer.chat_template:
+            raise ValueError("this model has no chat template; use /v1/completions")
+        messages = [{k: v for k, v in (("role", m.role), ("content", m.content),
+                                       ("name", m.name)) if v is not None}
+                    for m in request.messages]
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=request.add_generation_prompt)
+        except Exception as e:  # jinja raises for what the template rejects
+            raise ValueError(f"the chat template rejected these messages: {e}") from None
+
+    def tokenize(self, requests: list[TokenizeRequest]) -> list[Reply]:
+        """One reply per request, in order."""
+        start = time.perf_counter()
+        replies: list[Reply] = [None] * len(requests)  # type: ignore[list-item]
+        texts: dict[bool, list[tuple[int, str]]] = {True: [], False: []}
+        for i, request in enumerate(requests):
+            try:
+                text = self.render(request)
+            except ValueError as e:
+                replies[i] = TokenizeError(request_id=request.request_id, message=str(e))
+                continue
+            if len(text) > self.max_chars:
+                replies[i] = TokenizeError(
+                    request_id=request.request_id,
+                    message=f"the prompt has {len(text)} characters, more than the limit "
+                            f"of {self.max_chars}; it cannot fit the model's context")
+                continue
+            # A rendered chat template already holds its special tokens.
+            special = request.add_special_tokens and request.messages is None
+            texts[special].append((i, text))
+        for special, items in texts.items():
+            if not items:
+                continue
+            encodings = self.backend.encode_batch([text for _, text in items],
+                                                  add_special_tokens=special)
+            elapsed_ms = (time.perf_counter() - start) * 1e3
+            for (i, _), encoding in zip(items, encodings):
+                replies[i] = TokenizeResult(request_id=requests[i].request_id,
+                                            prompt_token_ids=encoding.ids,
+                                            tokenize_ms=elapsed_ms)
+        return replies

@@ -1,0 +1,65 @@
+"""One tokenizer worker process: jobs in from the pool's supervisor, replies out.
+
+Each time it wakes it takes every job already queued (up to MAX_BATCH) and encodes
+them in one batch. It exits when its supervisor goes away.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from pathlib import Path
+
+import zmq
+
+from common.config import env_default
+from common.logging_setup import setup_logging
+from common.protocol import WORKER_JOBS, WORKER_REPLIES, Codec, Hello, ProtocolError
+from common.sockets import make_socket
+from tokenizer_worker.prompt_tokenizer import PromptTokenizer
+
+logger = logging.getLogger(__name__)
+
+MAX_BATCH = 64
+
+
+def worker_main(model_dir: str, address: str, slot: int, identity: str, max_chars: int,
+                log_level: str) -> None:
+    setup_logging(f"tokenizer[{slot}]", log_level)
+    # Ctrl-C reaches the whole process group; the supervisor decides when we stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
+    tokenizer = PromptTokenizer(Path(model_dir), max_chars)
+    crash_marker = _fault_marker(slot)
+    ctx = zmq.Context()
+    sock = make_socket(ctx, address, zmq.DEALER, bind=False, identity=identity.encode())
+    codec = Codec(WORKER_REPLIES, WORKER_JOBS)
+    sock.send_multipart(codec.encode(Hello(client_id=identity)))
+    while os.getppid() == parent:
+        if not sock.poll(1000):
+            continue
+        jobs = []
+        while len(jobs) < MAX_BATCH:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            try:
+                jobs.append(codec.decode(frames))
+            except ProtocolError as e:
+                logger.warning("dropped a frame from the supervisor: %s", e)
+        if crash_marker and any(crash_marker in (j.prompt or "") for j in jobs):
+            os._exit(3)  # fault injection for tests: die holding the batch
+        for reply in tokenizer.tokenize(jobs):
+            sock.send_multipart(codec.encode(reply))
+    sock.close(0)
+    ctx.term()
+
+
+def _fault_marker(slot: int) -> str:
+    """Tests make chosen workers crash on a marker text (ROSESERVE_FAULT_CRASH_MARKER,
+    ROSESERVE_FAULT_CRASH_SLOTS); unset, nothing happens."""
+    marker = env_default("FAULT_CRASH_MARKER") or ""
+    slots = (env_default("FAULT_CRASH_SLOTS") or "").split(",")
+    return marker if marker and str(slot) in slots else ""
