@@ -290,6 +290,8 @@ class PoolPong(msgspec.Struct, frozen=True, kw_only=True):
     num_alive: int
     # Jobs received and not yet answered.
     num_pending: int
+    # Jobs received since the pool started.
+    num_jobs_total: int = 0
 
 
 class TokenizerMessageType(enum.IntEnum):

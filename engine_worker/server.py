@@ -32,7 +32,7 @@ from typing import Optional
 import msgspec
 import zmq
 
-from common.config import EngineServerConfig
+from common.config import EngineServerConfig, env_default
 from common.errors import InvalidRequestError
 from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, AbortRequests, AddRequest,
                              Codec, Dead, FinishReason, Hello, OutputBatch, Ping, Pong,
@@ -121,7 +121,7 @@ class _IOThread(threading.Thread):
             try:
                 self.router.send_multipart(frames, zmq.NOBLOCK)
             except zmq.ZMQError as e:  # EHOSTUNREACH (gone) or EAGAIN (not reading)
-                logger.warning("client %r unreachable (%s)", frames[0], e)
+                logger.info("client %r unreachable (%s)", frames[0], e)
                 self.unreachable.put(frames[0])
 
     def close(self) -> None:
@@ -147,6 +147,9 @@ class EngineServer:
         self.owner: dict[str, bytes] = {}  # request_id -> client identity
         self.draining_since: Optional[float] = None
         self.abort_now = False
+        # Fault injection for tests: a pause after every step, so that requests stay
+        # queued or running long enough to observe. Unset in production.
+        self.step_delay_s = float(env_default("FAULT_STEP_DELAY_S") or 0.0)
         self.ready = Ready(
             engine_id=self.engine_id, model_name=engine.model_name,
             max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
@@ -211,6 +214,8 @@ class EngineServer:
                 return
             if self.engine.has_unfinished_requests():
                 self._send_outputs(self.engine.step())
+                if self.step_delay_s:
+                    time.sleep(self.step_delay_s)
 
     def _drain_inbox(self, block: bool) -> list:
         messages = []
@@ -311,9 +316,13 @@ class EngineServer:
                 identity = self.io.unreachable.get_nowait()
             except queue.Empty:
                 return
-            client = self.clients.pop(identity, None)
-            if client is not None and client.request_ids:
-                self._abort(list(client.request_ids), None)
+            client = self.clients.get(identity)
+            if client is not None:
+                if client.request_ids:
+                    logger.warning("client %r unreachable: aborting its %d request(s)",
+                                   identity, len(client.request_ids))
+                    self._abort(list(client.request_ids), None)
+                del self.clients[identity]
 
     def _send(self, identity: bytes, message: msgspec.Struct) -> None:
         self.outbox.send_multipart([identity, *self.codec.encode(message)])

@@ -46,9 +46,25 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from roseserve.launcher import serve
+
+    return serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from engine_worker.__main__ import add_engine_args
+    from frontend.__main__ import add_frontend_args
+
     parser = argparse.ArgumentParser(prog="roseserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    srv = sub.add_parser("serve", help="run the whole stack: engine, tokenizer pool, frontend")
+    add_engine_args(srv)
+    add_frontend_args(srv)
+    srv.add_argument("--tokenizer-workers", type=int, default=None,
+                     help="tokenizer processes (default: half the cores, at least 1)")
+    srv.add_argument("--log-level", default=None)
+    srv.set_defaults(func=_serve)
     gen = sub.add_parser("generate", help="generate from prompts with the in-process engine")
     gen.add_argument("--model", default=env_default("MODEL"),
                      help="Hugging Face model directory (default: SmolLM2-135M-Instruct)")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import subprocess
 import sys
@@ -16,25 +15,10 @@ import zmq
 from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, AddRequest, Codec,
                              FinishReason, Hello)
 from engine_worker.client import EngineClient, EngineDeadError, EngineRequestError
+import processes
 from helpers import greedy, make_engine, random_prompts
 
 PROMPTS = random_prompts([3, 11, 26, 40], seed=21)
-
-
-class EngineProcess:
-    def __init__(self, model_dir, address: str, *extra: str) -> None:
-        self.address = address
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine_worker", "--model", str(model_dir), "--device",
-             "cpu", "--bind", address, "--kv-cache-memory-gb", "0.02", "--block-size", "4",
-             *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-    def stop(self) -> str:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        out, _ = self.proc.communicate(timeout=30)
-        return out
 
 
 @pytest.fixture
@@ -42,7 +26,7 @@ def engine_factory(tmp_path, tiny_llama_dir):
     procs = []
 
     def start(*extra: str, name: str = "engine") -> EngineProcess:
-        proc = EngineProcess(tiny_llama_dir, f"ipc://{tmp_path}/{name}.sock", *extra)
+        proc = processes.engine(tiny_llama_dir, f"ipc://{tmp_path}/{name}.sock", *extra)
         procs.append(proc)
         return proc
 
@@ -54,7 +38,7 @@ def engine_factory(tmp_path, tiny_llama_dir):
 @pytest.fixture(scope="module")
 def shared_engine(tmp_path_factory, tiny_llama_dir):
     path = tmp_path_factory.mktemp("shared-engine")
-    proc = EngineProcess(tiny_llama_dir, f"ipc://{path}/engine.sock")
+    proc = processes.engine(tiny_llama_dir, f"ipc://{path}/engine.sock")
     yield proc
     proc.stop()
 

@@ -82,6 +82,7 @@ class TokenizerPool:
         self.stopping = False
         self.generation = 0
         self.job_ids = itertools.count()
+        self.num_jobs_total = 0
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -146,12 +147,14 @@ class TokenizerPool:
                 logger.warning("dropped a frame from client %r: %s", client, e)
                 continue
             if isinstance(message, TokenizeRequest):
+                self.num_jobs_total += 1
                 self.queue.append(Job(str(next(self.job_ids)), client, message))
             elif isinstance(message, Ping):
                 self._reply(client, PoolPong(
                     nonce=message.nonce, num_workers=self.num_workers,
                     num_alive=sum(w.ready for w in self.workers.values()),
-                    num_pending=len(self.queue) + sum(len(w.jobs) for w in self.workers.values())))
+                    num_pending=len(self.queue) + sum(len(w.jobs) for w in self.workers.values()),
+                    num_jobs_total=self.num_jobs_total))
             elif isinstance(message, Hello):
                 self.waiting_hellos.append(client)
         if any(w.ready for w in self.workers.values()):

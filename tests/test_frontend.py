@@ -1,0 +1,406 @@
+"""The HTTP frontend end to end: real engine, tokenizer pool and frontend processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+
+import httpx
+import pytest
+
+import processes
+from engine_worker.client import EngineClient
+from tokenizer_worker.client import TokenizerClient
+
+SLOW = "SLOW-TOKENIZE"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, tiny_llama_dir):
+    d = tmp_path_factory.mktemp("stack")
+    engine = processes.engine(tiny_llama_dir, f"ipc://{d}/engine.sock")
+    pool = processes.tokenizer_pool(tiny_llama_dir, f"ipc://{d}/tok.sock",
+                                    env={"ROSESERVE_FAULT_SLOW_MARKER": SLOW})
+    front = processes.frontend(tiny_llama_dir, engine.address, pool.address,
+                               "--served-model-name", "tiny-llama")
+    try:
+        processes.wait_healthy(front)
+        yield {"engine": engine, "pool": pool, "frontend": front, "url": front.url}
+    finally:
+        for p in (front, pool, engine):
+            p.stop()
+
+
+@pytest.fixture(scope="module")
+def strict(tmp_path_factory, tiny_llama_dir, stack):
+    """A second frontend with an API key, a small body limit and an admission limit of
+    one waiting request, before an engine that decodes one request at a time, slowly
+    (20 ms per step, so that requests stay queued long enough to observe)."""
+    d = tmp_path_factory.mktemp("strict")
+    engine = processes.engine(tiny_llama_dir, f"ipc://{d}/engine.sock", "--max-batch-size", "1",
+                              env={"ROSESERVE_FAULT_STEP_DELAY_S": "0.02"})
+    front = processes.frontend(tiny_llama_dir, engine.address, stack["pool"].address,
+                               "--served-model-name", "tiny-llama", "--api-key", "s3cret", "--max-body-bytes", "4096",
+                               "--max-waiting-requests", "1")
+    try:
+        processes.wait_healthy(front)
+        yield {"engine": engine, "frontend": front, "url": front.url,
+               "auth": {"Authorization": "Bearer s3cret"}}
+    finally:
+        for p in (front, engine):
+            p.stop()
+
+
+def engine_stats(address: str):
+    async def go():
+        client = EngineClient(address)
+        await client.start(30)
+        try:
+            return (await client.ping()).stats
+        finally:
+            await client.close()
+    return asyncio.run(go())
+
+
+def pool_jobs(address: str) -> int:
+    async def go():
+        client = TokenizerClient(address)
+        await client.start(30)
+        try:
+            return (await client.ping()).num_jobs_total
+        finally:
+            await client.close()
+    return asyncio.run(go())
+
+
+def wait_engine_idle(address: str, timeout_s: float = 10.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = engine_stats(address)
+        if (stats.num_running == 0 and stats.num_waiting == 0) or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.1)
+
+
+def sse_events(response: httpx.Response) -> list:
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def complete(url, headers=None, **body):
+    body.setdefault("model", "tiny-llama")
+    return httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=60)
+
+
+# -- the OpenAI client ----------------------------------------------------------------
+
+
+def test_openai_client_completions(stack):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=stack["url"] + "/v1", api_key="unused")
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny-llama"]
+    full = client.completions.create(model="tiny-llama", prompt="Once upon a time",
+                                     max_tokens=12, temperature=0)
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 12 and full.usage.prompt_tokens == 4
+    assert full.usage.total_tokens == 16
+    timing = full.model_extra["timing"]
+    assert set(timing) == {"tokenize_ms", "queue_ms", "prefill_ms", "ttft_ms"}
+    assert all(v is not None and v >= 0 for v in timing.values())
+    chunks = list(client.completions.create(model="tiny-llama", prompt="Once upon a time",
+                                            max_tokens=12, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 12
+    assert "timing" in chunks[-1].model_extra
+
+
+def test_openai_client_chat(stack):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=stack["url"] + "/v1", api_key="unused")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    full = client.chat.completions.create(model="tiny-llama", messages=messages, max_tokens=8,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    choice = full.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason == "length"
+    assert full.usage.completion_tokens == 8
+    assert len(choice.logprobs.content) == 8
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in choice.logprobs.content)
+    # "<|system|>\nBe brief.\n<|user|>\nHi!\n<|assistant|>\n" (the tiny model's template)
+    assert full.usage.prompt_tokens > 10
+    chunks = list(client.chat.completions.create(model="tiny-llama", messages=messages,
+                                                 max_tokens=8, temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == choice.message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_n_choices_with_a_seed_differ_and_are_counted(stack):
+    r = complete(stack["url"], prompt="Colors:", max_tokens=6, n=3, temperature=1.0, seed=7,
+                 return_token_ids=True)
+    body = r.json()
+    assert r.status_code == 200 and [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert len({tuple(c["token_ids"]) for c in body["choices"]}) > 1
+    # "Colors:" is 3 GPT-2 tokens, counted once for the 3 choices.
+    assert body["usage"]["completion_tokens"] == 18 and body["usage"]["prompt_tokens"] == 3
+    again = complete(stack["url"], prompt="Colors:", max_tokens=6, n=3, temperature=1.0, seed=7,
+                     return_token_ids=True).json()
+    assert [c["token_ids"] for c in again["choices"]] == [c["token_ids"] for c in body["choices"]]
+
+
+def test_completion_logprobs_format(stack):
+    body = complete(stack["url"], prompt="The sky is", max_tokens=3, logprobs=2,
+                    temperature=0).json()
+    lp = body["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 3
+    assert all(len(top) <= 2 for top in lp["top_logprobs"])
+    assert lp["text_offset"][0] == 0
+
+
+# -- prompts ----------------------------------------------------------------------------
+
+
+def test_token_id_prompts_bypass_the_tokenizer_pool(stack):
+    before = pool_jobs(stack["pool"].address)
+    body = complete(stack["url"], prompt=[15496, 995, 11], max_tokens=4, temperature=0,
+                    return_token_ids=True).json()
+    assert body["usage"]["prompt_tokens"] == 3
+    assert body["choices"][0]["prompt_token_ids"] == [15496, 995, 11]
+    batch = complete(stack["url"], prompt=[[15496], [995, 11]], max_tokens=2).json()
+    assert [c["index"] for c in batch["choices"]] == [0, 1]
+    assert pool_jobs(stack["pool"].address) == before
+    complete(stack["url"], prompt="Hello world, this", max_tokens=1)
+    assert pool_jobs(stack["pool"].address) == before + 1
+    # Token ids and the text they encode give the same completion.
+    text_body = complete(stack["url"], prompt="Hello world,", max_tokens=4, temperature=0,
+                         return_token_ids=True).json()
+    assert text_body["choices"][0]["token_ids"] == body["choices"][0]["token_ids"]
+
+
+def test_streamed_text_is_whole_utf8_and_matches_the_tokens(stack):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(stack["engine"].args[2])
+    for seed in range(4):
+        with httpx.stream("POST", stack["url"] + "/v1/completions", timeout=60, json={
+                "model": "tiny-llama", "prompt": f"Text {seed}", "max_tokens": 24,
+                "temperature": 1.0, "seed": seed, "stream": True,
+                "return_token_ids": True}) as r:
+            events = sse_events(r)
+        chunks = [e for e in events if e != "[DONE]"]
+        assert events[-1] == "[DONE]"
+        ids = [t for c in chunks for t in c["choices"][0]["token_ids"]]
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+        assert len(ids) == 24
+        assert text == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_stop_string_spanning_tokens_ends_the_request(stack):
+    base = complete(stack["url"], prompt="Story:", max_tokens=20, temperature=0,
+                    return_token_ids=True).json()["choices"][0]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(stack["engine"].args[2])
+    pieces = [tok.decode([t]) for t in base["token_ids"]]
+    k = next(i for i in range(3, 19) if len(pieces[i]) >= 2 and len(pieces[i + 1]) >= 2)
+    stop = pieces[k][-2:] + pieces[k + 1][:2]  # spans the boundary between tokens k, k+1
+    text_before = "".join(pieces[:k + 1])
+    expected = text_before[:text_before.find(stop)] if stop in text_before else (
+        text_before[:-2])
+    for stream in (False, True):
+        r = complete(stack["url"], prompt="Story:", max_tokens=20, temperature=0, stop=[stop],
+                     stream=stream, return_token_ids=True)
+        if stream:
+            events = [e for e in sse_events(r) if e != "[DONE]"]
+            text = "".join(e["choices"][0]["text"] for e in events)
+            finish = events[-1]["choices"][0]["finish_reason"]
+        else:
+            choice = r.json()["choices"][0]
+            text, finish = choice["text"], choice["finish_reason"]
+        assert text == expected and stop not in text
+        assert finish == "stop"
+    stats = wait_engine_idle(stack["engine"].address)
+    assert stats.num_running == 0 and stats.num_blocks_used == 0
+
+
+# -- errors -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("body, param, fragment", [
+    ({"prompt": "x", "temperature": 3}, "temperature", "less than or equal to 2"),
+    ({"prompt": "x", "n": 0}, "n", "greater than or equal to 1"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs", "less than or equal to 20"),
+    ({"prompt": "x", "echo": True}, "echo", "echo is not supported"),
+    ({"prompt": "x", "bogus": 1}, "bogus", "'bogus' is not a supported parameter"),
+    ({"max_tokens": 3}, "prompt", "'prompt' is required"),
+    ({"prompt": "x", "model": "gpt-4"}, "model", "'gpt-4' does not exist"),
+    ({"prompt": "x", "max_tokens": 600}, "max_tokens",
+     "maximum context length is 512 tokens, but the prompt has 1 tokens and max_tokens is 600"),
+    ({"prompt": [], "max_tokens": 2}, "prompt", "empty"),
+    ({"prompt": [1, 70000], "max_tokens": 2}, "prompt", "70000 outside the vocabulary"),
+    ({"prompt": "x", "stop_token_ids": [-4]}, "stop_token_ids", "outside the vocabulary"),
+    ({"prompt": "x", "stop": [""]}, "stop", "non-empty"),
+])
+def test_invalid_requests_get_400_shaped_like_openai(stack, body, param, fragment):
+    for stream in (False, True):
+        r = complete(stack["url"], **{**body, "stream": stream})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error"
+        assert error["param"] == param
+        assert fragment in error["message"]
+
+
+def test_malformed_json_and_chat_errors(stack):
+    r = httpx.post(stack["url"] + "/v1/completions", content=b"{not json", timeout=30)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(stack["url"] + "/v1/chat/completions", timeout=30, json={
+        "model": "tiny-llama", "messages": [{"role": "wizard", "content": "x"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages.0.role"
+    r = httpx.post(stack["url"] + "/v1/chat/completions", timeout=30, json={
+        "model": "tiny-llama", "messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.get(stack["url"] + "/v1/nowhere", timeout=30)
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_api_key_is_required_except_for_health_and_metrics(strict):
+    url = strict["url"]
+    r = complete(url, prompt="x", max_tokens=1)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = complete(url, headers={"Authorization": "Bearer wrong"}, prompt="x", max_tokens=1)
+    assert r.status_code == 401
+    assert complete(url, headers=strict["auth"], prompt="x", max_tokens=1).status_code == 200
+    assert httpx.get(url + "/health", timeout=30).status_code == 200
+    assert httpx.get(url + "/metrics", timeout=30).status_code == 200
+
+
+def test_body_over_the_limit_gets_413(strict):
+    r = complete(strict["url"], headers=strict["auth"], prompt="x" * 5000, max_tokens=1)
+    assert r.status_code == 413 and "4096 bytes" in r.json()["error"]["message"]
+
+
+def test_admission_limit_gives_429_and_a_queued_disconnect_is_aborted(strict):
+    url, auth = strict["url"], strict["auth"]
+    long_body = {"model": "tiny-llama", "prompt": "a", "max_tokens": 300, "stream": True}
+    with httpx.Client(timeout=60, headers=auth) as client:
+        with client.stream("POST", url + "/v1/completions", json=long_body) as running:
+            lines = running.iter_lines()  # kept: dropping the iterator closes the stream
+            next(lines)  # decoding: the engine's only slot is taken
+            queued = _open_raw_request(url, {**long_body, "prompt": "b"}, auth)
+            deadline = time.monotonic() + 5  # admitted, then waiting for the slot
+            while engine_stats(strict["engine"].address).num_waiting != 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            r = client.post(url + "/v1/completions",
+                            json={"model": "tiny-llama", "prompt": "c", "max_tokens": 1})
+            assert r.status_code == 429
+            assert r.headers["Retry-After"] == "1"
+            assert r.json()["error"]["type"] == "rate_limit_error"
+            queued.close()  # the queued client goes away
+            deadline = time.monotonic() + 3
+            while engine_stats(strict["engine"].address).num_waiting:
+                assert time.monotonic() < deadline, "the queued request was not aborted"
+                time.sleep(0.05)
+            assert engine_stats(strict["engine"].address).num_running == 1  # "a" still runs
+    stats = wait_engine_idle(strict["engine"].address)
+    assert stats.num_running == 0 and stats.num_blocks_used == 0
+
+
+def _open_raw_request(url: str, body: dict, headers: dict) -> socket.socket:
+    """An HTTP request sent on a raw socket, left unread, to be dropped later."""
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)))
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n"
+            + "".join(f"{k}: {v}\r\n" for k, v in headers.items()) + "\r\n")
+    sock.sendall(head.encode() + payload)
+    return sock
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(stack):
+    with httpx.stream("POST", stack["url"] + "/v1/completions", timeout=60, json={
+            "model": "tiny-llama", "prompt": "go", "max_tokens": 400, "stream": True}) as r:
+        lines = r.iter_lines()
+        for _ in range(6):
+            next(lines)
+    stats = wait_engine_idle(stack["engine"].address)
+    assert stats.num_running == 0 and stats.num_waiting == 0
+    assert stats.num_blocks_used == 0
+
+
+def test_disconnect_while_tokenizing_never_reaches_the_engine(stack):
+    before = engine_stats(stack["engine"].address).prefix_cache_query_tokens
+    sock = _open_raw_request(stack["url"], {"model": "tiny-llama", "prompt": SLOW + " text",
+                                            "max_tokens": 50}, {})
+    time.sleep(0.5)
+    sock.close()
+    time.sleep(2.5)  # the slow tokenization finishes meanwhile
+    stats = engine_stats(stack["engine"].address)
+    assert stats.prefix_cache_query_tokens == before  # nothing was submitted
+    assert stats.num_running == 0
+
+
+def test_many_concurrent_streams_complete_with_correct_usage(stack):
+    async def one(client, i):
+        body = {"model": "tiny-llama", "prompt": f"Request number {i}", "max_tokens": 16,
+                "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+        events = []
+        async with client.stream("POST", stack["url"] + "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+        assert events[-1] == "[DONE]"
+        usage = json.loads(events[-2])["usage"]
+        finish = [json.loads(e)["choices"][0]["finish_reason"] for e in events[:-2]
+                  if json.loads(e)["choices"]]
+        return usage, finish[-1]
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await asyncio.gather(*[one(client, i) for i in range(32)])
+
+    results = asyncio.run(main())
+    assert all(u["completion_tokens"] == 16 and f == "length" for u, f in results)
+    assert all(u["prompt_tokens"] == u["total_tokens"] - 16 for u, _ in results)
+    stats = wait_engine_idle(stack["engine"].address)
+    assert stats.num_blocks_used == 0
+
+
+def test_metrics_and_health(stack):
+    assert httpx.get(stack["url"] + "/health", timeout=30).json()["status"] == "ok"
+    text = httpx.get(stack["url"] + "/metrics", timeout=30).text
+    for name in ("roseserve_requests_total", "roseserve_time_to_first_token_seconds_bucket",
+                 "roseserve_inter_token_latency_seconds_bucket",
+                 "roseserve_queue_time_seconds_bucket",
+                 "roseserve_e2e_request_latency_seconds_bucket",
+                 "roseserve_num_requests_running", "roseserve_num_requests_waiting",
+                 "roseserve_kv_cache_usage_ratio", "roseserve_prefix_cache_hit_rate",
+                 "roseserve_tokenizer_queue"):
+        assert name in text
+    assert 'roseserve_requests_total{finish_reason="length"}' in text
+
+
+def test_engine_down_gives_503_and_unhealthy(strict):
+    strict["engine"].proc.kill()
+    strict["engine"].proc.wait()
+    time.sleep(1.0)
+    r = complete(strict["url"], headers=strict["auth"], prompt="x", max_tokens=1)
+    assert r.status_code == 503
+    assert r.json()["error"]["type"] == "service_unavailable"
+    assert httpx.get(strict["url"] + "/health", timeout=30).status_code == 503
