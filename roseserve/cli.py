@@ -47,8 +47,16 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from engine_worker.__main__ import engine_config_from_args
+    from frontend.__main__ import frontend_config_from_args
     from roseserve.launcher import serve
 
+    try:  # refuse bad flags here, before any process starts
+        engine_config_from_args(args)
+        frontend_config_from_args(args, ["ipc://check"], "ipc://check")
+    except ValueError as e:
+        print(f"roseserve serve: {e}", file=sys.stderr)
+        return 2
     return serve(args)
 
 

@@ -12,7 +12,6 @@ the engine (which finishes what is in flight), and exits 0.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import shutil
 import signal
@@ -27,10 +26,10 @@ from typing import Optional
 
 from common.model_files import resolve_model_dir
 
-logger = logging.getLogger("roseserve")
 
 STARTUP_TIMEOUT_S = 900.0
 STOP_TIMEOUT_S = 40.0
+STARTUP_STOP_TIMEOUT_S = 3.0
 
 
 @dataclass
@@ -54,7 +53,8 @@ class Component:
         try:
             self.process.wait(timeout_s)
         except subprocess.TimeoutExpired:
-            logger.warning("%s did not stop within %.0f s; killing it", self.name, timeout_s)
+            print(f"roseserve: {self.name} did not stop within {timeout_s:.0f} s; killing it",
+                  file=sys.stderr, flush=True)
             self.process.kill()
             self.process.wait()
 
@@ -100,11 +100,13 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop_requested.append(True))
     url = f"http://{'localhost' if args.host in ('127.0.0.1', '::1') else args.host}:{args.port}"
     code = 0
+    ready = False
     try:
         for component in components:
             component.start()
         failure = _wait_ready(components, f"{url}/health", stop_requested)
         if failure is None and not stop_requested:
+            ready = True
             print(f"roseserve is ready: {url}/v1 (model {os.path.basename(model_dir)}); "
                   f"Ctrl-C stops it", flush=True)
             failure = _supervise(components, stop_requested)
@@ -112,8 +114,10 @@ def serve(args: argparse.Namespace) -> int:
             print(f"roseserve: {failure}; stopping", file=sys.stderr, flush=True)
             code = 1
     finally:
+        # Before readiness nothing is in flight, and a component still starting may
+        # not act on SIGTERM until it has started: do not wait long for it.
         for component in (frontend, tokenizer, engine):
-            component.stop(STOP_TIMEOUT_S)
+            component.stop(STOP_TIMEOUT_S if ready else STARTUP_STOP_TIMEOUT_S)
         shutil.rmtree(run_dir, ignore_errors=True)
     return code
 

@@ -1,0 +1,140 @@
+"""The tokenizer pool: real supervisor and worker processes, driven by its client."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import processes
+from common.protocol import ChatMessage, TokenizeRequest
+from common.tokenizer import load_tokenizer
+from tokenizer_worker.client import TokenizeFailed, TokenizerClient
+from tokenizer_worker.prompt_tokenizer import PromptTokenizer
+
+CRASH = "CRASH-THE-WORKER"
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 120))
+
+
+async def connect(address: str) -> TokenizerClient:
+    client = TokenizerClient(address)
+    await client.start(timeout_s=60)
+    return client
+
+
+@pytest.fixture
+def pool_factory(tmp_path, tiny_llama_dir):
+    started = []
+
+    def start(workers: int = 2, crash_slots: str = "", name: str = "pool"):
+        env = {"ROSESERVE_FAULT_CRASH_MARKER": CRASH, "ROSESERVE_FAULT_CRASH_SLOTS": crash_slots}
+        proc = processes.tokenizer_pool(tiny_llama_dir, f"ipc://{tmp_path}/{name}.sock",
+                                        workers, env)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.stop()
+
+
+def test_prompts_and_chat_match_the_tokenizer(pool_factory, tiny_llama_dir):
+    pool = pool_factory()
+    tok = load_tokenizer(tiny_llama_dir)
+
+    async def main():
+        client = await connect(pool.address)
+        texts = [f"prompt {i}: héllo wörld " * (i % 5 + 1) for i in range(50)]
+        results = await asyncio.gather(*[client.tokenize(t) for t in texts])
+        chat = await client.tokenize(messages=[ChatMessage(role="user", content="Hi there")])
+        pong = await client.ping()
+        await client.close()
+        return texts, results, chat, pong
+
+    texts, results, chat, pong = run(main())
+    assert [r.prompt_token_ids for r in results] == [tok.encode(t) for t in texts]
+    rendered = tok.apply_chat_template([{"role": "user", "content": "Hi there"}],
+                                       tokenize=False, add_generation_prompt=True)
+    assert chat.prompt_token_ids == tok.encode(rendered, add_special_tokens=False)
+    assert pong.num_workers == 2 and pong.num_pending == 0 and pong.num_jobs_total == 51
+
+
+def test_a_dead_worker_is_replaced_and_its_request_retried_elsewhere(pool_factory):
+    pool = pool_factory(crash_slots="0")  # worker 0 dies on the marker; worker 1 does not
+
+    async def main():
+        client = await connect(pool.address)
+        while (await client.ping()).num_alive < 2:
+            await asyncio.sleep(0.2)
+        result = await client.tokenize(f"{CRASH} please")  # idle pool: worker 0 gets it
+        for _ in range(100):  # the replacement comes up
+            pong = await client.ping()
+            if pong.num_alive == 2:
+                break
+            await asyncio.sleep(0.2)
+        ok = await client.tokenize("after the crash")
+        await client.close()
+        return result, pong, ok
+
+    result, pong, ok = run(main())
+    assert len(result.prompt_token_ids) > 0
+    assert pong.num_alive == 2
+    assert len(ok.prompt_token_ids) == 3
+    assert "died with exit code 3" in pool.stop()
+
+
+def test_a_request_that_kills_twice_fails_with_a_clear_error(pool_factory):
+    pool = pool_factory(crash_slots="0,1")
+
+    async def main():
+        client = await connect(pool.address)
+        with pytest.raises(TokenizeFailed) as info:
+            await client.tokenize(f"{CRASH} again")
+        for _ in range(100):
+            if (await client.ping()).num_alive == 2:
+                break
+            await asyncio.sleep(0.2)
+        ok = await client.tokenize("still serving")
+        await client.close()
+        return info.value, ok
+
+    error, ok = run(main())
+    assert "tokenizer workers died 2 times while tokenizing this request" in error.message
+    assert error.kind.value == "internal"
+    assert len(ok.prompt_token_ids) == 2
+
+
+def test_absurdly_long_text_is_refused_before_encoding(tiny_llama_dir):
+    tokenizer = PromptTokenizer(tiny_llama_dir, max_chars=100)
+    replies = tokenizer.tokenize([
+        TokenizeRequest(request_id="long", prompt="x" * 101),
+        TokenizeRequest(request_id="ok", prompt="fine"),
+        TokenizeRequest(request_id="both", prompt="a", messages=[]),
+    ])
+    assert "101 characters, more than the limit of 100" in replies[0].message
+    assert replies[1].prompt_token_ids == [38125]
+    assert "exactly one of prompt and messages" in replies[2].message
+
+
+def test_garbage_frames_do_not_kill_the_pool(pool_factory):
+    import zmq
+
+    pool = pool_factory(workers=1)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(pool.address)
+    for frames in ([b"junk"], [b"\x02", b"\xc1"], [b"\x63", b"\x80"]):
+        sock.send_multipart(frames)
+    sock.close(0)
+    ctx.term()
+
+    async def main():
+        client = await connect(pool.address)
+        result = await client.tokenize("still fine")
+        await client.close()
+        return result
+
+    assert len(run(main()).prompt_token_ids) == 2
