@@ -123,6 +123,9 @@ class EngineServerConfig:
     # A client with requests in flight that sends nothing (not even its heartbeat
     # ping) for this long is presumed gone: its requests are aborted.
     client_timeout_s: float = 15.0
+    # For measuring what per-step batching buys: send one frame per request per step
+    # (one message per token) instead of one frame per client per step.
+    per_token_frames: bool = False
 
     def __post_init__(self) -> None:
         if not self.bind.startswith(("tcp://", "ipc://", "inproc://")):

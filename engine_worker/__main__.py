@@ -41,6 +41,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-cpu-kernels", action="store_true",
                    help="use only torch ops (no C kernels, no packed GEMM)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--per-token-output-frames", action="store_true",
+                   help="experiment: one output frame per request per step, not one per "
+                        "client per step")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -72,7 +75,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     setup_logging("engine", args.log_level)
     try:
         server_config = EngineServerConfig(bind=args.bind, drain_timeout_s=args.drain_timeout,
-                                           client_timeout_s=args.client_timeout)
+                                           client_timeout_s=args.client_timeout,
+                                           per_token_frames=args.per_token_output_frames)
         engine_config = engine_config_from_args(args)
     except ValueError as e:
         parser.error(str(e))

@@ -298,7 +298,11 @@ class EngineServer:
                 del self.owner[out.request_id]
                 self.clients[identity].request_ids.discard(out.request_id)
         for identity, batch in by_client.items():
-            self._send(identity, OutputBatch(outputs=batch))
+            if self.config.per_token_frames:
+                for out in batch:
+                    self._send(identity, OutputBatch(outputs=[out]))
+            else:
+                self._send(identity, OutputBatch(outputs=batch))
 
     def _expire_silent_clients(self, now: float) -> None:
         for client in list(self.clients.values()):

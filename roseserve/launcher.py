@@ -73,7 +73,8 @@ def _forward(args: argparse.Namespace, names: list[str]) -> list[str]:
 
 ENGINE_FLAGS = ["device", "dtype", "threads", "max_model_len", "max_batch_size",
                 "prefill_max_batch_size", "max_num_batched_tokens", "block_size",
-                "kv_cache_memory_gb", "no_prefix_cache", "no_cpu_kernels", "seed"]
+                "kv_cache_memory_gb", "no_prefix_cache", "no_cpu_kernels", "seed",
+                "per_token_output_frames"]
 FRONTEND_FLAGS = ["host", "port", "api_key", "served_model_name", "max_body_bytes",
                   "max_waiting_requests", "max_waiting_tokens"]
 

@@ -1,0 +1,130 @@
+"""benchmarks/stream.py: its statistics, and one short run against a real stack."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import processes
+from benchmarks.stream_stats import (arrival_offsets, itls, percentile, p50_95_99,
+                                     tokens_per_second_over_time, tpot)
+
+
+def test_percentiles_interpolate_like_numpy():
+    values = [7.0, 1.0, 3.0, 10.0, 4.0, 2.5]
+    for q in (0, 25, 50, 90, 95, 99, 100):
+        assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)))
+    assert percentile([], 50) is None
+    assert percentile([4.0], 99) == 4.0
+    assert p50_95_99([1, 2, 3, 4]) == (2.5, 3.85, 3.97)
+
+
+def test_tpot_and_itl_definitions():
+    times = [10.0, 10.1, 10.3, 10.6]
+    assert itls(times) == pytest.approx([0.1, 0.2, 0.3])
+    # 4 tokens: 3 gaps after the first token over 0.6 s.
+    assert tpot(times, 4) == pytest.approx(0.2)
+    # A chunk may carry several tokens: TPOT divides by tokens, not chunks.
+    assert tpot([0.0, 0.5], 6) == pytest.approx(0.1)
+    assert tpot([1.0], 1) is None
+
+
+def test_poisson_arrivals_are_seeded_and_have_the_asked_rate():
+    a = arrival_offsets(4000, request_rate=20.0, burstiness=1.0, seed=3)
+    assert a == arrival_offsets(4000, request_rate=20.0, burstiness=1.0, seed=3)
+    assert a != arrival_offsets(4000, request_rate=20.0, burstiness=1.0, seed=4)
+    gaps = np.diff(a)
+    assert a[0] == 0.0 and (gaps > 0).all()
+    assert statistics.mean(gaps) == pytest.approx(1 / 20.0, rel=0.05)
+    # Exponential gaps: coefficient of variation 1. Burstiness 4: 1 / sqrt(4).
+    assert np.std(gaps) / np.mean(gaps) == pytest.approx(1.0, rel=0.08)
+    regular = np.diff(arrival_offsets(4000, request_rate=20.0, burstiness=4.0, seed=3))
+    assert np.std(regular) / np.mean(regular) == pytest.approx(0.5, rel=0.08)
+
+
+def test_without_a_rate_arrivals_follow_the_interval():
+    assert arrival_offsets(4, None, 1.0, 0, interval_s=0.02) == pytest.approx([0, 0.02, 0.04, 0.06])
+    assert arrival_offsets(3, float("inf"), 1.0, 0) == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError):
+        arrival_offsets(3, 5.0, 0.0, 0)
+
+
+def test_tokens_per_second_bins():
+    starts, rates = tokens_per_second_over_time([0.1, 0.2, 1.5, 2.9], [1, 2, 1, 4], bin_s=1.0)
+    assert starts == [0.0, 1.0, 2.0] and rates == [3.0, 1.0, 4.0]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, tiny_llama_dir):
+    d = tmp_path_factory.mktemp("bench-stack")
+    engine = processes.engine(tiny_llama_dir, f"ipc://{d}/engine.sock")
+    pool = processes.tokenizer_pool(tiny_llama_dir, f"ipc://{d}/tok.sock", workers=1)
+    front = processes.frontend(tiny_llama_dir, engine.address, pool.address,
+                               "--served-model-name", "tiny")
+    try:
+        processes.wait_healthy(front)
+        yield front.url
+    finally:
+        for p in (front, pool, engine):
+            p.stop()
+
+
+def bench(url, tmp_path, name, *args):
+    out = tmp_path / f"{name}.json"
+    proc = subprocess.run([sys.executable, "benchmarks/stream.py", "--url", url, "--json",
+                           str(out), "--no-progress", "--label", name, *args],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout, json.loads(out.read_text())
+
+
+def test_a_short_run_writes_every_request(stack, tmp_path, tiny_llama_dir):
+    stdout, summary = bench(stack, tmp_path, "text", "--num-requests", "12",
+                            "--max-new-tokens", "8", "--no-stop-on-eos", "--unique-prompts",
+                            "--warmup-runs", "0", "--plot", str(tmp_path / "run.png"))
+    for line in ("Model: tiny", "Pretok: False", "Requests: 12 (failed: 0)",
+                 "Completion tokens (total): 96", "Submit wall:", "add_request latency",
+                 "Tokenize p50/p95/p99", "Queue wait", "Prefill->first token", "TTFT",
+                 "TPOT", "ITL", "Latency", "Throughput (completion,total)"):
+        assert line in stdout
+    assert [r["index"] for r in summary["requests"]] == list(range(12))
+    for r in summary["requests"]:
+        assert r["error"] is None and r["completion_tokens"] == 8
+        assert r["finish_reason"] == "length" and len(r["itl_ms"]) == 7
+        assert r["ttft_ms"] > 0 and r["latency_ms"] >= r["ttft_ms"]
+        assert set(r["server_timing"]) == {"tokenize_ms", "queue_ms", "prefill_ms", "ttft_ms"}
+    assert (tmp_path / "run.png").stat().st_size > 10_000
+
+    stdout, pretok = bench(stack, tmp_path, "pretok", "--num-requests", "12",
+                           "--max-new-tokens", "8", "--no-stop-on-eos", "--unique-prompts",
+                           "--pretok", "--pretok-base-token-ids", "--tokenizer",
+                           str(tiny_llama_dir), "--warmup-runs", "0", "--max-concurrency", "4",
+                           "--request-rate", "50", "--repeat-runs", "2")
+    assert "Pretok: True" in stdout and "median of 2 runs" in stdout
+    assert "Client queue wait (max concurrency 4)" in stdout
+    assert all(r["server_timing"]["tokenize_ms"] == 0 for r in pretok["requests"])
+    assert len(pretok["runs"]) == 2
+
+    compare = subprocess.run([sys.executable, "benchmarks/compare.py",
+                              str(tmp_path / "text.json"), str(tmp_path / "pretok.json")],
+                             capture_output=True, text=True, timeout=60)
+    assert compare.returncode == 0
+    assert "TTFT p99 (ms)" in compare.stdout and "text" in compare.stdout
+    assert "pretok" in compare.stdout
+
+
+def test_failed_requests_are_reported_with_their_errors(stack, tmp_path):
+    out = tmp_path / "bad.json"
+    proc = subprocess.run([sys.executable, "benchmarks/stream.py", "--url", stack, "--json",
+                           str(out), "--no-progress", "--num-requests", "3",
+                           "--max-new-tokens", "100000", "--warmup-runs", "0"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert "Requests: 3 (failed: 3)" in proc.stdout
+    assert "3 x HTTP 400" in proc.stdout and "maximum context length" in proc.stdout
+    assert json.loads(out.read_text())["num_failed"] == 3
