@@ -54,8 +54,9 @@ class SchedulerConfig:
     # Most requests decoding together (the decode batch).
     max_batch_size: int = 64
     # Most waiting requests admitted (starting their prefill) in one step; None:
-    # equal to max_batch_size. Decoupled from the decode batch (seed 004): a burst
-    # can be admitted quickly without growing the decode batch.
+    # equal to max_batch_size. Decoupled from the decode batch (seed 004): set above
+    # it, a burst is admitted and prefilled at once, then decodes max_batch_size
+    # requests per step in turns; at most max(both) requests run.
     prefill_max_batch_size: Optional[int] = None
     # Most tokens computed in one step (prefill chunks plus one per decode). A long
     # prompt is split into chunks under it, so decode steps never stall behind a

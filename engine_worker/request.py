@@ -39,6 +39,8 @@ class Request:
         # Prompt tokens served by the prefix cache at first admission.
         self.num_cached_tokens: Optional[int] = None
         self.num_preemptions = 0
+        # The scheduler's step count when it last ran this request (turn-taking).
+        self.last_scheduled_step = 0
         # With a seed, the sampler gives the request a private generator (on the
         # engine's device) so that its draws do not depend on the batch.
         self.generator: Optional[torch.Generator] = None

@@ -6,17 +6,22 @@ still prefilling. A step's tokens are capped by the token budget; a prompt longe
 what is left of the budget is split over several steps (chunked prefill).
 
 Order of service each step:
-  1. running requests that decode (one token each), then running requests that are
-     still prefilling, in admission order. When the KV pool cannot give a request its
-     next block, the most recently admitted running request not yet scheduled this
-     step is preempted: its blocks are released (hashed ones stay in the prefix cache)
-     and it goes back to the head of the queue to be recomputed later. Nothing is
-     corrupted and nothing is dropped.
-  2. waiting requests, first come first served, while the decode batch has room
-     (max_batch_size), this step's admissions are under prefill_max_batch_size, the
-     budget lasts, and no request was preempted this step. An admitted request first
-     attaches the blocks the prefix cache holds for its prompt and computes only the
-     rest.
+  1. running requests that decode (one token each), at most max_batch_size of them,
+     least recently served first; then running requests that are still prefilling, in
+     admission order. When the KV pool cannot give a request its next block, the most
+     recently admitted running request not yet scheduled this step is preempted: its
+     blocks are released (hashed ones stay in the prefix cache) and it goes back to
+     the head of the queue to be recomputed later. Nothing is corrupted and nothing is
+     dropped.
+  2. waiting requests, first come first served, while fewer than
+     max(max_batch_size, prefill_max_batch_size) requests run, this step's admissions
+     are under prefill_max_batch_size, the budget lasts, and no request was preempted
+     this step. An admitted request first attaches the blocks the prefix cache holds
+     for its prompt and computes only the rest.
+
+The two knobs are decoupled (seed 004): with prefill_max_batch_size above
+max_batch_size, a burst is admitted and prefilled at once (every request gets its
+first token early) and then decodes max_batch_size requests per step, in turns.
 """
 
 from __future__ import annotations
@@ -66,6 +71,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_query_tokens = 0
         self.prefix_cache_hit_tokens = 0
+        self.num_steps = 0
+        self.max_running = max(config.max_batch_size, config.prefill_batch_size)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -75,10 +82,15 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.num_steps += 1
         budget = self.token_budget
         scheduled_ids: set[str] = set()
-        # Decodes first: a long prefill chunk must not starve them of budget.
-        order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        # Decodes first (a long prefill chunk must not starve them of budget), the
+        # least recently served first, at most a decode batch of them.
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        decodes.sort(key=lambda r: r.last_scheduled_step)
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        order = decodes[:self.config.max_batch_size] + prefills
         for request in order:
             if budget == 0:
                 break
@@ -103,6 +115,7 @@ class Scheduler:
         out.scheduled.sort(key=lambda s: s.num_tokens > 1)
         now = time.monotonic()
         for s in out.scheduled:
+            s.request.last_scheduled_step = self.num_steps
             if s.request.first_scheduled_time is None:
                 s.request.first_scheduled_time = now
         return out
@@ -110,7 +123,7 @@ class Scheduler:
     def _admit(self, out: SchedulerOutput, budget: int) -> int:
         admitted = 0
         while (self.waiting and budget > 0
-               and len(self.running) < self.config.max_batch_size
+               and len(self.running) < self.max_running
                and admitted < self.config.prefill_batch_size):
             request = self.waiting[0]
             cached = self.block_manager.find_cached_prefix(request.blocks, request.token_ids)

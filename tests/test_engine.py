@@ -177,6 +177,29 @@ def test_prefill_admission_and_decode_batch_are_separate_knobs(tiny_llama_dir):
     assert peak == 4
 
 
+def test_prefill_admission_above_the_decode_batch(tiny_llama_dir):
+    """A burst of 6 is prefilled in one step (6 first tokens), then decodes 2 per step,
+    taking turns, and every request still gets exactly its tokens."""
+    engine = make_engine(tiny_llama_dir, max_batch=2, prefill_batch=6)
+    prompts = random_prompts([5] * 6, seed=8)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, greedy(4))
+    first = engine.step()
+    assert len(first) == 6 and engine.stats().num_running == 6
+    per_step, served = [], {}
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        per_step.append(len(outs))
+        for o in outs:
+            served.setdefault(o.request_id, []).append(len(per_step))
+    assert max(per_step) == 2
+    assert per_step[:3] == [2, 2, 2]  # turns: r0 r1, r2 r3, r4 r5
+    assert [served[f"r{i}"][0] for i in range(6)] == [1, 1, 2, 2, 3, 3]
+    alone = make_engine(tiny_llama_dir).generate(prompts, greedy(4))
+    engine2 = make_engine(tiny_llama_dir, max_batch=2, prefill_batch=6)
+    assert engine2.generate(prompts, greedy(4)) == alone
+
+
 def test_token_budget_chunks_long_prompts(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir, budget=16)
     engine.add_request("long", random_prompts([50], seed=1)[0], greedy(2))

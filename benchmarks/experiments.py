@@ -1,0 +1,181 @@
+"""The seed experiments on this architecture, each a before/after pair (or table).
+
+    python benchmarks/experiments.py pretok prefix-key frames admission tokenizer-pool
+    python benchmarks/experiments.py http-ratio
+
+Every variant starts its own ``roseserve serve`` on the default model with the
+variant's server flags, runs benchmarks/stream.py against it (writing
+docs/bench/<experiment>-<variant>.json), and stops it; then the variants are printed
+side by side (benchmarks/compare.py). ``http-ratio`` alternates in-process engine runs
+and HTTP runs of one workload and prints HTTP tokens/s as a ratio of in-process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.compare import compare  # noqa: E402
+
+OUT = ROOT / "docs" / "bench"
+
+# Seed 046/047: 256 unique prompts, one output token: the cost is all in submission.
+SUBMIT = ["--prompt", "Hello", "--prompt-repeats", "32", "--unique-prompts", "--num-requests",
+          "256", "--max-new-tokens", "1", "--no-stop-on-eos"]
+EXPERIMENTS: dict[str, list[tuple[str, list[str], list[str]]]] = {
+    # (variant, server flags, stream.py flags)
+    "pretok": [
+        ("text", [], SUBMIT),
+        ("pretok", [], SUBMIT + ["--pretok"]),
+    ],
+    # Texts differ by a suffix; their token ids are the same (seed 048).
+    "prefix-key": [
+        ("prefix-cache-on", [], SUBMIT + ["--pretok", "--pretok-base-token-ids"]),
+        ("prefix-cache-off", ["--no-prefix-cache"],
+         SUBMIT + ["--pretok", "--pretok-base-token-ids"]),
+    ],
+    # Seed 052: 64 concurrent streams, submitted 20 ms apart.
+    "frames": [
+        ("per-step-frames", [], ["--prompt", "Hello", "--pretok", "--num-requests", "64",
+                                 "--max-new-tokens", "128", "--no-stop-on-eos",
+                                 "--submit-interval-ms", "20", "--submit-schedule", "absolute"]),
+        ("per-token-frames", ["--per-token-output-frames"],
+         ["--prompt", "Hello", "--pretok", "--num-requests", "64", "--max-new-tokens", "128",
+          "--no-stop-on-eos", "--submit-interval-ms", "20", "--submit-schedule", "absolute"]),
+    ],
+    # Seed 030: decode batch 8; prefill admission 8 vs 32.
+    "admission": [
+        ("prefill-8", ["--max-batch-size", "8", "--prefill-max-batch-size", "8"],
+         ["--prompt", "Hello", "--unique-prompts", "--num-requests", "32",
+          "--max-new-tokens", "8", "--no-stop-on-eos"]),
+        ("prefill-32", ["--max-batch-size", "8", "--prefill-max-batch-size", "32"],
+         ["--prompt", "Hello", "--unique-prompts", "--num-requests", "32",
+          "--max-new-tokens", "8", "--no-stop-on-eos"]),
+    ],
+    # Long texts (~9,000 characters); the engine keeps only their last 16 tokens, so
+    # what is measured is tokenization.
+    "tokenizer-pool": [
+        (f"workers-{n}", ["--tokenizer-workers", str(n)],
+         ["--prompt", "The quick brown fox jumps over the lazy dog. ", "--prompt-repeats", "200",
+          "--unique-prompts", "--num-requests", "128", "--max-new-tokens", "1",
+          "--truncate-prompt-tokens", "16", "--no-stop-on-eos"])
+        for n in (1, 2, 4)
+    ],
+}
+
+
+class Server:
+    def __init__(self, flags: list[str], port: int) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "roseserve", "serve", "--port", str(port), "--device", "cpu",
+             "--log-level", "WARNING", *flags],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+        deadline = time.monotonic() + 600
+        for line in self.proc.stdout:
+            if "roseserve is ready" in line:
+                return
+            if time.monotonic() > deadline:
+                break
+        raise RuntimeError(f"server with {flags} did not start")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def stream(url: str, args: list[str], out: Path, label: str) -> dict:
+    cmd = [sys.executable, "benchmarks/stream.py", "--url", url, "--json", str(out),
+           "--label", label, "--no-progress", *args]
+    print("$ python " + " ".join(cmd[1:]), flush=True)
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    print(result.stdout, flush=True)
+    if result.returncode not in (0, 1):
+        raise RuntimeError(result.stderr)
+    return json.loads(out.read_text())
+
+
+def run_experiment(name: str, port: int) -> None:
+    print(f"##### {name}", flush=True)
+    summaries = []
+    for variant, server_flags, stream_args in EXPERIMENTS[name]:
+        print(f"--- {variant}: roseserve serve {' '.join(server_flags)}", flush=True)
+        server = Server(server_flags, port)
+        try:
+            summaries.append(stream(server.url, stream_args, OUT / f"{name}-{variant}.json",
+                                    variant))
+        finally:
+            server.stop()
+    for other in summaries[1:]:
+        print("\n".join(compare(summaries[0], other)), flush=True)
+
+
+def http_ratio(port: int, repeats: int = 3) -> None:
+    """One workload in-process and over HTTP, alternated; HTTP / in-process tokens/s."""
+    from benchmarks.engine import make_prompts, run_engine
+    from common.config import EngineConfig, SchedulerConfig
+    from engine_worker.engine import LLMEngine
+
+    print("##### http-ratio", flush=True)
+    engine = LLMEngine(EngineConfig(device="cpu", num_threads=2,
+                                    scheduler=SchedulerConfig(max_batch_size=64)))
+    wl = argparse.Namespace(seed=0, shared_prefix=0, input_len=16, num_requests=64)
+    prompts = make_prompts(wl, engine.vocab_size)
+    run_engine(engine, prompts[:4], 4)
+    server = Server(["--threads", "2"], port)
+    pairs = []
+    try:
+        stream(server.url, ["--dataset", "random", "--input-len", "16", "--num-requests", "8",
+                            "--max-new-tokens", "8", "--no-stop-on-eos", "--warmup-runs", "0"],
+               OUT / "http-ratio-warmup.json", "warmup")
+        for r in range(repeats):
+            engine.block_manager.reset_prefix_cache()
+            local = run_engine(engine, prompts, 128)["tokens_per_s"]
+            remote = stream(server.url, [
+                "--dataset", "random", "--input-len", "16", "--num-requests", "64",
+                "--max-new-tokens", "128", "--no-stop-on-eos", "--warmup-runs", "0",
+                "--seed", str(r)], OUT / f"http-ratio-{r}.json", f"http-{r}")
+            pairs.append((local, remote["throughput_completion"]))
+            print(f"pair {r}: in-process {local:.1f} tokens/s, HTTP "
+                  f"{remote['throughput_completion']:.1f} tokens/s", flush=True)
+    finally:
+        server.stop()
+    ratios = [b / a for a, b in pairs]
+    print(f"HTTP / in-process output tokens/s: {statistics.median(ratios):.3f} "
+          f"(median of {', '.join(f'{x:.3f}' for x in ratios)})")
+    (OUT / "http-ratio.json").write_text(json.dumps({"pairs": pairs, "ratios": ratios}))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("experiments", nargs="+",
+                        choices=[*EXPERIMENTS, "http-ratio"])
+    parser.add_argument("--port", type=int, default=8077)
+    args = parser.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for name in args.experiments:
+        if name == "http-ratio":
+            http_ratio(args.port)
+        else:
+            run_experiment(name, args.port)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
