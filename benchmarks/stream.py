@@ -424,7 +424,7 @@ def main(argv=None) -> int:
         print("\n".join([f"=== median of {len(runs)} runs ===", *report_lines(final)]))
     final["runs"] = [{k: v for k, v in r.items() if k != "requests"} for r in runs]
     if args.json_path:
-        Path(args.json_path).write_text(json.dumps(final, indent=1))
+        Path(args.json_path).write_text(json.dumps(final, separators=(",", ":")))
         print(f"wrote {args.json_path}")
     if args.plot:
         plot(final, args.plot)

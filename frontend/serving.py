@@ -149,7 +149,8 @@ class Pipeline:
             raise APIError(400, f"the model '{body.model}' does not exist; this server serves "
                                 f"'{self.model_name}'", param="model", code="model_not_found")
         engine = self.engines.pick()
-        ready = self.engines.ready()
+        ready = engine.ready  # its limits: engines may differ
+        assert ready is not None
         estimate = sum(len(p) if isinstance(p, list) else len(p) // _EST_CHARS_PER_TOKEN + 1
                        for p in prompts) if messages is None else (
             sum(len(m.content) for m in messages) // _EST_CHARS_PER_TOKEN + 1)
