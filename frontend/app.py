@@ -44,6 +44,23 @@ class ClientDisconnected(Exception):
     pass
 
 
+class JobStream(StreamingResponse):
+    """An SSE response that ends its job however the response ends: a client gone
+    before the first byte means the body iterator never starts, so its own cleanup
+    never runs."""
+
+    def __init__(self, pipe: Pipeline, job: Job, body: AsyncIterator[bytes]) -> None:
+        super().__init__(body, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.pipe, self.job = pipe, job
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.pipe.finish(self.job)
+
+
 def json_response(body: Any, status: int = 200) -> Response:
     return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")
 
@@ -183,9 +200,7 @@ def create_app(config: FrontendConfig) -> FastAPI:
             return Response(status_code=499)
         fmt = formatter_cls(job, pipe.token_text)
         if body.stream:
-            return StreamingResponse(_sse(pipe, job, fmt), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache",
-                                              "X-Accel-Buffering": "no"})
+            return JobStream(pipe, job, _sse(pipe, job, fmt))
 
         async def collect() -> None:
             async for _ in pipe.deltas(job):
@@ -195,6 +210,8 @@ def create_app(config: FrontendConfig) -> FastAPI:
             await until_disconnected(request, collect())
         except ClientDisconnected:
             return Response(status_code=499)
+        finally:
+            pipe.finish(job)  # also when collect() never got to start
         return json_response(fmt.full())
 
     @app.post("/v1/completions")
@@ -225,16 +242,22 @@ def create_app(config: FrontendConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        """200 when the tokenizer pool and at least one engine answer a round trip in
+        time (requests can be served); each check is reported."""
         pipe: Optional[Pipeline] = state.get("pipeline")
         if pipe is None:
             return json_response({"status": "starting"}, 503)
-        checks = [*pipe.engines.clients, pipe.tokenizer_client]
-        results = await asyncio.gather(*(c.ping(config.health_timeout_s) for c in checks),
-                                       return_exceptions=True)
-        report = {c.service + (f" {c.address}" if c.service == "engine" else ""):
-                  "ok" if not isinstance(r, BaseException) else str(r)
-                  for c, r in zip(checks, results)}
-        ok = all(not isinstance(r, BaseException) for r in results)
+        engines, pool = pipe.engines.clients, pipe.tokenizer_client
+        results = await asyncio.gather(*(c.ping(config.health_timeout_s)
+                                         for c in (*engines, pool)), return_exceptions=True)
+
+        def verdict(r) -> str:
+            return str(r) if isinstance(r, BaseException) else "ok"
+
+        report = {f"engine {c.address}": verdict(r) for c, r in zip(engines, results)}
+        report["tokenizer pool"] = verdict(results[-1])
+        ok = (not isinstance(results[-1], BaseException)
+              and any(not isinstance(r, BaseException) for r in results[:-1]))
         return json_response({"status": "ok" if ok else "unavailable", "checks": report},
                              200 if ok else 503)
 

@@ -68,10 +68,12 @@ class Ticket:
 
 
 class EngineRouter:
-    """Picks an engine for a request: a healthy one with the fewest requests in flight."""
+    """Picks an engine for a request: a healthy one with the fewest jobs assigned
+    (counted from the pick, so a burst still being tokenized spreads out)."""
 
     def __init__(self, clients: Sequence[EngineClient]) -> None:
         self.clients = list(clients)
+        self.assigned = {id(c): 0 for c in self.clients}
 
     def pick(self) -> EngineClient:
         healthy = [c for c in self.clients if c.healthy]
@@ -79,7 +81,12 @@ class EngineRouter:
             reasons = "; ".join(c.dead_reason or "" for c in self.clients)
             raise APIError(503, f"no engine is available ({reasons})",
                            code="engine_unavailable")
-        return min(healthy, key=lambda c: c.num_in_flight)
+        client = min(healthy, key=lambda c: self.assigned[id(c)])
+        self.assigned[id(client)] += 1
+        return client
+
+    def release(self, client: EngineClient) -> None:
+        self.assigned[id(client)] -= 1
 
     def ready(self) -> Ready:
         for client in self.clients:
@@ -109,6 +116,7 @@ class Job:
     num_logprobs: Optional[int] = None
     engine: Optional[EngineClient] = None
     tasks: list[asyncio.Task] = field(default_factory=list)
+    done: bool = False
 
     def timing(self) -> dict:
         first = self.choices[0]
@@ -148,14 +156,15 @@ class Pipeline:
         if body.model != self.model_name:
             raise APIError(400, f"the model '{body.model}' does not exist; this server serves "
                                 f"'{self.model_name}'", param="model", code="model_not_found")
-        engine = self.engines.pick()
-        ready = engine.ready  # its limits: engines may differ
-        assert ready is not None
         estimate = sum(len(p) if isinstance(p, list) else len(p) // _EST_CHARS_PER_TOKEN + 1
                        for p in prompts) if messages is None else (
             sum(len(m.content) for m in messages) // _EST_CHARS_PER_TOKEN + 1)
         ticket = self.admission.admit(estimate)
+        engine: Optional[EngineClient] = None
         try:
+            engine = self.engines.pick()
+            ready = engine.ready  # its limits: engines may differ
+            assert ready is not None
             token_prompts, tokenize_ms = await self._tokenize(prompts, messages,
                                                               add_generation_prompt)
             job = Job(request_id=f"{prefix}-{uuid.uuid4().hex}", created=int(time.time()),
@@ -181,6 +190,8 @@ class Pipeline:
             return job
         except BaseException:
             ticket.release()
+            if engine is not None:
+                self.engines.release(engine)
             raise
 
     async def _tokenize(self, prompts, messages, add_generation_prompt
@@ -273,14 +284,23 @@ class Pipeline:
                     remaining -= 1
                 yield item
         finally:
-            await self.finish(job)
+            self.finish(job)
 
-    async def finish(self, job: Job) -> None:
-        """Stop whatever still runs (a client that left, an error) and record metrics."""
+    def finish(self, job: Job) -> None:
+        """Stop whatever still runs (a client that left, an error), give back the
+        admission ticket and the engine assignment, and record metrics. Idempotent:
+        every path that ends a job calls it. Synchronous on purpose: it runs in
+        finally blocks of cancelled tasks, where an await would be cancelled again
+        (anyio cancellation is level-triggered) before the bookkeeping ran."""
+        if job.done:
+            return
+        job.done = True
         for task in job.tasks:
-            task.cancel()
-        await asyncio.gather(*job.tasks, return_exceptions=True)
+            task.cancel()  # each choice's stream then aborts its engine request
         job.ticket.release()
+        if job.engine is not None:
+            self.engines.release(job.engine)
+            job.engine = None
         job.finished = time.monotonic()
         m = self.metrics
         m.e2e.observe(job.finished - job.received)

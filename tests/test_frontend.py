@@ -318,6 +318,9 @@ def test_admission_limit_gives_429_and_a_queued_disconnect_is_aborted(strict):
             assert engine_stats(strict["engine"].address).num_running == 1  # "a" still runs
     stats = wait_engine_idle(strict["engine"].address)
     assert stats.num_running == 0 and stats.num_blocks_used == 0
+    # Every admission slot came back: the next request is admitted, not refused.
+    r = complete(url, headers=auth, prompt="next", max_tokens=2)
+    assert r.status_code == 200
 
 
 def _open_raw_request(url: str, body: dict, headers: dict) -> socket.socket:
@@ -384,6 +387,7 @@ def test_many_concurrent_streams_complete_with_correct_usage(stack):
 
 def test_metrics_and_health(stack):
     assert httpx.get(stack["url"] + "/health", timeout=30).json()["status"] == "ok"
+    assert complete(stack["url"], prompt="count me", max_tokens=2).status_code == 200
     text = httpx.get(stack["url"] + "/metrics", timeout=30).text
     for name in ("roseserve_requests_total", "roseserve_time_to_first_token_seconds_bucket",
                  "roseserve_inter_token_latency_seconds_bucket",
@@ -404,3 +408,33 @@ def test_engine_down_gives_503_and_unhealthy(strict):
     assert r.status_code == 503
     assert r.json()["error"]["type"] == "service_unavailable"
     assert httpx.get(strict["url"] + "/health", timeout=30).status_code == 503
+
+
+def test_one_frontend_routes_to_several_engines_and_survives_losing_one(
+        tmp_path, tiny_llama_dir, stack):
+    engines = [processes.engine(tiny_llama_dir, f"ipc://{tmp_path}/e{i}.sock") for i in range(2)]
+    front = processes.frontend(tiny_llama_dir, engines[0].address, stack["pool"].address,
+                               "--engine", engines[1].address, "--served-model-name", "tiny-llama")
+    try:
+        processes.wait_healthy(front)
+
+        async def burst():
+            async with httpx.AsyncClient(timeout=60) as client:
+                return await asyncio.gather(*[client.post(front.url + "/v1/completions", json={
+                    "model": "tiny-llama", "prompt": f"p{i}", "max_tokens": 40,
+                    "ignore_eos": True}) for i in range(8)])
+
+        assert all(r.status_code == 200 for r in asyncio.run(burst()))
+        served = [engine_stats(e.address).num_generated_tokens for e in engines]
+        assert all(n > 0 for n in served) and sum(served) == 8 * 40  # both took a share
+        engines[0].proc.kill()
+        engines[0].proc.wait()
+        time.sleep(1.0)
+        health = httpx.get(front.url + "/health", timeout=30)
+        assert health.status_code == 200  # one engine still serves
+        assert health.json()["checks"][f"engine {engines[0].address}"] != "ok"
+        r = complete(front.url, prompt="still here", max_tokens=3)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    finally:
+        for p in (front, *engines):
+            p.stop()
