@@ -53,26 +53,24 @@ def strict(tmp_path_factory, tiny_llama_dir, stack):
             p.stop()
 
 
-def engine_stats(address: str):
+def ping(client_type, address: str):
+    """One round trip through a service's loop, from a fresh client."""
     async def go():
-        client = EngineClient(address)
+        client = client_type(address)
         await client.start(30)
         try:
-            return (await client.ping()).stats
+            return await client.ping()
         finally:
             await client.close()
     return asyncio.run(go())
+
+
+def engine_stats(address: str):
+    return ping(EngineClient, address).stats
 
 
 def pool_jobs(address: str) -> int:
-    async def go():
-        client = TokenizerClient(address)
-        await client.start(30)
-        try:
-            return (await client.ping()).num_jobs_total
-        finally:
-            await client.close()
-    return asyncio.run(go())
+    return ping(TokenizerClient, address).num_jobs_total
 
 
 def wait_engine_idle(address: str, timeout_s: float = 10.0):
