@@ -37,6 +37,17 @@ class ServiceDeadError(RuntimeError):
     """The service is gone (or unreachable); the work did not complete."""
 
 
+class ServiceRequestError(Exception):
+    """The service refused or failed one piece of work (a RequestError or
+    TokenizeError from the wire): ``kind`` says whose fault, ``param`` which field."""
+
+    def __init__(self, error) -> None:
+        super().__init__(error.message)
+        self.message = error.message
+        self.kind = error.kind
+        self.param = getattr(error, "param", None)
+
+
 class ServiceClient:
     #: Set by subclasses: what the service calls itself in messages and logs.
     service = "service"

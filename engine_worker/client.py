@@ -15,21 +15,15 @@ import msgspec
 from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, AbortRequests, AddRequest,
                              Codec, OutputBatch, Pong, Ready, RequestError, RequestErrorKind,
                              RequestOutput, SamplingParams)
-from common.service_client import ServiceClient, ServiceDeadError
+from common.service_client import ServiceClient, ServiceDeadError, ServiceRequestError
 
 
 class EngineDeadError(ServiceDeadError):
     """The engine is gone (or unreachable); the request did not complete."""
 
 
-class EngineRequestError(Exception):
+class EngineRequestError(ServiceRequestError):
     """The engine refused or failed one request."""
-
-    def __init__(self, error: RequestError) -> None:
-        super().__init__(error.message)
-        self.message = error.message
-        self.kind = error.kind
-        self.param = error.param
 
 
 class EngineClient(ServiceClient):
@@ -41,10 +35,6 @@ class EngineClient(ServiceClient):
     def __init__(self, address: str, **kw) -> None:
         super().__init__(address, Codec(CLIENT_MESSAGES, ENGINE_MESSAGES), **kw)
         self._streams: dict[str, asyncio.Queue] = {}
-
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._streams)
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
                        params: Optional[SamplingParams] = None) -> AsyncIterator[RequestOutput]:

@@ -57,7 +57,6 @@ class ModelConfig:
     hidden_act: str
     eos_token_ids: tuple[int, ...]
     rope: Optional[RopeConfig]  # None for GPT-2 (learned positions)
-    torch_dtype: Optional[str]
 
     @property
     def num_params(self) -> int:
@@ -137,7 +136,6 @@ def _llama_config(raw: dict[str, Any], kind: str, name: str, eos: tuple[int, ...
         hidden_act=act,
         eos_token_ids=eos,
         rope=_rope_config(raw),
-        torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
     )
 
 
@@ -197,7 +195,6 @@ def _gpt2_config(raw: dict[str, Any], name: str, eos: tuple[int, ...]) -> ModelC
         hidden_act=act,
         eos_token_ids=eos,
         rope=None,
-        torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
     )
 
 

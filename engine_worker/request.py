@@ -61,10 +61,6 @@ class Request:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
-
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 

@@ -55,10 +55,6 @@ class SchedulerOutput:
     # Requests preempted in this step (now waiting again).
     preempted: list[Request] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
@@ -76,9 +72,6 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

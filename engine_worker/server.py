@@ -76,7 +76,6 @@ class _IOThread(threading.Thread):
         self.unreachable: "queue.Queue[bytes]" = queue.Queue()
         self.stopping = False
         self.failed = False
-        self.num_dropped = 0
 
     def run(self) -> None:
         poller = zmq.Poller()
@@ -104,7 +103,6 @@ class _IOThread(threading.Thread):
             try:
                 message = self.codec.decode(body)
             except ProtocolError as e:
-                self.num_dropped += 1
                 logger.warning("dropped a frame from client %r: %s", identity, e)
                 continue
             self.inbox.put((identity, message))

@@ -48,9 +48,6 @@ class Checkpoint:
                     name = name.removeprefix(prefix)
                 self._where[name] = (i, key)
 
-    def has(self, name: str) -> bool:
-        return name in self._where
-
     def take(self, name: str, shape: Optional[tuple[int, ...]] = None) -> torch.Tensor:
         if name not in self._where:
             raise ModelLoadError(f"checkpoint in {self.model_dir} lacks tensor {name!r}")

@@ -35,6 +35,7 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     seed: Optional[int] = Field(None, ge=-(2**63), lt=2**64)
     user: Optional[str] = None
+    # OpenAI fields roseserve does not implement: accepted only when unset or empty.
     logit_bias: Optional[dict[str, float]] = None
     # Extensions.
     top_k: Optional[int] = Field(None, ge=1)
@@ -47,6 +48,13 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     truncate_prompt_tokens: Optional[int] = Field(None, ge=1)
 
+    @field_validator("logit_bias", "echo", "suffix", check_fields=False)
+    @classmethod
+    def _refuse_unsupported(cls, value, info):
+        if value:
+            raise ValueError(f"{info.field_name} is not supported")
+        return value
+
     @field_validator("stop")
     @classmethod
     def _stop_strings(cls, value):
@@ -54,13 +62,6 @@ class _SamplingFields(BaseModel):
         if any(not s for s in stops):
             raise ValueError("stop strings must be non-empty")
         return stops
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, value):
-        if value:
-            raise ValueError("logit_bias is not supported")
-        return value
 
     def stop_strings(self) -> list[str]:
         return list(self.stop or [])
@@ -83,29 +84,16 @@ class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: Optional[int] = Field(16, ge=1)
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # Not implemented: refused when set (see _refuse_unsupported).
     echo: bool = False
     best_of: Optional[int] = None
     suffix: Optional[str] = None
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value):
-        if value:
-            raise ValueError("echo is not supported")
-        return value
 
     @field_validator("best_of")
     @classmethod
     def _best_of_is_n(cls, value, info):
         if value is not None and value != info.data.get("n", 1):
             raise ValueError("best_of is not supported (it may only equal n)")
-        return value
-
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, value):
-        if value:
-            raise ValueError("suffix is not supported")
         return value
 
     def prompts(self) -> list[Union[str, list[int]]]:

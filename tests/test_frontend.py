@@ -409,9 +409,10 @@ def test_engine_down_gives_503_and_unhealthy(strict):
 
 
 def test_one_frontend_routes_to_several_engines_and_survives_losing_one(
-        tmp_path, tiny_llama_dir, stack):
+        tmp_path, tiny_llama_dir):
     engines = [processes.engine(tiny_llama_dir, f"ipc://{tmp_path}/e{i}.sock") for i in range(2)]
-    front = processes.frontend(tiny_llama_dir, engines[0].address, stack["pool"].address,
+    pool = processes.tokenizer_pool(tiny_llama_dir, f"ipc://{tmp_path}/tok.sock", workers=1)
+    front = processes.frontend(tiny_llama_dir, engines[0].address, pool.address,
                                "--engine", engines[1].address, "--served-model-name", "tiny-llama")
     try:
         processes.wait_healthy(front)
@@ -433,6 +434,14 @@ def test_one_frontend_routes_to_several_engines_and_survives_losing_one(
         assert health.json()["checks"][f"engine {engines[0].address}"] != "ok"
         r = complete(front.url, prompt="still here", max_tokens=3)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        # Without the tokenizer pool: unhealthy, text prompts get 503, token ids still run.
+        pool.proc.kill()
+        pool.proc.wait()
+        time.sleep(1.0)
+        assert httpx.get(front.url + "/health", timeout=30).status_code == 503
+        r = complete(front.url, prompt="needs tokenizing", max_tokens=2)
+        assert r.status_code == 503 and "tokenizer pool" in r.json()["error"]["message"]
+        assert complete(front.url, prompt=[15496, 995], max_tokens=2).status_code == 200
     finally:
-        for p in (front, *engines):
+        for p in (front, pool, *engines):
             p.stop()

@@ -11,20 +11,15 @@ import msgspec
 from common.protocol import (POOL_REPLIES, POOL_REQUESTS, ChatMessage, Codec, PoolPong,
                              PoolReady, RequestErrorKind, TokenizeError, TokenizeRequest,
                              TokenizeResult)
-from common.service_client import ServiceClient, ServiceDeadError
+from common.service_client import ServiceClient, ServiceDeadError, ServiceRequestError
 
 
 class TokenizerDeadError(ServiceDeadError):
     """The tokenizer pool is gone (or unreachable)."""
 
 
-class TokenizeFailed(Exception):
+class TokenizeFailed(ServiceRequestError):
     """The pool could not tokenize one request."""
-
-    def __init__(self, error: TokenizeError) -> None:
-        super().__init__(error.message)
-        self.message = error.message
-        self.kind = error.kind
 
 
 class TokenizerClient(ServiceClient):
