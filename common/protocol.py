@@ -17,6 +17,12 @@ from common.errors import InvalidRequestError
 
 # Logprobs are returned for at most this many alternatives per token (OpenAI's limit).
 MAX_TOP_LOGPROBS = 20
+# A temperature below this is greedy decoding: dividing logits by it would overflow
+# float32 (the threshold vLLM uses too).
+GREEDY_TEMPERATURE = 1e-5
+# Repetition penalties outside this range are refused: they only push logits toward
+# overflow, and 1.0-2.0 is what anyone uses.
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 
 
 class FinishReason(str, enum.Enum):
@@ -33,7 +39,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     max_tokens: Optional[int] = None
     # EOS and stop token ids are ignored until this many tokens are generated.
     min_tokens: int = 0
-    # 0 means greedy (argmax); otherwise logits are divided by it before sampling.
+    # 0 (or anything below GREEDY_TEMPERATURE) means greedy (argmax); otherwise
+    # logits are divided by it before sampling.
     temperature: float = 1.0
     # Keep only the k most likely tokens; None keeps all.
     top_k: Optional[int] = None
@@ -87,9 +94,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
             raise InvalidRequestError(
                 f"min_p must be in [0, 1], got {self.min_p}", "min_p")
         _check_finite(self.repetition_penalty, "repetition_penalty")
-        if self.repetition_penalty <= 0:
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise InvalidRequestError(
-                f"repetition_penalty must be positive, got {self.repetition_penalty}",
+                f"repetition_penalty must be in [{MIN_REPETITION_PENALTY:g}, "
+                f"{MAX_REPETITION_PENALTY:g}], got {self.repetition_penalty}",
                 "repetition_penalty")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -109,7 +117,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
 
 def _check_finite(value: float, name: str) -> None:

@@ -166,6 +166,22 @@ class BlockManager:
         table.block_ids.clear()
         table.num_registered = 0
 
+    def forget_from(self, table: BlockTable, num_tokens: int) -> list[int]:
+        """Take the blocks of ``table`` holding tokens at or after ``num_tokens`` out of
+        the prefix cache: a step that was filling them failed, so their KV may be
+        garbage. Returns their ids (another request of the same step may have
+        attached them)."""
+        first = num_tokens // self.block_size
+        block_ids = table.block_ids[first:]
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.block_hash is not None and self._by_hash.get(block.block_hash) == block_id:
+                del self._by_hash[block.block_hash]
+            block.block_hash = None
+            block.token_ids = None
+        table.num_registered = min(table.num_registered, first)
+        return block_ids
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (after a failed step, whose KV may be garbage)."""
         for block_id in list(self._evictable):

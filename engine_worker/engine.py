@@ -15,12 +15,14 @@ import torch
 from common.config import EngineConfig
 from common.errors import InvalidRequestError
 from common.model_files import resolve_model_dir
-from common.protocol import EngineStats, FinishReason, RequestOutput, SamplingParams
+from common.protocol import (EngineStats, FinishReason, RequestOutput, SamplingParams,
+                             TokenLogprobs)
 from engine_worker.block_manager import BlockManager
 from engine_worker.model_config import load_model_config
 from engine_worker.model_runner import ModelRunner, resolve_device, resolve_dtype
-from engine_worker.request import Request, RequestStatus
-from engine_worker.scheduler import Scheduler
+from engine_worker.request import Request
+from engine_worker.sampler import Samples
+from engine_worker.scheduler import ScheduledRequest, Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -125,42 +127,117 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one batch. Returns an output for every request with news: a new token,
-        or the end."""
+        or the end.
+
+        One request's failure is its own: a request whose logits or sampling go bad,
+        or whose post-processing raises, ends with finish reason "error" and the others
+        go on. When the batch's forward pass itself raises, every request is run alone
+        to find the one(s) that fail (see _forward_one_by_one); the prefix cache keeps
+        everything that is known good."""
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return []
+        scheduled = plan.scheduled
+        outputs: list[RequestOutput] = []
         try:
-            token_ids, logprobs = self.runner.execute(plan.scheduled)
-        except Exception as e:  # a failed batch fails its requests, not the engine
-            logger.exception("step failed for %d request(s)", len(plan.scheduled))
-            # Blocks registered this step may hold garbage: forget all cached prefixes.
-            return self._fail([s.request for s in plan.scheduled], f"engine step failed: {e}")
+            logits = self.runner.forward(scheduled)
+        except Exception:
+            logger.exception("the forward pass failed for %d request(s); running them one "
+                             "by one", len(scheduled))
+            scheduled, logits, outputs = self._forward_one_by_one(scheduled)
+        sampling = [s.request for s in scheduled if s.samples]
+        samples = self._sample(logits, sampling)
 
         now = time.monotonic()
-        outputs: list[RequestOutput] = []
-        sampled = iter(zip(token_ids, logprobs))
-        for s in plan.scheduled:
+        row = 0
+        for s in scheduled:
             request = s.request
-            samples = s.samples
+            samples_here = s.samples  # read before num_computed_tokens moves
             start = request.num_computed_tokens
             request.num_computed_tokens += s.num_tokens
             self.num_prompt_tokens_computed += max(
                 0, min(request.num_computed_tokens, request.num_prompt_tokens) - start)
-            if not samples:
+            if not samples_here:
                 continue
-            token_id, token_logprobs = next(sampled)
-            request.append_token(token_id)
-            self.num_generated_tokens += 1
-            if request.first_token_time is None:
-                request.first_token_time = now
-            reason = request.check_stop(self.max_model_len)
-            if reason is not None:
-                request.finish_reason = reason
-                self.scheduler.finish(request)
-                del self.requests[request.request_id]
-            outputs.append(self._output(request, [token_id],
-                                        None if token_logprobs is None else [token_logprobs]))
+            i, row = row, row + 1
+            if i in samples.errors:
+                outputs.append(self._fail(request, samples.errors[i]))
+                continue
+            try:
+                outputs.append(self._advance(request, samples.token_ids[i],
+                                             samples.logprobs[i], now))
+            except Exception as e:  # a bug this request hit: its failure alone
+                logger.exception("finishing the step failed for %s", request.request_id)
+                outputs.append(self._fail(request, f"internal error: {type(e).__name__}: {e}"))
         return outputs
+
+    def _advance(self, request: Request, token_id: int, logprobs: Optional[TokenLogprobs],
+                 now: float) -> RequestOutput:
+        """Append a sampled token; finish the request if it ends here."""
+        request.append_token(token_id)
+        self.num_generated_tokens += 1
+        if request.first_token_time is None:
+            request.first_token_time = now
+        reason = request.check_stop(self.max_model_len)
+        if reason is not None:
+            request.finish_reason = reason
+            self.scheduler.finish(request)
+            del self.requests[request.request_id]
+        return self._output(request, [token_id], None if logprobs is None else [logprobs])
+
+    def _sample(self, logits: Optional[torch.Tensor], requests: list[Request]) -> Samples:
+        if not requests:
+            return Samples([], [])
+        assert logits is not None
+        sampler = self.runner.sampler
+        try:
+            return sampler(logits, requests)
+        except Exception:  # the sampler isolates rows itself; this is a last resort
+            logger.exception("sampling failed for %d request(s); sampling them one by one",
+                             len(requests))
+        samples = Samples([None] * len(requests), [None] * len(requests))
+        for i, request in enumerate(requests):
+            try:
+                one = sampler(logits[i:i + 1].clone(), [request])
+            except Exception as e:
+                samples.errors[i] = f"sampling failed: {type(e).__name__}: {e}"
+                continue
+            samples.token_ids[i], samples.logprobs[i] = one.token_ids[0], one.logprobs[0]
+            if 0 in one.errors:
+                samples.errors[i] = one.errors[0]
+        return samples
+
+    def _forward_one_by_one(self, scheduled: list[ScheduledRequest]
+                            ) -> tuple[list[ScheduledRequest], Optional[torch.Tensor],
+                                       list[RequestOutput]]:
+        """After a batch's forward pass raised: run each request alone, in schedule
+        order (a request may attend to blocks an earlier one fills in this step).
+        A request that fails alone ends with an error, and the blocks it was filling
+        leave the prefix cache; a later request that attached any of them (in-batch
+        dedup) read that KV, so it is preempted and recomputed, not failed. Returns
+        the requests that ran, their logits, and the failures' outputs."""
+        ran: list[ScheduledRequest] = []
+        rows: list[torch.Tensor] = []
+        outputs: list[RequestOutput] = []
+        poisoned: set[int] = set()
+        for s in scheduled:
+            request = s.request
+            if poisoned.intersection(request.blocks.block_ids):
+                self.scheduler.preempt(request)
+                continue
+            try:
+                logits = self.runner.forward([s])
+            except Exception as e:
+                logger.exception("the forward pass of %s failed on its own", request.request_id)
+                poisoned.update(self.block_manager.forget_from(request.blocks,
+                                                               request.num_computed_tokens))
+                outputs.append(self._fail(request, f"engine step failed: {type(e).__name__}: "
+                                                   f"{e}"))
+                continue
+            ran.append(s)
+            if logits is not None:
+                rows.append(logits)
+        return ran, (torch.cat(rows) if rows else None), outputs
 
     def _output(self, request: Request, new_token_ids: list[int],
                 logprobs: Optional[list], error: Optional[str] = None) -> RequestOutput:
@@ -182,17 +259,12 @@ class LLMEngine:
             prefill_ms=prefill_ms,
         )
 
-    def _fail(self, requests: list[Request], message: str) -> list[RequestOutput]:
-        outputs = []
-        for request in requests:
-            if request.status is RequestStatus.FINISHED:
-                continue
-            self.scheduler.finish(request)
-            self.requests.pop(request.request_id, None)
-            request.finish_reason = FinishReason.ERROR
-            outputs.append(self._output(request, [], None, error=message))
-        self.block_manager.reset_prefix_cache()
-        return outputs
+    def _fail(self, request: Request, message: str) -> RequestOutput:
+        """End one request with finish reason "error"."""
+        self.scheduler.finish(request)
+        self.requests.pop(request.request_id, None)
+        request.finish_reason = FinishReason.ERROR
+        return self._output(request, [], None, error=message)
 
     # -- introspection ---------------------------------------------------------
 

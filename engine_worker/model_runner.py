@@ -1,6 +1,6 @@
 """Runs one step's batch through the model: builds the flat inputs and the attention
-metadata from the scheduled requests, runs the forward pass, computes logits only for
-rows that yield a token, and samples."""
+metadata from the scheduled requests, runs the forward pass, and computes logits only
+for rows that yield a token. The engine samples from them (``runner.sampler``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from typing import Optional
 import torch
 
 from common.config import CacheConfig
-from common.protocol import TokenLogprobs
 from engine_worker.attention import (AttentionMetadata, ChunkMetadata, PagedAttention,
                                      kv_cache_shape)
 from engine_worker.kernels import cpu_kernels as load_cpu_kernels
@@ -94,21 +93,29 @@ class ModelRunner:
         return num_blocks
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest]
-                ) -> tuple[list[int], list[Optional[TokenLogprobs]]]:
-        """Compute the scheduled tokens; sample one token for every request whose step
-        reaches the end of its known tokens. Returns them in ``scheduled`` order."""
-        input_ids, positions, meta, sample_rows = self._prepare(scheduled)
+    def forward(self, scheduled: list[ScheduledRequest]) -> Optional[torch.Tensor]:
+        """Compute the scheduled tokens (writing their KV). Returns the logits (S, V) of
+        the requests whose step reaches the end of their known tokens (``samples``),
+        in ``scheduled`` order, or None when no request samples this step.
+
+        ``scheduled`` is in the scheduler's order, where a request may attend to
+        blocks that an earlier one fills in the same step; the batch is laid out with
+        single-token queries first (attention.py), which all KV writes of a layer
+        preceding its reads makes safe."""
+        layout = sorted(range(len(scheduled)), key=lambda i: scheduled[i].num_tokens > 1)
+        input_ids, positions, meta, last_rows = self._prepare([scheduled[i] for i in layout])
         hidden = self.model(input_ids, positions, self.kv_caches, meta)  # (N, C)
-        if not sample_rows:
-            return [], []
-        rows = torch.tensor(sample_rows, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))  # (S, V)
-        requests = [s.request for s in scheduled if s.samples]
-        return self.sampler(logits, requests)
+        last_row = dict(zip(layout, last_rows))
+        rows = [last_row[i] for i, s in enumerate(scheduled) if s.samples]
+        if not rows:
+            return None
+        index = torch.tensor(rows, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, index))  # (S, V)
 
     def _prepare(self, scheduled: list[ScheduledRequest]
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        """The flat batch of ``scheduled`` (single-token queries first), its attention
+        metadata, and the row of each request's last token."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -116,7 +123,7 @@ class ModelRunner:
         single_tables: list[list[int]] = []
         single_lens: list[int] = []
         chunks: list[ChunkMetadata] = []
-        sample_rows: list[int] = []
+        last_rows: list[int] = []
         for s in scheduled:
             r = s.request
             start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_tokens
@@ -138,8 +145,7 @@ class ModelRunner:
                     query_start=query_start, query_len=s.num_tokens, context_len=end,
                     block_ids=torch.tensor(block_ids[:num_blocks], device=self.device),
                     mask=mask))
-            if s.samples:
-                sample_rows.append(len(input_ids) - 1)
+            last_rows.append(len(input_ids) - 1)
 
         single_block_tables = single_context_lens = single_mask = None
         if single_tables:
@@ -160,4 +166,4 @@ class ModelRunner:
             chunks=chunks,
         )
         return (torch.tensor(input_ids, device=self.device),
-                torch.tensor(positions, device=self.device), meta, sample_rows)
+                torch.tensor(positions, device=self.device), meta, last_rows)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -31,6 +31,11 @@ class Request:
         # Tokens that end generation with "stop" (empty with ignore_eos).
         self.stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else eos_token_ids)
+        # Extra per-request logits processing, each called as f(row (V,), request) and
+        # allowed to modify the row in place (see sampler.py).
+        self.logits_processors: list[Callable[[torch.Tensor, "Request"], None]] = []
+        self._penalized = (params.repetition_penalty != 1.0 or bool(params.presence_penalty)
+                           or bool(params.frequency_penalty))
         self.status = RequestStatus.WAITING
         self.finish_reason: Optional[FinishReason] = None
         # Tokens whose KV is in the cache (or is written in the current step).
@@ -60,6 +65,12 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def needs_logits_processing(self) -> bool:
+        """Whether the sampler must run this request's own logits processing."""
+        return (self._penalized or bool(self.logits_processors)
+                or (self.num_output_tokens < self.params.min_tokens and bool(self.stop_ids)))
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

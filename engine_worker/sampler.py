@@ -1,19 +1,27 @@
 """Choosing each request's next token from its logits, per request inside one batch.
 
 Order of processing, per row: logprobs are read from the raw distribution first
-(log_softmax of the model's logits); then repetition, presence and frequency
-penalties; then stop tokens are banned while min_tokens is not reached. A greedy row
-(temperature 0, or top_k 1) takes the argmax of that. A sampled row is divided by its
+(log_softmax of the model's logits); then the request's own logits processing runs
+(repetition, presence and frequency penalties; stop tokens banned while min_tokens is
+not reached; any extra ``Request.logits_processors``). A greedy row (temperature
+below 1e-5, or top_k 1) takes the argmax of that. A sampled row is divided by its
 temperature, cut by top_k, top_p and min_p, and drawn from: with the request's own
 generator when it has a seed (so the draw does not depend on what else is batched),
 otherwise with the engine's generator.
 
+Failure isolation: one row's trouble is that row's alone. Its logits processing runs
+inside its own try; a row whose logits end up NaN, +inf or all -inf (nothing left to
+choose) is not drawn from. Either way the row gets an error, and the other rows are
+sampled exactly as if it were not there (no generator of theirs is advanced for it).
+
 Every stage is skipped when no row of the batch needs it, so an all-greedy batch
-costs one argmax.
+costs one argmax plus one row-wise max.
 """
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -21,6 +29,18 @@ import torch
 from common.protocol import TokenLogprobs
 from engine_worker.kernels import CpuKernels
 from engine_worker.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Samples:
+    """One step's draws, by row: a token id, or None for a row that failed."""
+
+    token_ids: list[Optional[int]]
+    logprobs: list[Optional[TokenLogprobs]]
+    # Row -> what went wrong with it.
+    errors: dict[int, str] = field(default_factory=dict)
 
 
 class Sampler:
@@ -36,46 +56,49 @@ class Sampler:
             return self.kernels.argmax_rows(logits)
         return logits.argmax(dim=-1)
 
-    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]
-                 ) -> tuple[list[int], list[Optional[TokenLogprobs]]]:
-        """logits (S, V), one row per request -> token ids and logprobs, per request.
-        May modify ``logits`` in place."""
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> Samples:
+        """logits (S, V), one row per request. May modify ``logits`` in place."""
         logits = logits.float()
-        params = [r.params for r in requests]
+        n = len(requests)
+        errors: dict[int, str] = {}
         raw_logprobs = None
-        if any(p.logprobs is not None for p in params):
+        if any(r.params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
+        for i, request in enumerate(requests):
+            if request.needs_logits_processing:
+                try:
+                    process_logits(logits[i], request)
+                except Exception as e:  # the request's own processing: its failure alone
+                    logger.exception("logits processing failed for %s", request.request_id)
+                    errors[i] = f"logits processing failed: {type(e).__name__}: {e}"
 
-        if any(p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-               for p in params):
-            apply_penalties(logits, requests)
-        banned = [i for i, r in enumerate(requests)
-                  if r.num_output_tokens < r.params.min_tokens and r.stop_ids]
-        for i in banned:
-            logits[i, list(requests[i].stop_ids)] = float("-inf")
+        greedy = [i for i, r in enumerate(requests) if r.params.greedy and i not in errors]
+        sampled = [i for i, r in enumerate(requests) if not r.params.greedy and i not in errors]
+        token_ids: list[Optional[int]] = [None] * n
+        if greedy:
+            rows = logits if len(greedy) == n else logits[greedy]
+            _check_rows(rows, greedy, errors)
+            for i, token_id in zip(greedy, self.argmax(rows).tolist()):
+                if i not in errors:
+                    token_ids[i] = token_id
+        if sampled:
+            drawn = self._sample(logits[sampled], [requests[i] for i in sampled], sampled, errors)
+            for i, token_id in zip(sampled, drawn):
+                if i not in errors:
+                    token_ids[i] = token_id
 
-        token_ids = torch.empty(len(requests), dtype=torch.long, device=logits.device)
-        greedy = [i for i, p in enumerate(params) if p.greedy]
-        sampled = [i for i, p in enumerate(params) if not p.greedy]
-        if len(greedy) == len(params):
-            token_ids = self.argmax(logits)
-        else:
-            if greedy:
-                rows = torch.tensor(greedy, device=logits.device)
-                token_ids[rows] = self.argmax(logits[rows])
-            rows = torch.tensor(sampled, device=logits.device)
-            token_ids[rows] = self._sample(logits[rows], [requests[i] for i in sampled])
-
-        ids = token_ids.tolist()
-        logprobs: list[Optional[TokenLogprobs]] = [None] * len(requests)
+        logprobs: list[Optional[TokenLogprobs]] = [None] * n
         if raw_logprobs is not None:
-            for i, p in enumerate(params):
-                if p.logprobs is not None:
-                    logprobs[i] = _token_logprobs(raw_logprobs[i], ids[i], p.logprobs)
-        return ids, logprobs
+            for i, r in enumerate(requests):
+                if r.params.logprobs is not None and token_ids[i] is not None:
+                    logprobs[i] = _token_logprobs(raw_logprobs[i], token_ids[i], r.params.logprobs)
+        return Samples(token_ids, logprobs, errors)
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """(S', V) logits of sampled rows -> (S',) token ids."""
+    def _sample(self, logits: torch.Tensor, requests: list[Request], rows: list[int],
+                errors: dict[int, str]) -> list[int]:
+        """(S', V) logits of sampled rows -> S' token ids (meaningless for rows that
+        land in ``errors``, keyed by their index in the whole batch, ``rows``)."""
         params = [r.params for r in requests]
         temps = torch.tensor([p.temperature for p in params], device=logits.device)
         logits = logits / temps.unsqueeze(1)
@@ -83,24 +106,54 @@ class Sampler:
             logits = apply_top_k(logits, [p.top_k for p in params])
         if any(p.top_p < 1.0 for p in params):
             logits = apply_top_p(logits, [p.top_p for p in params])
+        # A finite maximum makes the softmax finite (it subtracts the maximum), and
+        # top_p and min_p always keep the most likely token: the draw cannot fail.
+        _check_rows(logits, rows, errors)
         probs = torch.softmax(logits, dim=-1)
         if any(p.min_p > 0.0 for p in params):
             probs = apply_min_p(probs, [p.min_p for p in params])
 
-        out = torch.empty(len(requests), dtype=torch.long, device=logits.device)
+        out = [0] * len(requests)
         shared = []
-        for i, r in enumerate(requests):
+        for j, r in enumerate(requests):
+            if rows[j] in errors:
+                continue
             if r.params.seed is None:
-                shared.append(i)
+                shared.append(j)
                 continue
             if r.generator is None:
                 r.generator = torch.Generator(device=self.device)
                 r.generator.manual_seed(r.params.seed & 0xFFFF_FFFF_FFFF_FFFF)
-            out[i] = torch.multinomial(probs[i], 1, generator=r.generator)[0]
+            out[j] = int(torch.multinomial(probs[j], 1, generator=r.generator)[0])
         if shared:
-            rows = torch.tensor(shared, device=logits.device)
-            out[rows] = torch.multinomial(probs[rows], 1, generator=self.generator).squeeze(1)
+            draws = torch.multinomial(probs[shared], 1, generator=self.generator).squeeze(1)
+            for j, token_id in zip(shared, draws.tolist()):
+                out[j] = token_id
         return out
+
+
+def _check_rows(logits: torch.Tensor, rows: list[int], errors: dict[int, str]) -> None:
+    """Flag rows with nothing valid to choose from: a NaN or +inf anywhere (the
+    maximum propagates NaN), or every token at -inf."""
+    row_max = logits.amax(dim=-1)
+    bad = (~torch.isfinite(row_max)).nonzero().flatten().tolist()
+    for j in bad:
+        value = row_max[j].item()
+        errors[rows[j]] = ("the logits hold NaN" if value != value else
+                           "the logits hold +inf" if value > 0 else
+                           "every token is excluded (all logits are -inf)")
+
+
+def process_logits(row: torch.Tensor, request: Request) -> None:
+    """One request's own processing of its logits row (V,), in place: penalties, the
+    stop-token ban before min_tokens, then its extra logits processors."""
+    p = request.params
+    if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
+        apply_penalties(row.unsqueeze(0), [request])
+    if request.num_output_tokens < p.min_tokens and request.stop_ids:
+        row[list(request.stop_ids)] = float("-inf")
+    for processor in request.logits_processors:
+        processor(row, request)
 
 
 def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> None:

@@ -50,7 +50,9 @@ class ScheduledRequest:
 
 @dataclass
 class SchedulerOutput:
-    # In batch order: single-token queries first, then multi-token chunks.
+    # In the order they were scheduled: running requests, then admissions. A request
+    # may attend to blocks an earlier one fills in the same step (in-batch dedup),
+    # never to a later one's.
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     # Requests preempted in this step (now waiting again).
     preempted: list[Request] = field(default_factory=list)
@@ -93,7 +95,7 @@ class Scheduler:
             target = request.num_computed_tokens + num_new
             while not self.block_manager.allocate(request.blocks, request.token_ids, target):
                 victim = self._pick_victim(scheduled_ids)
-                self._preempt(victim)
+                self.preempt(victim)
                 out.preempted.append(victim)
                 if victim is request:
                     break
@@ -104,8 +106,6 @@ class Scheduler:
 
         if not out.preempted:
             budget = self._admit(out, budget)
-        # Single-token queries lead the batch (see attention.py).
-        out.scheduled.sort(key=lambda s: s.num_tokens > 1)
         now = time.monotonic()
         for s in out.scheduled:
             s.request.last_scheduled_step = self.num_steps
@@ -145,7 +145,8 @@ class Scheduler:
                 return request
         raise AssertionError("no request left to preempt")
 
-    def _preempt(self, request: Request) -> None:
+    def preempt(self, request: Request) -> None:
+        """Release a running request's blocks and queue it first, to be recomputed."""
         self.block_manager.free(request.blocks)
         self.running.remove(request)
         request.status = RequestStatus.WAITING

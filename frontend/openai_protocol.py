@@ -13,7 +13,8 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from common.protocol import MAX_TOP_LOGPROBS, SamplingParams
+from common.protocol import (MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS, MIN_REPETITION_PENALTY,
+                             SamplingParams)
 
 
 class StreamOptions(BaseModel):
@@ -40,7 +41,7 @@ class _SamplingFields(BaseModel):
     # Extensions.
     top_k: Optional[int] = Field(None, ge=1)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] = []

@@ -78,12 +78,12 @@ def test_temperature_sampling_follows_the_distribution():
     probs = torch.tensor([0.6, 0.3, 0.1])
     logits = torch.log(probs).expand(2000, 3).clone()
     requests = [req([1], temperature=1.0) for _ in range(2000)]
-    ids, _ = sampler(logits, requests)
+    ids = sampler(logits, requests).token_ids
     freq = torch.bincount(torch.tensor(ids), minlength=3).float() / 2000
     assert torch.allclose(freq, probs, atol=0.04), freq
     # Temperature 0.25 sharpens: p^4 normalized -> token 0 with ~0.94.
     requests = [req([1], temperature=0.25) for _ in range(2000)]
-    ids, _ = sampler(logits.clone(), requests)
+    ids = sampler(logits.clone(), requests).token_ids
     assert sum(1 for i in ids if i == 0) / 2000 > 0.9
 
 
@@ -91,10 +91,10 @@ def test_min_tokens_bans_stop_tokens_until_reached():
     sampler = Sampler(torch.device("cpu"), seed=0)
     logits = torch.tensor([[0.0, 10.0, 5.0]])  # token 1 would win
     early = req([2], output=[2], temperature=0.0, stop_token_ids=[1], min_tokens=2)
-    ids, _ = sampler(logits.clone(), [early])
+    ids = sampler(logits.clone(), [early]).token_ids
     assert ids == [2]
     done = req([2], output=[2, 2], temperature=0.0, stop_token_ids=[1], min_tokens=2)
-    ids, _ = sampler(logits.clone(), [done])
+    ids = sampler(logits.clone(), [done]).token_ids
     assert ids == [1]
 
 
