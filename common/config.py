@@ -113,6 +113,12 @@ class EngineConfig:
 
 DEFAULT_ENGINE_ADDRESS = "tcp://127.0.0.1:5557"
 DEFAULT_TOKENIZER_ADDRESS = "tcp://127.0.0.1:5558"
+DEFAULT_MAX_FRAME_BYTES = 16 << 20
+
+
+def _check_address(name: str, address: str) -> None:
+    if not address.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ValueError(f"{name} must be a tcp://, ipc:// or inproc:// address, got {address!r}")
 
 
 @dataclass(frozen=True)
@@ -127,12 +133,15 @@ class EngineServerConfig:
     # For measuring what per-step batching buys: send one frame per request per step
     # (one message per token) instead of one frame per client per step.
     per_token_frames: bool = False
+    # A client that sends a larger frame is disconnected (the frame is never read).
+    # 16 MiB holds a prompt of about three million token ids.
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
 
     def __post_init__(self) -> None:
-        if not self.bind.startswith(("tcp://", "ipc://", "inproc://")):
-            raise ValueError(f"bind must be a tcp://, ipc:// or inproc:// address, got {self.bind!r}")
+        _check_address("bind", self.bind)
         if self.drain_timeout_s < 0 or self.client_timeout_s <= 0:
             raise ValueError("drain_timeout_s must be >= 0 and client_timeout_s > 0")
+        _positive("max_frame_bytes", self.max_frame_bytes)
 
 
 @dataclass(frozen=True)

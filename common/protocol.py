@@ -170,6 +170,11 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     num_preemptions: int
     num_prompt_tokens_computed: int
     num_generated_tokens: int
+    # Frames that did not decode (malformed, truncated, unknown type): dropped.
+    num_frames_dropped: int = 0
+    # Client connections that ended, including peers cut off for sending a frame
+    # over the size limit (ZeroMQ drops the connection before the frame is read).
+    num_disconnects: int = 0
 
 
 # -- Engine worker <-> its clients (frontends, benchmarks, tests) ------------------
@@ -185,7 +190,7 @@ class MessageType(enum.IntEnum):
     HELLO = 1  # Hello: register; the engine answers Ready
     ADD = 2  # AddRequest
     ABORT = 3  # AbortRequests
-    PING = 4  # Ping: answered by Pong from the engine loop, with stats
+    PING = 4  # Ping: answered by Pong (from the I/O thread), with stats
     # engine -> client
     READY = 16  # Ready
     OUTPUTS = 17  # OutputBatch: everything one step produced for this client
@@ -196,6 +201,10 @@ class MessageType(enum.IntEnum):
 
 class Hello(msgspec.Struct, frozen=True, kw_only=True):
     client_id: str
+    # Reconciliation: the requests this client still follows. The engine aborts any
+    # other request it holds for this client (ones the client has given up on while
+    # the engine was unreachable or busy).
+    request_ids: list[str] = []
 
 
 class AddRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -243,8 +252,13 @@ class RequestError(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Pong(msgspec.Struct, frozen=True, kw_only=True):
+    """Answered by the engine's I/O thread, so a long step never delays it."""
+
     nonce: int
+    # As of the end of the engine loop's last iteration.
     stats: EngineStats
+    # How long the engine loop has been inside its current step (0 between steps).
+    busy_s: float = 0.0
 
 
 class Dead(msgspec.Struct, frozen=True, kw_only=True):

@@ -1,14 +1,20 @@
 """The async client side of a roseserve service (an engine worker, the tokenizer pool).
 
-What every such client does: connect a DEALER socket, say Hello and wait for the
-service's Ready, read replies in one task and hand them to the subclass, and keep
-checking that the service is alive. Death is detected three ways, whichever comes
-first: a DEAD frame; the connection dropping (a ZeroMQ socket-monitor event, which is
-what a killed process produces); or no pong to the heartbeat within the deadline (a
-hung service). Any of them fails everything in flight (``_fail_pending``) instead of
-leaving it to hang, and new work fails at once until the service is back (a Ready
-revives the client; a Ready from a different instance means the old one's work is
-lost).
+What every such client does: connect a DEALER socket, say Hello, read replies in one
+task and hand them to the subclass, and keep checking that the service is alive. The
+service may come later or go and come back: until its Ready arrives the client is
+unavailable (new work fails at once) and says Hello again every heartbeat.
+
+Death is detected four ways, whichever comes first: a DEAD frame; the connection
+dropping (a ZeroMQ socket-monitor event, which is what a killed process produces); no
+pong to the heartbeat within the deadline (a hung process or a lost network; pongs
+come from the service's I/O thread, so a long step never delays them); or a pong
+saying the service has been inside one step for longer than ``stall_timeout_s`` (a
+hung loop). Any of them fails everything in flight (``_fail_pending``) instead of
+leaving it to hang. A Ready revives the client; the Hello that asked for it listed the
+work the client still follows, so the service drops whatever the client gave up on
+(reconciliation), and a Ready from a different instance means the old one's work is
+lost.
 """
 
 from __future__ import annotations
@@ -57,7 +63,7 @@ class ServiceClient:
 
     def __init__(self, address: str, codec: Codec, *, client_id: Optional[str] = None,
                  heartbeat_interval_s: float = 1.0, heartbeat_timeout_s: float = 10.0,
-                 process=None) -> None:
+                 stall_timeout_s: float = 300.0, process=None) -> None:
         """``process``: the service's Popen/Process handle when this side started it;
         its exit is then noticed directly."""
         self.address = address
@@ -66,6 +72,7 @@ class ServiceClient:
             f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.stall_timeout_s = stall_timeout_s
         self.process = process
         self.ctx = zmq.asyncio.Context()
         self.sock: Optional[zmq.asyncio.Socket] = None
@@ -80,21 +87,26 @@ class ServiceClient:
 
     # -- lifecycle -------------------------------------------------------------
 
-    async def start(self, timeout_s: float = 120.0):
-        """Connect and wait for the service's Ready (it may still be loading)."""
+    async def connect(self) -> None:
+        """Connect without waiting: the client is unavailable until the service's
+        Ready arrives, whenever that is."""
         self.sock = make_socket(self.ctx, self.address, zmq.DEALER, bind=False,
                                 identity=self.client_id.encode())
         monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._tasks = [asyncio.create_task(self._receive_loop()),
-                       asyncio.create_task(self._monitor_loop(monitor))]
-        await self._send(Hello(client_id=self.client_id))
+                       asyncio.create_task(self._monitor_loop(monitor)),
+                       asyncio.create_task(self._heartbeat_loop())]
+        await self._send(self._hello())
+
+    async def start(self, timeout_s: float = 120.0):
+        """Connect and wait for the service's Ready (it may still be loading)."""
+        await self.connect()
         try:
             await asyncio.wait_for(self._ready_event.wait(), timeout_s)
         except asyncio.TimeoutError:
             await self.close()
             raise self.dead_error(f"{self.service} at {self.address} did not answer within "
                                   f"{timeout_s:.0f} s") from None
-        self._tasks.append(asyncio.create_task(self._heartbeat_loop()))
         return self.ready
 
     async def close(self) -> None:
@@ -146,6 +158,13 @@ class ServiceClient:
         """Identifies one run of the service (a restart gets a new one)."""
         raise NotImplementedError
 
+    def _followed_ids(self) -> list[str]:
+        """The work in flight that the service should keep (see Hello.request_ids)."""
+        return []
+
+    def _hello(self) -> Hello:
+        return Hello(client_id=self.client_id, request_ids=self._followed_ids())
+
     async def _send(self, message: msgspec.Struct) -> None:
         assert self.sock is not None
         await self.sock.send_multipart(self.codec.encode(message))
@@ -167,6 +186,10 @@ class ServiceClient:
                 future = self._pings.get(message.nonce)
                 if future is not None and not future.done():
                     future.set_result(message)
+                busy = getattr(message, "busy_s", 0.0)
+                if busy > self.stall_timeout_s:
+                    self._mark_dead(f"the {self.service} has been inside one step for "
+                                    f"{busy:.0f} s")
             elif isinstance(message, self.ready_type):
                 self._on_ready(message)
             elif isinstance(message, Dead):
@@ -190,7 +213,7 @@ class ServiceClient:
                     self._mark_dead(f"lost the connection to the {self.service} at "
                                     f"{self.address}")
                 elif event == zmq.EVENT_CONNECTED and self.ready is not None:
-                    await self._send(Hello(client_id=self.client_id))  # reconnected
+                    await self._send(self._hello())  # reconnected
         finally:
             monitor.close(linger=0)
 
@@ -211,7 +234,7 @@ class ServiceClient:
             if self.dead_reason is None:
                 await self._send(Ping(nonce=next(self._nonces)))
             else:  # a service that comes back answers with Ready, which revives us
-                await self._send(Hello(client_id=self.client_id))
+                await self._send(self._hello())
 
     def _mark_dead(self, reason: str) -> None:
         if self.dead_reason is None:  # the first cause is the one worth reporting

@@ -20,14 +20,18 @@ DEFAULT_HWM = 100_000
 
 def make_socket(ctx: AnyContext, address: str, socket_type: int, *, bind: bool,
                 identity: Optional[bytes] = None, hwm: int = DEFAULT_HWM,
-                linger_ms: int = 0) -> zmq.Socket:
+                linger_ms: int = 0, max_message_bytes: Optional[int] = None) -> zmq.Socket:
     """A socket bound or connected to ``address`` (tcp://host:port or ipc://path).
 
     ``linger_ms`` is how long close() may wait to flush unsent messages; 0 drops them
     (a process that is exiting anyway), more for last words such as a DEAD frame.
+    ``max_message_bytes``: a peer that sends a larger frame is disconnected before
+    the frame is buffered (ZeroMQ's MAXMSGSIZE); services facing clients set it.
     """
     sock = ctx.socket(socket_type)
     sock.setsockopt(zmq.LINGER, linger_ms)
+    if max_message_bytes is not None:
+        sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     sock.setsockopt(zmq.SNDHWM, hwm)
     sock.setsockopt(zmq.RCVHWM, hwm)
     if identity is not None:

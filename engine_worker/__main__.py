@@ -10,8 +10,9 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from common.config import (DEFAULT_ENGINE_ADDRESS, CacheConfig, EngineConfig,
-                           EngineServerConfig, SchedulerConfig, env_default)
+from common import faults
+from common.config import (DEFAULT_ENGINE_ADDRESS, DEFAULT_MAX_FRAME_BYTES, CacheConfig,
+                           EngineConfig, EngineServerConfig, SchedulerConfig, env_default)
 from common.errors import ModelLoadError
 from common.logging_setup import setup_logging
 from common.sockets import is_loopback
@@ -70,13 +71,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="seconds in-flight requests get to finish on SIGTERM")
     parser.add_argument("--client-timeout", type=float, default=15.0,
                         help="abort a silent client's requests after this many seconds")
+    parser.add_argument("--max-frame-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES,
+                        help="a client sending a larger frame is disconnected")
     parser.add_argument("--log-level", default=None)
     args = parser.parse_args(argv)
     setup_logging("engine", args.log_level)
     try:
         server_config = EngineServerConfig(bind=args.bind, drain_timeout_s=args.drain_timeout,
                                            client_timeout_s=args.client_timeout,
-                                           per_token_frames=args.per_token_output_frames)
+                                           per_token_frames=args.per_token_output_frames,
+                                           max_frame_bytes=args.max_frame_bytes)
         engine_config = engine_config_from_args(args)
     except ValueError as e:
         parser.error(str(e))
@@ -96,6 +100,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except Exception as e:  # zmq.ZMQError: address in use, bad address
         logger.error("cannot bind %s: %s", server_config.bind, e)
         return 2
+    faults.install("engine", server)
     return server.serve()
 
 

@@ -91,5 +91,8 @@ class EngineClient(ServiceClient):
     def _instance_id(self, ready: Ready) -> str:
         return ready.engine_id
 
+    def _followed_ids(self) -> list[str]:
+        return list(self._streams)
+
 
 __all__ = ["EngineClient", "EngineDeadError", "EngineRequestError", "RequestErrorKind"]

@@ -1,26 +1,36 @@
 """The engine worker process: the in-process engine behind a ZeroMQ ROUTER socket.
 
 Threads:
-  * the I/O thread owns the ROUTER socket. It decodes client frames into messages
-    for the engine loop (a malformed or unknown frame is logged and dropped) and
-    forwards the loop's encoded replies to their clients, so the model step never
-    waits on a socket;
+  * the I/O thread owns the ROUTER socket. It decodes client frames (a malformed,
+    truncated or unknown frame is counted and dropped; a frame over the size limit
+    costs its sender the connection), answers pings itself with the stats the loop
+    last published, so that liveness never depends on how long a step takes, passes
+    everything else to the engine loop, and forwards the loop's encoded replies to
+    their clients, so the model step never waits on a socket;
   * the engine loop (the main thread, which also receives signals) drains every
-    message that arrived, handles them as one batch (adds, aborts, pings), runs one
+    message that arrived, handles them as one batch (adds, aborts, hellos), runs one
     engine step, and sends each client one OutputBatch holding everything that step
     produced for it. With nothing to do it blocks on its inbox.
 
-Failure handling: a request the engine refuses gets a RequestError; a step that
-fails ends its requests with finish reason "error" (the engine goes on); anything
-else is a broken invariant, and the process sends DEAD to every client and exits
-nonzero. SIGTERM/SIGINT drain: new requests are refused, in-flight ones finish (up
-to drain_timeout_s), then DEAD is sent and the process exits 0; a second signal
-aborts what is left at once.
+Reconciliation: a client's Hello lists the requests it still follows; the engine
+aborts any other request it holds for that client. A client that lost track of the
+engine (a missed heartbeat, a dropped connection) says Hello again when it is back,
+so nothing keeps running with nobody reading it.
+
+Failure handling: a request the engine refuses gets a RequestError; a request that
+fails inside a step ends with finish reason "error" (engine.py isolates it; the
+engine goes on); anything else is a broken invariant, and the process sends DEAD to
+every client and exits nonzero. SIGTERM/SIGINT drain: new requests are refused,
+in-flight ones finish (up to drain_timeout_s), then DEAD is sent and the process
+exits 0; a second signal aborts what is left at once. The signal handler only counts
+signals (a handler that took a lock the interrupted code holds would deadlock); the
+loop is woken through Python's wakeup fd, which the I/O thread watches.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import signal
 import threading
@@ -32,11 +42,11 @@ from typing import Optional
 import msgspec
 import zmq
 
-from common.config import EngineServerConfig, env_default
+from common.config import EngineServerConfig
 from common.errors import InvalidRequestError
 from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, AbortRequests, AddRequest,
-                             Codec, Dead, FinishReason, Hello, OutputBatch, Ping, Pong,
-                             ProtocolError, Ready, RequestError, RequestErrorKind,
+                             Codec, Dead, EngineStats, FinishReason, Hello, OutputBatch, Ping,
+                             Pong, ProtocolError, Ready, RequestError, RequestErrorKind,
                              RequestOutput)
 from common.sockets import make_socket
 from engine_worker.engine import LLMEngine
@@ -49,31 +59,45 @@ _OUTBOX_ADDRESS = "inproc://engine-outbox"
 _FLUSH_AND_STOP = [b""]
 
 
-class _Stop:
-    """Put in the inbox by the I/O thread or a signal handler to wake the loop."""
+class _Wake:
+    """Put in the inbox by the I/O thread to wake the loop (a signal, a failure)."""
 
 
 @dataclass
 class _Client:
     identity: bytes
-    last_seen: float
     request_ids: set[str] = field(default_factory=set)
 
 
 class _IOThread(threading.Thread):
-    """Owns the ROUTER socket: client frames in (decoded), encoded replies out."""
+    """Owns the ROUTER socket: client frames in (decoded), encoded replies out, pings
+    answered."""
 
-    def __init__(self, ctx: zmq.Context, bind: str, inbox: "queue.Queue") -> None:
+    def __init__(self, ctx: zmq.Context, config: EngineServerConfig, inbox: "queue.Queue",
+                 stats: EngineStats) -> None:
         super().__init__(name="engine-io", daemon=True)
         self.ctx = ctx
         self.inbox = inbox
         self.codec = Codec(ENGINE_MESSAGES, CLIENT_MESSAGES)
         # Created here so that bind errors surface in the constructor's caller.
-        self.router = make_socket(ctx, bind, zmq.ROUTER, bind=True, linger_ms=1000)
+        self.router = make_socket(ctx, config.bind, zmq.ROUTER, bind=True, linger_ms=1000,
+                                  max_message_bytes=config.max_frame_bytes)
         # Sending to a client that is gone raises instead of silently dropping.
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.monitor = self.router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.outbox = make_socket(ctx, _OUTBOX_ADDRESS, zmq.PULL, bind=True)
         self.unreachable: "queue.Queue[bytes]" = queue.Queue()
+        # Read end of the signal wakeup pipe (EngineServer sets it).
+        self.wakeup_fd: Optional[int] = None
+        # Published by the engine loop: its latest stats, and when its current step
+        # began (None between steps). Plain attribute writes: atomic under the GIL.
+        self.stats = stats
+        self.step_started: Optional[float] = None
+        # Monotonic time of each client's last frame, read by the loop to expire
+        # silent clients (a ping counts: it is answered here, never seen there).
+        self.last_seen: dict[bytes, float] = {}
+        self.num_frames_dropped = 0
+        self.num_disconnects = 0
         self.stopping = False
         self.failed = False
 
@@ -81,17 +105,26 @@ class _IOThread(threading.Thread):
         poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.outbox, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        if self.wakeup_fd is not None:
+            poller.register(self.wakeup_fd, zmq.POLLIN)
         try:
             while not self.stopping:
                 for sock, _ in poller.poll():
                     if sock is self.router:
                         self._receive()
-                    else:
+                    elif sock is self.outbox:
                         self._forward()
-        except Exception:  # the loop learns of it through a _Stop and exits nonzero
+                    elif sock is self.monitor:
+                        self.monitor.recv_multipart()
+                        self.num_disconnects += 1
+                    else:  # a signal arrived: the loop looks at its counter
+                        os.read(self.wakeup_fd, 512)
+                        self.inbox.put(_Wake())
+        except Exception:  # the loop learns of it through a _Wake and exits nonzero
             logger.exception("engine I/O thread failed")
             self.failed = True
-            self.inbox.put(_Stop())
+            self.inbox.put(_Wake())
 
     def _receive(self) -> None:
         while True:
@@ -100,12 +133,25 @@ class _IOThread(threading.Thread):
             except zmq.Again:
                 return
             identity, body = frames[0], frames[1:]
+            self.last_seen[identity] = time.monotonic()
             try:
                 message = self.codec.decode(body)
             except ProtocolError as e:
+                self.num_frames_dropped += 1
                 logger.warning("dropped a frame from client %r: %s", identity, e)
                 continue
-            self.inbox.put((identity, message))
+            if isinstance(message, Ping):
+                self._pong(identity, message)
+            else:
+                self.inbox.put((identity, message))
+
+    def _pong(self, identity: bytes, ping: Ping) -> None:
+        started = self.step_started
+        stats = msgspec.structs.replace(self.stats, num_frames_dropped=self.num_frames_dropped,
+                                        num_disconnects=self.num_disconnects)
+        pong = Pong(nonce=ping.nonce, stats=stats,
+                    busy_s=0.0 if started is None else time.monotonic() - started)
+        self._send([identity, *self.codec.encode(pong)])
 
     def _forward(self) -> None:
         while True:
@@ -116,16 +162,21 @@ class _IOThread(threading.Thread):
             if frames == _FLUSH_AND_STOP:
                 self.stopping = True
                 return
-            try:
-                self.router.send_multipart(frames, zmq.NOBLOCK)
-            except zmq.ZMQError as e:  # EHOSTUNREACH (gone) or EAGAIN (not reading)
-                logger.info("client %r unreachable (%s)", frames[0], e)
-                self.unreachable.put(frames[0])
+            self._send(frames)
+
+    def _send(self, frames: list[bytes]) -> None:
+        try:
+            self.router.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # EHOSTUNREACH (gone) or EAGAIN (not reading)
+            logger.info("client %r unreachable (%s)", frames[0], e)
+            self.unreachable.put(frames[0])
 
     def close(self) -> None:
         """After the engine loop sent _FLUSH_AND_STOP: wait, then close (lingering so
         the last frames, DEAD among them, reach the clients)."""
         self.join(timeout=5)
+        self.router.disable_monitor()
+        self.monitor.close(linger=0)
         self.router.close()
         self.outbox.close()
 
@@ -137,17 +188,15 @@ class EngineServer:
         self.engine_id = uuid.uuid4().hex[:12]
         self.ctx = zmq.Context()
         self.inbox: "queue.Queue" = queue.Queue()
-        self.io = _IOThread(self.ctx, config.bind, self.inbox)
+        self.io = _IOThread(self.ctx, config, self.inbox, engine.stats())
         self.codec = Codec(ENGINE_MESSAGES, CLIENT_MESSAGES)
         self.outbox = make_socket(self.ctx, _OUTBOX_ADDRESS, zmq.PUSH, bind=False,
                                   linger_ms=1000)
         self.clients: dict[bytes, _Client] = {}
         self.owner: dict[str, bytes] = {}  # request_id -> client identity
+        # SIGTERM/SIGINT received (the handler's only effect); the loop acts on it.
+        self.num_signals = 0
         self.draining_since: Optional[float] = None
-        self.abort_now = False
-        # Fault injection for tests: a pause after every step, so that requests stay
-        # queued or running long enough to observe. Unset in production.
-        self.step_delay_s = float(env_default("FAULT_STEP_DELAY_S") or 0.0)
         self.ready = Ready(
             engine_id=self.engine_id, model_name=engine.model_name,
             max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
@@ -176,15 +225,18 @@ class EngineServer:
         return 1 if failed else 0
 
     def _install_signal_handlers(self) -> None:
-        def on_signal(signum, _frame) -> None:
-            if self.draining_since is None:
-                logger.info("signal %d: draining %d request(s) (up to %.0f s)", signum,
-                            len(self.owner), self.config.drain_timeout_s)
-                self.draining_since = time.monotonic()
-            else:
-                logger.info("second signal: aborting %d request(s)", len(self.owner))
-                self.abort_now = True
-            self.inbox.put(_Stop())
+        """The handler runs in the main thread between two bytecodes of whatever it
+        interrupted (inbox.get holding the queue's lock, say), so it takes no lock:
+        it counts. The C-level handler also writes to the wakeup fd, which wakes the
+        I/O thread, which wakes the loop."""
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(read_fd, False)
+        os.set_blocking(write_fd, False)
+        signal.set_wakeup_fd(write_fd)
+        self.io.wakeup_fd = read_fd
+
+        def on_signal(_signum, _frame) -> None:
+            self.num_signals += 1
 
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
@@ -199,26 +251,39 @@ class EngineServer:
 
     def _loop(self) -> None:
         while True:
-            busy = self.engine.has_unfinished_requests()
-            self._handle(self._drain_inbox(block=not busy))
+            messages = self._drain_inbox(block=not self.engine.has_unfinished_requests())
+            draining = self._signalled()
+            self._handle(messages)
             self._reap_unreachable_clients()
-            if self.draining_since is not None:
+            if draining:
                 overdue = time.monotonic() - self.draining_since > self.config.drain_timeout_s
-                if self.abort_now or overdue:
+                if self.num_signals > 1 or overdue:
                     self._abort(list(self.owner), "the engine is shutting down")
                 if not self.engine.has_unfinished_requests():
                     return
             if self.io.failed:
                 return
             if self.engine.has_unfinished_requests():
-                self._send_outputs(self.engine.step())
-                if self.step_delay_s:
-                    time.sleep(self.step_delay_s)
+                self.io.step_started = time.monotonic()
+                outputs = self.engine.step()
+                self.io.step_started = None
+                self._send_outputs(outputs)
+            self.io.stats = self.engine.stats()
+
+    def _signalled(self) -> bool:
+        """Whether a signal asked to stop (logged here, outside the handler)."""
+        if self.num_signals and self.draining_since is None:
+            self.draining_since = time.monotonic()
+            logger.info("signal: draining %d request(s) (up to %.0f s)", len(self.owner),
+                        self.config.drain_timeout_s)
+        if self.num_signals > 1 and self.owner:
+            logger.info("another signal: aborting %d request(s)", len(self.owner))
+        return self.draining_since is not None
 
     def _drain_inbox(self, block: bool) -> list:
         messages = []
         if block:
-            # Idle: sleep until a message or a signal arrives. The timeout only
+            # Idle: sleep until a message or a wake-up arrives. The timeout only
             # bounds how late a silent client is noticed.
             try:
                 messages.append(self.inbox.get(timeout=1.0))
@@ -231,28 +296,31 @@ class EngineServer:
                 return messages
 
     def _handle(self, messages: list) -> None:
-        now = time.monotonic()
         adds: list[tuple[bytes, AddRequest]] = []
         for item in messages:
-            if isinstance(item, _Stop):
+            if isinstance(item, _Wake):
                 continue
             identity, message = item
-            client = self.clients.get(identity)
-            if client is None:
-                client = self.clients[identity] = _Client(identity, now)
-            client.last_seen = now
+            if identity not in self.clients:
+                self.clients[identity] = _Client(identity)
             if isinstance(message, AddRequest):
                 adds.append((identity, message))
             elif isinstance(message, AbortRequests):
                 self._abort(message.request_ids, None, identity)
-            elif isinstance(message, Ping):
-                self._send(identity, Pong(nonce=message.nonce, stats=self.engine.stats()))
             elif isinstance(message, Hello):
-                logger.info("client %s connected", message.client_id)
-                self._send(identity, self.ready)
+                self._hello(identity, message)
         for identity, add in adds:  # batched: all of a loop's adds before one step
             self._add(identity, add)
-        self._expire_silent_clients(now)
+        self._expire_silent_clients(time.monotonic())
+
+    def _hello(self, identity: bytes, hello: Hello) -> None:
+        stale = self.clients[identity].request_ids - set(hello.request_ids)
+        if stale:
+            logger.warning("client %s no longer follows %d request(s): aborting them",
+                           hello.client_id, len(stale))
+            self._abort(list(stale), None)
+        logger.info("client %s connected", hello.client_id)
+        self._send(identity, self.ready)
 
     def _add(self, identity: bytes, add: AddRequest) -> None:
         if self.draining_since is not None:
@@ -304,13 +372,14 @@ class EngineServer:
 
     def _expire_silent_clients(self, now: float) -> None:
         for client in list(self.clients.values()):
-            if now - client.last_seen > self.config.client_timeout_s:
+            silent = now - self.io.last_seen.get(client.identity, now)
+            if silent > self.config.client_timeout_s:
                 if client.request_ids:
                     logger.warning("client %r silent for %.0f s: aborting its %d request(s)",
-                                   client.identity, now - client.last_seen,
-                                   len(client.request_ids))
+                                   client.identity, silent, len(client.request_ids))
                     self._abort(list(client.request_ids), None)
                 del self.clients[client.identity]
+                self.io.last_seen.pop(client.identity, None)
 
     def _reap_unreachable_clients(self) -> None:
         while True:
@@ -325,6 +394,7 @@ class EngineServer:
                                    identity, len(client.request_ids))
                     self._abort(list(client.request_ids), None)
                 del self.clients[identity]
+                self.io.last_seen.pop(identity, None)
 
     def _send(self, identity: bytes, message: msgspec.Struct) -> None:
         self.outbox.send_multipart([identity, *self.codec.encode(message)])

@@ -11,6 +11,19 @@ import time
 import httpx
 
 
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+def with_faults(env: dict | None) -> dict:
+    """The environment for a component; ROSESERVE_FAULT_* variables in ``env`` switch
+    on the test fault plugin (tests/fault_plugin.py) in it."""
+    env = {**os.environ, **(env or {})}
+    if any(k.startswith("ROSESERVE_FAULT_") for k in env):
+        env["ROSESERVE_FAULT_PLUGIN"] = "fault_plugin:install"
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS, env.get("PYTHONPATH")) if p)
+    return env
+
+
 class Proc:
     """One component process; its combined output is kept for failure messages."""
 
@@ -18,7 +31,7 @@ class Proc:
         self.args = args
         self.proc = subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True,
-                                     env={**os.environ, **(env or {})})
+                                     env=with_faults(env))
 
     def stop(self) -> str:
         if self.proc.poll() is None:

@@ -12,8 +12,8 @@ import msgpack
 import pytest
 import zmq
 
-from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, AddRequest, Codec,
-                             FinishReason, Hello)
+from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, AbortRequests, AddRequest,
+                             Codec, FinishReason, Hello, Ping)
 from engine_worker.client import EngineClient, EngineDeadError, EngineRequestError
 import processes
 from helpers import greedy, make_engine, random_prompts
@@ -25,8 +25,9 @@ PROMPTS = random_prompts([3, 11, 26, 40], seed=21)
 def engine_factory(tmp_path, tiny_llama_dir):
     procs = []
 
-    def start(*extra: str, name: str = "engine") -> EngineProcess:
-        proc = processes.engine(tiny_llama_dir, f"ipc://{tmp_path}/{name}.sock", *extra)
+    def start(*extra: str, name: str = "engine", env: dict | None = None):
+        proc = processes.engine(tiny_llama_dir, f"ipc://{tmp_path}/{name}.sock", *extra,
+                                env=env)
         procs.append(proc)
         return proc
 
@@ -82,24 +83,41 @@ def test_outputs_equal_the_in_process_engine(shared_engine, tiny_llama_dir):
         assert outs[0].queue_ms is not None and outs[0].prefill_ms is not None
 
 
-def test_abort_mid_generation_frees_blocks(shared_engine):
+@pytest.fixture(scope="module")
+def slow_engine(tmp_path_factory, tiny_llama_dir):
+    """20 ms per step: 400 tokens take 8 s, so an abort that works is visible."""
+    path = tmp_path_factory.mktemp("slow-engine")
+    proc = processes.engine(tiny_llama_dir, f"ipc://{path}/engine.sock",
+                            env={"ROSESERVE_FAULT_STEP_DELAY_S": "0.02"})
+    yield proc
+    proc.stop()
+
+
+async def wait_idle(client: EngineClient, timeout_s: float = 15.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = (await client.ping()).stats
+        if (stats.num_running == 0 and stats.num_waiting == 0) or time.monotonic() > deadline:
+            return stats
+        await asyncio.sleep(0.05)
+
+
+def test_abort_mid_generation_stops_it_and_frees_blocks(slow_engine):
     async def main():
-        client = await connect(shared_engine.address)
+        client = await connect(slow_engine.address)
+        before = (await client.ping()).stats.num_generated_tokens
         seen = 0
         async for out in client.generate("long", PROMPTS[3], greedy(400)):
             seen += len(out.new_token_ids)
             if seen == 5:
                 break  # leaving the stream aborts the request
-        for _ in range(50):
-            stats = (await client.ping()).stats
-            if stats.num_running == 0:
-                break
-            await asyncio.sleep(0.05)
+        stats = await wait_idle(client)
         await client.close()
-        return stats
+        return stats, stats.num_generated_tokens - before
 
-    stats = run(main())
+    stats, generated = run(main())
     assert stats.num_running == 0 and stats.num_waiting == 0
+    assert generated < 30  # 5 read, a few more in flight; never the 400 asked for
     assert stats.num_blocks_used == 0
     assert stats.num_blocks_free == stats.num_blocks_total
 
@@ -195,16 +213,17 @@ def test_sigterm_lets_in_flight_requests_complete(engine_factory):
 
     async def main():
         client = await connect(engine.address)
-        first = asyncio.Event()
+        all_running = asyncio.Event()
         outputs = []
 
         async def consume(i):
             async for out in client.generate(f"d{i}", PROMPTS[i], greedy(60)):
                 outputs.append(out)
-                first.set()
+                if len({o.request_id for o in outputs}) == 3:
+                    all_running.set()
 
         tasks = [asyncio.create_task(consume(i)) for i in range(3)]
-        await first.wait()
+        await all_running.wait()
         engine.proc.send_signal(signal.SIGTERM)
         await asyncio.sleep(0.3)
         # Draining: new work is refused, with a reason.
@@ -302,3 +321,189 @@ def test_unsupported_model_exits_with_a_clear_error(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "unsupported architecture ['T5ForConditionalGeneration']" in proc.stderr
+
+
+def test_pings_are_answered_during_a_step_longer_than_the_heartbeat_timeout(engine_factory):
+    engine = engine_factory(env={"ROSESERVE_FAULT_STEP_DELAY_S": "1.5"})
+
+    async def main():
+        client = await connect(engine.address, heartbeat_interval_s=0.2,
+                               heartbeat_timeout_s=0.6)
+        task = asyncio.create_task(collect(client, "slow", PROMPTS[0], greedy(2)))
+        await asyncio.sleep(0.8)  # inside the first 1.5 s step
+        pong = await client.ping(timeout_s=0.5)
+        outs = await task
+        healthy = client.healthy
+        await client.close()
+        return pong, outs, healthy
+
+    pong, outs, healthy = run(main())
+    assert pong.busy_s > 0.5  # answered while the step ran
+    assert len(token_ids(outs)) == 2 and healthy
+
+
+class RawClient:
+    """A DEALER speaking the protocol by hand."""
+
+    def __init__(self, address: str, identity: bytes) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, identity)
+        self.sock.connect(address)
+        self.codec = Codec(CLIENT_MESSAGES, ENGINE_MESSAGES)
+
+    def send(self, message) -> None:
+        self.sock.send_multipart(self.codec.encode(message))
+
+    def receive(self, seconds: float, until=None) -> list:
+        """Messages arriving within ``seconds``; stops early at one ``until`` accepts."""
+        out = []
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0 and self.sock.poll(int(left * 1000)):
+            out.append(self.codec.decode(self.sock.recv_multipart()))
+            if until is not None and until(out[-1]):
+                break
+        return out
+
+    def outputs(self, seconds: float) -> list:
+        return [o for m in self.receive(seconds) if hasattr(m, "outputs") for o in m.outputs]
+
+    def stats(self):
+        self.send(Ping(nonce=1))
+        return self.receive(5, until=lambda m: hasattr(m, "stats"))[-1].stats
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+
+def test_hello_reconciles_the_requests_a_client_follows(slow_engine):
+    raw = RawClient(slow_engine.address, b"reconciler")
+    try:
+        raw.send(Hello(client_id="reconciler"))
+        for name in ("keep", "drop"):
+            raw.send(AddRequest(request_id=name, prompt_token_ids=PROMPTS[0], params=greedy(400)))
+        raw.receive(1.0)
+        assert raw.stats().num_running == 2
+        raw.send(Hello(client_id="reconciler", request_ids=["keep"]))
+        raw.receive(0.5)
+        assert raw.stats().num_running == 1  # "drop" was aborted, "keep" goes on
+        assert {o.request_id for o in raw.outputs(0.5)} == {"keep"}
+        raw.send(AbortRequests(request_ids=["keep"]))
+        raw.receive(0.5)
+        assert raw.stats().num_running == 0
+    finally:
+        raw.close()
+
+
+def test_a_client_that_gave_up_during_a_stall_has_its_requests_aborted(engine_factory):
+    """The loop hangs for 3 s inside step 5; the client gives up on the engine after
+    0.5 s, failing its request. When the loop is back, the client's Hello lists
+    nothing, so the engine stops the request instead of running it to 400 tokens."""
+    engine = engine_factory(env={"ROSESERVE_FAULT_STALL": "5:3"})
+
+    async def main():
+        client = await connect(engine.address, heartbeat_interval_s=0.2, stall_timeout_s=0.5)
+        with pytest.raises(EngineDeadError, match="inside one step"):
+            await collect(client, "victim", PROMPTS[1], greedy(400))
+        for _ in range(100):  # revived by the Ready that answers its Hello
+            if client.healthy:
+                break
+            await asyncio.sleep(0.1)
+        revived = client.healthy
+        stats = await wait_idle(client)
+        after = await collect(client, "after", PROMPTS[0], greedy(3))
+        await client.close()
+        return revived, stats, after
+
+    revived, stats, after = run(main())
+    assert revived
+    assert stats.num_running == 0 and stats.num_blocks_used == 0
+    assert stats.num_generated_tokens < 30  # not the 400 the victim asked for
+    assert len(token_ids(after)) == 3
+
+
+def test_bad_frames_are_counted_and_an_oversized_one_costs_only_its_connection(
+        engine_factory):
+    engine = engine_factory("--max-frame-bytes", "4096")
+    raw = RawClient(engine.address, b"fuzzer")
+    other = RawClient(engine.address, b"bystander")
+    try:
+        before = other.stats()
+        for frames in ([b"junk"], [b"\x02", b"\xc1"], [b"\x63", b"\x80"],
+                       [b"\x02", b"\x81\xa1x\x01"], [b"", b"", b""],
+                       [b"\x02", msgpack.packb({"request_id": 5})],
+                       [b"\x02", msgpack.packb({"request_id": "t", "prompt_token_ids": [1, 2],
+                                                 "params": {"max_tokens": "many"}})],
+                       [b"\x02", AddRequest(request_id="t", prompt_token_ids=[1] * 50,
+                                             params=greedy(2)).__class__.__name__.encode()]):
+            raw.sock.send_multipart(frames)
+        raw.sock.send_multipart([b"\x02", b"\x00" * 10_000])  # over the 4096-byte limit
+        time.sleep(1.0)
+        stats = other.stats()
+        assert stats.num_frames_dropped - before.num_frames_dropped == 8
+        assert stats.num_disconnects - before.num_disconnects >= 1
+        # The fuzzer's connection comes back by itself and works; so does the other's.
+        raw.send(Hello(client_id="fuzzer"))
+        raw.send(AddRequest(request_id="after", prompt_token_ids=[5, 6], params=greedy(2)))
+        other.send(AddRequest(request_id="other", prompt_token_ids=[7, 8], params=greedy(2)))
+        assert sum(len(o.new_token_ids) for o in raw.outputs(3)) == 2
+        assert sum(len(o.new_token_ids) for o in other.outputs(3)) == 2
+        assert engine.proc.poll() is None
+    finally:
+        raw.close()
+        other.close()
+
+
+def test_a_request_that_fails_in_the_engine_fails_alone(engine_factory, tiny_llama_dir):
+    engine = engine_factory(env={"ROSESERVE_FAULT_FAIL_TOKEN": "4242"})
+    expected = make_engine(tiny_llama_dir).generate(PROMPTS[:2], greedy(8))
+
+    async def main():
+        client = await connect(engine.address)
+        results = await asyncio.gather(
+            collect(client, "a", PROMPTS[0], greedy(8)),
+            collect(client, "bad", [4242, *PROMPTS[2]], greedy(8)),
+            collect(client, "b", PROMPTS[1], greedy(8)))
+        stats = await wait_idle(client)
+        await client.close()
+        return results, stats
+
+    (a, bad, b), stats = run(main())
+    assert [token_ids(a), token_ids(b)] == expected
+    assert len(token_ids(bad)) == 2 and bad[-1].finish_reason is FinishReason.ERROR
+    assert "injected per-request failure" in bad[-1].error
+    assert stats.num_blocks_used == 0
+
+
+def test_the_signal_handler_takes_no_lock(tmp_path, tiny_llama_dir):
+    """A signal lands in the main thread between two bytecodes of whatever runs
+    there, e.g. inside inbox.get() holding the queue's lock: a handler that took that
+    lock would wait on itself forever."""
+    import threading
+
+    from common.config import EngineServerConfig
+    from engine_worker.server import EngineServer
+
+    server = EngineServer(make_engine(tiny_llama_dir, num_blocks=16),
+                          EngineServerConfig(bind=f"ipc://{tmp_path}/sig.sock"))
+    old = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    try:
+        server._install_signal_handlers()
+        handler = signal.getsignal(signal.SIGTERM)
+        done = threading.Event()
+
+        def interrupted_while_holding_the_inbox_lock():
+            with server.inbox.mutex:
+                handler(signal.SIGTERM, None)
+            done.set()
+
+        threading.Thread(target=interrupted_while_holding_the_inbox_lock, daemon=True).start()
+        assert done.wait(5), "the signal handler blocked on a lock"
+        assert server.num_signals == 1
+    finally:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGTERM, old[0])
+        signal.signal(signal.SIGINT, old[1])
+        server.io.start()
+        server._close()

@@ -9,12 +9,11 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import time
 from pathlib import Path
 
 import zmq
 
-from common.config import env_default
+from common import faults
 from common.logging_setup import setup_logging
 from common.protocol import WORKER_JOBS, WORKER_REPLIES, Codec, Hello, ProtocolError
 from common.sockets import make_socket
@@ -32,8 +31,7 @@ def worker_main(model_dir: str, address: str, slot: int, identity: str, max_char
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
     tokenizer = PromptTokenizer(Path(model_dir), max_chars)
-    crash_marker = _fault_marker(slot)
-    slow_marker = env_default("FAULT_SLOW_MARKER") or ""
+    faults.install("tokenizer_worker", tokenizer, slot=slot)
     ctx = zmq.Context()
     sock = make_socket(ctx, address, zmq.DEALER, bind=False, identity=identity.encode())
     codec = Codec(WORKER_REPLIES, WORKER_JOBS)
@@ -51,20 +49,8 @@ def worker_main(model_dir: str, address: str, slot: int, identity: str, max_char
                 jobs.append(codec.decode(frames))
             except ProtocolError as e:
                 logger.warning("dropped a frame from the supervisor: %s", e)
-        if crash_marker and any(crash_marker in (j.prompt or "") for j in jobs):
-            os._exit(3)  # fault injection for tests: die holding the batch
-        if slow_marker and any(slow_marker in (j.prompt or "") for j in jobs):
-            time.sleep(2.0)  # fault injection for tests: a slow tokenization
         for reply in tokenizer.tokenize(jobs):
             sock.send_multipart(codec.encode(reply))
     sock.close(0)
     ctx.term()
 
-
-def _fault_marker(slot: int) -> str:
-    """Fault injection for tests: chosen workers crash on a marker text
-    (ROSESERVE_FAULT_CRASH_MARKER, ROSESERVE_FAULT_CRASH_SLOTS), and any worker takes
-    2 s over a prompt holding ROSESERVE_FAULT_SLOW_MARKER. Unset, nothing happens."""
-    marker = env_default("FAULT_CRASH_MARKER") or ""
-    slots = (env_default("FAULT_CRASH_SLOTS") or "").split(",")
-    return marker if marker and str(slot) in slots else ""

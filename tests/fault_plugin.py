@@ -1,0 +1,85 @@
+"""Faults the tests inject into real roseserve processes, through the one hook
+(common/faults.py: ROSESERVE_FAULT_PLUGIN=fault_plugin:install). Each fault is switched
+on by a test-only environment variable:
+
+  engine
+    ROSESERVE_FAULT_STEP_DELAY_S   sleep this long after every step (requests stay
+                                   queued or running long enough to observe)
+    ROSESERVE_FAULT_STALL          "N:S": step number N takes S seconds more (one
+                                   stall, as a hung loop that recovers)
+    ROSESERVE_FAULT_FAIL_TOKEN     a request whose prompt holds this token id fails
+                                   in its logits processing at its third token
+  tokenizer_worker
+    ROSESERVE_FAULT_CRASH_MARKER   a batch holding this text kills the worker...
+    ROSESERVE_FAULT_CRASH_SLOTS    ...if its slot is listed (comma-separated)
+    ROSESERVE_FAULT_SLOW_MARKER    a batch holding this text takes 2 s more
+    ROSESERVE_FAULT_HANG_MARKER    a batch holding this text never finishes
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+def _env(name: str) -> str:
+    return os.environ.get("ROSESERVE_FAULT_" + name, "")
+
+
+def install(component: str, target, **context) -> None:
+    if component == "engine":
+        _engine(target)
+    elif component == "tokenizer_worker":
+        _tokenizer_worker(target, context["slot"])
+
+
+def _engine(server) -> None:
+    engine = server.engine
+    delay = float(_env("STEP_DELAY_S") or 0)
+    stall_step, _, stall_s = _env("STALL").partition(":")
+    if delay or stall_step:
+        step = engine.step
+        steps = []
+
+        def slow_step():
+            outputs = step()
+            steps.append(1)
+            time.sleep(delay + (float(stall_s) if str(len(steps)) == stall_step else 0.0))
+            return outputs
+
+        engine.step = slow_step
+    fail_token = _env("FAIL_TOKEN")
+    if fail_token:
+        token = int(fail_token)
+        add_request = engine.add_request
+
+        def fail_at_third_token(row, request):
+            if request.num_output_tokens >= 2:
+                raise RuntimeError("injected per-request failure")
+
+        def add(request_id, prompt_token_ids, params=None):
+            add_request(request_id, prompt_token_ids, params)
+            if token in prompt_token_ids:
+                engine.requests[request_id].logits_processors.append(fail_at_third_token)
+
+        engine.add_request = add
+
+
+def _tokenizer_worker(tokenizer, slot: int) -> None:
+    crash = _env("CRASH_MARKER") if str(slot) in _env("CRASH_SLOTS").split(",") else ""
+    slow, hang = _env("SLOW_MARKER"), _env("HANG_MARKER")
+    if not (crash or slow or hang):
+        return
+    tokenize = tokenizer.tokenize
+
+    def faulty(requests):
+        texts = [r.prompt or "".join(m.content for m in r.messages or []) for r in requests]
+        if crash and any(crash in t for t in texts):
+            os._exit(3)  # die holding the batch
+        if slow and any(slow in t for t in texts):
+            time.sleep(2.0)
+        if hang and any(hang in t for t in texts):
+            time.sleep(10**6)
+        return tokenize(requests)
+
+    tokenizer.tokenize = faulty
