@@ -105,6 +105,11 @@ class CpuKernels:
         self._argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
         return out
 
+    @staticmethod
+    def supports_head_dim(head_dim: int) -> bool:
+        """Whether paged_decode_attention handles this head size (16-float vectors)."""
+        return head_dim % 16 == 0 and head_dim <= 256
+
     def paged_decode_attention(self, q: torch.Tensor, kv_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
                                scale: float) -> torch.Tensor:
@@ -144,8 +149,19 @@ def _cpu_signature() -> str:
     return platform.machine() + flags
 
 
+def _find_compiler() -> Optional[str]:
+    """$CC if it names a program that exists, else cc or gcc on the PATH."""
+    named = os.environ.get("CC")
+    if named:
+        found = shutil.which(named.split()[0])
+        if found is not None:
+            return found
+        logger.warning("CC=%s names no program on this machine; looking for cc or gcc", named)
+    return shutil.which("cc") or shutil.which("gcc")
+
+
 def _build_and_load() -> Optional[CpuKernels]:
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = _find_compiler()
     if compiler is None:
         logger.warning("no C compiler found: CPU attention uses the slower torch path")
         return None
@@ -158,11 +174,15 @@ def _build_and_load() -> Optional[CpuKernels]:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
         os.close(fd)
         cmd = [compiler, *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode != 0:
+        try:
+            result = subprocess.run(cmd, capture_output=True, text=True)
+            error = result.stderr.strip() if result.returncode != 0 else None
+        except OSError as e:  # the compiler vanished, or is not executable
+            error = str(e)
+        if error is not None:
             os.unlink(tmp)
             logger.warning("building the CPU kernels failed (%s): using the torch path\n%s",
-                           " ".join(cmd), result.stderr.strip())
+                           " ".join(cmd), error)
             return None
         os.replace(tmp, target)  # atomic: concurrent builders each produce a whole file
     try:

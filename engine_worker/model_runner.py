@@ -55,9 +55,14 @@ class ModelRunner:
         if cpu_kernels and device.type == "cpu" and dtype == torch.float32:
             kernels = load_cpu_kernels()
             gemm = mkl_packed_gemm()
+        attn_kernels = kernels
+        if kernels is not None and not kernels.supports_head_dim(model_config.head_dim):
+            logger.info("head_dim %d: decode attention uses the torch path",
+                        model_config.head_dim)
+            attn_kernels = None
         self.attn = PagedAttention(model_config.num_heads, model_config.num_kv_heads,
                                    model_config.head_dim, model_config.head_dim ** -0.5,
-                                   kernels)
+                                   attn_kernels)
         self.model = load_model(model_config, model_dir, device, dtype, self.attn, kernels, gemm)
         self.num_blocks = self._num_blocks(cache)
         shape = kv_cache_shape(self.num_blocks, cache.block_size,

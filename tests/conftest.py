@@ -65,6 +65,20 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_hd8_dir(tmp_path_factory) -> Path:
+    """Llama with head_dim 8, a size the C decode-attention kernel does not handle."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(3)
+    config = LlamaConfig(
+        vocab_size=50257, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=EOS, eos_token_id=EOS,
+        initializer_range=0.1)
+    return _save(LlamaForCausalLM(config).eval(), tmp_path_factory.mktemp("tiny-llama-hd8"))
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory) -> Path:
     """Qwen2-style: q/k/v biases, tied embeddings, GQA."""
     from transformers import Qwen2Config, Qwen2ForCausalLM

@@ -1,0 +1,53 @@
+"""Building and choosing the CPU kernels: every way it can go wrong falls back to the
+torch path instead of failing, and the fast path is only taken where it applies."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from engine_worker import kernels
+from helpers import greedy, make_engine, random_prompts
+from hf_reference import assert_matches, hf_greedy
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_a_cc_naming_no_program_falls_back_to_cc_on_the_path(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("ROSESERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "/nonexistent/bin/cc")
+    assert kernels._build_and_load() is not None
+    assert "CC=/nonexistent/bin/cc names no program" in caplog.text
+
+
+def test_no_compiler_at_all_means_the_torch_path(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("ROSESERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "/nonexistent/bin/cc")
+    monkeypatch.setenv("PATH", str(tmp_path))  # no cc, no gcc
+    assert kernels._build_and_load() is None
+    assert "no C compiler found" in caplog.text
+
+
+def test_a_compiler_that_fails_means_the_torch_path(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("ROSESERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    assert kernels._build_and_load() is None
+    assert "building the CPU kernels failed" in caplog.text
+    assert not list((tmp_path / "kernels").glob("*"))  # no half-written file left
+
+
+def test_a_head_dim_the_attention_kernel_cannot_do_takes_the_torch_path(tiny_llama_hd8_dir):
+    prompts = random_prompts([3, 9, 20], seed=4)
+    engine = make_engine(tiny_llama_hd8_dir, cpu_kernels=True)
+    assert engine.runner.attn.kernels is None  # head_dim 8: not a multiple of 16
+    assert isinstance(engine.runner.model.ops, kernels.CpuKernels)  # the other C kernels run
+    assert_matches(engine.generate(prompts, greedy(10)), hf_greedy(tiny_llama_hd8_dir, prompts, 10),
+                   "head_dim 8")
+
+
+def test_the_declared_torch_floor_has_what_the_code_uses():
+    """scaled_dot_product_attention's enable_gqa (engine_worker/attention.py) arrived
+    in torch 2.5: pyproject.toml must not admit an older torch."""
+    assert "enable_gqa" in (ROOT / "engine_worker" / "attention.py").read_text()
+    floor = re.search(r'"torch>=(\d+)\.(\d+)', (ROOT / "pyproject.toml").read_text())
+    assert floor and (int(floor[1]), int(floor[2])) >= (2, 5)
