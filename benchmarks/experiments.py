@@ -13,7 +13,6 @@ and HTTP runs of one workload and prints HTTP tokens/s as a ratio of in-process.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import signal

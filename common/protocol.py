@@ -314,6 +314,12 @@ class PoolPong(msgspec.Struct, frozen=True, kw_only=True):
     num_pending: int
     # Jobs received since the pool started.
     num_jobs_total: int = 0
+    # Frames from clients that did not decode (dropped), and client connections that
+    # ended (including peers cut off for a frame over the size limit).
+    num_frames_dropped: int = 0
+    num_disconnects: int = 0
+    # Workers replaced since the pool started (died, or hung past the job timeout).
+    num_workers_replaced: int = 0
 
 
 class TokenizerMessageType(enum.IntEnum):

@@ -13,7 +13,8 @@ on by a test-only environment variable:
     ROSESERVE_FAULT_CRASH_MARKER   a batch holding this text kills the worker...
     ROSESERVE_FAULT_CRASH_SLOTS    ...if its slot is listed (comma-separated)
     ROSESERVE_FAULT_SLOW_MARKER    a batch holding this text takes 2 s more
-    ROSESERVE_FAULT_HANG_MARKER    a batch holding this text never finishes
+    ROSESERVE_FAULT_HANG_MARKER    a batch holding this text never finishes...
+    ROSESERVE_FAULT_HANG_SLOTS     ...in the workers listed (default: every worker)
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def _engine(server) -> None:
 def _tokenizer_worker(tokenizer, slot: int) -> None:
     crash = _env("CRASH_MARKER") if str(slot) in _env("CRASH_SLOTS").split(",") else ""
     slow, hang = _env("SLOW_MARKER"), _env("HANG_MARKER")
+    if _env("HANG_SLOTS") and str(slot) not in _env("HANG_SLOTS").split(","):
+        hang = ""
     if not (crash or slow or hang):
         return
     tokenize = tokenizer.tokenize

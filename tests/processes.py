@@ -47,9 +47,10 @@ def engine(model_dir, address: str, *extra: str, env: dict | None = None) -> Pro
     return p
 
 
-def tokenizer_pool(model_dir, address: str, workers: int = 2, env: dict | None = None) -> Proc:
+def tokenizer_pool(model_dir, address: str, workers: int = 2, env: dict | None = None,
+                   *extra: str) -> Proc:
     p = Proc(["tokenizer_worker", "--model", str(model_dir), "--workers", str(workers),
-              "--bind", address], env)
+              "--bind", address, *extra], env)
     p.address = address
     return p
 

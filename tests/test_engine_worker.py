@@ -152,36 +152,6 @@ def test_invalid_request_gets_an_error_with_its_param(shared_engine):
     assert len(token_ids(ok)) == 3
 
 
-def test_garbage_frames_do_not_kill_it(shared_engine):
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.connect(shared_engine.address)
-    for frames in ([b"junk"], [b"\x02", b"\xc1"], [b"\x63", b"\x80"], [b"\x02", b"\x81\xa1x\x01"],
-                   [b"", b"", b""], [b"\x02", msgpack.packb({"request_id": 5})]):
-        sock.send_multipart(frames)
-    # A well-formed request on the same socket still works, and the reply is plain
-    # msgpack any decoder reads.
-    codec = Codec(CLIENT_MESSAGES, ENGINE_MESSAGES)
-    sock.send_multipart(codec.encode(Hello(client_id="raw")))
-    sock.send_multipart(codec.encode(AddRequest(request_id="raw-1", prompt_token_ids=[5, 6],
-                                                params=greedy(2))))
-    seen = []
-    poller = zmq.Poller()
-    poller.register(sock, zmq.POLLIN)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and sum(len(o["new_token_ids"]) for o in seen) < 2:
-        if poller.poll(1000):
-            kind, payload = sock.recv_multipart()
-            message = msgpack.unpackb(payload)
-            if kind == b"\x11":  # OUTPUTS
-                seen.extend(message["outputs"])
-    sock.close(0)
-    ctx.term()
-    assert [o["request_id"] for o in seen] == ["raw-1", "raw-1"]
-    assert seen[-1]["finish_reason"] == "stop" or seen[-1]["finish_reason"] == "length"
-    assert shared_engine.proc.poll() is None
-
-
 def test_killing_the_engine_fails_in_flight_requests_quickly(engine_factory):
     engine = engine_factory()
 

@@ -13,6 +13,7 @@ from tokenizer_worker.client import TokenizeFailed, TokenizerClient
 from tokenizer_worker.prompt_tokenizer import PromptTokenizer
 
 CRASH = "CRASH-THE-WORKER"
+HANG = "HANG-THE-WORKER"
 
 
 def run(coro):
@@ -29,10 +30,12 @@ async def connect(address: str) -> TokenizerClient:
 def pool_factory(tmp_path, tiny_llama_dir):
     started = []
 
-    def start(workers: int = 2, crash_slots: str = "", name: str = "pool"):
-        env = {"ROSESERVE_FAULT_CRASH_MARKER": CRASH, "ROSESERVE_FAULT_CRASH_SLOTS": crash_slots}
+    def start(workers: int = 2, crash_slots: str = "", name: str = "pool",
+              hang_slots: str = "", extra=()):
+        env = {"ROSESERVE_FAULT_CRASH_MARKER": CRASH, "ROSESERVE_FAULT_CRASH_SLOTS": crash_slots,
+               "ROSESERVE_FAULT_HANG_MARKER": HANG, "ROSESERVE_FAULT_HANG_SLOTS": hang_slots}
         proc = processes.tokenizer_pool(tiny_llama_dir, f"ipc://{tmp_path}/{name}.sock",
-                                        workers, env)
+                                        workers, env, *extra)
         started.append(proc)
         return proc
 
@@ -102,7 +105,7 @@ def test_a_request_that_kills_twice_fails_with_a_clear_error(pool_factory):
         return info.value, ok
 
     error, ok = run(main())
-    assert "tokenizer workers died 2 times while tokenizing this request" in error.message
+    assert "tokenizer workers died or hung 2 times while tokenizing this request" in error.message
     assert error.kind.value == "internal"
     assert len(ok.prompt_token_ids) == 2
 
@@ -119,22 +122,80 @@ def test_absurdly_long_text_is_refused_before_encoding(tiny_llama_dir):
     assert "exactly one of prompt and messages" in replies[2].message
 
 
-def test_garbage_frames_do_not_kill_the_pool(pool_factory):
-    import zmq
+async def wait_alive(client: TokenizerClient, n: int):
+    for _ in range(150):
+        pong = await client.ping()
+        if pong.num_alive == n:
+            return pong
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"the pool never had {n} workers alive")
 
-    pool = pool_factory(workers=1)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.connect(pool.address)
-    for frames in ([b"junk"], [b"\x02", b"\xc1"], [b"\x63", b"\x80"]):
-        sock.send_multipart(frames)
-    sock.close(0)
-    ctx.term()
+
+def test_a_hung_worker_is_replaced_and_its_job_retried(pool_factory):
+    pool = pool_factory(hang_slots="0", extra=("--job-timeout", "1"))
 
     async def main():
         client = await connect(pool.address)
+        await wait_alive(client, 2)
+        started = asyncio.get_running_loop().time()
+        result = await client.tokenize(f"{HANG} for worker 0")  # idle pool: worker 0 gets it
+        elapsed = asyncio.get_running_loop().time() - started
+        pong = await wait_alive(client, 2)
+        await client.close()
+        return result, elapsed, pong
+
+    result, elapsed, pong = run(main())
+    assert len(result.prompt_token_ids) > 3
+    assert 1.0 < elapsed < 6.0  # the timeout, then worker 1
+    assert pong.num_workers_replaced == 1
+    assert "has held a job for" in pool.stop()
+
+
+def test_a_request_that_hangs_every_worker_fails_with_a_clear_error(pool_factory):
+    pool = pool_factory(extra=("--job-timeout", "1"))
+
+    async def main():
+        client = await connect(pool.address)
+        await wait_alive(client, 2)
+        hung = asyncio.create_task(client.tokenize(f"{HANG} everywhere"))
+        fine = await client.tokenize("served meanwhile")
+        with pytest.raises(TokenizeFailed) as info:
+            await hung
+        pong = await wait_alive(client, 2)
+        await client.close()
+        return info.value, fine, pong
+
+    error, fine, pong = run(main())
+    assert "tokenizer workers died or hung 2 times" in error.message
+    assert error.kind.value == "internal"
+    assert len(fine.prompt_token_ids) == 2
+    assert pong.num_workers_replaced == 2
+
+
+def test_bad_frames_are_counted_and_an_oversized_one_costs_only_its_connection(pool_factory):
+    import zmq
+
+    pool = pool_factory(workers=1, extra=("--max-frame-bytes", "4096"))
+
+    async def main():
+        client = await connect(pool.address)
+        before = await client.ping()
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(pool.address)
+        for frames in ([b"junk"], [b"\x02", b"\xc1"], [b"\x63", b"\x80"],
+                       [b"\x02", b"\x81\xa1x\x01"], [b"", b"", b""]):
+            sock.send_multipart(frames)
+        sock.send_multipart([b"\x02", b"x" * 10_000])
+        await asyncio.sleep(1.0)
+        sock.close(0)
+        ctx.term()
+        after = await client.ping()
         result = await client.tokenize("still fine")
         await client.close()
-        return result
+        return before, after, result
 
-    assert len(run(main()).prompt_token_ids) == 2
+    before, after, result = run(main())
+    assert after.num_frames_dropped - before.num_frames_dropped == 5
+    assert after.num_disconnects - before.num_disconnects >= 1
+    assert len(result.prompt_token_ids) == 2

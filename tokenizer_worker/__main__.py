@@ -10,13 +10,14 @@ import logging
 import sys
 from typing import Optional, Sequence
 
-from common.config import DEFAULT_TOKENIZER_ADDRESS, env_default
+from common import faults
+from common.config import DEFAULT_MAX_FRAME_BYTES, DEFAULT_TOKENIZER_ADDRESS, env_default
 from common.errors import ModelLoadError
 from common.logging_setup import setup_logging
 from common.model_files import resolve_model_dir
 from common.sockets import is_loopback
 from common.tokenizer import MAX_CHARS_PER_TOKEN, context_length, load_tokenizer
-from tokenizer_worker.pool import TokenizerPool, default_num_workers
+from tokenizer_worker.pool import DEFAULT_JOB_TIMEOUT_S, TokenizerPool, default_num_workers
 
 logger = logging.getLogger("tokenizer_worker")
 
@@ -34,6 +35,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--max-prompt-chars", type=int, default=None,
                         help=f"refuse longer text before encoding (default: "
                              f"{MAX_CHARS_PER_TOKEN} x the model's context length)")
+    parser.add_argument("--job-timeout", type=float, default=DEFAULT_JOB_TIMEOUT_S,
+                        help="a worker holding a job this many seconds is presumed hung and "
+                             "replaced")
+    parser.add_argument("--max-frame-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES,
+                        help="a client sending a larger frame is disconnected")
     parser.add_argument("--log-level", default=None)
     args = parser.parse_args(argv)
     setup_logging("tokenizer", args.log_level)
@@ -50,10 +56,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     try:
         pool = TokenizerPool(model_dir, args.workers, args.bind, max_chars,
-                             logging.getLevelName(logging.getLogger().level))
+                             logging.getLevelName(logging.getLogger().level),
+                             job_timeout_s=args.job_timeout, max_frame_bytes=args.max_frame_bytes)
+    except ValueError as e:
+        parser.error(str(e))
     except Exception as e:  # zmq.ZMQError: address in use, bad address
         logger.error("cannot bind %s: %s", args.bind, e)
         return 2
+    faults.install("tokenizer_pool", pool)
     logger.info("tokenizer pool: %d worker(s) for %s on %s", args.workers, model_dir, args.bind)
     return pool.serve()
 

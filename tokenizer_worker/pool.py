@@ -2,9 +2,12 @@
 
 Jobs go to the ready worker with the fewest jobs in flight (at most
 MAX_IN_FLIGHT_PER_WORKER each, so a worker always has a queue to batch from); the
-rest wait here in arrival order. A worker that dies is replaced; each job it held is
-retried once on another worker and, if that fails too, answered with an error that
-says so. Frontends get PoolReady once the first worker has loaded its tokenizer.
+rest wait here in arrival order. A worker that dies, or that holds a job longer than
+job_timeout_s (hung), is killed if need be and replaced; each job it held is retried
+once on another worker and, if that fails too, answered with an error that says so.
+Frontends get PoolReady once the first worker has loaded its tokenizer. Frames from
+clients that do not decode are counted and dropped; a client sending a frame over
+max_frame_bytes loses its connection before the frame is read.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Optional
 import msgspec
 import zmq
 
+from common.config import DEFAULT_MAX_FRAME_BYTES
 from common.protocol import (POOL_REPLIES, POOL_REQUESTS, WORKER_JOBS, WORKER_REPLIES, Codec,
                              Hello, Ping, PoolPong, PoolReady, ProtocolError, RequestErrorKind,
                              TokenizeError, TokenizeRequest, TokenizeResult)
@@ -35,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 MAX_IN_FLIGHT_PER_WORKER = 32
 MAX_ATTEMPTS = 2
+# A worker holding a job this long is presumed hung (a batch of 64 texts at the
+# character limit takes a few seconds).
+DEFAULT_JOB_TIMEOUT_S = 30.0
 # A worker that keeps dying at start-up is not restarted faster than this.
 RESPAWN_BACKOFF_S = 1.0
 
@@ -46,6 +53,8 @@ class Job:
     client: bytes
     request: TokenizeRequest
     attempts: int = 0
+    # When it was last handed to a worker.
+    dispatched: float = 0.0
 
 
 @dataclass
@@ -56,21 +65,29 @@ class Worker:
     started: float
     ready: bool = False
     jobs: dict[str, Job] = field(default_factory=dict)  # by job_id
+    # Killed for holding a job past the timeout.
+    hung: bool = False
 
 
 class TokenizerPool:
     def __init__(self, model_dir: Path, num_workers: int, bind: str, max_chars: int,
-                 log_level: str = "INFO") -> None:
+                 log_level: str = "INFO", job_timeout_s: float = DEFAULT_JOB_TIMEOUT_S,
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
         if num_workers < 1:
             raise ValueError(f"the pool needs at least one worker, got {num_workers}")
+        if job_timeout_s <= 0:
+            raise ValueError(f"the job timeout must be positive, got {job_timeout_s}")
         self.model_dir = model_dir
         self.num_workers = num_workers
         self.max_chars = max_chars
         self.log_level = log_level
+        self.job_timeout_s = job_timeout_s
         self.pool_id = uuid.uuid4().hex[:12]
         self.ctx = zmq.Context()
-        self.front = make_socket(self.ctx, bind, zmq.ROUTER, bind=True, linger_ms=500)
+        self.front = make_socket(self.ctx, bind, zmq.ROUTER, bind=True, linger_ms=500,
+                                 max_message_bytes=max_frame_bytes)
         self.front.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.monitor = self.front.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.back_address = f"ipc://{tempfile.mkdtemp(prefix='rs-tok-')}/workers.sock"
         self.back = make_socket(self.ctx, self.back_address, zmq.ROUTER, bind=True)
         self.front_codec = Codec(POOL_REPLIES, POOL_REQUESTS)
@@ -83,6 +100,9 @@ class TokenizerPool:
         self.generation = 0
         self.job_ids = itertools.count()
         self.num_jobs_total = 0
+        self.num_frames_dropped = 0
+        self.num_disconnects = 0
+        self.num_workers_replaced = 0
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -94,13 +114,17 @@ class TokenizerPool:
         poller = zmq.Poller()
         poller.register(self.front, zmq.POLLIN)
         poller.register(self.back, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
         try:
             while not self.stopping:
                 for sock, _ in poller.poll(timeout=200):
                     if sock is self.front:
                         self._receive_front()
-                    else:
+                    elif sock is self.back:
                         self._receive_back()
+                    else:
+                        self.monitor.recv_multipart()
+                        self.num_disconnects += 1
                 self._check_workers()
                 self._dispatch()
         finally:
@@ -118,6 +142,8 @@ class TokenizerPool:
             worker.process.join(timeout=5)
             if worker.process.is_alive():
                 worker.process.kill()
+        self.front.disable_monitor()
+        self.monitor.close(linger=0)
         self.front.close()
         self.back.close()
         self.ctx.term()
@@ -144,6 +170,7 @@ class TokenizerPool:
             try:
                 message = self.front_codec.decode(body)
             except ProtocolError as e:
+                self.num_frames_dropped += 1
                 logger.warning("dropped a frame from client %r: %s", client, e)
                 continue
             if isinstance(message, TokenizeRequest):
@@ -154,7 +181,10 @@ class TokenizerPool:
                     nonce=message.nonce, num_workers=self.num_workers,
                     num_alive=sum(w.ready for w in self.workers.values()),
                     num_pending=len(self.queue) + sum(len(w.jobs) for w in self.workers.values()),
-                    num_jobs_total=self.num_jobs_total))
+                    num_jobs_total=self.num_jobs_total,
+                    num_frames_dropped=self.num_frames_dropped,
+                    num_disconnects=self.num_disconnects,
+                    num_workers_replaced=self.num_workers_replaced))
             elif isinstance(message, Hello):
                 self.waiting_hellos.append(client)
         if any(w.ready for w in self.workers.values()):
@@ -198,18 +228,26 @@ class TokenizerPool:
     # -- workers ---------------------------------------------------------------
 
     def _check_workers(self) -> None:
+        now = time.monotonic()
         for identity, worker in list(self.workers.items()):
             if worker.process.exitcode is None:
+                oldest = min((job.dispatched for job in worker.jobs.values()), default=now)
+                if not worker.hung and now - oldest > self.job_timeout_s:
+                    logger.error("tokenizer worker %d (pid %d) has held a job for %.0f s: "
+                                 "killing it", worker.slot, worker.process.pid, now - oldest)
+                    worker.hung = True
+                    worker.process.kill()
                 continue
             del self.workers[identity]
-            logger.error("tokenizer worker %d (pid %d) died with exit code %s holding %d "
-                         "job(s); replacing it", worker.slot, worker.process.pid,
-                         worker.process.exitcode, len(worker.jobs))
+            self.num_workers_replaced += 1
+            what = "hung" if worker.hung else f"died with exit code {worker.process.exitcode}"
+            logger.error("tokenizer worker %d (pid %d) %s holding %d job(s); replacing it",
+                         worker.slot, worker.process.pid, what, len(worker.jobs))
             for job in reversed(list(worker.jobs.values())):
                 if job.attempts >= MAX_ATTEMPTS:
                     self._reply(job.client, TokenizeError(
                         request_id=job.request.request_id, kind=RequestErrorKind.INTERNAL,
-                        message=f"tokenizer workers died {job.attempts} times while "
+                        message=f"tokenizer workers died or hung {job.attempts} times while "
                                 f"tokenizing this request"))
                 else:
                     self.queue.appendleft(job)  # retried first
@@ -225,6 +263,7 @@ class TokenizerPool:
                 return
             job = self.queue.popleft()
             job.attempts += 1
+            job.dispatched = time.monotonic()
             worker.jobs[job.job_id] = job
             request = msgspec.structs.replace(job.request, request_id=job.job_id)
             self.back.send_multipart([worker.identity, *self.back_codec.encode(request)])
