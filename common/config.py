@@ -148,32 +148,54 @@ class EngineServerConfig:
 class FrontendConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    # Engine workers to route requests to (one or more).
+    # Engine workers to route requests to (one or more); they may come and go.
     engine_addresses: tuple[str, ...] = (DEFAULT_ENGINE_ADDRESS,)
     tokenizer_address: str = DEFAULT_TOKENIZER_ADDRESS
     # The model directory, for its tokenizer (output decoding); None: the default model.
     model: Optional[str] = None
-    # The name clients must send as "model"; None: the engine's model name.
+    # The name clients must send as "model"; None: the model directory's name.
     served_model_name: Optional[str] = None
     # Bearer key required on /v1/*; None: no authentication.
     api_key: Optional[str] = None
     max_body_bytes: int = 8 << 20
-    # Admission: requests admitted and not yet producing tokens, and their prompt
-    # tokens (estimated at 4 characters per token before tokenizing). Past either,
-    # new requests get 429 before any work is done for them.
+    # Admission: engine requests (n x prompts) admitted and not yet producing tokens,
+    # and their prompt tokens (text estimated at 4 characters per token before it is
+    # tokenized). Past either, new requests get 429 before any work is done for them.
     max_waiting_requests: int = 1024
     max_waiting_tokens: int = 2_000_000
+    # Most engine requests (n x prompts) one HTTP request may ask for.
+    max_choices_per_request: int = 256
+    # Tokenization slower than this ends the request with 504 (a hung pool).
+    tokenize_timeout_s: float = 60.0
+    # A request not finished this long after it arrived ends with 504 and is aborted
+    # in the engine; None: no limit (a long generation on a CPU takes minutes).
+    request_timeout_s: Optional[float] = None
+    # "prefix": route to the engine most likely to hold the prompt's prefix, within
+    # a load bound; "least-loaded": ignore prefixes (frontend/router.py).
+    routing: str = "prefix"
     # /health waits this long for the engine and tokenizer round trips.
     health_timeout_s: float = 5.0
-    # A busy engine answers pings between steps; a step can be long on a CPU.
-    engine_heartbeat_timeout_s: float = 30.0
-    # How long start-up waits for the engine and tokenizer pool to answer.
-    startup_timeout_s: float = 600.0
+    # Pongs come from the engine's I/O thread, so silence this long means the process
+    # or the network is gone, whatever the engine is computing.
+    engine_heartbeat_timeout_s: float = 10.0
+    # An engine reporting one step running longer than this is treated as hung.
+    engine_stall_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if not self.engine_addresses:
             raise ValueError("at least one engine address is needed")
+        for address in self.engine_addresses:
+            _check_address("engine address", address)
+        _check_address("tokenizer address", self.tokenizer_address)
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
-        for name in ("max_body_bytes", "max_waiting_requests", "max_waiting_tokens"):
+        for name in ("max_body_bytes", "max_waiting_requests", "max_waiting_tokens",
+                     "max_choices_per_request"):
             _positive(name, getattr(self, name))
+        for name in ("tokenize_timeout_s", "request_timeout_s", "health_timeout_s",
+                     "engine_heartbeat_timeout_s", "engine_stall_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        if self.routing not in ("prefix", "least-loaded"):
+            raise ValueError(f"routing must be prefix or least-loaded, got {self.routing!r}")

@@ -9,9 +9,9 @@ owns an ordered list of blocks (its block table). A block is in exactly one stat
                 in LRU order and reused by a later request with the same prefix, or
                 evicted (oldest first) when a fresh block is needed and none is free.
 
-Prefix cache: a full block is identified by a chained hash: the hash of the previous
-block's hash and this block's token ids, so equal hashes mean equal whole prefixes
-(BLAKE2b-128; the token ids are also compared on every hit). A block is registered
+Prefix cache: a full block is identified by a chained hash (common/prefix_hash.py): the
+hash of the previous block's hash and this block's token ids, so equal hashes mean
+equal whole prefixes (the token ids are also compared on every hit). A block is registered
 under its hash when it is scheduled to be filled, before the forward pass, so that a
 request admitted later in the same step can attend to it (in-batch dedup: all KV
 writes of a layer precede its reads).
@@ -22,18 +22,11 @@ Each query pairs a cheap check with its action: ``num_blocks_needed`` with
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-
-def chain_hash(parent: Optional[bytes], token_ids: Sequence[int]) -> bytes:
-    """Hash of a full block given its parent's hash (None for the first block)."""
-    h = hashlib.blake2b(parent or b"", digest_size=16)
-    h.update(array("q", token_ids).tobytes())
-    return h.digest()
+from common.prefix_hash import chain_hash
 
 
 @dataclass

@@ -23,15 +23,44 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default=env_default("HOST", "127.0.0.1"),
                    help="address to listen on (default: loopback only)")
     g.add_argument("--port", type=int, default=int(env_default("PORT", "8000")))
-    g.add_argument("--api-key", default=env_default("API_KEY"),
-                   help="require this Bearer key on /v1/* (ROSESERVE_API_KEY)")
+    g.add_argument("--api-key", default=None,
+                   help="require this Bearer key on /v1/*; visible to other local users in "
+                        "the process list: prefer ROSESERVE_API_KEY or --api-key-file")
+    g.add_argument("--api-key-file", default=None,
+                   help="read the Bearer key from this file (its first line)")
     g.add_argument("--served-model-name", default=None,
                    help="the model name clients send (default: the model's folder name)")
     g.add_argument("--max-body-bytes", type=int, default=8 << 20)
     g.add_argument("--max-waiting-requests", type=int, default=1024,
-                   help="admitted requests not yet producing tokens before 429")
+                   help="engine requests (n x prompts) admitted and not yet producing "
+                        "tokens before 429")
     g.add_argument("--max-waiting-tokens", type=int, default=2_000_000,
-                   help="their estimated prompt tokens before 429")
+                   help="their prompt tokens (estimated for text) before 429")
+    g.add_argument("--max-choices-per-request", type=int, default=256,
+                   help="most engine requests (n x prompts) in one HTTP request")
+    g.add_argument("--tokenize-timeout", type=float, default=60.0,
+                   help="seconds before a tokenization that has not finished ends in 504")
+    g.add_argument("--request-timeout", type=float, default=None,
+                   help="seconds before an unfinished request ends in 504 and is aborted "
+                        "(default: no limit)")
+    g.add_argument("--routing", choices=["prefix", "least-loaded"], default="prefix",
+                   help="how requests are spread over engines")
+
+
+def api_key_from_args(args: argparse.Namespace) -> Optional[str]:
+    """--api-key, else --api-key-file's first line, else ROSESERVE_API_KEY."""
+    if args.api_key:
+        return args.api_key
+    if args.api_key_file:
+        try:
+            with open(args.api_key_file) as f:
+                key = f.readline().strip()
+        except OSError as e:
+            raise ValueError(f"cannot read --api-key-file: {e}") from None
+        if not key:
+            raise ValueError(f"--api-key-file {args.api_key_file} is empty")
+        return key
+    return env_default("API_KEY") or None
 
 
 def frontend_config_from_args(args: argparse.Namespace, engines: Sequence[str],
@@ -39,9 +68,12 @@ def frontend_config_from_args(args: argparse.Namespace, engines: Sequence[str],
     return FrontendConfig(
         host=args.host, port=args.port, engine_addresses=tuple(engines),
         tokenizer_address=tokenizer, model=args.model, served_model_name=args.served_model_name,
-        api_key=args.api_key, max_body_bytes=args.max_body_bytes,
+        api_key=api_key_from_args(args), max_body_bytes=args.max_body_bytes,
         max_waiting_requests=args.max_waiting_requests,
-        max_waiting_tokens=args.max_waiting_tokens)
+        max_waiting_tokens=args.max_waiting_tokens,
+        max_choices_per_request=args.max_choices_per_request,
+        tokenize_timeout_s=args.tokenize_timeout, request_timeout_s=args.request_timeout,
+        routing=args.routing)
 
 
 def serve(config: FrontendConfig, log_level: Optional[str] = None) -> None:

@@ -21,17 +21,19 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from common import faults
 from common.config import FrontendConfig
 from common.model_files import resolve_model_dir
 from common.protocol import ChatMessage
-from common.service_client import ServiceDeadError
 from common.tokenizer import load_tokenizer
 from engine_worker.client import EngineClient
 from frontend.errors import APIError, from_validation_error
 from frontend.metrics import Metrics
 from frontend.openai_protocol import ChatCompletionRequest, CompletionRequest
 from frontend.responses import ChatFormatter, CompletionFormatter, Formatter
-from frontend.serving import Admission, EngineRouter, Job, Pipeline
+from frontend.admission import Admission
+from frontend.router import EngineRouter
+from frontend.serving import Job, Pipeline
 from tokenizer_worker.client import TokenizerClient
 
 logger = logging.getLogger(__name__)
@@ -134,25 +136,22 @@ def create_app(config: FrontendConfig) -> FastAPI:
     async def lifespan(_app: FastAPI):
         model_dir = resolve_model_dir(config.model)
         tokenizer = load_tokenizer(model_dir).backend_tokenizer
-        engines = [EngineClient(a, heartbeat_timeout_s=config.engine_heartbeat_timeout_s)
+        model_name = config.served_model_name or model_dir.resolve().name
+        engines = [EngineClient(a, heartbeat_timeout_s=config.engine_heartbeat_timeout_s,
+                                stall_timeout_s=config.engine_stall_timeout_s)
                    for a in config.engine_addresses]
         tok_client = TokenizerClient(config.tokenizer_address)
-        try:
-            ready = await asyncio.gather(*(e.start(config.startup_timeout_s) for e in engines))
-            await tok_client.start(config.startup_timeout_s)
-        except ServiceDeadError:
-            for client in (*engines, tok_client):
-                await client.close()
-            raise
-        names = {r.model_name for r in ready}
-        model_name = config.served_model_name or sorted(names)[0]
-        if len(names) > 1:
-            logger.warning("engines serve different model names: %s", sorted(names))
-        state["pipeline"] = Pipeline(
-            EngineRouter(engines), tok_client, tokenizer, metrics,
-            Admission(config.max_waiting_requests, config.max_waiting_tokens), model_name)
+        # Nothing is waited for: engines and the pool may come later, and go and come
+        # back; until one engine and the pool answer, requests get 503.
+        for client in (*engines, tok_client):
+            await client.connect()
+        pipe = Pipeline(EngineRouter(engines, config.routing), tok_client, tokenizer, metrics,
+                        Admission(config.max_waiting_requests, config.max_waiting_tokens),
+                        model_name, config)
+        metrics.watch(pipe)
+        state["pipeline"] = pipe
         state["created"] = int(time.time())
-        logger.info("frontend ready: %s, %d engine(s)", model_name, len(engines))
+        logger.info("frontend ready: %s, %d engine address(es)", model_name, len(engines))
         yield
         for client in (*engines, tok_client):
             await client.close()
@@ -162,8 +161,7 @@ def create_app(config: FrontendConfig) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def on_api_error(_request: Request, error: APIError) -> Response:
-        if error.status in (400, 413, 429, 503):
-            metrics.rejected.labels(str(error.status)).inc()
+        metrics.rejected.labels(str(error.status)).inc()
         return error.response()
 
     @app.exception_handler(StarletteHTTPException)
@@ -182,7 +180,11 @@ def create_app(config: FrontendConfig) -> FastAPI:
         raw = await request.body()
         try:
             data = msgspec.json.decode(raw)
-        except msgspec.DecodeError as e:
+        except UnicodeDecodeError as e:
+            raise APIError(400, f"the body is not valid UTF-8: {e}", code="invalid_json")
+        except RecursionError:
+            raise APIError(400, "the body is nested too deeply", code="invalid_json")
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise APIError(400, f"the body is not valid JSON: {e}", code="invalid_json")
         if not isinstance(data, dict):
             raise APIError(400, "the body must be a JSON object", code="invalid_json")
@@ -238,7 +240,8 @@ def create_app(config: FrontendConfig) -> FastAPI:
         ready = pipe.engines.ready()
         return json_response({"object": "list", "data": [{
             "id": pipe.model_name, "object": "model", "created": state["created"],
-            "owned_by": "roseserve", "max_model_len": ready.max_model_len}]})
+            "owned_by": "roseserve",
+            "max_model_len": None if ready is None else ready.max_model_len}]})
 
     @app.get("/health")
     async def health() -> Response:
@@ -263,37 +266,10 @@ def create_app(config: FrontendConfig) -> FastAPI:
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        pipe: Optional[Pipeline] = state.get("pipeline")
-        if pipe is not None:
-            _refresh_gauges(pipe, metrics)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    faults.install("frontend", app)
     return app
-
-
-def _refresh_gauges(pipe: Pipeline, metrics: Metrics) -> None:
-    """From the last heartbeat of each engine and of the tokenizer pool."""
-    running = waiting = used = total = hits = queries = 0
-    healthy = 0
-    for client in pipe.engines.clients:
-        healthy += client.healthy
-        if client.last_pong is None:
-            continue
-        s = client.last_pong.stats
-        running += s.num_running
-        waiting += s.num_waiting
-        used += s.num_blocks_used
-        total += s.num_blocks_total
-        hits += s.prefix_cache_hit_tokens
-        queries += s.prefix_cache_query_tokens
-    metrics.running.set(running)
-    metrics.waiting.set(waiting + pipe.admission.requests)
-    metrics.kv_usage.set(used / total if total else 0.0)
-    metrics.prefix_hit_rate.set(hits / queries if queries else 0.0)
-    metrics.engines_healthy.set(healthy)
-    pool = pipe.tokenizer_client.last_pong
-    metrics.tokenizer_queue.set((pool.num_pending if pool else 0)
-                                + pipe.tokenizer_client.num_pending)
 
 
 async def _sse(pipe: Pipeline, job: Job, fmt: Formatter) -> AsyncIterator[bytes]:

@@ -17,7 +17,12 @@ from frontend.detokenizer import IncrementalDetokenizer, StopStringMatcher
 
 
 class ChoiceFailed(Exception):
-    """The engine ended the request without finishing it (aborted or failed)."""
+    """The engine ended the request without finishing it: ``reason`` ABORT (it was
+    shutting down) or ERROR (the request failed inside it)."""
+
+    def __init__(self, message: str, reason: FinishReason) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass
@@ -54,7 +59,8 @@ class Choice:
             self.num_cached_tokens = out.num_cached_tokens
             self.queue_ms, self.prefill_ms = out.queue_ms, out.prefill_ms
         if out.finish_reason in (FinishReason.ABORT, FinishReason.ERROR):
-            raise ChoiceFailed(out.error or f"the engine ended the request ({out.finish_reason.value})")
+            raise ChoiceFailed(out.error or f"the engine ended the request "
+                                            f"({out.finish_reason.value})", out.finish_reason)
         new = out.new_token_ids
         if new:
             if self.first_token_time is None:

@@ -1,12 +1,18 @@
 """The path of one completion request through the system, after HTTP parsing:
-admission, tokenization, validation against the engine's limits, submission of one
-engine request per choice, and the merged stream of their deltas.
+admission, tokenization, routing, validation against the engine's limits, submission
+of one engine request per choice, and the merged stream of their deltas.
 
-Admission is decided before any tokenizing: a request that would push the frontend
-past its limit of waiting requests or waiting prompt tokens (admitted here and not yet
-producing tokens) is refused with 429 at once. Everything the engine would refuse is
-checked here too, so that a streaming request fails with a 400 before its stream
+Admission (frontend/admission.py) is decided before any tokenizing, for everything
+the request will cost: a request for more choices (n x prompts) than one request may
+have is refused at once (400), as is one that could never be admitted (413), and one
+that finds the server full is told to retry (429). Everything the engine would refuse
+is checked here too, so that a streaming request fails with a 400 before its stream
 starts rather than inside it.
+
+Deadlines: tokenization that takes longer than tokenize_timeout_s, and (when set) a
+whole request that takes longer than request_timeout_s, end with 504; the engine
+requests are aborted and the admission share given back, as on every other way a
+request ends (``finish``).
 """
 
 from __future__ import annotations
@@ -18,81 +24,19 @@ import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Optional, Sequence, Union
 
+from common.config import FrontendConfig
 from common.errors import InvalidRequestError
-from common.protocol import ChatMessage, Ready, SamplingParams
+from common.protocol import ChatMessage, FinishReason, Ready, SamplingParams
 from engine_worker.client import EngineClient, EngineDeadError, EngineRequestError
+from frontend.admission import Admission, Ticket, estimate_tokens
 from frontend.choice import Choice, ChoiceFailed, Delta
 from frontend.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from frontend.errors import APIError
 from frontend.metrics import Metrics
+from frontend.router import EngineRouter
 from tokenizer_worker.client import TokenizeFailed, TokenizerClient, TokenizerDeadError
 
 logger = logging.getLogger(__name__)
-
-# Characters per token assumed when estimating a text prompt's size for admission.
-_EST_CHARS_PER_TOKEN = 4
-
-
-class Admission:
-    """Counts requests admitted and not yet producing tokens, and their prompt tokens."""
-
-    def __init__(self, max_requests: int, max_tokens: int) -> None:
-        self.max_requests = max_requests
-        self.max_tokens = max_tokens
-        self.requests = 0
-        self.tokens = 0
-
-    def admit(self, estimated_tokens: int) -> "Ticket":
-        if self.requests >= self.max_requests or (
-                self.requests and self.tokens + estimated_tokens > self.max_tokens):
-            raise APIError(429, f"the server is at its limit of {self.max_requests} waiting "
-                                f"requests or {self.max_tokens} waiting prompt tokens; retry "
-                                f"shortly", code="rate_limit_exceeded",
-                           headers={"Retry-After": "1"})
-        self.requests += 1
-        self.tokens += estimated_tokens
-        return Ticket(self, estimated_tokens)
-
-
-@dataclass
-class Ticket:
-    admission: Admission
-    tokens: int
-    released: bool = False
-
-    def release(self) -> None:
-        if not self.released:
-            self.released = True
-            self.admission.requests -= 1
-            self.admission.tokens -= self.tokens
-
-
-class EngineRouter:
-    """Picks an engine for a request: a healthy one with the fewest jobs assigned
-    (counted from the pick, so a burst still being tokenized spreads out)."""
-
-    def __init__(self, clients: Sequence[EngineClient]) -> None:
-        self.clients = list(clients)
-        self.assigned = {id(c): 0 for c in self.clients}
-
-    def pick(self) -> EngineClient:
-        healthy = [c for c in self.clients if c.healthy]
-        if not healthy:
-            reasons = "; ".join(c.dead_reason or "" for c in self.clients)
-            raise APIError(503, f"no engine is available ({reasons})",
-                           code="engine_unavailable")
-        client = min(healthy, key=lambda c: self.assigned[id(c)])
-        self.assigned[id(client)] += 1
-        return client
-
-    def release(self, client: EngineClient) -> None:
-        self.assigned[id(client)] -= 1
-
-    def ready(self) -> Ready:
-        for client in self.clients:
-            if client.ready is not None:
-                return client.ready
-        raise APIError(503, "no engine has started", code="engine_unavailable")
 
 
 @dataclass
@@ -115,6 +59,10 @@ class Job:
     return_token_ids: bool = False
     num_logprobs: Optional[int] = None
     engine: Optional[EngineClient] = None
+    # The engine that served it (its address), kept for the timing breakdown.
+    engine_address: str = ""
+    # Monotonic time by which it must be done (request_timeout_s), or None.
+    deadline: Optional[float] = None
     tasks: list[asyncio.Task] = field(default_factory=list)
     done: bool = False
 
@@ -123,7 +71,7 @@ class Job:
         ttft = None if self.first_token_time is None else (
             (self.first_token_time - self.received) * 1e3)
         return {"tokenize_ms": round(self.tokenize_ms, 3), "queue_ms": first.queue_ms,
-                "prefill_ms": first.prefill_ms, "ttft_ms": ttft}
+                "prefill_ms": first.prefill_ms, "ttft_ms": ttft, "engine": self.engine_address}
 
     def usage(self) -> dict:
         cached = sum(self.choices[i * self.n].num_cached_tokens or 0
@@ -137,7 +85,8 @@ class Job:
 
 class Pipeline:
     def __init__(self, engines: EngineRouter, tokenizer_client: TokenizerClient, tokenizer,
-                 metrics: Metrics, admission: Admission, model_name: str) -> None:
+                 metrics: Metrics, admission: Admission, model_name: str,
+                 config: FrontendConfig) -> None:
         """``tokenizer``: the model's Rust tokenizer, for decoding output."""
         self.engines = engines
         self.tokenizer_client = tokenizer_client
@@ -145,34 +94,53 @@ class Pipeline:
         self.metrics = metrics
         self.admission = admission
         self.model_name = model_name
+        self.config = config
+        # Jobs started and not finished (HTTP requests being served).
+        self.num_jobs = 0
 
     # -- building a job --------------------------------------------------------
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(404, f"the model '{model}' does not exist; this server serves "
+                                f"'{self.model_name}'", param="model", code="model_not_found")
 
     async def start(self, body, prompts: Sequence[Union[str, list[int]]],
                     messages: Optional[list[ChatMessage]], max_tokens: Optional[int],
                     num_logprobs: Optional[int], prefix: str, received: float,
                     add_generation_prompt: bool = True) -> Job:
-        """Admit, tokenize and validate; the Job is ready to run. Raises APIError."""
-        if body.model != self.model_name:
-            raise APIError(400, f"the model '{body.model}' does not exist; this server serves "
-                                f"'{self.model_name}'", param="model", code="model_not_found")
-        estimate = sum(len(p) if isinstance(p, list) else len(p) // _EST_CHARS_PER_TOKEN + 1
-                       for p in prompts) if messages is None else (
-            sum(len(m.content) for m in messages) // _EST_CHARS_PER_TOKEN + 1)
-        ticket = self.admission.admit(estimate)
+        """Admit, tokenize, route and validate; the Job is ready to run. Raises APIError."""
+        self.check_model(body.model)
+        num_prompts = 1 if messages is not None else len(prompts)
+        num_choices = num_prompts * body.n
+        limit = self.config.max_choices_per_request
+        if num_choices > limit:
+            raise APIError(400, f"this request asks for {num_choices} completions "
+                                f"({num_prompts} prompt(s) x n={body.n}); at most {limit} are "
+                                f"allowed per request", param="n" if num_prompts == 1 else "prompt",
+                           code="too_many_choices")
+        if messages is not None:
+            estimate = sum(len(m.content) for m in messages) // 4 + 1
+        else:
+            estimate = sum(estimate_tokens(p) for p in prompts)
+        ticket = self.admission.admit(num_choices, body.n * estimate)
+        deadline = (None if self.config.request_timeout_s is None
+                    else received + self.config.request_timeout_s)
         engine: Optional[EngineClient] = None
         try:
-            engine = self.engines.pick()
+            token_prompts, tokenize_ms = await self._tokenize(prompts, messages,
+                                                              add_generation_prompt, deadline)
+            ticket.resize(body.n * sum(len(p) for p in token_prompts))
+            engine = self.engines.pick(token_prompts[0])
             ready = engine.ready  # its limits: engines may differ
             assert ready is not None
-            token_prompts, tokenize_ms = await self._tokenize(prompts, messages,
-                                                              add_generation_prompt)
             job = Job(request_id=f"{prefix}-{uuid.uuid4().hex}", created=int(time.time()),
                       model=self.model_name, received=received, ticket=ticket,
                       prompts=token_prompts, choices=[], params=[], n=body.n,
                       tokenize_ms=tokenize_ms, num_logprobs=num_logprobs,
                       include_usage=bool(body.stream_options and body.stream_options.include_usage),
-                      return_token_ids=body.return_token_ids)
+                      return_token_ids=body.return_token_ids, engine_address=engine.address,
+                      deadline=deadline)
             for p, prompt_ids in enumerate(token_prompts):
                 for j in range(body.n):
                     index = p * body.n + j
@@ -187,6 +155,7 @@ class Pipeline:
                         stops=StopStringMatcher(body.stop_strings())))
                     job.prompts[p] = prompt_ids
             job.engine = engine
+            self.num_jobs += 1
             return job
         except BaseException:
             ticket.release()
@@ -194,8 +163,22 @@ class Pipeline:
                 self.engines.release(engine)
             raise
 
-    async def _tokenize(self, prompts, messages, add_generation_prompt
-                        ) -> tuple[list[list[int]], float]:
+    async def _tokenize(self, prompts, messages, add_generation_prompt,
+                        deadline: Optional[float]) -> tuple[list[list[int]], float]:
+        if messages is None and all(isinstance(p, list) for p in prompts):
+            return [list(p) for p in prompts], 0.0  # token ids: the pool is not involved
+        timeout = self.config.tokenize_timeout_s
+        if deadline is not None:
+            timeout = max(0.0, min(timeout, deadline - time.monotonic()))
+        try:
+            return await asyncio.wait_for(
+                self._tokenize_texts(prompts, messages, add_generation_prompt), timeout)
+        except asyncio.TimeoutError:
+            raise APIError(504, f"tokenization did not finish within {timeout:.1f} s",
+                           code="tokenize_timeout") from None
+
+    async def _tokenize_texts(self, prompts, messages, add_generation_prompt
+                              ) -> tuple[list[list[int]], float]:
         if messages is not None:
             results = [await self._call_tokenizer(
                 messages=messages, add_generation_prompt=add_generation_prompt)]
@@ -218,7 +201,7 @@ class Pipeline:
             raise APIError(status, e.message, param="messages" if "messages" in kw else "prompt")
         except TokenizerDeadError as e:
             raise APIError(503, f"the tokenizer pool is unavailable: {e}",
-                           code="tokenizer_unavailable")
+                           code="tokenizer_unavailable", headers={"Retry-After": "1"})
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams, ready: Ready) -> list[int]:
         """What the engine would refuse, refused here (400); returns the prompt as the
@@ -271,30 +254,44 @@ class Pipeline:
                     raise
 
         job.tasks = [asyncio.create_task(run(c, p)) for c, p in zip(job.choices, job.params)]
+        started = [False] * len(job.choices)
         remaining = len(job.choices)
         try:
             while remaining:
-                item = await queue.get()
+                item = await self._next(queue, job)
                 if isinstance(item, BaseException):
                     raise self._as_api_error(item)
-                if item.token_ids and job.first_token_time is None:
-                    job.first_token_time = time.monotonic()
-                    job.ticket.release()
+                if item.token_ids and not started[item.index]:
+                    started[item.index] = True
+                    job.ticket.release_one(len(job.choices[item.index].prompt_token_ids))
+                    if job.first_token_time is None:
+                        job.first_token_time = time.monotonic()
                 if item.finish_reason is not None:
                     remaining -= 1
                 yield item
         finally:
             self.finish(job)
 
+    async def _next(self, queue: asyncio.Queue, job: Job):
+        if job.deadline is None:
+            return await queue.get()
+        try:
+            return await asyncio.wait_for(queue.get(), job.deadline - time.monotonic())
+        except asyncio.TimeoutError:
+            raise APIError(504, f"the request did not finish within "
+                                f"{self.config.request_timeout_s:g} s (the server's request "
+                                f"timeout)", code="request_timeout") from None
+
     def finish(self, job: Job) -> None:
-        """Stop whatever still runs (a client that left, an error), give back the
-        admission ticket and the engine assignment, and record metrics. Idempotent:
-        every path that ends a job calls it. Synchronous on purpose: it runs in
-        finally blocks of cancelled tasks, where an await would be cancelled again
-        (anyio cancellation is level-triggered) before the bookkeeping ran."""
+        """Stop whatever still runs (a client that left, an error, a deadline), give
+        back the admission share and the engine assignment, and record metrics.
+        Idempotent: every path that ends a job calls it. Synchronous on purpose: it
+        runs in finally blocks of cancelled tasks, where an await would be cancelled
+        again (anyio cancellation is level-triggered) before the bookkeeping ran."""
         if job.done:
             return
         job.done = True
+        self.num_jobs -= 1
         for task in job.tasks:
             task.cancel()  # each choice's stream then aborts its engine request
         job.ticket.release()
@@ -320,14 +317,18 @@ class Pipeline:
         if isinstance(error, APIError):
             return error
         if isinstance(error, EngineDeadError):
-            return APIError(503, f"the engine is unavailable: {error}", code="engine_unavailable")
+            return APIError(503, f"the engine serving this request failed: {error}",
+                            code="engine_unavailable", headers={"Retry-After": "1"})
         if isinstance(error, EngineRequestError):
             status = {"invalid_request": 400, "overloaded": 503}.get(error.kind.value, 500)
             return APIError(status, error.message, param=error.param)
         if isinstance(error, ChoiceFailed):
-            return APIError(503, str(error), code="request_aborted")
+            if error.reason is FinishReason.ERROR:
+                return APIError(500, f"the request failed in the engine: {error}",
+                                code="engine_error")
+            return APIError(503, str(error), code="request_aborted",
+                            headers={"Retry-After": "1"})
         return error
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
-

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from engine_worker.block_manager import BlockManager, BlockTable, chain_hash
+from common.prefix_hash import chain_hash
+from engine_worker.block_manager import BlockManager, BlockTable
 
 
 def refs(bm: BlockManager) -> list[int]:

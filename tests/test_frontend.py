@@ -111,7 +111,8 @@ def test_openai_client_completions(stack):
     assert full.usage.completion_tokens == 12 and full.usage.prompt_tokens == 4
     assert full.usage.total_tokens == 16
     timing = full.model_extra["timing"]
-    assert set(timing) == {"tokenize_ms", "queue_ms", "prefill_ms", "ttft_ms"}
+    assert set(timing) == {"tokenize_ms", "queue_ms", "prefill_ms", "ttft_ms", "engine"}
+    assert timing.pop("engine") == stack["engine"].address
     assert all(v is not None and v >= 0 for v in timing.values())
     chunks = list(client.completions.create(model="tiny-llama", prompt="Once upon a time",
                                             max_tokens=12, temperature=0, stream=True,
@@ -244,7 +245,6 @@ def test_stop_string_spanning_tokens_ends_the_request(stack):
     ({"prompt": "x", "echo": True}, "echo", "echo is not supported"),
     ({"prompt": "x", "bogus": 1}, "bogus", "'bogus' is not a supported parameter"),
     ({"max_tokens": 3}, "prompt", "'prompt' is required"),
-    ({"prompt": "x", "model": "gpt-4"}, "model", "'gpt-4' does not exist"),
     ({"prompt": "x", "max_tokens": 600}, "max_tokens",
      "maximum context length is 512 tokens, but the prompt has 1 tokens and max_tokens is 600"),
     ({"prompt": [], "max_tokens": 2}, "prompt", "empty"),
@@ -260,6 +260,18 @@ def test_invalid_requests_get_400_shaped_like_openai(stack, body, param, fragmen
         assert error["type"] == "invalid_request_error"
         assert error["param"] == param
         assert fragment in error["message"]
+
+
+def test_an_unknown_model_is_404_like_openai(stack):
+    for stream in (False, True):
+        r = complete(stack["url"], prompt="x", model="gpt-4", stream=stream)
+        assert r.status_code == 404, r.text
+        error = r.json()["error"]
+        assert error["code"] == "model_not_found" and error["param"] == "model"
+        assert error["type"] == "not_found_error" and "'gpt-4' does not exist" in error["message"]
+    r = httpx.post(stack["url"] + "/v1/chat/completions", timeout=30, json={
+        "model": "gpt-4", "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
 
 
 def test_malformed_json_and_chat_errors(stack):

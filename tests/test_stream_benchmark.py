@@ -97,7 +97,8 @@ def test_a_short_run_writes_every_request(stack, tmp_path, tiny_llama_dir):
         assert r["error"] is None and r["completion_tokens"] == 8
         assert r["finish_reason"] == "length" and len(r["itl_ms"]) == 7
         assert r["ttft_ms"] > 0 and r["latency_ms"] >= r["ttft_ms"]
-        assert set(r["server_timing"]) == {"tokenize_ms", "queue_ms", "prefill_ms", "ttft_ms"}
+        assert set(r["server_timing"]) == {"tokenize_ms", "queue_ms", "prefill_ms", "ttft_ms",
+                                           "engine"}
     assert (tmp_path / "run.png").stat().st_size > 10_000
 
     stdout, pretok = bench(stack, tmp_path, "pretok", "--num-requests", "12",

@@ -199,3 +199,33 @@ def test_bad_frames_are_counted_and_an_oversized_one_costs_only_its_connection(p
     assert after.num_frames_dropped - before.num_frames_dropped == 5
     assert after.num_disconnects - before.num_disconnects >= 1
     assert len(result.prompt_token_ids) == 2
+
+
+def test_killing_the_supervisor_leaves_no_worker_behind(pool_factory):
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    pool = pool_factory(workers=2)
+
+    async def main():
+        client = await connect(pool.address)
+        await wait_alive(client, 2)
+        hung = asyncio.create_task(client.tokenize(f"{HANG} forever"))
+        await asyncio.sleep(0.5)  # a worker is now stuck in its batch
+        workers = [p for p in psutil.Process(pool.proc.pid).children()
+                   if "resource_tracker" not in " ".join(p.cmdline())
+                   and p.status() != psutil.STATUS_ZOMBIE]
+        os.kill(pool.proc.pid, signal.SIGKILL)  # the supervisor alone
+        hung.cancel()
+        await client.close()
+        return workers
+
+    workers = run(main())
+    assert len(workers) == 2
+    deadline = time.monotonic() + 5
+    while any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers):
+        assert time.monotonic() < deadline, "a worker outlived its supervisor"
+        time.sleep(0.1)

@@ -1,14 +1,19 @@
 """One tokenizer worker process: jobs in from the pool's supervisor, replies out.
 
 Each time it wakes it takes every job already queued (up to MAX_BATCH) and encodes
-them in one batch. It exits when its supervisor goes away.
+them in one batch. It dies with its supervisor: the kernel kills it when the
+supervisor exits (PR_SET_PDEATHSIG, Linux), even mid-batch or hung, so a supervisor
+killed with SIGKILL leaves no worker behind; elsewhere it exits at its next wake-up.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import os
 import signal
+import sys
 from pathlib import Path
 
 import zmq
@@ -30,6 +35,9 @@ def worker_main(model_dir: str, address: str, slot: int, identity: str, max_char
     # Ctrl-C reaches the whole process group; the supervisor decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
+    _die_with_parent()
+    if os.getppid() != parent:  # it exited before the request took effect
+        return
     tokenizer = PromptTokenizer(Path(model_dir), max_chars)
     faults.install("tokenizer_worker", tokenizer, slot=slot)
     ctx = zmq.Context()
@@ -54,3 +62,14 @@ def worker_main(model_dir: str, address: str, slot: int, identity: str, max_char
     sock.close(0)
     ctx.term()
 
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        logger.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
