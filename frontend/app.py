@@ -69,7 +69,9 @@ def json_response(body: Any, status: int = 200) -> Response:
 
 class Guard:
     """ASGI middleware, before any routing: the API key (401) and the body size (413,
-    by header or by count as it arrives). /health and /metrics stay open."""
+    by header or by count as it arrives). /health and /metrics stay open. Also the
+    last resort for an unexpected error: an OpenAI-shaped 500, never a dropped
+    connection."""
 
     def __init__(self, app, config: FrontendConfig, metrics: Metrics) -> None:
         self.app = app
@@ -105,7 +107,27 @@ class Guard:
                     raise too_big
             return message
 
-        await self.app(scope, limited_receive, send)
+        started = False
+
+        async def tracked_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracked_send)
+        except Exception as e:
+            # A bug must not cost the connection: answer 500 here (Starlette's own
+            # handler would re-raise to the server, which then drops the keep-alive
+            # connection under the client's next request).
+            if isinstance(e, APIError):
+                error = e
+            else:
+                logger.exception("unexpected error")
+                error = APIError(500, f"internal error: {type(e).__name__}")
+            self.metrics.rejected.labels(str(error.status)).inc()
+            if not started:
+                await error.response()(scope, receive, send)
 
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
@@ -167,11 +189,6 @@ def create_app(config: FrontendConfig) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(_request: Request, error: StarletteHTTPException) -> Response:
         return APIError(error.status_code, str(error.detail)).response()
-
-    @app.exception_handler(Exception)
-    async def on_unexpected(_request: Request, error: Exception) -> Response:
-        logger.exception("unexpected error")
-        return APIError(500, f"internal error: {type(error).__name__}").response()
 
     def pipeline() -> Pipeline:
         return state["pipeline"]

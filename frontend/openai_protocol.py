@@ -5,11 +5,14 @@ Fields OpenAI defines keep its names, defaults and ranges. Extensions vLLM users
 return_token_ids, skip_special_tokens, truncate_prompt_tokens) sit beside them.
 Unknown fields are rejected, so a typo is a 400 naming the field, not a silent
 default; fields OpenAI defines that roseserve does not implement are rejected by name.
+Types are strict (a string is not a number, a number not a boolean), and every integer
+is bounded, so nothing a client sends can overflow further on (the wire protocol's
+integers are 64-bit).
 """
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Annotated, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -17,13 +20,21 @@ from common.protocol import (MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS, MIN_REPET
                              SamplingParams)
 
 
+# The largest count or id a client may send (token counts, top_k, token ids).
+MAX_INT = 2**31 - 1
+Count = Annotated[int, Field(ge=1, le=MAX_INT)]
+# Token ids are checked against the vocabulary later, with a message saying so.
+TokenId = Annotated[int, Field(ge=-MAX_INT, le=MAX_INT)]
+_STRICT = ConfigDict(extra="forbid", strict=True)
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
     include_usage: bool = False
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
 
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -39,15 +50,15 @@ class _SamplingFields(BaseModel):
     # OpenAI fields roseserve does not implement: accepted only when unset or empty.
     logit_bias: Optional[dict[str, float]] = None
     # Extensions.
-    top_k: Optional[int] = Field(None, ge=1)
+    top_k: Optional[Count] = None
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=MAX_INT)
     ignore_eos: bool = False
-    stop_token_ids: list[int] = []
+    stop_token_ids: list[TokenId] = []
     return_token_ids: bool = False
     skip_special_tokens: bool = True
-    truncate_prompt_tokens: Optional[int] = Field(None, ge=1)
+    truncate_prompt_tokens: Optional[Count] = None
 
     @field_validator("logit_bias", "echo", "suffix", check_fields=False)
     @classmethod
@@ -72,6 +83,8 @@ class _SamplingFields(BaseModel):
         # With n > 1 and a seed, each choice gets its own (seed + index): the same
         # seed would make every choice identical.
         seed = None if self.seed is None else self.seed + choice_index
+        if seed is not None and seed >= 2**64:
+            seed -= 2**64  # wraps, still distinct per choice
         return SamplingParams(
             max_tokens=max_tokens, min_tokens=self.min_tokens, temperature=self.temperature,
             top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
@@ -82,8 +95,8 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = Field(16, ge=1)
+    prompt: Union[str, list[str], list[TokenId], list[list[TokenId]]]
+    max_tokens: Optional[Count] = 16
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # Not implemented: refused when set (see _refuse_unsupported).
     echo: bool = False
@@ -110,13 +123,13 @@ class CompletionRequest(_SamplingFields):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
     type: Literal["text"]
     text: str
 
 
 class ChatMessageParam(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
@@ -136,8 +149,8 @@ class ResponseFormat(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessageParam] = Field(min_length=1)
-    max_tokens: Optional[int] = Field(None, ge=1)
-    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    max_tokens: Optional[Count] = None
+    max_completion_tokens: Optional[Count] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: Optional[ResponseFormat] = None

@@ -52,6 +52,8 @@ def _serve(args: argparse.Namespace) -> int:
     from roseserve.launcher import serve
 
     try:  # refuse bad flags here, before any process starts
+        if args.engines < 1:
+            raise ValueError(f"--engines must be at least 1, got {args.engines}")
         engine_config_from_args(args)
         frontend_config_from_args(args, ["ipc://check"], "ipc://check")
     except ValueError as e:
@@ -69,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="run the whole stack: engine, tokenizer pool, frontend")
     add_engine_args(srv)
     add_frontend_args(srv)
+    srv.add_argument("--engines", type=int, default=1,
+                     help="engine worker processes (default 1); the frontend spreads "
+                          "requests over them by prefix")
     srv.add_argument("--tokenizer-workers", type=int, default=None,
                      help="tokenizer processes (default: half the cores, at least 1)")
     srv.add_argument("--log-level", default=None)

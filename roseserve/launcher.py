@@ -1,27 +1,36 @@
-"""``roseserve serve``: the whole local stack as separate processes.
+"""``roseserve serve``: the whole local stack as separate supervised processes.
 
-Starts the engine worker, the tokenizer pool and the frontend (each the same
-``python -m ...`` a cluster would run), connected over ipc:// sockets in a private
-run directory. Ready when the frontend's /health answers 200, which needs the engine
-and the tokenizer pool to answer a round trip; then the URL is printed. A component
-that exits, during start-up or later, stops the rest and the command exits nonzero
-naming it. Ctrl-C (or SIGTERM) stops the frontend first, then the tokenizer pool and
-the engine (which finishes what is in flight), and exits 0.
+Starts N engine workers (``--engines``), the tokenizer pool and the frontend (each the
+same ``python -m ...`` a cluster would run), connected over ipc:// sockets in a private
+run directory. Ready when the frontend's /health answers 200 (the tokenizer pool and
+at least one engine answer a round trip); then the URL is printed.
+
+Supervision: a component that exits during start-up is a configuration error; the
+command stops everything and exits 1, naming it. Once the stack has been ready, a
+component that exits is restarted after a backoff (0.5 s, doubling to 8 s); the
+others keep serving meanwhile (the frontend answers 503 with Retry-After while no
+engine is up, and reconnects to a restarted one by itself). A component that fails
+MAX_FAILURES times in a row, each run shorter than STABLE_S, is crash-looping: the
+command gives up, names it and prints its last log lines, stops the rest and exits 1.
+Ctrl-C (or SIGTERM) stops the frontend first, then the tokenizer pool and the engines
+(which finish what is in flight), and exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from common.model_files import resolve_model_dir
@@ -30,21 +39,53 @@ from common.model_files import resolve_model_dir
 STARTUP_TIMEOUT_S = 900.0
 STOP_TIMEOUT_S = 40.0
 STARTUP_STOP_TIMEOUT_S = 3.0
+# Restart policy.
+BACKOFF_FIRST_S = 0.5
+BACKOFF_MAX_S = 8.0
+MAX_FAILURES = 5
+STABLE_S = 60.0
+# Log lines of a component kept for the give-up message.
+TAIL_LINES = 20
 
 
 @dataclass
 class Component:
     name: str
     cmd: list[str]
+    env: Optional[dict] = None
     process: Optional[subprocess.Popen] = None
+    started: float = 0.0
+    # Exits in a row of runs shorter than STABLE_S, and when the next start is due.
+    failures: int = 0
+    restart_at: Optional[float] = None
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
 
     def start(self) -> None:
         # Own process group: Ctrl-C reaches only the launcher, which stops the
-        # components in order.
-        self.process = subprocess.Popen(self.cmd, start_new_session=True)
+        # components in order. Output passes through the launcher, which keeps the
+        # last lines for its messages.
+        self.process = subprocess.Popen(self.cmd, start_new_session=True, env=self.env,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self.started = time.monotonic()
+        self.restart_at = None
+        threading.Thread(target=self._pump, args=(self.process.stdout,), daemon=True).start()
+
+    def _pump(self, stream) -> None:
+        out = sys.stderr.buffer
+        for line in iter(stream.readline, b""):
+            self.tail.append(line.decode("utf-8", "replace").rstrip())
+            try:
+                out.write(line)
+                out.flush()
+            except (OSError, ValueError):  # our own stderr is gone: keep draining
+                pass
+        stream.close()
 
     def exit_code(self) -> Optional[int]:
         return None if self.process is None else self.process.poll()
+
+    def last_lines(self) -> str:
+        return "\n".join(f"  {self.name} | {line}" for line in self.tail)
 
     def stop(self, timeout_s: float) -> None:
         if self.process is None or self.process.poll() is not None:
@@ -71,30 +112,57 @@ def _forward(args: argparse.Namespace, names: list[str]) -> list[str]:
     return out
 
 
-ENGINE_FLAGS = ["device", "dtype", "threads", "max_model_len", "max_batch_size",
+ENGINE_FLAGS = ["device", "dtype", "max_model_len", "max_batch_size",
                 "prefill_max_batch_size", "max_num_batched_tokens", "block_size",
                 "kv_cache_memory_gb", "no_prefix_cache", "no_cpu_kernels", "seed",
                 "per_token_output_frames"]
-FRONTEND_FLAGS = ["host", "port", "api_key", "served_model_name", "max_body_bytes",
-                  "max_waiting_requests", "max_waiting_tokens"]
+# The API key is not among them: a command line is visible to every local user, so
+# the key reaches the frontend through its environment.
+FRONTEND_FLAGS = ["host", "port", "api_key_file", "served_model_name", "max_body_bytes",
+                  "max_waiting_requests", "max_waiting_tokens", "max_choices_per_request",
+                  "tokenize_timeout", "request_timeout", "routing"]
+
+
+def engine_threads(args: argparse.Namespace) -> Optional[int]:
+    """--threads, else the cores shared out among the engines (None for one engine:
+    torch's default)."""
+    if args.threads is not None or args.engines == 1:
+        return args.threads
+    return max(1, (os.cpu_count() or 1) // args.engines)
+
+
+def components(args: argparse.Namespace, model_dir: str, run_dir: str) -> list[Component]:
+    """Engines first, then the tokenizer pool, then the frontend."""
+    py = [sys.executable, "-m"]
+    log = ["--log-level", args.log_level] if args.log_level else []
+    threads = engine_threads(args)
+    engines = []
+    for i in range(args.engines):
+        env = None
+        if args.engines > 1 and str(args.device).startswith("cuda") and \
+                "CUDA_VISIBLE_DEVICES" not in os.environ:
+            env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(i)}  # one GPU each
+        engines.append(Component(f"engine-{i}", py + [
+            "engine_worker", "--model", model_dir, "--bind", f"ipc://{run_dir}/engine-{i}.sock",
+            *(["--threads", str(threads)] if threads else []),
+            *_forward(args, ENGINE_FLAGS), *log], env=env))
+    tokenizer_addr = f"ipc://{run_dir}/tokenizer.sock"
+    tokenizer = Component("tokenizer", py + [
+        "tokenizer_worker", "--model", model_dir, "--bind", tokenizer_addr,
+        *(["--workers", str(args.tokenizer_workers)] if args.tokenizer_workers else []), *log])
+    frontend = Component("frontend", py + [
+        "frontend", "--model", model_dir, "--tokenizer", tokenizer_addr,
+        *[a for e in engines for a in ("--engine", e.cmd[e.cmd.index("--bind") + 1])],
+        *_forward(args, FRONTEND_FLAGS), *log])
+    if args.api_key:
+        frontend.env = {**os.environ, "ROSESERVE_API_KEY": args.api_key}
+    return [*engines, tokenizer, frontend]
 
 
 def serve(args: argparse.Namespace) -> int:
     model_dir = str(resolve_model_dir(args.model))  # materialize once, before the children
     run_dir = tempfile.mkdtemp(prefix="roseserve-")
-    engine_addr, tokenizer_addr = f"ipc://{run_dir}/engine.sock", f"ipc://{run_dir}/tokenizer.sock"
-    py = [sys.executable, "-m"]
-    log = ["--log-level", args.log_level] if args.log_level else []
-    engine = Component("the engine worker", py + [
-        "engine_worker", "--model", model_dir, "--bind", engine_addr,
-        *_forward(args, ENGINE_FLAGS), *log])
-    tokenizer = Component("the tokenizer pool", py + [
-        "tokenizer_worker", "--model", model_dir, "--bind", tokenizer_addr,
-        *(["--workers", str(args.tokenizer_workers)] if args.tokenizer_workers else []), *log])
-    frontend = Component("the frontend", py + [
-        "frontend", "--model", model_dir, "--engine", engine_addr, "--tokenizer", tokenizer_addr,
-        *_forward(args, FRONTEND_FLAGS), *log])
-    components = [engine, tokenizer, frontend]
+    stack = components(args, model_dir, run_dir)
 
     stop_requested = []
     signal.signal(signal.SIGINT, lambda *_: stop_requested.append(True))
@@ -103,41 +171,34 @@ def serve(args: argparse.Namespace) -> int:
     code = 0
     ready = False
     try:
-        for component in components:
+        for component in stack:
             component.start()
-        failure = _wait_ready(components, f"{url}/health", stop_requested)
+        failure = _wait_ready(stack, f"{url}/health", stop_requested)
         if failure is None and not stop_requested:
             ready = True
-            print(f"roseserve is ready: {url}/v1 (model {os.path.basename(model_dir)}); "
-                  f"Ctrl-C stops it", flush=True)
-            failure = _supervise(components, stop_requested)
+            print(f"roseserve is ready: {url}/v1 (model {os.path.basename(model_dir)}, "
+                  f"{args.engines} engine(s)); Ctrl-C stops it", flush=True)
+            failure = _supervise(stack, stop_requested)
         if failure is not None:
             print(f"roseserve: {failure}; stopping", file=sys.stderr, flush=True)
             code = 1
     finally:
         # Before readiness nothing is in flight, and a component still starting may
         # not act on SIGTERM until it has started: do not wait long for it.
-        for component in (frontend, tokenizer, engine):
+        for component in reversed(stack):
             component.stop(STOP_TIMEOUT_S if ready else STARTUP_STOP_TIMEOUT_S)
         shutil.rmtree(run_dir, ignore_errors=True)
     return code
 
 
-def _exited(components: list[Component]) -> Optional[str]:
-    for component in components:
-        code = component.exit_code()
-        if code is not None:
-            return f"{component.name} exited with code {code} (its log is above)"
-    return None
-
-
-def _wait_ready(components: list[Component], health_url: str,
+def _wait_ready(stack: list[Component], health_url: str,
                 stop_requested: list) -> Optional[str]:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline and not stop_requested:
-        failure = _exited(components)
-        if failure is not None:
-            return failure
+        for component in stack:
+            code = component.exit_code()
+            if code is not None:
+                return f"{component.name} exited with code {code} during start-up (its log is above)"
         try:
             with urllib.request.urlopen(health_url, timeout=2) as response:
                 if response.status == 200:
@@ -148,10 +209,28 @@ def _wait_ready(components: list[Component], health_url: str,
     return None if stop_requested else f"not ready after {STARTUP_TIMEOUT_S:.0f} s"
 
 
-def _supervise(components: list[Component], stop_requested: list) -> Optional[str]:
+def _supervise(stack: list[Component], stop_requested: list) -> Optional[str]:
+    """Restart what exits, until a stop is requested or something crash-loops."""
     while not stop_requested:
-        failure = _exited(components)
-        if failure is not None:
-            return failure
-        time.sleep(0.2)
+        now = time.monotonic()
+        for c in stack:
+            if c.restart_at is not None:
+                if now >= c.restart_at:
+                    print(f"roseserve: restarting {c.name}", file=sys.stderr, flush=True)
+                    c.start()
+                continue
+            code = c.exit_code()
+            if code is None:
+                continue
+            ran_s = now - c.started
+            c.failures = c.failures + 1 if ran_s < STABLE_S else 1
+            if c.failures >= MAX_FAILURES:
+                return (f"{c.name} is crash-looping: it exited {c.failures} times in a row, "
+                        f"each within {STABLE_S:.0f} s of starting (last exit code {code}); "
+                        f"giving up. Its last log lines:\n{c.last_lines()}\n")
+            delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (c.failures - 1))
+            print(f"roseserve: {c.name} exited with code {code} after {ran_s:.1f} s; "
+                  f"restarting it in {delay:g} s", file=sys.stderr, flush=True)
+            c.restart_at = now + delay
+        time.sleep(0.1)
     return None

@@ -2,6 +2,9 @@
 (common/faults.py: ROSESERVE_FAULT_PLUGIN=fault_plugin:install). Each fault is switched
 on by a test-only environment variable:
 
+  any component
+    ROSESERVE_FAULT_EXIT_IF_FILE   "COMPONENT:PATH": that component exits with code 7
+                                   when it starts while PATH exists (a crash loop)
   engine
     ROSESERVE_FAULT_STEP_DELAY_S   sleep this long after every step (requests stay
                                    queued or running long enough to observe)
@@ -12,7 +15,8 @@ on by a test-only environment variable:
   tokenizer_worker
     ROSESERVE_FAULT_CRASH_MARKER   a batch holding this text kills the worker...
     ROSESERVE_FAULT_CRASH_SLOTS    ...if its slot is listed (comma-separated)
-    ROSESERVE_FAULT_SLOW_MARKER    a batch holding this text takes 2 s more
+    ROSESERVE_FAULT_SLOW_MARKER    a batch holding this text takes longer...
+    ROSESERVE_FAULT_SLOW_S         ...by this many seconds (default 2)
     ROSESERVE_FAULT_HANG_MARKER    a batch holding this text never finishes...
     ROSESERVE_FAULT_HANG_SLOTS     ...in the workers listed (default: every worker)
 """
@@ -28,6 +32,10 @@ def _env(name: str) -> str:
 
 
 def install(component: str, target, **context) -> None:
+    exit_component, _, path = _env("EXIT_IF_FILE").partition(":")
+    if exit_component == component and os.path.exists(path):
+        print(f"injected start failure in the {component}", flush=True)
+        os._exit(7)
     if component == "engine":
         _engine(target)
     elif component == "tokenizer_worker":
@@ -80,7 +88,7 @@ def _tokenizer_worker(tokenizer, slot: int) -> None:
         if crash and any(crash in t for t in texts):
             os._exit(3)  # die holding the batch
         if slow and any(slow in t for t in texts):
-            time.sleep(2.0)
+            time.sleep(float(_env("SLOW_S") or 2.0))
         if hang and any(hang in t for t in texts):
             time.sleep(10**6)
         return tokenize(requests)

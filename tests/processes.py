@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -31,11 +32,14 @@ class Proc:
         self.args = args
         self.proc = subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True,
-                                     env=with_faults(env))
+                                     env=with_faults(env), start_new_session=True)
 
     def stop(self) -> str:
-        if self.proc.poll() is None:
-            self.proc.kill()
+        """Kill it and whatever it started; its output."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
         out, _ = self.proc.communicate(timeout=30)
         return out
 
@@ -81,3 +85,70 @@ def wait_healthy(proc: Proc, timeout_s: float = 120.0) -> None:
             pass
         time.sleep(0.2)
     raise RuntimeError(f"{proc.args[0]} not healthy after {timeout_s} s:\n{proc.stop()}")
+
+
+class Serve:
+    """``roseserve serve`` with the tiny model, its output in a file (a pipe nobody
+    reads would fill and block the stack)."""
+
+    def __init__(self, model_dir, log_path, *extra: str, env: dict | None = None,
+                 engines: int = 1) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "roseserve", "serve", "--model", str(model_dir),
+             "--port", str(self.port), "--device", "cpu", "--kv-cache-memory-gb", "0.02",
+             "--block-size", "4", "--tokenizer-workers", "2", "--engines", str(engines),
+             "--served-model-name", "tiny", *extra],
+            stdout=self._log, stderr=subprocess.STDOUT, env=with_faults(env))
+
+    def log(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def wait_ready(self, timeout_s: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if "roseserve is ready" in self.log():
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"roseserve serve exited early:\n{self.log()}")
+            time.sleep(0.2)
+        raise RuntimeError(f"roseserve serve not ready after {timeout_s} s:\n{self.log()}")
+
+    def pids(self) -> dict[str, list[int]]:
+        """Live component processes by kind: engine, tokenizer (the pool),
+        tokenizer_worker, frontend."""
+        import psutil
+
+        out: dict[str, list[int]] = {"engine": [], "tokenizer": [], "tokenizer_worker": [],
+                                     "frontend": []}
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                cmd = " ".join(child.cmdline())
+                if child.status() == psutil.STATUS_ZOMBIE:
+                    continue
+            except psutil.Error:
+                continue
+            if "-m engine_worker" in cmd:
+                out["engine"].append(child.pid)
+            elif "-m tokenizer_worker" in cmd:
+                out["tokenizer"].append(child.pid)
+            elif "-m frontend" in cmd:
+                out["frontend"].append(child.pid)
+            elif "spawn_main" in cmd:
+                out["tokenizer_worker"].append(child.pid)
+        return out
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -68,7 +69,7 @@ def test_a_component_that_fails_to_start_is_named_and_the_command_fails(tiny_lla
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 1
     assert "unsupported architecture ['FancyNewForCausalLM']" in out
-    assert "roseserve: the engine worker exited with code 2" in out
+    assert "roseserve: engine-0 exited with code 2 during start-up" in out
 
 
 @pytest.mark.parametrize("args, message", [
@@ -81,3 +82,55 @@ def test_bad_flags_are_refused(args, message, tiny_llama_dir):
                           timeout=120)
     assert proc.returncode != 0
     assert message in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("how", ["flag", "environment", "file"])
+def test_the_api_key_is_on_no_child_command_line(tiny_llama_dir, tmp_path, how):
+    port = processes.free_port()
+    key = "k3y-0f-" + how
+    args = ["--model", str(tiny_llama_dir), "--port", str(port), "--device", "cpu",
+            "--kv-cache-memory-gb", "0.02", "--tokenizer-workers", "1",
+            "--served-model-name", "tiny"]
+    env = dict(os.environ)
+    if how == "flag":
+        args += ["--api-key", key]
+    elif how == "environment":
+        env["ROSESERVE_API_KEY"] = key
+    else:
+        (tmp_path / "key").write_text(key + "\n")
+        args += ["--api-key-file", str(tmp_path / "key")]
+    proc = subprocess.Popen([sys.executable, "-m", "roseserve", "serve", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        read_until(proc, "roseserve is ready")
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert children and not [c for c in children if key in " ".join(c.cmdline())]
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        body = {"model": "tiny", "prompt": "Hi", "max_tokens": 1}
+        assert httpx.post(url, json=body, timeout=60).status_code == 401
+        ok = httpx.post(url, json=body, timeout=60, headers={"Authorization": f"Bearer {key}"})
+        assert ok.status_code == 200
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+
+
+def test_a_crash_looping_component_is_given_up_on_named_with_its_last_lines(tiny_llama_dir,
+                                                                            tmp_path):
+    trigger = tmp_path / "crash"
+    serve_ = processes.Serve(tiny_llama_dir, tmp_path / "serve.log",
+                             env={"ROSESERVE_FAULT_EXIT_IF_FILE": f"tokenizer_pool:{trigger}"})
+    try:
+        serve_.wait_ready()
+        trigger.write_text("")  # from now on the pool dies as it starts
+        os.kill(serve_.pids()["tokenizer"][0], signal.SIGKILL)
+        assert serve_.proc.wait(120) == 1
+    finally:
+        serve_.stop()
+    log = serve_.log()
+    assert "roseserve: tokenizer exited with code -9" in log
+    assert log.count("roseserve: restarting tokenizer") == 4
+    assert "roseserve: tokenizer is crash-looping: it exited 5 times in a row" in log
+    # Its last log lines are quoted in the give-up message.
+    assert "  tokenizer | injected start failure in the tokenizer_pool" in log
+    assert not psutil.pid_exists(serve_.proc.pid) or serve_.proc.poll() is not None

@@ -1,0 +1,523 @@
+"""The reliability suite: faults injected into the real stack under ``roseserve serve``.
+
+Each kill test runs 32 streaming requests, kills one process kind with SIGKILL while
+they run, and checks that every request ends with its full output or with an explicit
+error (an SSE error event or an OpenAI-shaped 5xx) within 5 s of the kill, that nothing
+hangs, and that the supervisor brings the stack back. The disconnect test checks that
+clients that go away leak nothing; the fuzz test that hostile HTTP bodies get a 4xx.
+Recovery times are printed (``-s``) for docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import httpx
+import pytest
+
+import processes
+
+N_STREAMS = 32
+MAX_TOKENS = 48
+END_WITHIN_S = 5.0
+RECOVER_WITHIN_S = 60.0
+
+
+@dataclass
+class Outcome:
+    status: int = 0
+    tokens: int = 0
+    finish_reason: Optional[str] = None
+    error: Optional[dict] = None
+    transport_error: Optional[str] = None
+    first_chunk: float = 0.0
+    ended: float = 0.0
+
+    @property
+    def complete(self) -> bool:
+        return self.status == 200 and self.finish_reason == "length" and \
+            self.tokens == MAX_TOKENS and self.error is None
+
+    @property
+    def explicit_error(self) -> bool:
+        if self.status >= 500:
+            return self.error is not None and self.error.get("message") is not None
+        return self.status == 200 and self.error is not None and \
+            self.error.get("message") is not None
+
+
+async def stream(client: httpx.AsyncClient, url: str, body: dict,
+                 out: Optional[Outcome] = None) -> Outcome:
+    """One streamed request, read to its end; how it ended (filled in as it goes)."""
+    out = out or Outcome()
+    try:
+        async with client.stream("POST", url, json=body, timeout=120) as r:
+            out.status = r.status_code
+            if r.status_code != 200:
+                out.error = json.loads(await r.aread()).get("error")
+                return out
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    out.error = chunk["error"]
+                    continue
+                if chunk.get("usage"):
+                    out.tokens = chunk["usage"]["completion_tokens"]
+                for choice in chunk.get("choices", []):
+                    if not out.first_chunk:
+                        out.first_chunk = time.monotonic()
+                    out.finish_reason = choice.get("finish_reason") or out.finish_reason
+    except httpx.HTTPError as e:
+        out.transport_error = f"{type(e).__name__}: {e}"
+    finally:
+        out.ended = time.monotonic()
+    return out
+
+
+def completion_body(prompt="Hello there", **kw) -> dict:
+    return {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}, **kw}
+
+
+def wait_for(predicate, timeout_s: float, what: str, log=lambda: "") -> float:
+    """Seconds until ``predicate()`` held; fails after ``timeout_s``."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if predicate():
+            return time.monotonic() - start
+        time.sleep(0.1)
+    raise AssertionError(f"{what}: not within {timeout_s} s\n{log()}")
+
+
+def serves(url: str) -> bool:
+    try:
+        r = httpx.post(f"{url}/v1/completions", timeout=10, json={
+            "model": "tiny", "prompt": "ok", "max_tokens": 2, "ignore_eos": True})
+        return r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    except httpx.HTTPError:
+        return False
+
+
+def metric(url: str, name: str, **labels) -> float:
+    """Sum of the series of ``name`` whose labels include ``labels``."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(r"^([a-z_]+)(\{[^}]*\})? ([-0-9.e+]+)$", line)
+        if not m or m.group(1) != name:
+            continue
+        series = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        if all(series.get(k) == v for k, v in labels.items()):
+            total += float(m.group(3))
+    return total
+
+
+@pytest.fixture
+def stack(tiny_llama_dir, tmp_path, request):
+    """A ``roseserve serve`` stack; ROSESERVE_FAULT_* in the test's ``faults`` marker."""
+    marker = request.node.get_closest_marker("faults")
+    s = processes.Serve(tiny_llama_dir, tmp_path / "serve.log",
+                        env=marker.args[0] if marker else None)
+    s.wait_ready()
+    yield s
+    assert s.stop() == 0, s.log()
+
+
+def kill_during_streams(stack, kind: str, bodies: list[dict], when) -> tuple[list[Outcome], float]:
+    """Run the streams, SIGKILL the first process of ``kind`` once ``when(outcomes,
+    seconds since the start)`` holds; the outcomes and the kill time."""
+    victim = stack.pids()[kind][0]
+    outcomes = [Outcome() for _ in bodies]
+    kill_time = 0.0
+
+    async def run():
+        nonlocal kill_time
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=200)) as client:
+            tasks = [asyncio.create_task(stream(client, f"{stack.url}/v1/completions", b, o))
+                     for b, o in zip(bodies, outcomes)]
+            started = time.monotonic()
+            while not when(outcomes, time.monotonic() - started):
+                assert time.monotonic() - started < 60, "the kill condition never held"
+                await asyncio.sleep(0.02)
+            os.kill(victim, signal.SIGKILL)
+            kill_time = time.monotonic()
+            await asyncio.wait_for(asyncio.gather(*tasks), 60)
+
+    asyncio.run(run())
+    return outcomes, kill_time
+
+
+def all_streaming(outcomes: list[Outcome], _elapsed: float) -> bool:
+    return all(o.first_chunk for o in outcomes)
+
+
+@pytest.mark.faults({"ROSESERVE_FAULT_STEP_DELAY_S": "0.05"})
+def test_engine_killed_mid_stream(stack):
+    outcomes, killed = kill_during_streams(stack, "engine", [completion_body()] * N_STREAMS,
+                                           all_streaming)
+    late = [o for o in outcomes if not o.complete and o.ended - killed > END_WITHIN_S]
+    assert not late, late
+    errors = [o for o in outcomes if not o.complete]
+    assert errors, "the kill came too late: every stream had finished"
+    for o in errors:
+        assert o.explicit_error, o
+        assert "engine" in o.error["message"], o
+    assert not [o for o in outcomes if o.transport_error], outcomes
+    wait_for(lambda: serves(stack.url), RECOVER_WITHIN_S, "service back", stack.log)
+    print(f"\nengine killed: {len(errors)}/{N_STREAMS} streams ended with an explicit error "
+          f"within {max(o.ended - killed for o in errors):.2f} s; served again "
+          f"{time.monotonic() - killed:.1f} s after the kill")
+    assert "roseserve: engine-0 exited with code -9" in stack.log()
+
+
+@pytest.mark.faults({"ROSESERVE_FAULT_SLOW_MARKER": "slowtok", "ROSESERVE_FAULT_SLOW_S": "1"})
+def test_one_tokenizer_worker_killed_while_tokenizing(stack):
+    workers = stack.pids()["tokenizer_worker"]
+    assert len(workers) == 2
+    bodies = [completion_body(f"slowtok {i}") for i in range(N_STREAMS)]
+    outcomes, killed = kill_during_streams(
+        stack, "tokenizer_worker", bodies, lambda outcomes, elapsed: elapsed > 0.4)
+    # Its jobs go to the other worker (retried once): every request completes.
+    assert all(o.complete for o in outcomes), [o for o in outcomes if not o.complete]
+    slowest = max(o.ended - killed for o in outcomes)
+    assert slowest < END_WITHIN_S + 2 * 1.0, slowest  # two slow batches at most
+    replaced = wait_for(lambda: len(stack.pids()["tokenizer_worker"]) == 2 and
+                        set(stack.pids()["tokenizer_worker"]) != set(workers), 10,
+                        "worker replaced")
+    print(f"\none tokenizer worker killed: {N_STREAMS}/{N_STREAMS} complete, the last "
+          f"{slowest:.2f} s after the kill; worker replaced within {replaced:.1f} s")
+    assert serves(stack.url)
+
+
+@pytest.mark.faults({"ROSESERVE_FAULT_SLOW_MARKER": "slowtok", "ROSESERVE_FAULT_SLOW_S": "1",
+                     "ROSESERVE_FAULT_STEP_DELAY_S": "0.05"})
+def test_tokenizer_pool_killed(stack):
+    pool = stack.pids()["tokenizer"][0]
+    old_workers = stack.pids()["tokenizer_worker"]
+    # Half the requests are generating when the pool dies (token-id prompts, which
+    # skip the pool), half are being tokenized.
+    half = N_STREAMS // 2
+    generating = [completion_body([15496, 612, i]) for i in range(half)]
+    tokenizing = [completion_body(f"slowtok {i}") for i in range(half)]
+    outcomes, killed = kill_during_streams(
+        stack, "tokenizer", generating + tokenizing,
+        lambda outcomes, elapsed: elapsed > 0.5 and all_streaming(outcomes[:half], elapsed))
+    late = [o for o in outcomes if not o.complete and o.ended - killed > END_WITHIN_S]
+    assert not late, late
+    failed = [o for o in outcomes if not o.complete]
+    assert failed and all(o.explicit_error and o.status == 503 for o in failed), failed
+    assert all(o.complete for o in outcomes[:half]), outcomes[:half]
+    assert len(failed) == half
+    # The workers die with their pool (no orphans), and the pool comes back.
+    wait_for(lambda: not set(old_workers) & set(stack.pids()["tokenizer_worker"]), 10,
+             "old workers gone")
+    assert pool not in stack.pids()["tokenizer"]
+    wait_for(lambda: serves(stack.url), RECOVER_WITHIN_S, "service back", stack.log)
+    print(f"\ntokenizer pool killed: {len(failed)} requests being tokenized got 503 within "
+          f"{max(o.ended - killed for o in failed):.2f} s, the others completed; served "
+          f"again {time.monotonic() - killed:.1f} s after the kill")
+
+
+@pytest.mark.faults({"ROSESERVE_FAULT_STEP_DELAY_S": "0.1"})
+def test_frontend_killed(stack):
+    # Long requests: at 0.1 s a step they would run for 40 s after the kill.
+    outcomes, killed = kill_during_streams(stack, "frontend",
+                                           [completion_body(max_tokens=400)] * N_STREAMS,
+                                           all_streaming)
+    # The connection is the only thing a client of a dead process can see end.
+    assert all(o.transport_error for o in outcomes), outcomes
+    assert max(o.ended - killed for o in outcomes) < END_WITHIN_S
+    wait_for(lambda: serves(stack.url), RECOVER_WITHIN_S, "service back", stack.log)
+    back = time.monotonic() - killed
+    # The engine drops the dead frontend's requests (its next output to the gone peer
+    # fails; a peer that is only silent expires after --client-timeout) instead of
+    # running them to max_tokens for nobody.
+    wait_for(lambda: metric(stack.url, "roseserve_engine_requests", state="running") == 0
+             and metric(stack.url, "roseserve_engine_kv_blocks", state="used") == 0,
+             30, "the dead frontend's requests dropped", stack.log)
+    dropped = time.monotonic() - killed
+    assert dropped < 30
+    print(f"\nfrontend killed: {N_STREAMS} connections reset; served again {back:.1f} s "
+          f"after the kill; its engine requests dropped {dropped:.1f} s after it")
+
+
+def test_one_of_two_engines_killed(tiny_llama_dir, tmp_path):
+    stack = processes.Serve(tiny_llama_dir, tmp_path / "serve.log", engines=2,
+                            env={"ROSESERVE_FAULT_STEP_DELAY_S": "0.05"})
+    try:
+        stack.wait_ready()
+        wait_for(lambda: metric(stack.url, "roseserve_engines_healthy") == 2, 60, "both up")
+        # Distinct prompts shorter than a block: spread by load, half on each engine.
+        bodies = [completion_body([100 + i]) for i in range(N_STREAMS)]
+        outcomes, killed = kill_during_streams(stack, "engine", bodies, all_streaming)
+        others = time.monotonic()
+        assert serves(stack.url)  # at once, by the engine still up
+        others = time.monotonic() - others
+        failed = [o for o in outcomes if not o.complete]
+        assert 0 < len(failed) < N_STREAMS, outcomes
+        assert all(o.explicit_error and o.ended - killed < END_WITHIN_S for o in failed), failed
+        wait_for(lambda: metric(stack.url, "roseserve_engines_healthy") == 2,
+                 RECOVER_WITHIN_S, "the killed engine back", stack.log)
+        rejoined = time.monotonic() - killed
+        before = {e: metric(stack.url, "roseserve_engine_routed_requests_total", engine=e)
+                  for e in (f"ipc://{d}" for d in _engine_sockets(stack))}
+        asyncio.run(_streams(stack.url, [completion_body([300 + i]) for i in range(8)]))
+        after = {e: metric(stack.url, "roseserve_engine_routed_requests_total", engine=e)
+                 for e in before}
+        assert all(after[e] > before[e] for e in before), (before, after)
+        print(f"\none of two engines killed: {len(failed)}/{N_STREAMS} streams (those on it) "
+              f"ended with an explicit error, the rest completed; a new request was served "
+              f"by the other in {others:.2f} s; the killed one rejoined "
+              f"{rejoined:.1f} s after the kill")
+    finally:
+        assert stack.stop() == 0, stack.log()
+
+
+def _engine_sockets(stack) -> list[str]:
+    import psutil
+
+    out = []
+    for pid in stack.pids()["engine"]:
+        cmd = psutil.Process(pid).cmdline()
+        out.append(cmd[cmd.index("--bind") + 1].removeprefix("ipc://"))
+    return out
+
+
+async def _streams(url: str, bodies: list[dict]) -> list[Outcome]:
+    async with httpx.AsyncClient() as client:
+        return await asyncio.gather(*(stream(client, f"{url}/v1/completions", b)
+                                      for b in bodies))
+
+
+# -- clients that go away --------------------------------------------------------------
+
+N_DISCONNECTS = 200
+
+
+async def raw_post(port: int, path: str, body: bytes, close_after_s: float,
+                   read_first: bool = False) -> None:
+    """POST over a bare socket and hang up after ``close_after_s`` (before or after
+    the response headers, as the timing falls)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST " + path.encode() + b" HTTP/1.1\r\nHost: t\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: "
+                 + str(len(body)).encode() + b"\r\n\r\n" + body)
+    await writer.drain()
+    if read_first:
+        await reader.readline()
+    await asyncio.sleep(close_after_s)
+    writer.close()
+
+
+@pytest.mark.faults({"ROSESERVE_FAULT_SLOW_MARKER": "slowtok", "ROSESERVE_FAULT_SLOW_S": "0.5",
+                     "ROSESERVE_FAULT_STEP_DELAY_S": "0.01"})
+def test_clients_that_go_away_leak_nothing(stack):
+    rng = random.Random(0)
+    kinds = {"before headers": 0, "while tokenizing": 0, "mid-stream": 0, "finished": 0}
+
+    async def one(client, i: int) -> Optional[Outcome]:
+        kind = rng.choice(list(kinds))
+        kinds[kind] += 1
+        body = completion_body(f"prompt {i}", max_tokens=rng.randint(8, 64))
+        if kind == "before headers":
+            await raw_post(stack.port, "/v1/completions", json.dumps(body).encode(),
+                           rng.uniform(0.0, 0.03))
+        elif kind == "while tokenizing":
+            body["prompt"] = f"slowtok {i}"
+            await raw_post(stack.port, "/v1/completions", json.dumps(body).encode(),
+                           rng.uniform(0.05, 0.3))
+        elif kind == "mid-stream":
+            async with client.stream("POST", f"{stack.url}/v1/completions", json=body,
+                                     timeout=60) as r:
+                assert r.status_code == 200
+                lines = 0
+                async for _ in r.aiter_lines():
+                    lines += 1
+                    if lines > rng.randint(2, 10):
+                        break  # leaving the block closes the connection
+        else:
+            out = await stream(client, f"{stack.url}/v1/completions", body)
+            assert out.status == 200 and out.finish_reason == "length", out
+            assert out.tokens == body["max_tokens"]
+            return out
+        return None
+
+    async def run():
+        gate = asyncio.Semaphore(48)
+        async with httpx.AsyncClient(limits=httpx.Limits(max_connections=100)) as client:
+            async def bounded(i):
+                async with gate:
+                    return await one(client, i)
+            await asyncio.wait_for(asyncio.gather(*(bounded(i) for i in range(N_DISCONNECTS))),
+                                   240)
+
+    asyncio.run(run())
+    assert all(kinds.values()), kinds
+
+    def quiet() -> bool:
+        values = [metric(stack.url, "roseserve_requests_in_progress"),
+                  metric(stack.url, "roseserve_admitted_requests"),
+                  metric(stack.url, "roseserve_admitted_prompt_tokens"),
+                  metric(stack.url, "roseserve_engine_load"),
+                  metric(stack.url, "roseserve_engine_requests"),
+                  metric(stack.url, "roseserve_engine_kv_blocks", state="used"),
+                  metric(stack.url, "roseserve_tokenizer_queue")]
+        return not any(values)
+
+    settled = wait_for(quiet, 15, "every request, slot and KV block given back",
+                       lambda: httpx.get(f"{stack.url}/metrics").text)
+    print(f"\n{N_DISCONNECTS} clients ({kinds}): nothing held {settled:.1f} s after the last")
+    assert serves(stack.url)
+
+
+# -- hostile HTTP --------------------------------------------------------------------
+
+BIG = 10**30
+
+
+def _cmpl(**kw) -> bytes:
+    return json.dumps({"model": "tiny", "prompt": "Hi", "max_tokens": 2, **kw}).encode()
+
+
+def _chat(**kw) -> bytes:
+    return json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "Hi"}],
+                       "max_tokens": 2, **kw}).encode()
+
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+# (name, path, body): each must get an OpenAI-shaped 4xx.
+FUZZ = [
+    # malformed JSON
+    ("empty body", C, b""), ("truncated", C, b'{"model": "tiny", "prompt": "Hi"'),
+    ("trailing garbage", C, _cmpl() + b" x"), ("not an object", C, b"[1, 2]"),
+    ("null", C, b"null"), ("a string", CHAT, b'"hello"'), ("missing value", C, b'{"model": }'),
+    ("single quotes", C, b"{'model': 'tiny'}"), ("duplicate-ish junk", C, b"{,}"),
+    # wrong types
+    ("prompt number", C, _cmpl(prompt=5)), ("prompt object", C, _cmpl(prompt={"a": 1})),
+    ("prompt mixed list", C, _cmpl(prompt=[1, "a"])), ("prompt nested mix", C, _cmpl(prompt=[[1], "a"])),
+    ("prompt float ids", C, _cmpl(prompt=[1.5, 2.5])), ("prompt bool ids", C, _cmpl(prompt=[True])),
+    ("max_tokens string", C, _cmpl(max_tokens="10")), ("max_tokens float", C, _cmpl(max_tokens=1.5)),
+    ("temperature string", C, _cmpl(temperature="hot")), ("n list", C, _cmpl(n=[1])),
+    ("stream string", C, _cmpl(stream="yes")), ("stop number", C, _cmpl(stop=5)),
+    ("stop list of numbers", C, _cmpl(stop=[1, 2])), ("stop empty string", C, _cmpl(stop="")),
+    ("stop_token_ids strings", C, _cmpl(stop_token_ids=["a"])),
+    ("model number", C, _cmpl(model=5)), ("model missing", C, b'{"prompt": "Hi"}'),
+    ("messages string", CHAT, _chat(messages="hi")), ("messages empty", CHAT, _chat(messages=[])),
+    ("message empty object", CHAT, _chat(messages=[{}])),
+    ("message bad role", CHAT, _chat(messages=[{"role": "wizard", "content": "x"}])),
+    ("message content number", CHAT, _chat(messages=[{"role": "user", "content": 5}])),
+    ("message bad part", CHAT, _chat(messages=[{"role": "user", "content": [{"type": "image"}]}])),
+    ("top_logprobs without logprobs", CHAT, _chat(top_logprobs=2)),
+    ("unknown field", C, _cmpl(temprature=0.5)), ("stream_options junk", C, _cmpl(stream_options=5)),
+    # NaN, Infinity, numbers too big for anything
+    ("NaN temperature", C, b'{"model":"tiny","prompt":"Hi","temperature":NaN}'),
+    ("Infinity top_p", C, b'{"model":"tiny","prompt":"Hi","top_p":Infinity}'),
+    ("-Infinity penalty", C, b'{"model":"tiny","prompt":"Hi","presence_penalty":-Infinity}'),
+    ("1e400 temperature", C, b'{"model":"tiny","prompt":"Hi","temperature":1e400}'),
+    ("huge max_tokens", C, _cmpl(max_tokens=BIG)), ("huge n", C, _cmpl(n=BIG)),
+    ("huge seed", C, _cmpl(seed=BIG)), ("negative huge seed", C, _cmpl(seed=-BIG)),
+    ("huge top_k", C, _cmpl(top_k=BIG)), ("huge min_tokens", C, _cmpl(min_tokens=BIG)),
+    ("huge truncate", C, _cmpl(truncate_prompt_tokens=BIG)), ("huge logprobs", C, _cmpl(logprobs=BIG)),
+    ("huge token id", C, _cmpl(prompt=[BIG])), ("negative token id", C, _cmpl(prompt=[-1])),
+    ("huge stop token id", C, _cmpl(stop_token_ids=[BIG])),
+    ("huge max_completion_tokens", CHAT, _chat(max_completion_tokens=BIG)),
+    ("huge top_logprobs", CHAT, _chat(logprobs=True, top_logprobs=BIG)),
+    ("1e30 float max_tokens", C, b'{"model":"tiny","prompt":"Hi","max_tokens":1e30}'),
+    # deep nesting, huge strings
+    ("deep array", C, b"[" * 100_000 + b"]" * 100_000),
+    ("deep object", C, b'{"a":' * 50_000 + b"1" + b"}" * 50_000),
+    ("deep prompt", C, b'{"model":"tiny","prompt":' + b"[" * 5000 + b"]" * 5000 + b"}"),
+    ("body over the limit", C, _cmpl(prompt="x" * (9 << 20))),
+    ("huge model name", C, _cmpl(model="m" * (1 << 20))),
+    ("prompt past the context", C, _cmpl(prompt="hello " * 100_000)),
+    ("too many prompts", C, _cmpl(prompt=[[1]] * 300)),
+    ("too many choices", C, _cmpl(prompt=[[1]] * 20, n=64)),
+    # invalid UTF-8, lone surrogates, control characters
+    ("invalid utf-8", C, b'{"model":"tiny","prompt":"\xff\xfe\xfa"}'),
+    ("truncated utf-8", C, b'{"model":"tiny","prompt":"\xe2\x82"}'),
+    ("lone high surrogate", C, b'{"model":"tiny","prompt":"\\ud800"}'),
+    ("lone low surrogate", CHAT, b'{"model":"tiny","messages":[{"role":"user","content":"\\udc00"}]}'),
+    ("surrogate in stop", C, b'{"model":"tiny","prompt":"Hi","stop":"\\ud83d"}'),
+    ("surrogate in model", C, b'{"model":"\\ud800","prompt":"Hi"}'),
+    ("raw control char", C, b'{"model":"tiny","prompt":"a\x01b"}'),
+    # every parameter just beyond its bounds
+    ("temperature > 2", C, _cmpl(temperature=2.0001)), ("temperature < 0", C, _cmpl(temperature=-0.1)),
+    ("top_p 0", C, _cmpl(top_p=0)), ("top_p > 1", C, _cmpl(top_p=1.01)),
+    ("n 0", C, _cmpl(n=0)), ("n 65", C, _cmpl(n=65)),
+    ("presence_penalty > 2", C, _cmpl(presence_penalty=2.01)),
+    ("frequency_penalty < -2", C, _cmpl(frequency_penalty=-2.01)),
+    ("top_k 0", C, _cmpl(top_k=0)), ("min_p > 1", C, _cmpl(min_p=1.5)), ("min_p < 0", C, _cmpl(min_p=-0.1)),
+    ("repetition_penalty 0", C, _cmpl(repetition_penalty=0)),
+    ("repetition_penalty 1000", C, _cmpl(repetition_penalty=1000)),
+    ("max_tokens 0", C, _cmpl(max_tokens=0)), ("max_tokens past context", C, _cmpl(max_tokens=512)),
+    ("min_tokens negative", C, _cmpl(min_tokens=-1)),
+    ("min_tokens > max_tokens", C, _cmpl(min_tokens=5, max_tokens=2)),
+    ("logprobs 21", C, _cmpl(logprobs=21)), ("logprobs -1", C, _cmpl(logprobs=-1)),
+    ("top_logprobs 21", CHAT, _chat(logprobs=True, top_logprobs=21)),
+    ("truncate 0", C, _cmpl(truncate_prompt_tokens=0)),
+    ("token id = vocab", C, _cmpl(prompt=[50257])), ("stop token id = vocab", C, _cmpl(stop_token_ids=[50257])),
+    ("seed 2^64", C, _cmpl(seed=2**64)), ("seed below -2^63", C, _cmpl(seed=-(2**63) - 1)),
+    ("empty prompt", C, _cmpl(prompt="")), ("empty token list", C, _cmpl(prompt=[])),
+    ("unknown model", C, _cmpl(model="gpt-4")), ("echo", C, _cmpl(echo=True)),
+    ("best_of != n", C, _cmpl(best_of=2)), ("logit_bias", C, _cmpl(logit_bias={"1": 5})),
+    ("response_format json", CHAT, _chat(response_format={"type": "json_object"})),
+]
+# At the bounds: each must be served (200).
+AT_BOUNDS = [
+    ("temperature 0", C, _cmpl(temperature=0)), ("temperature 2", C, _cmpl(temperature=2)),
+    ("temperature 1e-39", C, _cmpl(temperature=1e-39)), ("top_p 1", C, _cmpl(top_p=1)),
+    ("top_p tiny", C, _cmpl(top_p=1e-9)), ("n 64", C, _cmpl(n=64, max_tokens=1)),
+    ("penalties at 2", C, _cmpl(presence_penalty=2, frequency_penalty=-2)),
+    ("top_k 1", C, _cmpl(top_k=1)), ("top_k huge but sane", C, _cmpl(top_k=2**31 - 1)),
+    ("min_p 1", C, _cmpl(min_p=1)), ("repetition_penalty 0.01", C, _cmpl(repetition_penalty=0.01)),
+    ("repetition_penalty 100", C, _cmpl(repetition_penalty=100)),
+    ("max_tokens to the context", C, _cmpl(prompt=[1], max_tokens=511)),
+    ("logprobs 20", C, _cmpl(logprobs=20)), ("top_logprobs 20", CHAT, _chat(logprobs=True, top_logprobs=20)),
+    ("seed max", C, _cmpl(seed=2**64 - 1, n=2)), ("seed min", C, _cmpl(seed=-(2**63))),
+    ("token id vocab-1", C, _cmpl(prompt=[50256])), ("truncate 1", C, _cmpl(truncate_prompt_tokens=1)),
+    ("unicode prompt", C, _cmpl(prompt="héllo 🌹 世界 \u0000")),
+    ("surrogate pair", C, b'{"model":"tiny","prompt":"\\ud83c\\udf39","max_tokens":2}'),
+]
+
+
+def test_hostile_http_gets_a_4xx_never_a_500(stack):
+    statuses, wrong = {}, []
+    with httpx.Client(base_url=stack.url, timeout=60) as client:
+        for name, path, body in FUZZ:
+            try:
+                r = client.post(path, content=body,
+                                headers={"Content-Type": "application/json"})
+            except httpx.HTTPError as e:
+                wrong.append((name, type(e).__name__, str(e)))
+                continue
+            statuses[name] = r.status_code
+            if not 400 <= r.status_code < 500 or not r.json().get("error", {}).get("message"):
+                wrong.append((name, r.status_code, r.text[:200]))
+        for name, path, body in AT_BOUNDS:
+            r = client.post(path, content=body, headers={"Content-Type": "application/json"})
+            if r.status_code != 200:
+                wrong.append((name, r.status_code, r.text[:200]))
+    assert not wrong, "\n".join(map(str, wrong))
+    with httpx.Client(base_url=stack.url, timeout=60) as client:
+        for method, path, status in (("GET", C, 405), ("POST", "/v1/nothing", 404),
+                                     ("GET", "/v1/models/x/../../etc", 404)):
+            r = client.request(method, path)
+            assert r.status_code == status and r.json()["error"]["message"], (path, r.text)
+    assert metric(stack.url, "roseserve_rejected_requests", status="500") == 0
+    assert stack.proc.poll() is None and serves(stack.url)
+    assert "exited with code" not in stack.log(), stack.log()
+    counts: dict[int, int] = {}
+    for status in statuses.values():
+        counts[status] = counts.get(status, 0) + 1
+    print(f"\nfuzz corpus: {len(FUZZ)} hostile bodies -> {dict(sorted(counts.items()))}, "
+          f"{len(AT_BOUNDS)} at the bounds -> 200")
