@@ -15,8 +15,9 @@ _ENV_PREFIX = "ROSESERVE_"
 
 
 def env_default(name: str, default: Optional[str] = None) -> Optional[str]:
-    """The value of ROSESERVE_<NAME>, or ``default``."""
-    return os.environ.get(_ENV_PREFIX + name.upper(), default)
+    """The value of ROSESERVE_<NAME>, or ``default`` (also when it is set but empty, as
+    a compose file's ``${VAR:-}`` leaves it)."""
+    return os.environ.get(_ENV_PREFIX + name.upper()) or default
 
 
 def cache_dir() -> str:

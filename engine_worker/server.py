@@ -193,6 +193,7 @@ class EngineServer:
         self.outbox = make_socket(self.ctx, _OUTBOX_ADDRESS, zmq.PUSH, bind=False,
                                   linger_ms=1000)
         self.clients: dict[bytes, _Client] = {}
+        self._next_prune = 0.0
         self.owner: dict[str, bytes] = {}  # request_id -> client identity
         # SIGTERM/SIGINT received (the handler's only effect); the loop acts on it.
         self.num_signals = 0
@@ -380,6 +381,13 @@ class EngineServer:
                     self._abort(list(client.request_ids), None)
                 del self.clients[client.identity]
                 self.io.last_seen.pop(client.identity, None)
+        if now >= self._next_prune:
+            # Peers that never became clients (health checks that only ping, senders
+            # of garbage) are forgotten too, once a second at most.
+            self._next_prune = now + 1.0
+            for identity, seen in list(self.io.last_seen.items()):
+                if identity not in self.clients and now - seen > self.config.client_timeout_s:
+                    self.io.last_seen.pop(identity, None)
 
     def _reap_unreachable_clients(self) -> None:
         while True:

@@ -12,7 +12,7 @@ import hmac
 import logging
 import time
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Awaitable, Optional, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional, TypeVar
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -130,8 +130,12 @@ class Guard:
                 await error.response()(scope, receive, send)
 
 
-async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Run ``work`` unless the client disconnects first (then it is cancelled)."""
+async def until_disconnected(request: Request, work: Awaitable[T],
+                             orphan: Optional[Callable[[T], None]] = None) -> T:
+    """Run ``work`` unless the client disconnects first (then it is cancelled).
+    ``orphan`` receives what ``work`` returned if it finished anyway: a cancellation
+    can be swallowed (asyncio.wait_for before Python 3.12 returns a result that
+    arrived together with the cancellation), and what it built must then be undone."""
     task = asyncio.ensure_future(work)
 
     async def watch() -> None:
@@ -147,6 +151,8 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
         return task.result()
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+    if orphan is not None and not task.cancelled() and task.exception() is None:
+        orphan(task.result())
     raise ClientDisconnected()
 
 
@@ -214,7 +220,7 @@ def create_app(config: FrontendConfig) -> FastAPI:
                       formatter_cls: type[Formatter]) -> Response:
         pipe = pipeline()
         try:
-            job = await until_disconnected(request, job_work)
+            job = await until_disconnected(request, job_work, orphan=pipe.finish)
         except ClientDisconnected:
             return Response(status_code=499)
         fmt = formatter_cls(job, pipe.token_text)

@@ -1,0 +1,82 @@
+"""``python -m roseserve.healthcheck``: is a roseserve process alive? For container
+health checks; exit status 0 when it is, 1 (with the reason) when not.
+
+    python -m roseserve.healthcheck engine tcp://127.0.0.1:5557
+    python -m roseserve.healthcheck tokenizer tcp://127.0.0.1:5558
+    python -m roseserve.healthcheck http http://127.0.0.1:8000/metrics
+
+engine / tokenizer: a Ping over the service's own socket and wire protocol, answered
+within the timeout. An engine's pong says how long its loop has been inside the
+current step: longer than ``--stall`` (default 300 s, the frontend's own limit) is a
+hung loop and fails the check. http: a GET answered with 2xx (the frontend's /metrics
+goes through its event loop and depends on nothing else, so a frontend waiting for
+its engines is still healthy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import urllib.request
+import uuid
+from typing import Optional, Sequence
+
+import zmq
+
+from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, POOL_REPLIES, POOL_REQUESTS,
+                             Codec, Ping, ProtocolError)
+from common.sockets import make_socket
+
+
+def check_service(kind: str, address: str, timeout_s: float, stall_s: float) -> Optional[str]:
+    """None when healthy, else why not."""
+    codec = (Codec(CLIENT_MESSAGES, ENGINE_MESSAGES) if kind == "engine"
+             else Codec(POOL_REQUESTS, POOL_REPLIES))
+    ctx = zmq.Context()
+    sock = make_socket(ctx, address, zmq.DEALER, bind=False,
+                       identity=f"healthcheck-{uuid.uuid4().hex[:8]}".encode())
+    try:
+        sock.send_multipart(codec.encode(Ping(nonce=1)))
+        if not sock.poll(int(timeout_s * 1000)):
+            return f"no answer from the {kind} at {address} within {timeout_s:g} s"
+        try:
+            pong = codec.decode(sock.recv_multipart())
+        except ProtocolError as e:
+            return f"the {kind} at {address} answered garbage: {e}"
+        busy = getattr(pong, "busy_s", 0.0)
+        if busy > stall_s:
+            return f"the {kind}'s loop has been inside one step for {busy:.0f} s"
+        return None
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+def check_http(url: str, timeout_s: float) -> Optional[str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return None if 200 <= response.status < 300 else f"{url}: {response.status}"
+    except OSError as e:
+        return f"{url}: {e}"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m roseserve.healthcheck", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("kind", choices=["engine", "tokenizer", "http"])
+    parser.add_argument("address", help="the service's socket address, or a URL for http")
+    parser.add_argument("--timeout", type=float, default=5.0)
+    parser.add_argument("--stall", type=float, default=300.0)
+    args = parser.parse_args(argv)
+    if args.kind == "http":
+        problem = check_http(args.address, args.timeout)
+    else:
+        problem = check_service(args.kind, args.address, args.timeout, args.stall)
+    if problem:
+        print(problem, file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""The compose cluster, checked from the host through its published port with the
+official openai client (run by scripts/compose-test once the cluster is up).
+
+    python tests/compose_check.py --url http://127.0.0.1:8000 --project roseserve-ci
+
+Checks: both engines healthy; a completion and a streamed chat; then
+``docker compose kill engine-0`` during streams: the streams on it end with an
+explicit error within 5 s, those on engine-1 complete, new requests are served by
+engine-1 meanwhile; ``docker compose start engine-0`` and it rejoins (requests are
+routed to it again). Docker counts a kill through its API as a manual stop, to which
+restart policies do not apply, so the restart policy is checked with a crash: the
+engine process of engine-1 is SIGKILLed from the host, and the container must be
+restarted by its policy and rejoin. Prints each phase's duration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import psutil
+
+END_WITHIN_S = 5.0
+
+
+def metric(url: str, name: str, **labels) -> float:
+    total = 0.0
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        m = re.match(r"^([a-z_]+)(\{[^}]*\})? ([-0-9.e+]+)$", line)
+        if m and m.group(1) == name and all(
+                f'{k}="{v}"' in (m.group(2) or "") for k, v in labels.items()):
+            total += float(m.group(3))
+    return total
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        try:
+            if predicate():
+                return time.monotonic() - start
+        except (httpx.HTTPError, OSError):
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"FAILED: {what} not within {timeout_s:.0f} s")
+
+
+class Phases:
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, float]] = []
+        self.start = time.monotonic()
+
+    def done(self, name: str) -> None:
+        now = time.monotonic()
+        self.rows.append((name, now - self.start))
+        print(f"[compose-check] {name}: {now - self.start:.1f} s", flush=True)
+        self.start = now
+
+
+def docker_inspect(container: str, template: str) -> str:
+    return subprocess.run(["docker", "inspect", "-f", template, container], capture_output=True,
+                          text=True, check=True).stdout.strip()
+
+
+def routed_again(url: str, client, model: str, engine: str) -> None:
+    """Requests reach ``engine`` again (distinct one-token prompts: spread by load)."""
+    before = metric(url, "roseserve_engine_routed_requests_total", engine=engine)
+    for i in range(6):
+        client.completions.create(model=model, prompt=[100 + i], max_tokens=2)
+    after = metric(url, "roseserve_engine_routed_requests_total", engine=engine)
+    assert after > before, f"nothing routed to {engine}: {before} -> {after}"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--project", default="roseserve-ci")
+    p.add_argument("--compose", default="docker compose")
+    args = p.parse_args()
+    url = args.url
+    phases = Phases()
+    compose = args.compose.split() + ["-p", args.project]
+
+    wait_for(lambda: httpx.get(f"{url}/health", timeout=5).status_code == 200, 600,
+             "the frontend's /health 200")
+    wait_for(lambda: metric(url, "roseserve_engines_healthy") == 2, 300, "both engines healthy")
+    phases.done("cluster healthy (2 engines)")
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    completion = client.completions.create(model=model, prompt="The capital of France is",
+                                           max_tokens=8, temperature=0)
+    assert completion.choices[0].text and completion.usage.completion_tokens >= 1, completion
+    text, usage = "", None
+    for chunk in client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Say hello."}], max_tokens=16,
+            stream=True, stream_options={"include_usage": True}):
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+        usage = chunk.usage or usage
+    assert text and usage is not None and usage.completion_tokens >= 1, (text, usage)
+    phases.done(f"completion and streamed chat served ({model})")
+
+    # Streams on both engines (distinct short prompts spread by load), then a crash.
+    results: list[dict] = [{} for _ in range(8)]
+
+    def run_stream(i: int) -> None:
+        r = results[i]
+        try:
+            stream = client.completions.create(
+                model=model, prompt=f"Count to one hundred, {i}:", max_tokens=400,
+                stream=True, extra_body={"ignore_eos": True})
+            n = 0
+            for chunk in stream:
+                n += 1
+                r["first"] = r.get("first") or time.monotonic()
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    r["finish"] = chunk.choices[0].finish_reason
+            r["chunks"] = n
+        except openai.APIError as e:
+            r["error"] = str(e)
+        finally:
+            r["ended"] = time.monotonic()
+
+    threads = [threading.Thread(target=run_stream, args=(i,)) for i in range(len(results))]
+    for t in threads:
+        t.start()
+    wait_for(lambda: all(r.get("first") for r in results), 120, "every stream started")
+    killed = time.monotonic()
+    subprocess.run(compose + ["kill", "-s", "SIGKILL", "engine-0"], check=True,
+                   capture_output=True)
+    # New requests meanwhile: engine-1 serves them.
+    for _ in range(3):
+        c = client.completions.create(model=model, prompt="Hi", max_tokens=4)
+        assert c.usage.completion_tokens >= 1
+    served_after = time.monotonic() - killed
+    for t in threads:
+        t.join(300)
+    failed = [r for r in results if "error" in r]
+    finished = [r for r in results if r.get("finish") == "length"]
+    assert failed, f"no stream was on the killed engine: {results}"
+    assert finished, f"no stream was on the surviving engine: {results}"
+    assert len(failed) + len(finished) == len(results), results
+    late = [r for r in failed if r["ended"] - killed > END_WITHIN_S]
+    assert not late, late
+    assert all("engine" in r["error"] for r in failed), failed
+    phases.done(f"engine-0 killed: {len(failed)} streams on it ended with an explicit error "
+                f"within {max(r['ended'] - killed for r in failed):.2f} s, {len(finished)} on "
+                f"engine-1 completed; new requests served {served_after:.2f} s after the kill")
+
+    subprocess.run(compose + ["start", "engine-0"], check=True, capture_output=True)
+    back = wait_for(lambda: metric(url, "roseserve_engines_healthy") == 2, 300,
+                    "engine-0 started again and healthy")
+    routed_again(url, client, model, "tcp://engine-0:5557")
+    phases.done(f"docker compose start engine-0: rejoined {back:.1f} s later, requests "
+                f"routed to it again")
+
+    # A crash: the engine process dies inside its container; the policy restarts it.
+    container = subprocess.run(compose + ["ps", "-q", "engine-1"], capture_output=True,
+                               text=True, check=True).stdout.strip()
+    restarts = int(docker_inspect(container, "{{.RestartCount}}"))
+    init_pid = int(docker_inspect(container, "{{.State.Pid}}"))
+    engine_pid = psutil.Process(init_pid).children()[0].pid  # under docker-init (init: true)
+    os.kill(engine_pid, signal.SIGKILL)
+    crashed = time.monotonic()
+    wait_for(lambda: int(docker_inspect(container, "{{.RestartCount}}")) > restarts, 120,
+             "engine-1 restarted by its restart policy")
+    restarted = time.monotonic() - crashed
+    wait_for(lambda: metric(url, "roseserve_engines_healthy") == 2, 300,
+             "engine-1 healthy again")
+    rejoined = time.monotonic() - crashed
+    routed_again(url, client, model, "tcp://engine-1:5557")
+    phases.done(f"engine-1 process crashed: container restarted by its policy after "
+                f"{restarted:.1f} s, serving again {rejoined:.1f} s after the crash")
+    print("[compose-check] passed: " + ", ".join(f"{n} {s:.1f} s" for n, s in phases.rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
