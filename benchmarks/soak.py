@@ -24,13 +24,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import re
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -38,7 +33,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx  # noqa: E402
-import psutil  # noqa: E402
+
+from benchmarks.stack import Stack, cpu_model, metric  # noqa: E402
 
 KINDS = ("stream", "shared-prefix", "chat", "n2", "abandon", "drop", "invalid")
 WEIGHTS = (30, 15, 15, 10, 15, 10, 5)
@@ -60,76 +56,6 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     serve_args = argv[argv.index("--") + 1:] if "--" in argv else []
     args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     return args, serve_args
-
-
-class Stack:
-    def __init__(self, serve_args: list[str]) -> None:
-        port = _free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.log = tempfile.NamedTemporaryFile(prefix="soak-serve-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "roseserve", "serve", "--port", str(port),
-             "--served-model-name", "soak", *serve_args],
-            stdout=self.log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout_s: float = 900.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"roseserve serve exited:\n{self.tail()}")
-            if "roseserve is ready" in Path(self.log.name).read_text(errors="replace"):
-                return
-            time.sleep(0.3)
-        raise SystemExit(f"roseserve serve not ready:\n{self.tail()}")
-
-    def tail(self) -> str:
-        return "".join(Path(self.log.name).read_text(errors="replace").splitlines(True)[-30:])
-
-    def resources(self) -> dict[str, dict]:
-        """RSS (MB) and open fds of each component process (and the launcher)."""
-        out = {}
-        root = psutil.Process(self.proc.pid)
-        counts: Counter = Counter()
-        for p in [root, *root.children(recursive=True)]:
-            try:
-                cmd = " ".join(p.cmdline())
-                name = ("launcher" if p.pid == root.pid else
-                        next((k for k in ("engine_worker", "tokenizer_worker", "frontend")
-                              if f"-m {k}" in cmd), None) or
-                        ("tokenizer worker" if "spawn_main" in cmd else "helper"))
-                counts[name] += 1
-                key = name if counts[name] == 1 else f"{name} {counts[name]}"
-                out[key] = {"pid": p.pid, "rss_mb": round(p.memory_info().rss / 2**20, 1),
-                            "fds": p.num_fds()}
-            except psutil.Error:
-                continue
-        return out
-
-    def stop(self) -> int:
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            return self.proc.wait(120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def metric(text: str, name: str, **labels) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(r"^([a-z_]+)(\{[^}]*\})? ([-0-9.e+]+)$", line)
-        if m and m.group(1) == name and all(
-                f'{k}="{v}"' in (m.group(2) or "") for k, v in labels.items()):
-            total += float(m.group(3))
-    return total
 
 
 LEAK_GAUGES = ("roseserve_requests_in_progress", "roseserve_admitted_requests",
@@ -225,7 +151,7 @@ async def load(url: str, args: argparse.Namespace, until: float) -> tuple[Counte
 
 def main(argv=None) -> int:
     args, serve_args = parse_args(argv)
-    stack = Stack(serve_args)
+    stack = Stack(serve_args, name="soak")
     try:
         stack.wait_ready()
         started = time.monotonic()
@@ -256,7 +182,7 @@ def main(argv=None) -> int:
         restarts = Path(stack.log.name).read_text(errors="replace").count("roseserve: restarting")
     finally:
         code = stack.stop()
-    cpu = _cpu_model()
+    cpu = cpu_model()
     total = sum(outcomes.values())
     lost = sum(losses.values())
     report = {
@@ -286,16 +212,6 @@ def main(argv=None) -> int:
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
     return 0 if lost == 0 and not any(left.values()) and alive else 1
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 if __name__ == "__main__":

@@ -63,6 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="random/shared-prefix datasets: prompt tokens")
     p.add_argument("--shared-prefix-len", type=int, default=64,
                    help="shared-prefix dataset: leading tokens common to all prompts")
+    p.add_argument("--num-prefixes", type=int, default=1,
+                   help="shared-prefix dataset: distinct shared prefixes (each prompt "
+                        "starts with one of them, drawn at random)")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--max-new-tokens", "--output-len", dest="max_new_tokens", type=int,
                    default=128)
@@ -116,9 +119,10 @@ def build_prompts(args: argparse.Namespace, vocab_size: int) -> tuple[list[Promp
         return [[rng.randrange(100, vocab_size) for _ in range(args.input_len)]
                 for _ in range(n)], True
     if args.dataset == "shared-prefix":
-        shared = [rng.randrange(100, vocab_size) for _ in range(args.shared_prefix_len)]
-        tail = max(0, args.input_len - len(shared))
-        return [shared + [rng.randrange(100, vocab_size) for _ in range(tail)]
+        prefixes = [[rng.randrange(100, vocab_size) for _ in range(args.shared_prefix_len)]
+                    for _ in range(args.num_prefixes)]
+        tail = max(0, args.input_len - args.shared_prefix_len)
+        return [rng.choice(prefixes) + [rng.randrange(100, vocab_size) for _ in range(tail)]
                 for _ in range(n)], True
     base = args.prompt * args.prompt_repeats
     texts = [f"{base} [request {i}]" if args.unique_prompts else base for i in range(n)]
@@ -138,6 +142,8 @@ def build_prompts(args: argparse.Namespace, vocab_size: int) -> tuple[list[Promp
 class Record:
     index: int
     prompt_tokens: int = 0
+    # Of the prompt tokens, those served from the prefix cache (usage, when reported).
+    cached_tokens: int = 0
     completion_tokens: int = 0
     submitted_s: float = 0.0  # when it was submitted, from the run's start
     sent_s: float = 0.0  # when it left the client (after any client-side queue)
@@ -179,7 +185,10 @@ async def run_request(client: httpx.AsyncClient, url: str, body: dict, record: R
                     record.error = chunk["error"].get("message", str(chunk["error"]))
                     break
                 if chunk.get("usage"):
-                    record.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    usage = chunk["usage"]
+                    record.prompt_tokens = usage["prompt_tokens"]
+                    record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get(
+                        "cached_tokens") or 0
                 if chunk.get("timing"):
                     record.server_timing = chunk["timing"]
                 for choice in chunk.get("choices", []):
@@ -282,6 +291,11 @@ def summarize(args: argparse.Namespace, records: list[Record], wall: float, subm
               for key in ("tokenize_ms", "queue_ms", "prefill_ms", "ttft_ms")}
     completion = sum(r.completion_tokens for r in ok)
     prompt = sum(r.prompt_tokens for r in ok)
+    engines: dict[str, int] = {}
+    for r in ok:
+        address = r.server_timing.get("engine")
+        if address:
+            engines[address] = engines.get(address, 0) + 1
     return {
         "label": args.label, "model": model, "url": args.url, "pretok": bool(args.pretok or
                                                                               args.dataset != "fixed"),
@@ -290,6 +304,8 @@ def summarize(args: argparse.Namespace, records: list[Record], wall: float, subm
         "burstiness": args.burstiness, "submit_interval_ms": args.submit_interval_ms,
         "submit_schedule": args.submit_schedule, "max_concurrency": args.max_concurrency,
         "prompt_tokens": prompt, "completion_tokens": completion,
+        "prefix_cache_hit_rate": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
+        "engines": dict(sorted(engines.items())),
         "wall_s": wall, "submit_wall_s": submit_wall,
         "add_request_ms": dist(r.add_request_ms for r in ok),
         "client_queue_ms": dist(r.client_queue_ms for r in ok),
@@ -320,7 +336,12 @@ def report_lines(s: dict) -> list[str]:
              f"Requests: {s['num_requests']} (failed: {s['num_failed']})",
              f"Prompt tokens (total): {s['prompt_tokens']}",
              f"Completion tokens (total): {s['completion_tokens']}",
-             f"Submit wall: {s['submit_wall_s']:.6f} s"]
+             f"Prefix cache hit rate: {s.get('prefix_cache_hit_rate', 0.0):.3f} (prompt "
+             f"tokens served from the cache)"]
+    if s.get("engines"):
+        lines.append("Requests per engine: " + ", ".join(
+            f"{address} {count}" for address, count in s["engines"].items()))
+    lines.append(f"Submit wall: {s['submit_wall_s']:.6f} s")
     if s["request_rate"] is not None:
         lines.append(f"Request rate: {s['request_rate']:.2f} req/s (burstiness "
                      f"{s['burstiness']:.2f})")

@@ -17,28 +17,25 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import psutil
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.stack import metric as parse_metric, scrape  # noqa: E402
+
 END_WITHIN_S = 5.0
 
 
 def metric(url: str, name: str, **labels) -> float:
-    total = 0.0
-    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        m = re.match(r"^([a-z_]+)(\{[^}]*\})? ([-0-9.e+]+)$", line)
-        if m and m.group(1) == name and all(
-                f'{k}="{v}"' in (m.group(2) or "") for k, v in labels.items()):
-            total += float(m.group(3))
-    return total
+    return parse_metric(scrape(url), name, **labels)
 
 
 def wait_for(predicate, timeout_s: float, what: str) -> float:

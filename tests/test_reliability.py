@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import random
-import re
 import signal
 import time
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ import httpx
 import pytest
 
 import processes
+from benchmarks.stack import metric as parse_metric, scrape
 
 N_STREAMS = 32
 MAX_TOKENS = 48
@@ -110,16 +110,7 @@ def serves(url: str) -> bool:
 
 def metric(url: str, name: str, **labels) -> float:
     """Sum of the series of ``name`` whose labels include ``labels``."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    total = 0.0
-    for line in text.splitlines():
-        m = re.match(r"^([a-z_]+)(\{[^}]*\})? ([-0-9.e+]+)$", line)
-        if not m or m.group(1) != name:
-            continue
-        series = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-        if all(series.get(k) == v for k, v in labels.items()):
-            total += float(m.group(3))
-    return total
+    return parse_metric(scrape(url), name, **labels)
 
 
 @pytest.fixture

@@ -1,0 +1,107 @@
+"""A ``roseserve serve`` stack for benchmarks that start their own (soak.py,
+routing.py): start, wait, read /metrics and per-process resources, stop."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import psutil
+
+
+class Stack:
+    """``roseserve serve`` started by a benchmark, its output in a temporary file."""
+
+    def __init__(self, serve_args: list[str], name: str = "bench") -> None:
+        port = _free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = tempfile.NamedTemporaryFile(prefix=f"{name}-serve-", suffix=".log",
+                                               delete=False)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "roseserve", "serve", "--port", str(port),
+             "--served-model-name", name, *serve_args],
+            stdout=self.log, stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout_s: float = 900.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"roseserve serve exited:\n{self.tail()}")
+            if "roseserve is ready" in Path(self.log.name).read_text(errors="replace"):
+                return
+            time.sleep(0.3)
+        raise SystemExit(f"roseserve serve not ready:\n{self.tail()}")
+
+    def tail(self) -> str:
+        return "".join(Path(self.log.name).read_text(errors="replace").splitlines(True)[-30:])
+
+    def resources(self) -> dict[str, dict]:
+        """RSS (MB) and open fds of each component process (and the launcher)."""
+        out = {}
+        root = psutil.Process(self.proc.pid)
+        counts: Counter = Counter()
+        for p in [root, *root.children(recursive=True)]:
+            try:
+                cmd = " ".join(p.cmdline())
+                name = ("launcher" if p.pid == root.pid else
+                        next((k for k in ("engine_worker", "tokenizer_worker", "frontend")
+                              if f"-m {k}" in cmd), None) or
+                        ("tokenizer worker" if "spawn_main" in cmd else "helper"))
+                counts[name] += 1
+                key = name if counts[name] == 1 else f"{name} {counts[name]}"
+                out[key] = {"pid": p.pid, "rss_mb": round(p.memory_info().rss / 2**20, 1),
+                            "fds": p.num_fds()}
+            except psutil.Error:
+                continue
+        return out
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            return self.proc.wait(120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """Sum of the series of ``name`` in a /metrics text whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(r"^([a-z_]+)(\{[^}]*\})? ([-0-9.e+]+)$", line)
+        if m and m.group(1) == name and all(
+                f'{k}="{v}"' in (m.group(2) or "") for k, v in labels.items()):
+            total += float(m.group(3))
+    return total
+
+
+def scrape(url: str) -> str:
+    return httpx.get(f"{url}/metrics", timeout=10).text
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
