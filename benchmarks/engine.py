@@ -138,16 +138,18 @@ def frame_cost(batch: int = 64, iterations: int = 2000) -> dict:
     from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, Codec, OutputBatch,
                                  RequestOutput)
 
-    codec = Codec(ENGINE_MESSAGES, CLIENT_MESSAGES)
+    engine_side = Codec(ENGINE_MESSAGES, CLIENT_MESSAGES)  # encodes what engines send
+    client_side = Codec(CLIENT_MESSAGES, ENGINE_MESSAGES)  # decodes it
     batch_msg = OutputBatch(outputs=[RequestOutput(request_id=f"cmpl-{i:032x}",
                                                    new_token_ids=[12345 + i])
                                      for i in range(batch)])
-    frames = codec.encode(batch_msg)
+    frames = engine_side.encode(batch_msg)
+    assert client_side.decode(frames) == batch_msg
     times = []
     for _ in range(5):
         start = time.perf_counter()
         for _ in range(iterations):
-            codec.decode(codec.encode(batch_msg))
+            client_side.decode(engine_side.encode(batch_msg))
         times.append((time.perf_counter() - start) / iterations)
     return {"batch": batch, "frame_bytes": sum(len(f) for f in frames),
             "encode_decode_us": statistics.median(times) * 1e6}

@@ -173,6 +173,7 @@ async def run_request(client: httpx.AsyncClient, url: str, body: dict, record: R
                 record.error = f"HTTP {response.status_code}: {text[:300]}"
                 return
             times: list[float] = []
+            reported = None
             async for line in response.aiter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -187,12 +188,17 @@ async def run_request(client: httpx.AsyncClient, url: str, body: dict, record: R
                 if chunk.get("usage"):
                     usage = chunk["usage"]
                     record.prompt_tokens = usage["prompt_tokens"]
+                    reported = usage.get("completion_tokens")
                     record.cached_tokens = (usage.get("prompt_tokens_details") or {}).get(
                         "cached_tokens") or 0
                 if chunk.get("timing"):
                     record.server_timing = chunk["timing"]
                 for choice in chunk.get("choices", []):
-                    n = len(choice.get("token_ids") or [])
+                    # Token ids when the server sends them (roseserve, vLLM); else a
+                    # chunk with text is one token (llama.cpp streams one per chunk),
+                    # and the usage chunk, when there is one, corrects the total.
+                    ids = choice.get("token_ids")
+                    n = len(ids) if ids is not None else int(bool(choice.get("text")))
                     if n:
                         times.append(now)
                         record.token_times_s.append(now - t0)
@@ -203,6 +209,8 @@ async def run_request(client: httpx.AsyncClient, url: str, body: dict, record: R
     except (httpx.HTTPError, OSError, json.JSONDecodeError) as e:
         record.error = f"{type(e).__name__}: {e}"
         return
+    if reported is not None:
+        record.completion_tokens = reported
     if times:
         record.ttft_ms = (times[0] - sent) * 1e3
         record.latency_ms = (times[-1] - sent) * 1e3
@@ -248,11 +256,16 @@ async def run_once(args: argparse.Namespace, prompts: list[Prompt], model: str,
                 bar.update(1)
 
         def body(i: int) -> dict:
-            return {"model": model, "prompt": prompts[i], "max_tokens": args.max_new_tokens,
-                    "temperature": args.temperature, "stream": True,
-                    "stream_options": {"include_usage": True}, "return_token_ids": True,
-                    "ignore_eos": args.no_stop_on_eos,
-                    "truncate_prompt_tokens": args.truncate_prompt_tokens}
+            out = {"model": model, "prompt": prompts[i], "max_tokens": args.max_new_tokens,
+                   "temperature": args.temperature, "stream": True,
+                   "stream_options": {"include_usage": True}}
+            if args.no_stop_on_eos:
+                out["ignore_eos"] = True  # vLLM's and llama.cpp's extension too
+            if getattr(args, "roseserve", True):
+                out["return_token_ids"] = True
+            if args.truncate_prompt_tokens is not None:
+                out["truncate_prompt_tokens"] = args.truncate_prompt_tokens
+            return out
 
         tasks = []
         relative = args.request_rate is None and args.submit_schedule == "relative"
@@ -412,17 +425,21 @@ def plot(summary: dict, path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
-def server_model(args: argparse.Namespace) -> str:
+def server_model(args: argparse.Namespace) -> tuple[str, bool]:
+    """The server's (first) model, and whether the server is roseserve (then requests
+    also ask for its extensions; any OpenAI-compatible server works without them)."""
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     response = httpx.get(args.url.rstrip("/") + "/v1/models", headers=headers, timeout=30)
     response.raise_for_status()
-    return response.json()["data"][0]["id"]
+    first = response.json()["data"][0]
+    return first["id"], first.get("owned_by") == "roseserve"
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        model = args.model or server_model(args)
+        model, args.roseserve = server_model(args)
+        model = args.model or model
     except httpx.HTTPError as e:
         print(f"cannot reach {args.url}: {e}", file=sys.stderr)
         return 2

@@ -346,6 +346,7 @@ def _open_raw_request(url: str, body: dict, headers: dict) -> socket.socket:
 
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(stack):
+    before = engine_stats(stack["engine"].address).num_generated_tokens
     with httpx.stream("POST", stack["url"] + "/v1/completions", timeout=60, json={
             "model": "tiny-llama", "prompt": "go", "max_tokens": 400, "stream": True}) as r:
         lines = r.iter_lines()
@@ -354,6 +355,8 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(stack):
     stats = wait_engine_idle(stack["engine"].address)
     assert stats.num_running == 0 and stats.num_waiting == 0
     assert stats.num_blocks_used == 0
+    # Stopped well short of max_tokens: the abort, not the end of generation, freed it.
+    assert stats.num_generated_tokens - before < 100, stats.num_generated_tokens - before
 
 
 def test_disconnect_while_tokenizing_never_reaches_the_engine(stack):

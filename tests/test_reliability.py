@@ -290,6 +290,32 @@ async def _streams(url: str, bodies: list[dict]) -> list[Outcome]:
                                       for b in bodies))
 
 
+def test_the_frontend_starts_alone_and_serves_once_an_engine_joins(tiny_llama_dir, tmp_path):
+    engine_address, pool_address = f"ipc://{tmp_path}/engine.sock", f"ipc://{tmp_path}/tok.sock"
+    front = processes.frontend(tiny_llama_dir, engine_address, pool_address,
+                               "--served-model-name", "tiny")
+    started: list = []
+    try:
+        def up() -> bool:
+            try:
+                return httpx.get(f"{front.url}/health", timeout=5).status_code == 503
+            except httpx.HTTPError:
+                return False
+
+        wait_for(up, 60, "the frontend answering without any engine")
+        r = httpx.post(f"{front.url}/v1/completions", timeout=10,
+                       json={"model": "tiny", "prompt": [1, 2], "max_tokens": 2})
+        assert r.status_code == 503 and r.headers["Retry-After"] == "1", r.text
+        assert r.json()["error"]["code"] == "engine_unavailable"
+        started += [processes.engine(tiny_llama_dir, engine_address),
+                    processes.tokenizer_pool(tiny_llama_dir, pool_address, workers=1)]
+        joined = wait_for(lambda: serves(front.url), 120, "served once the engine is up")
+        print(f"\nfrontend first: served {joined:.1f} s after its engine was started")
+    finally:
+        for p in (front, *started):
+            p.stop()
+
+
 # -- clients that go away --------------------------------------------------------------
 
 N_DISCONNECTS = 200

@@ -1,0 +1,31 @@
+"""benchmarks/engine.py, in the forms docs/performance.md runs it, on the tiny model."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.parametrize("extra", [
+    ["--hf-batch-sizes", "4,same"],                            # against Hugging Face
+    ["--shared-prefix", "8", "--input-len", "10", "--block-size", "4", "--skip-hf"],  # prefix cache
+    ["--zmq", "--skip-hf"],                                    # through the engine process
+])
+def test_engine_benchmark_smoke(tiny_llama_dir, tmp_path, extra):
+    out = tmp_path / "engine.json"
+    args = ["--model", str(tiny_llama_dir), "--num-requests", "4", "--input-len", "8",
+            "--output-len", "4", "--repeats", "1", "--json", str(out)]
+    proc = subprocess.run([sys.executable, "benchmarks/engine.py", *args, *extra],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["engine"]["output_tokens"] == 16
+    if "--zmq" in extra:
+        assert report["zmq"]["frame"]["frame_bytes"] > 0 and report["zmq"]["ratio"] > 0
+    if "--shared-prefix" in extra:
+        assert report["engine"]["prefix_cache_hit_tokens"] > 0
+    if "--hf-batch-sizes" in extra:
+        assert report["hf"] and report["hf"][0]["output_tokens"] == 16
