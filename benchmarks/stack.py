@@ -105,3 +105,18 @@ def cpu_model() -> str:
     return "unknown CPU"
 
 
+SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni",
+              "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def simd_flags() -> list[str]:
+    """The SIMD features this CPU reports (of those the engine's kernels could use)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return [f for f in SIMD_FLAGS if f in have]
+    except OSError:
+        pass
+    return []
+

@@ -6,9 +6,11 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
+from fastapi import Request  # resolved by FastAPI from this module's globals
 
 import processes
 from benchmarks.stream_stats import (arrival_offsets, itls, percentile, p50_95_99,
@@ -129,3 +131,74 @@ def test_failed_requests_are_reported_with_their_errors(stack, tmp_path):
     assert "Requests: 3 (failed: 3)" in proc.stdout
     assert "3 x HTTP 400" in proc.stdout and "maximum context length" in proc.stdout
     assert json.loads(out.read_text())["num_failed"] == 3
+
+
+class PlainOpenAIServer:
+    """A minimal OpenAI-compatible server that is not roseserve (as llama.cpp's
+    server answers): one text chunk per token, no token ids, no usage chunk. It
+    records the bodies it received."""
+
+    def __init__(self) -> None:
+        import threading
+
+        import uvicorn
+        from fastapi import FastAPI
+        from fastapi.responses import StreamingResponse
+
+        app = FastAPI()
+        self.bodies: list[dict] = []
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": "plain", "owned_by": "someone"}]}
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            body = await request.json()
+            self.bodies.append(body)
+
+            async def events():
+                for i in range(body["max_tokens"]):
+                    chunk = {"choices": [{"index": 0, "text": f" t{i}", "finish_reason":
+                                          "length" if i == body["max_tokens"] - 1 else None}]}
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        self.port = processes.free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def test_peers_compares_roseserve_with_any_openai_server(stack, tmp_path, tiny_llama_dir):
+    peer = PlainOpenAIServer()
+    try:
+        out = tmp_path / "peers.json"
+        proc = subprocess.run(
+            [sys.executable, "benchmarks/peers.py", "--url", stack, "--peer-url", peer.url,
+             "--peer-name", "plain", "--streams", "1,4", "--input-len", "8", "--output-len",
+             "6", "--min-requests", "2", "--rounds", "2", "--tokenizer", str(tiny_llama_dir),
+             "--json", str(out)], capture_output=True, text=True, timeout=300)
+    finally:
+        peer.stop()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert [row["streams"] for row in report["results"]] == [1, 4]
+    for row in report["results"]:
+        n = max(2, 2 * row["streams"])
+        for name in ("roseserve", "plain"):
+            assert len(row[name]["runs"]) == 2
+            assert all(r["completion_tokens"] == 6 * n for r in row[name]["runs"]), row[name]
+        assert row["ratio_tokens_per_s"] > 0
+    # Nothing roseserve-specific was asked of the peer; ignore_eos is everyone's.
+    assert peer.bodies and all("return_token_ids" not in b and b["ignore_eos"]
+                               for b in peer.bodies)
+    assert "=== roseserve vs plain" in proc.stdout

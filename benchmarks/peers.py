@@ -1,0 +1,114 @@
+"""roseserve against another OpenAI-compatible server: the same workload, back to back.
+
+    roseserve serve &                                   # http://127.0.0.1:8000
+    ../shared/peers/llama-server --format f32 &         # http://127.0.0.1:8090 (llama.cpp)
+    python benchmarks/peers.py --peer-url http://127.0.0.1:8090 --json docs/bench/peers-f32.json
+
+The workload: random prompts of ``--input-len`` token ids (32), ``--output-len``
+output tokens (128) with ignore_eos, greedy, streamed, at each concurrency of
+``--streams`` (1, 8, 64; ``max(--min-requests, 2 x streams)`` requests each). At every
+concurrency the two servers run alternately ``--rounds`` times (roseserve first),
+each run through benchmarks/stream.py, which needs nothing roseserve-specific from
+the peer: without token ids or a usage chunk it counts one token per text chunk.
+Printed: per concurrency and server, the median output tokens/s and TTFT p50, and
+roseserve / peer as a ratio of those medians. Name the CPU with the figures: it is
+printed too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import stream  # noqa: E402
+from benchmarks.stack import cpu_model  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="roseserve")
+    p.add_argument("--peer-url", required=True)
+    p.add_argument("--peer-name", default="peer")
+    p.add_argument("--streams", default="1,8,64", help="concurrencies, comma-separated")
+    p.add_argument("--input-len", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--min-requests", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--tokenizer", default=None,
+                   help="model directory whose vocabulary the random prompts use "
+                        "(default: the default model)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", dest="json_path", default=None)
+    return p.parse_args(argv)
+
+
+def run(url: str, streams: int, args: argparse.Namespace, label: str) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run.json"
+        argv = ["--url", url, "--dataset", "random", "--input-len", str(args.input_len),
+                "--num-requests", str(max(args.min_requests, 2 * streams)),
+                "--max-new-tokens", str(args.output_len), "--no-stop-on-eos",
+                "--max-concurrency", str(streams), "--seed", str(args.seed),
+                "--warmup-runs", "0", "--no-progress", "--label", label, "--json", str(out),
+                *(["--tokenizer", args.tokenizer] if args.tokenizer else [])]
+        with contextlib.redirect_stdout(io.StringIO()):  # the full report is in the JSON
+            code = stream.main(argv)
+        summary = json.loads(out.read_text())
+    if code != 0:
+        raise SystemExit(f"{label}: {summary['num_failed']} requests failed: "
+                         f"{summary['failures'][:3]}")
+    return {"tokens_per_s": summary["throughput_completion"],
+            "ttft_ms_p50": summary["ttft_ms"][0], "completion_tokens": summary["completion_tokens"]}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    servers = [("roseserve", args.url), (args.peer_name, args.peer_url)]
+    levels = [int(s) for s in args.streams.split(",")]
+    results = []
+    for streams in levels:
+        runs: dict[str, list[dict]] = {name: [] for name, _ in servers}
+        for r in range(args.rounds):
+            for name, url in servers:
+                one = run(url, streams, args, f"{name} x{streams} round {r + 1}")
+                runs[name].append(one)
+                print(f"{streams:>3} streams, round {r + 1}: {name:<10} "
+                      f"{one['tokens_per_s']:7.1f} tokens/s, TTFT p50 {one['ttft_ms_p50']:.0f} ms",
+                      flush=True)
+        row = {"streams": streams}
+        for name, _ in servers:
+            row[name] = {"tokens_per_s": statistics.median(x["tokens_per_s"] for x in runs[name]),
+                         "ttft_ms_p50": statistics.median(x["ttft_ms_p50"] for x in runs[name]),
+                         "runs": runs[name]}
+        row["ratio_tokens_per_s"] = (row["roseserve"]["tokens_per_s"]
+                                     / row[args.peer_name]["tokens_per_s"])
+        results.append(row)
+    cpu = cpu_model()
+    peer = args.peer_name
+    print(f"\n=== roseserve vs {peer}: {args.input_len}-token random prompts, "
+          f"{args.output_len} output tokens, median of {args.rounds} alternating rounds; "
+          f"{cpu} ===")
+    print(f"{'streams':>7} {'roseserve tok/s':>16} {peer + ' tok/s':>16} {'ratio':>6} "
+          f"{'roseserve TTFT p50':>19} {peer + ' TTFT p50':>19}")
+    for row in results:
+        print(f"{row['streams']:>7} {row['roseserve']['tokens_per_s']:>16.1f} "
+              f"{row[peer]['tokens_per_s']:>16.1f} {row['ratio_tokens_per_s']:>6.2f} "
+              f"{row['roseserve']['ttft_ms_p50']:>16.0f} ms {row[peer]['ttft_ms_p50']:>16.0f} ms")
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(
+            {"cpu": cpu, "workload": vars(args), "results": results}, indent=2) + "\n")
+        print(f"wrote {args.json_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
