@@ -257,7 +257,9 @@ class Pong(msgspec.Struct, frozen=True, kw_only=True):
     nonce: int
     # As of the end of the engine loop's last iteration.
     stats: EngineStats
-    # How long the engine loop has been inside its current step (0 between steps).
+    # How long the engine loop has been in its current iteration: a step, or handling
+    # messages (about 1 s at most when idle, as an idle loop wakes every second). A
+    # loop stuck anywhere shows here; clients and health checks bound it.
     busy_s: float = 0.0
 
 

@@ -9,7 +9,7 @@ Death is detected four ways, whichever comes first: a DEAD frame; the connection
 dropping (a ZeroMQ socket-monitor event, which is what a killed process produces); no
 pong to the heartbeat within the deadline (a hung process or a lost network; pongs
 come from the service's I/O thread, so a long step never delays them); or a pong
-saying the service has been inside one step for longer than ``stall_timeout_s`` (a
+saying the service's loop has been in one iteration for longer than ``stall_timeout_s`` (a
 hung loop). Any of them fails everything in flight (``_fail_pending``) instead of
 leaving it to hang. A Ready revives the client; the Hello that asked for it listed the
 work the client still follows, so the service drops whatever the client gave up on
@@ -188,8 +188,8 @@ class ServiceClient:
                     future.set_result(message)
                 busy = getattr(message, "busy_s", 0.0)
                 if busy > self.stall_timeout_s:
-                    self._mark_dead(f"the {self.service} has been inside one step for "
-                                    f"{busy:.0f} s")
+                    self._mark_dead(f"the {self.service}'s loop has been stuck in one "
+                                    f"iteration for {busy:.0f} s")
             elif isinstance(message, self.ready_type):
                 self._on_ready(message)
             elif isinstance(message, Dead):

@@ -89,10 +89,12 @@ class _IOThread(threading.Thread):
         self.unreachable: "queue.Queue[bytes]" = queue.Queue()
         # Read end of the signal wakeup pipe (EngineServer sets it).
         self.wakeup_fd: Optional[int] = None
-        # Published by the engine loop: its latest stats, and when its current step
-        # began (None between steps). Plain attribute writes: atomic under the GIL.
+        # Published by the engine loop: its latest stats. Plain attribute writes:
+        # atomic under the GIL.
         self.stats = stats
-        self.step_started: Optional[float] = None
+        # When the engine loop began its current iteration (set by the loop): a pong
+        # reports how long ago, so a loop stuck anywhere (a step, a lock) shows.
+        self.loop_at = time.monotonic()
         # Monotonic time of each client's last frame, read by the loop to expire
         # silent clients (a ping counts: it is answered here, never seen there).
         self.last_seen: dict[bytes, float] = {}
@@ -146,11 +148,10 @@ class _IOThread(threading.Thread):
                 self.inbox.put((identity, message))
 
     def _pong(self, identity: bytes, ping: Ping) -> None:
-        started = self.step_started
         stats = msgspec.structs.replace(self.stats, num_frames_dropped=self.num_frames_dropped,
                                         num_disconnects=self.num_disconnects)
         pong = Pong(nonce=ping.nonce, stats=stats,
-                    busy_s=0.0 if started is None else time.monotonic() - started)
+                    busy_s=time.monotonic() - self.loop_at)
         self._send([identity, *self.codec.encode(pong)])
 
     def _forward(self) -> None:
@@ -252,6 +253,7 @@ class EngineServer:
 
     def _loop(self) -> None:
         while True:
+            self.io.loop_at = time.monotonic()
             messages = self._drain_inbox(block=not self.engine.has_unfinished_requests())
             draining = self._signalled()
             self._handle(messages)
@@ -265,9 +267,7 @@ class EngineServer:
             if self.io.failed:
                 return
             if self.engine.has_unfinished_requests():
-                self.io.step_started = time.monotonic()
                 outputs = self.engine.step()
-                self.io.step_started = None
                 self._send_outputs(outputs)
             self.io.stats = self.engine.stats()
 

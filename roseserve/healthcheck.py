@@ -6,9 +6,10 @@ health checks; exit status 0 when it is, 1 (with the reason) when not.
     python -m roseserve.healthcheck http http://127.0.0.1:8000/metrics
 
 engine / tokenizer: a Ping over the service's own socket and wire protocol, answered
-within the timeout. An engine's pong says how long its loop has been inside the
-current step: longer than ``--stall`` (default 300 s, the frontend's own limit) is a
-hung loop and fails the check. http: a GET answered with 2xx (the frontend's /metrics
+within the timeout. An engine's pong (answered by its I/O thread) says how long its
+loop has been in its current iteration (a step; about a second at most when idle):
+longer than ``--stall`` (default 300 s, the frontend's own limit) is a hung loop and
+fails the check, so the check goes through the loop without waiting behind a step. http: a GET answered with 2xx (the frontend's /metrics
 goes through its event loop and depends on nothing else, so a frontend waiting for
 its engines is still healthy).
 """
@@ -45,7 +46,7 @@ def check_service(kind: str, address: str, timeout_s: float, stall_s: float) -> 
             return f"the {kind} at {address} answered garbage: {e}"
         busy = getattr(pong, "busy_s", 0.0)
         if busy > stall_s:
-            return f"the {kind}'s loop has been inside one step for {busy:.0f} s"
+            return f"the {kind}'s loop has been stuck in one iteration for {busy:.0f} s"
         return None
     finally:
         sock.close(linger=0)

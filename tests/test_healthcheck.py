@@ -29,9 +29,8 @@ def test_engine_and_tokenizer_pool_health_over_their_sockets(tiny_llama_dir, tmp
     try:
         until_ok("engine", engine.address)
         until_ok("tokenizer", pool.address)
-        # A loop stuck in one step longer than --stall fails the check; here the
-        # engine is idle, so any positive limit passes.
-        assert check("engine", engine.address, "--stall", "0.5").returncode == 0
+        # An idle loop comes round every second: a stall limit above that passes.
+        assert check("engine", engine.address, "--stall", "3").returncode == 0
     finally:
         engine.stop()
         pool.stop()
@@ -43,3 +42,30 @@ def test_http_health(tmp_path):
     port = processes.free_port()
     r = check("http", f"http://127.0.0.1:{port}/metrics")
     assert r.returncode == 1 and f"127.0.0.1:{port}" in r.stderr
+
+
+def test_a_stuck_engine_loop_fails_the_check(tiny_llama_dir, tmp_path):
+    import zmq
+
+    from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, AddRequest, Codec, Hello,
+                                 SamplingParams)
+
+    engine = processes.engine(tiny_llama_dir, f"ipc://{tmp_path}/engine.sock",
+                              env={"ROSESERVE_FAULT_STALL": "1:8"})  # first step: +8 s
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        until_ok("engine", engine.address)
+        codec = Codec(CLIENT_MESSAGES, ENGINE_MESSAGES)
+        sock.connect(engine.address)
+        sock.send_multipart(codec.encode(Hello(client_id="t")))
+        sock.send_multipart(codec.encode(AddRequest(
+            request_id="r", prompt_token_ids=[1, 2, 3], params=SamplingParams(max_tokens=2))))
+        time.sleep(4)  # inside the stalled step
+        stuck = check("engine", engine.address, "--stall", "2")
+        assert stuck.returncode == 1 and "stuck in one iteration" in stuck.stderr
+        assert check("engine", engine.address).returncode == 0  # the default limit: 300 s
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+        engine.stop()
