@@ -8,12 +8,12 @@ under the cache folder, keyed by the source, the flags and this CPU's feature fl
 (it is built with -march=native). Without a compiler, callers fall back to the
 pure-torch path; that choice is logged.
 
-GEMM: a decode step multiplies a few dozen rows by every weight matrix; at that size
-MKL spends much of each call re-packing the weight into its internal layout. PyTorch's
-x86 builds link MKL and export its packed-GEMM API (cblas_sgemm_pack/compute), so each
-weight is packed once at load and every step computes straight from the pack (20-40%
-faster at 8-64 rows, never slower). The pack replaces the original weight; only the
-pages MKL writes become resident, about the weight's own size.
+GEMM (gemm.c): every linear layer computes from a weight packed once at load time into
+panels of 16 output features, register-tiled for the CPU's vector width (AVX-512 or
+AVX2, whichever -march=native finds on the machine that compiles). At 1-8 rows a layer
+is bound by streaming its weight, at 64 by FMA throughput; the same kernel serves
+both, and nothing depends on a vendor BLAS. llama.c runs a whole Llama-family forward
+pass in one call on top of it.
 """
 
 from __future__ import annotations
@@ -35,7 +35,9 @@ from common.config import cache_dir
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = sorted(_CSRC.glob("*.c"))
+_HEADERS = sorted(_CSRC.glob("*.h"))
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 
 
@@ -59,6 +61,44 @@ class CpuKernels:
         self._silu_mul = lib.rs_silu_mul
         self._silu_mul.argtypes = [ptr, ptr, i64, i64]
         self._silu_mul.restype = None
+        self._pack = lib.rs_pack_weight
+        self._pack.argtypes = [ptr, i64, i64, ptr]
+        self._pack.restype = None
+        self._linear = lib.rs_linear
+        self._linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
+        self._linear.restype = None
+        self._llama_forward = lib.rs_llama_forward
+        self._llama_forward.argtypes = [ptr, ptr]
+        self._llama_forward.restype = ctypes.c_int
+        self._llama_scratch = lib.rs_llama_scratch_floats
+        self._llama_scratch.argtypes = [ptr, i64, i64, i64, i64]
+        self._llama_scratch.restype = i64
+
+    # Linear layers (gemm.c).
+
+    @staticmethod
+    def packed_numel(out_features: int, in_features: int) -> int:
+        return -(-out_features // PANEL) * PANEL * in_features
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """weight (N, K) float32, as nn.Linear holds it -> its packed form (panels of 16
+        output features, zero-padded)."""
+        weight = weight.detach().contiguous()
+        n, k = weight.shape
+        packed = torch.empty(self.packed_numel(n, k), dtype=torch.float32)
+        self._pack(weight.data_ptr(), n, k, packed.data_ptr())
+        return packed
+
+    def linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
+               bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """x (M, K) float32 -> x @ weight.T + bias, (M, N)."""
+        x = x.contiguous()
+        m, k = x.shape
+        out = torch.empty(m, out_features, dtype=torch.float32)
+        if m:
+            self._linear(x.data_ptr(), m, k, packed.data_ptr(), out_features,
+                         None if bias is None else bias.data_ptr(), out.data_ptr(), 0)
+        return out
 
     # The fused layer ops of engine_worker/ops.py (same signatures as TorchOps).
 
@@ -130,6 +170,88 @@ class CpuKernels:
         return out
 
 
+PANEL = 16  # output features per panel of a packed weight (RS_PANEL in kernels.h)
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "attn_norm", "qkv", "qkv_bias", "o", "o_bias", "mlp_norm", "gate_up", "gate_up_bias",
+        "down", "down_bias", "k_cache", "v_cache")]
+
+
+class _Llama(ctypes.Structure):
+    _fields_ = [*((name, ctypes.c_int64) for name in (
+        "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate",
+        "vocab", "block_size")),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        ("embed", ctypes.c_void_p), ("lm_head", ctypes.c_void_p), ("norm", ctypes.c_void_p),
+        ("layers", ctypes.POINTER(_Layer))]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [("num_tokens", ctypes.c_int64),
+                *((name, ctypes.c_void_p) for name in (
+                    "ids", "slots", "seq", "ctx_lens", "cos", "sin", "block_tables")),
+                ("max_blocks", ctypes.c_int64), ("max_ctx", ctypes.c_int64),
+                ("num_samples", ctypes.c_int64), ("sample_rows", ctypes.c_void_p),
+                ("num_threads", ctypes.c_int64),
+                ("scratch", ctypes.c_void_p), ("logits", ctypes.c_void_p)]
+
+
+def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
+
+
+class FusedLlama:
+    """A Llama-family forward pass in one C call (llama.c), over the weights of a
+    loaded model whose linear layers are packed, and the engine's KV caches."""
+
+    def __init__(self, kernels: CpuKernels, model, kv_caches: list[torch.Tensor],
+                 block_size: int) -> None:
+        cfg = model.cfg
+        self._kernels = kernels
+        self._vocab = cfg.vocab_size
+        layers = []
+        for layer, kv in zip(model.layers, kv_caches):
+            attn, mlp = layer.self_attn, layer.mlp
+            layers.append(_Layer(
+                _ptr(layer.input_layernorm.weight), _ptr(attn.qkv_proj.packed),
+                _ptr(attn.qkv_proj.bias), _ptr(attn.o_proj.packed), _ptr(attn.o_proj.bias),
+                _ptr(layer.post_attention_layernorm.weight), _ptr(mlp.gate_up_proj.packed),
+                _ptr(mlp.gate_up_proj.bias), _ptr(mlp.down_proj.packed),
+                _ptr(mlp.down_proj.bias), _ptr(kv[0]), _ptr(kv[1])))
+        self._layers = (_Layer * len(layers))(*layers)
+        self._model = _Llama(
+            cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+            cfg.intermediate_size, cfg.vocab_size, block_size, cfg.norm_eps,
+            cfg.head_dim ** -0.5, _ptr(model.embed_tokens.weight), _ptr(model.lm_head.packed),
+            _ptr(model.norm.weight), self._layers)
+        self._keep = (model, kv_caches)  # everything the pointers point into
+        self._scratch = torch.empty(0)
+
+    def forward(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                slots: torch.Tensor, seq: torch.Tensor, ctx_lens: torch.Tensor,
+                block_tables: torch.Tensor, sample_rows: torch.Tensor, max_ctx: int,
+                num_threads: int) -> torch.Tensor:
+        """Per token (N,) int64: ids, slots, seq (its row of block_tables) and ctx_lens
+        (keys it attends to, itself included); cos, sin (N, D/2); sample_rows (S,).
+        Writes the step's keys and values; returns the logits (S, V)."""
+        n, num_samples = ids.shape[0], sample_rows.shape[0]
+        need = self._kernels._llama_scratch(ctypes.byref(self._model), n, num_samples,
+                                            max_ctx, num_threads)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.float32)
+        logits = torch.empty(num_samples, self._vocab, dtype=torch.float32)
+        step = _Step(n, ids.data_ptr(), slots.data_ptr(), seq.data_ptr(), ctx_lens.data_ptr(),
+                     cos.data_ptr(), sin.data_ptr(), block_tables.data_ptr(),
+                     block_tables.shape[1], max_ctx, num_samples, sample_rows.data_ptr(),
+                     num_threads, self._scratch.data_ptr(), logits.data_ptr())
+        rc = self._kernels._llama_forward(ctypes.byref(self._model), ctypes.byref(step))
+        if rc != 0:
+            raise ValueError(f"the fused forward refused its input (code {rc})")
+        return logits
+
+
 _loaded: dict[str, Optional[CpuKernels]] = {}
 
 
@@ -165,7 +287,7 @@ def _build_and_load() -> Optional[CpuKernels]:
     if compiler is None:
         logger.warning("no C compiler found: CPU attention uses the slower torch path")
         return None
-    source = b"".join(p.read_bytes() for p in _SOURCES)
+    source = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
     key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_signature().encode())
     out_dir = Path(cache_dir()) / "kernels"
     target = out_dir / f"roseserve-kernels-{key.hexdigest()[:16]}.so"
@@ -190,62 +312,3 @@ def _build_and_load() -> Optional[CpuKernels]:
     except OSError as e:
         logger.warning("loading %s failed (%s): using the torch path", target, e)
         return None
-
-
-# MKL CBLAS enum values.
-_ROW_MAJOR, _NO_TRANS, _TRANS, _B_MATRIX, _PACKED = 101, 111, 112, 162, 151
-_PACK_ROWS_HINT = 256
-
-
-class MklPackedGemm:
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        i32, ptr, f32 = ctypes.c_int, ctypes.c_void_p, ctypes.c_float
-        lib.cblas_sgemm_pack_get_size.restype = ctypes.c_size_t
-        lib.cblas_sgemm_pack_get_size.argtypes = [i32, i32, i32, i32]
-        lib.cblas_sgemm_pack.argtypes = [i32, i32, i32, i32, i32, i32, f32, ptr, i32, ptr]
-        lib.cblas_sgemm_pack.restype = None
-        lib.cblas_sgemm_compute.argtypes = [i32, i32, i32, i32, i32, i32, ptr, i32, ptr,
-                                            i32, f32, ptr, i32]
-        lib.cblas_sgemm_compute.restype = None
-        self._lib = lib
-
-    def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """weight (N, K) float32, as nn.Linear holds it -> an opaque packed buffer."""
-        weight = weight.detach().contiguous()
-        n, k = weight.shape
-        # The row count is a tuning hint; the pack serves any number of rows. Measured
-        # here, a hint of 256 is as fast as a matching one from 1 to 512 rows (16 or
-        # 1024 are up to 40% slower at 64 rows).
-        size = self._lib.cblas_sgemm_pack_get_size(_B_MATRIX, _PACK_ROWS_HINT, n, k)
-        packed = torch.empty(-(-size // 4), dtype=torch.float32)
-        self._lib.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _TRANS, _PACK_ROWS_HINT, n, k, 1.0,
-                                   weight.data_ptr(), k, packed.data_ptr())
-        return packed
-
-    def linear(self, x: torch.Tensor, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-        """x (M, K) float32 -> x @ weight.T, (M, N)."""
-        x = x.contiguous()
-        m = x.shape[0]
-        out = torch.empty(m, n, dtype=torch.float32)
-        if m:
-            self._lib.cblas_sgemm_compute(_ROW_MAJOR, _NO_TRANS, _PACKED, m, n, k,
-                                          x.data_ptr(), k, packed.data_ptr(), 0, 0.0,
-                                          out.data_ptr(), n)
-        return out
-
-
-def mkl_packed_gemm() -> Optional[MklPackedGemm]:
-    """MKL's packed GEMM from PyTorch's own library, or None where it is absent."""
-    if "mkl" not in _loaded_gemm:
-        _loaded_gemm["mkl"] = None
-        if torch.backends.mkl.is_available():
-            try:
-                lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
-                lib.cblas_sgemm_compute  # noqa: B018 - raises AttributeError if not exported
-                _loaded_gemm["mkl"] = MklPackedGemm(lib)
-            except (OSError, AttributeError) as e:
-                logger.info("MKL packed GEMM unavailable (%s): using torch.nn.functional.linear", e)
-    return _loaded_gemm["mkl"]
-
-
-_loaded_gemm: dict[str, Optional[MklPackedGemm]] = {}

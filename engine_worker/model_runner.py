@@ -13,8 +13,8 @@ import torch
 from common.config import CacheConfig
 from engine_worker.attention import (AttentionMetadata, ChunkMetadata, PagedAttention,
                                      kv_cache_shape)
+from engine_worker.kernels import FusedLlama
 from engine_worker.kernels import cpu_kernels as load_cpu_kernels
-from engine_worker.kernels import mkl_packed_gemm
 from engine_worker.model_config import ModelConfig
 from engine_worker.models import load_model
 from engine_worker.sampler import Sampler
@@ -51,10 +51,9 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = cache.block_size
-        kernels = gemm = None
+        kernels = None
         if cpu_kernels and device.type == "cpu" and dtype == torch.float32:
             kernels = load_cpu_kernels()
-            gemm = mkl_packed_gemm()
         attn_kernels = kernels
         if kernels is not None and not kernels.supports_head_dim(model_config.head_dim):
             logger.info("head_dim %d: decode attention uses the torch path",
@@ -63,7 +62,7 @@ class ModelRunner:
         self.attn = PagedAttention(model_config.num_heads, model_config.num_kv_heads,
                                    model_config.head_dim, model_config.head_dim ** -0.5,
                                    attn_kernels)
-        self.model = load_model(model_config, model_dir, device, dtype, self.attn, kernels, gemm)
+        self.model = load_model(model_config, model_dir, device, dtype, self.attn, kernels)
         self.num_blocks = self._num_blocks(cache)
         shape = kv_cache_shape(self.num_blocks, cache.block_size,
                                model_config.num_kv_heads, model_config.head_dim)
@@ -72,6 +71,10 @@ class ModelRunner:
         self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
                           for _ in range(model_config.num_layers)]
         self.sampler = Sampler(device, seed, kernels)
+        # The whole forward pass in one C call, for the Llama family on the CPU.
+        self.fused: Optional[FusedLlama] = None
+        if attn_kernels is not None and model_config.family == "llama":
+            self.fused = FusedLlama(attn_kernels, self.model, self.kv_caches, cache.block_size)
         logger.info("KV cache: %d blocks x %d tokens (%.0f MiB)", self.num_blocks,
                     cache.block_size, self.num_blocks * self._bytes_per_block() / 2**20)
 
@@ -104,9 +107,12 @@ class ModelRunner:
         in ``scheduled`` order, or None when no request samples this step.
 
         ``scheduled`` is in the scheduler's order, where a request may attend to
-        blocks that an earlier one fills in the same step; the batch is laid out with
-        single-token queries first (attention.py), which all KV writes of a layer
-        preceding its reads makes safe."""
+        blocks that an earlier one fills in the same step; all KV writes of a layer
+        precede its reads, which makes that safe."""
+        if self.fused is not None:
+            return self._forward_fused(scheduled)
+        # Layer by layer, the batch laid out with single-token queries first
+        # (attention.py).
         layout = sorted(range(len(scheduled)), key=lambda i: scheduled[i].num_tokens > 1)
         input_ids, positions, meta, last_rows = self._prepare([scheduled[i] for i in layout])
         hidden = self.model(input_ids, positions, self.kv_caches, meta)  # (N, C)
@@ -116,6 +122,37 @@ class ModelRunner:
             return None
         index = torch.tensor(rows, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, index))  # (S, V)
+
+    def _forward_fused(self, scheduled: list[ScheduledRequest]) -> Optional[torch.Tensor]:
+        """The step as flat per-token arrays, in ``scheduled`` order, through llama.c."""
+        assert self.fused is not None
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        for i, s in enumerate(scheduled):
+            r = s.request
+            start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_tokens
+            block_ids = r.blocks.block_ids
+            input_ids.extend(r.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
+            seq.extend([i] * s.num_tokens)
+            tables.append(block_ids[:-(-end // bs)])
+            if s.samples:
+                sample_rows.append(len(input_ids) - 1)
+        width = max(len(t) for t in tables)
+        positions_t = torch.tensor(positions)
+        cos, sin = self.model.rotary(positions_t, torch.float32)
+        logits = self.fused.forward(
+            torch.tensor(input_ids), cos, sin, torch.tensor(slots), torch.tensor(seq),
+            positions_t + 1, torch.tensor([t + [0] * (width - len(t)) for t in tables]),
+            torch.tensor(sample_rows, dtype=torch.int64), max(positions) + 1,
+            torch.get_num_threads())
+        return logits if sample_rows else None
 
     def _prepare(self, scheduled: list[ScheduledRequest]
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:

@@ -126,6 +126,12 @@ def test_a_sampler_that_fails_on_the_batch_is_retried_row_by_row(tiny_llama_dir)
 MARKER = 4242
 
 
+def forward_pass(engine):
+    """What runs a step's forward pass: the one-call C path when it is on, else the
+    model layer by layer. Both take the step's input ids first."""
+    return engine.runner.fused or engine.runner.model
+
+
 def test_a_forward_pass_one_request_breaks_fails_only_that_request(tiny_llama_dir):
     shared = random_prompts([16], seed=5)[0]  # 4 full blocks of 4
     cached = random_prompts([12], seed=6)[0]
@@ -136,7 +142,7 @@ def test_a_forward_pass_one_request_breaks_fails_only_that_request(tiny_llama_di
 
     engine = make_engine(tiny_llama_dir)
     engine.generate([cached + [1]], greedy(1))  # leaves 3 blocks of `cached` in the cache
-    model = engine.runner.model
+    model = forward_pass(engine)
     forward = model.forward
 
     def breaks_on_marker(input_ids, *args):
@@ -171,7 +177,7 @@ def test_a_forward_pass_failure_that_is_not_one_requests_fails_nothing(tiny_llam
     retried request by request, and every request finishes normally."""
     want = reference(tiny_llama_dir, PROMPTS, greedy(5))
     engine = make_engine(tiny_llama_dir)
-    model = engine.runner.model
+    model = forward_pass(engine)
     forward = model.forward
     calls = []
 

@@ -219,7 +219,9 @@ def test_sigterm_lets_in_flight_requests_complete(engine_factory):
 
 
 def test_second_signal_aborts_at_once(engine_factory):
-    engine = engine_factory("--drain-timeout", "600")
+    # 480 steps of at least 5 ms: still generating when the second signal lands.
+    engine = engine_factory("--drain-timeout", "600",
+                            env={"ROSESERVE_FAULT_STEP_DELAY_S": "0.005"})
 
     async def main():
         client = await connect(engine.address)

@@ -22,6 +22,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels.h"
+
 #define MAX_DIM 256
 
 /* 16 floats: one AVX-512 register (GCC splits it on narrower targets). aligned(4)
@@ -93,6 +95,19 @@ static inline void attend_one(const float *q, const float *k_cache, const float 
     }
 }
 
+void rs_attend_one(const float *q, const float *k_cache, const float *v_cache,
+                   const int64_t *table, int64_t T, float *out, float *scores,
+                   int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale)
+{
+    /* The common shapes get compile-time sizes, so loops vectorize fully. */
+    if (bs == 16 && D == 64)
+        attend_one(q, k_cache, v_cache, table, T, out, scores, Hq, Hkv, 64, 16, scale);
+    else if (bs == 16 && D == 128)
+        attend_one(q, k_cache, v_cache, table, T, out, scores, Hq, Hkv, 128, 16, scale);
+    else
+        attend_one(q, k_cache, v_cache, table, T, out, scores, Hq, Hkv, D, bs, scale);
+}
+
 int rs_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
                               const int64_t *block_tables, const int64_t *context_lens,
                               float *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
@@ -110,17 +125,8 @@ int rs_paged_decode_attention(const float *q, const float *k_cache, const float 
             failed = 1;
             continue;
         }
-        const float *qb = q + b * Hq * D;
-        float *ob = out + b * Hq * D;
-        const int64_t *table = block_tables + b * max_blocks;
-        /* The common shapes get compile-time sizes, so loops vectorize fully. */
-        if (block_size == 16 && D == 64)
-            attend_one(qb, k_cache, v_cache, table, T, ob, scores, Hq, Hkv, 64, 16, scale);
-        else if (block_size == 16 && D == 128)
-            attend_one(qb, k_cache, v_cache, table, T, ob, scores, Hq, Hkv, 128, 16, scale);
-        else
-            attend_one(qb, k_cache, v_cache, table, T, ob, scores, Hq, Hkv, D, block_size,
-                       scale);
+        rs_attend_one(q + b * Hq * D, k_cache, v_cache, block_tables + b * max_blocks, T,
+                      out + b * Hq * D, scores, Hq, Hkv, D, block_size, scale);
         free(scores);
     }
     return failed ? -1 : 0;

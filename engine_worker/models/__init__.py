@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from engine_worker.attention import PagedAttention
-from engine_worker.kernels import CpuKernels, MklPackedGemm
+from engine_worker.kernels import CpuKernels
 from engine_worker.model_config import ModelConfig
 from engine_worker.models.gpt2 import GPT2Model
 from engine_worker.models.llama import LlamaModel
@@ -20,11 +20,11 @@ Model = Union[LlamaModel, GPT2Model]
 
 
 def load_model(cfg: ModelConfig, model_dir: Path, device: torch.device,
-               dtype: torch.dtype, attn: PagedAttention, kernels: Optional[CpuKernels] = None,
-               gemm: Optional[MklPackedGemm] = None) -> Model:
+               dtype: torch.dtype, attn: PagedAttention, kernels: Optional[CpuKernels] = None
+               ) -> Model:
     """Build the model for ``cfg`` on ``device`` and copy the checkpoint in. With
-    ``kernels``, fused layer ops run in C; with ``gemm``, every linear layer (lm_head
-    included) computes from a packed weight. Both are CPU float32 only."""
+    ``kernels`` (CPU float32 only), fused layer ops run in C and every linear layer
+    (lm_head included) computes from a packed weight."""
     # Built on the meta device, then given uninitialized memory: random init of
     # weights that are overwritten next would be wasted work.
     with torch.device("meta"):
@@ -38,35 +38,34 @@ def load_model(cfg: ModelConfig, model_dir: Path, device: torch.device,
     with torch.no_grad():
         model.load_weights(ckpt)
     ckpt.finish()
-    if gemm is not None:
-        _pack_linears(model, gemm)  # an untied lm_head is one of them
+    if kernels is not None:
+        _pack_linears(model, kernels)  # an untied lm_head is one of them
         if model.lm_head is None:  # tied: pack a copy, the embedding keeps its own
-            model.lm_head = PackedLinear(gemm, model.tied_lm_head_weight(), None)
+            model.lm_head = PackedLinear(kernels, model.tied_lm_head_weight(), None)
     return model.eval()
 
 
 class PackedLinear(nn.Module):
-    """A linear layer computing from an MKL-packed copy of its weight (CPU, float32)."""
+    """A linear layer computing from a packed copy of its weight (CPU, float32; see
+    engine_worker/csrc/gemm.c). The packed copy replaces the weight."""
 
-    def __init__(self, gemm: MklPackedGemm, weight: torch.Tensor,
+    def __init__(self, kernels: CpuKernels, weight: torch.Tensor,
                  bias: Optional[torch.Tensor]) -> None:
         super().__init__()
-        self.gemm = gemm
+        self.kernels = kernels
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("packed", gemm.pack(weight), persistent=False)
+        self.register_buffer("packed", kernels.pack(weight), persistent=False)
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.gemm.linear(x.reshape(-1, self.in_features), self.packed,
-                             self.out_features, self.in_features)
-        if self.bias is not None:
-            y += self.bias
+        y = self.kernels.linear(x.reshape(-1, self.in_features), self.packed,
+                                self.out_features, self.bias)
         return y.view(*x.shape[:-1], self.out_features)
 
 
-def _pack_linears(module: nn.Module, gemm: MklPackedGemm) -> None:
+def _pack_linears(module: nn.Module, kernels: CpuKernels) -> None:
     for name, child in module.named_children():
         if isinstance(child, nn.Linear):
-            setattr(module, name, PackedLinear(gemm, child.weight, child.bias))
+            setattr(module, name, PackedLinear(kernels, child.weight, child.bias))
         else:
-            _pack_linears(child, gemm)
+            _pack_linears(child, kernels)

@@ -1,0 +1,159 @@
+/*
+ * A whole Llama-family forward pass in one call: embedding, every decoder layer, the
+ * final norm and the logits of the rows that sample. At decode batch sizes a step is
+ * a few milliseconds of weight streaming; dispatching ~15 operations per layer from
+ * Python would cost as much again, so the step runs here, inside one OpenMP parallel
+ * region whose threads meet at a barrier after each operation.
+ *
+ * Every token is a query of its own: token n belongs to sequence seq[n] and attends
+ * to that sequence's first ctx_lens[n] tokens (its own included) through the
+ * sequence's block table. Decodes and prefill chunks mix freely in one step. All of a
+ * layer's keys and values are written before any query reads, so a request may read
+ * blocks that another request of the same step fills (in-batch prefix sharing).
+ *
+ * The residual stream lives in `x`; o_proj and down_proj add into it directly (the
+ * GEMM's accumulate mode), so each residual add costs nothing. The arithmetic order
+ * of each operation is Hugging Face's: (x W^T + b) + residual, RMSNorm in float32 as
+ * w * (h * 1 / sqrt(mean(h^2) + eps)), rotate-half RoPE from the caller's cos/sin.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels.h"
+
+struct rs_llama_layer {
+    const float *attn_norm;                 /* [C] */
+    const float *qkv, *qkv_bias;            /* packed [(Hq + 2 Hkv) D, C]; bias or NULL */
+    const float *o, *o_bias;                /* packed [C, Hq D] */
+    const float *mlp_norm;                  /* [C] */
+    const float *gate_up, *gate_up_bias;    /* packed [2 I, C]: gate rows, then up */
+    const float *down, *down_bias;          /* packed [C, I] */
+    float *k_cache, *v_cache;               /* [slots, Hkv, D] */
+};
+
+struct rs_llama {
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, vocab;
+    int64_t block_size;
+    float eps, scale;
+    const float *embed;      /* [V, C] */
+    const float *lm_head;    /* packed [V, C] */
+    const float *norm;       /* [C] */
+    const struct rs_llama_layer *layers;
+};
+
+struct rs_step {
+    int64_t num_tokens;
+    const int64_t *ids, *slots, *seq, *ctx_lens;   /* [N] */
+    const float *cos, *sin;                        /* [N, D / 2] */
+    const int64_t *block_tables;                   /* [num_seqs, max_blocks] */
+    int64_t max_blocks, max_ctx;
+    int64_t num_samples;
+    const int64_t *sample_rows;                    /* [S] rows whose logits are wanted */
+    int64_t num_threads;
+    float *scratch;                                /* rs_llama_scratch_floats() */
+    float *logits;                                 /* [S, V] */
+};
+
+int64_t rs_llama_scratch_floats(const struct rs_llama *m, int64_t N, int64_t S,
+                                int64_t max_ctx, int64_t threads)
+{
+    const int64_t C = m->hidden, D = m->head_dim, I = m->intermediate;
+    const int64_t qkv = (m->num_heads + 2 * m->num_kv_heads) * D;
+    return N * (2 * C + qkv + m->num_heads * D + 3 * I) + S * C
+           + threads * m->num_heads * max_ctx;
+}
+
+/* out = RMSNorm(h) * w, a row. */
+static inline void rms_norm_row(const float *h, const float *w, float *out, int64_t C,
+                                float eps)
+{
+    float sumsq = 0.0f;
+    for (int64_t c = 0; c < C; c++)
+        sumsq += h[c] * h[c];
+    const float inv = 1.0f / sqrtf(sumsq / (float)C + eps);
+    for (int64_t c = 0; c < C; c++)
+        out[c] = w[c] * (h[c] * inv);
+}
+
+int rs_llama_forward(const struct rs_llama *m, const struct rs_step *s)
+{
+    const int64_t N = s->num_tokens, S = s->num_samples;
+    const int64_t C = m->hidden, Hq = m->num_heads, Hkv = m->num_kv_heads;
+    const int64_t D = m->head_dim, I = m->intermediate, half = D / 2;
+    const int64_t QKV = (Hq + 2 * Hkv) * D, QD = Hq * D;
+    if (D % 16 != 0 || D > 256)
+        return -2;
+    float *x = s->scratch;             /* [N, C] the residual stream */
+    float *h = x + N * C;              /* [N, C] normed */
+    float *qkv = h + N * C;            /* [N, QKV] */
+    float *attn = qkv + N * QKV;       /* [N, QD] */
+    float *gu = attn + N * QD;         /* [N, 2 I] */
+    float *act = gu + N * 2 * I;       /* [N, I] */
+    float *final = act + N * I;        /* [S, C] */
+    float *scores = final + S * C;     /* [threads, Hq * max_ctx] */
+
+#pragma omp parallel num_threads(s->num_threads)
+    {
+        float *my_scores = scores + (int64_t)omp_get_thread_num() * Hq * s->max_ctx;
+
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++)
+            memcpy(x + n * C, m->embed + s->ids[n] * C, sizeof(float) * (size_t)C);
+
+        for (int64_t l = 0; l < m->num_layers; l++) {
+            const struct rs_llama_layer *L = &m->layers[l];
+
+#pragma omp for schedule(static)
+            for (int64_t n = 0; n < N; n++)
+                rms_norm_row(x + n * C, L->attn_norm, h + n * C, C, m->eps);
+            rs_linear_ws(h, N, C, L->qkv, QKV, L->qkv_bias, qkv, 0);
+
+            /* RoPE on q and k, then k and v into their cache slots. */
+#pragma omp for schedule(static)
+            for (int64_t n = 0; n < N; n++) {
+                float *r = qkv + n * QKV;
+                const float *cn = s->cos + n * half, *sn = s->sin + n * half;
+                for (int64_t hd = 0; hd < Hq + Hkv; hd++) {
+                    float *v = r + hd * D;
+                    for (int64_t i = 0; i < half; i++) {
+                        const float x1 = v[i], x2 = v[i + half];
+                        v[i] = x1 * cn[i] - x2 * sn[i];
+                        v[i + half] = x2 * cn[i] + x1 * sn[i];
+                    }
+                }
+                const int64_t slot = s->slots[n];
+                memcpy(L->k_cache + slot * Hkv * D, r + QD, sizeof(float) * (size_t)(Hkv * D));
+                memcpy(L->v_cache + slot * Hkv * D, r + QD + Hkv * D,
+                       sizeof(float) * (size_t)(Hkv * D));
+            }
+
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t n = 0; n < N; n++)
+                rs_attend_one(qkv + n * QKV, L->k_cache, L->v_cache,
+                              s->block_tables + s->seq[n] * s->max_blocks, s->ctx_lens[n],
+                              attn + n * QD, my_scores, Hq, Hkv, D, m->block_size, m->scale);
+            rs_linear_ws(attn, N, QD, L->o, C, L->o_bias, x, 1);
+
+#pragma omp for schedule(static)
+            for (int64_t n = 0; n < N; n++)
+                rms_norm_row(x + n * C, L->mlp_norm, h + n * C, C, m->eps);
+            rs_linear_ws(h, N, C, L->gate_up, 2 * I, L->gate_up_bias, gu, 0);
+
+#pragma omp for schedule(static)
+            for (int64_t n = 0; n < N; n++) {
+                const float *g = gu + n * 2 * I, *u = g + I;
+                float *a = act + n * I;
+                for (int64_t i = 0; i < I; i++)
+                    a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+            }
+            rs_linear_ws(act, N, I, L->down, C, L->down_bias, x, 1);
+        }
+
+#pragma omp for schedule(static)
+        for (int64_t j = 0; j < S; j++)
+            rms_norm_row(x + s->sample_rows[j] * C, m->norm, final + j * C, C, m->eps);
+        rs_linear_ws(final, S, C, m->lm_head, m->vocab, NULL, s->logits, 0);
+    }
+    return 0;
+}
