@@ -3,6 +3,8 @@
     python benchmarks/engine.py                       # SmolLM2-135M, 64 x 128 tokens
     python benchmarks/engine.py --shared-prefix 256 --json bench-engine.json
     python benchmarks/engine.py --zmq --skip-hf      # + through the engine process
+    python benchmarks/engine.py --roofline --skip-hf # decode steps against their floor
+    python benchmarks/engine.py --quantization int8  # (or --dtype bfloat16) weight formats
 
 Runs the engine on a workload of random token-id prompts (all forced to their full
 output length), then Hugging Face ``generate`` on the same weights and prompts at
@@ -11,6 +13,15 @@ FLOP/s. Prints the CPU and its SIMD features, output tokens/s for each, the rati
 and the engine's fraction of a square-GEMM bound: a square 1024^3 matmul's FLOP/s
 divided by the model's FLOPs per token (2 x weights). That bound is not a roofline (it
 ignores memory bandwidth, which decides small batches, and the model's own shapes).
+
+--roofline measures the real one, in the same run: this machine's memory read
+bandwidth, and the engine's own GEMM rate on the model's weights at 256 rows (compute
+bound). A decode step at batch B must read every weight and its sequences' keys and
+values, and do 2 x weights x B FLOPs, so its floor is the larger of bytes / bandwidth
+and FLOPs / GEMM rate. For batch 1, 8 and 64 it runs decode steps, prints the fraction
+of the floor they reach and where a step's time goes (linear layers, attention and the
+other C work inside the fused forward, the Python that prepares it, sampling, and the
+rest of the engine step).
 """
 
 from __future__ import annotations
@@ -57,6 +68,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--zmq", action="store_true",
                    help="also run the workload through an engine worker process")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="auto", help="engine --dtype (bfloat16: bf16 weights)")
+    p.add_argument("--quantization", default=None, choices=["int8"])
+    p.add_argument("--roofline", action="store_true",
+                   help="also measure decode steps at --roofline-batches against their floor")
+    p.add_argument("--roofline-batches", default="1,8,64")
+    p.add_argument("--kernel-isa", choices=["native", "avx2"], default="native",
+                   help="avx2: build the C kernels without AVX-512 (to measure that path "
+                        "on an AVX-512 machine)")
     p.add_argument("--json", dest="json_path", default=None, help="write the figures here")
     return p.parse_args(argv)
 
@@ -100,6 +119,128 @@ def run_engine(engine, prompts, output_len: int) -> dict:
     return {"seconds": elapsed, "output_tokens": generated, "steps": steps,
             "tokens_per_s": generated / elapsed,
             **{f: getattr(after, f) - getattr(before, f) for f in STAT_FIELDS}}
+
+
+def read_bandwidth(kernels, gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes/s this machine reads from memory with all threads: the best of a few
+    vectorized sums (engine_worker/csrc/gemm.c) over a buffer far larger than any
+    cache."""
+    x = torch.ones(int(gib * 2**30) // 4)
+    kernels.read_all(x.data_ptr(), x.numel())
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        kernels.read_all(x.data_ptr(), x.numel())
+        best = min(best, time.perf_counter() - start)
+    return x.numel() * 4 / best
+
+
+def linear_layers(model) -> list:
+    from engine_worker.models import PackedLinear
+
+    return [m for m in model.modules() if isinstance(m, PackedLinear)]
+
+
+def gemm_rate(model, rows: int = 256, repeats: int = 3) -> float:
+    """FLOP/s of the engine's linear layers on the model's own weights at ``rows`` rows
+    (compute bound): the best of a few passes over every layer."""
+    layers = linear_layers(model)
+    flops = sum(2 * rows * m.in_features * m.out_features for m in layers)
+    inputs = {m.in_features: torch.randn(rows, m.in_features) for m in layers}
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for m in layers:
+            m(inputs[m.in_features])
+        best = min(best, time.perf_counter() - start)
+    return flops / best
+
+
+class _Timed:
+    """Wraps a callable, adding each call's seconds to ``seconds``."""
+
+    def __init__(self, fn) -> None:
+        self.fn, self.seconds = fn, 0.0
+
+    def __getattr__(self, name):
+        return getattr(self.fn, name)
+
+    def __call__(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
+def decode_steps(engine, batch: int, input_len: int, output_len: int, seed: int) -> dict:
+    """Runs ``batch`` requests and times the steps that are pure decodes of all of them:
+    median step time and where it goes (seconds per step, medians)."""
+    runner = engine.runner
+    rng = random.Random(seed)
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        prompt = [rng.randrange(100, engine.model_config.vocab_size) for _ in range(input_len)]
+        engine.add_request(f"roofline-{batch}-{time.monotonic_ns()}-{i}", prompt, params)
+    forward, sampler = _Timed(runner.forward), _Timed(runner.sampler)
+    runner.forward, runner.sampler = forward, sampler
+    runner.fused.profile = profile = torch.zeros(3, dtype=torch.float64)
+    rows = []
+    try:
+        while engine.has_unfinished_requests():
+            running = engine.scheduler.running
+            decoding = (len(running) == batch and not engine.scheduler.waiting
+                        and all(r.num_tokens - r.num_computed_tokens == 1 for r in running))
+            marks = (forward.seconds, sampler.seconds, *profile.tolist())
+            start = time.perf_counter()
+            engine.step()
+            step = time.perf_counter() - start
+            if decoding:
+                f, smp, lin, att, oth = (b - a for a, b in zip(
+                    marks, (forward.seconds, sampler.seconds, *profile.tolist())))
+                rows.append({"step": step, "linear": lin, "attention": att, "c_other": oth,
+                             "forward_python": f - lin - att - oth, "sampling": smp,
+                             "engine_rest": step - f - smp})
+    finally:
+        runner.forward, runner.sampler, runner.fused.profile = forward.fn, sampler.fn, None
+    engine.block_manager.reset_prefix_cache()
+    if not rows:
+        raise RuntimeError(f"no pure decode step of batch {batch} was seen")
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]} | {"steps": len(rows)}
+
+
+def roofline_batches(args) -> list[int]:
+    return [int(b) for b in args.roofline_batches.split(",")] if args.roofline else []
+
+
+def roofline(engine, args) -> dict:
+    runner = engine.runner
+    if runner.fused is None:
+        raise SystemExit("--roofline needs the fused CPU forward (a Llama-family model, "
+                         "CPU kernels)")
+    cfg = engine.model_config
+    layers = linear_layers(runner.model)
+    weight_bytes = sum(m.packed.numel() for m in layers)  # packed buffers are bytes
+    params = sum(m.in_features * m.out_features for m in layers)
+    kv_bytes_per_token = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+                          * runner.kv_caches[0].element_size())
+    bandwidth = read_bandwidth(runner.model.lm_head.kernels)
+    rate = gemm_rate(runner.model)
+    output_len = 32
+    out = {"read_bandwidth_gbs": bandwidth / 1e9, "gemm_gflops_256_rows": rate / 1e9,
+           "weight_bytes": weight_bytes, "batches": []}
+    for batch in roofline_batches(args):
+        steps = decode_steps(engine, batch, args.input_len, output_len, args.seed)
+        # Keys and values read per step: each sequence's context, on average mid-run.
+        context = args.input_len + output_len / 2
+        memory_s = (weight_bytes + batch * context * kv_bytes_per_token) / bandwidth
+        compute_s = 2 * params * batch / rate
+        floor = max(memory_s, compute_s)
+        out["batches"].append({
+            "batch": batch, **steps, "floor_memory_s": memory_s, "floor_compute_s": compute_s,
+            "floor_s": floor, "fraction_of_floor": floor / steps["step"],
+            "tokens_per_s": batch / steps["step"], "floor_tokens_per_s": batch / floor})
+    return out
 
 
 def start_engine_process(args, concurrency: int, address: str):
@@ -176,19 +317,25 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     from engine_worker.engine import LLMEngine
 
+    if args.kernel_isa == "avx2":
+        from engine_worker import kernels
+
+        kernels.use_extra_flags(["-mno-avx512f"])
     concurrency = args.max_batch_size or args.num_requests
     engine = LLMEngine(EngineConfig(
-        model=args.model, device="cpu", num_threads=args.threads,
+        model=args.model, device="cpu", num_threads=args.threads, dtype=args.dtype,
+        quantization=args.quantization,
         cache=CacheConfig(block_size=args.block_size,
                           enable_prefix_caching=not args.no_prefix_cache),
-        scheduler=SchedulerConfig(max_batch_size=concurrency,
+        scheduler=SchedulerConfig(max_batch_size=max([concurrency, *roofline_batches(args)]),
                                   max_num_batched_tokens=args.max_num_batched_tokens)))
     cfg = engine.model_config
     prompts = make_prompts(args, cfg.vocab_size)
     from benchmarks.stack import cpu_model, simd_flags
 
     print(f"CPU: {cpu_model()}; SIMD: {' '.join(simd_flags()) or 'none reported'}")
-    print(f"Model: {cfg.name} ({cfg.num_params / 1e6:.1f}M params, fp32), "
+    print(f"Model: {cfg.name} ({cfg.num_params / 1e6:.1f}M params, "
+          f"{engine.runner.weight_format} weights, kernels: {args.kernel_isa}), "
           f"threads: {args.threads}, cores: {os.cpu_count()}")
     print(f"Workload: {args.num_requests} requests x {args.input_len} prompt + "
           f"{args.output_len} output tokens, shared prefix {args.shared_prefix}, "
@@ -218,8 +365,11 @@ def main(argv=None) -> int:
         "roofline_tokens_per_s": flops / cfg.flops_per_token,
         "roofline_fraction": statistics.median(r["roofline_fraction"] for r in runs),
         "roofline_fraction_runs": [r["roofline_fraction"] for r in runs],
+        "weights": engine.runner.weight_format, "kernel_isa": args.kernel_isa,
         "hf": [],
     }
+    if args.roofline:
+        result["roofline"] = roofline(engine, args)
 
     if args.zmq:
         result["zmq"] = compare_zmq(args, engine, prompts, concurrency)
@@ -307,6 +457,24 @@ def print_report(r: dict) -> None:
     print(f"Engine run: {eng['num_prompt_tokens_computed']} prompt tokens computed, "
           f"{eng['prefix_cache_hit_tokens']} served from the prefix cache, "
           f"{eng['num_preemptions']} preemptions")
+    if "roofline" in r:
+        print_roofline(r["roofline"])
+
+
+def print_roofline(rl: dict) -> None:
+    ms = lambda s: f"{1e3 * s:.2f}"  # noqa: E731
+    print(f"=== roofline: memory read {rl['read_bandwidth_gbs']:.1f} GB/s, GEMM "
+          f"{rl['gemm_gflops_256_rows']:.1f} GFLOP/s at 256 rows on the model's weights, "
+          f"{rl['weight_bytes'] / 2**20:.0f} MiB of weights per step ===")
+    print("batch  step ms  floor ms (memory/compute)  of floor  tokens/s  |  linear  "
+          "attention  C other  Python fwd  sampling  engine rest (ms)")
+    for b in rl["batches"]:
+        print(f"{b['batch']:5d}  {ms(b['step']):>7}  {ms(b['floor_s']):>8} "
+              f"({ms(b['floor_memory_s'])}/{ms(b['floor_compute_s'])})  "
+              f"{100 * b['fraction_of_floor']:7.1f}%  {b['tokens_per_s']:8.1f}  |  "
+              f"{ms(b['linear']):>6}  {ms(b['attention']):>9}  {ms(b['c_other']):>7}  "
+              f"{ms(b['forward_python']):>10}  {ms(b['sampling']):>8}  "
+              f"{ms(b['engine_rest']):>11}")
 
 
 if __name__ == "__main__":

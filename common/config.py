@@ -89,8 +89,11 @@ class EngineConfig:
     model: Optional[str] = None
     # "cpu", "cuda", "cuda:N", or "auto" (cuda when available).
     device: str = "auto"
-    # "auto": float32 on CPU, bfloat16 on CUDA (float16 where bf16 is unsupported).
+    # "auto": float32 on CPU, bfloat16 on CUDA (float16 where bf16 is unsupported). On
+    # the CPU kernels, bfloat16 stores the weights in bfloat16 and computes in float32.
     dtype: str = "auto"
+    # "int8": weights in 8 bits, one scale per 32 inputs (CPU kernels only). None: dtype.
+    quantization: Optional[str] = None
     # Intra-op threads for CPU matmuls; None: torch's default (all cores).
     num_threads: Optional[int] = None
     # Cap on prompt + output tokens; None: the model's context length.
@@ -106,6 +109,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization must be int8 or unset, got {self.quantization!r}")
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
         _positive("num_threads", self.num_threads)

@@ -27,7 +27,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="Hugging Face model directory (default: SmolLM2-135M-Instruct)")
     g.add_argument("--device", default=env_default("DEVICE", "auto"),
                    help="cpu, cuda, cuda:N or auto (cuda when available)")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: float32 on CPU, bfloat16 on CUDA; on the CPU kernels, "
+                        "bfloat16 means bfloat16 weights with float32 compute")
+    g.add_argument("--quantization", default=None, choices=["int8"],
+                   help="int8: 8-bit weights, one scale per 32 inputs (CPU kernels)")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for the model")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-batch-size", type=int, default=64, help="decode batch")
@@ -52,7 +56,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     if args.kv_cache_memory_gb is not None:
         memory = int(args.kv_cache_memory_gb * 2**30)
     return EngineConfig(
-        model=args.model, device=args.device, dtype=args.dtype, num_threads=args.threads,
+        model=args.model, device=args.device, dtype=args.dtype,
+        quantization=args.quantization, num_threads=args.threads,
         max_model_len=args.max_model_len, seed=args.seed, cpu_kernels=not args.no_cpu_kernels,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=memory,
                           enable_prefix_caching=not args.no_prefix_cache),

@@ -37,7 +37,8 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.runner = ModelRunner(self.model_config, self.model_dir, config.cache,
-                                  self.device, self.dtype, config.seed, config.cpu_kernels)
+                                  self.device, self.dtype, config.seed, config.cpu_kernels,
+                                  config.quantization)
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         # A request must fit in the pool on its own, or it could never finish.
@@ -53,9 +54,10 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
-        logger.info("engine ready: %s (%s, %s, %s), context %d, %d KV blocks",
+        logger.info("engine ready: %s (%s, %s, %s weights), context %d, %d KV blocks",
                     self.model_config.name, self.model_config.family, self.device,
-                    self.dtype, self.max_model_len, self.runner.num_blocks)
+                    self.runner.weight_format,
+                    self.max_model_len, self.runner.num_blocks)
 
     @property
     def vocab_size(self) -> int:

@@ -27,7 +27,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -61,12 +61,21 @@ class CpuKernels:
         self._silu_mul = lib.rs_silu_mul
         self._silu_mul.argtypes = [ptr, ptr, i64, i64]
         self._silu_mul.restype = None
+        self._packed_bytes = lib.rs_packed_bytes
+        self._packed_bytes.argtypes = [i64, i64, ctypes.c_int]
+        self._packed_bytes.restype = i64
         self._pack = lib.rs_pack_weight
-        self._pack.argtypes = [ptr, i64, i64, ptr]
-        self._pack.restype = None
+        self._pack.argtypes = [ptr, i64, i64, ctypes.c_int, ptr]
+        self._pack.restype = ctypes.c_int
+        self.read_all = lib.rs_read_all
+        self.read_all.argtypes = [ptr, i64]
+        self.read_all.restype = ctypes.c_float
+        self._unpack = lib.rs_unpack_weight
+        self._unpack.argtypes = [ptr, i64, i64, ctypes.c_int, ptr]
+        self._unpack.restype = ctypes.c_int
         self._linear = lib.rs_linear
-        self._linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
-        self._linear.restype = None
+        self._linear.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int, ctypes.c_int]
+        self._linear.restype = ctypes.c_int
         self._llama_forward = lib.rs_llama_forward
         self._llama_forward.argtypes = [ptr, ptr]
         self._llama_forward.restype = ctypes.c_int
@@ -76,28 +85,36 @@ class CpuKernels:
 
     # Linear layers (gemm.c).
 
-    @staticmethod
-    def packed_numel(out_features: int, in_features: int) -> int:
-        return -(-out_features // PANEL) * PANEL * in_features
-
-    def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """weight (N, K) float32, as nn.Linear holds it -> its packed form (panels of 16
-        output features, zero-padded)."""
-        weight = weight.detach().contiguous()
+    def pack(self, weight: torch.Tensor, fmt: str = "float32") -> torch.Tensor:
+        """weight (N, K) float32, as nn.Linear holds it -> its packed form in ``fmt``
+        (WEIGHT_FORMATS): panels of 16 output features, zero-padded, as bytes."""
+        weight = weight.detach().float().contiguous()
         n, k = weight.shape
-        packed = torch.empty(self.packed_numel(n, k), dtype=torch.float32)
-        self._pack(weight.data_ptr(), n, k, packed.data_ptr())
+        code = WEIGHT_FORMATS[fmt]
+        packed = torch.empty(self._packed_bytes(n, k, code), dtype=torch.uint8)
+        if self._pack(weight.data_ptr(), n, k, code, packed.data_ptr()) != 0:
+            raise ValueError(f"{fmt} weights need input sizes that are multiples of "
+                             f"{INT8_BLOCK}; a layer has {k}")
         return packed
 
+    def unpack(self, packed: torch.Tensor, out_features: int, in_features: int,
+               fmt: str = "float32") -> torch.Tensor:
+        """The float32 weight (N, K) that a packed one computes with."""
+        w = torch.empty(out_features, in_features, dtype=torch.float32)
+        if self._unpack(packed.data_ptr(), out_features, in_features, WEIGHT_FORMATS[fmt],
+                        w.data_ptr()) != 0:
+            raise MemoryError("unpacking a weight could not allocate scratch memory")
+        return w
+
     def linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
-               bias: Optional[torch.Tensor]) -> torch.Tensor:
+               bias: Optional[torch.Tensor], fmt: str = "float32") -> torch.Tensor:
         """x (M, K) float32 -> x @ weight.T + bias, (M, N)."""
         x = x.contiguous()
         m, k = x.shape
         out = torch.empty(m, out_features, dtype=torch.float32)
-        if m:
-            self._linear(x.data_ptr(), m, k, packed.data_ptr(), out_features,
-                         None if bias is None else bias.data_ptr(), out.data_ptr(), 0)
+        if m and self._linear(x.data_ptr(), m, k, packed.data_ptr(), out_features,
+                              _ptr(bias), out.data_ptr(), 0, WEIGHT_FORMATS[fmt]) != 0:
+            raise MemoryError("the linear kernel could not allocate scratch memory")
         return out
 
     # The fused layer ops of engine_worker/ops.py (same signatures as TorchOps).
@@ -170,7 +187,10 @@ class CpuKernels:
         return out
 
 
-PANEL = 16  # output features per panel of a packed weight (RS_PANEL in kernels.h)
+# Packed weight formats (RS_F32, RS_BF16, RS_INT8 in kernels.h). int8 keeps one float
+# scale per INT8_BLOCK inputs of each output feature.
+WEIGHT_FORMATS = {"float32": 0, "bfloat16": 1, "int8": 2}
+INT8_BLOCK = 32
 
 
 class _Layer(ctypes.Structure):
@@ -183,7 +203,7 @@ class _Llama(ctypes.Structure):
     _fields_ = [*((name, ctypes.c_int64) for name in (
         "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate",
         "vocab", "block_size")),
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("format", ctypes.c_int64),
         ("embed", ctypes.c_void_p), ("lm_head", ctypes.c_void_p), ("norm", ctypes.c_void_p),
         ("layers", ctypes.POINTER(_Layer))]
 
@@ -195,7 +215,8 @@ class _Step(ctypes.Structure):
                 ("max_blocks", ctypes.c_int64), ("max_ctx", ctypes.c_int64),
                 ("num_samples", ctypes.c_int64), ("sample_rows", ctypes.c_void_p),
                 ("num_threads", ctypes.c_int64),
-                ("scratch", ctypes.c_void_p), ("logits", ctypes.c_void_p)]
+                ("scratch", ctypes.c_void_p), ("logits", ctypes.c_void_p),
+                ("profile", ctypes.c_void_p)]
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
@@ -204,11 +225,14 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
 
 class FusedLlama:
     """A Llama-family forward pass in one C call (llama.c), over the weights of a
-    loaded model whose linear layers are packed, and the engine's KV caches."""
+    loaded model whose linear layers are packed (all in one format), and the engine's
+    KV caches. Set ``profile`` to a float64 tensor of 3 to have the seconds spent in
+    linear layers, attention and the rest added to it."""
 
     def __init__(self, kernels: CpuKernels, model, kv_caches: list[torch.Tensor],
                  block_size: int) -> None:
         cfg = model.cfg
+        self.profile: Optional[torch.Tensor] = None
         self._kernels = kernels
         self._vocab = cfg.vocab_size
         layers = []
@@ -224,7 +248,8 @@ class FusedLlama:
         self._model = _Llama(
             cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
             cfg.intermediate_size, cfg.vocab_size, block_size, cfg.norm_eps,
-            cfg.head_dim ** -0.5, _ptr(model.embed_tokens.weight), _ptr(model.lm_head.packed),
+            cfg.head_dim ** -0.5, WEIGHT_FORMATS[model.lm_head.fmt],
+            _ptr(model.embed_tokens.weight), _ptr(model.lm_head.packed),
             _ptr(model.norm.weight), self._layers)
         self._keep = (model, kv_caches)  # everything the pointers point into
         self._scratch = torch.empty(0)
@@ -245,10 +270,13 @@ class FusedLlama:
         step = _Step(n, ids.data_ptr(), slots.data_ptr(), seq.data_ptr(), ctx_lens.data_ptr(),
                      cos.data_ptr(), sin.data_ptr(), block_tables.data_ptr(),
                      block_tables.shape[1], max_ctx, num_samples, sample_rows.data_ptr(),
-                     num_threads, self._scratch.data_ptr(), logits.data_ptr())
+                     num_threads, self._scratch.data_ptr(), logits.data_ptr(),
+                     _ptr(self.profile))
         rc = self._kernels._llama_forward(ctypes.byref(self._model), ctypes.byref(step))
+        if rc == -2:
+            raise ValueError("the fused forward needs head_dim a multiple of 16, <= 256")
         if rc != 0:
-            raise ValueError(f"the fused forward refused its input (code {rc})")
+            raise MemoryError("the fused forward could not allocate scratch memory")
         return logits
 
 
@@ -258,7 +286,7 @@ _loaded: dict[str, Optional[CpuKernels]] = {}
 def cpu_kernels() -> Optional[CpuKernels]:
     """The compiled kernels, or None when they cannot be built here."""
     if "cpu" not in _loaded:
-        _loaded["cpu"] = _build_and_load()
+        _loaded["cpu"] = _build_and_load(_extra_flags)
     return _loaded["cpu"]
 
 
@@ -282,20 +310,33 @@ def _find_compiler() -> Optional[str]:
     return shutil.which("cc") or shutil.which("gcc")
 
 
-def _build_and_load() -> Optional[CpuKernels]:
+_extra_flags: list[str] = []
+
+
+def use_extra_flags(flags: list[str]) -> None:
+    """Build the kernels with these compiler flags too (before the first use), e.g.
+    ["-mno-avx512f"] to measure the AVX2 path on an AVX-512 machine (benchmarks)."""
+    _extra_flags[:] = flags
+    _loaded.pop("cpu", None)
+
+
+def _build_and_load(extra_flags: Sequence[str] = ()) -> Optional[CpuKernels]:
+    """Build (or find in the cache) and load the kernels, compiled with the standard
+    flags plus ``extra_flags``."""
     compiler = _find_compiler()
     if compiler is None:
         logger.warning("no C compiler found: CPU attention uses the slower torch path")
         return None
     source = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_signature().encode())
+    flags = _FLAGS + list(extra_flags)
+    key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_signature().encode())
     out_dir = Path(cache_dir()) / "kernels"
     target = out_dir / f"roseserve-kernels-{key.hexdigest()[:16]}.so"
     if not target.is_file():
         out_dir.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
         os.close(fd)
-        cmd = [compiler, *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"]
+        cmd = [compiler, *flags, *map(str, _SOURCES), "-o", tmp, "-lm"]
         try:
             result = subprocess.run(cmd, capture_output=True, text=True)
             error = result.stderr.strip() if result.returncode != 0 else None

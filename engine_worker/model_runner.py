@@ -46,14 +46,24 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, model_dir: Path, cache: CacheConfig,
                  device: torch.device, dtype: torch.dtype, seed: int,
-                 cpu_kernels: bool = True) -> None:
+                 cpu_kernels: bool = True, quantization: Optional[str] = None) -> None:
         self.config = model_config
         self.device = device
-        self.dtype = dtype
         self.block_size = cache.block_size
         kernels = None
-        if cpu_kernels and device.type == "cpu" and dtype == torch.float32:
+        if cpu_kernels and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
             kernels = load_cpu_kernels()
+        # On the CPU kernels, bfloat16 and int8 are formats of the packed weights;
+        # activations and the KV cache stay float32.
+        self.weight_format = str(dtype).removeprefix("torch.")
+        if kernels is not None:
+            self.weight_format = quantization or (
+                "bfloat16" if dtype == torch.bfloat16 else "float32")
+            dtype = torch.float32
+        elif quantization is not None:
+            raise ValueError(f"{quantization} weights need the CPU C kernels (--device cpu, "
+                             f"a C compiler, not --no-cpu-kernels)")
+        self.dtype = dtype
         attn_kernels = kernels
         if kernels is not None and not kernels.supports_head_dim(model_config.head_dim):
             logger.info("head_dim %d: decode attention uses the torch path",
@@ -62,7 +72,10 @@ class ModelRunner:
         self.attn = PagedAttention(model_config.num_heads, model_config.num_kv_heads,
                                    model_config.head_dim, model_config.head_dim ** -0.5,
                                    attn_kernels)
-        self.model = load_model(model_config, model_dir, device, dtype, self.attn, kernels)
+        self.model = load_model(model_config, model_dir, device, dtype, self.attn, kernels,
+                                self.weight_format)
+        if self.weight_format != "float32":
+            logger.info("weights: %s, computing in float32", self.weight_format)
         self.num_blocks = self._num_blocks(cache)
         shape = kv_cache_shape(self.num_blocks, cache.block_size,
                                model_config.num_kv_heads, model_config.head_dim)

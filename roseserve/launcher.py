@@ -112,7 +112,7 @@ def _forward(args: argparse.Namespace, names: list[str]) -> list[str]:
     return out
 
 
-ENGINE_FLAGS = ["device", "dtype", "max_model_len", "max_batch_size",
+ENGINE_FLAGS = ["device", "dtype", "quantization", "max_model_len", "max_batch_size",
                 "prefill_max_batch_size", "max_num_batched_tokens", "block_size",
                 "kv_cache_memory_gb", "no_prefix_cache", "no_cpu_kernels", "seed",
                 "per_token_output_frames"]

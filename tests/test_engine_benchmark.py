@@ -13,6 +13,9 @@ import pytest
     ["--hf-batch-sizes", "4,same"],                            # against Hugging Face
     ["--shared-prefix", "8", "--input-len", "10", "--block-size", "4", "--skip-hf"],  # prefix cache
     ["--zmq", "--skip-hf"],                                    # through the engine process
+    ["--roofline", "--roofline-batches", "1,3", "--skip-hf"],  # decode steps vs their floor
+    ["--quantization", "int8", "--skip-hf"],                   # weight formats
+    ["--dtype", "bfloat16", "--kernel-isa", "avx2", "--skip-hf"],
 ])
 def test_engine_benchmark_smoke(tiny_llama_dir, tmp_path, extra):
     out = tmp_path / "engine.json"
@@ -27,5 +30,16 @@ def test_engine_benchmark_smoke(tiny_llama_dir, tmp_path, extra):
         assert report["zmq"]["frame"]["frame_bytes"] > 0 and report["zmq"]["ratio"] > 0
     if "--shared-prefix" in extra:
         assert report["engine"]["prefix_cache_hit_tokens"] > 0
+    if "--roofline" in extra:
+        rl = report["roofline"]
+        assert rl["read_bandwidth_gbs"] > 0 and rl["gemm_gflops_256_rows"] > 0
+        assert [b["batch"] for b in rl["batches"]] == [1, 3]
+        for b in rl["batches"]:
+            assert b["steps"] > 0 and 0 < b["floor_s"] and 0 < b["fraction_of_floor"]
+            assert b["linear"] > 0 and b["attention"] > 0
+    if "--quantization" in extra:
+        assert report["weights"] == "int8"
+    if "--kernel-isa" in extra:
+        assert report["weights"] == "bfloat16" and report["kernel_isa"] == "avx2"
     if "--hf-batch-sizes" in extra:
         assert report["hf"] and report["hf"][0]["output_tokens"] == 16

@@ -1,14 +1,15 @@
 /*
  * Row-wise argmax of a float32 matrix (greedy sampling over the vocabulary).
  * Ties go to the lowest index, as torch.argmax does. Rows are spread over OpenMP
- * threads; within a row, 16 running maxima with their indices are kept in vectors
+ * threads; within a row, one vector of running maxima with their indices are kept in vectors
  * (branch-free blends) and merged at the end.
  */
 #include <stdint.h>
 #include <string.h>
 
-typedef float vf16 __attribute__((vector_size(64), aligned(4)));
-typedef int32_t vi16 __attribute__((vector_size(64)));
+#include "kernels.h"
+
+#define LANES RS_VL
 
 void rs_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t stride,
                     int64_t *out)
@@ -19,25 +20,27 @@ void rs_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t stride,
         int64_t arg = 0;
         float max = row[0];
         int64_t c = 0;
-        if (cols >= 16) {
-            vf16 best = *(const vf16 *)row;
-            vi16 where = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-            vi16 idx = where;
-            const vi16 step = idx * 0 + 16;
-            for (c = 16; c + 16 <= cols; c += 16) {
+        if (cols >= LANES) {
+            rs_vf best = *(const rs_vf *)row;
+            rs_vi where;
+            for (int l = 0; l < LANES; l++)
+                where[l] = l;
+            rs_vi idx = where;
+            const rs_vi step = idx * 0 + LANES;
+            for (c = LANES; c + LANES <= cols; c += LANES) {
                 idx += step;
-                const vf16 v = *(const vf16 *)(row + c);
-                const vi16 gt = v > best;  /* -1 where strictly greater */
-                best = (vf16)(((vi16)v & gt) | ((vi16)best & ~gt));
+                const rs_vf v = *(const rs_vf *)(row + c);
+                const rs_vi gt = v > best;  /* -1 where strictly greater */
+                best = (rs_vf)(((rs_vi)v & gt) | ((rs_vi)best & ~gt));
                 where = (idx & gt) | (where & ~gt);
             }
-            float b[16];
-            int32_t w[16];
+            float b[LANES];
+            int32_t w[LANES];
             memcpy(b, &best, sizeof b);
             memcpy(w, &where, sizeof w);
             max = b[0];
             arg = w[0];
-            for (int l = 1; l < 16; l++)
+            for (int l = 1; l < LANES; l++)
                 if (b[l] > max || (b[l] == max && w[l] < arg)) {
                     max = b[l];
                     arg = w[l];

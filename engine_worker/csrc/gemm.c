@@ -6,43 +6,167 @@
  * panel is zero-padded). A step streams each panel once, front to back, which is all
  * a small batch needs: at 1-8 rows the layer is bound by reading the weight.
  *
- * Register tiles: MR rows of x times NP panels, accumulated over all of K in MR x NP
- * vector registers (a 16-float vector is one AVX-512 register, or two AVX2 ones:
- * GCC splits it). With -march=native the tile is sized for the machine at hand:
- * 4 x 4 with AVX-512's 32 registers, 4 x 2 with AVX2's 16. Threads split the panels,
- * so each streams its own share of the weight.
+ * Register tiles: MR rows of x times NP panels, accumulated over all of K in
+ * registers. With -march=native the tile is sized for the machine at hand: 6 rows x 4
+ * panels (24 of AVX-512's 32 registers), or 6 rows x 1 panel (12 of AVX2's 16, a
+ * panel being two 8-float registers). Threads split the panels, so each streams its
+ * own share of the weight.
+ *
+ * Weight formats: float32 panels are read in place. bfloat16 panels (K x 16 x 2 bytes)
+ * and int8 panels (K x 16 bytes, then K/32 x 16 float scales: one per 32 inputs of an
+ * output feature, GGUF Q8_0's blocking) are expanded, NP panels at a time, into a
+ * per-thread float32 buffer that stays in L2, and the same tiles run on it: the
+ * weight crosses the memory bus at 2 or ~1.1 bytes per element instead of 4.
  *
  * The work-sharing loops are orphaned `omp for`s: called inside a parallel region
  * (the fused forward, llama.c) they share that region's threads; called outside one
  * they run on the calling thread, so rs_linear opens a region of its own.
  */
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kernels.h"
 
-typedef float vf __attribute__((vector_size(64)));                /* aligned: packed */
-typedef float vfu __attribute__((vector_size(64), aligned(4)));   /* unaligned rows */
+/* A panel is PV machine vectors (kernels.h). */
+#define VL RS_VL
+#define PV (RS_PANEL / VL)
+typedef float vf __attribute__((vector_size(VL * 4)));                /* aligned: packed */
+typedef float vfu __attribute__((vector_size(VL * 4), aligned(4)));   /* unaligned rows */
 
+#ifndef NP_MAX
 #ifdef __AVX512F__
 #define NP_MAX 4
 #else
-#define NP_MAX 2
+#define NP_MAX 1
 #endif
-#define MR_MAX 4
+#endif
+#ifndef MR_MAX
+#define MR_MAX 6
+#endif
 
-void rs_pack_weight(const float *w, int64_t N, int64_t K, float *packed)
+typedef uint16_t vu16 __attribute__((vector_size(VL * 2), aligned(2)));
+typedef uint32_t vu32 __attribute__((vector_size(VL * 4)));
+typedef int8_t vi8 __attribute__((vector_size(VL), aligned(1)));
+
+/* Bytes of one packed panel of K inputs. */
+static int64_t panel_bytes(int64_t K, int format)
 {
+    switch (format) {
+    case RS_BF16: return K * RS_PANEL * 2;
+    case RS_INT8: return K * RS_PANEL + K / RS_INT8_BLOCK * RS_PANEL * 4;
+    default: return K * RS_PANEL * 4;
+    }
+}
+
+int64_t rs_packed_bytes(int64_t N, int64_t K, int format)
+{
+    return (N + RS_PANEL - 1) / RS_PANEL * panel_bytes(K, format);
+}
+
+static uint16_t to_bf16(float f)   /* round to nearest even */
+{
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffff) > 0x7f800000)
+        return (uint16_t)((bits >> 16) | 0x40);   /* NaN stays NaN */
+    return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+/* w [N, K] float32 -> packed panels in `format`. Returns -1 if int8 is asked for
+   with K not a multiple of its block. */
+int rs_pack_weight(const float *w, int64_t N, int64_t K, int format, void *packed)
+{
+    if (format == RS_INT8 && K % RS_INT8_BLOCK != 0)
+        return -1;
     const int64_t panels = (N + RS_PANEL - 1) / RS_PANEL;
+    const int64_t pb = panel_bytes(K, format);
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < panels; p++) {
-        float *dst = packed + p * K * RS_PANEL;
-        for (int64_t k = 0; k < K; k++)
-            for (int64_t j = 0; j < RS_PANEL; j++) {
-                const int64_t n = p * RS_PANEL + j;
-                dst[k * RS_PANEL + j] = n < N ? w[n * K + k] : 0.0f;
+        char *dst = (char *)packed + p * pb;
+        for (int64_t j = 0; j < RS_PANEL; j++) {
+            const int64_t n = p * RS_PANEL + j;
+            const float *row = n < N ? w + n * K : NULL;
+            if (format == RS_F32 || format == RS_BF16) {
+                for (int64_t k = 0; k < K; k++) {
+                    const float v = row ? row[k] : 0.0f;
+                    if (format == RS_F32)
+                        ((float *)dst)[k * RS_PANEL + j] = v;
+                    else
+                        ((uint16_t *)dst)[k * RS_PANEL + j] = to_bf16(v);
+                }
+                continue;
             }
+            int8_t *q = (int8_t *)dst;
+            float *scales = (float *)(dst + K * RS_PANEL);
+            for (int64_t g = 0; g < K / RS_INT8_BLOCK; g++) {
+                float amax = 0.0f;
+                for (int64_t k = g * RS_INT8_BLOCK; row && k < (g + 1) * RS_INT8_BLOCK; k++)
+                    amax = fabsf(row[k]) > amax ? fabsf(row[k]) : amax;
+                const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+                scales[g * RS_PANEL + j] = scale;
+                for (int64_t k = g * RS_INT8_BLOCK; k < (g + 1) * RS_INT8_BLOCK; k++)
+                    q[k * RS_PANEL + j] = row ? (int8_t)lrintf(row[k] * inv) : 0;
+            }
+        }
     }
+    return 0;
+}
+
+/* Panels [p, p + np) of a bf16 or int8 weight as float32 panels in `out`. */
+static void expand_panels(const char *packed, int64_t p, int np, int64_t K, int format,
+                          float *out)
+{
+    const int64_t pb = panel_bytes(K, format);
+    for (int q = 0; q < np; q++) {
+        const char *src = packed + (p + q) * pb;
+        vf *dst = (vf *)(out + q * K * RS_PANEL);   /* K x PV vectors */
+        if (format == RS_BF16) {
+            const vu16 *h = (const vu16 *)src;
+            for (int64_t i = 0; i < K * PV; i++)
+                dst[i] = (vf)(__builtin_convertvector(h[i], vu32) << 16);
+        } else {
+            const vi8 *w8 = (const vi8 *)src;
+            const vfu *scales = (const vfu *)(src + K * RS_PANEL);
+            for (int64_t i = 0; i < K * PV; i++)   /* i / PV is k; a scale row is PV vectors */
+                dst[i] = __builtin_convertvector(w8[i], vf)
+                         * scales[i / (PV * RS_INT8_BLOCK) * PV + i % PV];
+        }
+    }
+}
+
+/* The float32 weight [N, K] a packed one stands for (tests check the formats with it). */
+int rs_unpack_weight(const void *packed, int64_t N, int64_t K, int format, float *w)
+{
+    float *panel = aligned_alloc(64, (size_t)(K * RS_PANEL) * sizeof(float));
+    if (panel == NULL)
+        return -1;
+    for (int64_t p = 0; p * RS_PANEL < N; p++) {
+        const float *src = (const float *)packed + p * K * RS_PANEL;
+        if (format != RS_F32) {
+            expand_panels(packed, p, 1, K, format, panel);
+            src = panel;
+        }
+        for (int64_t j = 0; j < RS_PANEL && p * RS_PANEL + j < N; j++)
+            for (int64_t k = 0; k < K; k++)
+                w[(p * RS_PANEL + j) * K + k] = src[k * RS_PANEL + j];
+    }
+    free(panel);
+    return 0;
+}
+
+/* A float32 buffer per thread for expanded panels, grown as needed (kept). */
+static float *expand_buffer(int64_t floats)
+{
+    static __thread float *buf = NULL;
+    static __thread int64_t cap = 0;
+    if (floats > cap) {
+        free(buf);
+        buf = aligned_alloc(64, (size_t)floats * sizeof(float));
+        cap = buf ? floats : 0;
+    }
+    return buf;
 }
 
 /* One tile: rows x[0..MR) against panels [p0, p0 + NP). `n_left` is how many output
@@ -51,42 +175,43 @@ static inline __attribute__((always_inline)) void
 tile(const int MR, const int NP, const float *x, int64_t ldx, const float *panel0,
      int64_t K, const float *bias, float *y, int64_t ldy, int64_t n_left, int accumulate)
 {
-    vf acc[MR_MAX][NP_MAX];
+    vf acc[8][NP_MAX * PV];
     for (int m = 0; m < MR; m++)
-        for (int p = 0; p < NP; p++)
-            acc[m][p] = (vf){0};
+        for (int v = 0; v < NP * PV; v++)
+            acc[m][v] = (vf){0};
     for (int64_t k = 0; k < K; k++) {
-        vf w[NP_MAX];
-        for (int p = 0; p < NP; p++)
-            w[p] = *(const vf *)(panel0 + (p * K + k) * RS_PANEL);
+        vf w[NP_MAX * PV];
+        for (int v = 0; v < NP * PV; v++)
+            w[v] = *(const vf *)(panel0 + ((v / PV) * K + k) * RS_PANEL + (v % PV) * VL);
         for (int m = 0; m < MR; m++) {
             const float xm = x[m * ldx + k];
-            for (int p = 0; p < NP; p++)
-                acc[m][p] += xm * w[p];
+            for (int v = 0; v < NP * PV; v++)
+                acc[m][v] += xm * w[v];
         }
     }
-    for (int p = 0; p < NP; p++) {
-        const int64_t cols = n_left - p * RS_PANEL;
+    for (int v = 0; v < NP * PV; v++) {
+        const int64_t col = (v / PV) * RS_PANEL + (v % PV) * VL;  /* first column of v */
+        const int64_t cols = n_left - col;
         if (cols <= 0)
             break;
         vf b = {0};
         if (bias != NULL) {
-            if (cols >= RS_PANEL)
-                b = *(const vfu *)(bias + p * RS_PANEL);
+            if (cols >= VL)
+                b = *(const vfu *)(bias + col);
             else
                 for (int64_t j = 0; j < cols; j++)
-                    b[j] = bias[p * RS_PANEL + j];
+                    b[j] = bias[col + j];
         }
         for (int m = 0; m < MR; m++) {
-            float *dst = y + m * ldy + p * RS_PANEL;
-            vf v = acc[m][p] + b;
-            if (cols >= RS_PANEL) {
+            float *dst = y + m * ldy + col;
+            vf r = acc[m][v] + b;
+            if (cols >= VL) {
                 if (accumulate)
-                    v += *(vfu *)dst;
-                *(vfu *)dst = v;
+                    r += *(vfu *)dst;
+                *(vfu *)dst = r;
             } else {
                 for (int64_t j = 0; j < cols; j++)
-                    dst[j] = accumulate ? dst[j] + v[j] : v[j];
+                    dst[j] = accumulate ? dst[j] + r[j] : r[j];
             }
         }
     }
@@ -99,44 +224,78 @@ tile(const int MR, const int NP, const float *x, int64_t ldx, const float *panel
                                  const float *bias, float *y, int64_t ldy, int64_t n_left, \
                                  int acc) \
     { tile(mr, np, x, ldx, w, K, bias, y, ldy, n_left, acc); }
-TILE(tile_1_wide, 1, NP_MAX) TILE(tile_2_wide, 2, NP_MAX)
-TILE(tile_3_wide, 3, NP_MAX) TILE(tile_4_wide, 4, NP_MAX)
+TILE(tile_1_wide, 1, NP_MAX) TILE(tile_2_wide, 2, NP_MAX) TILE(tile_3_wide, 3, NP_MAX)
+TILE(tile_4_wide, 4, NP_MAX) TILE(tile_5_wide, 5, NP_MAX) TILE(tile_6_wide, 6, NP_MAX)
+TILE(tile_7_wide, 7, NP_MAX) TILE(tile_8_wide, 8, NP_MAX)
 TILE(tile_1_one, 1, 1) TILE(tile_2_one, 2, 1) TILE(tile_3_one, 3, 1) TILE(tile_4_one, 4, 1)
+TILE(tile_5_one, 5, 1) TILE(tile_6_one, 6, 1) TILE(tile_7_one, 7, 1) TILE(tile_8_one, 8, 1)
 
 typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, const float *,
                         float *, int64_t, int64_t, int);
-static const tile_fn TILES_WIDE[MR_MAX + 1] = {NULL, tile_1_wide, tile_2_wide, tile_3_wide,
-                                                tile_4_wide};
-static const tile_fn TILES_ONE[MR_MAX + 1] = {NULL, tile_1_one, tile_2_one, tile_3_one,
-                                               tile_4_one};
+static const tile_fn TILES_WIDE[9] = {NULL, tile_1_wide, tile_2_wide, tile_3_wide, tile_4_wide,
+                                      tile_5_wide, tile_6_wide, tile_7_wide, tile_8_wide};
+static const tile_fn TILES_ONE[9] = {NULL, tile_1_one, tile_2_one, tile_3_one, tile_4_one,
+                                     tile_5_one, tile_6_one, tile_7_one, tile_8_one};
 
-void rs_linear_ws(const float *x, int64_t M, int64_t K, const float *packed, int64_t N,
-                  const float *bias, float *y, int accumulate)
+int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64_t N,
+                 const float *bias, float *y, int accumulate, int format)
 {
     const int64_t panels = (N + RS_PANEL - 1) / RS_PANEL;
     const int nthreads = rs_num_threads();
+    float *buf = format == RS_F32 ? NULL : expand_buffer(NP_MAX * K * RS_PANEL);
+    int failed = format != RS_F32 && buf == NULL;
     /* Contiguous panel ranges, one per thread, balanced to a panel. */
 #pragma omp for schedule(static, 1)
     for (int t = 0; t < nthreads; t++) {
         const int64_t p_begin = panels * t / nthreads, p_end = panels * (t + 1) / nthreads;
-        for (int64_t p = p_begin; p < p_end;) {
+        for (int64_t p = p_begin; p < p_end && !failed;) {
             const int np = p_end - p >= NP_MAX ? NP_MAX : 1;
             const tile_fn *tiles = np == NP_MAX ? TILES_WIDE : TILES_ONE;
-            const float *w = packed + p * K * RS_PANEL;
+            const float *w = (const float *)packed + p * K * RS_PANEL;
+            if (format != RS_F32) {
+                expand_panels(packed, p, np, K, format, buf);
+                w = buf;
+            }
             const int64_t n0 = p * RS_PANEL;
-            for (int64_t m = 0; m < M; m += MR_MAX) {
-                const int mr = M - m >= MR_MAX ? MR_MAX : (int)(M - m);
+            /* Row blocks of near-equal size (8 rows: 4 + 4, not 6 + 2): a thin
+               block has too few accumulators to hide the FMA latency. */
+            const int64_t blocks = (M + MR_MAX - 1) / MR_MAX;
+            for (int64_t b = 0, m = 0; b < blocks; b++) {
+                const int mr = (int)((M * (b + 1)) / blocks - m);
                 tiles[mr](x + m * K, K, w, K, bias == NULL ? NULL : bias + n0,
                           y + m * N + n0, N, N - n0, accumulate);
+                m += mr;
             }
             p += np;
         }
     }
+    return failed ? -1 : 0;
 }
 
-void rs_linear(const float *x, int64_t M, int64_t K, const float *packed, int64_t N,
-               const float *bias, float *y, int accumulate)
+int rs_linear(const float *x, int64_t M, int64_t K, const void *packed, int64_t N,
+              const float *bias, float *y, int accumulate, int format)
 {
-#pragma omp parallel
-    rs_linear_ws(x, M, K, packed, N, bias, y, accumulate);
+    int failed = 0;
+#pragma omp parallel reduction(|| : failed)
+    failed = rs_linear_ws(x, M, K, packed, N, bias, y, accumulate, format) != 0;
+    return failed ? -1 : 0;
+}
+
+/* Sum of n floats (n % 64 == 0), read once with all threads: what the roofline in
+   benchmarks/engine.py takes as this machine's memory read bandwidth. */
+float rs_read_all(const float *x, int64_t n)
+{
+    float total = 0.0f;
+#pragma omp parallel reduction(+ : total)
+    {
+        vf acc[64 / VL] = {{0}};
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n; i += 64)
+            for (int j = 0; j < 64 / VL; j++)
+                acc[j] += *(const vf *)(x + i + VL * j);
+        for (int j = 0; j < 64 / VL; j++)
+            for (int l = 0; l < VL; l++)
+                total += acc[j][l];
+    }
+    return total;
 }

@@ -5,16 +5,33 @@
 #include <stdint.h>
 #include <omp.h>
 
+/* Floats per machine vector: 16 with AVX-512, 8 otherwise (AVX2). Kernels use vectors
+   of this size: a wider generic vector on an AVX2 target is split by GCC into register
+   pairs, badly (measured: 3-12x slower GEMM tiles, ~2.5x slower attention). */
+#ifdef __AVX512F__
+#define RS_VL 16
+#else
+#define RS_VL 8
+#endif
+typedef float rs_vf __attribute__((vector_size(RS_VL * 4), aligned(4)));   /* unaligned */
+typedef int32_t rs_vi __attribute__((vector_size(RS_VL * 4)));
+
 /* Output features per panel of a packed weight (gemm.c). */
 #define RS_PANEL 16
+/* Packed weight formats, and the int8 format's inputs per scale. */
+#define RS_F32 0
+#define RS_BF16 1
+#define RS_INT8 2
+#define RS_INT8_BLOCK 32
 
 /* Threads of the enclosing parallel region (1 outside one). */
 static inline int rs_num_threads(void) { return omp_get_num_threads(); }
 
-/* y[M, N] (+)= x[M, K] W^T (+ bias), W packed by rs_pack_weight. A work-sharing
-   loop: inside a parallel region the region's threads split it. */
-void rs_linear_ws(const float *x, int64_t M, int64_t K, const float *packed, int64_t N,
-                  const float *bias, float *y, int accumulate);
+/* y[M, N] (+)= x[M, K] W^T (+ bias), W packed by rs_pack_weight in `format`. A
+   work-sharing loop: inside a parallel region the region's threads split it.
+   Returns -1 (on the threads that could not get scratch memory) or 0. */
+int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64_t N,
+                 const float *bias, float *y, int accumulate, int format);
 
 /* Decode-style attention of one query row (all heads) over its sequence's first T
    tokens, read through its block table (paged_attention.c). scores: Hq * T floats. */

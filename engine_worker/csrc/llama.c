@@ -15,6 +15,10 @@
  * GEMM's accumulate mode), so each residual add costs nothing. The arithmetic order
  * of each operation is Hugging Face's: (x W^T + b) + residual, RMSNorm in float32 as
  * w * (h * 1 / sqrt(mean(h^2) + eps)), rotate-half RoPE from the caller's cos/sin.
+ *
+ * With a profile array, the first thread adds the wall time of each kind of work to it
+ * (each ends at a barrier, so the time is the slowest thread's): linear layers,
+ * attention, the rest (embedding, norms, RoPE and KV writes, SiLU).
  */
 #include <math.h>
 #include <stdint.h>
@@ -24,11 +28,15 @@
 
 struct rs_llama_layer {
     const float *attn_norm;                 /* [C] */
-    const float *qkv, *qkv_bias;            /* packed [(Hq + 2 Hkv) D, C]; bias or NULL */
-    const float *o, *o_bias;                /* packed [C, Hq D] */
+    const void *qkv;                        /* packed [(Hq + 2 Hkv) D, C] */
+    const float *qkv_bias;                  /* or NULL, as every bias */
+    const void *o;                          /* packed [C, Hq D] */
+    const float *o_bias;
     const float *mlp_norm;                  /* [C] */
-    const float *gate_up, *gate_up_bias;    /* packed [2 I, C]: gate rows, then up */
-    const float *down, *down_bias;          /* packed [C, I] */
+    const void *gate_up;                    /* packed [2 I, C]: gate rows, then up */
+    const float *gate_up_bias;
+    const void *down;                       /* packed [C, I] */
+    const float *down_bias;
     float *k_cache, *v_cache;               /* [slots, Hkv, D] */
 };
 
@@ -36,8 +44,9 @@ struct rs_llama {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, vocab;
     int64_t block_size;
     float eps, scale;
+    int64_t format;          /* of every packed weight: RS_F32, RS_BF16 or RS_INT8 */
     const float *embed;      /* [V, C] */
-    const float *lm_head;    /* packed [V, C] */
+    const void *lm_head;     /* packed [V, C] */
     const float *norm;       /* [C] */
     const struct rs_llama_layer *layers;
 };
@@ -53,7 +62,19 @@ struct rs_step {
     int64_t num_threads;
     float *scratch;                                /* rs_llama_scratch_floats() */
     float *logits;                                 /* [S, V] */
+    double *profile;                               /* [3] seconds added, or NULL */
 };
+
+enum { PROFILE_LINEAR, PROFILE_ATTENTION, PROFILE_OTHER };
+
+#define PHASE(kind)                                        \
+    do {                                                   \
+        if (profile != NULL) {                             \
+            const double now_ = omp_get_wtime();           \
+            profile[kind] += now_ - since;                 \
+            since = now_;                                  \
+        }                                                  \
+    } while (0)
 
 int64_t rs_llama_scratch_floats(const struct rs_llama *m, int64_t N, int64_t S,
                                 int64_t max_ctx, int64_t threads)
@@ -82,8 +103,10 @@ int rs_llama_forward(const struct rs_llama *m, const struct rs_step *s)
     const int64_t C = m->hidden, Hq = m->num_heads, Hkv = m->num_kv_heads;
     const int64_t D = m->head_dim, I = m->intermediate, half = D / 2;
     const int64_t QKV = (Hq + 2 * Hkv) * D, QD = Hq * D;
+    const int fmt = (int)m->format;
     if (D % 16 != 0 || D > 256)
         return -2;
+    int failed = 0;
     float *x = s->scratch;             /* [N, C] the residual stream */
     float *h = x + N * C;              /* [N, C] normed */
     float *qkv = h + N * C;            /* [N, QKV] */
@@ -96,10 +119,14 @@ int rs_llama_forward(const struct rs_llama *m, const struct rs_step *s)
 #pragma omp parallel num_threads(s->num_threads)
     {
         float *my_scores = scores + (int64_t)omp_get_thread_num() * Hq * s->max_ctx;
+        double *profile = omp_get_thread_num() == 0 ? s->profile : NULL;
+        double since = profile != NULL ? omp_get_wtime() : 0.0;
+        int bad = 0;   /* this thread's linear layers could not get scratch memory */
 
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < N; n++)
             memcpy(x + n * C, m->embed + s->ids[n] * C, sizeof(float) * (size_t)C);
+        PHASE(PROFILE_OTHER);
 
         for (int64_t l = 0; l < m->num_layers; l++) {
             const struct rs_llama_layer *L = &m->layers[l];
@@ -107,7 +134,9 @@ int rs_llama_forward(const struct rs_llama *m, const struct rs_step *s)
 #pragma omp for schedule(static)
             for (int64_t n = 0; n < N; n++)
                 rms_norm_row(x + n * C, L->attn_norm, h + n * C, C, m->eps);
-            rs_linear_ws(h, N, C, L->qkv, QKV, L->qkv_bias, qkv, 0);
+            PHASE(PROFILE_OTHER);
+            bad |= rs_linear_ws(h, N, C, L->qkv, QKV, L->qkv_bias, qkv, 0, fmt);
+            PHASE(PROFILE_LINEAR);
 
             /* RoPE on q and k, then k and v into their cache slots. */
 #pragma omp for schedule(static)
@@ -127,18 +156,23 @@ int rs_llama_forward(const struct rs_llama *m, const struct rs_step *s)
                 memcpy(L->v_cache + slot * Hkv * D, r + QD + Hkv * D,
                        sizeof(float) * (size_t)(Hkv * D));
             }
+            PHASE(PROFILE_OTHER);
 
 #pragma omp for schedule(dynamic, 1)
             for (int64_t n = 0; n < N; n++)
                 rs_attend_one(qkv + n * QKV, L->k_cache, L->v_cache,
                               s->block_tables + s->seq[n] * s->max_blocks, s->ctx_lens[n],
                               attn + n * QD, my_scores, Hq, Hkv, D, m->block_size, m->scale);
-            rs_linear_ws(attn, N, QD, L->o, C, L->o_bias, x, 1);
+            PHASE(PROFILE_ATTENTION);
+            bad |= rs_linear_ws(attn, N, QD, L->o, C, L->o_bias, x, 1, fmt);
+            PHASE(PROFILE_LINEAR);
 
 #pragma omp for schedule(static)
             for (int64_t n = 0; n < N; n++)
                 rms_norm_row(x + n * C, L->mlp_norm, h + n * C, C, m->eps);
-            rs_linear_ws(h, N, C, L->gate_up, 2 * I, L->gate_up_bias, gu, 0);
+            PHASE(PROFILE_OTHER);
+            bad |= rs_linear_ws(h, N, C, L->gate_up, 2 * I, L->gate_up_bias, gu, 0, fmt);
+            PHASE(PROFILE_LINEAR);
 
 #pragma omp for schedule(static)
             for (int64_t n = 0; n < N; n++) {
@@ -147,13 +181,21 @@ int rs_llama_forward(const struct rs_llama *m, const struct rs_step *s)
                 for (int64_t i = 0; i < I; i++)
                     a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
             }
-            rs_linear_ws(act, N, I, L->down, C, L->down_bias, x, 1);
+            PHASE(PROFILE_OTHER);
+            bad |= rs_linear_ws(act, N, I, L->down, C, L->down_bias, x, 1, fmt);
+            PHASE(PROFILE_LINEAR);
         }
 
 #pragma omp for schedule(static)
         for (int64_t j = 0; j < S; j++)
             rms_norm_row(x + s->sample_rows[j] * C, m->norm, final + j * C, C, m->eps);
-        rs_linear_ws(final, S, C, m->lm_head, m->vocab, NULL, s->logits, 0);
+        PHASE(PROFILE_OTHER);
+        bad |= rs_linear_ws(final, S, C, m->lm_head, m->vocab, NULL, s->logits, 0, fmt);
+        PHASE(PROFILE_LINEAR);
+        if (bad) {
+#pragma omp atomic write
+            failed = 1;
+        }
     }
-    return 0;
+    return failed ? -1 : 0;
 }

@@ -28,8 +28,8 @@
 
 /* 16 floats: one AVX-512 register (GCC splits it on narrower targets). aligned(4)
    makes dereferences unaligned loads, since rows are only float-aligned. */
-typedef float vf16 __attribute__((vector_size(64), aligned(4)));
-#define LANES 16
+typedef rs_vf vfl;   /* one machine vector (kernels.h) */
+#define LANES RS_VL
 
 /* One sequence: all its query heads against its first T tokens. D % 16 == 0. */
 static inline void attend_one(const float *q, const float *k_cache, const float *v_cache,
@@ -44,9 +44,9 @@ static inline void attend_one(const float *q, const float *k_cache, const float 
     for (int64_t t = 0; t < T; t++) {
         const float *kt = k_cache + (table[t / bs] * bs + t % bs) * token_stride;
         for (int64_t i = 0; i < Hq; i++) {
-            const vf16 *qi = (const vf16 *)(q + i * D);
-            const vf16 *ki = (const vf16 *)(kt + (i / G) * D);
-            vf16 acc = qi[0] * ki[0];
+            const vfl *qi = (const vfl *)(q + i * D);
+            const vfl *ki = (const vfl *)(kt + (i / G) * D);
+            vfl acc = qi[0] * ki[0];
             for (int64_t v = 1; v < nv; v++)
                 acc += qi[v] * ki[v];
             float dot = 0.0f;
@@ -77,14 +77,14 @@ static inline void attend_one(const float *q, const float *k_cache, const float 
         const int64_t n = T - start < bs ? T - start : bs;
         const float *vb = v_cache + table[start / bs] * bs * token_stride;
         for (int64_t i = 0; i < Hq; i++) {
-            vf16 *oi = (vf16 *)(out + i * D);
-            vf16 acc[MAX_DIM / LANES];
+            vfl *oi = (vfl *)(out + i * D);
+            vfl acc[MAX_DIM / LANES];
             for (int64_t v = 0; v < nv; v++)
-                acc[v] = start == 0 ? (vf16){0} : oi[v];
+                acc[v] = start == 0 ? (vfl){0} : oi[v];
             const float *p = scores + i * T + start;
             const float *vi = vb + (i / G) * D;
             for (int64_t j = 0; j < n; j++) {
-                const vf16 *vt = (const vf16 *)(vi + j * token_stride);
+                const vfl *vt = (const vfl *)(vi + j * token_stride);
                 const float pj = p[j];
                 for (int64_t v = 0; v < nv; v++)
                     acc[v] += pj * vt[v];

@@ -20,11 +20,11 @@ Model = Union[LlamaModel, GPT2Model]
 
 
 def load_model(cfg: ModelConfig, model_dir: Path, device: torch.device,
-               dtype: torch.dtype, attn: PagedAttention, kernels: Optional[CpuKernels] = None
-               ) -> Model:
+               dtype: torch.dtype, attn: PagedAttention, kernels: Optional[CpuKernels] = None,
+               weight_format: str = "float32") -> Model:
     """Build the model for ``cfg`` on ``device`` and copy the checkpoint in. With
     ``kernels`` (CPU float32 only), fused layer ops run in C and every linear layer
-    (lm_head included) computes from a packed weight."""
+    (lm_head included) computes from a weight packed in ``weight_format``."""
     # Built on the meta device, then given uninitialized memory: random init of
     # weights that are overwritten next would be wasted work.
     with torch.device("meta"):
@@ -39,9 +39,10 @@ def load_model(cfg: ModelConfig, model_dir: Path, device: torch.device,
         model.load_weights(ckpt)
     ckpt.finish()
     if kernels is not None:
-        _pack_linears(model, kernels)  # an untied lm_head is one of them
+        _pack_linears(model, kernels, weight_format)  # an untied lm_head is one of them
         if model.lm_head is None:  # tied: pack a copy, the embedding keeps its own
-            model.lm_head = PackedLinear(kernels, model.tied_lm_head_weight(), None)
+            model.lm_head = PackedLinear(kernels, model.tied_lm_head_weight(), None,
+                                         weight_format)
     return model.eval()
 
 
@@ -50,22 +51,23 @@ class PackedLinear(nn.Module):
     engine_worker/csrc/gemm.c). The packed copy replaces the weight."""
 
     def __init__(self, kernels: CpuKernels, weight: torch.Tensor,
-                 bias: Optional[torch.Tensor]) -> None:
+                 bias: Optional[torch.Tensor], fmt: str = "float32") -> None:
         super().__init__()
         self.kernels = kernels
+        self.fmt = fmt
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("packed", kernels.pack(weight), persistent=False)
+        self.register_buffer("packed", kernels.pack(weight, fmt), persistent=False)
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.kernels.linear(x.reshape(-1, self.in_features), self.packed,
-                                self.out_features, self.bias)
+                                self.out_features, self.bias, self.fmt)
         return y.view(*x.shape[:-1], self.out_features)
 
 
-def _pack_linears(module: nn.Module, kernels: CpuKernels) -> None:
+def _pack_linears(module: nn.Module, kernels: CpuKernels, fmt: str) -> None:
     for name, child in module.named_children():
         if isinstance(child, nn.Linear):
-            setattr(module, name, PackedLinear(kernels, child.weight, child.bias))
+            setattr(module, name, PackedLinear(kernels, child.weight, child.bias, fmt))
         else:
-            _pack_linears(child, kernels)
+            _pack_linears(child, kernels, fmt)

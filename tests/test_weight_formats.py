@@ -1,0 +1,124 @@
+"""The packed weight formats of the CPU kernels (engine_worker/csrc/gemm.c): float32,
+bfloat16 and int8 with one scale per 32 inputs. Each computes exactly with the weights
+it unpacks to, those are as close to the original as the format allows, and the engine
+on them gives Hugging Face's greedy output on the same (unpacked) weights."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from engine_worker import kernels
+from helpers import greedy, make_engine, random_prompts
+from hf_reference import assert_matches, hf_greedy
+
+FORMATS = ["float32", "bfloat16", "int8"]
+
+
+@pytest.fixture(scope="module", params=["native", "avx2"])
+def cpu(request):
+    """The kernels as built for this machine, and without AVX-512 (the AVX2 tiles), so
+    that both paths are checked whichever CPU runs the tests."""
+    k = kernels._build_and_load(["-mno-avx512f"] if request.param == "avx2" else [])
+    assert k is not None, "the C kernels must build on the test machines"
+    return k
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_packed_weight_is_as_close_as_its_format_allows(cpu, fmt):
+    torch.manual_seed(0)
+    w = torch.randn(50, 96) * torch.logspace(-3, 1, 96)  # varied magnitudes along K
+    w[3] = 0.0  # an all-zero row: scale 0, no division by it
+    got = cpu.unpack(cpu.pack(w, fmt), 50, 96, fmt)
+    if fmt == "float32":
+        assert torch.equal(got, w)
+    elif fmt == "bfloat16":
+        assert torch.equal(got, w.to(torch.bfloat16).float())  # round to nearest even
+    else:
+        blocks = w.view(50, 3, 32)
+        step = blocks.abs().amax(-1, keepdim=True) / 127  # one int8 step per block
+        err = (got.view(50, 3, 32) - blocks).abs()
+        assert (err <= step * 0.5001 + 1e-12).all()
+        assert torch.equal(got[3], torch.zeros(96))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n,k", [(1, 32), (17, 64), (50, 96), (130, 576)])
+def test_linear_computes_with_the_unpacked_weight(cpu, fmt, n, k):
+    torch.manual_seed(n * k)
+    w, bias = torch.randn(n, k), torch.randn(n)
+    packed = cpu.pack(w, fmt)
+    deq = cpu.unpack(packed, n, k, fmt)
+    for m in (1, 3, 4, 5, 9, 64):  # every register-tile remainder
+        x = torch.randn(m, k)
+        torch.testing.assert_close(cpu.linear(x, packed, n, bias, fmt), x @ deq.T + bias,
+                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(cpu.linear(x, packed, n, None, fmt), x @ deq.T,
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_int8_refuses_inputs_that_are_not_whole_blocks(cpu):
+    with pytest.raises(ValueError, match="multiples of 32"):
+        cpu.pack(torch.randn(16, 40), "int8")
+
+
+def unpacked_checkpoint(engine, src_dir, dst_dir) -> None:
+    """The engine's weights as it computes with them, as a Hugging Face checkpoint
+    (untied: the embedding rows stay float32 while lm_head is packed)."""
+    cfg, model, fmt = engine.model_config, engine.runner.model, engine.runner.weight_format
+    unpack = lambda lin: cpu_kernels().unpack(lin.packed, lin.out_features,  # noqa: E731
+                                              lin.in_features, fmt)
+    q, kv, i_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, \
+        cfg.intermediate_size
+    tensors = {"model.embed_tokens.weight": model.embed_tokens.weight,
+               "model.norm.weight": model.norm.weight, "lm_head.weight": unpack(model.lm_head)}
+    for i, layer in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        qkv = unpack(layer.self_attn.qkv_proj)
+        gate_up = unpack(layer.mlp.gate_up_proj)
+        tensors |= {p + "self_attn.q_proj.weight": qkv[:q],
+                    p + "self_attn.k_proj.weight": qkv[q:q + kv],
+                    p + "self_attn.v_proj.weight": qkv[q + kv:],
+                    p + "self_attn.o_proj.weight": unpack(layer.self_attn.o_proj),
+                    p + "mlp.gate_proj.weight": gate_up[:i_size],
+                    p + "mlp.up_proj.weight": gate_up[i_size:],
+                    p + "mlp.down_proj.weight": unpack(layer.mlp.down_proj),
+                    p + "input_layernorm.weight": layer.input_layernorm.weight,
+                    p + "post_attention_layernorm.weight": layer.post_attention_layernorm.weight}
+    dst_dir.mkdir()
+    save_file({k: v.detach().contiguous().clone() for k, v in tensors.items()},
+              dst_dir / "model.safetensors")
+    config = json.loads((src_dir / "config.json").read_text())
+    (dst_dir / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": False}))
+    if (src_dir / "generation_config.json").exists():
+        shutil.copy(src_dir / "generation_config.json", dst_dir)
+
+
+def cpu_kernels():
+    return kernels.cpu_kernels()
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8"])
+def test_the_engine_on_packed_weights_matches_hf_on_the_same_weights(tiny_llama_dir,
+                                                                     tmp_path, fmt):
+    engine = make_engine(tiny_llama_dir, **({"dtype": "bfloat16"} if fmt == "bfloat16"
+                                            else {"quantization": "int8"}))
+    assert engine.runner.weight_format == fmt and engine.runner.fused is not None
+    prompts = random_prompts([1, 5, 17, 33], seed=9)
+    out = engine.generate(prompts, greedy(10))
+    unpacked_checkpoint(engine, tiny_llama_dir, tmp_path / fmt)
+    assert_matches(out, hf_greedy(tmp_path / fmt, prompts, 10), fmt)
+    # and the format is not a no-op: float32 weights give other logits somewhere
+    assert not torch.equal(cpu_kernels().unpack(engine.runner.model.lm_head.packed,
+                                                engine.model_config.vocab_size,
+                                                engine.model_config.hidden_size, fmt),
+                           make_engine(tiny_llama_dir).runner.model.embed_tokens.weight)
+
+
+def test_int8_without_the_c_kernels_is_refused(tiny_llama_dir):
+    with pytest.raises(ValueError, match="int8 weights need the CPU C kernels"):
+        make_engine(tiny_llama_dir, cpu_kernels=False, quantization="int8")
