@@ -22,6 +22,7 @@
  * (the fused forward, llama.c) they share that region's threads; called outside one
  * they run on the calling thread, so rs_linear opens a region of its own.
  */
+#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -114,6 +115,20 @@ int rs_pack_weight(const float *w, int64_t N, int64_t K, int format, void *packe
     return 0;
 }
 
+/* VL int8 -> VL floats. GCC's __builtin_convertvector does this one element at a
+   time (measured: int8 weights slower than float32), so the sign extension is an
+   intrinsic where the ISA has one. */
+static inline vf int8_to_float(const vi8 *src)
+{
+#if defined(__AVX512F__)
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src)));
+#elif defined(__AVX2__)
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)src)));
+#else
+    return __builtin_convertvector(__builtin_convertvector(*src, rs_vi), vf);
+#endif
+}
+
 /* Panels [p, p + np) of a bf16 or int8 weight as float32 panels in `out`. */
 static void expand_panels(const char *packed, int64_t p, int np, int64_t K, int format,
                           float *out)
@@ -128,10 +143,16 @@ static void expand_panels(const char *packed, int64_t p, int np, int64_t K, int 
                 dst[i] = (vf)(__builtin_convertvector(h[i], vu32) << 16);
         } else {
             const vi8 *w8 = (const vi8 *)src;
-            const vfu *scales = (const vfu *)(src + K * RS_PANEL);
-            for (int64_t i = 0; i < K * PV; i++)   /* i / PV is k; a scale row is PV vectors */
-                dst[i] = __builtin_convertvector(w8[i], vf)
-                         * scales[i / (PV * RS_INT8_BLOCK) * PV + i % PV];
+            const vfu *scales = (const vfu *)(src + K * RS_PANEL);   /* PV per block */
+            for (int64_t g = 0; g < K / RS_INT8_BLOCK; g++) {
+                vf sc[PV];
+                for (int v = 0; v < PV; v++)
+                    sc[v] = scales[g * PV + v];
+                const int64_t i0 = g * RS_INT8_BLOCK * PV;
+                for (int64_t k = 0; k < RS_INT8_BLOCK; k++)
+                    for (int v = 0; v < PV; v++)
+                        dst[i0 + k * PV + v] = sc[v] * int8_to_float(w8 + i0 + k * PV + v);
+            }
         }
     }
 }
