@@ -12,6 +12,11 @@
 #define RS_VL 16
 #else
 #define RS_VL 8
+/* RoPE on one token's q and k heads (in its fused qkv row), then its k and v into
+   cache slot `slot` (layers.c). cn, sn: the token's D / 2 cos and sin. */
+void rs_rope_write_kv_row(float *r, const float *cn, const float *sn, float *k_cache,
+                          float *v_cache, int64_t slot, int64_t Hq, int64_t Hkv, int64_t D);
+
 #endif
 typedef float rs_vf __attribute__((vector_size(RS_VL * 4), aligned(4)));   /* unaligned */
 typedef int32_t rs_vi __attribute__((vector_size(RS_VL * 4)));
@@ -38,5 +43,10 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
 void rs_attend_one(const float *q, const float *k_cache, const float *v_cache,
                    const int64_t *table, int64_t T, float *out, float *scores,
                    int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale);
+
+/* RoPE on one token's q and k heads (in its fused qkv row), then its k and v into
+   cache slot `slot` (layers.c). cn, sn: the token's D / 2 cos and sin. */
+void rs_rope_write_kv_row(float *r, const float *cn, const float *sn, float *k_cache,
+                          float *v_cache, int64_t slot, int64_t Hq, int64_t Hkv, int64_t D);
 
 #endif

@@ -8,6 +8,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels.h"
+
 /*
  * residual = x + residual (or x when residual_in is NULL); out = RMSNorm(residual) * w.
  * x, residual_in, residual_out, out: [N, C]. residual_out may alias residual_in.
@@ -40,6 +42,24 @@ void rs_add_rms_norm(const float *x, const float *residual_in, float *residual_o
     }
 }
 
+/* One token's row of a fused qkv projection: RoPE (rotate-half) on its q and k heads
+   in place, then its k and v into cache slot `slot`. */
+void rs_rope_write_kv_row(float *r, const float *cn, const float *sn, float *k_cache,
+                          float *v_cache, int64_t slot, int64_t Hq, int64_t Hkv, int64_t D)
+{
+    const int64_t half = D / 2;
+    for (int64_t h = 0; h < Hq + Hkv; h++) {
+        float *x = r + h * D;
+        for (int64_t i = 0; i < half; i++) {
+            const float x1 = x[i], x2 = x[i + half];
+            x[i] = x1 * cn[i] - x2 * sn[i];
+            x[i + half] = x2 * cn[i] + x1 * sn[i];
+        }
+    }
+    memcpy(k_cache + slot * Hkv * D, r + Hq * D, sizeof(float) * (size_t)(Hkv * D));
+    memcpy(v_cache + slot * Hkv * D, r + (Hq + Hkv) * D, sizeof(float) * (size_t)(Hkv * D));
+}
+
 /*
  * Rotary embedding (rotate-half convention) applied in place to the q and k heads of
  * a fused qkv projection, then k and v written into the paged cache.
@@ -54,22 +74,9 @@ void rs_rope_write_kv(float *qkv, const float *cos, const float *sin,
     const int64_t half = D / 2;
     const int64_t row = (Hq + 2 * Hkv) * D;
 #pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        float *r = qkv + n * row;
-        const float *cn = cos + n * half;
-        const float *sn = sin + n * half;
-        for (int64_t h = 0; h < Hq + Hkv; h++) {
-            float *x = r + h * D;
-            for (int64_t i = 0; i < half; i++) {
-                const float x1 = x[i], x2 = x[i + half];
-                x[i] = x1 * cn[i] - x2 * sn[i];
-                x[i + half] = x2 * cn[i] + x1 * sn[i];
-            }
-        }
-        const int64_t slot = slots[n];
-        memcpy(k_cache + slot * Hkv * D, r + Hq * D, sizeof(float) * (size_t)(Hkv * D));
-        memcpy(v_cache + slot * Hkv * D, r + (Hq + Hkv) * D, sizeof(float) * (size_t)(Hkv * D));
-    }
+    for (int64_t n = 0; n < N; n++)
+        rs_rope_write_kv_row(qkv + n * row, cos + n * half, sin + n * half, k_cache, v_cache,
+                             slots[n], Hq, Hkv, D);
 }
 
 /* out = silu(gate) * up, where gate_up [N, 2 I] holds gate then up per row. */

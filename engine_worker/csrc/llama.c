@@ -140,22 +140,9 @@ int rs_llama_forward(const struct rs_llama *m, const struct rs_step *s)
 
             /* RoPE on q and k, then k and v into their cache slots. */
 #pragma omp for schedule(static)
-            for (int64_t n = 0; n < N; n++) {
-                float *r = qkv + n * QKV;
-                const float *cn = s->cos + n * half, *sn = s->sin + n * half;
-                for (int64_t hd = 0; hd < Hq + Hkv; hd++) {
-                    float *v = r + hd * D;
-                    for (int64_t i = 0; i < half; i++) {
-                        const float x1 = v[i], x2 = v[i + half];
-                        v[i] = x1 * cn[i] - x2 * sn[i];
-                        v[i + half] = x2 * cn[i] + x1 * sn[i];
-                    }
-                }
-                const int64_t slot = s->slots[n];
-                memcpy(L->k_cache + slot * Hkv * D, r + QD, sizeof(float) * (size_t)(Hkv * D));
-                memcpy(L->v_cache + slot * Hkv * D, r + QD + Hkv * D,
-                       sizeof(float) * (size_t)(Hkv * D));
-            }
+            for (int64_t n = 0; n < N; n++)
+                rs_rope_write_kv_row(qkv + n * QKV, s->cos + n * half, s->sin + n * half,
+                                     L->k_cache, L->v_cache, s->slots[n], Hq, Hkv, D);
             PHASE(PROFILE_OTHER);
 
 #pragma omp for schedule(dynamic, 1)
