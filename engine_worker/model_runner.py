@@ -136,6 +136,18 @@ class ModelRunner:
         index = torch.tensor(rows, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, index))  # (S, V)
 
+    def _add_tokens(self, s: ScheduledRequest, input_ids: list[int], positions: list[int],
+                    slots: list[int]) -> tuple[int, int]:
+        """Appends the ids, positions and cache slots of the tokens ``s`` computes this
+        step; returns their range of positions [start, end)."""
+        r, bs = s.request, self.block_size
+        start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_tokens
+        block_ids = r.blocks.block_ids
+        input_ids.extend(r.token_ids[start:end])
+        positions.extend(range(start, end))
+        slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
+        return start, end
+
     def _forward_fused(self, scheduled: list[ScheduledRequest]) -> Optional[torch.Tensor]:
         """The step as flat per-token arrays, in ``scheduled`` order, through llama.c."""
         assert self.fused is not None
@@ -147,14 +159,9 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_rows: list[int] = []
         for i, s in enumerate(scheduled):
-            r = s.request
-            start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_tokens
-            block_ids = r.blocks.block_ids
-            input_ids.extend(r.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
+            start, end = self._add_tokens(s, input_ids, positions, slots)
             seq.extend([i] * s.num_tokens)
-            tables.append(block_ids[:-(-end // bs)])
+            tables.append(s.request.blocks.block_ids[:-(-end // bs)])
             if s.samples:
                 sample_rows.append(len(input_ids) - 1)
         width = max(len(t) for t in tables)
@@ -180,13 +187,9 @@ class ModelRunner:
         chunks: list[ChunkMetadata] = []
         last_rows: list[int] = []
         for s in scheduled:
-            r = s.request
-            start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_tokens
-            block_ids = r.blocks.block_ids
+            block_ids = s.request.blocks.block_ids
             query_start = len(input_ids)
-            input_ids.extend(r.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
+            start, end = self._add_tokens(s, input_ids, positions, slots)
             num_blocks = -(-end // bs)
             if s.num_tokens == 1:
                 single_tables.append(block_ids[:num_blocks])

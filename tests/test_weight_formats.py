@@ -122,3 +122,10 @@ def test_the_engine_on_packed_weights_matches_hf_on_the_same_weights(tiny_llama_
 def test_int8_without_the_c_kernels_is_refused(tiny_llama_dir):
     with pytest.raises(ValueError, match="int8 weights need the CPU C kernels"):
         make_engine(tiny_llama_dir, cpu_kernels=False, quantization="int8")
+
+
+def test_an_unknown_quantization_is_refused_by_name():
+    from common.config import EngineConfig
+
+    with pytest.raises(ValueError, match="quantization must be int8 or unset, got 'int4'"):
+        EngineConfig(quantization="int4")
