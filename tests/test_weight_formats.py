@@ -53,7 +53,7 @@ def test_linear_computes_with_the_unpacked_weight(cpu, fmt, n, k):
     w, bias = torch.randn(n, k), torch.randn(n)
     packed = cpu.pack(w, fmt)
     deq = cpu.unpack(packed, n, k, fmt)
-    for m in (1, 3, 4, 5, 9, 64):  # every register-tile remainder
+    for m in (1, 2, 3, 4, 5, 9, 16, 17, 64):  # tile remainders; in-register and expanded
         x = torch.randn(m, k)
         torch.testing.assert_close(cpu.linear(x, packed, n, bias, fmt), x @ deq.T + bias,
                                    rtol=1e-4, atol=1e-4)

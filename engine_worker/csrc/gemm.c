@@ -36,11 +36,19 @@
 typedef float vf __attribute__((vector_size(VL * 4)));                /* aligned: packed */
 typedef float vfu __attribute__((vector_size(VL * 4), aligned(4)));   /* unaligned rows */
 
-#ifndef NP_MAX
 #ifdef __AVX512F__
+#ifndef NP_MAX
 #define NP_MAX 4
+#endif
+#ifndef WIDE_MAX_ROWS
+#define WIDE_MAX_ROWS 8
+#endif
 #else
-#define NP_MAX 1
+#ifndef NP_MAX
+#define NP_MAX 2
+#endif
+#ifndef WIDE_MAX_ROWS
+#define WIDE_MAX_ROWS 3
 #endif
 #endif
 #ifndef MR_MAX
@@ -129,6 +137,19 @@ static inline vf int8_to_float(const vi8 *src)
 #endif
 }
 
+/* VL bfloat16 -> VL floats (the same: an intrinsic, not GCC's generic conversion). */
+static inline vf bf16_to_float(const uint16_t *src)
+{
+#if defined(__AVX512F__)
+    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)),
+                                 16);
+#elif defined(__AVX2__)
+    return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src)), 16);
+#else
+    return (vf)(__builtin_convertvector(*(const vu16 *)src, vu32) << 16);
+#endif
+}
+
 /* Panels [p, p + np) of a bf16 or int8 weight as float32 panels in `out`. */
 static void expand_panels(const char *packed, int64_t p, int np, int64_t K, int format,
                           float *out)
@@ -138,9 +159,8 @@ static void expand_panels(const char *packed, int64_t p, int np, int64_t K, int 
         const char *src = packed + (p + q) * pb;
         vf *dst = (vf *)(out + q * K * RS_PANEL);   /* K x PV vectors */
         if (format == RS_BF16) {
-            const vu16 *h = (const vu16 *)src;
             for (int64_t i = 0; i < K * PV; i++)
-                dst[i] = (vf)(__builtin_convertvector(h[i], vu32) << 16);
+                dst[i] = bf16_to_float((const uint16_t *)src + i * VL);
         } else {
             const vi8 *w8 = (const vi8 *)src;
             const vfu *scales = (const vfu *)(src + K * RS_PANEL);   /* PV per block */
@@ -190,24 +210,50 @@ static float *expand_buffer(int64_t floats)
     return buf;
 }
 
-/* One tile: rows x[0..MR) against panels [p0, p0 + NP). `n_left` is how many output
-   columns remain from the tile's first one (the last panel may be partial). */
+/* Weight vector v of a tile (panel v / PV, vector v % PV) at input k, as floats: read in
+   place (float32), widened (bfloat16), or sign-extended and scaled (int8; `sc` holds
+   the tile's scales for k's block). */
+static inline __attribute__((always_inline)) vf
+weight_vector(const int FORMAT, const char *panel0, int64_t pb, int v, int64_t k, const vf *sc)
+{
+    const int64_t at = k * RS_PANEL + (v % PV) * VL;   /* element index in its panel */
+    const char *panel = panel0 + (v / PV) * pb;
+    if (FORMAT == RS_BF16)
+        return bf16_to_float((const uint16_t *)panel + at);
+    if (FORMAT == RS_INT8)
+        return sc[v] * int8_to_float((const vi8 *)(panel + at));
+    return *(const vf *)((const float *)panel + at);
+}
+
+/* One tile: rows x[0..MR) against the NP panels at panel0, pb bytes apart, in FORMAT,
+   accumulated over all of K in registers. `n_left` is how many output columns remain
+   from the tile's first one (the last panel may be partial). */
 static inline __attribute__((always_inline)) void
-tile(const int MR, const int NP, const float *x, int64_t ldx, const float *panel0,
-     int64_t K, const float *bias, float *y, int64_t ldy, int64_t n_left, int accumulate)
+tile(const int MR, const int NP, const int FORMAT, const float *x, int64_t ldx,
+     const char *panel0, int64_t pb, int64_t K, const float *bias, float *y, int64_t ldy,
+     int64_t n_left, int accumulate)
 {
     vf acc[8][NP_MAX * PV];
     for (int m = 0; m < MR; m++)
         for (int v = 0; v < NP * PV; v++)
             acc[m][v] = (vf){0};
-    for (int64_t k = 0; k < K; k++) {
-        vf w[NP_MAX * PV];
-        for (int v = 0; v < NP * PV; v++)
-            w[v] = *(const vf *)(panel0 + ((v / PV) * K + k) * RS_PANEL + (v % PV) * VL);
-        for (int m = 0; m < MR; m++) {
-            const float xm = x[m * ldx + k];
+    /* int8 runs block by block, loading the block's scales; the others in one go. */
+    const int64_t kb = FORMAT == RS_INT8 ? RS_INT8_BLOCK : K;
+    for (int64_t k0 = 0; k0 < K; k0 += kb) {
+        vf sc[NP_MAX * PV];
+        if (FORMAT == RS_INT8)
             for (int v = 0; v < NP * PV; v++)
-                acc[m][v] += xm * w[v];
+                sc[v] = *(const vfu *)(panel0 + (v / PV) * pb + K * RS_PANEL +
+                                       ((k0 / RS_INT8_BLOCK) * RS_PANEL + (v % PV) * VL) * 4);
+        for (int64_t k = k0; k < k0 + kb; k++) {
+            vf w[NP_MAX * PV];
+            for (int v = 0; v < NP * PV; v++)
+                w[v] = weight_vector(FORMAT, panel0, pb, v, k, sc);
+            for (int m = 0; m < MR; m++) {
+                const float xm = x[m * ldx + k];
+                for (int v = 0; v < NP * PV; v++)
+                    acc[m][v] += xm * w[v];
+            }
         }
     }
     for (int v = 0; v < NP * PV; v++) {
@@ -238,52 +284,66 @@ tile(const int MR, const int NP, const float *x, int64_t ldx, const float *panel
     }
 }
 
-/* The tile shapes, instantiated with compile-time sizes so that the accumulators
-   stay in registers. */
-#define TILE(name, mr, np) \
-    static void name(const float *x, int64_t ldx, const float *w, int64_t K, \
-                                 const float *bias, float *y, int64_t ldy, int64_t n_left, \
-                                 int acc) \
-    { tile(mr, np, x, ldx, w, K, bias, y, ldy, n_left, acc); }
-TILE(tile_1_wide, 1, NP_MAX) TILE(tile_2_wide, 2, NP_MAX) TILE(tile_3_wide, 3, NP_MAX)
-TILE(tile_4_wide, 4, NP_MAX) TILE(tile_5_wide, 5, NP_MAX) TILE(tile_6_wide, 6, NP_MAX)
-TILE(tile_7_wide, 7, NP_MAX) TILE(tile_8_wide, 8, NP_MAX)
-TILE(tile_1_one, 1, 1) TILE(tile_2_one, 2, 1) TILE(tile_3_one, 3, 1) TILE(tile_4_one, 4, 1)
-TILE(tile_5_one, 5, 1) TILE(tile_6_one, 6, 1) TILE(tile_7_one, 7, 1) TILE(tile_8_one, 8, 1)
-
-typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, const float *,
+/* The tile shapes, instantiated with compile-time sizes and format so that the
+   accumulators stay in registers: tiles[format][wide][rows]. */
+typedef void (*tile_fn)(const float *, int64_t, const char *, int64_t, int64_t, const float *,
                         float *, int64_t, int64_t, int);
-static const tile_fn TILES_WIDE[9] = {NULL, tile_1_wide, tile_2_wide, tile_3_wide, tile_4_wide,
-                                      tile_5_wide, tile_6_wide, tile_7_wide, tile_8_wide};
-static const tile_fn TILES_ONE[9] = {NULL, tile_1_one, tile_2_one, tile_3_one, tile_4_one,
-                                     tile_5_one, tile_6_one, tile_7_one, tile_8_one};
+#define TILE(mr, np, f, name) \
+    static void tile_##mr##_##name(const float *x, int64_t ldx, const char *w, int64_t pb, \
+                                   int64_t K, const float *bias, float *y, int64_t ldy, \
+                                   int64_t n_left, int acc) \
+    { tile(mr, np, f, x, ldx, w, pb, K, bias, y, ldy, n_left, acc); }
+#define TILES_ROWS(np, f, name) \
+    TILE(1, np, f, name) TILE(2, np, f, name) TILE(3, np, f, name) TILE(4, np, f, name) \
+    TILE(5, np, f, name) TILE(6, np, f, name) TILE(7, np, f, name) TILE(8, np, f, name)
+TILES_ROWS(1, RS_F32, f32_one) TILES_ROWS(NP_MAX, RS_F32, f32_wide)
+TILES_ROWS(1, RS_BF16, bf16_one) TILES_ROWS(NP_MAX, RS_BF16, bf16_wide)
+TILES_ROWS(1, RS_INT8, int8_one) TILES_ROWS(NP_MAX, RS_INT8, int8_wide)
+#define ROW(name) {NULL, tile_1_##name, tile_2_##name, tile_3_##name, tile_4_##name, \
+                   tile_5_##name, tile_6_##name, tile_7_##name, tile_8_##name}
+static const tile_fn TILES[3][2][9] = {{ROW(f32_one), ROW(f32_wide)},
+                                       {ROW(bf16_one), ROW(bf16_wide)},
+                                       {ROW(int8_one), ROW(int8_wide)}};
+
+/* Up to this many rows, bfloat16 and int8 tiles convert the weight in registers; at
+   more, row blocks would convert it again each, and expanding a group of panels into
+   float32 once (in L2) is cheaper. */
+#ifndef DIRECT_MAX_ROWS
+#define DIRECT_MAX_ROWS 16
+#endif
 
 int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64_t N,
                  const float *bias, float *y, int accumulate, int format)
 {
     const int64_t panels = (N + RS_PANEL - 1) / RS_PANEL;
     const int nthreads = rs_num_threads();
-    float *buf = format == RS_F32 ? NULL : expand_buffer(NP_MAX * K * RS_PANEL);
-    int failed = format != RS_F32 && buf == NULL;
+    const int expand = format != RS_F32 && M > DIRECT_MAX_ROWS;
+    float *buf = expand ? expand_buffer(NP_MAX * K * RS_PANEL) : NULL;
+    int failed = expand && buf == NULL;
+    const int64_t pb = panel_bytes(K, format);
     /* Contiguous panel ranges, one per thread, balanced to a panel. */
 #pragma omp for schedule(static, 1)
     for (int t = 0; t < nthreads; t++) {
         const int64_t p_begin = panels * t / nthreads, p_end = panels * (t + 1) / nthreads;
         for (int64_t p = p_begin; p < p_end && !failed;) {
-            const int np = p_end - p >= NP_MAX ? NP_MAX : 1;
-            const tile_fn *tiles = np == NP_MAX ? TILES_WIDE : TILES_ONE;
-            const float *w = (const float *)packed + p * K * RS_PANEL;
-            if (format != RS_F32) {
+            const int np = M <= WIDE_MAX_ROWS && p_end - p >= NP_MAX ? NP_MAX : 1;
+            const char *w = (const char *)packed + p * pb;
+            int64_t w_pb = pb;
+            int w_format = format;
+            if (expand) {
                 expand_panels(packed, p, np, K, format, buf);
-                w = buf;
+                w = (const char *)buf;
+                w_pb = K * RS_PANEL * 4;
+                w_format = RS_F32;
             }
+            const tile_fn *tiles = TILES[w_format][np == NP_MAX];
             const int64_t n0 = p * RS_PANEL;
             /* Row blocks of near-equal size (8 rows: 4 + 4, not 6 + 2): a thin
                block has too few accumulators to hide the FMA latency. */
             const int64_t blocks = (M + MR_MAX - 1) / MR_MAX;
             for (int64_t b = 0, m = 0; b < blocks; b++) {
                 const int mr = (int)((M * (b + 1)) / blocks - m);
-                tiles[mr](x + m * K, K, w, K, bias == NULL ? NULL : bias + n0,
+                tiles[mr](x + m * K, K, w, w_pb, K, bias == NULL ? NULL : bias + n0,
                           y + m * N + n0, N, N - n0, accumulate);
                 m += mr;
             }

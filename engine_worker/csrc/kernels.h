@@ -12,11 +12,6 @@
 #define RS_VL 16
 #else
 #define RS_VL 8
-/* RoPE on one token's q and k heads (in its fused qkv row), then its k and v into
-   cache slot `slot` (layers.c). cn, sn: the token's D / 2 cos and sin. */
-void rs_rope_write_kv_row(float *r, const float *cn, const float *sn, float *k_cache,
-                          float *v_cache, int64_t slot, int64_t Hq, int64_t Hkv, int64_t D);
-
 #endif
 typedef float rs_vf __attribute__((vector_size(RS_VL * 4), aligned(4)));   /* unaligned */
 typedef int32_t rs_vi __attribute__((vector_size(RS_VL * 4)));
