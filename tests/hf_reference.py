@@ -40,8 +40,29 @@ def hf_model(model_dir: Path):
 
 
 @torch.inference_mode()
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[Reference]:
+def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int,
+              quantized_inputs: bool = False) -> list[Reference]:
+    """quantized_inputs: every linear layer's input goes through int8 as the engine's
+    int8 weights take it (a scale per 32 inputs), as in llama.cpp's Q8_0."""
     model = hf_model(model_dir)
+    hooks = [m.register_forward_pre_hook(lambda _m, args: (quantize_blocks(args[0]),))
+             for m in model.modules() if quantized_inputs and isinstance(m, torch.nn.Linear)]
+    try:
+        return _greedy(model, prompts, max_new_tokens)
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def quantize_blocks(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """x rounded to int8 steps of its blocks' amax / 127 along the last dimension."""
+    blocks = x.reshape(*x.shape[:-1], -1, block)
+    step = blocks.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(step > 0, 127 / blocks.abs().amax(-1, keepdim=True), 0.0)
+    return (torch.round(blocks * inv) * step).reshape(x.shape)
+
+
+def _greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[Reference]:
     refs = []
     for prompt in prompts:
         out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,

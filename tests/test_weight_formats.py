@@ -1,7 +1,8 @@
 """The packed weight formats of the CPU kernels (engine_worker/csrc/gemm.c): float32,
 bfloat16 and int8 with one scale per 32 inputs. Each computes exactly with the weights
-it unpacks to, those are as close to the original as the format allows, and the engine
-on them gives Hugging Face's greedy output on the same (unpacked) weights."""
+it unpacks to (int8 with its input quantized the same way), those are as close to the
+original as the format allows, and the engine on them gives Hugging Face's greedy output
+on the same (unpacked) weights."""
 
 from __future__ import annotations
 
@@ -14,16 +15,21 @@ from safetensors.torch import save_file
 
 from engine_worker import kernels
 from helpers import greedy, make_engine, random_prompts
-from hf_reference import assert_matches, hf_greedy
+from hf_reference import assert_matches, hf_greedy, quantize_blocks
 
 FORMATS = ["float32", "bfloat16", "int8"]
 
 
-@pytest.fixture(scope="module", params=["native", "avx2"])
+ISAS = {"native": [], "avx2": ["-mno-avx512f"], "avx2-no-vnni": ["-mno-avx512f", "-mno-avxvnni"],
+        "portable": ["-mno-avx2", "-mno-avx512f"]}
+
+
+@pytest.fixture(scope="module", params=list(ISAS))
 def cpu(request):
-    """The kernels as built for this machine, and without AVX-512 (the AVX2 tiles), so
-    that both paths are checked whichever CPU runs the tests."""
-    k = kernels._build_and_load(["-mno-avx512f"] if request.param == "avx2" else [])
+    """The kernels as built for this machine, and as an AVX2 machine with and without
+    VNNI, and one without AVX2, would build them (the int8 dot products differ on
+    each), so that every path is checked whichever CPU runs the tests."""
+    k = kernels._build_and_load(ISAS[request.param])
     assert k is not None, "the C kernels must build on the test machines"
     return k
 
@@ -55,9 +61,12 @@ def test_linear_computes_with_the_unpacked_weight(cpu, fmt, n, k):
     deq = cpu.unpack(packed, n, k, fmt)
     for m in (1, 2, 3, 4, 5, 9, 16, 17, 64):  # tile remainders; in-register and expanded
         x = torch.randn(m, k)
-        torch.testing.assert_close(cpu.linear(x, packed, n, bias, fmt), x @ deq.T + bias,
+        x[0, :32] = 0.0  # an all-zero block: int8 scale 0
+        # int8 weights take x as int8 too, with a scale per block of 32
+        xr = quantize_blocks(x) if fmt == "int8" else x
+        torch.testing.assert_close(cpu.linear(x, packed, n, bias, fmt), xr @ deq.T + bias,
                                    rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(cpu.linear(x, packed, n, None, fmt), x @ deq.T,
+        torch.testing.assert_close(cpu.linear(x, packed, n, None, fmt), xr @ deq.T,
                                    rtol=1e-4, atol=1e-4)
 
 
@@ -111,7 +120,8 @@ def test_the_engine_on_packed_weights_matches_hf_on_the_same_weights(tiny_llama_
     prompts = random_prompts([1, 5, 17, 33], seed=9)
     out = engine.generate(prompts, greedy(10))
     unpacked_checkpoint(engine, tiny_llama_dir, tmp_path / fmt)
-    assert_matches(out, hf_greedy(tmp_path / fmt, prompts, 10), fmt)
+    assert_matches(out, hf_greedy(tmp_path / fmt, prompts, 10, quantized_inputs=fmt == "int8"),
+                   fmt)
     # and the format is not a no-op: float32 weights give other logits somewhere
     assert not torch.equal(cpu_kernels().unpack(engine.runner.model.lm_head.packed,
                                                 engine.model_config.vocab_size,

@@ -13,10 +13,15 @@
  * own share of the weight.
  *
  * Weight formats: float32 panels are read in place. bfloat16 panels (K x 16 x 2 bytes)
- * and int8 panels (K x 16 bytes, then K/32 x 16 float scales: one per 32 inputs of an
- * output feature, GGUF Q8_0's blocking) are expanded, NP panels at a time, into a
- * per-thread float32 buffer that stays in L2, and the same tiles run on it: the
- * weight crosses the memory bus at 2 or ~1.1 bytes per element instead of 4.
+ * are widened in registers at up to DIRECT_MAX_ROWS rows, and above that expanded, NP
+ * panels at a time, into a per-thread float32 buffer that stays in L2, on which the
+ * float32 tiles run. int8 panels (GGUF Q8_0's blocking: one float scale per 32 inputs
+ * of an output feature) are computed with integer dot products, as llama.cpp does:
+ * each row of x is quantized the same way (int8, a scale per 32 inputs), four int8
+ * products at a time are summed into int32 lanes (AVX-512 VNNI's vpdpbusd, or
+ * vpmaddubsw + vpmaddwd on AVX2), and each block's sum is scaled into float32. The
+ * panel stores four consecutive inputs of an output together for that: K/4 groups of
+ * 16 outputs x 4 bytes, then K/32 x 16 float scales (1.125 bytes per weight).
  *
  * The work-sharing loops are orphaned `omp for`s: called inside a parallel region
  * (the fused forward, llama.c) they share that region's threads; called outside one
@@ -74,6 +79,12 @@ int64_t rs_packed_bytes(int64_t N, int64_t K, int format)
     return (N + RS_PANEL - 1) / RS_PANEL * panel_bytes(K, format);
 }
 
+/* Where input k of output j of a panel is in an int8 panel (groups of 4 inputs). */
+static inline int64_t int8_index(int64_t k, int64_t j)
+{
+    return (k & ~(int64_t)3) * RS_PANEL + j * 4 + (k & 3);
+}
+
 static uint16_t to_bf16(float f)   /* round to nearest even */
 {
     uint32_t bits;
@@ -116,25 +127,11 @@ int rs_pack_weight(const float *w, int64_t N, int64_t K, int format, void *packe
                 const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
                 scales[g * RS_PANEL + j] = scale;
                 for (int64_t k = g * RS_INT8_BLOCK; k < (g + 1) * RS_INT8_BLOCK; k++)
-                    q[k * RS_PANEL + j] = row ? (int8_t)lrintf(row[k] * inv) : 0;
+                    q[int8_index(k, j)] = row ? (int8_t)lrintf(row[k] * inv) : 0;
             }
         }
     }
     return 0;
-}
-
-/* VL int8 -> VL floats. GCC's __builtin_convertvector does this one element at a
-   time (measured: int8 weights slower than float32), so the sign extension is an
-   intrinsic where the ISA has one. */
-static inline vf int8_to_float(const vi8 *src)
-{
-#if defined(__AVX512F__)
-    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src)));
-#elif defined(__AVX2__)
-    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)src)));
-#else
-    return __builtin_convertvector(__builtin_convertvector(*src, rs_vi), vf);
-#endif
 }
 
 /* VL bfloat16 -> VL floats (the same: an intrinsic, not GCC's generic conversion). */
@@ -150,112 +147,75 @@ static inline vf bf16_to_float(const uint16_t *src)
 #endif
 }
 
-/* Panels [p, p + np) of a bf16 or int8 weight as float32 panels in `out`. */
-static void expand_panels(const char *packed, int64_t p, int np, int64_t K, int format,
-                          float *out)
+/* Panels [p, p + np) of a bf16 weight as float32 panels in `out`. */
+static void expand_panels(const char *packed, int64_t p, int np, int64_t K, float *out)
 {
-    const int64_t pb = panel_bytes(K, format);
+    const int64_t pb = panel_bytes(K, RS_BF16);
     for (int q = 0; q < np; q++) {
-        const char *src = packed + (p + q) * pb;
+        const uint16_t *src = (const uint16_t *)(packed + (p + q) * pb);
         vf *dst = (vf *)(out + q * K * RS_PANEL);   /* K x PV vectors */
-        if (format == RS_BF16) {
-            for (int64_t i = 0; i < K * PV; i++)
-                dst[i] = bf16_to_float((const uint16_t *)src + i * VL);
-        } else {
-            const vi8 *w8 = (const vi8 *)src;
-            const vfu *scales = (const vfu *)(src + K * RS_PANEL);   /* PV per block */
-            for (int64_t g = 0; g < K / RS_INT8_BLOCK; g++) {
-                vf sc[PV];
-                for (int v = 0; v < PV; v++)
-                    sc[v] = scales[g * PV + v];
-                const int64_t i0 = g * RS_INT8_BLOCK * PV;
-                for (int64_t k = 0; k < RS_INT8_BLOCK; k++)
-                    for (int v = 0; v < PV; v++)
-                        dst[i0 + k * PV + v] = sc[v] * int8_to_float(w8 + i0 + k * PV + v);
-            }
-        }
+        for (int64_t i = 0; i < K * PV; i++)
+            dst[i] = bf16_to_float(src + i * VL);
     }
 }
 
 /* The float32 weight [N, K] a packed one stands for (tests check the formats with it). */
 int rs_unpack_weight(const void *packed, int64_t N, int64_t K, int format, float *w)
 {
-    float *panel = aligned_alloc(64, (size_t)(K * RS_PANEL) * sizeof(float));
-    if (panel == NULL)
-        return -1;
-    for (int64_t p = 0; p * RS_PANEL < N; p++) {
-        const float *src = (const float *)packed + p * K * RS_PANEL;
-        if (format != RS_F32) {
-            expand_panels(packed, p, 1, K, format, panel);
-            src = panel;
+    const int64_t pb = panel_bytes(K, format);
+    for (int64_t n = 0; n < N; n++) {
+        const char *panel = (const char *)packed + n / RS_PANEL * pb;
+        const int64_t j = n % RS_PANEL;
+        for (int64_t k = 0; k < K; k++) {
+            const int64_t at = k * RS_PANEL + j;
+            float v;
+            if (format == RS_F32) {
+                v = ((const float *)panel)[at];
+            } else if (format == RS_BF16) {
+                const uint32_t bits = (uint32_t)((const uint16_t *)panel)[at] << 16;
+                memcpy(&v, &bits, 4);
+            } else {
+                const float *scales = (const float *)(panel + K * RS_PANEL);
+                v = ((const int8_t *)panel)[int8_index(k, j)] *
+                    scales[k / RS_INT8_BLOCK * RS_PANEL + j];
+            }
+            w[n * K + k] = v;
         }
-        for (int64_t j = 0; j < RS_PANEL && p * RS_PANEL + j < N; j++)
-            for (int64_t k = 0; k < K; k++)
-                w[(p * RS_PANEL + j) * K + k] = src[k * RS_PANEL + j];
     }
-    free(panel);
     return 0;
 }
 
-/* A float32 buffer per thread for expanded panels, grown as needed (kept). */
-static float *expand_buffer(int64_t floats)
+/* A buffer per thread (expanded panels, or quantized rows of x), grown as needed and
+   kept. */
+static void *thread_buffer(int64_t bytes)
 {
-    static __thread float *buf = NULL;
+    static __thread void *buf = NULL;
     static __thread int64_t cap = 0;
-    if (floats > cap) {
+    if (bytes > cap) {
         free(buf);
-        buf = aligned_alloc(64, (size_t)floats * sizeof(float));
-        cap = buf ? floats : 0;
+        buf = aligned_alloc(64, (size_t)(bytes + 63) / 64 * 64);
+        cap = buf ? bytes : 0;
     }
     return buf;
 }
 
 /* Weight vector v of a tile (panel v / PV, vector v % PV) at input k, as floats: read in
-   place (float32), widened (bfloat16), or sign-extended and scaled (int8; `sc` holds
-   the tile's scales for k's block). */
+   place (float32) or widened (bfloat16). */
 static inline __attribute__((always_inline)) vf
-weight_vector(const int FORMAT, const char *panel0, int64_t pb, int v, int64_t k, const vf *sc)
+weight_vector(const int FORMAT, const char *panel0, int64_t pb, int v, int64_t k)
 {
     const int64_t at = k * RS_PANEL + (v % PV) * VL;   /* element index in its panel */
     const char *panel = panel0 + (v / PV) * pb;
     if (FORMAT == RS_BF16)
         return bf16_to_float((const uint16_t *)panel + at);
-    if (FORMAT == RS_INT8)
-        return sc[v] * int8_to_float((const vi8 *)(panel + at));
     return *(const vf *)((const float *)panel + at);
 }
 
-/* One tile: rows x[0..MR) against the NP panels at panel0, pb bytes apart, in FORMAT,
-   accumulated over all of K in registers. `n_left` is how many output columns remain
-   from the tile's first one (the last panel may be partial). */
+/* A tile's float32 results into y (+ bias, + y if accumulating). */
 static inline __attribute__((always_inline)) void
-tile(const int MR, const int NP, const int FORMAT, const float *x, int64_t ldx,
-     const char *panel0, int64_t pb, int64_t K, const float *bias, float *y, int64_t ldy,
-     int64_t n_left, int accumulate)
+store_tile(const int MR, const int NP, vf acc[][NP_MAX * PV], const float *bias, float *y,
+           int64_t ldy, int64_t n_left, int accumulate)
 {
-    vf acc[8][NP_MAX * PV];
-    for (int m = 0; m < MR; m++)
-        for (int v = 0; v < NP * PV; v++)
-            acc[m][v] = (vf){0};
-    /* int8 runs block by block, loading the block's scales; the others in one go. */
-    const int64_t kb = FORMAT == RS_INT8 ? RS_INT8_BLOCK : K;
-    for (int64_t k0 = 0; k0 < K; k0 += kb) {
-        vf sc[NP_MAX * PV];
-        if (FORMAT == RS_INT8)
-            for (int v = 0; v < NP * PV; v++)
-                sc[v] = *(const vfu *)(panel0 + (v / PV) * pb + K * RS_PANEL +
-                                       ((k0 / RS_INT8_BLOCK) * RS_PANEL + (v % PV) * VL) * 4);
-        for (int64_t k = k0; k < k0 + kb; k++) {
-            vf w[NP_MAX * PV];
-            for (int v = 0; v < NP * PV; v++)
-                w[v] = weight_vector(FORMAT, panel0, pb, v, k, sc);
-            for (int m = 0; m < MR; m++) {
-                const float xm = x[m * ldx + k];
-                for (int v = 0; v < NP * PV; v++)
-                    acc[m][v] += xm * w[v];
-            }
-        }
-    }
     for (int v = 0; v < NP * PV; v++) {
         const int64_t col = (v / PV) * RS_PANEL + (v % PV) * VL;  /* first column of v */
         const int64_t cols = n_left - col;
@@ -284,10 +244,157 @@ tile(const int MR, const int NP, const int FORMAT, const float *x, int64_t ldx,
     }
 }
 
+/* One float tile: rows x[0..MR) against the NP panels at panel0, pb bytes apart, in
+   FORMAT (float32 or bfloat16), accumulated over all of K in registers. `n_left` is how
+   many output columns remain from the tile's first one (the last panel may be
+   partial). */
+static inline __attribute__((always_inline)) void
+tile(const int MR, const int NP, const int FORMAT, const float *x, int64_t ldx,
+     const char *panel0, int64_t pb, int64_t K, const float *bias, float *y, int64_t ldy,
+     int64_t n_left, int accumulate)
+{
+    vf acc[8][NP_MAX * PV];
+    for (int m = 0; m < MR; m++)
+        for (int v = 0; v < NP * PV; v++)
+            acc[m][v] = (vf){0};
+    for (int64_t k = 0; k < K; k++) {
+        vf w[NP_MAX * PV];
+        for (int v = 0; v < NP * PV; v++)
+            w[v] = weight_vector(FORMAT, panel0, pb, v, k);
+#ifndef __AVX512F__
+        /* The next tile's lines, a tile ahead: AVX2's narrow tiles leave the hardware
+           prefetchers too many short streams (measured: 1.4x faster at 8 rows). */
+        if (FORMAT == RS_F32 || (k & 1) == 0)
+            for (int q = 0; q < NP; q++)
+                _mm_prefetch(panel0 + (NP + q) * pb + k * RS_PANEL * (FORMAT == RS_F32 ? 4 : 2),
+                             _MM_HINT_T0);
+#endif
+        for (int m = 0; m < MR; m++) {
+            const float xm = x[m * ldx + k];
+            for (int v = 0; v < NP * PV; v++)
+                acc[m][v] += xm * w[v];
+        }
+    }
+    store_tile(MR, NP, acc, bias, y, ldy, n_left, accumulate);
+}
+
+/* int8 x int8 dot products, 4 at a time into each int32 lane: acc += x . w for lanes of
+   4 signed bytes (x: one row's 4 inputs, broadcast). The unsigned x signed instructions
+   take |x| and w with x's sign. */
+#if defined(__AVX512BW__)
+typedef __m512i iv;
+#define IV_ZERO _mm512_setzero_si512()
+#define IV_LOAD(p) _mm512_loadu_si512((const void *)(p))
+#define IV_BROADCAST(p) _mm512_set1_epi32(*(const int32_t *)(p))
+#define IV_TO_FLOAT(a) ((vf)_mm512_cvtepi32_ps(a))
+static inline iv dot4(iv acc, iv x, iv w)
+{
+    const iv signed_w = _mm512_mask_sub_epi8(w, _mm512_movepi8_mask(x), IV_ZERO, w);
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(acc, _mm512_abs_epi8(x), signed_w);
+#else
+    const iv pairs = _mm512_maddubs_epi16(_mm512_abs_epi8(x), signed_w);
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+#endif
+}
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+typedef __m256i iv;
+#define IV_ZERO _mm256_setzero_si256()
+#define IV_LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
+#define IV_BROADCAST(p) _mm256_set1_epi32(*(const int32_t *)(p))
+#define IV_TO_FLOAT(a) ((vf)_mm256_cvtepi32_ps(a))
+static inline iv dot4(iv acc, iv x, iv w)
+{
+    const iv signed_w = _mm256_sign_epi8(w, x);
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, _mm256_abs_epi8(x), signed_w);
+#else
+    const iv pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(x), signed_w);
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+#endif
+}
+#else   /* portable: GCC vectors, lane by lane */
+typedef int32_t iv __attribute__((vector_size(VL * 4)));
+typedef int8_t iv8 __attribute__((vector_size(VL * 4)));
+#define IV_ZERO ((iv){0})
+static inline iv IV_LOAD(const void *p) { iv r; memcpy(&r, p, sizeof r); return r; }
+static inline iv IV_BROADCAST(const void *p)
+{
+    int32_t v;
+    memcpy(&v, p, 4);
+    return (iv){0} + v;
+}
+#define IV_TO_FLOAT(a) __builtin_convertvector(a, vf)
+static inline iv dot4(iv acc, iv x, iv w)
+{
+    const iv8 xb = (iv8)x, wb = (iv8)w;
+    for (int l = 0; l < VL; l++)
+        for (int t = 0; t < 4; t++)
+            acc[l] += xb[4 * l + t] * wb[4 * l + t];
+    return acc;
+}
+#endif
+
+/* One int8 tile: rows [0..MR) of the quantized x (xq: int8, K per row; xs: a scale
+   per block of 32) against the NP int8 panels at panel0. */
+static inline __attribute__((always_inline)) void
+tile_q8(const int MR, const int NP, const int8_t *xq, const float *xs, const char *panel0,
+        int64_t pb, int64_t K, const float *bias, float *y, int64_t ldy, int64_t n_left,
+        int accumulate)
+{
+    const int64_t blocks = K / RS_INT8_BLOCK;
+    vf acc[8][NP_MAX * PV];
+    for (int m = 0; m < MR; m++)
+        for (int v = 0; v < NP * PV; v++)
+            acc[m][v] = (vf){0};
+    for (int64_t b = 0; b < blocks; b++) {
+        iv sums[8][NP_MAX * PV];
+        for (int m = 0; m < MR; m++)
+            for (int v = 0; v < NP * PV; v++)
+                sums[m][v] = IV_ZERO;
+        for (int64_t k = b * RS_INT8_BLOCK; k < (b + 1) * RS_INT8_BLOCK; k += 4) {
+            iv w[NP_MAX * PV];   /* VL outputs x 4 inputs each */
+            for (int v = 0; v < NP * PV; v++)
+                w[v] = IV_LOAD(panel0 + (v / PV) * pb + k * RS_PANEL + (v % PV) * VL * 4);
+            for (int q = 0; q < NP; q++)   /* the next tile's line, a tile ahead */
+                _mm_prefetch(panel0 + (NP + q) * pb + k * RS_PANEL, _MM_HINT_T0);
+            for (int m = 0; m < MR; m++) {
+                const iv xm = IV_BROADCAST(xq + m * K + k);
+                for (int v = 0; v < NP * PV; v++)
+                    sums[m][v] = dot4(sums[m][v], xm, w[v]);
+            }
+        }
+        for (int v = 0; v < NP * PV; v++) {
+            const vf ws = *(const vf *)(panel0 + (v / PV) * pb + K * RS_PANEL +
+                                        (b * RS_PANEL + (v % PV) * VL) * 4);
+            for (int m = 0; m < MR; m++)
+                acc[m][v] += IV_TO_FLOAT(sums[m][v]) * (ws * xs[m * blocks + b]);
+        }
+    }
+    store_tile(MR, NP, acc, bias, y, ldy, n_left, accumulate);
+}
+
+/* Rows of x quantized as int8 weights are: a scale per 32 inputs (amax / 127). */
+static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *xs)
+{
+    for (int64_t i = 0; i < M * K / RS_INT8_BLOCK; i++) {
+        const float *src = x + i * RS_INT8_BLOCK;
+        float amax = 0.0f;
+        for (int j = 0; j < RS_INT8_BLOCK; j++)
+            amax = fmaxf(amax, fabsf(src[j]));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        xs[i] = amax / 127.0f;
+        for (int j = 0; j < RS_INT8_BLOCK; j++)
+            xq[i * RS_INT8_BLOCK + j] = (int8_t)nearbyintf(src[j] * inv);
+    }
+}
+
 /* The tile shapes, instantiated with compile-time sizes and format so that the
-   accumulators stay in registers: tiles[format][wide][rows]. */
+   accumulators stay in registers: TILES[format][wide][rows], TILES_Q8[wide][rows]. */
 typedef void (*tile_fn)(const float *, int64_t, const char *, int64_t, int64_t, const float *,
                         float *, int64_t, int64_t, int);
+typedef void (*tile_q8_fn)(const int8_t *, const float *, const char *, int64_t, int64_t,
+                           const float *, float *, int64_t, int64_t, int);
 #define TILE(mr, np, f, name) \
     static void tile_##mr##_##name(const float *x, int64_t ldx, const char *w, int64_t pb, \
                                    int64_t K, const float *bias, float *y, int64_t ldy, \
@@ -298,16 +405,34 @@ typedef void (*tile_fn)(const float *, int64_t, const char *, int64_t, int64_t, 
     TILE(5, np, f, name) TILE(6, np, f, name) TILE(7, np, f, name) TILE(8, np, f, name)
 TILES_ROWS(1, RS_F32, f32_one) TILES_ROWS(NP_MAX, RS_F32, f32_wide)
 TILES_ROWS(1, RS_BF16, bf16_one) TILES_ROWS(NP_MAX, RS_BF16, bf16_wide)
-TILES_ROWS(1, RS_INT8, int8_one) TILES_ROWS(NP_MAX, RS_INT8, int8_wide)
 #define ROW(name) {NULL, tile_1_##name, tile_2_##name, tile_3_##name, tile_4_##name, \
                    tile_5_##name, tile_6_##name, tile_7_##name, tile_8_##name}
-static const tile_fn TILES[3][2][9] = {{ROW(f32_one), ROW(f32_wide)},
-                                       {ROW(bf16_one), ROW(bf16_wide)},
-                                       {ROW(int8_one), ROW(int8_wide)}};
+static const tile_fn TILES[2][2][9] = {{ROW(f32_one), ROW(f32_wide)},
+                                       {ROW(bf16_one), ROW(bf16_wide)}};
+#define TILE_Q8(mr, np, name) \
+    static void tile_q8_##mr##_##name(const int8_t *xq, const float *xs, const char *w, \
+                                      int64_t pb, int64_t K, const float *bias, float *y, \
+                                      int64_t ldy, int64_t n_left, int acc) \
+    { tile_q8(mr, np, xq, xs, w, pb, K, bias, y, ldy, n_left, acc); }
+TILE_Q8(1, 1, one) TILE_Q8(2, 1, one) TILE_Q8(3, 1, one)
+TILE_Q8(1, NP_MAX, wide) TILE_Q8(2, NP_MAX, wide) TILE_Q8(3, NP_MAX, wide)
+static const tile_q8_fn TILES_Q8[2][4] = {
+    {NULL, tile_q8_1_one, tile_q8_2_one, tile_q8_3_one},
+    {NULL, tile_q8_1_wide, tile_q8_2_wide, tile_q8_3_wide}};
 
-/* Up to this many rows, bfloat16 and int8 tiles convert the weight in registers; at
-   more, row blocks would convert it again each, and expanding a group of panels into
-   float32 once (in L2) is cheaper. */
+/* Rows per int8 tile: two sets of accumulators (int32 block sums, float totals) must
+   fit the registers. */
+#ifdef __AVX512F__
+#define Q8_MR_MAX 3
+#define Q8_WIDE_MAX_ROWS (1 << 30)   /* always: 3 rows x 4 panels fit */
+#else
+#define Q8_MR_MAX 2
+#define Q8_WIDE_MAX_ROWS 1
+#endif
+
+/* Up to this many rows, bfloat16 tiles widen the weight in registers; at more, row
+   blocks would widen it again each, and expanding a group of panels into float32 once
+   (in L2) is cheaper. */
 #ifndef DIRECT_MAX_ROWS
 #define DIRECT_MAX_ROWS 16
 #endif
@@ -317,37 +442,52 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
 {
     const int64_t panels = (N + RS_PANEL - 1) / RS_PANEL;
     const int nthreads = rs_num_threads();
-    const int expand = format != RS_F32 && M > DIRECT_MAX_ROWS;
-    float *buf = expand ? expand_buffer(NP_MAX * K * RS_PANEL) : NULL;
-    int failed = expand && buf == NULL;
+    const int int8 = format == RS_INT8, expand = format == RS_BF16 && M > DIRECT_MAX_ROWS;
+    /* Scratch: expanded panels, or (int8) x quantized, by every thread for itself. */
+    void *buf = NULL;
+    if (expand)
+        buf = thread_buffer(NP_MAX * K * RS_PANEL * 4);
+    else if (int8)
+        buf = thread_buffer(M * K + M * (K / RS_INT8_BLOCK) * 4);
+    int failed = (expand || int8) && buf == NULL;
+    int8_t *xq = buf;
+    float *xs = int8 && buf ? (float *)((char *)buf + M * K) : NULL;   /* M * K % 32 == 0 */
+    if (int8 && !failed)
+        quantize_rows(x, M, K, xq, xs);
     const int64_t pb = panel_bytes(K, format);
+    const int64_t mr_max = int8 ? Q8_MR_MAX : MR_MAX;
+    const int64_t blocks = (M + mr_max - 1) / mr_max;
     /* Contiguous panel ranges, one per thread, balanced to a panel. */
 #pragma omp for schedule(static, 1)
     for (int t = 0; t < nthreads; t++) {
         const int64_t p_begin = panels * t / nthreads, p_end = panels * (t + 1) / nthreads;
         for (int64_t p = p_begin; p < p_end && !failed;) {
-            const int np = M <= WIDE_MAX_ROWS && p_end - p >= NP_MAX ? NP_MAX : 1;
+            const int wide = M <= (int8 ? Q8_WIDE_MAX_ROWS : WIDE_MAX_ROWS) &&
+                             p_end - p >= NP_MAX;
             const char *w = (const char *)packed + p * pb;
             int64_t w_pb = pb;
             int w_format = format;
             if (expand) {
-                expand_panels(packed, p, np, K, format, buf);
+                expand_panels(packed, p, wide ? NP_MAX : 1, K, buf);
                 w = (const char *)buf;
                 w_pb = K * RS_PANEL * 4;
                 w_format = RS_F32;
             }
-            const tile_fn *tiles = TILES[w_format][np == NP_MAX];
             const int64_t n0 = p * RS_PANEL;
             /* Row blocks of near-equal size (8 rows: 4 + 4, not 6 + 2): a thin
                block has too few accumulators to hide the FMA latency. */
-            const int64_t blocks = (M + MR_MAX - 1) / MR_MAX;
             for (int64_t b = 0, m = 0; b < blocks; b++) {
                 const int mr = (int)((M * (b + 1)) / blocks - m);
-                tiles[mr](x + m * K, K, w, w_pb, K, bias == NULL ? NULL : bias + n0,
-                          y + m * N + n0, N, N - n0, accumulate);
+                const float *bias_n = bias == NULL ? NULL : bias + n0;
+                if (int8)
+                    TILES_Q8[wide][mr](xq + m * K, xs + m * (K / RS_INT8_BLOCK), w, w_pb, K,
+                                       bias_n, y + m * N + n0, N, N - n0, accumulate);
+                else
+                    TILES[w_format][wide][mr](x + m * K, K, w, w_pb, K, bias_n,
+                                              y + m * N + n0, N, N - n0, accumulate);
                 m += mr;
             }
-            p += np;
+            p += wide ? NP_MAX : 1;
         }
     }
     return failed ? -1 : 0;
