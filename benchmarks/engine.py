@@ -74,8 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also measure decode steps at --roofline-batches against their floor")
     p.add_argument("--roofline-batches", default="1,8,64")
     p.add_argument("--kernel-isa", choices=["native", "avx2"], default="native",
-                   help="avx2: build the C kernels without AVX-512 (to measure that path "
-                        "on an AVX-512 machine)")
+                   help="avx2: build the C kernels as for an AVX2-only CPU, without "
+                        "AVX-512 or AVX-VNNI (to measure that path on an AVX-512 machine)")
     p.add_argument("--json", dest="json_path", default=None, help="write the figures here")
     return p.parse_args(argv)
 
@@ -320,7 +320,7 @@ def main(argv=None) -> int:
     if args.kernel_isa == "avx2":
         from engine_worker import kernels
 
-        kernels.use_extra_flags(["-mno-avx512f"])
+        kernels.use_extra_flags(["-mno-avx512f", "-mno-avxvnni"])
     concurrency = args.max_batch_size or args.num_requests
     engine = LLMEngine(EngineConfig(
         model=args.model, device="cpu", num_threads=args.threads, dtype=args.dtype,

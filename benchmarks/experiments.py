@@ -8,6 +8,10 @@ variant's server flags, runs benchmarks/stream.py against it (writing
 docs/bench/<experiment>-<variant>.json), and stops it; then the variants are printed
 side by side (benchmarks/compare.py). ``http-ratio`` alternates in-process engine runs
 and HTTP runs of one workload and prints HTTP tokens/s as a ratio of in-process.
+
+Server flags after ``--`` go to every server (and ``--model`` to the in-process engine
+too); ``--smoke`` shrinks every workload to a few requests and tokens, and ``--out``
+writes the JSON elsewhere (the CI smoke test runs them all on a tiny model that way).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.compare import compare  # noqa: E402
 
 OUT = ROOT / "docs" / "bench"
+# --smoke: the most any workload flag may ask for.
+SMOKE_CAPS = {"--num-requests": 4, "--max-new-tokens": 4, "--prompt-repeats": 4}
 
 # Seed 046/047: 256 unique prompts, one output token: the cost is all in submission.
 SUBMIT = ["--prompt", "Hello", "--prompt-repeats", "32", "--unique-prompts", "--num-requests",
@@ -74,6 +80,15 @@ EXPERIMENTS: dict[str, list[tuple[str, list[str], list[str]]]] = {
 }
 
 
+def smoke(args: list[str]) -> list[str]:
+    """stream.py flags with every workload size capped (SMOKE_CAPS)."""
+    out = list(args)
+    for i, flag in enumerate(out[:-1]):
+        if flag in SMOKE_CAPS:
+            out[i + 1] = str(min(int(out[i + 1]), SMOKE_CAPS[flag]))
+    return out
+
+
 class Server:
     def __init__(self, flags: list[str], port: int) -> None:
         self.url = f"http://127.0.0.1:{port}"
@@ -108,46 +123,49 @@ def stream(url: str, args: list[str], out: Path, label: str) -> dict:
     return json.loads(out.read_text())
 
 
-def run_experiment(name: str, port: int) -> None:
+def run_experiment(name: str, args: argparse.Namespace) -> None:
     print(f"##### {name}", flush=True)
     summaries = []
     for variant, server_flags, stream_args in EXPERIMENTS[name]:
         print(f"--- {variant}: roseserve serve {' '.join(server_flags)}", flush=True)
-        server = Server(server_flags, port)
+        server = Server(server_flags + args.server_flags, args.port)
         try:
-            summaries.append(stream(server.url, stream_args, OUT / f"{name}-{variant}.json",
-                                    variant))
+            summaries.append(stream(server.url, smoke(stream_args) if args.smoke else stream_args,
+                                    args.out / f"{name}-{variant}.json", variant))
         finally:
             server.stop()
     for other in summaries[1:]:
         print("\n".join(compare(summaries[0], other)), flush=True)
 
 
-def http_ratio(port: int, repeats: int = 3) -> None:
+def http_ratio(args: argparse.Namespace) -> None:
     """One workload in-process and over HTTP, alternated; HTTP / in-process tokens/s."""
     from benchmarks.engine import make_prompts, run_engine
     from common.config import EngineConfig, SchedulerConfig
     from engine_worker.engine import LLMEngine
 
     print("##### http-ratio", flush=True)
-    engine = LLMEngine(EngineConfig(device="cpu", num_threads=2,
-                                    scheduler=SchedulerConfig(max_batch_size=64)))
-    wl = argparse.Namespace(seed=0, shared_prefix=0, input_len=16, num_requests=64)
+    model = args.server_flags[args.server_flags.index("--model") + 1] \
+        if "--model" in args.server_flags else None
+    num_requests, tokens, repeats = (4, 4, 1) if args.smoke else (64, 128, 3)
+    engine = LLMEngine(EngineConfig(device="cpu", num_threads=2, model=model,
+                                    scheduler=SchedulerConfig(max_batch_size=num_requests)))
+    wl = argparse.Namespace(seed=0, shared_prefix=0, input_len=16, num_requests=num_requests)
     prompts = make_prompts(wl, engine.vocab_size)
     run_engine(engine, prompts[:4], 4)
-    server = Server(["--threads", "2"], port)
+    server = Server(["--threads", "2", *args.server_flags], args.port)
     pairs = []
     try:
         stream(server.url, ["--dataset", "random", "--input-len", "16", "--num-requests", "8",
                             "--max-new-tokens", "8", "--no-stop-on-eos", "--warmup-runs", "0"],
-               OUT / "http-ratio-warmup.json", "warmup")
+               args.out / "http-ratio-warmup.json", "warmup")
         for r in range(repeats):
             engine.block_manager.reset_prefix_cache()
-            local = run_engine(engine, prompts, 128)["tokens_per_s"]
+            local = run_engine(engine, prompts, tokens)["tokens_per_s"]
             remote = stream(server.url, [
-                "--dataset", "random", "--input-len", "16", "--num-requests", "64",
-                "--max-new-tokens", "128", "--no-stop-on-eos", "--warmup-runs", "0",
-                "--seed", str(r)], OUT / f"http-ratio-{r}.json", f"http-{r}")
+                "--dataset", "random", "--input-len", "16", "--num-requests", str(num_requests),
+                "--max-new-tokens", str(tokens), "--no-stop-on-eos", "--warmup-runs", "0",
+                "--seed", str(r)], args.out / f"http-ratio-{r}.json", f"http-{r}")
             pairs.append((local, remote["throughput_completion"]))
             print(f"pair {r}: in-process {local:.1f} tokens/s, HTTP "
                   f"{remote['throughput_completion']:.1f} tokens/s", flush=True)
@@ -156,23 +174,31 @@ def http_ratio(port: int, repeats: int = 3) -> None:
     ratios = [b / a for a, b in pairs]
     print(f"HTTP / in-process output tokens/s: {statistics.median(ratios):.3f} "
           f"(median of {', '.join(f'{x:.3f}' for x in ratios)})")
-    (OUT / "http-ratio.json").write_text(json.dumps({"pairs": pairs, "ratios": ratios}))
+    (args.out / "http-ratio.json").write_text(json.dumps({"pairs": pairs, "ratios": ratios}))
 
 
-def main() -> int:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("experiments", nargs="+",
                         choices=[*EXPERIMENTS, "http-ratio"])
     parser.add_argument("--port", type=int, default=8077)
-    args = parser.parse_args()
-    OUT.mkdir(parents=True, exist_ok=True)
+    parser.add_argument("--out", type=Path, default=OUT, help="where the JSON goes")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a few requests and tokens per workload (CI)")
+    parser.usage = "%(prog)s [-h] [--port PORT] [--out OUT] [--smoke] NAME [NAME ...] " \
+                   "[-- SERVER FLAGS]"
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:cut])
+    args.server_flags = argv[cut + 1:]   # for every roseserve serve
+    args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     for name in args.experiments:
         if name == "http-ratio":
-            http_ratio(args.port)
+            http_ratio(args)
         else:
-            run_experiment(name, args.port)
+            run_experiment(name, args)
     return 0
 
 

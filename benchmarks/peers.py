@@ -1,8 +1,10 @@
 """roseserve against another OpenAI-compatible server: the same workload, back to back.
 
     roseserve serve &                                   # http://127.0.0.1:8000
-    ../shared/peers/llama-server --format f32 &         # http://127.0.0.1:8090 (llama.cpp)
+    llama-server -m SmolLM2-135M-Instruct.F32.gguf --port 8090 -np 64 -c 65536 -t 2 &
     python benchmarks/peers.py --peer-url http://127.0.0.1:8090 --json docs/bench/peers-f32.json
+
+(llama.cpp's server; docs/performance.md says how its GGUF files were made.)
 
 The workload: random prompts of ``--input-len`` token ids (32), ``--output-len``
 output tokens (128) with ignore_eos, greedy, streamed, at each concurrency of

@@ -31,7 +31,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="auto: float32 on CPU, bfloat16 on CUDA; on the CPU kernels, "
                         "bfloat16 means bfloat16 weights with float32 compute")
     g.add_argument("--quantization", default=None, choices=["int8"],
-                   help="int8: 8-bit weights, one scale per 32 inputs (CPU kernels)")
+                   help="int8: 8-bit weights and layer inputs, a scale per 32 values, "
+                        "integer dot products (CPU kernels; as llama.cpp's Q8_0)")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for the model")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-batch-size", type=int, default=64, help="decode batch")
