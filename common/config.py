@@ -92,7 +92,8 @@ class EngineConfig:
     # "auto": float32 on CPU, bfloat16 on CUDA (float16 where bf16 is unsupported). On
     # the CPU kernels, bfloat16 stores the weights in bfloat16 and computes in float32.
     dtype: str = "auto"
-    # "int8": weights in 8 bits, one scale per 32 inputs (CPU kernels only). None: dtype.
+    # "int8": weights and layer inputs in 8 bits, a scale per 32 values (CPU kernels
+    # only; llama.cpp's Q8_0). None: dtype.
     quantization: Optional[str] = None
     # Intra-op threads for CPU matmuls; None: torch's default (all cores).
     num_threads: Optional[int] = None
