@@ -9,7 +9,8 @@
 The workload: random prompts of ``--input-len`` token ids (32), ``--output-len``
 output tokens (128) with ignore_eos, greedy, streamed, at each concurrency of
 ``--streams`` (1, 8, 64; ``max(--min-requests, 2 x streams)`` requests each). At every
-concurrency the two servers run alternately ``--rounds`` times (roseserve first),
+concurrency the two servers run alternately ``--rounds`` times (roseserve first), on
+the same prompts, new ones each round (so no prompt cache serves them),
 each run through benchmarks/stream.py, which needs nothing roseserve-specific from
 the peer: without token ids or a usage chunk it counts one token per text chunk.
 Printed: per concurrency and server, the median output tokens/s and TTFT p50, and
@@ -53,13 +54,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def run(url: str, streams: int, args: argparse.Namespace, label: str) -> dict:
+def run(url: str, streams: int, args: argparse.Namespace, label: str, seed: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run.json"
         argv = ["--url", url, "--dataset", "random", "--input-len", str(args.input_len),
                 "--num-requests", str(max(args.min_requests, 2 * streams)),
                 "--max-new-tokens", str(args.output_len), "--no-stop-on-eos",
-                "--max-concurrency", str(streams), "--seed", str(args.seed),
+                "--max-concurrency", str(streams), "--seed", str(seed),
                 "--warmup-runs", "0", "--no-progress", "--label", label, "--json", str(out),
                 *(["--tokenizer", args.tokenizer] if args.tokenizer else [])]
         with contextlib.redirect_stdout(io.StringIO()):  # the full report is in the JSON
@@ -80,8 +81,11 @@ def main(argv=None) -> int:
     for streams in levels:
         runs: dict[str, list[dict]] = {name: [] for name, _ in servers}
         for r in range(args.rounds):
+            # Prompts new to both servers in every round: a repeated prompt would be
+            # served from their prompt caches (llama-server's slots, our prefix cache).
+            seed = args.seed + 1000 * streams + r
             for name, url in servers:
-                one = run(url, streams, args, f"{name} x{streams} round {r + 1}")
+                one = run(url, streams, args, f"{name} x{streams} round {r + 1}", seed)
                 runs[name].append(one)
                 print(f"{streams:>3} streams, round {r + 1}: {name:<10} "
                       f"{one['tokens_per_s']:7.1f} tokens/s, TTFT p50 {one['ttft_ms_p50']:.0f} ms",
