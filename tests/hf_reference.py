@@ -57,9 +57,9 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int,
 def quantize_blocks(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     """x rounded to int8 steps of its blocks' amax / 127 along the last dimension."""
     blocks = x.reshape(*x.shape[:-1], -1, block)
-    step = blocks.abs().amax(-1, keepdim=True) / 127
-    inv = torch.where(step > 0, 127 / blocks.abs().amax(-1, keepdim=True), 0.0)
-    return (torch.round(blocks * inv) * step).reshape(x.shape)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127 / amax, 0.0)  # as gemm.c: x * (127 / amax), rounded
+    return (torch.round(blocks * inv) * (amax / 127)).reshape(x.shape)
 
 
 def _greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[Reference]:

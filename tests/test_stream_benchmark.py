@@ -198,6 +198,9 @@ def test_peers_compares_roseserve_with_any_openai_server(stack, tmp_path, tiny_l
             assert len(row[name]["runs"]) == 2
             assert all(r["completion_tokens"] == 6 * n for r in row[name]["runs"]), row[name]
         assert row["ratio_tokens_per_s"] > 0
+    # Every round's prompts are new: a repeated one would be served from a prompt cache.
+    prompts = [tuple(b["prompt"]) for b in peer.bodies]
+    assert len(prompts) == 2 * (2 + 8) and len(set(prompts)) == len(prompts)
     # Nothing roseserve-specific was asked of the peer; ignore_eos is everyone's.
     assert peer.bodies and all("return_token_ids" not in b and b["ignore_eos"]
                                for b in peer.bodies)

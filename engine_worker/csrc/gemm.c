@@ -62,7 +62,6 @@ typedef float vfu __attribute__((vector_size(VL * 4), aligned(4)));   /* unalign
 
 typedef uint16_t vu16 __attribute__((vector_size(VL * 2), aligned(2)));
 typedef uint32_t vu32 __attribute__((vector_size(VL * 4)));
-typedef int8_t vi8 __attribute__((vector_size(VL), aligned(1)));
 
 /* Bytes of one packed panel of K inputs. */
 static int64_t panel_bytes(int64_t K, int format)
