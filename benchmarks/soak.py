@@ -59,7 +59,8 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
 
 
 LEAK_GAUGES = ("roseserve_requests_in_progress", "roseserve_admitted_requests",
-               "roseserve_engine_load", "roseserve_engine_requests", "roseserve_tokenizer_queue")
+               "roseserve_engine_load", "vllm:num_requests_running", "vllm:num_requests_waiting",
+               "roseserve_tokenizer_queue")
 
 
 def held(text: str) -> dict[str, float]:

@@ -84,7 +84,7 @@ def metric(text: str, name: str, **labels) -> float:
     """Sum of the series of ``name`` in a /metrics text whose labels include ``labels``."""
     total = 0.0
     for line in text.splitlines():
-        m = re.match(r"^([a-z_]+)(\{[^}]*\})? ([-0-9.e+]+)$", line)
+        m = re.match(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? ([-0-9.e+]+)$", line)
         if m and m.group(1) == name and all(
                 f'{k}="{v}"' in (m.group(2) or "") for k, v in labels.items()):
             total += float(m.group(3))

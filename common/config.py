@@ -160,8 +160,9 @@ class FrontendConfig:
     tokenizer_address: str = DEFAULT_TOKENIZER_ADDRESS
     # The model directory, for its tokenizer (output decoding); None: the default model.
     model: Optional[str] = None
-    # The name clients must send as "model"; None: the model directory's name.
-    served_model_name: Optional[str] = None
+    # The names clients may send as "model" (aliases of one model, the first listed
+    # first); empty: the model directory's name.
+    served_model_names: tuple[str, ...] = ()
     # Bearer key required on /v1/*; None: no authentication.
     api_key: Optional[str] = None
     max_body_bytes: int = 8 << 20

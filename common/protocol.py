@@ -14,6 +14,7 @@ from typing import Optional
 import msgspec
 
 from common.errors import InvalidRequestError
+from common.structured import StructuredOutput
 
 # Logprobs are returned for at most this many alternatives per token (OpenAI's limit).
 MAX_TOP_LOGPROBS = 20
@@ -23,6 +24,8 @@ GREEDY_TEMPERATURE = 1e-5
 # Repetition penalties outside this range are refused: they only push logits toward
 # overflow, and 1.0-2.0 is what anyone uses.
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
+# logit_bias values are clamped to this range by OpenAI; roseserve refuses others.
+MAX_LOGIT_BIAS = 100.0
 
 
 class FinishReason(str, enum.Enum):
@@ -65,6 +68,18 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     logprobs: Optional[int] = None
     # Keep only the last N prompt tokens (explicit truncation); None: never truncate.
     truncate_prompt_tokens: Optional[int] = None
+    # Added to the logits of these token ids before sampling (-100 bans, 100 forces).
+    logit_bias: dict[int, float] = {}
+    # Only these token ids may be generated; None: any.
+    allowed_token_ids: Optional[list[int]] = None
+    # Token sequences never generated: the last token of each is banned whenever the
+    # tokens before it are the sequence's other tokens.
+    bad_words_ids: list[list[int]] = []
+    # Constrain the output to a JSON schema, regex, choice or grammar.
+    structured: Optional[StructuredOutput] = None
+    # Like logprobs, for every prompt token after the first (returned with the first
+    # output). The prompt is then computed, not read from the prefix cache.
+    prompt_logprobs: Optional[int] = None
 
     def validate(self) -> None:
         """Raise InvalidRequestError naming the first invalid field."""
@@ -106,14 +121,32 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
                 raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}", name)
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise InvalidRequestError("seed must fit in 64 bits", "seed")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise InvalidRequestError(
-                f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}",
-                "logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+                raise InvalidRequestError(
+                    f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {value}", name)
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
             raise InvalidRequestError(
                 f"truncate_prompt_tokens must be at least 1, got "
                 f"{self.truncate_prompt_tokens}", "truncate_prompt_tokens")
+        for token_id, bias in self.logit_bias.items():
+            _check_finite(bias, "logit_bias")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise InvalidRequestError(
+                    f"logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                    f"got {bias} for token {token_id}", "logit_bias")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise InvalidRequestError("allowed_token_ids must not be empty", "allowed_token_ids")
+        if any(not word for word in self.bad_words_ids):
+            raise InvalidRequestError("bad_words must not hold an empty word", "bad_words")
+
+    def token_id_fields(self) -> list[tuple[str, list[int]]]:
+        """Every token id the params name, by field, to check against the vocabulary."""
+        return [("stop_token_ids", self.stop_token_ids),
+                ("logit_bias", list(self.logit_bias)),
+                ("allowed_token_ids", self.allowed_token_ids or []),
+                ("bad_words", [t for word in self.bad_words_ids for t in word])]
 
     @property
     def greedy(self) -> bool:
@@ -145,6 +178,13 @@ class RequestOutput(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     logprobs: Optional[list[TokenLogprobs]] = None
     # Set on the request's last output.
     finish_reason: Optional[FinishReason] = None
+    # On the first output, with prompt_logprobs: one entry per prompt token after
+    # the first.
+    prompt_logprobs: Optional[list[TokenLogprobs]] = None
+    # With finish_reason STOP: the token id that ended generation (EOS or a stop
+    # token id; it is the last new token and not part of the text), or None when the
+    # output's grammar was complete (every token is text).
+    stop_token_id: Optional[int] = None
     # With finish_reason ERROR: what went wrong.
     error: Optional[str] = None
     # On the first output only: prompt tokens served from the prefix cache, and the
@@ -277,6 +317,9 @@ class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
     role: str
     content: str
     name: Optional[str] = None
+    # An assistant's tool calls (OpenAI's shape), and a tool message's call id.
+    tool_calls: Optional[list[dict]] = None
+    tool_call_id: Optional[str] = None
 
 
 class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -286,6 +329,8 @@ class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
     messages: Optional[list[ChatMessage]] = None
     # Chat: end the rendered text with the assistant's turn header.
     add_generation_prompt: bool = True
+    # Chat: the tools the request offers (OpenAI's shape), for templates that show them.
+    tools: Optional[list[dict]] = None
     # Plain text: add the tokenizer's special tokens (e.g. BOS) around it.
     add_special_tokens: bool = True
 

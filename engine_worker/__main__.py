@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 from common import faults
 from common.config import (DEFAULT_ENGINE_ADDRESS, DEFAULT_MAX_FRAME_BYTES, CacheConfig,
                            EngineConfig, EngineServerConfig, SchedulerConfig, env_default)
-from common.errors import ModelLoadError
+from common.errors import InvalidRequestError, ModelLoadError
 from common.logging_setup import setup_logging
 from common.sockets import is_loopback
 
@@ -101,6 +101,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ModelLoadError, RuntimeError, ValueError) as e:
         logger.error("cannot start the engine: %s", e)
         return 2
+    try:
+        engine.grammars  # built now, not inside the first structured request's step
+    except InvalidRequestError as e:
+        logger.warning("structured output is unavailable: %s", e)
     try:
         server = EngineServer(engine, server_config)
     except Exception as e:  # zmq.ZMQError: address in use, bad address

@@ -6,6 +6,7 @@ in-process benchmark drive it directly. Not thread-safe: one caller steps it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Iterable, Optional, Sequence
@@ -17,11 +18,12 @@ from common.errors import InvalidRequestError
 from common.model_files import resolve_model_dir
 from common.protocol import (EngineStats, FinishReason, RequestOutput, SamplingParams,
                              TokenLogprobs)
+from common.structured import GrammarCompiler
 from engine_worker.block_manager import BlockManager
 from engine_worker.model_config import load_model_config
 from engine_worker.model_runner import ModelRunner, resolve_device, resolve_dtype
 from engine_worker.request import Request
-from engine_worker.sampler import Samples
+from engine_worker.sampler import Samples, token_logprobs
 from engine_worker.scheduler import ScheduledRequest, Scheduler
 
 logger = logging.getLogger(__name__)
@@ -59,6 +61,24 @@ class LLMEngine:
                     self.runner.weight_format,
                     self.max_model_len, self.runner.num_blocks)
 
+    @functools.cached_property
+    def grammars(self) -> GrammarCompiler:
+        """Structured output's grammars, over the model's tokenizer (built on first
+        use: about a second for a 50k vocabulary; the worker process builds it at
+        start)."""
+        path = self.model_dir / "tokenizer.json"
+        if not path.is_file():
+            raise InvalidRequestError(f"structured output needs the model's tokenizer.json, "
+                                      f"which {self.model_dir} does not have", "response_format")
+        from tokenizers import Tokenizer
+
+        try:
+            return GrammarCompiler(Tokenizer.from_file(str(path)), self.vocab_size,
+                                   sorted(self.eos_token_ids))
+        except Exception as e:  # a tokenizer llguidance cannot read
+            raise InvalidRequestError(f"structured output is unavailable for this model's "
+                                      f"tokenizer: {e}", "response_format") from e
+
     @property
     def vocab_size(self) -> int:
         return self.model_config.vocab_size
@@ -87,7 +107,8 @@ class LLMEngine:
             raise InvalidRequestError("the prompt is empty; it needs at least one token",
                                       "prompt")
         self._check_token_ids(prompt, "prompt")
-        self._check_token_ids(params.stop_token_ids, "stop_token_ids")
+        for name, ids in params.token_id_fields():
+            self._check_token_ids(ids, name)
         room = self.max_model_len - len(prompt)
         if params.max_tokens is not None and params.max_tokens > room:
             raise InvalidRequestError(
@@ -97,8 +118,11 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"the prompt ({len(prompt)} tokens) leaves no room to generate in the "
                 f"model's context of {self.max_model_len} tokens", "prompt")
+        grammar = None
+        if params.structured is not None:
+            grammar = self.grammars.matcher(params.structured)  # InvalidRequestError
         request = Request(request_id, prompt, params, params.max_tokens or room,
-                          self.eos_token_ids)
+                          self.eos_token_ids, grammar)
         self.requests[request_id] = request
         self.scheduler.add(request)
 
@@ -143,6 +167,7 @@ class LLMEngine:
         outputs: list[RequestOutput] = []
         try:
             logits = self.runner.forward(scheduled)
+            self._record_prompt_logprobs()
         except Exception:
             logger.exception("the forward pass failed for %d request(s); running them one "
                              "by one", len(scheduled))
@@ -186,6 +211,14 @@ class LLMEngine:
             self.scheduler.finish(request)
             del self.requests[request.request_id]
         return self._output(request, [token_id], None if logprobs is None else [logprobs])
+
+    def _record_prompt_logprobs(self) -> None:
+        """The logprobs of prompt tokens whose logits the last forward computed."""
+        for request, first, logits in self.runner.prompt_logits:
+            request.prompt_logprobs.extend(token_logprobs(
+                torch.log_softmax(logits.float(), dim=-1),
+                request.token_ids[first + 1:first + 1 + len(logits)],
+                request.params.prompt_logprobs))
 
     def _sample(self, logits: Optional[torch.Tensor], requests: list[Request]) -> Samples:
         if not requests:
@@ -237,6 +270,7 @@ class LLMEngine:
                                                    f"{e}"))
                 continue
             ran.append(s)
+            self._record_prompt_logprobs()
             if logits is not None:
                 rows.append(logits)
         return ran, (torch.cat(rows) if rows else None), outputs
@@ -255,8 +289,12 @@ class LLMEngine:
             new_token_ids=new_token_ids,
             logprobs=logprobs,
             finish_reason=request.finish_reason,
+            stop_token_id=(request.stop_token_id if request.finish_reason is FinishReason.STOP
+                           else None),
             error=error,
             num_cached_tokens=request.num_cached_tokens if first else None,
+            prompt_logprobs=(request.prompt_logprobs if first and
+                             request.params.prompt_logprobs is not None else None),
             queue_ms=queue_ms,
             prefill_ms=prefill_ms,
         )

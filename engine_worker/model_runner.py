@@ -86,6 +86,9 @@ class ModelRunner:
         self.sampler = Sampler(device, seed, kernels)
         # The whole forward pass in one C call, for the Llama family on the CPU.
         self.fused: Optional[FusedLlama] = None
+        # Set by each forward: (request, first position, logits rows) of prompt
+        # positions whose logprobs are wanted.
+        self.prompt_logits: list[tuple] = []
         if attn_kernels is not None and model_config.family == "llama":
             self.fused = FusedLlama(attn_kernels, self.model, self.kv_caches, cache.block_size)
         logger.info("KV cache: %d blocks x %d tokens (%.0f MiB)", self.num_blocks,
@@ -117,11 +120,14 @@ class ModelRunner:
     def forward(self, scheduled: list[ScheduledRequest]) -> Optional[torch.Tensor]:
         """Compute the scheduled tokens (writing their KV). Returns the logits (S, V) of
         the requests whose step reaches the end of their known tokens (``samples``),
-        in ``scheduled`` order, or None when no request samples this step.
+        in ``scheduled`` order, or None when no request samples this step. The logits
+        of prompt positions that requests want logprobs of are left in
+        ``prompt_logits``: (request, first position, rows (P, V)) per request.
 
         ``scheduled`` is in the scheduler's order, where a request may attend to
         blocks that an earlier one fills in the same step; all KV writes of a layer
         precede its reads, which makes that safe."""
+        self.prompt_logits = []
         if self.fused is not None:
             return self._forward_fused(scheduled)
         # Layer by layer, the batch laid out with single-token queries first
@@ -131,10 +137,39 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, meta)  # (N, C)
         last_row = dict(zip(layout, last_rows))
         rows = [last_row[i] for i, s in enumerate(scheduled) if s.samples]
-        if not rows:
+        extra = self._prompt_rows(scheduled, [last_row[i] - s.num_tokens + 1
+                                              for i, s in enumerate(scheduled)])
+        if not rows and not extra:
             return None
-        index = torch.tensor(rows, device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, index))  # (S, V)
+        index = torch.tensor(rows + extra, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, index))
+        return self._split_prompt_logits(logits, len(rows))
+
+    def _prompt_rows(self, scheduled: list[ScheduledRequest], first_rows: list[int]
+                     ) -> list[int]:
+        """The rows of this step's prompt positions whose logits requests want
+        (prompt_logprobs), noted in ``prompt_logits`` (filled by _split_prompt_logits)."""
+        rows: list[int] = []
+        for s, first_row in zip(scheduled, first_rows):
+            r = s.request
+            if not r.needs_prompt_logits:
+                continue
+            start = r.num_computed_tokens
+            # Position p's logits give the logprob of prompt token p + 1.
+            lo = max(start, len(r.prompt_logprobs))
+            hi = min(start + s.num_tokens, r.num_prompt_tokens - 1)
+            if lo < hi:
+                self.prompt_logits.append((r, lo, hi - lo))
+                rows.extend(range(first_row + lo - start, first_row + hi - start))
+        return rows
+
+    def _split_prompt_logits(self, logits: torch.Tensor, num_samples: int
+                             ) -> Optional[torch.Tensor]:
+        at = num_samples
+        for i, (request, first, count) in enumerate(self.prompt_logits):
+            self.prompt_logits[i] = (request, first, logits[at:at + count])
+            at += count
+        return logits[:num_samples] if num_samples else None
 
     def _add_tokens(self, s: ScheduledRequest, input_ids: list[int], positions: list[int],
                     slots: list[int]) -> tuple[int, int]:
@@ -158,21 +193,24 @@ class ModelRunner:
         seq: list[int] = []
         tables: list[list[int]] = []
         sample_rows: list[int] = []
+        first_rows: list[int] = []
         for i, s in enumerate(scheduled):
+            first_rows.append(len(input_ids))
             start, end = self._add_tokens(s, input_ids, positions, slots)
             seq.extend([i] * s.num_tokens)
             tables.append(s.request.blocks.block_ids[:-(-end // bs)])
             if s.samples:
                 sample_rows.append(len(input_ids) - 1)
+        extra = self._prompt_rows(scheduled, first_rows)
         width = max(len(t) for t in tables)
         positions_t = torch.tensor(positions)
         cos, sin = self.model.rotary(positions_t, torch.float32)
         logits = self.fused.forward(
             torch.tensor(input_ids), cos, sin, torch.tensor(slots), torch.tensor(seq),
             positions_t + 1, torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-            torch.tensor(sample_rows, dtype=torch.int64), max(positions) + 1,
+            torch.tensor(sample_rows + extra, dtype=torch.int64), max(positions) + 1,
             torch.get_num_threads())
-        return logits if sample_rows else None
+        return self._split_prompt_logits(logits, len(sample_rows))
 
     def _prepare(self, scheduled: list[ScheduledRequest]
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:

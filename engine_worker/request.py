@@ -8,7 +8,8 @@ from typing import Callable, Optional
 
 import torch
 
-from common.protocol import FinishReason, SamplingParams
+from common.protocol import FinishReason, SamplingParams, TokenLogprobs
+from common.structured import GrammarMatcher
 from engine_worker.block_manager import BlockTable
 
 
@@ -20,7 +21,8 @@ class RequestStatus(enum.Enum):
 
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 max_tokens: int, eos_token_ids: frozenset[int]) -> None:
+                 max_tokens: int, eos_token_ids: frozenset[int],
+                 grammar: Optional[GrammarMatcher] = None) -> None:
         self.request_id = request_id
         self.params = params
         # Prompt then generated tokens: the sequence whose KV the cache holds.
@@ -34,8 +36,12 @@ class Request:
         # Extra per-request logits processing, each called as f(row (V,), request) and
         # allowed to modify the row in place (see sampler.py).
         self.logits_processors: list[Callable[[torch.Tensor, "Request"], None]] = []
-        self._penalized = (params.repetition_penalty != 1.0 or bool(params.presence_penalty)
-                           or bool(params.frequency_penalty))
+        # The output's grammar (structured output): it masks every sample.
+        self.grammar = grammar
+        self._constrained = (params.repetition_penalty != 1.0 or bool(params.presence_penalty)
+                             or bool(params.frequency_penalty) or bool(params.logit_bias)
+                             or params.allowed_token_ids is not None
+                             or bool(params.bad_words_ids) or grammar is not None)
         self.status = RequestStatus.WAITING
         self.finish_reason: Optional[FinishReason] = None
         # Tokens whose KV is in the cache (or is written in the current step).
@@ -53,6 +59,14 @@ class Request:
         self.first_scheduled_time: Optional[float] = None
         self.first_token_time: Optional[float] = None
         self.first_output_sent = False
+        # prompt_logprobs: one entry per prompt token after the first, as computed.
+        self.prompt_logprobs: list[TokenLogprobs] = []
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Whether the prompt's logits are still wanted (prompt_logprobs)."""
+        return (self.params.prompt_logprobs is not None
+                and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
 
     @property
     def num_tokens(self) -> int:
@@ -69,20 +83,30 @@ class Request:
     @property
     def needs_logits_processing(self) -> bool:
         """Whether the sampler must run this request's own logits processing."""
-        return (self._penalized or bool(self.logits_processors)
+        return (self._constrained or bool(self.logits_processors)
                 or (self.num_output_tokens < self.params.min_tokens and bool(self.stop_ids)))
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.consume(token_id)
 
     def check_stop(self, max_model_len: int) -> Optional[FinishReason]:
         """Why generation ends after the newest token, if it does."""
         last = self.token_ids[-1]
         if last in self.stop_ids and self.num_output_tokens >= self.params.min_tokens:
             return FinishReason.STOP
+        if self.grammar is not None and self.grammar.done:
+            return FinishReason.STOP  # the output is complete; no stop token
         if self.num_output_tokens >= self.max_tokens or self.num_tokens >= max_model_len:
             return FinishReason.LENGTH
         return None
+
+    @property
+    def stop_token_id(self) -> Optional[int]:
+        """After a STOP: the token that caused it (None when the grammar completed)."""
+        last = self.token_ids[-1]
+        return last if last in self.stop_ids else None
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "

@@ -3,7 +3,8 @@
 Order of processing, per row: logprobs are read from the raw distribution first
 (log_softmax of the model's logits); then the request's own logits processing runs
 (repetition, presence and frequency penalties; stop tokens banned while min_tokens is
-not reached; any extra ``Request.logits_processors``). A greedy row (temperature
+not reached; logit_bias, allowed_token_ids and bad words; the grammar's mask of a
+structured output; any extra ``Request.logits_processors``). A greedy row (temperature
 below 1e-5, or top_k 1) takes the argmax of that. A sampled row is divided by its
 temperature, cut by top_k, top_p and min_p, and drawn from: with the request's own
 generator when it has a seed (so the draw does not depend on what else is batched),
@@ -73,6 +74,12 @@ class Sampler:
                     logger.exception("logits processing failed for %s", request.request_id)
                     errors[i] = f"logits processing failed: {type(e).__name__}: {e}"
 
+        constrained = [i for i, r in enumerate(requests) if r.grammar is not None
+                       and i not in errors]
+        if constrained:
+            self.apply_grammars(logits, [requests[i] for i in constrained], constrained,
+                                errors)
+
         greedy = [i for i, r in enumerate(requests) if r.params.greedy and i not in errors]
         sampled = [i for i, r in enumerate(requests) if not r.params.greedy and i not in errors]
         token_ids: list[Optional[int]] = [None] * n
@@ -92,8 +99,25 @@ class Sampler:
         if raw_logprobs is not None:
             for i, r in enumerate(requests):
                 if r.params.logprobs is not None and token_ids[i] is not None:
-                    logprobs[i] = _token_logprobs(raw_logprobs[i], token_ids[i], r.params.logprobs)
+                    logprobs[i] = token_logprobs(raw_logprobs[i:i + 1], [token_ids[i]],
+                                                 r.params.logprobs)[0]
         return Samples(token_ids, logprobs, errors)
+
+    def apply_grammars(self, logits: torch.Tensor, requests: list[Request], rows: list[int],
+                       errors: dict[int, str]) -> None:
+        """Every structured-output row's grammar mask, applied in one operation. A
+        grammar in error fails its row alone."""
+        matchers = [r.grammar for r in requests]
+        allowed = torch.from_numpy(matchers[0].compiler.allowed(matchers))
+        index = torch.tensor(rows, device=logits.device)
+        width = min(allowed.shape[1], logits.shape[1])
+        masked = logits.index_select(0, index)
+        masked[:, :width].masked_fill_(~allowed[:, :width].to(logits.device), float("-inf"))
+        masked[:, width:] = float("-inf")  # ids the tokenizer does not have
+        logits.index_copy_(0, index, masked)
+        for row, matcher in zip(rows, matchers):
+            if matcher.error is not None:
+                errors[row] = matcher.error
 
     def _sample(self, logits: torch.Tensor, requests: list[Request], rows: list[int],
                 errors: dict[int, str]) -> list[int]:
@@ -146,12 +170,26 @@ def _check_rows(logits: torch.Tensor, rows: list[int], errors: dict[int, str]) -
 
 def process_logits(row: torch.Tensor, request: Request) -> None:
     """One request's own processing of its logits row (V,), in place: penalties, the
-    stop-token ban before min_tokens, then its extra logits processors."""
+    stop-token ban before min_tokens, logit bias, the allowed and banned tokens, then
+    its extra logits processors. (Grammars are applied to all rows at once after it:
+    apply_grammars.)"""
     p = request.params
     if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
         apply_penalties(row.unsqueeze(0), [request])
     if request.num_output_tokens < p.min_tokens and request.stop_ids:
         row[list(request.stop_ids)] = float("-inf")
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), device=row.device)
+        row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
+    if p.allowed_token_ids is not None:
+        keep = torch.zeros_like(row, dtype=torch.bool)
+        keep[p.allowed_token_ids] = True
+        row.masked_fill_(~keep, float("-inf"))
+    if p.bad_words_ids:
+        banned = [word[-1] for word in p.bad_words_ids
+                  if len(word) == 1 or request.token_ids[-(len(word) - 1):] == word[:-1]]
+        if banned:
+            row[banned] = float("-inf")
     for processor in request.logits_processors:
         processor(row, request)
 
@@ -204,10 +242,13 @@ def apply_min_p(probs: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
     return probs.masked_fill(probs < threshold, 0.0)
 
 
-def _token_logprobs(logprobs: torch.Tensor, token_id: int, top_n: int) -> TokenLogprobs:
-    if top_n:
-        values, ids = torch.topk(logprobs, top_n)
-        top_ids, top_values = ids.tolist(), values.tolist()
-    else:
-        top_ids, top_values = [], []
-    return TokenLogprobs(float(logprobs[token_id]), top_ids, top_values)
+def token_logprobs(logprobs: torch.Tensor, token_ids: Sequence[int], top_n: int
+                   ) -> list[TokenLogprobs]:
+    """Per row of ``logprobs`` (N, V): the logprob of its token in ``token_ids`` and
+    the ``top_n`` most likely tokens."""
+    chosen = logprobs.gather(1, torch.tensor(token_ids, device=logprobs.device)
+                             .unsqueeze(1)).squeeze(1).tolist()
+    if not top_n:
+        return [TokenLogprobs(c, [], []) for c in chosen]
+    values, ids = torch.topk(logprobs, top_n, dim=-1)
+    return [TokenLogprobs(c, i, v) for c, i, v in zip(chosen, ids.tolist(), values.tolist())]

@@ -119,7 +119,10 @@ class Scheduler:
                and len(self.running) < self.max_running
                and admitted < self.config.prefill_batch_size):
             request = self.waiting[0]
-            cached = self.block_manager.find_cached_prefix(request.blocks, request.token_ids)
+            # A request that wants its prompt's logprobs computes the prompt (their
+            # logits are not cached) until it has them.
+            cached = ([] if request.needs_prompt_logits else
+                      self.block_manager.find_cached_prefix(request.blocks, request.token_ids))
             num_cached = len(cached) * self.block_manager.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.block_manager.allocate(request.blocks, request.token_ids,
@@ -128,8 +131,9 @@ class Scheduler:
             self.waiting.popleft()
             if request.num_cached_tokens is None:  # first admission, not a recompute
                 request.num_cached_tokens = num_cached
-                self.prefix_cache_query_tokens += request.num_prompt_tokens
-                self.prefix_cache_hit_tokens += num_cached
+                if not request.needs_prompt_logits:  # looked up
+                    self.prefix_cache_query_tokens += request.num_prompt_tokens
+                    self.prefix_cache_hit_tokens += num_cached
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)

@@ -28,8 +28,9 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
                         "the process list: prefer ROSESERVE_API_KEY or --api-key-file")
     g.add_argument("--api-key-file", default=None,
                    help="read the Bearer key from this file (its first line)")
-    g.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: the model's folder name)")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model names clients may send, the first one listed first "
+                        "(default: the model's folder name)")
     g.add_argument("--max-body-bytes", type=int, default=8 << 20)
     g.add_argument("--max-waiting-requests", type=int, default=1024,
                    help="engine requests (n x prompts) admitted and not yet producing "
@@ -67,7 +68,7 @@ def frontend_config_from_args(args: argparse.Namespace, engines: Sequence[str],
                               tokenizer: str) -> FrontendConfig:
     return FrontendConfig(
         host=args.host, port=args.port, engine_addresses=tuple(engines),
-        tokenizer_address=tokenizer, model=args.model, served_model_name=args.served_model_name,
+        tokenizer_address=tokenizer, model=args.model, served_model_names=tuple(args.served_model_name or ()),
         api_key=api_key_from_args(args), max_body_bytes=args.max_body_bytes,
         max_waiting_requests=args.max_waiting_requests,
         max_waiting_tokens=args.max_waiting_tokens,

@@ -22,14 +22,17 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common import faults
+from common.version import __version__
 from common.config import FrontendConfig
 from common.model_files import resolve_model_dir
 from common.protocol import ChatMessage
+from common.structured import GrammarCompiler
 from common.tokenizer import load_tokenizer
 from engine_worker.client import EngineClient
 from frontend.errors import APIError, from_validation_error
 from frontend.metrics import Metrics
-from frontend.openai_protocol import ChatCompletionRequest, CompletionRequest
+from frontend.openai_protocol import (ChatCompletionRequest, ChatMessageParam, CompletionRequest,
+                                      DetokenizeBody, TokenizeBody, ToolParam)
 from frontend.responses import ChatFormatter, CompletionFormatter, Formatter
 from frontend.admission import Admission
 from frontend.router import EngineRouter
@@ -39,7 +42,7 @@ from tokenizer_worker.client import TokenizerClient
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-_OPEN_PATHS = ("/health", "/metrics")
+_OPEN_PATHS = ("/health", "/metrics", "/version")
 
 
 class ClientDisconnected(Exception):
@@ -69,7 +72,7 @@ def json_response(body: Any, status: int = 200) -> Response:
 
 class Guard:
     """ASGI middleware, before any routing: the API key (401) and the body size (413,
-    by header or by count as it arrives). /health and /metrics stay open. Also the
+    by header or by count as it arrives). /health, /metrics and /version stay open. Also the
     last resort for an unexpected error: an OpenAI-shaped 500, never a dropped
     connection."""
 
@@ -163,8 +166,14 @@ def create_app(config: FrontendConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         model_dir = resolve_model_dir(config.model)
-        tokenizer = load_tokenizer(model_dir).backend_tokenizer
-        model_name = config.served_model_name or model_dir.resolve().name
+        hf_tokenizer = load_tokenizer(model_dir)
+        tokenizer = hf_tokenizer.backend_tokenizer
+        try:
+            grammars = GrammarCompiler(tokenizer, tokenizer.get_vocab_size(True), [])
+        except Exception as e:  # a tokenizer llguidance cannot read
+            logger.warning("structured output is unavailable: %s", e)
+            grammars = None
+        model_names = list(config.served_model_names) or [model_dir.resolve().name]
         engines = [EngineClient(a, heartbeat_timeout_s=config.engine_heartbeat_timeout_s,
                                 stall_timeout_s=config.engine_stall_timeout_s)
                    for a in config.engine_addresses]
@@ -175,11 +184,12 @@ def create_app(config: FrontendConfig) -> FastAPI:
             await client.connect()
         pipe = Pipeline(EngineRouter(engines, config.routing), tok_client, tokenizer, metrics,
                         Admission(config.max_waiting_requests, config.max_waiting_tokens),
-                        model_name, config)
+                        model_names, config, hf_tokenizer.chat_template, grammars)
         metrics.watch(pipe)
         state["pipeline"] = pipe
         state["created"] = int(time.time())
-        logger.info("frontend ready: %s, %d engine address(es)", model_name, len(engines))
+        logger.info("frontend ready: %s, %d engine address(es)", ", ".join(model_names),
+                    len(engines))
         yield
         for client in (*engines, tok_client):
             await client.close()
@@ -251,20 +261,75 @@ def create_app(config: FrontendConfig) -> FastAPI:
     async def chat_completions(request: Request) -> Response:
         received = time.monotonic()
         body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
-        messages = [ChatMessage(role=m.role, content=m.text(), name=m.name)
-                    for m in body.messages]
+        messages = [chat_message(m) for m in body.messages]
         work = pipeline().start(body, [], messages, body.max_new_tokens(), body.num_logprobs(),
-                                "chatcmpl", received, body.add_generation_prompt)
+                                "chatcmpl", received, body.add_generation_prompt,
+                                tool_dicts(body.tools))
         return await respond(request, body, work, ChatFormatter)
+
+    def model_card(name: str) -> dict:
+        ready = pipeline().engines.ready()
+        return {"id": name, "object": "model", "created": state["created"],
+                "owned_by": "roseserve", "root": pipeline().model_name,
+                "max_model_len": None if ready is None else ready.max_model_len}
 
     @app.get("/v1/models")
     async def models() -> Response:
+        return json_response({"object": "list",
+                              "data": [model_card(m) for m in pipeline().model_names]})
+
+    @app.get("/v1/models/{model:path}")
+    async def model(model: str) -> Response:
+        pipeline().check_model(model)
+        return json_response(model_card(model))
+
+    @app.get("/version")
+    async def version() -> Response:
+        return json_response({"version": __version__})
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        """vLLM's shape: a prompt or chat messages in; count, tokens (and their text,
+        with return_token_strs) and the context length out."""
+        body: TokenizeBody = await parse(request, TokenizeBody)
         pipe = pipeline()
+        if body.model is not None:
+            pipe.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", param="prompt")
+        kw: dict[str, Any] = {}
+        if body.messages is not None:
+            kw["messages"] = [chat_message(m) for m in body.messages]
+            kw["add_generation_prompt"] = body.add_generation_prompt
+            kw["tools"] = tool_dicts(body.tools)
+        else:
+            kw["prompt"] = body.prompt
+            kw["add_special_tokens"] = (True if body.add_special_tokens is None
+                                        else body.add_special_tokens)
+        try:
+            result = await until_disconnected(request, pipe.tokenize(**kw))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        ids = list(result.prompt_token_ids)
         ready = pipe.engines.ready()
-        return json_response({"object": "list", "data": [{
-            "id": pipe.model_name, "object": "model", "created": state["created"],
-            "owned_by": "roseserve",
-            "max_model_len": None if ready is None else ready.max_model_len}]})
+        return json_response({
+            "count": len(ids), "max_model_len": None if ready is None else ready.max_model_len,
+            "tokens": ids, "token_strs": ([pipe.token_text(t) for t in ids]
+                                          if body.return_token_strs else None)})
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        body: DetokenizeBody = await parse(request, DetokenizeBody)
+        pipe = pipeline()
+        if body.model is not None:
+            pipe.check_model(body.model)
+        vocab = pipe.tokenizer.get_vocab_size(True)
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"tokens has token id {bad} outside the vocabulary [0, {vocab})",
+                           param="tokens")
+        return json_response({"prompt": pipe.tokenizer.decode(body.tokens,
+                                                              skip_special_tokens=False)})
 
     @app.get("/health")
     async def health() -> Response:
@@ -293,6 +358,16 @@ def create_app(config: FrontendConfig) -> FastAPI:
 
     faults.install("frontend", app)
     return app
+
+
+def chat_message(m: ChatMessageParam) -> ChatMessage:
+    return ChatMessage(role=m.role, content=m.text(), name=m.name, tool_call_id=m.tool_call_id,
+                       tool_calls=None if m.tool_calls is None else
+                       [c.model_dump() for c in m.tool_calls])
+
+
+def tool_dicts(tools: Optional[list[ToolParam]]) -> Optional[list[dict]]:
+    return None if tools is None else [t.model_dump(exclude_none=True) for t in tools]
 
 
 async def _sse(pipe: Pipeline, job: Job, fmt: Formatter) -> AsyncIterator[bytes]:

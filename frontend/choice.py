@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 from common.protocol import FinishReason, RequestOutput, TokenLogprobs
 from frontend.detokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -45,6 +45,9 @@ class Choice:
     text: list[str] = field(default_factory=list)
     logprobs: list[tuple[int, TokenLogprobs]] = field(default_factory=list)
     finish_reason: Optional[str] = None
+    # What stopped it (vLLM's stop_reason): the stop string, or the stop token id
+    # other than EOS; None for EOS, a completed grammar or a length limit.
+    stop_reason: Optional[Union[int, str]] = None
     num_cached_tokens: Optional[int] = None
     queue_ms: Optional[float] = None
     prefill_ms: Optional[float] = None
@@ -52,9 +55,15 @@ class Choice:
     last_token_time: Optional[float] = None
     # Seconds between consecutive token arrivals (for the ITL histogram).
     intervals: list[float] = field(default_factory=list)
+    # prompt_logprobs: one entry per prompt token after the first.
+    prompt_logprobs: Optional[list[TokenLogprobs]] = None
+    # The model's EOS ids: a stop on one of them has no stop_reason.
+    eos_token_ids: frozenset = frozenset()
 
     def consume(self, out: RequestOutput) -> Delta:
         now = time.monotonic()
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.num_cached_tokens is not None:
             self.num_cached_tokens = out.num_cached_tokens
             self.queue_ms, self.prefill_ms = out.queue_ms, out.prefill_ms
@@ -72,15 +81,17 @@ class Choice:
         if out.logprobs:
             self.logprobs.extend(zip(new, out.logprobs))
         # The token that ended generation on "stop" (EOS or a stop token id) is not
-        # part of the text.
-        visible = new[:-1] if out.finish_reason is FinishReason.STOP else new
+        # part of the text; a completed grammar's last token is.
+        visible = new[:-1] if out.stop_token_id is not None else new
+        if out.stop_token_id is not None and out.stop_token_id not in self.eos_token_ids:
+            self.stop_reason = out.stop_token_id
         text = self.stops.push(self.detokenizer.push(visible)) if visible else ""
         if self.stops.stopped is not None:
-            self.finish_reason = "stop"
+            self.finish_reason, self.stop_reason = "stop", self.stops.stopped
         elif out.finish_reason is not None:
             text += self.stops.push(self.detokenizer.flush())
             if self.stops.stopped is not None:
-                self.finish_reason = "stop"
+                self.finish_reason, self.stop_reason = "stop", self.stops.stopped
             else:
                 text += self.stops.flush()
                 self.finish_reason = out.finish_reason.value  # "stop" or "length"

@@ -11,7 +11,7 @@ after the prompt is ever emitted.
 
 Stop strings: the matcher sees every emitted piece, finds a stop string even when it
 spans tokens, and holds back only the tail that could still be the beginning of one.
-The stop string itself is never emitted.
+The stop string itself is emitted only when asked (include_stop_str_in_output).
 """
 
 from __future__ import annotations
@@ -68,8 +68,10 @@ class IncrementalDetokenizer:
 
 
 class StopStringMatcher:
-    def __init__(self, stop: Sequence[str]) -> None:
+    def __init__(self, stop: Sequence[str], include_stop: bool = False) -> None:
         self.stop = [s for s in stop if s]
+        # Release the stop string itself as the text's end (include_stop_str_in_output).
+        self.include_stop = include_stop
         self.held = ""
         self.stopped: Optional[str] = None
 
@@ -89,8 +91,8 @@ class StopStringMatcher:
         if first is not None:
             self.stopped = first[1]
             self.held = ""
-            return buffer[:first[0]]
-        keep = self._partial_suffix(buffer)
+            return buffer[:first[0] + (len(first[1]) if self.include_stop else 0)]
+        keep = partial_suffix(buffer, self.stop)
         self.held = buffer[len(buffer) - keep:] if keep else ""
         return buffer[:len(buffer) - keep]
 
@@ -99,13 +101,14 @@ class StopStringMatcher:
         out, self.held = ("" if self.stopped is not None else self.held), ""
         return out
 
-    def _partial_suffix(self, buffer: str) -> int:
-        """Length of the longest suffix of ``buffer`` that is a proper prefix of a
-        stop string (it might still become one)."""
-        best = 0
-        for s in self.stop:
-            for k in range(min(len(s) - 1, len(buffer)), best, -1):
-                if buffer.endswith(s[:k]):
-                    best = k
-                    break
-        return best
+
+def partial_suffix(text: str, markers: Sequence[str]) -> int:
+    """Length of the longest end of ``text`` that is a proper beginning of one of
+    ``markers`` (it might still become one)."""
+    best = 0
+    for s in markers:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best

@@ -1,9 +1,18 @@
 """Prometheus metrics of one frontend (a registry per app, so tests can build many).
 
-Counters and histograms are updated as requests end (serving.py); the gauges of the
-system's state (requests running and waiting, KV usage, prefix-cache hits, engines
-and their load, the tokenizer queue) are read at scrape time from the router, the
-admission counters and the last heartbeat of each engine and of the tokenizer pool.
+Named and shaped like vLLM's (``vllm:`` prefix, ``model_name`` and ``engine``
+labels), so that dashboards and alerts built for vLLM work unchanged: request and
+token counters, latency histograms (TTFT, inter-token, end to end, queue, prefill),
+running and waiting requests, KV cache usage, prefix-cache queries and hits, and
+preemptions. ``engine`` is the engine's index in the frontend's list (``--engine``
+order). What only roseserve has keeps a ``roseserve_`` prefix: tokenize time,
+per-engine health, load and routing (labelled by address), admission, rejections
+and the tokenizer queue.
+
+Counters and histograms are updated as requests end (serving.py); gauges and the
+engines' own counters (prefix cache, preemptions) are read at scrape time from the
+router, the admission counters and the last heartbeat of each engine and of the
+tokenizer pool.
 """
 
 from __future__ import annotations
@@ -14,53 +23,119 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
-    from frontend.serving import Pipeline
+    from frontend.serving import Job, Pipeline
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-                    120.0)
-_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+# vLLM's buckets, so that histogram_quantile over both gives comparable numbers.
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TOKENIZE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
+                  100000)
+_LABELS = ["model_name", "engine"]
 
 
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter("roseserve_requests", "Finished choices by finish reason",
-                                ["finish_reason"], registry=r)
+        self.model_name = ""
+        self.engine_index: dict[str, str] = {}
+
+        def counter(name, doc, extra=()):
+            return Counter(name, doc, _LABELS + list(extra), registry=self.registry)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, _LABELS, buckets=buckets, registry=self.registry)
+
+        self.success = counter("vllm:request_success", "Finished requests (choices), by why",
+                               ["finished_reason"])
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of finished requests")
+        self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens")
+        self.ttft = histogram("vllm:time_to_first_token_seconds",
+                              "Request received to its first token", _TTFT_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds",
+                             "Time between consecutive output tokens of a choice", _ITL_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds",
+                             "Request received to response complete", _REQUEST_BUCKETS)
+        self.queue = histogram("vllm:request_queue_time_seconds",
+                               "Time a request waited in the engine before it ran",
+                               _REQUEST_BUCKETS)
+        self.prefill = histogram("vllm:request_prefill_time_seconds",
+                                 "First step that ran the request to its first token",
+                                 _REQUEST_BUCKETS)
+        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens",
+                                               "Prompt tokens per request", _TOKEN_BUCKETS)
+        self.request_generation_tokens = histogram("vllm:request_generation_tokens",
+                                                   "Generated tokens per request", _TOKEN_BUCKETS)
+        self.tokenize = Histogram("roseserve_tokenize_time_seconds",
+                                  "Time in the tokenizer pool's worker per request (rendering "
+                                  "and encoding)", ["model_name"],
+                                  buckets=_TOKENIZE_BUCKETS, registry=self.registry)
         self.rejected = Counter("roseserve_rejected_requests",
                                 "Requests answered with an HTTP error, by status",
-                                ["status"], registry=r)
-        self.ttft = Histogram("roseserve_time_to_first_token_seconds",
-                              "Request received to first token available",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("roseserve_inter_token_latency_seconds",
-                             "Time between consecutive output tokens of a choice",
-                             buckets=_ITL_BUCKETS, registry=r)
-        self.queue = Histogram("roseserve_queue_time_seconds",
-                               "Time a request waited in the engine before it ran",
-                               buckets=_LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("roseserve_e2e_request_latency_seconds",
-                             "Request received to response complete",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("roseserve_prompt_tokens", "Prompt tokens", registry=r)
-        self.generation_tokens = Counter("roseserve_generation_tokens", "Generated tokens",
-                                         registry=r)
+                                ["status"], registry=self.registry)
 
     def watch(self, pipe: "Pipeline") -> None:
         """Export the live state of ``pipe`` at every scrape."""
-        self.registry.register(_StateCollector(pipe))
+        self.model_name = pipe.model_name
+        self.engine_index = {e.address: str(i) for i, e in enumerate(pipe.engines.engines)}
+        self.registry.register(_StateCollector(pipe, self))
+
+    def record(self, job: "Job") -> None:
+        """A finished job's counts and latencies."""
+        labels = (self.model_name, self.engine_index.get(job.engine_address, ""))
+        self.e2e.labels(*labels).observe(job.finished - job.received)
+        if job.first_token_time is not None:
+            self.ttft.labels(*labels).observe(job.first_token_time - job.received)
+        if job.tokenize_ms:
+            self.tokenize.labels(self.model_name).observe(job.tokenize_ms / 1e3)
+        prompt_tokens = sum(len(p) for p in job.prompts)
+        self.prompt_tokens.labels(*labels).inc(prompt_tokens)
+        for i, choice in enumerate(job.choices):
+            generated = len(choice.token_ids)
+            self.generation_tokens.labels(*labels).inc(generated)
+            self.request_generation_tokens.labels(*labels).observe(generated)
+            self.request_prompt_tokens.labels(*labels).observe(len(choice.prompt_token_ids))
+            self.success.labels(*labels, choice.finish_reason or "abort").inc()
+            if choice.queue_ms is not None:
+                self.queue.labels(*labels).observe(choice.queue_ms / 1e3)
+            if choice.prefill_ms is not None:
+                self.prefill.labels(*labels).observe(choice.prefill_ms / 1e3)
+            itl = self.itl.labels(*labels)
+            for interval in choice.intervals:
+                itl.observe(interval)
 
 
 class _StateCollector:
-    def __init__(self, pipe: "Pipeline") -> None:
+    def __init__(self, pipe: "Pipeline", metrics: Metrics) -> None:
         self.pipe = pipe
+        self.metrics = metrics
 
     def describe(self):
         return []
 
     def collect(self):
         pipe = self.pipe
-        running = waiting = used = total = hits = queries = 0
+        model = self.metrics.model_name
+
+        def family(kind, name, doc, labels=_LABELS):
+            return kind(name, doc, labels=labels)
+
+        running = family(GaugeMetricFamily, "vllm:num_requests_running",
+                         "Requests in the engine's batch (last heartbeat)")
+        waiting = family(GaugeMetricFamily, "vllm:num_requests_waiting",
+                         "Requests queued in the engine (last heartbeat)")
+        kv = family(GaugeMetricFamily, "vllm:kv_cache_usage_perc",
+                    "Fraction of the engine's KV blocks in use by requests (0-1)")
+        queries = family(CounterMetricFamily, "vllm:prefix_cache_queries",
+                         "Prompt tokens looked up in the engine's prefix cache")
+        hits = family(CounterMetricFamily, "vllm:prefix_cache_hits",
+                      "Of those, tokens served from it")
+        preemptions = family(CounterMetricFamily, "vllm:num_preemptions",
+                             "Requests the engine preempted (recomputed later)")
         healthy = GaugeMetricFamily("roseserve_engine_healthy",
                                     "1 when the engine is ready and answering", labels=["engine"])
         load = GaugeMetricFamily("roseserve_engine_load",
@@ -69,17 +144,11 @@ class _StateCollector:
         routed = CounterMetricFamily("roseserve_engine_routed_requests",
                                      "Requests routed to the engine, by why: for a prefix it "
                                      "held, or by load", labels=["engine", "reason"])
-        hit_rate = GaugeMetricFamily("roseserve_engine_prefix_cache_hit_rate",
-                                     "The engine's prompt tokens served from its prefix cache "
-                                     "/ looked up", labels=["engine"])
-        requests = GaugeMetricFamily("roseserve_engine_requests",
-                                     "Requests in the engine (last heartbeat), by state",
-                                     labels=["engine", "state"])
         blocks = GaugeMetricFamily("roseserve_engine_kv_blocks",
                                    "The engine's KV blocks (last heartbeat): used by requests, "
                                    "cached (free, holding a reusable prefix), free in all",
                                    labels=["engine", "state"])
-        for e in pipe.engines.engines:
+        for i, e in enumerate(pipe.engines.engines):
             healthy.add_metric([e.address], float(e.client.healthy))
             load.add_metric([e.address], e.load)
             routed.add_metric([e.address, "prefix"], e.num_prefix_routed)
@@ -87,49 +156,30 @@ class _StateCollector:
             pong = e.client.last_pong
             if pong is None:
                 continue
-            s = pong.stats
-            requests.add_metric([e.address, "running"], s.num_running)
-            requests.add_metric([e.address, "waiting"], s.num_waiting)
+            s, labels = pong.stats, [model, str(i)]
+            up = e.client.healthy  # a gone engine runs nothing
+            running.add_metric(labels, s.num_running if up else 0)
+            waiting.add_metric(labels, s.num_waiting if up else 0)
+            kv.add_metric(labels, s.num_blocks_used / max(1, s.num_blocks_total) if up else 0.0)
+            queries.add_metric(labels, s.prefix_cache_query_tokens)
+            hits.add_metric(labels, s.prefix_cache_hit_tokens)
+            preemptions.add_metric(labels, s.num_preemptions)
             blocks.add_metric([e.address, "used"], s.num_blocks_used)
             blocks.add_metric([e.address, "cached"], s.num_blocks_cached)
             blocks.add_metric([e.address, "free"], s.num_blocks_free)
-            if e.client.healthy:
-                running += s.num_running
-                waiting += s.num_waiting
-                used += s.num_blocks_used
-                total += s.num_blocks_total
-            hits += s.prefix_cache_hit_tokens
-            queries += s.prefix_cache_query_tokens
-            hit_rate.add_metric([e.address], s.prefix_cache_hit_tokens / max(
-                1, s.prefix_cache_query_tokens))
-        yield healthy
-        yield load
-        yield routed
-        yield hit_rate
-        yield requests
-        yield blocks
+        yield from (running, waiting, kv, queries, hits, preemptions, healthy, load, routed,
+                    blocks)
         yield GaugeMetricFamily("roseserve_requests_in_progress",
                                 "HTTP completion requests being served (admitted, not ended)",
                                 value=pipe.num_jobs)
         yield GaugeMetricFamily("roseserve_admitted_requests",
-                                "Engine requests admitted and not yet producing tokens",
+                                "Engine requests admitted here and not yet producing tokens",
                                 value=pipe.admission.requests)
         yield GaugeMetricFamily("roseserve_admitted_prompt_tokens",
                                 "Their prompt tokens (estimated until tokenized)",
                                 value=pipe.admission.tokens)
         yield GaugeMetricFamily("roseserve_engines_healthy", "Engines answering",
                                 value=sum(e.client.healthy for e in pipe.engines.engines))
-        yield GaugeMetricFamily("roseserve_num_requests_running", "Requests running in engines",
-                                value=running)
-        yield GaugeMetricFamily("roseserve_num_requests_waiting",
-                                "Requests waiting in engines, plus admitted here but not "
-                                "started", value=waiting + pipe.admission.requests)
-        yield GaugeMetricFamily("roseserve_kv_cache_usage_ratio",
-                                "Fraction of KV blocks in use by requests",
-                                value=used / total if total else 0.0)
-        yield GaugeMetricFamily("roseserve_prefix_cache_hit_rate",
-                                "Prompt tokens served from the prefix cache / looked up",
-                                value=hits / queries if queries else 0.0)
         pool = pipe.tokenizer_client.last_pong
         yield GaugeMetricFamily("roseserve_tokenizer_queue",
                                 "Tokenize jobs waiting or running in the pool",

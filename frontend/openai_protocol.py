@@ -2,9 +2,11 @@
 
 Fields OpenAI defines keep its names, defaults and ranges. Extensions vLLM users expect
 (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids,
-return_token_ids, skip_special_tokens, truncate_prompt_tokens) sit beside them.
-Unknown fields are rejected, so a typo is a 400 naming the field, not a silent
-default; fields OpenAI defines that roseserve does not implement are rejected by name.
+include_stop_str_in_output, allowed_token_ids, bad_words, guided_json, guided_regex,
+guided_choice, guided_grammar, return_token_ids, skip_special_tokens,
+truncate_prompt_tokens) sit beside them. Unknown fields are rejected, so a typo is a
+400 naming the field, not a silent default; fields OpenAI defines that roseserve does
+not implement are rejected by name.
 Types are strict (a string is not a number, a number not a boolean), and every integer
 is bounded, so nothing a client sends can overflow further on (the wire protocol's
 integers are 64-bit).
@@ -12,12 +14,15 @@ integers are 64-bit).
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional, Union
+import json
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from common.errors import InvalidRequestError
 from common.protocol import (MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS, MIN_REPETITION_PENALTY,
                              SamplingParams)
+from common.structured import StructuredOutput, json_schema_output
 
 
 # The largest count or id a client may send (token counts, top_k, token ids).
@@ -26,6 +31,33 @@ Count = Annotated[int, Field(ge=1, le=MAX_INT)]
 # Token ids are checked against the vocabulary later, with a message saying so.
 TokenId = Annotated[int, Field(ge=-MAX_INT, le=MAX_INT)]
 _STRICT = ConfigDict(extra="forbid", strict=True)
+# At most this many bad words per request (each is banned as it is and after a space).
+MAX_BAD_WORDS = 100
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: Optional[str] = None
+    schema_: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    def structured_output(self) -> Optional[StructuredOutput]:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutput(kind="json_object", param="response_format")
+        if self.json_schema is None:
+            raise InvalidRequestError("response_format of type json_schema needs a "
+                                      "json_schema", "response_format.json_schema")
+        return json_schema_output(self.json_schema.schema_ or {},
+                                  "response_format.json_schema.schema")
 
 
 class StreamOptions(BaseModel):
@@ -47,8 +79,9 @@ class _SamplingFields(BaseModel):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     seed: Optional[int] = Field(None, ge=-(2**63), lt=2**64)
     user: Optional[str] = None
-    # OpenAI fields roseserve does not implement: accepted only when unset or empty.
+    # Token id (as a string, as OpenAI has it) -> bias added to its logit.
     logit_bias: Optional[dict[str, float]] = None
+    response_format: Optional[ResponseFormat] = None
     # Extensions.
     top_k: Optional[Count] = None
     min_p: float = Field(0.0, ge=0.0, le=1.0)
@@ -59,12 +92,30 @@ class _SamplingFields(BaseModel):
     return_token_ids: bool = False
     skip_special_tokens: bool = True
     truncate_prompt_tokens: Optional[Count] = None
+    include_stop_str_in_output: bool = False
+    # vLLM's: logprobs of the prompt's tokens (and the N most likely at each).
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    allowed_token_ids: Optional[list[TokenId]] = Field(None, min_length=1)
+    bad_words: list[str] = Field([], max_length=MAX_BAD_WORDS)
+    # vLLM's structured output fields; at most one of them (or response_format).
+    guided_json: Optional[Union[dict[str, Any], str]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
 
-    @field_validator("logit_bias", "echo", "suffix", check_fields=False)
+    @field_validator("suffix", check_fields=False)
     @classmethod
     def _refuse_unsupported(cls, value, info):
         if value:
             raise ValueError(f"{info.field_name} is not supported")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, value):
+        for key in value or {}:
+            if not key.lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
         return value
 
     @field_validator("stop")
@@ -78,8 +129,33 @@ class _SamplingFields(BaseModel):
     def stop_strings(self) -> list[str]:
         return list(self.stop or [])
 
+    def structured_output(self) -> Optional[StructuredOutput]:
+        """The one output constraint asked for, if any. Raises InvalidRequestError."""
+        given = []
+        if self.response_format is not None:
+            output = self.response_format.structured_output()
+            if output is not None:
+                given.append(output)
+        if self.guided_json is not None:
+            given.append(json_schema_output(self.guided_json, "guided_json"))
+        if self.guided_regex is not None:
+            given.append(StructuredOutput(kind="regex", spec=self.guided_regex,
+                                          param="guided_regex"))
+        if self.guided_choice is not None:
+            given.append(StructuredOutput(kind="choice", spec=json.dumps(self.guided_choice),
+                                          param="guided_choice"))
+        if self.guided_grammar is not None:
+            given.append(StructuredOutput(kind="grammar", spec=self.guided_grammar,
+                                          param="guided_grammar"))
+        if len(given) > 1:
+            first, second = (g.param.split(".")[0] for g in given[:2])
+            raise InvalidRequestError(f"{first} and {second} both constrain the output; give "
+                                      f"at most one", second)
+        return given[0] if given else None
+
     def sampling_params(self, max_tokens: Optional[int], logprobs: Optional[int],
-                        choice_index: int) -> SamplingParams:
+                        choice_index: int, **extra) -> SamplingParams:
+        """``extra``: fields the frontend computes (structured, bad_words_ids)."""
         # With n > 1 and a seed, each choice gets its own (seed + index): the same
         # seed would make every choice identical.
         seed = None if self.seed is None else self.seed + choice_index
@@ -91,24 +167,46 @@ class _SamplingFields(BaseModel):
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=seed,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
-            truncate_prompt_tokens=self.truncate_prompt_tokens)
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            allowed_token_ids=self.allowed_token_ids,
+            prompt_logprobs=extra.pop("prompt_logprobs", self.prompt_logprobs), **extra)
 
 
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[TokenId], list[list[TokenId]]]
     max_tokens: Optional[Count] = 16
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    # Not implemented: refused when set (see _refuse_unsupported).
+    # The prompt's text before the completion's.
     echo: bool = False
-    best_of: Optional[int] = None
+    # Generate best_of choices per prompt, return the n with the highest log
+    # probability (not with stream).
+    best_of: Optional[int] = Field(None, ge=1, le=64)
+    # Not implemented: refused when set (see _refuse_unsupported).
     suffix: Optional[str] = None
 
     @field_validator("best_of")
     @classmethod
-    def _best_of_is_n(cls, value, info):
-        if value is not None and value != info.data.get("n", 1):
-            raise ValueError("best_of is not supported (it may only equal n)")
+    def _best_of_at_least_n(cls, value, info):
+        n = info.data.get("n", 1)
+        if value is not None and value < n:
+            raise ValueError(f"best_of ({value}) must be at least n ({n})")
+        if value is not None and value > n and info.data.get("stream"):
+            raise ValueError("best_of greater than n cannot be streamed (the best choices "
+                             "are known only at the end)")
         return value
+
+    @field_validator("echo")
+    @classmethod
+    def _echo_logprobs_whole(cls, value, info):
+        if value and info.data.get("stream") and info.data.get("logprobs") is not None:
+            raise ValueError("echo with logprobs cannot be streamed (the prompt's logprobs "
+                             "come with the first token); ask without stream")
+        return value
+
+    def num_generated(self) -> int:
+        """Choices generated per prompt."""
+        return max(self.best_of or 1, self.n)
 
     def prompts(self) -> list[Union[str, list[int]]]:
         """The prompts, each a text or a list of token ids."""
@@ -128,11 +226,27 @@ class TextPart(BaseModel):
     text: str
 
 
+class ToolCallFunction(BaseModel):
+    model_config = _STRICT
+    name: str
+    arguments: str
+
+
+class ToolCallParam(BaseModel):
+    model_config = _STRICT
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessageParam(BaseModel):
     model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
+    # An assistant's earlier calls, and a tool message's answer to one of them.
+    tool_calls: Optional[list[ToolCallParam]] = None
+    tool_call_id: Optional[str] = None
 
     def text(self) -> str:
         if self.content is None:
@@ -142,9 +256,29 @@ class ChatMessageParam(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: Literal["text"]
+class FunctionDefinition(BaseModel):
+    model_config = _STRICT
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ToolParam(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = _STRICT
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -153,8 +287,11 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[Count] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    response_format: Optional[ResponseFormat] = None
     add_generation_prompt: bool = True
+    tools: Optional[list[ToolParam]] = Field(None, max_length=128)
+    # Default: "auto" when there are tools, "none" when there are none.
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: bool = True
 
     @field_validator("top_logprobs")
     @classmethod
@@ -163,8 +300,40 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("top_logprobs requires logprobs to be true")
         return value
 
+    @field_validator("tools")
+    @classmethod
+    def _unique_tool_names(cls, value):
+        names = [tool.function.name for tool in value or []]
+        duplicate = next((n for n in names if names.count(n) > 1), None)
+        if duplicate is not None:
+            raise ValueError(f"two tools are named {duplicate!r}")
+        return value
+
     def max_new_tokens(self) -> Optional[int]:
         return self.max_completion_tokens or self.max_tokens
 
     def num_logprobs(self) -> Optional[int]:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def num_generated(self) -> int:
+        return self.n
+
+
+class TokenizeBody(BaseModel):
+    """/tokenize (vLLM's shape): a prompt, or chat messages rendered by the template."""
+
+    model_config = _STRICT
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessageParam]] = Field(None, min_length=1)
+    # Plain prompts: the tokenizer's special tokens (e.g. BOS), default on.
+    add_special_tokens: Optional[bool] = None
+    add_generation_prompt: bool = True
+    tools: Optional[list[ToolParam]] = None
+    return_token_strs: bool = False
+
+
+class DetokenizeBody(BaseModel):
+    model_config = _STRICT
+    model: Optional[str] = None
+    tokens: list[TokenId]

@@ -12,6 +12,7 @@ from typing import Callable, Optional
 from common.protocol import TokenLogprobs
 from frontend.choice import Delta
 from frontend.serving import Job
+from frontend.tools import ToolCallParser
 
 TokenText = Callable[[int], str]
 
@@ -53,6 +54,8 @@ class Formatter:
     def __init__(self, job: Job, token_text: TokenText) -> None:
         self.job = job
         self.token_text = token_text
+        # Choices whose prompt_logprobs were sent.
+        self.sent: set[int] = set()
 
     def _envelope(self, obj: str) -> dict:
         job = self.job
@@ -60,7 +63,11 @@ class Formatter:
 
     def full(self) -> dict:
         body = self._envelope(self.object_full)
-        body["choices"] = [self.full_choice(i) for i in range(len(self.job.choices))]
+        body["choices"] = []
+        for position, i in enumerate(self.shown()):
+            choice = self.full_choice(i)
+            choice["index"] = position
+            body["choices"].append(choice)
         body["usage"] = self.job.usage()
         body["timing"] = self.job.timing()
         return body
@@ -86,11 +93,43 @@ class Formatter:
     def first_chunks(self) -> list[dict]:
         return []
 
+    def shown(self) -> list[int]:
+        """The choices a full response returns, in order: all of them, or with best_of
+        the ``keep`` most likely of each prompt's (by the sum of their tokens' log
+        probabilities, as OpenAI ranks them)."""
+        job = self.job
+        if job.keep is None:
+            return list(range(len(job.choices)))
+        out = []
+        for start in range(0, len(job.choices), job.n):
+            group = range(start, start + job.n)
+            ranked = sorted(group, key=lambda i: -sum(lp.logprob for _, lp in
+                                                      job.choices[i].logprobs))
+            out.extend(sorted(ranked[:job.keep]))
+        return out
+
     def full_choice(self, index: int) -> dict:
         raise NotImplementedError
 
     def chunk_choice(self, delta: Delta) -> Optional[dict]:
         raise NotImplementedError
+
+    def _prompt_logprobs(self, out: dict, index: int) -> None:
+        """vLLM's prompt_logprobs: None for the first prompt token, then per token a
+        map of token id -> {logprob, decoded_token} (the token itself and the most
+        likely ones). On a full choice, and on a stream's first chunk of the choice."""
+        c = self.job.choices[index]
+        if not self.job.prompt_logprobs or c.prompt_logprobs is None or index in self.sent:
+            return
+        self.sent.add(index)
+        entries: list = [None]
+        for token_id, lp in zip(c.prompt_token_ids[1:], c.prompt_logprobs):
+            entry = {str(t): {"logprob": v, "decoded_token": self.token_text(t)}
+                     for t, v in zip(lp.top_token_ids, lp.top_logprobs)}
+            entry[str(token_id)] = {"logprob": lp.logprob,
+                                    "decoded_token": self.token_text(token_id)}
+            entries.append(entry)
+        out["prompt_logprobs"] = entries
 
     def _token_ids(self, out: dict, index: int, token_ids: list[int]) -> None:
         if self.job.return_token_ids:
@@ -104,16 +143,48 @@ class CompletionFormatter(Formatter):
 
     def __init__(self, job: Job, token_text: TokenText) -> None:
         super().__init__(job, token_text)
-        self.offsets = [0] * len(job.choices)
+        self.offsets = [len(self.echo(i)) for i in range(len(job.choices))]
+
+    def echo(self, index: int) -> str:
+        return "" if self.job.echo is None else self.job.echo[index // self.job.n]
+
+    def first_chunks(self) -> list[dict]:
+        if self.job.echo is None:
+            return []
+        chunks = []
+        for index in range(len(self.job.choices)):
+            body = self._envelope(self.object_chunk)
+            body["choices"] = [{"index": index, "text": self.echo(index), "logprobs": None,
+                                "finish_reason": None}]
+            chunks.append(body)
+        return chunks
 
     def full_choice(self, index: int) -> dict:
         c = self.job.choices[index]
-        out = {"index": index, "text": "".join(c.text), "logprobs": None,
-               "finish_reason": c.finish_reason}
+        out = {"index": index, "text": self.echo(index) + "".join(c.text), "logprobs": None,
+               "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         if self.job.num_logprobs is not None:
-            out["logprobs"] = completion_logprobs(c.logprobs, self.token_text, 0)
+            echo = self.echo(index)
+            out["logprobs"] = completion_logprobs(c.logprobs, self.token_text, len(echo))
+            if self.job.echo is not None:
+                prompt = self._echo_logprobs(c)
+                for key in prompt:
+                    out["logprobs"][key] = prompt[key] + out["logprobs"][key]
+        self._prompt_logprobs(out, index)
         self._token_ids(out, index, c.token_ids)
         return out
+
+    def _echo_logprobs(self, c) -> dict:
+        """The prompt's part of echo's logprobs: its first token has none."""
+        n = self.job.num_logprobs
+        first = c.prompt_token_ids[0]
+        entries = [(t, TokenLogprobs(lp.logprob, lp.top_token_ids[:n], lp.top_logprobs[:n]))
+                   for t, lp in zip(c.prompt_token_ids[1:], c.prompt_logprobs or [])]
+        rest = completion_logprobs(entries, self.token_text, len(self.token_text(first)))
+        return {"tokens": [self.token_text(first)] + rest["tokens"],
+                "token_logprobs": [None] + rest["token_logprobs"],
+                "top_logprobs": [None] + rest["top_logprobs"],
+                "text_offset": [0] + rest["text_offset"]}
 
     def chunk_choice(self, delta: Delta) -> Optional[dict]:
         if not delta.text and delta.finish_reason is None and not (
@@ -121,10 +192,13 @@ class CompletionFormatter(Formatter):
             return None
         out = {"index": delta.index, "text": delta.text, "logprobs": None,
                "finish_reason": delta.finish_reason}
+        if delta.finish_reason is not None:
+            out["stop_reason"] = self.job.choices[delta.index].stop_reason
         if self.job.num_logprobs is not None:
             out["logprobs"] = completion_logprobs(delta.logprobs, self.token_text,
                                                   self.offsets[delta.index])
         self.offsets[delta.index] += len(delta.text)
+        self._prompt_logprobs(out, delta.index)
         self._token_ids(out, delta.index, delta.token_ids)
         return out
 
@@ -133,13 +207,33 @@ class ChatFormatter(Formatter):
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
+    def __init__(self, job: Job, token_text: TokenText) -> None:
+        super().__init__(job, token_text)
+        plan = job.tool_plan
+        self.parsers = None if plan is None else [ToolCallParser(plan) for _ in job.choices]
+
+    def _finish_reason(self, index: int, reason: Optional[str]) -> Optional[str]:
+        if reason == "stop" and self.parsers is not None and self.parsers[index].calls:
+            return "tool_calls"
+        return reason
+
     def full_choice(self, index: int) -> dict:
         c = self.job.choices[index]
-        out = {"index": index,
-               "message": {"role": "assistant", "content": "".join(c.text)},
-               "logprobs": None, "finish_reason": c.finish_reason}
+        message: dict = {"role": "assistant", "content": "".join(c.text)}
+        if self.parsers is not None:
+            parser = self.parsers[index]
+            content, _ = parser.push(message["content"])
+            rest, _ = parser.finish()
+            message["content"] = content + rest or None
+            if parser.calls:
+                message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"}
+                                         for call in parser.calls]
+        out = {"index": index, "message": message, "logprobs": None,
+               "finish_reason": self._finish_reason(index, c.finish_reason),
+               "stop_reason": c.stop_reason}
         if self.job.num_logprobs is not None:
             out["logprobs"] = chat_logprobs(c.logprobs, self.token_text)
+        self._prompt_logprobs(out, index)
         self._token_ids(out, index, c.token_ids)
         return out
 
@@ -153,12 +247,27 @@ class ChatFormatter(Formatter):
         return chunks
 
     def chunk_choice(self, delta: Delta) -> Optional[dict]:
-        if not delta.text and delta.finish_reason is None and not (
+        text, calls = delta.text, []
+        finish_reason = delta.finish_reason
+        if self.parsers is not None:
+            parser = self.parsers[delta.index]
+            text, calls = parser.push(text)
+            if finish_reason is not None:
+                rest, more = parser.finish()
+                text, calls = text + rest, calls + more
+            finish_reason = self._finish_reason(delta.index, finish_reason)
+        if not text and not calls and finish_reason is None and not (
                 self.job.return_token_ids or delta.logprobs):
             return None
-        out = {"index": delta.index, "delta": {"content": delta.text} if delta.text else {},
-               "logprobs": None, "finish_reason": delta.finish_reason}
+        out_delta: dict = {"content": text} if text else {}
+        if calls:
+            out_delta["tool_calls"] = calls
+        out = {"index": delta.index, "delta": out_delta, "logprobs": None,
+               "finish_reason": finish_reason}
+        if finish_reason is not None:
+            out["stop_reason"] = self.job.choices[delta.index].stop_reason
         if self.job.num_logprobs is not None:
             out["logprobs"] = chat_logprobs(delta.logprobs, self.token_text)
+        self._prompt_logprobs(out, delta.index)
         self._token_ids(out, delta.index, delta.token_ids)
         return out

@@ -27,13 +27,16 @@ from typing import AsyncIterator, Optional, Sequence, Union
 from common.config import FrontendConfig
 from common.errors import InvalidRequestError
 from common.protocol import ChatMessage, FinishReason, Ready, SamplingParams
+from common.structured import GrammarCompiler, StructuredOutput
 from engine_worker.client import EngineClient, EngineDeadError, EngineRequestError
 from frontend.admission import Admission, Ticket, estimate_tokens
 from frontend.choice import Choice, ChoiceFailed, Delta
 from frontend.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from frontend.errors import APIError
 from frontend.metrics import Metrics
+from frontend.openai_protocol import ChatCompletionRequest
 from frontend.router import EngineRouter
+from frontend.tools import ToolPlan, plan_tools
 from tokenizer_worker.client import TokenizeFailed, TokenizerClient, TokenizerDeadError
 
 logger = logging.getLogger(__name__)
@@ -58,6 +61,14 @@ class Job:
     include_usage: bool = False
     return_token_ids: bool = False
     num_logprobs: Optional[int] = None
+    # best_of > n: the number of choices per prompt to return (the most likely ones).
+    keep: Optional[int] = None
+    # echo: each prompt's text, shown before its completions.
+    echo: Optional[list[str]] = None
+    # Chat with tool calls possible: how they are made.
+    tool_plan: Optional[ToolPlan] = None
+    # prompt_logprobs asked for: shown with each choice.
+    prompt_logprobs: bool = False
     engine: Optional[EngineClient] = None
     # The engine that served it (its address), kept for the timing breakdown.
     engine_address: str = ""
@@ -85,15 +96,23 @@ class Job:
 
 class Pipeline:
     def __init__(self, engines: EngineRouter, tokenizer_client: TokenizerClient, tokenizer,
-                 metrics: Metrics, admission: Admission, model_name: str,
-                 config: FrontendConfig) -> None:
-        """``tokenizer``: the model's Rust tokenizer, for decoding output."""
+                 metrics: Metrics, admission: Admission, model_names: Sequence[str],
+                 config: FrontendConfig, chat_template: Optional[str] = None,
+                 grammars: Optional[GrammarCompiler] = None) -> None:
+        """``tokenizer``: the model's Rust tokenizer, for decoding output and bad words;
+        ``grammars``: for checking structured output before it reaches an engine (None:
+        structured output is unavailable)."""
         self.engines = engines
         self.tokenizer_client = tokenizer_client
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.grammars = grammars
+        self._checked: dict[StructuredOutput, None] = {}
         self.metrics = metrics
         self.admission = admission
-        self.model_name = model_name
+        # The names the model is served under; the first is its id in /v1/models.
+        self.model_names = list(model_names)
+        self.model_name = self.model_names[0]
         self.config = config
         # Jobs started and not finished (HTTP requests being served).
         self.num_jobs = 0
@@ -101,50 +120,58 @@ class Pipeline:
     # -- building a job --------------------------------------------------------
 
     def check_model(self, model: str) -> None:
-        if model != self.model_name:
+        if model not in self.model_names:
+            served = ", ".join(f"'{m}'" for m in self.model_names)
             raise APIError(404, f"the model '{model}' does not exist; this server serves "
-                                f"'{self.model_name}'", param="model", code="model_not_found")
+                                f"{served}", param="model", code="model_not_found")
 
     async def start(self, body, prompts: Sequence[Union[str, list[int]]],
                     messages: Optional[list[ChatMessage]], max_tokens: Optional[int],
                     num_logprobs: Optional[int], prefix: str, received: float,
-                    add_generation_prompt: bool = True) -> Job:
+                    add_generation_prompt: bool = True,
+                    tools: Optional[list[dict]] = None) -> Job:
         """Admit, tokenize, route and validate; the Job is ready to run. Raises APIError."""
         self.check_model(body.model)
+        constraints, tool_plan = self._constraints(body)
+        n = body.num_generated()
         num_prompts = 1 if messages is not None else len(prompts)
-        num_choices = num_prompts * body.n
+        num_choices = num_prompts * n
         limit = self.config.max_choices_per_request
         if num_choices > limit:
+            per = f"n={n}" if n == body.n else f"best_of={n}"
             raise APIError(400, f"this request asks for {num_choices} completions "
-                                f"({num_prompts} prompt(s) x n={body.n}); at most {limit} are "
+                                f"({num_prompts} prompt(s) x {per}); at most {limit} are "
                                 f"allowed per request", param="n" if num_prompts == 1 else "prompt",
                            code="too_many_choices")
         if messages is not None:
             estimate = sum(len(m.content) for m in messages) // 4 + 1
         else:
             estimate = sum(estimate_tokens(p) for p in prompts)
-        ticket = self.admission.admit(num_choices, body.n * estimate)
+        ticket = self.admission.admit(num_choices, n * estimate)
         deadline = (None if self.config.request_timeout_s is None
                     else received + self.config.request_timeout_s)
         engine: Optional[EngineClient] = None
+        # best_of ranks choices by their log probability: the engine must report it.
+        engine_logprobs = num_logprobs if n == body.n else (num_logprobs or 0)
         try:
-            token_prompts, tokenize_ms = await self._tokenize(prompts, messages,
-                                                              add_generation_prompt, deadline)
-            ticket.resize(body.n * sum(len(p) for p in token_prompts))
+            token_prompts, tokenize_ms = await self._tokenize(
+                prompts, messages, add_generation_prompt, deadline, tools)
+            ticket.resize(n * sum(len(p) for p in token_prompts))
             engine = self.engines.pick(token_prompts[0])
             ready = engine.ready  # its limits: engines may differ
             assert ready is not None
             job = Job(request_id=f"{prefix}-{uuid.uuid4().hex}", created=int(time.time()),
-                      model=self.model_name, received=received, ticket=ticket,
-                      prompts=token_prompts, choices=[], params=[], n=body.n,
+                      model=body.model, received=received, ticket=ticket,
+                      prompts=token_prompts, choices=[], params=[], n=n,
                       tokenize_ms=tokenize_ms, num_logprobs=num_logprobs,
                       include_usage=bool(body.stream_options and body.stream_options.include_usage),
                       return_token_ids=body.return_token_ids, engine_address=engine.address,
-                      deadline=deadline)
+                      deadline=deadline, keep=body.n if n > body.n else None,
+                      tool_plan=tool_plan, prompt_logprobs=body.prompt_logprobs is not None)
             for p, prompt_ids in enumerate(token_prompts):
-                for j in range(body.n):
-                    index = p * body.n + j
-                    params = body.sampling_params(max_tokens, num_logprobs, j)
+                for j in range(n):
+                    index = p * n + j
+                    params = body.sampling_params(max_tokens, engine_logprobs, j, **constraints)
                     prompt_ids = self._validate(prompt_ids, params, ready)
                     job.params.append(params)
                     job.choices.append(Choice(
@@ -152,8 +179,14 @@ class Pipeline:
                         prompt_token_ids=prompt_ids,
                         detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids,
                                                            body.skip_special_tokens),
-                        stops=StopStringMatcher(body.stop_strings())))
+                        stops=StopStringMatcher(body.stop_strings(),
+                                                body.include_stop_str_in_output),
+                        eos_token_ids=frozenset(ready.eos_token_ids)))
                     job.prompts[p] = prompt_ids
+            if getattr(body, "echo", False):
+                job.echo = [p if isinstance(p, str) and body.truncate_prompt_tokens is None
+                            else self.tokenizer.decode(ids, skip_special_tokens=False)
+                            for p, ids in zip(prompts, job.prompts)]
             job.engine = engine
             self.num_jobs += 1
             return job
@@ -163,25 +196,82 @@ class Pipeline:
                 self.engines.release(engine)
             raise
 
+    def _constraints(self, body) -> tuple[dict, Optional[ToolPlan]]:
+        """The sampling fields the frontend works out (structured output, bad words'
+        token ids) and the request's tool plan. Raises APIError (400) for a schema,
+        grammar or tool choice that cannot be served."""
+        try:
+            structured = body.structured_output()
+            plan = None
+            if isinstance(body, ChatCompletionRequest):
+                plan = plan_tools(body, self.chat_template)
+                if plan is not None and plan.structured is not None:
+                    if structured is not None:
+                        raise InvalidRequestError(
+                            f"tool_choice forces a tool call and {structured.param} "
+                            f"constrains the output too; give one of them", "tool_choice")
+                    structured = plan.structured
+            extra: dict = {}
+            if structured is not None:
+                self._check_grammar(structured)
+                extra["structured"] = structured
+            if body.bad_words:
+                extra["bad_words_ids"] = self._bad_words_ids(body.bad_words)
+            if getattr(body, "echo", False) and body.logprobs is not None:
+                # echo with logprobs shows the prompt's tokens' logprobs too.
+                extra["prompt_logprobs"] = max(body.logprobs, body.prompt_logprobs or 0)
+        except InvalidRequestError as e:
+            raise APIError(400, e.message, param=e.param, code="invalid_value") from None
+        return extra, plan
+
+    def _check_grammar(self, output: StructuredOutput) -> None:
+        if self.grammars is None:
+            raise InvalidRequestError("structured output is unavailable for this model's "
+                                      "tokenizer", output.param)
+        if output in self._checked:
+            return
+        self.grammars.check(output)
+        if len(self._checked) >= 256:
+            self._checked.pop(next(iter(self._checked)))
+        self._checked[output] = None
+
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word as it tokenizes alone and after a space (mid-sentence)."""
+        out: list[list[int]] = []
+        for word in words:
+            if not word:
+                raise InvalidRequestError("bad_words must not hold an empty string", "bad_words")
+            for text in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
+
     async def _tokenize(self, prompts, messages, add_generation_prompt,
-                        deadline: Optional[float]) -> tuple[list[list[int]], float]:
+                        deadline: Optional[float], tools: Optional[list[dict]] = None
+                        ) -> tuple[list[list[int]], float]:
         if messages is None and all(isinstance(p, list) for p in prompts):
             return [list(p) for p in prompts], 0.0  # token ids: the pool is not involved
+        return await self._within_tokenize_timeout(
+            self._tokenize_texts(prompts, messages, add_generation_prompt, tools), deadline)
+
+    async def _within_tokenize_timeout(self, work, deadline: Optional[float] = None):
+        """``work``'s result; a 504 when the pool takes longer than the tokenize
+        timeout (or than what is left until ``deadline``)."""
         timeout = self.config.tokenize_timeout_s
         if deadline is not None:
             timeout = max(0.0, min(timeout, deadline - time.monotonic()))
         try:
-            return await asyncio.wait_for(
-                self._tokenize_texts(prompts, messages, add_generation_prompt), timeout)
+            return await asyncio.wait_for(work, timeout)
         except asyncio.TimeoutError:
             raise APIError(504, f"tokenization did not finish within {timeout:.1f} s",
                            code="tokenize_timeout") from None
 
-    async def _tokenize_texts(self, prompts, messages, add_generation_prompt
+    async def _tokenize_texts(self, prompts, messages, add_generation_prompt, tools
                               ) -> tuple[list[list[int]], float]:
         if messages is not None:
             results = [await self._call_tokenizer(
-                messages=messages, add_generation_prompt=add_generation_prompt)]
+                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools)]
         else:
             texts = [p for p in prompts if isinstance(p, str)]
             results = await asyncio.gather(*[self._call_tokenizer(prompt=t) for t in texts])
@@ -192,6 +282,10 @@ class Pipeline:
                                  list(next(by_text).prompt_token_ids))
         tokenize_ms = max((r.tokenize_ms for r in results), default=0.0)
         return token_prompts, tokenize_ms
+
+    async def tokenize(self, **kw):
+        """One text or chat through the pool (/tokenize), within the tokenize timeout."""
+        return await self._within_tokenize_timeout(self._call_tokenizer(**kw))
 
     async def _call_tokenizer(self, **kw):
         try:
@@ -215,7 +309,7 @@ class Pipeline:
         if not prompt_ids:
             raise APIError(400, "the prompt is empty; it needs at least one token", param="prompt")
         vocab = ready.vocab_size
-        for name, ids in (("prompt", prompt_ids), ("stop_token_ids", params.stop_token_ids)):
+        for name, ids in (("prompt", prompt_ids), *params.token_id_fields()):
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise APIError(400, f"{name} has token id {bad} outside the vocabulary "
@@ -299,18 +393,7 @@ class Pipeline:
             self.engines.release(job.engine)
             job.engine = None
         job.finished = time.monotonic()
-        m = self.metrics
-        m.e2e.observe(job.finished - job.received)
-        if job.first_token_time is not None:
-            m.ttft.observe(job.first_token_time - job.received)
-        m.prompt_tokens.inc(sum(len(p) for p in job.prompts))
-        for choice in job.choices:
-            m.generation_tokens.inc(len(choice.token_ids))
-            m.requests.labels(choice.finish_reason or "abort").inc()
-            if choice.queue_ms is not None:
-                m.queue.observe(choice.queue_ms / 1e3)
-            for interval in choice.intervals:
-                m.itl.observe(interval)
+        self.metrics.record(job)
 
     @staticmethod
     def _as_api_error(error: BaseException) -> BaseException:

@@ -108,7 +108,10 @@ def _forward(args: argparse.Namespace, names: list[str]) -> list[str]:
         flag = "--" + name.replace("_", "-")
         if value is None or value is False:
             continue
-        out += [flag] if value is True else [flag, str(value)]
+        if isinstance(value, (list, tuple)):
+            out += [flag, *map(str, value)]
+        else:
+            out += [flag] if value is True else [flag, str(value)]
     return out
 
 

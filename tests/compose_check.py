@@ -11,6 +11,11 @@ routed to it again). Docker counts a kill through its API as a manual stop, to w
 restart policies do not apply, so the restart policy is checked with a crash: the
 engine process of engine-1 is SIGKILLed from the host, and the container must be
 restarted by its policy and rejoin. Prints each phase's duration.
+
+    python tests/compose_check.py --prometheus http://127.0.0.1:9090
+
+checks the monitoring profile instead: its Prometheus scrapes the frontend and has
+the requests the checks above made.
 """
 
 from __future__ import annotations
@@ -81,7 +86,11 @@ def main() -> int:
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--project", default="roseserve-ci")
     p.add_argument("--compose", default="docker compose")
+    p.add_argument("--prometheus", default=None,
+                   help="check the monitoring profile's Prometheus at this URL instead")
     args = p.parse_args()
+    if args.prometheus:
+        return check_prometheus(args.prometheus)
     url = args.url
     phases = Phases()
     compose = args.compose.split() + ["-p", args.project]
@@ -178,6 +187,21 @@ def main() -> int:
     phases.done(f"engine-1 process crashed: container restarted by its policy after "
                 f"{restarted:.1f} s, serving again {rejoined:.1f} s after the crash")
     print("[compose-check] passed: " + ", ".join(f"{n} {s:.1f} s" for n, s in phases.rows))
+    return 0
+
+
+def check_prometheus(prom: str) -> int:
+    """The frontend is a target that is up, and the requests made are counted."""
+    def value(expr: str) -> float:
+        result = httpx.get(f"{prom}/api/v1/query", params={"query": expr},
+                           timeout=5).json()["data"]["result"]
+        return float(result[0]["value"][1]) if result else 0.0
+
+    took = wait_for(lambda: value('up{job="roseserve"}') == 1
+                    and value("sum(vllm:request_success_total)") > 0, 180,
+                    "Prometheus scraping the frontend, with its requests counted")
+    print(f"[compose-check] monitoring: Prometheus scrapes the frontend ({took:.1f} s), "
+          f"{value('sum(vllm:request_success_total)'):.0f} requests counted")
     return 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -65,6 +66,21 @@ def frontend(model_dir, engine_address: str, tokenizer_address: str, *extra: str
               "--tokenizer", tokenizer_address, "--port", str(port), *extra])
     p.url = f"http://127.0.0.1:{port}"
     return p
+
+
+@contextlib.contextmanager
+def local_stack(model_dir, run_dir, *frontend_args: str, engine_args=(), workers: int = 1):
+    """An engine, a tokenizer pool and a frontend over ipc:// sockets in ``run_dir``;
+    yields the frontend (``.url``) once healthy, and stops all three at the end."""
+    engine_proc = engine(model_dir, f"ipc://{run_dir}/engine.sock", *engine_args)
+    pool = tokenizer_pool(model_dir, f"ipc://{run_dir}/tok.sock", workers=workers)
+    front = frontend(model_dir, engine_proc.address, pool.address, *frontend_args)
+    try:
+        wait_healthy(front)
+        yield front
+    finally:
+        for p in (front, pool, engine_proc):
+            p.stop()
 
 
 def free_port() -> int:

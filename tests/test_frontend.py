@@ -242,7 +242,24 @@ def test_stop_string_spanning_tokens_ends_the_request(stack):
     ({"prompt": "x", "n": 0}, "n", "greater than or equal to 1"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
     ({"prompt": "x", "logprobs": 21}, "logprobs", "less than or equal to 20"),
-    ({"prompt": "x", "echo": True}, "echo", "echo is not supported"),
+    ({"prompt": "x", "suffix": "y"}, "suffix", "suffix is not supported"),
+    ({"prompt": "x", "best_of": 1, "n": 2}, "best_of", "must be at least n"),
+    ({"prompt": "x", "logit_bias": {"1": 101}}, "logit_bias", "[-100, 100]"),
+    ({"prompt": "x", "logit_bias": {"x": 1}}, "logit_bias", "must be token ids"),
+    ({"prompt": "x", "logit_bias": {"70000": 1}}, "logit_bias", "70000 outside the vocabulary"),
+    ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids", "at least 1 item"),
+    ({"prompt": "x", "allowed_token_ids": [70000]}, "allowed_token_ids", "outside the vocabulary"),
+    ({"prompt": "x", "bad_words": [""]}, "bad_words", "empty"),
+    ({"prompt": "x", "guided_regex": "a(b"}, "guided_regex", "unclosed group"),
+    ({"prompt": "x", "guided_json": {"type": "objectx"}}, "guided_json", "objectx"),
+    ({"prompt": "x", "guided_json": "{not json"}, "guided_json", "not valid JSON"),
+    ({"prompt": "x", "guided_choice": []}, "guided_choice", "non-empty list"),
+    ({"prompt": "x", "guided_grammar": "root ::= (("}, "guided_grammar", "not a valid grammar"),
+    ({"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]}, "guided_choice",
+     "give at most one"),
+    ({"prompt": "x", "response_format": {"type": "json_schema"}}, "response_format.json_schema",
+     "needs a json_schema"),
+    ({"prompt": "x", "response_format": {"type": "xml"}}, "response_format.type", "json_schema"),
     ({"prompt": "x", "bogus": 1}, "bogus", "'bogus' is not a supported parameter"),
     ({"max_tokens": 3}, "prompt", "'prompt' is required"),
     ({"prompt": "x", "max_tokens": 600}, "max_tokens",
@@ -402,15 +419,23 @@ def test_metrics_and_health(stack):
     assert httpx.get(stack["url"] + "/health", timeout=30).json()["status"] == "ok"
     assert complete(stack["url"], prompt="count me", max_tokens=2).status_code == 200
     text = httpx.get(stack["url"] + "/metrics", timeout=30).text
-    for name in ("roseserve_requests_total", "roseserve_time_to_first_token_seconds_bucket",
-                 "roseserve_inter_token_latency_seconds_bucket",
-                 "roseserve_queue_time_seconds_bucket",
-                 "roseserve_e2e_request_latency_seconds_bucket",
-                 "roseserve_num_requests_running", "roseserve_num_requests_waiting",
-                 "roseserve_kv_cache_usage_ratio", "roseserve_prefix_cache_hit_rate",
-                 "roseserve_tokenizer_queue"):
-        assert name in text
-    assert 'roseserve_requests_total{finish_reason="length"}' in text
+    # vLLM's names and labels (engine 0 of model tiny-llama), so its dashboards work.
+    labels = '{engine="0",model_name="tiny-llama"}'
+    for name in ("vllm:time_to_first_token_seconds_bucket",
+                 "vllm:inter_token_latency_seconds_bucket",
+                 "vllm:request_queue_time_seconds_bucket",
+                 "vllm:request_prefill_time_seconds_bucket",
+                 "vllm:e2e_request_latency_seconds_bucket"):
+        assert f'{name}{{engine="0",le="+Inf",model_name="tiny-llama"}}' in text, name
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total",
+                 "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total"):
+        assert name + labels in text, name
+    assert ('vllm:request_success_total{engine="0",finished_reason="length",'
+            'model_name="tiny-llama"}') in text
+    assert 'roseserve_tokenize_time_seconds_count{model_name="tiny-llama"}' in text
+    assert "roseserve_tokenizer_queue" in text
 
 
 def test_engine_down_gives_503_and_unhealthy(strict):

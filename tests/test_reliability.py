@@ -233,7 +233,7 @@ def test_frontend_killed(stack):
     # The engine drops the dead frontend's requests (its next output to the gone peer
     # fails; a peer that is only silent expires after --client-timeout) instead of
     # running them to max_tokens for nobody.
-    wait_for(lambda: metric(stack.url, "roseserve_engine_requests", state="running") == 0
+    wait_for(lambda: metric(stack.url, "vllm:num_requests_running") == 0
              and metric(stack.url, "roseserve_engine_kv_blocks", state="used") == 0,
              30, "the dead frontend's requests dropped", stack.log)
     dropped = time.monotonic() - killed
@@ -386,7 +386,8 @@ def test_clients_that_go_away_leak_nothing(stack):
                   metric(stack.url, "roseserve_admitted_requests"),
                   metric(stack.url, "roseserve_admitted_prompt_tokens"),
                   metric(stack.url, "roseserve_engine_load"),
-                  metric(stack.url, "roseserve_engine_requests"),
+                  metric(stack.url, "vllm:num_requests_running"),
+                  metric(stack.url, "vllm:num_requests_waiting"),
                   metric(stack.url, "roseserve_engine_kv_blocks", state="used"),
                   metric(stack.url, "roseserve_tokenizer_queue")]
         return not any(values)
@@ -485,9 +486,18 @@ FUZZ = [
     ("token id = vocab", C, _cmpl(prompt=[50257])), ("stop token id = vocab", C, _cmpl(stop_token_ids=[50257])),
     ("seed 2^64", C, _cmpl(seed=2**64)), ("seed below -2^63", C, _cmpl(seed=-(2**63) - 1)),
     ("empty prompt", C, _cmpl(prompt="")), ("empty token list", C, _cmpl(prompt=[])),
-    ("unknown model", C, _cmpl(model="gpt-4")), ("echo", C, _cmpl(echo=True)),
-    ("best_of != n", C, _cmpl(best_of=2)), ("logit_bias", C, _cmpl(logit_bias={"1": 5})),
-    ("response_format json", CHAT, _chat(response_format={"type": "json_object"})),
+    ("unknown model", C, _cmpl(model="gpt-4")), ("suffix", C, _cmpl(suffix="x")),
+    ("best_of < n", C, _cmpl(best_of=1, n=2)), ("logit_bias 1000", C, _cmpl(logit_bias={"1": 1000})),
+    ("logit_bias NaN-ish key", C, _cmpl(logit_bias={"1e3": 5})),
+    ("bad schema", CHAT, _chat(response_format={"type": "json_schema",
+                                                 "json_schema": {"name": "x", "schema": {"type": 5}}})),
+    ("bad regex", C, _cmpl(guided_regex="(")), ("bad grammar", C, _cmpl(guided_grammar="root ::= (")),
+    ("tool_choice auto without a template", CHAT, _chat(tools=[
+        {"type": "function", "function": {"name": "f"}}])),
+    ("tool_choice names an unknown tool", CHAT, _chat(tools=[
+        {"type": "function", "function": {"name": "f"}}],
+        tool_choice={"type": "function", "function": {"name": "g"}})),
+    ("tool_choice required without tools", CHAT, _chat(tool_choice="required")),
 ]
 # At the bounds: each must be served (200).
 AT_BOUNDS = [
@@ -503,7 +513,8 @@ AT_BOUNDS = [
     ("seed max", C, _cmpl(seed=2**64 - 1, n=2)), ("seed min", C, _cmpl(seed=-(2**63))),
     ("token id vocab-1", C, _cmpl(prompt=[50256])), ("truncate 1", C, _cmpl(truncate_prompt_tokens=1)),
     ("unicode prompt", C, _cmpl(prompt="héllo 🌹 世界 \u0000")),
-    ("surrogate pair", C, b'{"model":"tiny","prompt":"\\ud83c\\udf39","max_tokens":2}'),
+    ("surrogate pair", C, b'{"model":"tiny","prompt":"\\ud83c\\udf39","max_tokens":2}'),    ("logit_bias at +-100", C, _cmpl(logit_bias={"1": 100, "2": -100})),
+    ("a grammar of only the empty string", C, _cmpl(guided_grammar='root ::= ""')),
 ]
 
 

@@ -63,17 +63,9 @@ def test_tokens_per_second_bins():
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_llama_dir):
-    d = tmp_path_factory.mktemp("bench-stack")
-    engine = processes.engine(tiny_llama_dir, f"ipc://{d}/engine.sock")
-    pool = processes.tokenizer_pool(tiny_llama_dir, f"ipc://{d}/tok.sock", workers=1)
-    front = processes.frontend(tiny_llama_dir, engine.address, pool.address,
-                               "--served-model-name", "tiny")
-    try:
-        processes.wait_healthy(front)
+    with processes.local_stack(tiny_llama_dir, tmp_path_factory.mktemp("bench-stack"),
+                               "--served-model-name", "tiny") as front:
         yield front.url
-    finally:
-        for p in (front, pool, engine):
-            p.stop()
 
 
 def bench(url, tmp_path, name, *args):

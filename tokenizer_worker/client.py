@@ -40,7 +40,8 @@ class TokenizerClient(ServiceClient):
     async def tokenize(self, prompt: Optional[str] = None,
                        messages: Optional[list[ChatMessage]] = None, *,
                        add_generation_prompt: bool = True,
-                       add_special_tokens: bool = True) -> TokenizeResult:
+                       add_special_tokens: bool = True,
+                       tools: Optional[list[dict]] = None) -> TokenizeResult:
         """Token ids for a prompt or chat messages. Raises TokenizeFailed (the input's
         fault, or a crash) or TokenizerDeadError."""
         self.check_alive()
@@ -51,7 +52,7 @@ class TokenizerClient(ServiceClient):
             await self._send(TokenizeRequest(
                 request_id=request_id, prompt=prompt, messages=messages,
                 add_generation_prompt=add_generation_prompt,
-                add_special_tokens=add_special_tokens))
+                add_special_tokens=add_special_tokens, tools=tools))
             return await future
         finally:
             self._waiting.pop(request_id, None)

@@ -7,11 +7,12 @@ rest of the batch is encoded in one call to the Rust tokenizer.
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Union
 
-from common.protocol import TokenizeError, TokenizeRequest, TokenizeResult
+from common.protocol import ChatMessage, TokenizeError, TokenizeRequest, TokenizeResult
 from common.tokenizer import load_tokenizer
 
 Reply = Union[TokenizeResult, TokenizeError]
@@ -31,12 +32,12 @@ class PromptTokenizer:
             return request.prompt
         if not self.tokenizer.chat_template:
             raise ValueError("this model has no chat template; use /v1/completions")
-        messages = [{k: v for k, v in (("role", m.role), ("content", m.content),
-                                       ("name", m.name)) if v is not None}
-                    for m in request.messages]
+        template = self.tokenizer.chat_template
+        messages = [_template_message(m, "tool_calls" in template) for m in request.messages]
         try:
             return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=request.add_generation_prompt)
+                messages, tools=request.tools, tokenize=False,
+                add_generation_prompt=request.add_generation_prompt)
         except Exception as e:  # jinja raises for what the template rejects
             raise ValueError(f"the chat template rejected these messages: {e}") from None
 
@@ -71,3 +72,30 @@ class PromptTokenizer:
                                             prompt_token_ids=encoding.ids,
                                             tokenize_ms=elapsed_ms)
         return replies
+
+
+def _template_message(message: ChatMessage, template_shows_calls: bool) -> dict:
+    """A message as chat templates expect it. An assistant's tool calls go to a
+    template that renders them with their arguments as a dict (as Hugging Face
+    templates read them); a template that does not render them sees them as JSON
+    text in the message's content, so that no call is silently dropped."""
+    out = {k: v for k, v in (("role", message.role), ("content", message.content),
+                             ("name", message.name), ("tool_call_id", message.tool_call_id))
+           if v is not None}
+    if not message.tool_calls:
+        return out
+    calls = []
+    for call in message.tool_calls:
+        function = dict(call.get("function") or {})
+        try:
+            function["arguments"] = json.loads(function.get("arguments") or "{}")
+        except (TypeError, json.JSONDecodeError):
+            pass  # kept as the text the client sent
+        calls.append({**call, "function": function})
+    if template_shows_calls:
+        out["tool_calls"] = calls
+    else:
+        shown = json.dumps([{"name": c["function"].get("name"),
+                             "arguments": c["function"].get("arguments")} for c in calls])
+        out["content"] = f"{message.content}\n{shown}" if message.content else shown
+    return out

@@ -1,0 +1,192 @@
+"""Tool calling: which calls a chat request may make, the grammar that forces them,
+and turning the generated text into OpenAI ``tool_calls``, whole or streamed.
+
+- ``tool_choice`` "required" forces a JSON array of calls, each
+  ``{"name": <one of the tools>, "arguments": <that tool's parameters schema>}``
+  (one call when ``parallel_tool_calls`` is false); a named function forces its
+  arguments alone. Both work with any model: the grammar, not the model's training,
+  guarantees the shape, and the arguments always match the function's schema.
+- "auto" lets the model choose between text and calls, so it needs a model trained
+  to write calls in a known format. roseserve parses the Hermes format
+  (``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, used by Qwen 2.5/3,
+  Hermes and others) for models whose chat template renders it; for any other
+  template "auto" is refused with a 400 that says to use "required" or a named
+  function. The default model's template has no tool support.
+- "none" (the default without tools) generates text; the tools still reach the
+  template, as in OpenAI's API.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Optional
+
+from common.errors import InvalidRequestError
+from common.structured import StructuredOutput, json_schema_output
+from frontend.detokenizer import partial_suffix
+from frontend.openai_protocol import ChatCompletionRequest
+
+HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    mode: str  # "required", "named" or "auto"
+    structured: Optional[StructuredOutput]
+    name: Optional[str] = None  # the named function
+
+
+def plan_tools(body: ChatCompletionRequest, chat_template: Optional[str]) -> Optional[ToolPlan]:
+    """How the request's tools are served; None when no calls can be made."""
+    choice = body.tool_choice
+    tools = body.tools or []
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice == "none":
+        return None
+    if not tools:
+        raise InvalidRequestError(f"tool_choice {_describe(choice)} needs tools", "tool_choice")
+    if choice == "auto":
+        if HERMES_START not in (chat_template or ""):
+            raise InvalidRequestError(
+                "tool_choice 'auto' needs a model whose chat template writes tool calls in "
+                "a format roseserve parses (Hermes <tool_call>); this model's template does "
+                "not. Use tool_choice 'required' or a named function: the output is then "
+                "forced to a valid call", "tool_choice")
+        return ToolPlan("auto", None)
+    if choice == "required":
+        calls = {"type": "array", "minItems": 1,
+                 "items": {"anyOf": [_call_schema(t.function.name, t.function.parameters)
+                                     for t in tools]}}
+        if not body.parallel_tool_calls:
+            calls["maxItems"] = 1
+        return ToolPlan("required", json_schema_output(calls, "tools"))
+    name = choice.function.name
+    tool = next((t for t in tools if t.function.name == name), None)
+    if tool is None:
+        raise InvalidRequestError(f"tool_choice names the function {name!r}, which is not "
+                                  f"among the tools", "tool_choice")
+    return ToolPlan("named", json_schema_output(_parameters(tool.function.parameters),
+                                                f"tools.{name}.parameters"), name=name)
+
+
+def _describe(choice) -> str:
+    return repr(choice) if isinstance(choice, str) else f"function {choice.function.name!r}"
+
+
+def _parameters(schema: Optional[dict]) -> dict:
+    return schema if schema else {"type": "object", "properties": {}}
+
+
+def _call_schema(name: str, parameters: Optional[dict]) -> dict:
+    return {"type": "object", "properties": {"name": {"const": name},
+                                             "arguments": _parameters(parameters)},
+            "required": ["name", "arguments"]}
+
+
+def new_call(index: int, name: str, arguments: str) -> dict:
+    return {"index": index, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+@dataclass
+class ToolCallParser:
+    """One choice's text turned into content and tool calls, as it streams.
+
+    ``push(text)`` returns (content released now, calls completed now); ``finish()``
+    returns the same for what is left at the end (with "required", the raw text when
+    no call completed). Calls carry their stream index."""
+
+    plan: ToolPlan
+    buffer: str = ""
+    calls: list[dict] = field(default_factory=list)
+    # named: the call's arguments stream as they come, after a first delta with the name.
+    started: bool = False
+    # required: where the next array item starts in ``buffer``.
+    scan_pos: int = 0
+
+    def push(self, text: str) -> tuple[str, list[dict]]:
+        if self.plan.mode == "named":
+            return "", self._named(text)
+        self.buffer += text
+        if self.plan.mode == "required":
+            return "", self._complete_array_items()
+        return self._hermes(final=False)
+
+    def finish(self) -> tuple[str, list[dict]]:
+        if self.plan.mode == "auto":
+            return self._hermes(final=True)
+        if self.plan.mode == "required" and not self.calls:
+            return self.buffer, []  # a forced call that did not complete (max_tokens)
+        return "", []
+
+    def _named(self, text: str) -> list[dict]:
+        if not self.started:
+            self.started = True
+            call = new_call(0, self.plan.name, text)
+            self.calls.append(call)
+            return [{**call, "function": dict(call["function"])}]  # calls[0] grows on
+        self.calls[0]["function"]["arguments"] += text
+        return [{"index": 0, "function": {"arguments": text}}] if text else []
+
+    def _complete_array_items(self) -> list[dict]:
+        """Calls whose JSON object is complete in the array text so far."""
+        decoder = json.JSONDecoder()
+        out = []
+        text = self.buffer
+        pos = self.scan_pos
+        while True:
+            while pos < len(text) and text[pos] in " \t\r\n[,":
+                pos += 1
+            try:
+                item, end = decoder.raw_decode(text, pos)
+            except json.JSONDecodeError:
+                break
+            call = new_call(len(self.calls), item["name"], json.dumps(item["arguments"]))
+            self.calls.append(call)
+            out.append(call)
+            pos = end
+        self.scan_pos = pos
+        return out
+
+    def _hermes(self, final: bool) -> tuple[str, list[dict]]:
+        content, calls = [], []
+        while True:
+            start = self.buffer.find(HERMES_START)
+            if start == -1:
+                keep = 0 if final else partial_suffix(self.buffer, [HERMES_START])
+                content.append(self.buffer[:len(self.buffer) - keep])
+                self.buffer = self.buffer[len(self.buffer) - keep:]
+                break
+            content.append(self.buffer[:start])
+            end = self.buffer.find(HERMES_END, start)
+            if end == -1:
+                if final:  # an unterminated call: shown as text
+                    content.append(self.buffer[start:])
+                    self.buffer = ""
+                else:
+                    self.buffer = self.buffer[start:]
+                break
+            body = self.buffer[start + len(HERMES_START):end]
+            self.buffer = self.buffer[end + len(HERMES_END):]
+            call = _parse_hermes(body, len(self.calls))
+            if call is None:
+                content.append(HERMES_START + body + HERMES_END)
+            else:
+                self.calls.append(call)
+                calls.append(call)
+        return "".join(content), calls
+
+
+def _parse_hermes(body: str, index: int) -> Optional[dict]:
+    try:
+        item = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+        return None
+    arguments = item.get("arguments", item.get("parameters", {}))
+    return new_call(index, item["name"],
+                    arguments if isinstance(arguments, str) else json.dumps(arguments))

@@ -1,0 +1,131 @@
+"""Tool calls without a model: the plan a tool_choice makes, the grammar it forces,
+parsing text into OpenAI tool_calls piece by piece, and tools reaching a template."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from common.errors import InvalidRequestError
+from common.protocol import ChatMessage, TokenizeRequest
+from frontend.openai_protocol import ChatCompletionRequest
+from frontend.tools import ToolCallParser, ToolPlan, plan_tools
+
+HERMES_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                   "{% if tools %}tools: {{ tools | tojson }}\n{% endif %}"
+                   "Answer with <tool_call>{...}</tool_call> to call one.")
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "required": ["city"],
+                                          "properties": {"city": {"type": "string"}}}}}
+
+
+def request(**kw) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], **kw})
+
+
+def pieces(parser: ToolCallParser, text: str, size: int):
+    """Feed ``text`` in pieces of ``size`` characters; content and calls out."""
+    content, calls = "", []
+    for i in range(0, len(text), size):
+        c, k = parser.push(text[i:i + size])
+        content, calls = content + c, calls + k
+    c, k = parser.finish()
+    return content + c, calls + k
+
+
+def test_plans():
+    assert plan_tools(request(), None) is None
+    assert plan_tools(request(tools=[WEATHER], tool_choice="none"), None) is None
+    required = plan_tools(request(tools=[WEATHER], tool_choice="required",
+                                  parallel_tool_calls=False), None)
+    schema = json.loads(required.structured.spec)
+    assert schema["minItems"] == 1 and schema["maxItems"] == 1
+    assert schema["items"]["anyOf"][0]["properties"]["name"] == {"const": "get_weather"}
+    named = plan_tools(request(tools=[WEATHER], tool_choice={
+        "type": "function", "function": {"name": "get_weather"}}), None)
+    assert named.name == "get_weather"
+    assert json.loads(named.structured.spec) == WEATHER["function"]["parameters"]
+    assert plan_tools(request(tools=[WEATHER]), HERMES_TEMPLATE).mode == "auto"
+    for kw, template, fragment in (
+            ({"tools": [WEATHER]}, "no tools here", "'required' or a named function"),
+            ({"tool_choice": "required"}, None, "needs tools"),
+            ({"tools": [WEATHER], "tool_choice": {"type": "function",
+                                                 "function": {"name": "nope"}}},
+             None, "not among the tools")):
+        with pytest.raises(InvalidRequestError, match=fragment) as info:
+            plan_tools(request(**kw), template)
+        assert info.value.param == "tool_choice"
+    with pytest.raises(ValueError, match="two tools are named"):
+        request(tools=[WEATHER, WEATHER])
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_required_calls_arrive_as_their_objects_complete(size):
+    text = ('[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+            '{"name": "get_weather", "arguments": {"city": "Oslo"}}]')
+    parser = ToolCallParser(ToolPlan("required", None))
+    seen = []
+    for i in range(0, len(text), size):
+        _, calls = parser.push(text[i:i + size])
+        seen.append(len(calls))
+        if size == 1 and i == text.index("}}") + 1:
+            assert len(parser.calls) == 1  # the first call, before the second starts
+    assert [c["function"]["name"] for c in parser.calls] == ["get_weather"] * 2
+    assert [json.loads(c["function"]["arguments"]) for c in parser.calls] == [
+        {"city": "Paris"}, {"city": "Oslo"}]
+    assert [c["index"] for c in parser.calls] == [0, 1] and sum(seen) == 2
+
+
+def test_a_required_call_cut_short_comes_back_as_text():
+    cut = '[{"name": "get_weather", "arguments": {"ci'
+    parser = ToolCallParser(ToolPlan("required", None))
+    assert parser.push(cut) == ("", [])
+    assert parser.finish() == (cut, [])  # max_tokens ended it: the raw text, no calls
+    whole = ToolCallParser(ToolPlan("required", None))
+    _, calls = whole.push('[{"name": "f", "arguments": {}}]')
+    assert len(calls) == 1 and whole.finish() == ("", [])
+
+
+def test_named_call_streams_its_arguments():
+    parser = ToolCallParser(ToolPlan("named", None, name="f"))
+    _, first = parser.push('{"a"')
+    _, more = parser.push(': 1}')
+    assert first[0]["function"] == {"name": "f", "arguments": '{"a"'}
+    assert first[0]["id"].startswith("call_")
+    assert more == [{"index": 0, "function": {"arguments": ": 1}"}}]
+    assert parser.calls[0]["function"]["arguments"] == '{"a": 1}'
+
+
+@pytest.mark.parametrize("size", [1, 2, 7, 1000])
+def test_hermes_calls_are_cut_out_of_the_text(size):
+    text = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": '
+            '{"city": "Paris"}}\n</tool_call> and <tool_call>not json</tool_call> done <tool')
+    content, calls = pieces(ToolCallParser(ToolPlan("auto", None)), text, size)
+    assert content == "Let me check.  and <tool_call>not json</tool_call> done <tool"
+    assert len(calls) == 1 and json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+
+
+def test_hermes_holds_back_only_what_may_begin_a_call():
+    parser = ToolCallParser(ToolPlan("auto", None))
+    assert parser.push("Hello <to") == ("Hello ", [])
+    assert parser.push("y>") == ("<toy>", [])
+
+
+def test_tools_and_calls_reach_the_template(tiny_llama_dir, tmp_path):
+    from tokenizer_worker.prompt_tokenizer import PromptTokenizer
+
+    tok = PromptTokenizer(tiny_llama_dir, 10_000)
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    messages = [ChatMessage(role="user", content="weather?"),
+                ChatMessage(role="assistant", content="", tool_calls=[call]),
+                ChatMessage(role="tool", content="18 C", tool_call_id="c1")]
+    # The tiny model's template renders no tools: the call is shown as JSON content.
+    text = tok.render(TokenizeRequest(request_id="r", messages=messages, tools=[WEATHER]))
+    assert '[{"name": "get_weather", "arguments": {"city": "Paris"}}]' in text
+    assert "18 C" in text
+    tok.tokenizer.chat_template = HERMES_TEMPLATE
+    text = tok.render(TokenizeRequest(request_id="r", messages=messages[:1], tools=[WEATHER]))
+    assert text.startswith("user: weather?\ntools: [") and '"get_weather"' in text
