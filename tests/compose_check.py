@@ -99,6 +99,14 @@ def main() -> int:
              "the frontend's /health 200")
     wait_for(lambda: metric(url, "roseserve_engines_healthy") == 2, 300, "both engines healthy")
     phases.done("cluster healthy (2 engines)")
+    # The engines run as an unprivileged user: their kernel cache volume must be
+    # writable by it, or they fall back to torch's slower ops with only a warning.
+    built = subprocess.run(compose + ["exec", "-T", "engine-0", "sh", "-c",
+                                      "ls /cache/kernels/*.so"],
+                           capture_output=True, text=True)
+    assert built.returncode == 0 and built.stdout.strip(), (
+        f"no compiled kernels in the kernel-cache volume: {built.stdout}{built.stderr}")
+    phases.done(f"compiled kernels cached in the volume ({built.stdout.split()[0]})")
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
     model = client.models.list().data[0].id
