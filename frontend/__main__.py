@@ -68,7 +68,8 @@ def frontend_config_from_args(args: argparse.Namespace, engines: Sequence[str],
                               tokenizer: str) -> FrontendConfig:
     return FrontendConfig(
         host=args.host, port=args.port, engine_addresses=tuple(engines),
-        tokenizer_address=tokenizer, model=args.model, served_model_names=tuple(args.served_model_name or ()),
+        tokenizer_address=tokenizer, model=args.model,
+        served_model_names=tuple(args.served_model_name or ()),
         api_key=api_key_from_args(args), max_body_bytes=args.max_body_bytes,
         max_waiting_requests=args.max_waiting_requests,
         max_waiting_tokens=args.max_waiting_tokens,

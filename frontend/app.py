@@ -22,12 +22,12 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common import faults
-from common.version import __version__
 from common.config import FrontendConfig
 from common.model_files import resolve_model_dir
 from common.protocol import ChatMessage
 from common.structured import GrammarCompiler
 from common.tokenizer import load_tokenizer
+from common.version import __version__
 from engine_worker.client import EngineClient
 from frontend.errors import APIError, from_validation_error
 from frontend.metrics import Metrics
@@ -268,9 +268,10 @@ def create_app(config: FrontendConfig) -> FastAPI:
         return await respond(request, body, work, ChatFormatter)
 
     def model_card(name: str) -> dict:
-        ready = pipeline().engines.ready()
+        pipe = pipeline()
+        ready = pipe.engines.ready()
         return {"id": name, "object": "model", "created": state["created"],
-                "owned_by": "roseserve", "root": pipeline().model_name,
+                "owned_by": "roseserve", "root": pipe.model_name,
                 "max_model_len": None if ready is None else ready.max_model_len}
 
     @app.get("/v1/models")

@@ -18,6 +18,7 @@ request ends (``finish``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -106,8 +107,10 @@ class Pipeline:
         self.tokenizer_client = tokenizer_client
         self.tokenizer = tokenizer
         self.chat_template = chat_template
-        self.grammars = grammars
-        self._checked: dict[StructuredOutput, None] = {}
+        # Each distinct constraint is compiled once (clients send one schema again and
+        # again); a constraint that fails raises, and is not remembered.
+        self._check_compiles = (None if grammars is None
+                                else functools.lru_cache(maxsize=256)(grammars.check))
         self.metrics = metrics
         self.admission = admission
         # The names the model is served under; the first is its id in /v1/models.
@@ -225,15 +228,10 @@ class Pipeline:
         return extra, plan
 
     def _check_grammar(self, output: StructuredOutput) -> None:
-        if self.grammars is None:
+        if self._check_compiles is None:
             raise InvalidRequestError("structured output is unavailable for this model's "
                                       "tokenizer", output.param)
-        if output in self._checked:
-            return
-        self.grammars.check(output)
-        if len(self._checked) >= 256:
-            self._checked.pop(next(iter(self._checked)))
-        self._checked[output] = None
+        self._check_compiles(output)
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
         """Each word as it tokenizes alone and after a space (mid-sentence)."""
