@@ -180,13 +180,17 @@ def test_one_tokenizer_worker_killed_while_tokenizing(stack):
         stack, "tokenizer_worker", bodies, lambda outcomes, elapsed: elapsed > 0.4)
     # Its jobs go to the other worker (retried once): every request completes.
     assert all(o.complete for o in outcomes), [o for o in outcomes if not o.complete]
-    slowest = max(o.ended - killed for o in outcomes)
-    assert slowest < END_WITHIN_S + 2 * 1.0, slowest  # two slow batches at most
+    # Failover delays a request's tokenization, so its first token: by two slow batches
+    # at most. (Its end also waits for 48 tokens of 32 streams, which is throughput.)
+    slowest = max(o.first_chunk - killed for o in outcomes)
+    assert slowest < END_WITHIN_S + 2 * 1.0, slowest
     replaced = wait_for(lambda: len(stack.pids()["tokenizer_worker"]) == 2 and
                         set(stack.pids()["tokenizer_worker"]) != set(workers), 10,
                         "worker replaced")
+    ended = max(o.ended for o in outcomes) - killed
     print(f"\none tokenizer worker killed: {N_STREAMS}/{N_STREAMS} complete, the last "
-          f"{slowest:.2f} s after the kill; worker replaced within {replaced:.1f} s")
+          f"started {slowest:.2f} s and ended {ended:.2f} s after the kill; worker replaced "
+          f"within {replaced:.1f} s")
     assert serves(stack.url)
 
 
@@ -513,7 +517,8 @@ AT_BOUNDS = [
     ("seed max", C, _cmpl(seed=2**64 - 1, n=2)), ("seed min", C, _cmpl(seed=-(2**63))),
     ("token id vocab-1", C, _cmpl(prompt=[50256])), ("truncate 1", C, _cmpl(truncate_prompt_tokens=1)),
     ("unicode prompt", C, _cmpl(prompt="héllo 🌹 世界 \u0000")),
-    ("surrogate pair", C, b'{"model":"tiny","prompt":"\\ud83c\\udf39","max_tokens":2}'),    ("logit_bias at +-100", C, _cmpl(logit_bias={"1": 100, "2": -100})),
+    ("surrogate pair", C, b'{"model":"tiny","prompt":"\\ud83c\\udf39","max_tokens":2}'),
+    ("logit_bias at +-100", C, _cmpl(logit_bias={"1": 100, "2": -100})),
     ("a grammar of only the empty string", C, _cmpl(guided_grammar='root ::= ""')),
 ]
 
