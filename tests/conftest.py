@@ -15,6 +15,10 @@ import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(2)
+# Without a GPU, Triton kernels run through Triton's interpreter on CPU tensors. Read
+# when a kernel is defined, so it is set before any test imports engine_worker.gpu.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 EOS = 50256  # GPT-2's <|endoftext|>
 
@@ -113,3 +117,13 @@ def default_model_dir() -> Path:
     from common.model_files import materialize_default_model
 
     return materialize_default_model()
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked cuda need a GPU (scripts/gpu-check runs them there)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (scripts/gpu-check runs it on one)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

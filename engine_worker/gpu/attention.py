@@ -1,0 +1,239 @@
+"""Paged attention in Triton: every sequence of a step, read in place from the cache.
+
+Model. The step's query tokens are laid out flat (N, Hq, D): first the decode rows
+(one query token per sequence), then the prompt chunks, one after another. Every
+sequence s has a row in the block table, a context length ``seq_lens[s]`` (its tokens
+in the cache once this step's keys are written, the new ones included) and a range of
+query tokens ``query_start[s]:query_start[s + 1]``. The keys and values of this step
+are already in the cache (rope_write_kv writes them before attention), so every query
+reads only the cache: a chunk with a cached prefix and one without are the same case,
+and a query at position p attends to keys 0..p (causal with an offset).
+
+One kernel, two launches:
+  * decode rows: a program per (sequence, KV head, split). Its rows are the query
+    heads of the KV head's group, so each K/V block is loaded once for all of them
+    (GQA). When the batch is too small to fill the GPU, a long context is split over
+    several programs, each of which leaves its unnormalized partial result, maximum
+    and sum; a second kernel merges them (flash-decoding).
+  * chunks: a program per (tile of BLOCK_Q query tokens of one chunk, KV head). Its
+    rows are the tile's tokens times the group's heads.
+The inner loop is online softmax over BLOCK_N keys at a time; key j of sequence s lives
+at ``block_tables[s, j // page] * page + j % page``, so no block is copied out.
+
+Padded decode rows (CUDA graphs run a fixed batch) have seq_lens 0: they read no key
+and write zeros. The kernels compute in float32 and store in the cache's dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+# Keys per inner-loop iteration, and query rows per chunk program (query tokens times
+# the group's heads). 64 keeps a bf16 K and V tile of head_dim 128 at 32 KiB.
+BLOCK_N = 64
+CHUNK_ROWS = 64
+# tl.dot needs at least 16 rows.
+MIN_ROWS = 16
+MAX_SPLITS = 16
+
+
+@triton.jit
+def _attention_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
+        block_tables_ptr, seq_lens_ptr, query_start_ptr, tile_seq_ptr, tile_offset_ptr,
+        scale,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kb, stride_ks, stride_kh, stride_bt,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
+        BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr, SPLITS: tl.constexpr, DECODE: tl.constexpr,
+        PRECISION: tl.constexpr):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    if DECODE:  # sequence i is decode row i, one query token
+        seq = tile
+        q_off = 0
+        q_start = tile
+        q_len = 1
+    else:
+        seq = tl.load(tile_seq_ptr + tile)
+        q_off = tl.load(tile_offset_ptr + tile)
+        q_start = tl.load(query_start_ptr + seq)
+        q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    ctx = tl.load(seq_lens_ptr + seq)
+
+    rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    tok = q_off + rows // GROUP_PAD  # query token within the sequence's chunk
+    in_group = rows % GROUP_PAD
+    head = kv_head * GROUP + in_group
+    row_ok = (tok < q_len) & (in_group < GROUP) & (ctx > 0)
+    q_pos = ctx - q_len + tok  # the query's position in its sequence
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh
+                + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    # Keys this tile may see: up to its last query's position (causal).
+    last_tok = tl.minimum(q_off + BLOCK_Q, q_len) - 1
+    kv_end = tl.maximum(ctx - q_len + last_tok + 1, 0)
+    per_split = tl.cdiv(tl.cdiv(kv_end, SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, kv_end)
+
+    m = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, D_PAD], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        k_pos = start + tl.arange(0, BLOCK_N)
+        k_ok = k_pos < hi
+        page = tl.load(block_tables_ptr + seq * stride_bt + k_pos // PAGE, mask=k_ok, other=0)
+        base = page.to(tl.int64) * stride_kb + (k_pos % PAGE) * stride_ks + kv_head * stride_kh
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        allowed = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        # A row that has seen no allowed key keeps m = -inf; shift by 0 there, not by
+        # -inf (which would give NaN).
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(s - shift[:, None])
+        alpha = tl.exp(m - shift)
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m = m_new
+
+    if SPLITS == 1:
+        out = acc / tl.where(l > 0, l, 1.0)[:, None]
+        tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh
+                 + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=(tok < q_len)[:, None] & (in_group < GROUP)[:, None] & d_ok[None, :])
+    else:
+        # Partials of decode row `seq`: acc (B, Hq, SPLITS, D_PAD), m and l (B, Hq, SPLITS, 2).
+        ok = in_group < GROUP
+        cell = (seq * (GROUP * tl.num_programs(1)) + head) * SPLITS + split
+        tl.store(part_acc_ptr + cell[:, None] * D_PAD + d[None, :], acc, mask=ok[:, None])
+        tl.store(part_ml_ptr + cell * 2, m, mask=ok)
+        tl.store(part_ml_ptr + cell * 2 + 1, l, mask=ok)
+
+
+@triton.jit
+def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh,
+                         SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    """One program per (decode row, query head): the splits' partials, rescaled to a
+    common maximum, summed and normalized."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    cell = (row * tl.num_programs(1) + head) * SPLITS
+    s = tl.arange(0, SPLITS)
+    m = tl.load(part_ml_ptr + (cell + s) * 2)
+    l = tl.load(part_ml_ptr + (cell + s) * 2 + 1)
+    m_max = tl.max(m, 0)
+    weight = tl.where(m == float("-inf"), 0.0,
+                      tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max)))
+    total = tl.sum(l * weight, 0)
+    d = tl.arange(0, D_PAD)
+    acc = tl.load(part_acc_ptr + (cell + s)[:, None] * D_PAD + d[None, :])
+    out = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + row * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
+
+
+def chunk_block_q(group: int) -> int:
+    """Query tokens per chunk program: CHUNK_ROWS rows of (token, head in group)."""
+    return max(1, CHUNK_ROWS // triton.next_power_of_2(group))
+
+
+def chunk_tiles(query_lens: Sequence[int], first_seq: int, block_q: int
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """The chunk programs of sequences first_seq, first_seq + 1, ... with these query
+    lengths: (sequence, first query token) of every tile of block_q tokens."""
+    lens = np.asarray(query_lens, dtype=np.int64)
+    counts = -(-lens // block_q)
+    seqs = np.repeat(np.arange(first_seq, first_seq + len(lens)), counts)
+    starts = np.cumsum(counts) - counts
+    offsets = (np.arange(counts.sum()) - np.repeat(starts, counts)) * block_q
+    return seqs.astype(np.int32), offsets.astype(np.int32)
+
+
+def num_splits(batch: int, num_kv_heads: int, num_sms: int) -> int:
+    """Splits of each decode row's context: enough programs to fill the GPU twice over
+    when the batch alone does not (a power of two, at most MAX_SPLITS)."""
+    programs = max(1, batch * num_kv_heads)
+    splits = 1
+    while splits < MAX_SPLITS and programs * splits < 2 * num_sms:
+        splits *= 2
+    return splits
+
+
+@dataclass
+class SplitBuffers:
+    """Scratch for split decode rows, allocated once for the largest batch."""
+
+    acc: torch.Tensor  # (B, Hq, MAX_SPLITS, D_PAD) float32
+    ml: torch.Tensor  # (B, Hq, MAX_SPLITS, 2) float32
+
+    @classmethod
+    def allocate(cls, max_rows: int, num_heads: int, head_dim: int,
+                 device: torch.device) -> "SplitBuffers":
+        d_pad = triton.next_power_of_2(head_dim)
+        return cls(torch.empty(max_rows * num_heads * MAX_SPLITS * d_pad, dtype=torch.float32,
+                               device=device),
+                   torch.empty(max_rows * num_heads * MAX_SPLITS * 2, dtype=torch.float32,
+                               device=device))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    out: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_start: torch.Tensor, num_decode: int,
+                    tile_seq: Optional[torch.Tensor], tile_offset: Optional[torch.Tensor],
+                    scale: float, splits: int = 1,
+                    split_buffers: Optional[SplitBuffers] = None) -> torch.Tensor:
+    """Attention of every query in ``q`` (N, Hq, D) over the paged cache (k_cache and
+    v_cache (num_blocks, page, Hkv, D)) into ``out`` (N, Hq, D).
+
+    Sequences 0..num_decode-1 are decode rows (query token i is sequence i); the
+    chunk tiles are (tile_seq[t], tile_offset[t]): a sequence and its first query
+    token of the tile, BLOCK_Q = chunk_block_q(group) tokens per tile. block_tables
+    (S, W) int32; seq_lens (S,) and query_start (S + 1,) int32 (query_start is read
+    only for chunks)."""
+    _, hq, d = q.shape
+    _, page, hkv, _ = k_cache.shape
+    group = hq // hkv
+    d_pad = triton.next_power_of_2(d)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    common = dict(GROUP=group, BLOCK_N=BLOCK_N, PAGE=page, HEAD_DIM=d, D_PAD=d_pad,
+                  PRECISION=precision)
+    strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+               k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
+    if num_decode:
+        group_pad = max(MIN_ROWS, triton.next_power_of_2(group))
+        if splits > 1:
+            assert split_buffers is not None and splits <= MAX_SPLITS
+            acc, ml = split_buffers.acc, split_buffers.ml
+        else:
+            acc = ml = out  # not written
+        _attention_kernel[(num_decode, hkv, splits)](
+            q, k_cache, v_cache, out, acc, ml, block_tables, seq_lens, query_start,
+            seq_lens, seq_lens, scale, *strides, GROUP_PAD=group_pad, BLOCK_Q=1,
+            SPLITS=splits, DECODE=True, **common)
+        if splits > 1:
+            _merge_splits_kernel[(num_decode, hq)](
+                acc, ml, out, out.stride(0), out.stride(1), SPLITS=splits, HEAD_DIM=d,
+                D_PAD=d_pad)
+    if tile_seq is not None and tile_seq.numel():
+        assert tile_offset is not None
+        _attention_kernel[(tile_seq.numel(), hkv, 1)](
+            q, k_cache, v_cache, out, out, out, block_tables, seq_lens, query_start,
+            tile_seq, tile_offset, scale, *strides, GROUP_PAD=triton.next_power_of_2(group),
+            BLOCK_Q=chunk_block_q(group),
+            SPLITS=1, DECODE=False, **common)
+    return out

@@ -1,0 +1,138 @@
+"""The Llama family's elementwise layer ops as Triton kernels: the methods of
+engine_worker.ops.TorchOps, one launch each instead of several torch ops.
+
+Each rounds where the torch version rounds (a residual sum and a normalized row in
+the activation dtype before the weight multiplies it; silu before the product), and
+computes the rest in float32. RoPE rotates q and k in place inside the qkv
+activations and writes k and v into their cache slots; a slot of -1 (a padded row of a
+CUDA graph's batch) writes nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, h_ptr, eps,
+                         stride_x, stride_r, stride_o, stride_h, C: tl.constexpr,
+                         BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < C
+    h = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + cols, mask=ok, other=0.0)
+        h = (h.to(tl.float32) + r.to(tl.float32)).to(h.dtype)
+        tl.store(h_ptr + row * stride_h + cols, h, mask=ok)
+    h32 = h.to(tl.float32)
+    normed = h32 * tl.rsqrt(tl.sum(h32 * h32, 0) / C + eps)
+    w = tl.load(weight_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    out = w * normed.to(h.dtype).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                          stride_t, stride_cs, stride_slot, stride_head,
+                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                          HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    """One program per (token, head of q, k or v)."""
+    t = tl.program_id(0)
+    head = tl.program_id(1)
+    i = tl.arange(0, HALF_PAD)
+    ok = i < HALF
+    base = qkv_ptr + t * stride_t + head * (2 * HALF)
+    x1 = tl.load(base + i, mask=ok, other=0.0)
+    x2 = tl.load(base + HALF + i, mask=ok, other=0.0)
+    slot = tl.load(slot_ptr + t)
+    kv_head = head - NUM_HEADS
+    if head < NUM_HEADS + NUM_KV_HEADS:  # q or k: rotate (rotate-half convention)
+        cos = tl.load(cos_ptr + t * stride_cs + i, mask=ok, other=0.0).to(tl.float32)
+        sin = tl.load(sin_ptr + t * stride_cs + i, mask=ok, other=0.0).to(tl.float32)
+        a, b = x1.to(tl.float32), x2.to(tl.float32)
+        x1 = (a * cos - b * sin).to(x1.dtype)
+        x2 = (b * cos + a * sin).to(x2.dtype)
+        tl.store(base + i, x1, mask=ok)
+        tl.store(base + HALF + i, x2, mask=ok)
+        cache = k_cache_ptr
+    else:
+        kv_head = head - NUM_HEADS - NUM_KV_HEADS
+        cache = v_cache_ptr
+    if (head >= NUM_HEADS) & (slot >= 0):
+        dst = cache + slot.to(tl.int64) * stride_slot + kv_head * stride_head
+        tl.store(dst + i, x1.to(cache.dtype.element_ty), mask=ok)
+        tl.store(dst + HALF + i, x2.to(cache.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, I: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < I
+    gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + I + cols, mask=ok, other=0.0)
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    out = act.to(tl.float32) * up.to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+class TritonOps:
+    """engine_worker.ops.TorchOps's methods, on the GPU (or Triton's interpreter)."""
+
+    def add_rms_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor],
+                     weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """h = x + residual (x alone when None); returns (RMSNorm(h) * weight, h)."""
+        n, c = x.shape
+        out = torch.empty_like(x)
+        h = x if residual is None else torch.empty_like(x)
+        r = x if residual is None else residual
+        if n:
+            _add_rms_norm_kernel[(n,)](
+                x, r, weight, out, h, eps, x.stride(0), r.stride(0), out.stride(0),
+                h.stride(0), C=c, BLOCK=triton.next_power_of_2(c),
+                HAS_RESIDUAL=residual is not None, num_warps=_warps(c))
+        return out, h
+
+    def rope_write_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      num_heads: int, num_kv_heads: int, head_dim: int,
+                      kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """qkv (N, (Hq + 2 Hkv) D), rotated in place; cos, sin (N, D/2); kv_cache
+        (2, num_blocks, page, Hkv, D). Returns views q (N, Hq, D), k and v (N, Hkv, D)."""
+        n = qkv.shape[0]
+        assert qkv.stride(1) == 1 and kv_cache.is_contiguous()
+        k_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)  # (slots, Hkv, D)
+        v_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
+        half = head_dim // 2
+        if n:
+            _rope_write_kv_kernel[(n, num_heads + 2 * num_kv_heads)](
+                qkv, cos, sin, k_cache, v_cache, slot_mapping, qkv.stride(0), cos.stride(0),
+                k_cache.stride(0), k_cache.stride(1), NUM_HEADS=num_heads,
+                NUM_KV_HEADS=num_kv_heads, HALF=half, HALF_PAD=triton.next_power_of_2(half))
+        q_end = num_heads * head_dim
+        k_end = q_end + num_kv_heads * head_dim
+        return (qkv[:, :q_end].view(n, num_heads, head_dim),
+                qkv[:, q_end:k_end].view(n, num_kv_heads, head_dim),
+                qkv[:, k_end:].view(n, num_kv_heads, head_dim))
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """(N, 2 I) holding gate then up -> silu(gate) * up, (N, I)."""
+        n, two_i = gate_up.shape
+        i = two_i // 2
+        out = gate_up.new_empty(n, i)
+        block = min(1024, triton.next_power_of_2(i))
+        if n:
+            _silu_mul_kernel[(n, triton.cdiv(i, block))](
+                gate_up, out, gate_up.stride(0), out.stride(0), I=i, BLOCK=block)
+        return out
+
+
+def _warps(width: int) -> int:
+    return 4 if width <= 2048 else 8

@@ -1,0 +1,94 @@
+"""The Triton paged-attention kernels against a float64 reference.
+
+Without a GPU they run through Triton's interpreter (tests/conftest.py), in float32
+and on small shapes; on a GPU the same cases run compiled, and the cases marked cuda
+run in bfloat16 at real shapes (scripts/gpu-check)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_worker.gpu.attention import SplitBuffers, num_splits, paged_attention
+from paged_cases import make_case, reference, rel_l2
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# float32 on both paths: the interpreter computes exactly, a GPU in ieee float32.
+TOL = 1e-5
+
+
+def run(case, splits: int = 1) -> torch.Tensor:
+    out = torch.full_like(case.q, float("nan"))  # poisoned: every row must be written
+    buffers = None
+    if splits > 1:
+        buffers = SplitBuffers.allocate(case.num_decode, case.q.shape[1], case.q.shape[2],
+                                        case.q.device)
+    return paged_attention(case.q, case.k_cache, case.v_cache, out, case.block_tables,
+                           case.seq_lens, case.query_start, case.num_decode, case.tile_seq,
+                           case.tile_offset, case.scale, splits, buffers)
+
+
+@pytest.mark.parametrize("heads", [(4, 1), (2, 2)], ids=["gqa4to1", "mha1to1"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_decode_rows_with_partial_last_blocks(heads, head_dim):
+    # Contexts that end inside a block (1, 17, 40) and on its edge (32).
+    case = make_case([(1, 1), (17, 1), (40, 1), (32, 1)], *heads, head_dim, device=DEVICE)
+    assert rel_l2(run(case), reference(case)) < TOL
+
+
+@pytest.mark.parametrize("splits", [2, 4])
+def test_split_context_merges_to_the_same_result(splits):
+    # One context shorter than a split's share: its other splits are empty.
+    case = make_case([(150, 1), (70, 1), (3, 1)], 4, 2, 64, device=DEVICE, seed=1)
+    assert rel_l2(run(case, splits), reference(case)) < TOL
+
+
+@pytest.mark.parametrize("heads", [(4, 1), (2, 2)], ids=["gqa4to1", "mha1to1"])
+def test_chunk_without_prefix_is_causal(heads):
+    case = make_case([(37, 37)], *heads, 64, device=DEVICE, seed=2)
+    assert rel_l2(run(case), reference(case)) < TOL
+
+
+def test_chunk_on_a_cached_prefix():
+    # 21 new tokens after a 48-token cached prefix; and a chunk of a single block.
+    case = make_case([(69, 21), (16, 5)], 4, 1, 64, device=DEVICE, seed=3)
+    assert rel_l2(run(case), reference(case)) < TOL
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_decode_rows_mixed_with_chunks(splits):
+    case = make_case([(33, 1), (5, 1), (90, 30), (20, 20), (7, 3)], 4, 2, 64, device=DEVICE,
+                     seed=4)
+    assert rel_l2(run(case, splits), reference(case)) < TOL
+
+
+def test_padded_graph_rows_write_zeros_and_change_nothing_else():
+    real = [(25, 1), (9, 1)]
+    case = make_case(real + [(0, 1), (0, 1)], 4, 1, 64, device=DEVICE, seed=5)
+    out = run(case, 2)
+    assert torch.equal(out[2:].cpu(), torch.zeros_like(out[2:].cpu()))
+    assert rel_l2(out[:2], reference(case)[:2]) < TOL
+
+
+def test_splits_fill_the_gpu_only_when_the_batch_does_not():
+    assert num_splits(1, 8, 132) == 16
+    assert num_splits(16, 8, 132) == 4  # 128 programs, 512 with 4 splits
+    assert num_splits(64, 8, 132) == 1
+    assert num_splits(256, 8, 132) == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("batch,ctx", [(1, 8192), (256, 1024)])
+def test_bf16_decode_at_real_shapes(batch, ctx):
+    gen = torch.Generator().manual_seed(batch)
+    lens = torch.randint(ctx // 2, ctx + 1, (batch,), generator=gen).tolist()
+    case = make_case([(n, 1) for n in lens], 32, 8, 128, dtype=torch.bfloat16, device="cuda")
+    splits = num_splits(batch, 8, torch.cuda.get_device_properties(0).multi_processor_count)
+    assert rel_l2(run(case, splits), reference(case)) < 1e-2
+
+
+@pytest.mark.cuda
+def test_bf16_chunks_at_real_shapes():
+    case = make_case([(4096, 1), (8192, 2048), (3000, 3000)], 32, 8, 128,
+                     dtype=torch.bfloat16, device="cuda")
+    assert rel_l2(run(case), reference(case)) < 1e-2

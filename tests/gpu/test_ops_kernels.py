@@ -1,0 +1,65 @@
+"""The Triton layer ops against TorchOps, the reference every device runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_worker.gpu.ops import TritonOps
+from engine_worker.ops import TorchOps
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(DEVICE)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_add_rms_norm_matches_torch(with_residual):
+    x, residual, weight = randn(5, 96), randn(5, 96, seed=1), randn(96, seed=2)
+    ref_out, ref_h = TorchOps().add_rms_norm(x, residual if with_residual else None,
+                                             weight, 1e-5)
+    out, h = TritonOps().add_rms_norm(x, residual if with_residual else None, weight, 1e-5)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h, ref_h, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (2, 2)], ids=["gqa", "mha"])
+def test_rope_write_kv_matches_torch_and_skips_padded_slots(heads):
+    hq, hkv = heads
+    d, page, num_blocks, n = 16, 4, 6, 7
+    qkv = randn(n, (hq + 2 * hkv) * d)
+    positions = torch.tensor([0, 1, 2, 9, 10, 3, 0], device=DEVICE)
+    freqs = positions.float().unsqueeze(1) * (1e4 ** (-torch.arange(0, d, 2, device=DEVICE) / d))
+    cos, sin = freqs.cos(), freqs.sin()
+    slots = torch.tensor([5, 6, 7, 20, 21, 2, -1], device=DEVICE)  # the last row is padding
+    ref_cache = torch.zeros(2, num_blocks, page, hkv, d, device=DEVICE)
+    cache = torch.full_like(ref_cache, 7.0)
+    ref_cache.fill_(7.0)
+    real = slots >= 0
+    q_ref, k_ref, v_ref = TorchOps().rope_write_kv(qkv[real].clone(), cos[real], sin[real],
+                                                   hq, hkv, d, ref_cache, slots[real])
+    q, k, v = TritonOps().rope_write_kv(qkv, cos, sin, hq, hkv, d, cache, slots)
+    torch.testing.assert_close(q[real], q_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k[real], k_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(v[real], v_ref, rtol=0, atol=0)
+    torch.testing.assert_close(cache, ref_cache, rtol=1e-5, atol=1e-5)  # 7.0 where unwritten
+
+
+def test_silu_mul_matches_torch():
+    x = randn(3, 2 * 1500)  # wider than one program's block
+    torch.testing.assert_close(TritonOps().silu_mul(x), TorchOps().silu_mul(x),
+                               rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.cuda
+def test_bf16_ops_match_torch_at_real_shapes():
+    ops, ref = TritonOps(), TorchOps()
+    x = randn(256, 4096).bfloat16()
+    r = randn(256, 4096, seed=1).bfloat16()
+    w = randn(4096, seed=2).bfloat16()
+    for got, want in zip(ops.add_rms_norm(x, r, w, 1e-5), ref.add_rms_norm(x, r, w, 1e-5)):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    gu = randn(256, 2 * 14336).bfloat16()
+    torch.testing.assert_close(ops.silu_mul(gu), ref.silu_mul(gu), rtol=2e-2, atol=2e-2)
