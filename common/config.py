@@ -8,7 +8,7 @@ their defaults from them, so ``ROSESERVE_MODEL=... python -m engine_worker`` and
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 _ENV_PREFIX = "ROSESERVE_"
@@ -38,8 +38,11 @@ class CacheConfig:
     # blocks) against per-block bookkeeping; it is what vLLM and SGLang default to.
     block_size: int = 16
     # Memory for the KV pool. None: 2 GiB on CPU (about 45k tokens of SmolLM2-135M);
-    # on CUDA, 90% of what is free after the weights are loaded.
+    # on CUDA, what gpu_memory_utilization leaves after the weights, a profiled
+    # forward pass and the CUDA graphs (engine_worker/gpu/memory.py).
     kv_cache_memory_bytes: Optional[int] = None
+    # CUDA: the share of the device's total memory the engine may use.
+    gpu_memory_utilization: float = 0.9
     # Exact number of blocks, overriding the memory budget (tests use small pools).
     num_blocks: Optional[int] = None
     enable_prefix_caching: bool = True
@@ -48,12 +51,17 @@ class CacheConfig:
         _positive("block_size", self.block_size)
         _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
         _positive("num_blocks", self.num_blocks)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    # Most requests decoding together (the decode batch).
-    max_batch_size: int = 64
+    # Most requests decoding together (the decode batch). None: 64 on CPU (a step of
+    # SmolLM2-135M at 64 rows is compute-bound on 2 cores), 256 on CUDA (an 8B model's
+    # decode is still bound by reading its weights there).
+    max_batch_size: Optional[int] = None
     # Most waiting requests admitted (starting their prefill) in one step; None:
     # equal to max_batch_size. Decoupled from the decode batch (seed 004): set above
     # it, a burst is admitted and prefilled at once, then decodes max_batch_size
@@ -72,15 +80,29 @@ class SchedulerConfig:
 
     @property
     def prefill_batch_size(self) -> int:
-        return self.prefill_max_batch_size or self.max_batch_size
+        return self.prefill_max_batch_size or self.decode_batch_size
 
-    def token_budget(self, device: str) -> int:
-        if self.max_num_batched_tokens is not None:
-            return self.max_num_batched_tokens
-        return 8192 if device.startswith("cuda") else 512
+    @property
+    def decode_batch_size(self) -> int:
+        assert self.max_batch_size is not None, "resolve the config with for_device()"
+        return self.max_batch_size
+
+    def for_device(self, device: str) -> "SchedulerConfig":
+        """This config with the device's defaults filled in."""
+        cuda = device.startswith("cuda")
+        return replace(self, max_batch_size=self.max_batch_size or (256 if cuda else 64),
+                       max_num_batched_tokens=self.max_num_batched_tokens or (
+                           8192 if cuda else 512))
+
+    @property
+    def token_budget(self) -> int:
+        assert self.max_num_batched_tokens is not None, "resolve the config with for_device()"
+        return self.max_num_batched_tokens
 
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
+_LOAD_FORMATS = ("auto", "dummy")
+_ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -104,6 +126,15 @@ class EngineConfig:
     # CPU attention kernels compiled from C on first use (falls back to torch when
     # no compiler is found). Off: always the torch path.
     cpu_kernels: bool = True
+    # "auto": the checkpoint's safetensors; "dummy": random weights from config.json
+    # alone, made on the device (benchmarks of models whose weights are not here).
+    load_format: str = "auto"
+    # "auto": Triton on CUDA, the C kernels or torch on the CPU; "torch": the
+    # reference path on any device; "triton": the GPU path (on a CPU, through
+    # Triton's interpreter: tests only).
+    attention_backend: str = "auto"
+    # CUDA: no CUDA graphs (every step runs kernel by kernel).
+    enforce_eager: bool = False
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -112,6 +143,12 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         if self.quantization not in (None, "int8"):
             raise ValueError(f"quantization must be int8 or unset, got {self.quantization!r}")
+        if self.load_format not in _LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {', '.join(_LOAD_FORMATS)}, got "
+                             f"{self.load_format!r}")
+        if self.attention_backend not in _ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of "
+                             f"{', '.join(_ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
         _positive("num_threads", self.num_threads)

@@ -1,4 +1,4 @@
-"""Attention over the paged KV cache.
+"""Attention over the paged KV cache, behind one small interface.
 
 Model of the algorithm: every token computed in a step has a *slot* in the cache
 (block_id * block_size + offset). Each layer first writes the step's new keys and
@@ -9,21 +9,22 @@ filling (in-batch prefix dedup).
 
 The step's tokens are laid out flat: first the single-token queries (decodes, and
 prefills that had all but their last token cached), one per sequence, then the
-multi-token chunks one after another. Single-token queries run as one padded batch;
-each multi-token chunk runs on its own. The metadata is built once per step by the
-model runner and passed explicitly to every layer.
+multi-token chunks one after another (step_inputs.step_layout). The metadata is built
+once per step (step_inputs.StepInputs) and passed explicitly to every layer.
 
-This module is the seam for device kernels. Single-token queries on the CPU go to a
-C kernel that reads keys and values in place through the block tables
-(engine_worker/kernels.py); everywhere else, and as the fallback, the sequence's
-blocks are gathered and SDPA runs on them, which works on any device. A paged CUDA
-kernel plugs in beside the CPU one.
+Backends, chosen once at start (model_runner.py):
+  * ``TorchAttention``: the reference, on any device. A sequence's blocks are gathered
+    and SDPA runs on them.
+  * ``CpuAttention``: single-token queries through the C kernel that reads keys and
+    values in place (engine_worker/kernels.py); chunks as the reference.
+  * ``TritonAttention`` (engine_worker/gpu/attention.py): one kernel family for every
+    sequence of the step, reading the cache in place.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -31,35 +32,35 @@ import torch.nn.functional as F
 from engine_worker.kernels import CpuKernels
 
 
-@dataclass(frozen=True)
-class ChunkMetadata:
-    """One multi-token query chunk of one sequence."""
-
-    query_start: int  # offset of the chunk's first token in the flat batch
-    query_len: int
-    # The sequence's tokens in the cache once this chunk is written (prefix + chunk).
-    context_len: int
-    # (num_blocks,) the sequence's blocks covering context_len tokens.
-    block_ids: torch.Tensor
-    # (query_len, context_len) bool, True where a query may attend; None when the
-    # chunk has no cached prefix (plain causal attention over the chunk itself).
-    mask: Optional[torch.Tensor]
-
-
-@dataclass(frozen=True)
+@dataclass
 class AttentionMetadata:
-    # (num_tokens,) int64: cache slot of every token's key/value.
+    # (T,) int64: cache slot of every token's key/value; -1 for a padded row.
     slot_mapping: torch.Tensor
-    # Leading tokens that are single-token queries, one per sequence.
-    num_single: int
-    # (num_single, max_blocks) int64 block tables, padded with block 0.
-    single_block_tables: Optional[torch.Tensor]
-    # (num_single,) int64: each single-token query's context length (itself included).
-    single_context_lens: Optional[torch.Tensor]
-    # (num_single, 1, 1, max_blocks * block_size) bool: key position within context.
-    # Built only for the gather path (PagedAttention.needs_mask).
-    single_mask: Optional[torch.Tensor]
-    chunks: list[ChunkMetadata]
+    # Leading sequences that are single-token queries (sequence i is token i).
+    num_decode: int
+    # (S, W) int32: each sequence's block ids; entries past its context are stale.
+    block_tables: torch.Tensor
+    # (S,) int64: each sequence's tokens in the cache once this step's are written.
+    seq_lens: torch.Tensor
+    # (S + 1,) int64: sequence s's query tokens are query_start[s]:query_start[s + 1].
+    query_start: torch.Tensor
+    # (num_tiles,) int64: the Triton kernel's chunk programs (sequence, first query).
+    tile_seq: torch.Tensor
+    tile_offset: torch.Tensor
+    # Programs each decode row's context is split over (Triton).
+    num_splits: int
+    # The same as host lists, for the reference path, for the unpadded sequences.
+    seq_lens_host: list[int]
+    query_start_host: list[int]
+
+    @functools.cached_property
+    def decode_tables_int64(self) -> torch.Tensor:
+        """(num_decode, W) int64 block tables (the C kernel's index type)."""
+        return self.block_tables[:self.num_decode].long()
+
+    @functools.cached_property
+    def decode_lens_int64(self) -> torch.Tensor:
+        return self.seq_lens[:self.num_decode]
 
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
@@ -68,30 +69,30 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
     return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
 
-class PagedAttention:
-    """One instance serves every layer (they share head counts and scale)."""
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k and v (N, Hkv, D) into their slots of one layer's cache."""
+    h_kv, d = k.shape[1:]
+    kv_cache[0].view(-1, h_kv, d).index_copy_(0, slot_mapping, k)
+    kv_cache[1].view(-1, h_kv, d).index_copy_(0, slot_mapping, v)
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 kernels: Optional[CpuKernels] = None) -> None:
+
+class TorchAttention:
+    """The reference backend. One instance serves every layer (they share head counts
+    and scale)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.gqa = num_heads != num_kv_heads
-        self.kernels = kernels
-
-    @property
-    def needs_mask(self) -> bool:
-        """Whether single-token queries run on the gather path, which needs a mask."""
-        return self.kernels is None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Write k and v into the cache, then attend. q (N, Hq, D), k and v (N, Hkv, D)
         -> (N, Hq * D)."""
-        h_kv, d = self.num_kv_heads, self.head_dim
-        kv_cache[0].view(-1, h_kv, d).index_copy_(0, meta.slot_mapping, k)
-        kv_cache[1].view(-1, h_kv, d).index_copy_(0, meta.slot_mapping, v)
+        write_kv(kv_cache, k, v, meta.slot_mapping)
         return self.attend(q, k, v, kv_cache, meta)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -99,47 +100,65 @@ class PagedAttention:
         """Attention for keys and values already in the cache (k and v are the step's
         own, used directly by chunks without a cached prefix)."""
         n, d = q.shape[0], self.head_dim
-        out = q.new_empty(n, self.num_heads, d)
-        if meta.num_single:
-            out[:meta.num_single] = self._single(q[:meta.num_single], kv_cache, meta)
-        for chunk in meta.chunks:
-            rows = slice(chunk.query_start, chunk.query_start + chunk.query_len)
-            out[rows] = self._chunk(q[rows], k[rows], v[rows], kv_cache, chunk)
+        out = q.new_zeros(n, self.num_heads, d)
+        if meta.num_decode:
+            out[:meta.num_decode] = self._decode(q[:meta.num_decode], kv_cache, meta)
+        starts, lens = meta.query_start_host, meta.seq_lens_host
+        for s in range(meta.num_decode, len(lens)):
+            rows = slice(starts[s], starts[s + 1])
+            out[rows] = self._chunk(q[rows], k[rows], v[rows], kv_cache,
+                                    meta.block_tables[s], lens[s])
         return out.view(n, self.num_heads * d)
 
     def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
         """(2, num_blocks, bs, Hkv, D) cache, (...) ids -> (2, ..., bs, Hkv, D)."""
-        flat = block_ids.reshape(-1)
-        gathered = torch.index_select(kv_cache, 1, flat)
+        gathered = torch.index_select(kv_cache, 1, block_ids.reshape(-1))
         return gathered.view(2, *block_ids.shape, *kv_cache.shape[2:])
 
-    def _single(self, q: torch.Tensor, kv_cache: torch.Tensor,
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        assert meta.single_block_tables is not None
-        if self.kernels is not None:
-            assert meta.single_context_lens is not None
-            return self.kernels.paged_decode_attention(
-                q, kv_cache, meta.single_block_tables, meta.single_context_lens, self.scale)
-        assert meta.single_mask is not None
-        b = q.shape[0]
-        kv = self._gather(kv_cache, meta.single_block_tables)  # (2, B, nb, bs, Hkv, D)
+        b, bs = q.shape[0], kv_cache.shape[2]
+        lens = torch.tensor(meta.seq_lens_host[:b], device=q.device)
+        width = -(-max(meta.seq_lens_host[:b]) // bs)
+        tables = meta.block_tables[:b, :width]
+        kv = self._gather(kv_cache, tables)  # (2, B, nb, bs, Hkv, D)
         kv = kv.view(2, b, -1, self.num_kv_heads, self.head_dim).transpose(2, 3)
+        mask = torch.arange(width * bs, device=q.device).unsqueeze(0) < lens.unsqueeze(1)
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), kv[0], kv[1], attn_mask=meta.single_mask,
+            q.unsqueeze(2), kv[0], kv[1], attn_mask=mask.view(b, 1, 1, -1),
             scale=self.scale, enable_gqa=self.gqa)  # (B, Hq, 1, D)
         return out.squeeze(2)
 
     def _chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               kv_cache: torch.Tensor, chunk: ChunkMetadata) -> torch.Tensor:
-        if chunk.mask is None:
+               kv_cache: torch.Tensor, block_table: torch.Tensor, context_len: int
+               ) -> torch.Tensor:
+        length = q.shape[0]
+        if context_len == length:
             # No cached prefix: attend within the chunk, causally.
             keys, values, mask, causal = k, v, None, True
         else:
-            kv = self._gather(kv_cache, chunk.block_ids)  # (2, nb, bs, Hkv, D)
-            kv = kv.view(2, -1, self.num_kv_heads, self.head_dim)[:, :chunk.context_len]
-            keys, values, mask, causal = kv[0], kv[1], chunk.mask, False
+            blocks = block_table[:-(-context_len // kv_cache.shape[2])]
+            kv = self._gather(kv_cache, blocks)  # (2, nb, bs, Hkv, D)
+            kv = kv.view(2, -1, self.num_kv_heads, self.head_dim)[:, :context_len]
+            q_pos = torch.arange(context_len - length, context_len, device=q.device)
+            mask = torch.arange(context_len, device=q.device).unsqueeze(0) <= q_pos.unsqueeze(1)
+            keys, values, causal = kv[0], kv[1], False
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
             attn_mask=mask, is_causal=causal, scale=self.scale,
             enable_gqa=self.gqa)  # (Hq, L, D)
         return out.transpose(0, 1)
+
+
+class CpuAttention(TorchAttention):
+    """Single-token queries through the C kernel, which reads the cache in place."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 kernels: CpuKernels) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        self.kernels = kernels
+
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        return self.kernels.paged_decode_attention(
+            q, kv_cache, meta.decode_tables_int64, meta.decode_lens_int64, self.scale)

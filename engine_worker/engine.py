@@ -38,9 +38,9 @@ class LLMEngine:
         self.model_config = load_model_config(self.model_dir)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.runner = ModelRunner(self.model_config, self.model_dir, config.cache,
-                                  self.device, self.dtype, config.seed, config.cpu_kernels,
-                                  config.quantization)
+        scheduler_config = config.scheduler.for_device(self.device.type)
+        self.runner = ModelRunner(self.model_config, self.model_dir, config, scheduler_config,
+                                  self.device, self.dtype)
         self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
         # A request must fit in the pool on its own, or it could never finish.
@@ -50,8 +50,7 @@ class LLMEngine:
         if self.max_model_len < self.model_config.max_model_len:
             logger.info("context capped at %d tokens (model: %d, KV pool: %d)",
                         self.max_model_len, self.model_config.max_model_len, pool_tokens)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager,
-                                   config.scheduler.token_budget(self.device.type))
+        self.scheduler = Scheduler(scheduler_config, self.block_manager)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.num_prompt_tokens_computed = 0

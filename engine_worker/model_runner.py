@@ -1,29 +1,40 @@
-"""Runs one step's batch through the model: builds the flat inputs and the attention
-metadata from the scheduled requests, runs the forward pass, and computes logits only
-for rows that yield a token. The engine samples from them (``runner.sampler``)."""
+"""Runs one step's batch through the model: builds the step's inputs from the scheduled
+requests, runs the forward pass, and computes logits only for rows that yield a token
+(or whose prompt logprobs are wanted). The engine samples from them
+(``runner.sampler``).
+
+Paths, chosen once at start from the device and the model:
+  * CPU, Llama family, C kernels: the whole step in one C call (llama.c, FusedLlama);
+  * otherwise layer by layer through the model's torch modules, with an attention
+    backend (attention.py: TorchAttention, CpuAttention, or TritonAttention on CUDA)
+    and elementwise ops (ops.TorchOps, the C kernels, or gpu.ops.TritonOps), the step's
+    inputs in persistent buffers (step_inputs.py);
+  * on CUDA, decode-only steps of the Llama family replay CUDA graphs (gpu/graphs.py)
+    unless ``enforce_eager``.
+"""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
-from common.config import CacheConfig
-from engine_worker.attention import (AttentionMetadata, ChunkMetadata, PagedAttention,
-                                     kv_cache_shape)
+from common.config import EngineConfig, SchedulerConfig
+from engine_worker.attention import CpuAttention, TorchAttention, kv_cache_shape
 from engine_worker.kernels import FusedLlama
 from engine_worker.kernels import cpu_kernels as load_cpu_kernels
 from engine_worker.model_config import ModelConfig
 from engine_worker.models import load_model
+from engine_worker.ops import TorchOps
 from engine_worker.sampler import Sampler
 from engine_worker.scheduler import ScheduledRequest
+from engine_worker.step_inputs import StepBatch, StepInputs, step_layout
 
 logger = logging.getLogger(__name__)
 
 _DEFAULT_CPU_KV_BYTES = 2 << 30
-_CUDA_MEMORY_FRACTION = 0.9
 
 
 def resolve_device(name: str) -> torch.device:
@@ -44,77 +55,179 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, model_dir: Path, cache: CacheConfig,
-                 device: torch.device, dtype: torch.dtype, seed: int,
-                 cpu_kernels: bool = True, quantization: Optional[str] = None) -> None:
+    def __init__(self, model_config: ModelConfig, model_dir: Path, config: EngineConfig,
+                 scheduler: SchedulerConfig, device: torch.device, dtype: torch.dtype) -> None:
+        """scheduler: config.scheduler resolved for the device (its batch sizes and
+        token budget size the step buffers)."""
         self.config = model_config
         self.device = device
+        cache = config.cache
         self.block_size = cache.block_size
         kernels = None
-        if cpu_kernels and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16):
+        if (config.cpu_kernels and device.type == "cpu" and config.attention_backend == "auto"
+                and dtype in (torch.float32, torch.bfloat16)):
             kernels = load_cpu_kernels()
         # On the CPU kernels, bfloat16 and int8 are formats of the packed weights;
         # activations and the KV cache stay float32.
         self.weight_format = str(dtype).removeprefix("torch.")
         if kernels is not None:
-            self.weight_format = quantization or (
+            self.weight_format = config.quantization or (
                 "bfloat16" if dtype == torch.bfloat16 else "float32")
             dtype = torch.float32
-        elif quantization is not None:
-            raise ValueError(f"{quantization} weights need the CPU C kernels (--device cpu, "
-                             f"a C compiler, not --no-cpu-kernels)")
+        elif config.quantization is not None:
+            raise ValueError(f"{config.quantization} weights need the CPU C kernels (--device "
+                             f"cpu, a C compiler, not --no-cpu-kernels)")
         self.dtype = dtype
-        attn_kernels = kernels
-        if kernels is not None and not kernels.supports_head_dim(model_config.head_dim):
-            logger.info("head_dim %d: decode attention uses the torch path",
-                        model_config.head_dim)
-            attn_kernels = None
-        self.attn = PagedAttention(model_config.num_heads, model_config.num_kv_heads,
-                                   model_config.head_dim, model_config.head_dim ** -0.5,
-                                   attn_kernels)
-        self.model = load_model(model_config, model_dir, device, dtype, self.attn, kernels,
-                                self.weight_format)
+        max_seqs = max(scheduler.decode_batch_size, scheduler.prefill_batch_size)
+        self.attn, ops = self._backend(config, kernels, max_seqs)
+        self.model = load_model(model_config, model_dir, device, dtype, self.attn, ops,
+                                kernels, self.weight_format, config.load_format, config.seed)
         if self.weight_format != "float32":
-            logger.info("weights: %s, computing in float32", self.weight_format)
-        self.num_blocks = self._num_blocks(cache)
-        shape = kv_cache_shape(self.num_blocks, cache.block_size,
-                               model_config.num_kv_heads, model_config.head_dim)
-        # Zeroed, not empty: padded reads of unused slots are masked out, but garbage
-        # there could be NaN, and 0 * NaN would leak through the softmax.
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
-                          for _ in range(model_config.num_layers)]
-        self.sampler = Sampler(device, seed, kernels)
-        # The whole forward pass in one C call, for the Llama family on the CPU.
+            logger.info("weights: %s, computing in %s", self.weight_format,
+                        str(dtype).removeprefix("torch."))
+        max_len = min(model_config.max_model_len, config.max_model_len or 1 << 62)
+        self.inputs = StepInputs(scheduler.token_budget, max_seqs,
+                                 -(-max_len // self.block_size), self.block_size, device,
+                                 getattr(self.attn, "tile_tokens", 1))
+        self.sampler = Sampler(device, config.seed, kernels)
+        self.kv_caches: list[torch.Tensor] = []
         self.fused: Optional[FusedLlama] = None
+        self.graphs = None
         # Set by each forward: (request, first position, logits rows) of prompt
         # positions whose logprobs are wanted.
         self.prompt_logits: list[tuple] = []
-        if attn_kernels is not None and model_config.family == "llama":
-            self.fused = FusedLlama(attn_kernels, self.model, self.kv_caches, cache.block_size)
+        if device.type == "cuda":
+            self.num_blocks = self._size_gpu_cache(cache, scheduler)
+        else:
+            budget = cache.kv_cache_memory_bytes or _DEFAULT_CPU_KV_BYTES
+            self.num_blocks = cache.num_blocks or self._blocks_in(budget)
+        self.kv_caches = self._allocate_cache(self.num_blocks)
+        # The whole forward pass in one C call, for the Llama family on the CPU.
+        if isinstance(self.attn, CpuAttention) and model_config.family == "llama":
+            self.fused = FusedLlama(kernels, self.model, self.kv_caches, cache.block_size)
+        if device.type == "cuda" and not config.enforce_eager and model_config.family == "llama":
+            from engine_worker.gpu.graphs import CudaGraphCapture
+
+            self.graphs = self.make_graph_runner(scheduler.decode_batch_size, CudaGraphCapture())
+            self.graphs.capture_all()
         logger.info("KV cache: %d blocks x %d tokens (%.0f MiB)", self.num_blocks,
                     cache.block_size, self.num_blocks * self._bytes_per_block() / 2**20)
+
+    def _backend(self, config: EngineConfig, kernels, max_seqs: int
+                 ) -> tuple[Union[TorchAttention, CpuAttention], object]:
+        """The attention backend and the elementwise ops, chosen once."""
+        cfg = self.config
+        args = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5)
+        triton = config.attention_backend == "triton" or (
+            config.attention_backend == "auto" and self.device.type == "cuda")
+        if triton:
+            from engine_worker.gpu.attention import TritonAttention
+            from engine_worker.gpu.ops import TritonOps
+
+            return TritonAttention(*args, max_seqs, self.device), TritonOps()
+        if kernels is None:
+            return TorchAttention(*args), TorchOps()
+        if not kernels.supports_head_dim(cfg.head_dim):
+            logger.info("head_dim %d: decode attention uses the torch path", cfg.head_dim)
+            return TorchAttention(*args), kernels
+        return CpuAttention(*args, kernels), kernels
 
     def _bytes_per_block(self) -> int:
         cfg = self.config
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
-    def _num_blocks(self, cache: CacheConfig) -> int:
-        if cache.num_blocks is not None:
-            return cache.num_blocks
-        budget = cache.kv_cache_memory_bytes
-        if budget is None:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * _CUDA_MEMORY_FRACTION)
-            else:
-                budget = _DEFAULT_CPU_KV_BYTES
+    def _blocks_in(self, budget: int) -> int:
         num_blocks = budget // self._bytes_per_block()
         if num_blocks < 1:
             raise ValueError(
                 f"a KV memory budget of {budget} bytes holds no block of "
                 f"{self._bytes_per_block()} bytes")
         return num_blocks
+
+    def _allocate_cache(self, num_blocks: int) -> list[torch.Tensor]:
+        shape = kv_cache_shape(num_blocks, self.block_size, self.config.num_kv_heads,
+                               self.config.head_dim)
+        # Zeroed, not empty: padded reads of unused slots are masked out, but garbage
+        # there could be NaN, and 0 * NaN would leak through the softmax.
+        return [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                for _ in range(self.config.num_layers)]
+
+    def _size_gpu_cache(self, cache, scheduler: SchedulerConfig) -> int:
+        """Blocks for the KV cache on the GPU: given, or what is left after profiling
+        (gpu/memory.py)."""
+        if cache.num_blocks is not None:
+            return cache.num_blocks
+        if cache.kv_cache_memory_bytes is not None:
+            return self._blocks_in(cache.kv_cache_memory_bytes)
+        from engine_worker.gpu.memory import MemoryProfile
+
+        free, total = torch.cuda.mem_get_info(self.device)
+        torch_held = torch.cuda.memory_reserved(self.device)
+        weights = torch.cuda.memory_allocated(self.device)
+        peak = self.profile_peak(scheduler)
+        graph_pool = 0
+        if self.config.family == "llama":  # graphs hold one decode batch's activations
+            graph_pool = self.profile_peak(scheduler, decode_only=True)
+        profile = MemoryProfile(total=total, used_by_others=total - free - torch_held,
+                                weights=weights, activation_peak=peak, graph_pool=graph_pool)
+        kv_bytes = profile.kv_cache_bytes(cache.gpu_memory_utilization)
+        logger.info("GPU memory: %.1f GiB total, %.0f%% usable; %s; KV cache %.2f GiB",
+                    total / 2**30, cache.gpu_memory_utilization * 100, profile.describe(),
+                    kv_bytes / 2**30)
+        return self._blocks_in(kv_bytes)
+
+    @torch.inference_mode()
+    def profile_peak(self, scheduler: SchedulerConfig, decode_only: bool = False) -> int:
+        """Bytes a step adds at its peak over the weights: a forward pass over the
+        token budget in as many sequences as may run, its logits at the decode batch
+        and the sampler on them (or a decode step at the full batch alone). Runs on a
+        cache of just enough blocks, freed after."""
+        from engine_worker.profile_step import dummy_step
+
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        tokens = scheduler.decode_batch_size if decode_only else scheduler.token_budget
+        seqs = min(scheduler.decode_batch_size, tokens)
+        scheduled, blocks = dummy_step(tokens, seqs, self.block_size, self.inputs.width)
+        self.kv_caches = self._allocate_cache(blocks)
+        logits = self.forward(scheduled)
+        self.sampler.profile(logits)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        cache_bytes = blocks * self._bytes_per_block()
+        self.kv_caches = []
+        del logits
+        torch.cuda.empty_cache()
+        return max(0, peak - cache_bytes)
+
+    def make_graph_runner(self, max_batch: int, capture):
+        """A GraphRunner over this runner's model and buffers (capture: CUDA graphs,
+        or an eager stand-in in tests)."""
+        from engine_worker.gpu.attention import num_splits
+        from engine_worker.gpu.graphs import GraphRunner
+
+        cfg = self.config
+        sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+               if self.device.type == "cuda" else 1)
+
+        def step(input_ids, positions, meta) -> torch.Tensor:
+            with torch.inference_mode():
+                return self.model.compute_logits(
+                    self.model(input_ids, positions, self.kv_caches, meta))
+        max_batch = min(max_batch, self.inputs.max_seqs)
+        return GraphRunner(step, self.inputs, max_batch,
+                           lambda b: num_splits(b, cfg.num_kv_heads, sms), capture)
+
+    def _splits(self, num_decode: int) -> int:
+        if self.device.type != "cuda" or not hasattr(self.attn, "tile_tokens"):
+            return 1
+        from engine_worker.gpu.attention import num_splits
+
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        return num_splits(num_decode, self.config.num_kv_heads, sms)
 
     @torch.inference_mode()
     def forward(self, scheduled: list[ScheduledRequest]) -> Optional[torch.Tensor]:
@@ -130,20 +243,31 @@ class ModelRunner:
         self.prompt_logits = []
         if self.fused is not None:
             return self._forward_fused(scheduled)
-        # Layer by layer, the batch laid out with single-token queries first
-        # (attention.py).
-        layout = sorted(range(len(scheduled)), key=lambda i: scheduled[i].num_tokens > 1)
-        input_ids, positions, meta, last_rows = self._prepare([scheduled[i] for i in layout])
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # (N, C)
-        last_row = dict(zip(layout, last_rows))
-        rows = [last_row[i] for i, s in enumerate(scheduled) if s.samples]
-        extra = self._prompt_rows(scheduled, [last_row[i] - s.num_tokens + 1
-                                              for i, s in enumerate(scheduled)])
-        if not rows and not extra:
+        order, first_rows = step_layout(scheduled)
+        sampled = [first_rows[i] + s.num_tokens - 1 for i, s in enumerate(scheduled)
+                   if s.samples]
+        extra = self._prompt_rows(scheduled, first_rows)
+        layout = [scheduled[i] for i in order]
+        bucket = None
+        if (self.graphs is not None and not extra and len(sampled) == len(layout)
+                and all(s.num_tokens == 1 for s in layout)):
+            bucket = self.graphs.bucket(len(layout))
+        if bucket is not None:
+            # Every row of a decode step samples, in layout order = schedule order.
+            batch = self.inputs.prepare(layout, sampled, len(sampled), pad_to=bucket,
+                                        num_splits=self.graphs.splits(bucket))
+            return self.graphs.run(batch)
+        batch = self.inputs.prepare(layout, sampled + extra, len(sampled),
+                                    num_splits=self._splits(sum(
+                                        1 for s in layout if s.num_tokens == 1)))
+        return self._run_eager(batch)
+
+    def _run_eager(self, batch: StepBatch) -> Optional[torch.Tensor]:
+        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        if not batch.logits_rows.numel():
             return None
-        index = torch.tensor(rows + extra, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, index))
-        return self._split_prompt_logits(logits, len(rows))
+        logits = self.model.compute_logits(hidden.index_select(0, batch.logits_rows))
+        return self._split_prompt_logits(logits, batch.num_sampled)
 
     def _prompt_rows(self, scheduled: list[ScheduledRequest], first_rows: list[int]
                      ) -> list[int]:
@@ -171,18 +295,6 @@ class ModelRunner:
             at += count
         return logits[:num_samples] if num_samples else None
 
-    def _add_tokens(self, s: ScheduledRequest, input_ids: list[int], positions: list[int],
-                    slots: list[int]) -> tuple[int, int]:
-        """Appends the ids, positions and cache slots of the tokens ``s`` computes this
-        step; returns their range of positions [start, end)."""
-        r, bs = s.request, self.block_size
-        start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_tokens
-        block_ids = r.blocks.block_ids
-        input_ids.extend(r.token_ids[start:end])
-        positions.extend(range(start, end))
-        slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
-        return start, end
-
     def _forward_fused(self, scheduled: list[ScheduledRequest]) -> Optional[torch.Tensor]:
         """The step as flat per-token arrays, in ``scheduled`` order, through llama.c."""
         assert self.fused is not None
@@ -195,10 +307,15 @@ class ModelRunner:
         sample_rows: list[int] = []
         first_rows: list[int] = []
         for i, s in enumerate(scheduled):
+            r = s.request
             first_rows.append(len(input_ids))
-            start, end = self._add_tokens(s, input_ids, positions, slots)
+            start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_tokens
+            block_ids = r.blocks.block_ids
+            input_ids.extend(r.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
             seq.extend([i] * s.num_tokens)
-            tables.append(s.request.blocks.block_ids[:-(-end // bs)])
+            tables.append(block_ids[:-(-end // bs)])
             if s.samples:
                 sample_rows.append(len(input_ids) - 1)
         extra = self._prompt_rows(scheduled, first_rows)
@@ -211,55 +328,3 @@ class ModelRunner:
             torch.tensor(sample_rows + extra, dtype=torch.int64), max(positions) + 1,
             torch.get_num_threads())
         return self._split_prompt_logits(logits, len(sample_rows))
-
-    def _prepare(self, scheduled: list[ScheduledRequest]
-                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
-        """The flat batch of ``scheduled`` (single-token queries first), its attention
-        metadata, and the row of each request's last token."""
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        single_tables: list[list[int]] = []
-        single_lens: list[int] = []
-        chunks: list[ChunkMetadata] = []
-        last_rows: list[int] = []
-        for s in scheduled:
-            block_ids = s.request.blocks.block_ids
-            query_start = len(input_ids)
-            start, end = self._add_tokens(s, input_ids, positions, slots)
-            num_blocks = -(-end // bs)
-            if s.num_tokens == 1:
-                single_tables.append(block_ids[:num_blocks])
-                single_lens.append(end)
-            else:
-                mask = None
-                if start > 0:  # attends to a cached prefix: causal with an offset
-                    q_pos = torch.arange(start, end).unsqueeze(1)
-                    mask = (torch.arange(end).unsqueeze(0) <= q_pos).to(self.device)
-                chunks.append(ChunkMetadata(
-                    query_start=query_start, query_len=s.num_tokens, context_len=end,
-                    block_ids=torch.tensor(block_ids[:num_blocks], device=self.device),
-                    mask=mask))
-            last_rows.append(len(input_ids) - 1)
-
-        single_block_tables = single_context_lens = single_mask = None
-        if single_tables:
-            width = max(len(t) for t in single_tables)
-            padded = [t + [0] * (width - len(t)) for t in single_tables]
-            single_block_tables = torch.tensor(padded, device=self.device)
-            lens = torch.tensor(single_lens)
-            single_context_lens = lens.to(self.device)
-            if self.attn.needs_mask:
-                mask = torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1)
-                single_mask = mask.view(len(single_tables), 1, 1, width * bs).to(self.device)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, device=self.device),
-            num_single=len(single_tables),
-            single_block_tables=single_block_tables,
-            single_context_lens=single_context_lens,
-            single_mask=single_mask,
-            chunks=chunks,
-        )
-        return (torch.tensor(input_ids, device=self.device),
-                torch.tensor(positions, device=self.device), meta, last_rows)

@@ -55,6 +55,8 @@ class Request:
         # With a seed, the sampler gives the request a private generator (on the
         # engine's device) so that its draws do not depend on the batch.
         self.generator: Optional[torch.Generator] = None
+        # The sampler's device-side counts for penalties (sampler.PenaltyState).
+        self.penalty_state = None
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: Optional[float] = None
         self.first_token_time: Optional[float] = None

@@ -1,22 +1,29 @@
-"""Choosing each request's next token from its logits, per request inside one batch.
+"""Choosing each request's next token from its logits, per request inside one batch,
+on the logits' device, with one device-to-host copy per step.
 
 Order of processing, per row: logprobs are read from the raw distribution first
 (log_softmax of the model's logits); then the request's own logits processing runs
 (repetition, presence and frequency penalties; stop tokens banned while min_tokens is
 not reached; logit_bias, allowed_token_ids and bad words; the grammar's mask of a
-structured output; any extra ``Request.logits_processors``). A greedy row (temperature
-below 1e-5, or top_k 1) takes the argmax of that. A sampled row is divided by its
-temperature, cut by top_k, top_p and min_p, and drawn from: with the request's own
-generator when it has a seed (so the draw does not depend on what else is batched),
-otherwise with the engine's generator.
+structured output, all masks uploaded in one copy; any extra
+``Request.logits_processors``). A greedy row (temperature below 1e-5, or top_k 1)
+takes the argmax of that. A sampled row is divided by its temperature, cut by top_k,
+top_p (which always keeps the most likely token) and min_p, and drawn by the
+exponential race: the argmax of p / E with E ~ Exp(1) drawn per token, which picks
+token i with probability p_i, in one pass and without a cumulative sum. A request with
+a seed draws its E from its own generator (so its draws do not depend on what else is
+batched), the others from the engine's.
+
+Everything a step returns (token ids, a validity code per row, the chosen token's
+logprob and the top-n) is packed into one tensor and copied to the host once.
 
 Failure isolation: one row's trouble is that row's alone. Its logits processing runs
 inside its own try; a row whose logits end up NaN, +inf or all -inf (nothing left to
-choose) is not drawn from. Either way the row gets an error, and the other rows are
-sampled exactly as if it were not there (no generator of theirs is advanced for it).
+choose) gets an error, and the other rows are sampled exactly as if it were not there
+(a seeded row's generator advances the same whatever its neighbours hold).
 
-Every stage is skipped when no row of the batch needs it, so an all-greedy batch
-costs one argmax plus one row-wise max.
+Penalties keep their counts per request on the device (``PenaltyState``), adding the
+tokens generated since the last step instead of re-reading the whole history.
 """
 
 from __future__ import annotations
@@ -33,6 +40,10 @@ from engine_worker.request import Request
 
 logger = logging.getLogger(__name__)
 
+# Validity codes of a row, and what they mean.
+_ROW_ERRORS = {1: "the logits hold NaN", 2: "the logits hold +inf",
+               3: "every token is excluded (all logits are -inf)"}
+
 
 @dataclass
 class Samples:
@@ -42,6 +53,25 @@ class Samples:
     logprobs: list[Optional[TokenLogprobs]]
     # Row -> what went wrong with it.
     errors: dict[int, str] = field(default_factory=dict)
+
+
+class PenaltyState:
+    """A request's token counts on the device, for its penalties: prompt and output
+    tokens seen (repetition), output token counts (presence, frequency)."""
+
+    def __init__(self, request: Request, vocab: int, device: torch.device) -> None:
+        self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+        self.seen[torch.tensor(request.token_ids[:request.num_prompt_tokens], device=device)] = True
+        self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+        self.num_counted = 0  # output tokens counted so far
+
+    def update(self, request: Request) -> None:
+        new = request.output_token_ids[self.num_counted:]
+        if new:
+            ids = torch.tensor(new, device=self.counts.device)
+            self.seen[ids] = True
+            self.counts.index_add_(0, ids, torch.ones(len(new), device=self.counts.device))
+            self.num_counted += len(new)
 
 
 class Sampler:
@@ -63,9 +93,9 @@ class Sampler:
         logits = logits.float()
         n = len(requests)
         errors: dict[int, str] = {}
-        raw_logprobs = None
-        if any(r.params.logprobs is not None for r in requests):
-            raw_logprobs = torch.log_softmax(logits, dim=-1)
+        top_n = max((r.params.logprobs for r in requests if r.params.logprobs is not None),
+                    default=None)
+        raw_logprobs = torch.log_softmax(logits, dim=-1) if top_n is not None else None
         for i, request in enumerate(requests):
             if request.needs_logits_processing:
                 try:
@@ -80,33 +110,55 @@ class Sampler:
             self.apply_grammars(logits, [requests[i] for i in constrained], constrained,
                                 errors)
 
-        greedy = [i for i, r in enumerate(requests) if r.params.greedy and i not in errors]
-        sampled = [i for i, r in enumerate(requests) if not r.params.greedy and i not in errors]
-        token_ids: list[Optional[int]] = [None] * n
-        if greedy:
-            rows = logits if len(greedy) == n else logits[greedy]
-            _check_rows(rows, greedy, errors)
-            for i, token_id in zip(greedy, self.argmax(rows).tolist()):
-                if i not in errors:
-                    token_ids[i] = token_id
-        if sampled:
-            drawn = self._sample(logits[sampled], [requests[i] for i in sampled], sampled, errors)
-            for i, token_id in zip(sampled, drawn):
-                if i not in errors:
-                    token_ids[i] = token_id
+        # Validity of every row after its processing: NaN and +inf propagate through
+        # the maximum; all -inf leaves nothing to choose.
+        row_max = logits.amax(dim=-1)
+        codes = torch.where(torch.isnan(row_max), 1, torch.where(
+            row_max == float("inf"), 2, torch.where(row_max == float("-inf"), 3, 0)))
+        greedy = [i for i, r in enumerate(requests) if r.params.greedy]
+        sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
+        if len(greedy) == n:
+            tokens = self.argmax(logits)
+        else:
+            tokens = torch.zeros(n, dtype=torch.int64, device=logits.device)
+            if greedy:
+                index = torch.tensor(greedy, device=logits.device)
+                tokens[index] = self.argmax(logits.index_select(0, index))
+            index = torch.tensor(sampled, device=logits.device)
+            drawn, sampled_codes = self._sample(logits.index_select(0, index),
+                                                [requests[i] for i in sampled])
+            tokens[index] = drawn
+            codes[index] = torch.maximum(codes[index], sampled_codes)
 
-        logprobs: list[Optional[TokenLogprobs]] = [None] * n
+        # One copy to the host: token, code, and the logprobs asked for.
+        columns = [tokens.double().unsqueeze(1), codes.double().unsqueeze(1)]
         if raw_logprobs is not None:
-            for i, r in enumerate(requests):
-                if r.params.logprobs is not None and token_ids[i] is not None:
-                    logprobs[i] = token_logprobs(raw_logprobs[i:i + 1], [token_ids[i]],
-                                                 r.params.logprobs)[0]
+            columns.append(raw_logprobs.gather(1, tokens.unsqueeze(1)).double())
+            if top_n:
+                values, ids = torch.topk(raw_logprobs, top_n, dim=-1)
+                columns += [values.double(), ids.double()]
+        host = torch.cat(columns, dim=1).cpu().tolist()
+
+        token_ids: list[Optional[int]] = [None] * n
+        logprobs: list[Optional[TokenLogprobs]] = [None] * n
+        for i, row in enumerate(host):
+            if i in errors:
+                continue
+            code = int(row[1])
+            if code:
+                errors[i] = _ROW_ERRORS[code]
+                continue
+            token_ids[i] = int(row[0])
+            want = requests[i].params.logprobs
+            if want is not None:
+                logprobs[i] = TokenLogprobs(row[2], [int(x) for x in row[3 + top_n:3 + top_n + want]],
+                                            row[3:3 + want])
         return Samples(token_ids, logprobs, errors)
 
     def apply_grammars(self, logits: torch.Tensor, requests: list[Request], rows: list[int],
                        errors: dict[int, str]) -> None:
-        """Every structured-output row's grammar mask, applied in one operation. A
-        grammar in error fails its row alone."""
+        """Every structured-output row's grammar mask, uploaded in one copy and
+        applied in one operation. A grammar in error fails its row alone."""
         matchers = [r.grammar for r in requests]
         allowed = torch.from_numpy(matchers[0].compiler.allowed(matchers))
         index = torch.tensor(rows, device=logits.device)
@@ -119,10 +171,11 @@ class Sampler:
             if matcher.error is not None:
                 errors[row] = matcher.error
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request], rows: list[int],
-                errors: dict[int, str]) -> list[int]:
-        """(S', V) logits of sampled rows -> S' token ids (meaningless for rows that
-        land in ``errors``, keyed by their index in the whole batch, ``rows``)."""
+    def _sample(self, logits: torch.Tensor, requests: list[Request]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(S', V) logits of sampled rows -> (S',) token ids and validity codes (the
+        cut-offs cannot empty a row that had a finite maximum: each keeps the most
+        likely token)."""
         params = [r.params for r in requests]
         temps = torch.tensor([p.temperature for p in params], device=logits.device)
         logits = logits / temps.unsqueeze(1)
@@ -130,42 +183,53 @@ class Sampler:
             logits = apply_top_k(logits, [p.top_k for p in params])
         if any(p.top_p < 1.0 for p in params):
             logits = apply_top_p(logits, [p.top_p for p in params])
-        # A finite maximum makes the softmax finite (it subtracts the maximum), and
-        # top_p and min_p always keep the most likely token: the draw cannot fail.
-        _check_rows(logits, rows, errors)
+        row_max = logits.amax(dim=-1)
+        # Dividing by a temperature can overflow a finite logit to inf.
+        codes = torch.where(torch.isnan(row_max), 1, torch.where(
+            row_max == float("inf"), 2, torch.where(row_max == float("-inf"), 3, 0)))
         probs = torch.softmax(logits, dim=-1)
         if any(p.min_p > 0.0 for p in params):
             probs = apply_min_p(probs, [p.min_p for p in params])
+        return exponential_race(probs, requests, self.generator), codes
 
-        out = [0] * len(requests)
-        shared = []
+    @torch.inference_mode()
+    def profile(self, logits: Optional[torch.Tensor]) -> None:
+        """Runs the costliest path (logprobs, top-k, top-p, min-p, a draw) on
+        ``logits``, for the memory profile of a step."""
+        if logits is None:
+            return
+        logits = logits.float()
+        rows = logits.shape[0]
+        raw = torch.log_softmax(logits, dim=-1)
+        torch.topk(raw, 20, dim=-1)
+        cut = apply_top_p(apply_top_k(logits, [logits.shape[1] // 2] * rows), [0.9] * rows)
+        probs = apply_min_p(torch.softmax(cut, dim=-1), [0.05] * rows)
+        (probs / torch.empty_like(probs).exponential_(generator=self.generator)).argmax(-1)
+
+
+def exponential_race(probs: torch.Tensor, requests: Sequence[Request],
+                     generator: torch.Generator) -> torch.Tensor:
+    """(S, V) probabilities -> (S,) draws: argmax(p / E), E ~ Exp(1) per token. Seeded
+    requests draw their row's E from their own generator."""
+    noise = torch.empty_like(probs)
+    shared = [j for j, r in enumerate(requests) if r.params.seed is None]
+    if len(shared) == len(requests):
+        noise.exponential_(generator=generator)
+    else:
+        if shared:
+            index = torch.tensor(shared, device=probs.device)
+            noise.index_copy_(0, index, torch.empty(len(shared), probs.shape[1],
+                                                    device=probs.device).exponential_(
+                                                        generator=generator))
         for j, r in enumerate(requests):
-            if rows[j] in errors:
-                continue
             if r.params.seed is None:
-                shared.append(j)
                 continue
             if r.generator is None:
-                r.generator = torch.Generator(device=self.device)
+                r.generator = torch.Generator(device=probs.device)
                 r.generator.manual_seed(r.params.seed & 0xFFFF_FFFF_FFFF_FFFF)
-            out[j] = int(torch.multinomial(probs[j], 1, generator=r.generator)[0])
-        if shared:
-            draws = torch.multinomial(probs[shared], 1, generator=self.generator).squeeze(1)
-            for j, token_id in zip(shared, draws.tolist()):
-                out[j] = token_id
-        return out
-
-
-def _check_rows(logits: torch.Tensor, rows: list[int], errors: dict[int, str]) -> None:
-    """Flag rows with nothing valid to choose from: a NaN or +inf anywhere (the
-    maximum propagates NaN), or every token at -inf."""
-    row_max = logits.amax(dim=-1)
-    bad = (~torch.isfinite(row_max)).nonzero().flatten().tolist()
-    for j in bad:
-        value = row_max[j].item()
-        errors[rows[j]] = ("the logits hold NaN" if value != value else
-                           "the logits hold +inf" if value > 0 else
-                           "every token is excluded (all logits are -inf)")
+            noise[j].exponential_(generator=r.generator)
+    # E can round to 0: keep the quotient finite (a zero p stays 0).
+    return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
 
 def process_logits(row: torch.Tensor, request: Request) -> None:
@@ -197,20 +261,22 @@ def process_logits(row: torch.Tensor, request: Request) -> None:
 def apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> None:
     """In place. Repetition penalty over prompt and output tokens (logit / p if positive,
     * p if negative); presence and frequency penalties over output tokens
-    (logit - presence * [count > 0] - frequency * count)."""
+    (logit - presence * [count > 0] - frequency * count). Counts live on each
+    request's PenaltyState."""
     vocab = logits.shape[1]
     for i, r in enumerate(requests):
         p = r.params
         row = logits[i]
+        if r.penalty_state is None:
+            r.penalty_state = PenaltyState(r, vocab, logits.device)
+        state = r.penalty_state
+        state.update(r)
         if p.repetition_penalty != 1.0:
-            seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
-            seen[torch.tensor(r.token_ids, device=logits.device)] = True
             penalized = torch.where(row > 0, row / p.repetition_penalty,
                                     row * p.repetition_penalty)
-            row.copy_(torch.where(seen, penalized, row))
-        if (p.presence_penalty or p.frequency_penalty) and r.num_output_tokens:
-            out_ids = torch.tensor(r.output_token_ids, device=logits.device)
-            counts = torch.bincount(out_ids, minlength=vocab).to(logits.dtype)
+            row.copy_(torch.where(state.seen, penalized, row))
+        if p.presence_penalty or p.frequency_penalty:
+            counts = state.counts.to(logits.dtype)
             row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
@@ -230,7 +296,8 @@ def apply_top_p(logits: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
     probs = sorted_logits.softmax(dim=-1)
     before = probs.cumsum(dim=-1) - probs  # probability mass ranked above each token
     top_p = torch.tensor(top_ps, device=logits.device).unsqueeze(1)
-    drop_sorted = before >= top_p  # the first token is always kept (before == 0)
+    drop_sorted = before >= top_p
+    drop_sorted[:, 0] = False  # the most likely token, whatever top_p
     drop = torch.empty_like(drop_sorted).scatter_(1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 

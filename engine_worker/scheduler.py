@@ -59,18 +59,18 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 token_budget: int) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        """config: resolved for the device (SchedulerConfig.for_device)."""
         self.config = config
         self.block_manager = block_manager
-        self.token_budget = token_budget
+        self.token_budget = config.token_budget
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.prefix_cache_query_tokens = 0
         self.prefix_cache_hit_tokens = 0
         self.num_steps = 0
-        self.max_running = max(config.max_batch_size, config.prefill_batch_size)
+        self.max_running = max(config.decode_batch_size, config.prefill_batch_size)
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -85,7 +85,7 @@ class Scheduler:
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         decodes.sort(key=lambda r: r.last_scheduled_step)
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        order = decodes[:self.config.max_batch_size] + prefills
+        order = decodes[:self.config.decode_batch_size] + prefills
         for request in order:
             if budget == 0:
                 break

@@ -237,3 +237,37 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             BLOCK_Q=chunk_block_q(group),
             SPLITS=1, DECODE=False, **common)
     return out
+
+
+class TritonAttention:
+    """The attention backend of the CUDA engine (engine_worker/attention.py's
+    interface): paged_attention for every sequence of the step."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 max_decode_rows: int, device: torch.device) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.split_buffers = SplitBuffers.allocate(max_decode_rows, num_heads, head_dim, device)
+
+    @property
+    def tile_tokens(self) -> int:
+        return chunk_block_q(self.num_heads // self.num_kv_heads)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, meta) -> torch.Tensor:
+        from engine_worker.attention import write_kv
+
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+        return self.attend(q, k, v, kv_cache, meta)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kv_cache: torch.Tensor, meta) -> torch.Tensor:
+        """q (N, Hq, D) -> (N, Hq * D); k and v are already in the cache."""
+        n = q.shape[0]
+        out = q.new_empty(n, self.num_heads, self.head_dim)
+        paged_attention(q, kv_cache[0], kv_cache[1], out, meta.block_tables, meta.seq_lens,
+                        meta.query_start, meta.num_decode, meta.tile_seq, meta.tile_offset,
+                        self.scale, meta.num_splits, self.split_buffers)
+        return out.view(n, self.num_heads * self.head_dim)

@@ -8,42 +8,66 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from engine_worker.attention import PagedAttention
+from engine_worker.attention import TorchAttention
 from engine_worker.kernels import CpuKernels
 from engine_worker.model_config import ModelConfig
 from engine_worker.models.gpt2 import GPT2Model
-from engine_worker.models.llama import LlamaModel
-from engine_worker.ops import TorchOps
+from engine_worker.models.llama import LlamaModel, Ops
 from engine_worker.weights import Checkpoint
 
 Model = Union[LlamaModel, GPT2Model]
+# An attention backend (engine_worker/attention.py's interface).
+Attention = TorchAttention
 
 
 def load_model(cfg: ModelConfig, model_dir: Path, device: torch.device,
-               dtype: torch.dtype, attn: PagedAttention, kernels: Optional[CpuKernels] = None,
-               weight_format: str = "float32") -> Model:
-    """Build the model for ``cfg`` on ``device`` and copy the checkpoint in. With
-    ``kernels`` (CPU float32 only), fused layer ops run in C and every linear layer
-    (lm_head included) computes from a weight packed in ``weight_format``."""
+               dtype: torch.dtype, attn: Attention, ops: Ops,
+               kernels: Optional[CpuKernels] = None, weight_format: str = "float32",
+               load_format: str = "auto", seed: int = 0) -> Model:
+    """Build the model for ``cfg`` on ``device`` and copy the checkpoint in (or, with
+    load_format "dummy", fill it with random weights made on the device). ``ops``:
+    the Llama family's elementwise ops. With ``kernels`` (CPU float32 only), every
+    linear layer (lm_head included) computes from a weight packed in
+    ``weight_format``."""
     # Built on the meta device, then given uninitialized memory: random init of
     # weights that are overwritten next would be wasted work.
     with torch.device("meta"):
         if cfg.family == "llama":
-            model: Model = LlamaModel(cfg, attn, kernels or TorchOps())
+            model: Model = LlamaModel(cfg, attn, ops)
         else:
             model = GPT2Model(cfg, attn)
     model = model.to(dtype).to_empty(device=device)
-    prefix = ("model.",) if cfg.family == "llama" else ("transformer.",)
-    ckpt = Checkpoint(model_dir, strip_prefixes=prefix)
-    with torch.no_grad():
-        model.load_weights(ckpt)
-    ckpt.finish()
+    if load_format == "dummy":
+        dummy_weights(model, seed)
+    else:
+        prefix = ("model.",) if cfg.family == "llama" else ("transformer.",)
+        ckpt = Checkpoint(model_dir, strip_prefixes=prefix)
+        with torch.no_grad():
+            model.load_weights(ckpt)
+        ckpt.finish()
     if kernels is not None:
         _pack_linears(model, kernels, weight_format)  # an untied lm_head is one of them
         if model.lm_head is None:  # tied: pack a copy, the embedding keeps its own
             model.lm_head = PackedLinear(kernels, model.tied_lm_head_weight(), None,
                                          weight_format)
     return model.eval()
+
+
+@torch.no_grad()
+def dummy_weights(model: nn.Module, seed: int) -> None:
+    """Random weights in place, made on the model's device from ``seed``: normal with
+    std 0.02 (Hugging Face's initializer range), norm scales 1, biases 0. For
+    benchmarks: the numbers flow like a real model's, the tokens mean nothing."""
+    generator = None
+    for name, param in model.named_parameters():
+        if generator is None:
+            generator = torch.Generator(device=param.device).manual_seed(seed)
+        if name.endswith("bias"):
+            param.zero_()
+        elif "norm" in name or "ln_" in name:  # RMSNorm / LayerNorm scales
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02, generator=generator)
 
 
 class PackedLinear(nn.Module):

@@ -1,0 +1,201 @@
+"""One step's model inputs, built in persistent buffers.
+
+Model. Everything a step's forward pass reads besides the weights and the cache is
+integers: token ids, positions, cache slots, the rows whose logits are wanted, and the
+attention metadata (per sequence its context length, its range of query tokens, its
+block table row; the chunk tiles of the Triton kernel). They are written with numpy
+into host buffers allocated once (pinned on CUDA, so the copy is asynchronous) and sent
+to fixed device buffers in two copies per step: one of the int64 vectors, one of the
+block table rows the step uses. Nothing builds a device tensor from a Python list.
+
+The vectors are packed densely in an order that depends only on the padded token and
+sequence counts, so a decode step of a given padded size always finds its inputs at
+the same device addresses (which a CUDA graph captured at that size reads).
+
+The block table is kept on the host between steps: a row whose sequence is the same as
+last step only gets its new block ids written; a row whose sequence changed is
+rewritten. Entries past a sequence's context are never read.
+
+Padded rows (a CUDA graph's batch filled up to its size) have context length 0, token
+id 0, position 0 and slot -1: attention reads nothing for them and the KV write skips
+them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from engine_worker.attention import AttentionMetadata
+from engine_worker.scheduler import ScheduledRequest
+
+
+@dataclass
+class StepBatch:
+    """A step's inputs on the device (views of the persistent buffers)."""
+
+    input_ids: torch.Tensor  # (T,) int64, padded rows included
+    positions: torch.Tensor  # (T,) int64
+    meta: AttentionMetadata
+    # (R,) int64: rows of the hidden states whose logits are computed: the sampled
+    # rows (one per request that samples, in ``scheduled`` order), then prompt rows.
+    logits_rows: torch.Tensor
+    num_sampled: int
+    # Sequences and tokens before padding.
+    num_seqs: int
+    num_tokens: int
+
+
+class StepInputs:
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int,
+                 block_size: int, device: torch.device, tile_tokens: int = 1) -> None:
+        """tile_tokens: query tokens per chunk tile of the attention kernel (1: no
+        tiles are needed)."""
+        self.block_size = block_size
+        self.device = device
+        self.tile_tokens = tile_tokens
+        self.max_seqs = max_seqs
+        self.max_tokens = max_tokens
+        self.width = max_blocks_per_seq
+        pin = device.type == "cuda"
+        # Vectors: ids, positions, slots, logits rows (T each), seq_lens (S), query
+        # start (S + 1), tile sequences and offsets (T each, at most a tile a token).
+        size = 6 * max_tokens + 2 * max_seqs + 1
+        self._host_ints = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
+        self._host_tables = torch.zeros(max_seqs, self.width, dtype=torch.int32,
+                                        pin_memory=pin)
+        self.ints = self._host_ints.numpy()
+        self.tables = self._host_tables.numpy()
+        if pin:
+            self._device_ints = torch.zeros(size, dtype=torch.int64, device=device)
+            self.block_tables = torch.zeros(max_seqs, self.width, dtype=torch.int32,
+                                             device=device)
+        else:  # the host buffers are the inputs
+            self._device_ints = self._host_ints
+            self.block_tables = self._host_tables
+        # Per block-table row: the request it holds and how many of its block ids.
+        self._row_owner: list[Optional[tuple]] = [None] * max_seqs
+        self._row_blocks = [0] * max_seqs
+
+    def prepare(self, scheduled: Sequence[ScheduledRequest], logits_rows: Sequence[int],
+                num_sampled: int, pad_to: Optional[int] = None,
+                num_splits: int = 1) -> StepBatch:
+        """``scheduled`` in the step's layout (step_layout): single-token queries
+        first, then chunks. ``logits_rows``: the rows whose logits are computed, the
+        ``num_sampled`` sampled ones first. ``pad_to``: a decode-only step's padded
+        size (a CUDA graph's batch)."""
+        num_seqs = len(scheduled)
+        q_lens = np.fromiter((s.num_tokens for s in scheduled), dtype=np.int64, count=num_seqs)
+        starts = np.fromiter((s.request.num_computed_tokens for s in scheduled), dtype=np.int64,
+                             count=num_seqs)
+        num_tokens = int(q_lens.sum())
+        num_decode = int(np.argmax(q_lens > 1)) if (q_lens > 1).any() else num_seqs
+        padded_seqs, padded_tokens = num_seqs, num_tokens
+        if pad_to is not None:
+            assert num_decode == num_seqs and pad_to >= num_seqs
+            padded_seqs = padded_tokens = pad_to
+        if num_tokens > self.max_tokens or padded_seqs > self.max_seqs:
+            raise ValueError(f"a step of {num_tokens} tokens in {num_seqs} sequences "
+                             f"exceeds the buffers ({self.max_tokens}, {self.max_seqs})")
+        ends = starts + q_lens
+        bs = self.block_size
+
+        # Offsets of the packed vectors.
+        t, s = padded_tokens, padded_seqs
+        o_ids, o_pos, o_slot, o_seq = 0, t, 2 * t, 3 * t
+        o_qs = o_seq + s
+        o_rows = o_qs + s + 1
+        ints = self.ints
+
+        self._write_tables(scheduled, ends)
+        query_start = np.zeros(s + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=query_start[1:num_seqs + 1])
+        query_start[num_seqs + 1:] = num_tokens + np.arange(1, s - num_seqs + 1)
+        ints[o_qs:o_qs + s + 1] = query_start
+        ints[o_seq:o_seq + num_seqs] = ends
+        ints[o_seq + num_seqs:o_seq + s] = 0
+        # Per token: which sequence, its position, its slot.
+        seq_of = np.repeat(np.arange(num_seqs), q_lens)
+        positions = np.arange(num_tokens) - query_start[seq_of] + starts[seq_of]
+        ints[o_pos:o_pos + num_tokens] = positions
+        ints[o_slot:o_slot + num_tokens] = (
+            self.tables[seq_of, positions // bs].astype(np.int64) * bs + positions % bs)
+        ids = ints[o_ids:o_ids + num_tokens]
+        at = 0
+        for sr, n in zip(scheduled, q_lens.tolist()):
+            r, start = sr.request, sr.request.num_computed_tokens
+            if n == 1:
+                ids[at] = r.token_ids[start]
+            else:
+                ids[at:at + n] = r.token_ids[start:start + n]
+            at += n
+        ints[o_ids + num_tokens:o_ids + t] = 0
+        ints[o_pos + num_tokens:o_pos + t] = 0
+        ints[o_slot + num_tokens:o_slot + t] = -1
+
+        num_rows = len(logits_rows)
+        ints[o_rows:o_rows + num_rows] = logits_rows
+        o_tiles = o_rows + num_rows
+        num_tiles = 0
+        if self.tile_tokens > 1 and num_decode < num_seqs:
+            from engine_worker.gpu.attention import chunk_tiles
+
+            tile_seq, tile_offset = chunk_tiles(q_lens[num_decode:], num_decode,
+                                                self.tile_tokens)
+            num_tiles = len(tile_seq)
+            ints[o_tiles:o_tiles + num_tiles] = tile_seq
+            ints[o_tiles + num_tiles:o_tiles + 2 * num_tiles] = tile_offset
+        used = o_tiles + 2 * num_tiles
+
+        dev = self._device_ints
+        if dev is not self._host_ints:
+            dev[:used].copy_(self._host_ints[:used], non_blocking=True)
+            self.block_tables[:s].copy_(self._host_tables[:s], non_blocking=True)
+        meta = AttentionMetadata(
+            slot_mapping=dev[o_slot:o_slot + t],
+            num_decode=num_decode if pad_to is None else s,
+            block_tables=self.block_tables[:s],
+            seq_lens=dev[o_seq:o_seq + s],
+            query_start=dev[o_qs:o_qs + s + 1],
+            tile_seq=dev[o_tiles:o_tiles + num_tiles],
+            tile_offset=dev[o_tiles + num_tiles:o_tiles + 2 * num_tiles],
+            num_splits=num_splits,
+            seq_lens_host=ends.tolist(),
+            query_start_host=query_start[:num_seqs + 1].tolist(),
+        )
+        return StepBatch(dev[o_ids:o_ids + t], dev[o_pos:o_pos + t], meta,
+                         dev[o_rows:o_rows + num_rows], num_sampled, num_seqs, num_tokens)
+
+    def _write_tables(self, scheduled: Sequence[ScheduledRequest], ends: np.ndarray) -> None:
+        """Each sequence's block ids into its row, only what changed since last step."""
+        bs = self.block_size
+        for row, (sr, end) in enumerate(zip(scheduled, ends.tolist())):
+            r = sr.request
+            needed = -(-end // bs)
+            if needed > self.width:
+                raise ValueError(f"a sequence of {end} tokens needs {needed} blocks; the "
+                                 f"block table holds {self.width}")
+            # A preempted request comes back with other blocks: it owns the row anew.
+            owner = (r, r.num_preemptions)
+            same = self._row_owner[row] == owner
+            have = self._row_blocks[row] if same else 0
+            if needed > have:
+                self.tables[row, have:needed] = r.blocks.block_ids[have:needed]
+                self._row_owner[row] = owner
+                self._row_blocks[row] = needed
+
+
+def step_layout(scheduled: Sequence[ScheduledRequest]) -> tuple[list[int], list[int]]:
+    """The step's flat layout: the order of ``scheduled`` in it (single-token queries
+    first, then chunks, each group in schedule order) and, by index in ``scheduled``,
+    the row of each request's first token."""
+    order = sorted(range(len(scheduled)), key=lambda i: scheduled[i].num_tokens > 1)
+    first_rows = [0] * len(scheduled)
+    at = 0
+    for i in order:
+        first_rows[i] = at
+        at += scheduled[i].num_tokens
+    return order, first_rows

@@ -1,0 +1,183 @@
+"""The CUDA engine's path end to end: Triton attention and ops, the step buffers and
+the CUDA graph runner. Without a GPU it runs on the CPU through Triton's interpreter,
+with an eager stand-in for graph capture (the bookkeeping is what is tested: buckets,
+padding, fixed input addresses); on a GPU the same tests run compiled, and the cuda
+ones capture real graphs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from common.config import CacheConfig, EngineConfig, SchedulerConfig
+from common.protocol import SamplingParams
+from engine_worker.block_manager import BlockTable
+from engine_worker.engine import LLMEngine
+from engine_worker.gpu.attention import TritonAttention
+from engine_worker.gpu.graphs import graph_batch_sizes
+from engine_worker.gpu.memory import MemoryProfile
+from engine_worker.request import Request
+from engine_worker.scheduler import ScheduledRequest
+from engine_worker.step_inputs import StepInputs, step_layout
+from helpers import greedy, random_prompts
+from hf_reference import assert_matches, hf_greedy
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def triton_engine(model_dir, budget=None, max_batch=8, enforce_eager=True,
+                  num_blocks=256) -> LLMEngine:
+    return LLMEngine(EngineConfig(
+        model=str(model_dir), device=DEVICE, dtype="float32", attention_backend="triton",
+        enforce_eager=enforce_eager,
+        cache=CacheConfig(block_size=4, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(max_batch_size=max_batch, max_num_batched_tokens=budget)))
+
+
+class Replays:
+    """An eager stand-in for CUDA graph capture that counts replays per bucket."""
+
+    def __init__(self) -> None:
+        self.counts: dict[int, int] = {}
+
+    def __call__(self, fn):
+        size = len(fn.__defaults__[0].input_ids)  # the captured batch's padded size
+
+        def replay():
+            self.counts[size] = self.counts.get(size, 0) + 1
+            return fn()
+        return replay
+
+
+def test_triton_path_matches_hf_with_chunks_prefix_hits_and_mixed_steps(tiny_llama_dir):
+    engine = triton_engine(tiny_llama_dir, budget=16)
+    assert isinstance(engine.runner.attn, TritonAttention)
+    shared = random_prompts([12], seed=7)[0]
+    # A 30-token prompt is chunked (budget 16) while the others decode; the third
+    # reuses the first's cached prefix (3 blocks of 4).
+    prompts = [shared + [11, 12], random_prompts([30], seed=8)[0], shared + [13, 14, 15]]
+    got = engine.generate(prompts, greedy(6))
+    assert_matches(got, hf_greedy(tiny_llama_dir, prompts, 6), "triton")
+    assert engine.scheduler.prefix_cache_hit_tokens >= 12
+
+
+def test_graph_runner_pads_to_buckets_and_matches_eager(tiny_llama_dir):
+    prompts = random_prompts([5, 9, 3], seed=9)
+    eager = triton_engine(tiny_llama_dir).generate(prompts, greedy(5))
+    engine = triton_engine(tiny_llama_dir)
+    replays = Replays()
+    runner = engine.runner
+    runner.graphs = runner.make_graph_runner(8, replays)
+    runner.graphs.capture_all()
+    assert runner.graphs.sizes == [1, 2, 4, 8]
+    assert engine.generate(prompts, greedy(5)) == eager
+    # Three sequences decode at the bucket of 4 (one padded row) for 4 steps; the
+    # prefill step ran eagerly.
+    assert replays.counts == {4: 4}
+
+
+def test_graph_batch_sizes():
+    assert graph_batch_sizes(256) == [1, 2, 4, 8] + list(range(16, 257, 16))
+    assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert graph_batch_sizes(1) == [1]
+
+
+def _request(prompt_len: int, block_ids: list[int], computed: int) -> Request:
+    r = Request("r", list(range(prompt_len)), SamplingParams(max_tokens=4), 4, frozenset())
+    r.blocks = BlockTable(block_ids=list(block_ids))
+    r.num_computed_tokens = computed
+    return r
+
+
+def test_step_inputs_pack_a_mixed_step_and_pad_a_decode_step():
+    inputs = StepInputs(max_tokens=32, max_seqs=4, max_blocks_per_seq=8, block_size=4,
+                        device=torch.device("cpu"), tile_tokens=4)
+    decode = _request(6, [7, 3], computed=5)  # token 5 at position 5: block 3, offset 1
+    chunk = _request(10, [2, 9, 4], computed=4)  # positions 4..9 in blocks 9, 4
+    scheduled = [ScheduledRequest(chunk, 6), ScheduledRequest(decode, 1)]
+    order, first_rows = step_layout(scheduled)
+    assert order == [1, 0] and first_rows == [1, 0]
+    batch = StepInputs.prepare(inputs, [scheduled[i] for i in order], [0, 6], 2)
+    assert batch.input_ids.tolist() == [5, 4, 5, 6, 7, 8, 9]
+    assert batch.positions.tolist() == [5, 4, 5, 6, 7, 8, 9]
+    assert batch.meta.slot_mapping.tolist() == [13, 36, 37, 38, 39, 16, 17]
+    assert batch.meta.seq_lens.tolist() == [6, 10]
+    assert batch.meta.query_start.tolist() == [0, 1, 7]
+    assert batch.meta.num_decode == 1
+    # The chunk of 6 tokens in tiles of 4: (sequence 1, token 0) and (1, 4).
+    assert batch.meta.tile_seq.tolist() == [1, 1]
+    assert batch.meta.tile_offset.tolist() == [0, 4]
+    assert batch.meta.block_tables[:, :3].tolist() == [[7, 3, 0], [2, 9, 4]]
+
+    # A decode step padded to a graph's batch of 4: padded rows read and write nothing.
+    decode.num_computed_tokens = 6
+    decode.token_ids.append(42)
+    padded = inputs.prepare([ScheduledRequest(decode, 1)], [0], 1, pad_to=4, num_splits=2)
+    assert padded.input_ids.tolist() == [42, 0, 0, 0]
+    assert padded.meta.slot_mapping.tolist() == [14, -1, -1, -1]
+    assert padded.meta.seq_lens.tolist() == [7, 0, 0, 0]
+    assert padded.meta.num_decode == 4 and padded.meta.num_splits == 2
+    # Same padded size, same addresses (what a captured graph reads).
+    again = inputs.prepare([], [], 0, pad_to=4)
+    assert again.input_ids.data_ptr() == padded.input_ids.data_ptr()
+    assert again.meta.seq_lens.data_ptr() == padded.meta.seq_lens.data_ptr()
+
+
+def test_block_table_rows_are_written_incrementally():
+    inputs = StepInputs(max_tokens=8, max_seqs=2, max_blocks_per_seq=4, block_size=2,
+                        device=torch.device("cpu"))
+    r = _request(3, [5, 6], computed=2)
+    inputs.prepare([ScheduledRequest(r, 1)], [0], 1)
+    inputs.tables[0, :2] = -7  # what the next step must not rewrite
+    r.num_computed_tokens, r.blocks.block_ids = 4, [5, 6, 8]  # position 4: a third block
+    r.token_ids += [1, 1]
+    inputs.prepare([ScheduledRequest(r, 1)], [0], 1)
+    assert inputs.tables[0, :3].tolist() == [-7, -7, 8]  # only the new block written
+    # Preempted and readmitted with other blocks: the row is rewritten whole.
+    r.num_preemptions += 1
+    r.blocks.block_ids = [1, 2, 3]
+    inputs.prepare([ScheduledRequest(r, 1)], [0], 1)
+    assert inputs.tables[0, :3].tolist() == [1, 2, 3]
+
+
+def test_kv_cache_gets_what_the_profile_leaves():
+    gib = 2**30
+    profile = MemoryProfile(total=80 * gib, used_by_others=1 * gib, weights=16 * gib,
+                            activation_peak=5 * gib, graph_pool=gib // 2)
+    # 0.9 * 80 = 72; 72 - 1 - 16 - 5 - 0.5 = 49.5 GiB.
+    assert profile.kv_cache_bytes(0.9) == int(49.5 * gib)
+    with pytest.raises(ValueError, match="no GPU memory left for the KV cache"):
+        profile.kv_cache_bytes(0.25)
+
+
+def test_dummy_weights_need_only_a_config(tmp_path, tiny_llama_dir):
+    (tmp_path / "config.json").write_text((tiny_llama_dir / "config.json").read_text())
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), device="cpu", load_format="dummy",
+                                    cache=CacheConfig(block_size=4, num_blocks=64)))
+    out = engine.generate([[1, 2, 3]], SamplingParams(max_tokens=4, temperature=0,
+                                                      ignore_eos=True))
+    assert len(out[0]) == 4
+    weight = engine.runner.model.embed_tokens.weight
+    assert 0.015 < float(weight.std()) < 0.025  # normal(0, 0.02), not uninitialized memory
+    same = LLMEngine(EngineConfig(model=str(tmp_path), device="cpu", load_format="dummy",
+                                  cache=CacheConfig(block_size=4, num_blocks=64)))
+    assert torch.equal(same.runner.model.embed_tokens.weight, weight)  # seeded
+
+
+@pytest.mark.cuda
+def test_cuda_graphs_equal_eager_exactly(tiny_llama_dir):
+    prompts = random_prompts([5, 9, 3, 17], seed=10)
+    eager = triton_engine(tiny_llama_dir, enforce_eager=True).generate(prompts, greedy(8))
+    graphed = triton_engine(tiny_llama_dir, enforce_eager=False)
+    assert graphed.runner.graphs is not None
+    assert graphed.generate(prompts, greedy(8)) == eager
+
+
+def test_step_layout_keeps_schedule_order_within_groups():
+    def sr(n):
+        return ScheduledRequest(_request(n, [0] * 4, 0), n)
+    order, first = step_layout([sr(3), sr(1), sr(2), sr(1)])
+    assert order == [1, 3, 0, 2]
+    assert first == [2, 0, 5, 1]
+    assert np.diff([first[i] for i in order]).tolist() == [1, 1, 3]
