@@ -31,10 +31,22 @@ _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _LAYOUT_VERSION = "1"
 
 
+# Architectures' config.json without weights, for --load-format dummy.
+MODEL_SHAPES_DIR = Path(__file__).parent / "model_configs"
+
+
+def model_shapes() -> list[str]:
+    return sorted(p.name for p in MODEL_SHAPES_DIR.iterdir() if (p / "config.json").is_file())
+
+
 def resolve_model_dir(model: Optional[str]) -> Path:
-    """The Hugging Face directory for ``model`` (None or the default's name: the default)."""
+    """The Hugging Face directory for ``model``: None or the default's name: the
+    default; the name of a shipped model shape (common/model_configs): its folder,
+    which holds only a config (for --load-format dummy); else a directory."""
     if model is None or model == DEFAULT_MODEL_NAME:
         return materialize_default_model()
+    if model in model_shapes() and not Path(model).exists():
+        return MODEL_SHAPES_DIR / model
     path = Path(model).expanduser()
     if not path.is_dir():
         raise ModelLoadError(f"model directory {str(path)!r} does not exist")

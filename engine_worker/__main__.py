@@ -35,14 +35,28 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "integer dot products (CPU kernels; as llama.cpp's Q8_0)")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for the model")
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-batch-size", type=int, default=64, help="decode batch")
+    g.add_argument("--max-batch-size", type=int, default=None,
+                   help="decode batch (default: 64 on CPU, 256 on CUDA)")
     g.add_argument("--prefill-max-batch-size", type=int, default=None,
                    help="requests admitted per step (default: --max-batch-size)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per step (default: 512 on CPU, 8192 on CUDA)")
     g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-memory-gb", type=float, default=None,
-                   help="KV pool size (default: 2 on CPU, 90%% of free memory on CUDA)")
+    g.add_argument("--kv-cache-memory", "--kv-cache-memory-gb", dest="kv_cache_memory_gb",
+                   type=float, default=None, metavar="GIB",
+                   help="KV pool size in GiB (default: 2 on CPU; on CUDA, what "
+                        "--gpu-memory-utilization leaves after the weights, a profiled "
+                        "step and the CUDA graphs)")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="CUDA: share of the GPU's total memory the engine may use")
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights from the model's config.json alone "
+                        "(benchmarks; --model may name a shipped config, e.g. llama-3-8b)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: no CUDA graphs for decode steps")
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="auto: Triton on CUDA, C kernels or torch on the CPU; torch: the "
+                        "reference path")
     g.add_argument("--no-prefix-cache", action="store_true")
     g.add_argument("--no-cpu-kernels", action="store_true",
                    help="use only torch ops (no C kernels, no packed GEMM)")
@@ -60,7 +74,10 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=args.model, device=args.device, dtype=args.dtype,
         quantization=args.quantization, num_threads=args.threads,
         max_model_len=args.max_model_len, seed=args.seed, cpu_kernels=not args.no_cpu_kernels,
+        load_format=args.load_format, attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=memory,
+                          gpu_memory_utilization=args.gpu_memory_utilization,
                           enable_prefix_caching=not args.no_prefix_cache),
         scheduler=SchedulerConfig(max_batch_size=args.max_batch_size,
                                   prefill_max_batch_size=args.prefill_max_batch_size,

@@ -28,6 +28,28 @@ from engine_worker.scheduler import ScheduledRequest, Scheduler
 
 logger = logging.getLogger(__name__)
 
+# CUDA errors after which the context is unusable: every later kernel fails too.
+_STICKY_DEVICE_ERRORS = ("illegal memory access", "unspecified launch failure",
+                         "device-side assert", "illegal instruction", "misaligned address",
+                         "an illegal address", "uncorrectable ECC", "launch timed out",
+                         "CUDA-capable device(s) is/are busy or unavailable")
+
+
+class FatalDeviceError(RuntimeError):
+    """The device is broken for this process (a sticky CUDA error): the engine cannot
+    go on, and its process exits so that its supervisor restarts it."""
+
+
+def raise_if_fatal(e: BaseException) -> None:
+    """Raise FatalDeviceError for a sticky CUDA error; anything else (an out-of-memory
+    error included) is left to the caller, as one request's failure."""
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        torch.cuda.empty_cache()
+        return
+    message = str(e)
+    if isinstance(e, RuntimeError) and any(s in message for s in _STICKY_DEVICE_ERRORS):
+        raise FatalDeviceError(f"fatal CUDA error, the engine cannot continue: {message}") from e
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
@@ -167,7 +189,8 @@ class LLMEngine:
         try:
             logits = self.runner.forward(scheduled)
             self._record_prompt_logprobs()
-        except Exception:
+        except Exception as e:
+            raise_if_fatal(e)
             logger.exception("the forward pass failed for %d request(s); running them one "
                              "by one", len(scheduled))
             scheduled, logits, outputs = self._forward_one_by_one(scheduled)
@@ -226,7 +249,8 @@ class LLMEngine:
         sampler = self.runner.sampler
         try:
             return sampler(logits, requests)
-        except Exception:  # the sampler isolates rows itself; this is a last resort
+        except Exception as e:  # the sampler isolates rows itself; this is a last resort
+            raise_if_fatal(e)
             logger.exception("sampling failed for %d request(s); sampling them one by one",
                              len(requests))
         samples = Samples([None] * len(requests), [None] * len(requests))
@@ -234,6 +258,7 @@ class LLMEngine:
             try:
                 one = sampler(logits[i:i + 1].clone(), [request])
             except Exception as e:
+                raise_if_fatal(e)
                 samples.errors[i] = f"sampling failed: {type(e).__name__}: {e}"
                 continue
             samples.token_ids[i], samples.logprobs[i] = one.token_ids[0], one.logprobs[0]
@@ -262,6 +287,7 @@ class LLMEngine:
             try:
                 logits = self.runner.forward([s])
             except Exception as e:
+                raise_if_fatal(e)
                 logger.exception("the forward pass of %s failed on its own", request.request_id)
                 poisoned.update(self.block_manager.forget_from(request.blocks,
                                                                request.num_computed_tokens))

@@ -19,9 +19,9 @@ so nothing keeps running with nobody reading it.
 
 Failure handling: a request the engine refuses gets a RequestError; a request that
 fails inside a step ends with finish reason "error" (engine.py isolates it; the
-engine goes on); anything else is a broken invariant, and the process sends DEAD to
-every client and exits nonzero. SIGTERM/SIGINT drain: new requests are refused,
-in-flight ones finish (up to drain_timeout_s), then DEAD is sent and the process
+engine goes on); a sticky CUDA error (engine.FatalDeviceError) or anything else is a
+broken invariant, and the process sends DEAD to every client and exits nonzero.
+SIGTERM/SIGINT drain: new requests are refused, in-flight ones finish (up to drain_timeout_s), then DEAD is sent and the process
 exits 0; a second signal aborts what is left at once. The signal handler only counts
 signals (a handler that took a lock the interrupted code holds would deadlock); the
 loop is woken through Python's wakeup fd, which the I/O thread watches.
@@ -49,7 +49,7 @@ from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, AbortRequests, Ad
                              Pong, ProtocolError, Ready, RequestError, RequestErrorKind,
                              RequestOutput)
 from common.sockets import make_socket
-from engine_worker.engine import LLMEngine
+from engine_worker.engine import FatalDeviceError, LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -216,6 +216,11 @@ class EngineServer:
                     self.config.bind)
         try:
             self._loop()
+        except FatalDeviceError as e:
+            logger.critical("%s; exiting so that the engine is restarted", e)
+            self._broadcast(Dead(reason=str(e)))
+            self._close()
+            return 1
         except Exception as e:
             logger.exception("engine loop failed")
             self._broadcast(Dead(reason=f"engine failed: {e}"))

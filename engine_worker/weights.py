@@ -33,7 +33,8 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
             f"{model_dir} has only PyTorch pickle weights; roseserve loads safetensors "
             f"only (model.safetensors, or model.safetensors.index.json and its shards)")
     raise ModelLoadError(
-        f"{model_dir} has no model.safetensors (or model.safetensors.index.json)")
+        f"{model_dir} has no model.safetensors (or model.safetensors.index.json); for "
+        f"random weights from its config alone, use --load-format dummy")
 
 
 class Checkpoint:

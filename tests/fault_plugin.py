@@ -12,6 +12,9 @@ on by a test-only environment variable:
                                    stall, as a hung loop that recovers)
     ROSESERVE_FAULT_FAIL_TOKEN     a request whose prompt holds this token id fails
                                    in its logits processing at its third token
+    ROSESERVE_FAULT_CUDA_ERROR_TOKEN  once a request whose prompt holds this token id
+                                   is added, every forward pass raises CUDA's
+                                   illegal-address error (a sticky error)
   tokenizer_worker
     ROSESERVE_FAULT_CRASH_MARKER   a batch holding this text kills the worker...
     ROSESERVE_FAULT_CRASH_SLOTS    ...if its slot is listed (comma-separated)
@@ -72,6 +75,27 @@ def _engine(server) -> None:
                 engine.requests[request_id].logits_processors.append(fail_at_third_token)
 
         engine.add_request = add
+    cuda_token = _env("CUDA_ERROR_TOKEN")
+    if cuda_token:
+        _sticky_cuda_error(engine, int(cuda_token))
+
+
+def _sticky_cuda_error(engine, token: int) -> None:
+    add_request, forward = engine.add_request, engine.runner.forward
+    broken = []
+
+    def add(request_id, prompt_token_ids, params=None):
+        add_request(request_id, prompt_token_ids, params)
+        if token in prompt_token_ids:
+            broken.append(True)
+
+    def failing_forward(scheduled):
+        if broken:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return forward(scheduled)
+
+    engine.add_request = add
+    engine.runner.forward = failing_forward
 
 
 def _tokenizer_worker(tokenizer, slot: int) -> None:

@@ -5,7 +5,11 @@ alone, and the prefix cache keeps what is known good."""
 
 from __future__ import annotations
 
+import pytest
+import torch
+
 from common.protocol import FinishReason, SamplingParams
+from engine_worker.engine import FatalDeviceError
 from helpers import greedy, make_engine, random_prompts, run_to_end, tokens
 
 PROMPTS = random_prompts([9, 14, 5], seed=11)
@@ -193,3 +197,36 @@ def test_a_forward_pass_failure_that_is_not_one_requests_fails_nothing(tiny_llam
     out = run_to_end(engine)
     assert [tokens(out[f"r{i}"]) for i in range(3)] == want
     assert len(calls) == 5 + 3  # 5 batched steps, one of them retried as 3 solo runs
+
+
+def test_an_out_of_memory_step_fails_only_the_request_that_needs_it(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+    forward = engine.runner.forward
+
+    def forward_oom_on_long(scheduled):
+        if any(s.num_tokens > 10 for s in scheduled):
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 GiB")
+        return forward(scheduled)
+
+    engine.runner.forward = forward_oom_on_long
+    engine.add_request("long", random_prompts([20], seed=3)[0], greedy(3))
+    engine.add_request("short", PROMPTS[0], greedy(3))
+    out = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).append(o)
+    assert out["long"][-1].finish_reason is FinishReason.ERROR
+    assert "out of memory" in out["long"][-1].error
+    assert sum(len(o.new_token_ids) for o in out["short"]) == 3
+
+
+def test_a_sticky_cuda_error_is_fatal_to_the_engine(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir)
+
+    def broken(scheduled):
+        raise RuntimeError("CUDA error: unspecified launch failure")
+
+    engine.runner.forward = broken
+    engine.add_request("a", PROMPTS[0], greedy(3))
+    with pytest.raises(FatalDeviceError, match="unspecified launch failure"):
+        engine.step()

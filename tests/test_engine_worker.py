@@ -448,6 +448,22 @@ def test_a_request_that_fails_in_the_engine_fails_alone(engine_factory, tiny_lla
     assert stats.num_blocks_used == 0
 
 
+def test_a_sticky_cuda_error_ends_the_engine_process(engine_factory):
+    engine = engine_factory(env={"ROSESERVE_FAULT_CUDA_ERROR_TOKEN": "4243"})
+
+    async def main():
+        client = await connect(engine.address)
+        try:
+            with pytest.raises(EngineDeadError, match="fatal CUDA error"):
+                await asyncio.wait_for(collect(client, "bad", [4243, *PROMPTS[0]], greedy(4)), 30)
+        finally:
+            await client.close()
+
+    run(main())
+    assert engine.proc.wait(timeout=30) == 1
+    assert "fatal CUDA error, the engine cannot continue" in engine.stop()
+
+
 def test_the_signal_handler_takes_no_lock(tmp_path, tiny_llama_dir):
     """A signal lands in the main thread between two bytecodes of whatever runs
     there, e.g. inside inbox.get() holding the queue's lock: a handler that took that
