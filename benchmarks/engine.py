@@ -5,6 +5,10 @@
     python benchmarks/engine.py --zmq --skip-hf      # + through the engine process
     python benchmarks/engine.py --roofline --skip-hf # decode steps against their floor
     python benchmarks/engine.py --quantization int8  # (or --dtype bfloat16) weight formats
+    python benchmarks/engine.py --device cuda --load-format dummy --model-config llama-3-8b
+
+With --device cuda, benchmarks/engine_gpu.py runs instead (its own flags and report:
+concurrency 1/64/256, HF generate in bf16, the GPU roofline, TTFT).
 
 Runs the engine on a workload of random token-id prompts (all forced to their full
 output length), then Hugging Face ``generate`` on the same weights and prompts at
@@ -313,6 +317,14 @@ def run_hf(model, prompts, output_len: int, batch_size: int) -> dict:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    device = argparse.ArgumentParser(add_help=False)
+    device.add_argument("--device", default="cpu")
+    if device.parse_known_args(argv)[0].device.startswith("cuda"):
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import engine_gpu
+
+        return engine_gpu.main(argv)
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     from engine_worker.engine import LLMEngine

@@ -69,6 +69,10 @@ class StepInputs:
                                         pin_memory=pin)
         self.ints = self._host_ints.numpy()
         self.tables = self._host_tables.numpy()
+        # Recorded after each step's copies: the host buffers are not written again
+        # before the copies have read them (a step that samples nothing never waits
+        # for the device otherwise).
+        self._copied = torch.cuda.Event() if pin else None
         if pin:
             self._device_ints = torch.zeros(size, dtype=torch.int64, device=device)
             self.block_tables = torch.zeros(max_seqs, self.width, dtype=torch.int32,
@@ -102,6 +106,8 @@ class StepInputs:
                              f"exceeds the buffers ({self.max_tokens}, {self.max_seqs})")
         ends = starts + q_lens
         bs = self.block_size
+        if self._copied is not None:
+            self._copied.synchronize()
 
         # Offsets of the packed vectors.
         t, s = padded_tokens, padded_seqs
@@ -154,6 +160,7 @@ class StepInputs:
         if dev is not self._host_ints:
             dev[:used].copy_(self._host_ints[:used], non_blocking=True)
             self.block_tables[:s].copy_(self._host_tables[:s], non_blocking=True)
+            self._copied.record()
         meta = AttentionMetadata(
             slot_mapping=dev[o_slot:o_slot + t],
             num_decode=num_decode if pad_to is None else s,

@@ -43,3 +43,21 @@ def test_engine_benchmark_smoke(tiny_llama_dir, tmp_path, extra):
         assert report["weights"] == "bfloat16" and report["kernel_isa"] == "avx2"
     if "--hf-batch-sizes" in extra:
         assert report["hf"] and report["hf"][0]["output_tokens"] == 16
+
+
+def test_gpu_benchmark_smoke_on_the_cpu(tiny_llama_dir, tmp_path):
+    """benchmarks/engine.py --device cuda hands over to engine_gpu.py; the same code
+    runs here on the CPU (the torch path) with the tiny model."""
+    out = tmp_path / "gpu.json"
+    args = ["--device", "cpu", "--model-config", str(tiny_llama_dir), "--load-format", "auto",
+            "--attention-backend", "torch", "--dtype", "float32", "--concurrency", "1,3",
+            "--input-len", "8", "--output-len", "4", "--hf-batches", "1,3", "--json", str(out)]
+    proc = subprocess.run([sys.executable, "benchmarks/engine_gpu.py", *args],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["tokens_per_s"]) == set(report["floor_fraction"]) == {"1", "3"}
+    assert set(report["hf_tokens_per_s"]) == {"1", "3"}
+    assert report["runs"]["3"]["output_tokens"] == 12
+    assert all(0 < f for f in report["floor_fraction"].values())
+    assert report["ttft_ms_one_stream"] > 0 and report["bandwidth_bytes_per_s"] > 0

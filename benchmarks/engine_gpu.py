@@ -1,0 +1,278 @@
+"""The engine on a GPU against Hugging Face and against its roofline, in one run.
+
+    python benchmarks/engine.py --device cuda --load-format dummy --model-config llama-3-8b
+    python benchmarks/engine.py --device cuda --load-format dummy --model-config smollm2-135m \\
+        --concurrency 1 --json docs/bench/gpu-smollm2.json
+
+(benchmarks/engine.py hands ``--device cuda`` to this module.) For each concurrency
+(default 1, 64, 256) it runs that many requests of --input-len random prompt tokens and
+--output-len generated tokens (ignore_eos) through the in-process engine and reports
+output tokens/s; then Hugging Face ``generate`` in the same dtype with SDPA attention,
+on the same weights (copied from the engine's model) and the same prompts, at batch 1
+and 64 (--hf-batches); TTFT at one stream (a prompt's first token, median of 5).
+
+The roofline is measured in the same run: device-to-device copy bandwidth (bytes read
+plus written) and the matmul rate at the model's own linear-layer shapes with 8192
+rows (compute-bound). A run's floor is the sum over its steps of max(bytes / bandwidth,
+FLOPs / rate): a prefill step reads the weights once and does 2 x weights x tokens
+FLOPs; a decode step of B sequences reads the weights and every sequence's keys and
+values, and does 2 x weights x B FLOPs. The fraction printed is floor / measured.
+
+It runs on any device (CI smoke-tests it on a CPU with a tiny model); the figures the
+docs quote come from an H100.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from common.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from common.protocol import SamplingParams  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--model-config", default="llama-3-8b",
+                   help="a shipped model shape (common/model_configs) or a model directory")
+    p.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--concurrency", default="1,64,256")
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=256)
+    p.add_argument("--hf-batches", default="1,64", help="HF generate batch sizes ('' skips)")
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", dest="json_path", default=None)
+    return p.parse_args(argv)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device, repeats: int = 5) -> float:
+    """Median seconds of fn() after a warm-up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: torch.device, size: int) -> float:
+    """Bytes/s of a device-to-device copy, counting bytes read plus written."""
+    src = torch.empty(size // 2, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / timed(lambda: dst.copy_(src), device)
+
+
+def gemm_rate(model, dtype: torch.dtype, device: torch.device, rows: int) -> float:
+    """FLOP/s of matmuls at the model's linear-layer shapes (one layer's, lm_head
+    included) with ``rows`` rows."""
+    layer = model.layers[0]
+    shapes = [m.weight.shape for m in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                       layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    head = model.lm_head.weight if model.lm_head is not None else model.embed_tokens.weight
+    shapes.append(head.shape)
+    flops = sum(2 * rows * n * k for n, k in shapes)
+    x = {k: torch.randn(rows, k, dtype=dtype, device=device) for _, k in shapes}
+    w = [torch.randn(n, k, dtype=dtype, device=device) for n, k in shapes]
+    return flops / timed(lambda: [x[m.shape[1]] @ m.T for m in w], device)
+
+
+def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def run_engine(engine, prompts, output_len: int) -> dict:
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    sync(engine.device)
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"bench-{time.monotonic_ns()}-{i}", prompt, params)
+    generated, batches = 0, []
+    while engine.has_unfinished_requests():
+        outputs = engine.step()
+        generated += sum(len(o.new_token_ids) for o in outputs)
+        batches.append(len(outputs))
+    elapsed = time.perf_counter() - start
+    return {"seconds": elapsed, "output_tokens": generated, "tokens_per_s": generated / elapsed,
+            "steps": len(batches)}
+
+
+def ttft(engine, prompt: list[int]) -> float:
+    """Seconds from add_request to the step that yields the first token."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    times = []
+    for i in range(6):
+        start = time.perf_counter()
+        engine.add_request(f"ttft-{i}", [(t + i) % engine.vocab_size for t in prompt], params)
+        while engine.has_unfinished_requests():
+            engine.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def hf_model_with_engine_weights(engine):
+    """A transformers model of the same config and dtype, SDPA attention, holding the
+    engine's weights (q/k/v and gate/up split back out)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = engine.model_config
+    config = AutoConfig.from_pretrained(str(engine.model_dir))
+    with torch.device(engine.device):
+        hf = AutoModelForCausalLM.from_config(config, dtype=engine.runner.dtype,
+                                              attn_implementation="sdpa")
+    ours = engine.runner.model
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    with torch.no_grad():
+        hf.model.embed_tokens.weight.copy_(ours.embed_tokens.weight)
+        for mine, theirs in zip(ours.layers, hf.model.layers):
+            wq, wk, wv = mine.self_attn.qkv_proj.weight.split([q, kv, kv])
+            theirs.self_attn.q_proj.weight.copy_(wq)
+            theirs.self_attn.k_proj.weight.copy_(wk)
+            theirs.self_attn.v_proj.weight.copy_(wv)
+            if cfg.qkv_bias:
+                bq, bk, bv = mine.self_attn.qkv_proj.bias.split([q, kv, kv])
+                theirs.self_attn.q_proj.bias.copy_(bq)
+                theirs.self_attn.k_proj.bias.copy_(bk)
+                theirs.self_attn.v_proj.bias.copy_(bv)
+            theirs.self_attn.o_proj.weight.copy_(mine.self_attn.o_proj.weight)
+            gate, up = mine.mlp.gate_up_proj.weight.chunk(2)
+            theirs.mlp.gate_proj.weight.copy_(gate)
+            theirs.mlp.up_proj.weight.copy_(up)
+            theirs.mlp.down_proj.weight.copy_(mine.mlp.down_proj.weight)
+            theirs.input_layernorm.weight.copy_(mine.input_layernorm.weight)
+            theirs.post_attention_layernorm.weight.copy_(mine.post_attention_layernorm.weight)
+        hf.model.norm.weight.copy_(ours.norm.weight)
+        if not cfg.tie_word_embeddings:
+            hf.lm_head.weight.copy_(ours.lm_head.weight)
+    return hf.eval()
+
+
+@torch.inference_mode()
+def run_hf(model, prompts, output_len: int, device: torch.device) -> dict:
+    batch = torch.tensor(prompts, device=device)  # equal lengths: no padding
+    sync(device)
+    start = time.perf_counter()
+    out = model.generate(batch, attention_mask=torch.ones_like(batch), do_sample=False,
+                         max_new_tokens=output_len, min_new_tokens=output_len, pad_token_id=0)
+    sync(device)
+    elapsed = time.perf_counter() - start
+    generated = (out.shape[1] - batch.shape[1]) * batch.shape[0]
+    return {"seconds": elapsed, "output_tokens": generated, "tokens_per_s": generated / elapsed}
+
+
+def run_floor(cfg, weight_bytes: int, kv_bytes_per_token: int, concurrency: int,
+              input_len: int, output_len: int, budget: int, bandwidth: float,
+              rate: float) -> float:
+    """Seconds the run cannot beat: prefill in steps of the token budget, then
+    output_len - 1 decode steps of `concurrency` sequences."""
+    flops_per_token = cfg.flops_per_token
+    prompt_tokens = concurrency * input_len
+    seconds = 0.0
+    for start in range(0, prompt_tokens, budget):
+        tokens = min(budget, prompt_tokens - start)
+        seconds += max(weight_bytes / bandwidth, flops_per_token * tokens / rate)
+    for step in range(1, output_len):
+        context = input_len + step
+        step_bytes = weight_bytes + concurrency * context * kv_bytes_per_token
+        seconds += max(step_bytes / bandwidth, flops_per_token * concurrency / rate)
+    return seconds
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from common.model_files import resolve_model_dir
+    from engine_worker.engine import LLMEngine
+
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    engine = LLMEngine(EngineConfig(
+        model=str(resolve_model_dir(args.model_config)), device=args.device, dtype=args.dtype,
+        load_format=args.load_format, seed=args.seed, enforce_eager=args.enforce_eager,
+        attention_backend=args.attention_backend,
+        max_model_len=args.input_len + args.output_len + 8,
+        cache=CacheConfig(kv_cache_memory_bytes=None if args.kv_cache_memory_gb is None
+                          else int(args.kv_cache_memory_gb * 2**30)),
+        scheduler=SchedulerConfig(max_batch_size=max(concurrencies),
+                                  max_num_batched_tokens=args.max_num_batched_tokens)))
+    device, cfg, runner = engine.device, engine.model_config, engine.runner
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"device: {name}; model: {args.model_config} ({cfg.num_params / 1e9:.2f}B params, "
+          f"{str(runner.dtype).removeprefix('torch.')}, {args.load_format} weights); "
+          f"graphs: {runner.graphs is not None}; {args.input_len} in / {args.output_len} out",
+          flush=True)
+
+    element = torch.empty((), dtype=runner.dtype).element_size()
+    weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * element
+    bandwidth = copy_bandwidth(device, 2 << 30 if device.type == "cuda" else 64 << 20)
+    rate = gemm_rate(runner.model, runner.dtype, device,
+                     8192 if device.type == "cuda" else 64)
+    budget = engine.scheduler.token_budget
+    print(f"roofline: copy bandwidth {bandwidth / 1e12:.2f} TB/s; matmul at the model's "
+          f"shapes {rate / 1e12:.1f} TFLOP/s (the compute ceiling used)", flush=True)
+
+    report = {"device": name, "model": args.model_config, "dtype": str(runner.dtype),
+              "load_format": args.load_format, "input_len": args.input_len,
+              "output_len": args.output_len, "cuda_graphs": runner.graphs is not None,
+              "bandwidth_bytes_per_s": bandwidth, "gemm_flops_per_s": rate,
+              "tokens_per_s": {}, "floor_fraction": {}, "hf_tokens_per_s": {}, "runs": {}}
+    run_engine(engine, make_prompts(2, args.input_len, cfg.vocab_size, args.seed + 99), 4)
+    for c in concurrencies:
+        prompts = make_prompts(c, args.input_len, cfg.vocab_size, args.seed + c)
+        result = run_engine(engine, prompts, args.output_len)
+        floor = run_floor(cfg, weight_bytes, kv_bytes_per_token, c, args.input_len,
+                          args.output_len, budget, bandwidth, rate)
+        report["tokens_per_s"][str(c)] = result["tokens_per_s"]
+        report["floor_fraction"][str(c)] = floor / result["seconds"]
+        report["runs"][str(c)] = {**result, "floor_seconds": floor}
+        print(f"engine, {c:4d} streams: {result['tokens_per_s']:10.1f} output tokens/s "
+              f"({result['seconds']:.2f} s, floor {floor:.2f} s: "
+              f"{floor / result['seconds']:.0%} of it)", flush=True)
+    report["ttft_ms_one_stream"] = 1e3 * ttft(
+        engine, make_prompts(1, args.input_len, cfg.vocab_size, args.seed + 7)[0])
+    print(f"TTFT at one stream ({args.input_len}-token prompt): "
+          f"{report['ttft_ms_one_stream']:.2f} ms", flush=True)
+
+    hf_batches = [int(b) for b in args.hf_batches.split(",") if b]
+    if hf_batches:
+        hf = hf_model_with_engine_weights(engine)
+        for b in hf_batches:
+            prompts = make_prompts(b, args.input_len, cfg.vocab_size, args.seed + b)
+            run_hf(hf, prompts[:1], 4, device)  # warm-up
+            result = run_hf(hf, prompts, args.output_len, device)
+            report["hf_tokens_per_s"][str(b)] = result["tokens_per_s"]
+            ours = report["tokens_per_s"].get(str(b))
+            ratio = f" (engine {ours / result['tokens_per_s']:.1f}x)" if ours else ""
+            print(f"HF generate, batch {b:4d}: {result['tokens_per_s']:10.1f} output tokens/s"
+                  f"{ratio}", flush=True)
+        del hf
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
