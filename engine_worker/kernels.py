@@ -32,6 +32,7 @@ from typing import Optional, Sequence
 import torch
 
 from common.config import cache_dir
+from engine_worker.ops import split_qkv
 
 logger = logging.getLogger(__name__)
 
@@ -141,11 +142,7 @@ class CpuKernels:
         self._rope_write_kv(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                             kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
                             slot_mapping.data_ptr(), n, num_heads, num_kv_heads, head_dim)
-        q_end = num_heads * head_dim
-        k_end = q_end + num_kv_heads * head_dim
-        return (qkv[:, :q_end].view(n, num_heads, head_dim),
-                qkv[:, q_end:k_end].view(n, num_kv_heads, head_dim),
-                qkv[:, k_end:].view(n, num_kv_heads, head_dim))
+        return split_qkv(qkv, num_heads, num_kv_heads, head_dim)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate_up = gate_up.contiguous()

@@ -19,6 +19,17 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views q (N, Hq, D), k and v (N, Hkv, D) of the fused projection (N, (Hq + 2 Hkv) D)."""
+    n = qkv.shape[0]
+    q_end = num_heads * head_dim
+    k_end = q_end + num_kv_heads * head_dim
+    return (qkv[:, :q_end].view(n, num_heads, head_dim),
+            qkv[:, q_end:k_end].view(n, num_kv_heads, head_dim),
+            qkv[:, k_end:].view(n, num_kv_heads, head_dim))
+
+
 class TorchOps:
     def add_rms_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor],
                      weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -151,8 +151,8 @@ class Sampler:
             token_ids[i] = int(row[0])
             want = requests[i].params.logprobs
             if want is not None:
-                logprobs[i] = TokenLogprobs(row[2], [int(x) for x in row[3 + top_n:3 + top_n + want]],
-                                            row[3:3 + want])
+                top_ids = [int(x) for x in row[3 + top_n:3 + top_n + want]]
+                logprobs[i] = TokenLogprobs(row[2], top_ids, row[3:3 + want])
         return Samples(token_ids, logprobs, errors)
 
     def apply_grammars(self, logits: torch.Tensor, requests: list[Request], rows: list[int],

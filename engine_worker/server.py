@@ -21,10 +21,11 @@ Failure handling: a request the engine refuses gets a RequestError; a request th
 fails inside a step ends with finish reason "error" (engine.py isolates it; the
 engine goes on); a sticky CUDA error (engine.FatalDeviceError) or anything else is a
 broken invariant, and the process sends DEAD to every client and exits nonzero.
-SIGTERM/SIGINT drain: new requests are refused, in-flight ones finish (up to drain_timeout_s), then DEAD is sent and the process
-exits 0; a second signal aborts what is left at once. The signal handler only counts
-signals (a handler that took a lock the interrupted code holds would deadlock); the
-loop is woken through Python's wakeup fd, which the I/O thread watches.
+SIGTERM/SIGINT drain: new requests are refused, in-flight ones finish (up to
+drain_timeout_s), then DEAD is sent and the process exits 0; a second signal aborts
+what is left at once. The signal handler only counts signals (a handler that took a
+lock the interrupted code holds would deadlock); the loop is woken through Python's
+wakeup fd, which the I/O thread watches.
 """
 
 from __future__ import annotations

@@ -34,13 +34,26 @@ import torch
 import triton
 import triton.language as tl
 
-# Keys per inner-loop iteration, and query rows per chunk program (query tokens times
-# the group's heads). 64 keeps a bf16 K and V tile of head_dim 128 at 32 KiB.
-BLOCK_N = 64
-CHUNK_ROWS = 64
 # tl.dot needs at least 16 rows.
 MIN_ROWS = 16
 MAX_SPLITS = 16
+
+
+@dataclass(frozen=True)
+class Tiling:
+    block_n: int  # keys per inner-loop iteration
+    rows: int  # query rows per chunk program (query tokens times the group's heads)
+    num_warps: int
+
+
+def tiling(head_dim: int, decode: bool) -> Tiling:
+    """The largest tiles that compile without register spills for Hopper (sm_90):
+    ``python -m engine_worker.gpu.compile_check`` prints each variant's registers, and
+    tests/gpu/test_compile.py fails on a spill. At head_dim 128, 64 keys and 64 rows on
+    4 warps spill up to 1 KiB per thread."""
+    if head_dim <= 64:
+        return Tiling(64, 64, 4)
+    return Tiling(64, MIN_ROWS, 8) if decode else Tiling(32, 64, 8)
 
 
 @triton.jit
@@ -88,7 +101,7 @@ def _attention_kernel(
     hi = tl.minimum(lo + per_split, kv_end)
 
     m = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
+    denom = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, D_PAD], tl.float32)
     for start in range(lo, hi, BLOCK_N):
         k_pos = start + tl.arange(0, BLOCK_N)
@@ -106,23 +119,24 @@ def _attention_kernel(
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp(s - shift[:, None])
         alpha = tl.exp(m - shift)
-        l = l * alpha + tl.sum(p, 1)
+        denom = denom * alpha + tl.sum(p, 1)
         v = tl.load(v_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m = m_new
 
     if SPLITS == 1:
-        out = acc / tl.where(l > 0, l, 1.0)[:, None]
+        out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
         tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh
                  + d[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=(tok < q_len)[:, None] & (in_group < GROUP)[:, None] & d_ok[None, :])
     else:
-        # Partials of decode row `seq`: acc (B, Hq, SPLITS, D_PAD), m and l (B, Hq, SPLITS, 2).
+        # Partials of decode row `seq`: acc (B, Hq, SPLITS, D_PAD); the maximum and the
+        # softmax denominator (B, Hq, SPLITS, 2).
         ok = in_group < GROUP
         cell = (seq * (GROUP * tl.num_programs(1)) + head) * SPLITS + split
         tl.store(part_acc_ptr + cell[:, None] * D_PAD + d[None, :], acc, mask=ok[:, None])
         tl.store(part_ml_ptr + cell * 2, m, mask=ok)
-        tl.store(part_ml_ptr + cell * 2 + 1, l, mask=ok)
+        tl.store(part_ml_ptr + cell * 2 + 1, denom, mask=ok)
 
 
 @triton.jit
@@ -135,11 +149,11 @@ def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_o
     cell = (row * tl.num_programs(1) + head) * SPLITS
     s = tl.arange(0, SPLITS)
     m = tl.load(part_ml_ptr + (cell + s) * 2)
-    l = tl.load(part_ml_ptr + (cell + s) * 2 + 1)
+    denom = tl.load(part_ml_ptr + (cell + s) * 2 + 1)
     m_max = tl.max(m, 0)
     weight = tl.where(m == float("-inf"), 0.0,
                       tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max)))
-    total = tl.sum(l * weight, 0)
+    total = tl.sum(denom * weight, 0)
     d = tl.arange(0, D_PAD)
     acc = tl.load(part_acc_ptr + (cell + s)[:, None] * D_PAD + d[None, :])
     out = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
@@ -147,9 +161,9 @@ def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_o
              mask=d < HEAD_DIM)
 
 
-def chunk_block_q(group: int) -> int:
-    """Query tokens per chunk program: CHUNK_ROWS rows of (token, head in group)."""
-    return max(1, CHUNK_ROWS // triton.next_power_of_2(group))
+def chunk_block_q(group: int, head_dim: int) -> int:
+    """Query tokens per chunk program: tiling's rows of (token, head in group)."""
+    return max(1, tiling(head_dim, decode=False).rows // triton.next_power_of_2(group))
 
 
 def chunk_tiles(query_lens: Sequence[int], first_seq: int, block_q: int
@@ -202,7 +216,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     Sequences 0..num_decode-1 are decode rows (query token i is sequence i); the
     chunk tiles are (tile_seq[t], tile_offset[t]): a sequence and its first query
-    token of the tile, BLOCK_Q = chunk_block_q(group) tokens per tile. block_tables
+    token of the tile, chunk_block_q(group, D) tokens per tile. block_tables
     (S, W) int32; seq_lens (S,) and query_start (S + 1,) int32 (query_start is read
     only for chunks)."""
     _, hq, d = q.shape
@@ -210,8 +224,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     group = hq // hkv
     d_pad = triton.next_power_of_2(d)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    common = dict(GROUP=group, BLOCK_N=BLOCK_N, PAGE=page, HEAD_DIM=d, D_PAD=d_pad,
-                  PRECISION=precision)
+    common = dict(GROUP=group, PAGE=page, HEAD_DIM=d, D_PAD=d_pad, PRECISION=precision)
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
     if num_decode:
@@ -221,21 +234,24 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             acc, ml = split_buffers.acc, split_buffers.ml
         else:
             acc = ml = out  # not written
+        tiles = tiling(d, decode=True)
         _attention_kernel[(num_decode, hkv, splits)](
             q, k_cache, v_cache, out, acc, ml, block_tables, seq_lens, query_start,
             seq_lens, seq_lens, scale, *strides, GROUP_PAD=group_pad, BLOCK_Q=1,
-            SPLITS=splits, DECODE=True, **common)
+            BLOCK_N=tiles.block_n, SPLITS=splits, DECODE=True, num_warps=tiles.num_warps,
+            **common)
         if splits > 1:
             _merge_splits_kernel[(num_decode, hq)](
                 acc, ml, out, out.stride(0), out.stride(1), SPLITS=splits, HEAD_DIM=d,
                 D_PAD=d_pad)
     if tile_seq is not None and tile_seq.numel():
         assert tile_offset is not None
+        tiles = tiling(d, decode=False)
         _attention_kernel[(tile_seq.numel(), hkv, 1)](
             q, k_cache, v_cache, out, out, out, block_tables, seq_lens, query_start,
             tile_seq, tile_offset, scale, *strides, GROUP_PAD=triton.next_power_of_2(group),
-            BLOCK_Q=chunk_block_q(group),
-            SPLITS=1, DECODE=False, **common)
+            BLOCK_Q=chunk_block_q(group, d), BLOCK_N=tiles.block_n, SPLITS=1, DECODE=False,
+            num_warps=tiles.num_warps, **common)
     return out
 
 
@@ -253,7 +269,7 @@ class TritonAttention:
 
     @property
     def tile_tokens(self) -> int:
-        return chunk_block_q(self.num_heads // self.num_kv_heads)
+        return chunk_block_q(self.num_heads // self.num_kv_heads, self.head_dim)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta) -> torch.Tensor:

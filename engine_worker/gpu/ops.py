@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine_worker.ops import split_qkv
+
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, h_ptr, eps,
@@ -70,13 +72,13 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, s
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, I: tl.constexpr,
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, WIDTH: tl.constexpr,
                      BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < I
+    ok = cols < WIDTH
     gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
-    up = tl.load(x_ptr + row * stride_x + I + cols, mask=ok, other=0.0)
+    up = tl.load(x_ptr + row * stride_x + WIDTH + cols, mask=ok, other=0.0)
     g = gate.to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
     out = act.to(tl.float32) * up.to(tl.float32)
@@ -116,11 +118,7 @@ class TritonOps:
                 qkv, cos, sin, k_cache, v_cache, slot_mapping, qkv.stride(0), cos.stride(0),
                 k_cache.stride(0), k_cache.stride(1), NUM_HEADS=num_heads,
                 NUM_KV_HEADS=num_kv_heads, HALF=half, HALF_PAD=triton.next_power_of_2(half))
-        q_end = num_heads * head_dim
-        k_end = q_end + num_kv_heads * head_dim
-        return (qkv[:, :q_end].view(n, num_heads, head_dim),
-                qkv[:, q_end:k_end].view(n, num_kv_heads, head_dim),
-                qkv[:, k_end:].view(n, num_kv_heads, head_dim))
+        return split_qkv(qkv, num_heads, num_kv_heads, head_dim)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """(N, 2 I) holding gate then up -> silu(gate) * up, (N, I)."""
@@ -130,7 +128,7 @@ class TritonOps:
         block = min(1024, triton.next_power_of_2(i))
         if n:
             _silu_mul_kernel[(n, triton.cdiv(i, block))](
-                gate_up, out, gate_up.stride(0), out.stride(0), I=i, BLOCK=block)
+                gate_up, out, gate_up.stride(0), out.stride(0), WIDTH=i, BLOCK=block)
         return out
 
 

@@ -54,7 +54,7 @@ def make_case(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, he
         num_decode += 1
     query_start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     tile_seq, tile_offset = chunk_tiles(q_lens[num_decode:], num_decode,
-                                        chunk_block_q(num_heads // num_kv_heads))
+                                        chunk_block_q(num_heads // num_kv_heads, head_dim))
     to = dict(device=device)
     return PagedCase(q.to(**to), k_cache.to(**to), v_cache.to(**to), tables.to(**to),
                      torch.tensor([c for c, _ in seqs], dtype=torch.int32, **to),

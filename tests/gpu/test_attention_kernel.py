@@ -49,9 +49,10 @@ def test_chunk_without_prefix_is_causal(heads):
     assert rel_l2(run(case), reference(case)) < TOL
 
 
-def test_chunk_on_a_cached_prefix():
+@pytest.mark.parametrize("head_dim", [64, 128])  # 128: 32 keys per iteration
+def test_chunk_on_a_cached_prefix(head_dim):
     # 21 new tokens after a 48-token cached prefix; and a chunk of a single block.
-    case = make_case([(69, 21), (16, 5)], 4, 1, 64, device=DEVICE, seed=3)
+    case = make_case([(69, 21), (16, 5)], 4, 1, head_dim, device=DEVICE, seed=3)
     assert rel_l2(run(case), reference(case)) < TOL
 
 

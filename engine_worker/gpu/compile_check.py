@@ -1,0 +1,148 @@
+"""Compiles every Triton kernel variant the CUDA engine launches for a model, for a
+GPU architecture, without a GPU: Triton's front end, LLVM and ptxas (shipped in
+Triton's wheel) all run on a CPU. Prints each variant's registers and spills.
+
+    python -m engine_worker.gpu.compile_check --model llama-3-8b --arch 90
+
+Catches what Triton's interpreter cannot: code the compiler rejects (types that differ
+between branches, unsupported operations) and register spills. Exits 1 if a variant
+fails to compile or spills. Run it without TRITON_INTERPRET set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from engine_worker.gpu import attention, ops
+
+_PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+def _dtype_name(dtype: str) -> str:
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[dtype]
+
+
+def variants(cfg, dtype: str = "bfloat16", block_size: int = 16) -> list[tuple]:
+    """(label, kernel, argument types by name, constexprs, num_warps) of every launch
+    the engine makes for model config ``cfg`` (engine_worker.model_config.ModelConfig)."""
+    t = f"*{_dtype_name(dtype)}"
+    group = cfg.num_heads // cfg.num_kv_heads
+    d, d_pad = cfg.head_dim, triton.next_power_of_2(cfg.head_dim)
+    common = dict(GROUP=group, PAGE=block_size, HEAD_DIM=d, D_PAD=d_pad,
+                  PRECISION="ieee" if dtype == "float32" else "tf32")
+    decode, chunk = attention.tiling(d, decode=True), attention.tiling(d, decode=False)
+    attn_args = dict(q_ptr=t, k_ptr=t, v_ptr=t, out_ptr=t, part_acc_ptr="*fp32",
+                     part_ml_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i64",
+                     query_start_ptr="*i64", tile_seq_ptr="*i64", tile_offset_ptr="*i64",
+                     scale="fp32")
+    out = []
+    for splits in (1, attention.MAX_SPLITS):
+        out.append((f"attention decode, {splits} split(s)", attention._attention_kernel,
+                    attn_args, dict(common, GROUP_PAD=max(attention.MIN_ROWS,
+                                                          triton.next_power_of_2(group)),
+                                    BLOCK_Q=1, BLOCK_N=decode.block_n, SPLITS=splits,
+                                    DECODE=True), decode.num_warps))
+    out.append(("attention chunk", attention._attention_kernel, attn_args,
+                dict(common, GROUP_PAD=triton.next_power_of_2(group),
+                     BLOCK_Q=attention.chunk_block_q(group, d), BLOCK_N=chunk.block_n,
+                     SPLITS=1, DECODE=False), chunk.num_warps))
+    out.append(("merge splits", attention._merge_splits_kernel,
+                dict(part_acc_ptr="*fp32", part_ml_ptr="*fp32", out_ptr=t),
+                dict(SPLITS=attention.MAX_SPLITS, HEAD_DIM=d, D_PAD=d_pad), 4))
+    c = cfg.hidden_size
+    for residual in (False, True):
+        out.append((f"add_rms_norm{' + residual' if residual else ''}",
+                     ops._add_rms_norm_kernel,
+                     dict(x_ptr=t, residual_ptr=t, weight_ptr=t, out_ptr=t, h_ptr=t, eps="fp32"),
+                     dict(C=c, BLOCK=triton.next_power_of_2(c), HAS_RESIDUAL=residual),
+                     ops._warps(c)))
+    half = d // 2
+    out.append(("rope_write_kv", ops._rope_write_kv_kernel,
+                dict(qkv_ptr=t, cos_ptr=t, sin_ptr=t, k_cache_ptr=t, v_cache_ptr=t,
+                     slot_ptr="*i64"),
+                dict(NUM_HEADS=cfg.num_heads, NUM_KV_HEADS=cfg.num_kv_heads, HALF=half,
+                     HALF_PAD=triton.next_power_of_2(half)), 4))
+    i = cfg.intermediate_size
+    out.append(("silu_mul", ops._silu_mul_kernel, dict(x_ptr=t, out_ptr=t),
+                dict(WIDTH=i, BLOCK=min(1024, triton.next_power_of_2(i))), 4))
+    return out
+
+
+def compile_variant(kernel, arg_types: dict, constexprs: dict, num_warps: int, arch: int):
+    names = [p.name for p in kernel.params]
+    signature = {n: "constexpr" if n in constexprs else arg_types.get(n, "i32") for n in names}
+    src = ASTSource(fn=kernel, signature=signature,
+                    constexprs={(names.index(k),): v for k, v in constexprs.items()})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": num_warps})
+
+
+def resources(ptx: str, arch: int) -> tuple[int, int]:
+    """(registers, spilled bytes) of the PTX's kernel, from ptxas -v."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp, "k.ptx")
+        path.write_text(ptx)
+        report = subprocess.run([str(_PTXAS), f"-arch=sm_{arch}a" if arch == 90 else
+                                 f"-arch=sm_{arch}", "-v", str(path), "-o",
+                                 str(Path(tmp, "k.cubin"))],
+                                capture_output=True, text=True, check=True).stderr
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
+    return registers, spills
+
+
+def check(model: str, arch: int, dtype: str) -> list[dict]:
+    from common.model_files import resolve_model_dir
+    from engine_worker.model_config import load_model_config
+
+    cfg = load_model_config(resolve_model_dir(model))
+    rows = []
+    for label, kernel, arg_types, constexprs, warps in variants(cfg, dtype):
+        row = {"model": model, "kernel": label, "error": None}
+        try:
+            compiled = compile_variant(kernel, arg_types, constexprs, warps, arch)
+            row["registers"], row["spill_bytes"] = resources(compiled.asm["ptx"], arch)
+            row["shared_bytes"] = compiled.metadata.shared
+        except Exception as e:  # reported, and the run fails
+            row["error"] = f"{type(e).__name__}: {e}"[:2000]
+        rows.append(row)
+    return rows
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", action="append",
+                   help="model shape or directory (repeatable; default: every shipped shape)")
+    p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: Hopper)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    args = p.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        p.error("unset TRITON_INTERPRET: the interpreter compiles nothing")
+    from common.model_files import model_shapes
+
+    failed = False
+    for model in args.model or model_shapes():
+        for row in check(model, args.arch, args.dtype):
+            if row["error"] or row["spill_bytes"]:
+                failed = True
+            status = row["error"] or (f"{row['registers']:3d} registers, "
+                                      f"{row['spill_bytes']} bytes spilled, "
+                                      f"{row['shared_bytes']} bytes shared")
+            print(f"{model:14s} {row['kernel']:32s} {status}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
