@@ -16,6 +16,7 @@ Paths, chosen once at start from the device and the model:
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Optional, Union
 
@@ -121,6 +122,10 @@ class ModelRunner:
         triton = config.attention_backend == "triton" or (
             config.attention_backend == "auto" and self.device.type == "cuda")
         if triton:
+            if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+                raise ValueError("the triton attention backend needs a CUDA device (on a CPU "
+                                 "it runs only through Triton's interpreter, "
+                                 "TRITON_INTERPRET=1: for tests)")
             from engine_worker.gpu.attention import TritonAttention
             from engine_worker.gpu.ops import TritonOps
 

@@ -9,7 +9,8 @@ import torch
 
 from common.protocol import SamplingParams
 from engine_worker.request import Request
-from engine_worker.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k, apply_top_p
+from engine_worker.sampler import (Sampler, apply_min_p, apply_penalties, apply_top_k, apply_top_p,
+                                   exponential_race)
 from helpers import greedy, make_engine, random_prompts, run_to_end, tokens
 
 PROMPTS = random_prompts([7, 19, 3], seed=3)
@@ -141,3 +142,28 @@ def test_mixed_batch_runs_every_path(tiny_llama_dir, params):
     outs = run_to_end(engine)
     assert len(tokens(outs["x"])) == 8 and len(tokens(outs["g"])) == 8
     assert tokens(outs["g"]) == make_engine(tiny_llama_dir).generate([PROMPTS[1]], greedy(8))[0]
+
+
+def test_exponential_race_draws_each_token_with_its_probability():
+    probs = torch.tensor([0.5, 0.3, 0.2, 0.0]).expand(20000, 4).contiguous()
+    requests = [req([1], temperature=1.0)] * 20000
+    draws = exponential_race(probs, requests, torch.Generator().manual_seed(0))
+    freq = torch.bincount(draws, minlength=4).float() / 20000
+    assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.2, 0.0]), atol=0.015), freq
+    assert freq[3] == 0  # a zero probability is never drawn
+
+
+def test_exponential_race_seeded_rows_ignore_their_neighbours():
+    probs = torch.softmax(torch.randn(3, 50, generator=torch.Generator().manual_seed(1)), -1)
+
+    def draws(neighbours):
+        seeded = req([1], temperature=1.0, seed=77)
+        rows = [req([1], temperature=1.0) for _ in range(neighbours)] + [seeded]
+        batch = torch.cat([probs[:1].expand(neighbours, 50), probs[2:]])
+        out = []
+        for _ in range(5):
+            out.append(int(exponential_race(batch, rows, torch.Generator().manual_seed(9))[-1]))
+        return out
+
+    assert draws(0) == draws(2) == draws(5)
+    assert len(set(draws(0))) > 1  # the generator advances step to step
