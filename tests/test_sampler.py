@@ -167,3 +167,15 @@ def test_exponential_race_seeded_rows_ignore_their_neighbours():
 
     assert draws(0) == draws(2) == draws(5)
     assert len(set(draws(0))) > 1  # the generator advances step to step
+
+
+def test_a_vanishing_top_p_keeps_the_most_likely_token(tiny_llama_dir):
+    """top_p 1e-45 is a denormal float32, which the C kernels' fast math (flush to
+    zero) reads as 0: the cut-off must still keep the most likely token."""
+    engine = make_engine(tiny_llama_dir)
+    got = engine.generate([PROMPTS[0]], SamplingParams(max_tokens=4, temperature=1.0,
+                                                       top_p=1e-45, ignore_eos=True))[0]
+    want = engine.generate([PROMPTS[0]], greedy(4))[0]
+    assert got == want  # only the most likely token survives: greedy
+    logits = torch.tensor([[3.0, 1.0, 2.0]])
+    assert torch.isinf(apply_top_p(logits, [0.0])).tolist() == [[False, True, True]]
