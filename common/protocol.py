@@ -239,8 +239,24 @@ class MessageType(enum.IntEnum):
     DEAD = 20  # Dead: the engine is going down
 
 
+# The version of every message in this module. Bump it when a message changes: the
+# two ends of a connection refuse each other when theirs differ (an older peer would
+# silently drop fields a newer one sends). A peer whose messages lack the field is
+# version 0.
+PROTOCOL_VERSION = 1
+
+
+def version_mismatch(peer: str, theirs: int) -> Optional[str]:
+    """Why a peer speaking protocol version ``theirs`` is refused, or None."""
+    if theirs == PROTOCOL_VERSION:
+        return None
+    return (f"protocol version mismatch: the {peer} speaks version {theirs}, this process "
+            f"version {PROTOCOL_VERSION}; run the same roseserve release on both")
+
+
 class Hello(msgspec.Struct, frozen=True, kw_only=True):
     client_id: str
+    protocol_version: int = 0
     # Reconciliation: the requests this client still follows. The engine aborts any
     # other request it holds for this client (ones the client has given up on while
     # the engine was unreachable or busy).
@@ -263,6 +279,7 @@ class Ping(msgspec.Struct, frozen=True, kw_only=True):
 
 class Ready(msgspec.Struct, frozen=True, kw_only=True):
     engine_id: str
+    protocol_version: int = 0
     model_name: str
     # Longest prompt + output the engine accepts.
     max_model_len: int
@@ -350,6 +367,7 @@ class TokenizeError(msgspec.Struct, frozen=True, kw_only=True):
 
 class PoolReady(msgspec.Struct, frozen=True, kw_only=True):
     pool_id: str
+    protocol_version: int = 0
     num_workers: int
 
 
@@ -377,6 +395,7 @@ class TokenizerMessageType(enum.IntEnum):
     RESULT = 17  # TokenizeResult
     ERROR = 18  # TokenizeError
     PONG = 19
+    DEAD = 20  # Dead: this client is refused (another protocol version)
     WORKER_READY = 32  # worker -> supervisor: Hello, once its tokenizer is loaded
 
 
@@ -403,6 +422,7 @@ POOL_REPLIES: dict[int, type] = {
     TokenizerMessageType.RESULT: TokenizeResult,
     TokenizerMessageType.ERROR: TokenizeError,
     TokenizerMessageType.PONG: PoolPong,
+    TokenizerMessageType.DEAD: Dead,
 }
 # Between the pool's supervisor and its workers.
 WORKER_JOBS: dict[int, type] = {TokenizerMessageType.TOKENIZE: TokenizeRequest}
@@ -414,7 +434,22 @@ WORKER_REPLIES: dict[int, type] = {
 
 
 class ProtocolError(ValueError):
-    """A frame that is not a valid message; the receiver logs and drops it."""
+    """A frame that is not a valid message; the receiver logs and drops it, and answers
+    with an error when the frame names the request it was for (``request_id``)."""
+
+    def __init__(self, message: str, request_id: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
+def _request_id_of(payload: bytes) -> Optional[str]:
+    """The request_id a payload that failed validation names, if it names one."""
+    try:
+        raw = msgspec.msgpack.decode(payload)
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    request_id = raw.get("request_id") if isinstance(raw, dict) else None
+    return request_id if isinstance(request_id, str) and request_id else None
 
 
 class Codec:
@@ -439,4 +474,5 @@ class Codec:
         try:
             return decoder.decode(frames[1])
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            raise ProtocolError(f"bad {decoder.type.__name__} payload: {e}") from None
+            raise ProtocolError(f"bad {decoder.type.__name__} payload: {e}",
+                                _request_id_of(frames[1])) from None

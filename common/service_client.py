@@ -33,7 +33,8 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from common.protocol import Codec, Dead, Hello, Ping, ProtocolError
+from common.protocol import (PROTOCOL_VERSION, Codec, Dead, Hello, Ping, ProtocolError,
+                             version_mismatch)
 from common.sockets import make_socket
 
 logger = logging.getLogger(__name__)
@@ -78,6 +79,8 @@ class ServiceClient:
         self.sock: Optional[zmq.asyncio.Socket] = None
         self.ready = None
         self.dead_reason: Optional[str] = "not started"
+        # Why the service refused this client (another protocol version), if it did.
+        self.refusal: Optional[str] = None
         self.last_pong = None
         self._last_pong_time = 0.0
         self._ready_event = asyncio.Event()
@@ -107,6 +110,9 @@ class ServiceClient:
             await self.close()
             raise self.dead_error(f"{self.service} at {self.address} did not answer within "
                                   f"{timeout_s:.0f} s") from None
+        if self.refusal is not None:
+            await self.close()
+            raise self.dead_error(self.refusal)
         return self.ready
 
     async def close(self) -> None:
@@ -163,7 +169,8 @@ class ServiceClient:
         return []
 
     def _hello(self) -> Hello:
-        return Hello(client_id=self.client_id, request_ids=self._followed_ids())
+        return Hello(client_id=self.client_id, request_ids=self._followed_ids(),
+                     protocol_version=PROTOCOL_VERSION)
 
     async def _send(self, message: msgspec.Struct) -> None:
         assert self.sock is not None
@@ -192,12 +199,26 @@ class ServiceClient:
                                     f"iteration for {busy:.0f} s")
             elif isinstance(message, self.ready_type):
                 self._on_ready(message)
+            elif isinstance(message, Dead) and self.ready is None:
+                self._refuse(f"the {self.service} refused this client: {message.reason}")
             elif isinstance(message, Dead):
                 self._mark_dead(f"{self.service} went down: {message.reason}")
             else:
                 self._dispatch(message)
 
+    def _refuse(self, reason: str) -> None:
+        """The service will not serve this client (another protocol version): start()
+        fails at once with the reason, and so does all work."""
+        logger.error("%s", reason)
+        self.refusal = self.dead_reason = reason
+        self._fail(reason)
+        self._ready_event.set()
+
     def _on_ready(self, ready) -> None:
+        refusal = version_mismatch(self.service, ready.protocol_version)
+        if refusal:
+            self._refuse(refusal)
+            return
         if self.ready is not None and self._instance_id(ready) != self._instance_id(self.ready):
             self._fail(f"the {self.service} restarted")
         self.ready = ready
@@ -231,6 +252,8 @@ class ServiceClient:
                 silent = time.monotonic() - self._last_pong_time
                 if silent > self.heartbeat_timeout_s:
                     self._mark_dead(f"the {self.service} did not answer for {silent:.1f} s")
+            if self.refusal is not None:
+                continue  # asking again would be refused again
             if self.dead_reason is None:
                 await self._send(Ping(nonce=next(self._nonces)))
             else:  # a service that comes back answers with Ready, which revives us

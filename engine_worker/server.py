@@ -45,10 +45,10 @@ import zmq
 
 from common.config import EngineServerConfig
 from common.errors import InvalidRequestError
-from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, AbortRequests, AddRequest,
-                             Codec, Dead, EngineStats, FinishReason, Hello, OutputBatch, Ping,
-                             Pong, ProtocolError, Ready, RequestError, RequestErrorKind,
-                             RequestOutput)
+from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, PROTOCOL_VERSION,
+                             AbortRequests, AddRequest, Codec, Dead, EngineStats, FinishReason,
+                             Hello, OutputBatch, Ping, Pong, ProtocolError, Ready, RequestError,
+                             RequestErrorKind, RequestOutput, version_mismatch)
 from common.sockets import make_socket
 from engine_worker.engine import FatalDeviceError, LLMEngine
 
@@ -142,6 +142,9 @@ class _IOThread(threading.Thread):
             except ProtocolError as e:
                 self.num_frames_dropped += 1
                 logger.warning("dropped a frame from client %r: %s", identity, e)
+                if e.request_id is not None:  # the request it was for fails, not hangs
+                    self._send([identity, *self.codec.encode(RequestError(
+                        request_id=e.request_id, message=f"undecodable request: {e}"))])
                 continue
             if isinstance(message, Ping):
                 self._pong(identity, message)
@@ -201,7 +204,8 @@ class EngineServer:
         self.num_signals = 0
         self.draining_since: Optional[float] = None
         self.ready = Ready(
-            engine_id=self.engine_id, model_name=engine.model_name,
+            engine_id=self.engine_id, protocol_version=PROTOCOL_VERSION,
+            model_name=engine.model_name,
             max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
             num_kv_blocks=engine.block_manager.num_blocks,
             block_size=engine.block_manager.block_size,
@@ -321,11 +325,18 @@ class EngineServer:
         self._expire_silent_clients(time.monotonic())
 
     def _hello(self, identity: bytes, hello: Hello) -> None:
+        refusal = version_mismatch("client", hello.protocol_version)
+        if refusal:
+            logger.warning("refused client %s: %s", hello.client_id, refusal)
+            self._send(identity, Dead(reason=refusal))
+            if not self.clients[identity].request_ids:
+                del self.clients[identity]
+            return
         stale = self.clients[identity].request_ids - set(hello.request_ids)
         if stale:
             logger.warning("client %s no longer follows %d request(s): aborting them",
                            hello.client_id, len(stale))
-            self._abort(list(stale), None)
+            self._abort(list(stale), "the client no longer follows this request")
         logger.info("client %s connected", hello.client_id)
         self._send(identity, self.ready)
 
@@ -384,7 +395,11 @@ class EngineServer:
                 if client.request_ids:
                     logger.warning("client %r silent for %.0f s: aborting its %d request(s)",
                                    client.identity, silent, len(client.request_ids))
-                    self._abort(list(client.request_ids), None)
+                    # Told, in case it comes back: a frontend that stalled and recovered
+                    # ends those streams instead of waiting on them forever.
+                    self._abort(list(client.request_ids),
+                                f"aborted by the engine: it heard nothing from this client "
+                                f"for {silent:.0f} s")
                 del self.clients[client.identity]
                 self.io.last_seen.pop(client.identity, None)
         if now >= self._next_prune:
@@ -406,7 +421,8 @@ class EngineServer:
                 if client.request_ids:
                     logger.warning("client %r unreachable: aborting its %d request(s)",
                                    identity, len(client.request_ids))
-                    self._abort(list(client.request_ids), None)
+                    self._abort(list(client.request_ids),
+                                "aborted by the engine: it could not reach this client")
                 del self.clients[identity]
                 self.io.last_seen.pop(identity, None)
 

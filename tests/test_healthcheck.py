@@ -47,8 +47,8 @@ def test_http_health(tmp_path):
 def test_a_stuck_engine_loop_fails_the_check(tiny_llama_dir, tmp_path):
     import zmq
 
-    from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, AddRequest, Codec, Hello,
-                                 SamplingParams)
+    from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, PROTOCOL_VERSION, AddRequest,
+                                 Codec, Hello, SamplingParams)
 
     engine = processes.engine(tiny_llama_dir, f"ipc://{tmp_path}/engine.sock",
                               env={"ROSESERVE_FAULT_STALL": "1:8"})  # first step: +8 s
@@ -58,7 +58,7 @@ def test_a_stuck_engine_loop_fails_the_check(tiny_llama_dir, tmp_path):
         until_ok("engine", engine.address)
         codec = Codec(CLIENT_MESSAGES, ENGINE_MESSAGES)
         sock.connect(engine.address)
-        sock.send_multipart(codec.encode(Hello(client_id="t")))
+        sock.send_multipart(codec.encode(Hello(client_id="t", protocol_version=PROTOCOL_VERSION)))
         sock.send_multipart(codec.encode(AddRequest(
             request_id="r", prompt_token_ids=[1, 2, 3], params=SamplingParams(max_tokens=2))))
         time.sleep(4)  # inside the stalled step

@@ -229,3 +229,33 @@ def test_killing_the_supervisor_leaves_no_worker_behind(pool_factory):
     while any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers):
         assert time.monotonic() < deadline, "a worker outlived its supervisor"
         time.sleep(0.1)
+
+
+def test_a_client_of_another_protocol_version_is_refused(pool_factory):
+    import zmq
+
+    from common.protocol import POOL_REPLIES, POOL_REQUESTS, PROTOCOL_VERSION, Codec, Dead, Hello
+
+    pool = pool_factory(workers=1)
+
+    async def main():
+        client = await connect(pool.address)  # the current version is served
+        await client.close()
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(pool.address)
+        codec = Codec(POOL_REQUESTS, POOL_REPLIES)
+        sock.send_multipart(codec.encode(Hello(client_id="old", protocol_version=7)))
+        try:
+            if not await asyncio.to_thread(sock.poll, 10_000):
+                return None
+            return codec.decode(sock.recv_multipart())
+        finally:
+            sock.close(0)
+            ctx.term()
+
+    reply = run(main())
+    assert isinstance(reply, Dead)
+    assert reply.reason == (f"protocol version mismatch: the frontend speaks version 7, this "
+                            f"process version {PROTOCOL_VERSION}; run the same roseserve release "
+                            f"on both")

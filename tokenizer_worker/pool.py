@@ -29,9 +29,10 @@ import msgspec
 import zmq
 
 from common.config import DEFAULT_MAX_FRAME_BYTES
-from common.protocol import (POOL_REPLIES, POOL_REQUESTS, WORKER_JOBS, WORKER_REPLIES, Codec,
-                             Hello, Ping, PoolPong, PoolReady, ProtocolError, RequestErrorKind,
-                             TokenizeError, TokenizeRequest, TokenizeResult)
+from common.protocol import (POOL_REPLIES, POOL_REQUESTS, PROTOCOL_VERSION, WORKER_JOBS,
+                             WORKER_REPLIES, Codec, Dead, Hello, Ping, PoolPong, PoolReady,
+                             ProtocolError, RequestErrorKind, TokenizeError, TokenizeRequest,
+                             TokenizeResult, version_mismatch)
 from common.sockets import make_socket
 from tokenizer_worker.worker import worker_main
 
@@ -186,7 +187,12 @@ class TokenizerPool:
                     num_disconnects=self.num_disconnects,
                     num_workers_replaced=self.num_workers_replaced))
             elif isinstance(message, Hello):
-                self.waiting_hellos.append(client)
+                refusal = version_mismatch("frontend", message.protocol_version)
+                if refusal:
+                    logger.warning("refused client %s: %s", message.client_id, refusal)
+                    self._reply(client, Dead(reason=refusal))
+                else:
+                    self.waiting_hellos.append(client)
         if any(w.ready for w in self.workers.values()):
             self._answer_hellos()
 
@@ -216,7 +222,8 @@ class TokenizerPool:
 
     def _answer_hellos(self) -> None:
         for client in self.waiting_hellos:
-            self._reply(client, PoolReady(pool_id=self.pool_id, num_workers=self.num_workers))
+            self._reply(client, PoolReady(pool_id=self.pool_id, num_workers=self.num_workers,
+                                              protocol_version=PROTOCOL_VERSION))
         self.waiting_hellos.clear()
 
     def _reply(self, client: bytes, message: msgspec.Struct) -> None:
