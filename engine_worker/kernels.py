@@ -1,4 +1,4 @@
-"""CPU kernels called through ctypes: our C kernels, and MKL's packed GEMM.
+"""CPU kernels called through ctypes: our C kernels (attention, GEMM, the fused forward).
 
 Ours (engine_worker/csrc/): paged decode attention, and a row-wise argmax (torch's
 is single-threaded and unvectorized on the CPU, ~10x slower over a vocabulary). The C

@@ -24,7 +24,8 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
                    help="address to listen on (default: loopback only)")
     g.add_argument("--port", type=int, default=int(env_default("PORT", "8000")))
     g.add_argument("--api-key", default=None,
-                   help="require this Bearer key on /v1/*; visible to other local users in "
+                   help="require this Bearer key on every path but /health, /metrics and "
+                        "/version; visible to other local users in "
                         "the process list: prefer ROSESERVE_API_KEY or --api-key-file")
     g.add_argument("--api-key-file", default=None,
                    help="read the Bearer key from this file (its first line)")

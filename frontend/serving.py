@@ -18,7 +18,6 @@ request ends (``finish``).
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 import uuid
@@ -28,12 +27,13 @@ from typing import AsyncIterator, Optional, Sequence, Union
 from common.config import FrontendConfig
 from common.errors import InvalidRequestError
 from common.protocol import ChatMessage, FinishReason, Ready, SamplingParams
-from common.structured import GrammarCompiler, StructuredOutput
+from common.structured import GrammarCompiler
 from engine_worker.client import EngineClient, EngineDeadError, EngineRequestError
 from frontend.admission import Admission, Ticket, estimate_tokens
 from frontend.choice import Choice, ChoiceFailed, Delta
 from frontend.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from frontend.errors import APIError
+from frontend.grammar_cache import CheckedGrammars
 from frontend.metrics import Metrics
 from frontend.openai_protocol import ChatCompletionRequest
 from frontend.router import EngineRouter
@@ -107,10 +107,8 @@ class Pipeline:
         self.tokenizer_client = tokenizer_client
         self.tokenizer = tokenizer
         self.chat_template = chat_template
-        # Each distinct constraint is compiled once (clients send one schema again and
-        # again); a constraint that fails raises, and is not remembered.
-        self._check_compiles = (None if grammars is None
-                                else functools.lru_cache(maxsize=256)(grammars.check))
+        # Constraints compiled off the event loop, each distinct one once.
+        self.grammars = None if grammars is None else CheckedGrammars(grammars)
         self.metrics = metrics
         self.admission = admission
         # The names the model is served under; the first is its id in /v1/models.
@@ -135,7 +133,7 @@ class Pipeline:
                     tools: Optional[list[dict]] = None) -> Job:
         """Admit, tokenize, route and validate; the Job is ready to run. Raises APIError."""
         self.check_model(body.model)
-        constraints, tool_plan = self._constraints(body)
+        constraints, tool_plan = await self._constraints(body)
         n = body.num_generated()
         num_prompts = 1 if messages is not None else len(prompts)
         num_choices = num_prompts * n
@@ -199,7 +197,7 @@ class Pipeline:
                 self.engines.release(engine)
             raise
 
-    def _constraints(self, body) -> tuple[dict, Optional[ToolPlan]]:
+    async def _constraints(self, body) -> tuple[dict, Optional[ToolPlan]]:
         """The sampling fields the frontend works out (structured output, bad words'
         token ids) and the request's tool plan. Raises APIError (400) for a schema,
         grammar or tool choice that cannot be served."""
@@ -216,7 +214,10 @@ class Pipeline:
                     structured = plan.structured
             extra: dict = {}
             if structured is not None:
-                self._check_grammar(structured)
+                if self.grammars is None:
+                    raise InvalidRequestError("structured output is unavailable for this "
+                                              "model's tokenizer", structured.param)
+                await self.grammars.check(structured)
                 extra["structured"] = structured
             if body.bad_words:
                 extra["bad_words_ids"] = self._bad_words_ids(body.bad_words)
@@ -226,12 +227,6 @@ class Pipeline:
         except InvalidRequestError as e:
             raise APIError(400, e.message, param=e.param, code="invalid_value") from None
         return extra, plan
-
-    def _check_grammar(self, output: StructuredOutput) -> None:
-        if self._check_compiles is None:
-            raise InvalidRequestError("structured output is unavailable for this model's "
-                                      "tokenizer", output.param)
-        self._check_compiles(output)
 
     def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
         """Each word as it tokenizes alone and after a space (mid-sentence)."""
