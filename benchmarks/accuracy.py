@@ -141,6 +141,7 @@ def main(argv=None) -> int:
     reference = results[0]["outputs"]
     report = {"cpu": cpu_model(), "model": str(model_dir), "python": platform.python_version(),
               "prompts": len(prompts), "max_tokens": args.max_tokens,
+              "prompt_token_ids": prompts, "window": args.window,
               "text": f"pydoc_data.topics (Python {platform.python_version()}), first "
                       f"{len(text_ids)} tokens, windows of {args.window}",
               "formats": []}
@@ -150,6 +151,7 @@ def main(argv=None) -> int:
     for r in results:
         row = {"format": r["format"], "perplexity": r["perplexity"],
                "perplexity_ratio": r["perplexity"] / results[0]["perplexity"],
+               "scored_tokens": r["scored_tokens"], "outputs": r["outputs"],
                **agreement(r["outputs"], reference)}
         report["formats"].append(row)
         print(f"{row['format']:9}  {row['perplexity']:10.3f}  {row['perplexity_ratio']:12.4f}  "

@@ -1,4 +1,6 @@
-"""benchmarks/accuracy.py, as docs/performance.md runs it, on the tiny model."""
+"""benchmarks/accuracy.py, as docs/performance.md runs it, on the tiny model: its
+figures recomputed here from what it reports, and float32's checked against Hugging
+Face on the same text and prompts."""
 
 from __future__ import annotations
 
@@ -7,8 +9,29 @@ import math
 import subprocess
 import sys
 
+import torch
+
+from benchmarks.accuracy import agreement, reference_text
+from hf_reference import assert_matches, hf_greedy, hf_model
+
+
+def hf_perplexity(model_dir, text_ids: list[int], window: int) -> tuple[float, int]:
+    model = hf_model(model_dir)
+    nll, count = 0.0, 0
+    for i in range(0, len(text_ids) - 1, window):
+        ids = text_ids[i:i + window]
+        if len(ids) < 2:
+            continue
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, :-1].double()
+        nll -= torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:]).unsqueeze(1)).sum()
+        count += len(ids) - 1
+    return math.exp(float(nll) / count), count
+
 
 def test_accuracy_benchmark_smoke(tiny_llama_dir, tmp_path):
+    from transformers import AutoTokenizer
+
     out = tmp_path / "accuracy.json"
     proc = subprocess.run(
         [sys.executable, "benchmarks/accuracy.py", "--model", str(tiny_llama_dir),
@@ -19,6 +42,17 @@ def test_accuracy_benchmark_smoke(tiny_llama_dir, tmp_path):
     assert [f["format"] for f in report["formats"]] == ["float32", "bfloat16", "int8"]
     reference = report["formats"][0]
     assert reference["perplexity_ratio"] == 1.0 and reference["identical_outputs"] == 1.0
+    # float32 is Hugging Face's model: its greedy tokens and its perplexity.
+    prompts = report["prompt_token_ids"]
+    assert_matches(reference["outputs"], hf_greedy(tiny_llama_dir, prompts, 4), "float32")
+    text_ids = AutoTokenizer.from_pretrained(tiny_llama_dir)(reference_text())["input_ids"][:80]
+    want, scored = hf_perplexity(tiny_llama_dir, text_ids, report["window"])
+    assert reference["scored_tokens"] == scored == 31 + 31 + 15  # windows of 32 over 80
+    assert abs(reference["perplexity"] / want - 1) < 1e-4
     for f in report["formats"]:
+        assert len(f["outputs"]) == 3 and all(len(o) == 4 for o in f["outputs"])
+        assert agreement(f["outputs"], reference["outputs"]) == {
+            "identical_outputs": f["identical_outputs"],
+            "tokens_before_first_difference": f["tokens_before_first_difference"]}
+        assert f["perplexity_ratio"] == f["perplexity"] / reference["perplexity"]
         assert math.isfinite(f["perplexity"]) and f["perplexity"] > 1
-        assert 0.0 <= f["tokens_before_first_difference"] <= 1.0

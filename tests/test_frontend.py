@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 import processes
+from benchmarks.stack import metric as parse_metric, scrape
 from engine_worker.client import EngineClient
 from tokenizer_worker.client import TokenizerClient
 
@@ -376,15 +377,33 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(stack):
     assert stats.num_generated_tokens - before < 100, stats.num_generated_tokens - before
 
 
+def wait_until(predicate, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
 def test_disconnect_while_tokenizing_never_reaches_the_engine(stack):
+    """Each stage is observed, not waited for: the job is in the tokenizer pool when
+    the client leaves; the frontend lets go of it; the pool finishes it; and a request
+    sent afterwards is the next thing the engine sees (the frontend's frames to the
+    engine arrive in order, so a late submission of the first would come before it)."""
+    pool = stack["pool"].address
     before = engine_stats(stack["engine"].address).prefix_cache_query_tokens
     sock = _open_raw_request(stack["url"], {"model": "tiny-llama", "prompt": SLOW + " text",
                                             "max_tokens": 50}, {})
-    time.sleep(0.5)
+    wait_until(lambda: ping(TokenizerClient, pool).num_pending >= 1, "the job in the pool")
     sock.close()
-    time.sleep(2.5)  # the slow tokenization finishes meanwhile
-    stats = engine_stats(stack["engine"].address)
-    assert stats.prefix_cache_query_tokens == before  # nothing was submitted
+    wait_until(lambda: parse_metric(scrape(stack["url"]), "roseserve_admitted_requests") == 0,
+               "the frontend to release the job")
+    wait_until(lambda: ping(TokenizerClient, pool).num_pending == 0, "the slow tokenization")
+    probe = httpx.post(stack["url"] + "/v1/completions", timeout=60, json={
+        "model": "tiny-llama", "prompt": "probe", "max_tokens": 1})
+    assert probe.status_code == 200
+    stats = wait_engine_idle(stack["engine"].address)
+    # Only the probe's prompt was ever looked up: nothing of the first was submitted.
+    assert stats.prefix_cache_query_tokens == before + probe.json()["usage"]["prompt_tokens"]
     assert stats.num_running == 0
 
 
