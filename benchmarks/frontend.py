@@ -1,0 +1,172 @@
+"""What the HTTP frontend costs: HTTP / in-process throughput, and the frontend's CPU
+per output token, at 1 and 64 streams, for float32 and int8 weights, in one run.
+
+    python benchmarks/frontend.py --json docs/bench/frontend.json
+    python benchmarks/frontend.py --formats int8 --concurrency 1 --repeats 5
+
+For each weight format it starts ``roseserve serve`` and an in-process engine on the
+same model and flags, and for each concurrency alternates the two (``--repeats``
+rounds): the in-process engine runs the workload (random token-id prompts, every
+request forced to --output-len tokens), then the same workload goes over HTTP
+(streaming completions with token-id prompts, so tokenization is not measured). It
+prints the median of each ratio, HTTP tokens/s / in-process tokens/s, and the
+frontend process's CPU time (user + system, read from /proc) per output token, which
+is what the frontend spends on each token whatever the machine's other load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import httpx  # noqa: E402
+import psutil  # noqa: E402
+
+from benchmarks.stack import Stack, cpu_model  # noqa: E402
+from common.config import EngineConfig  # noqa: E402
+from common.protocol import SamplingParams  # noqa: E402
+
+FORMAT_FLAGS = {"float32": [], "bfloat16": ["--dtype", "bfloat16"],
+                "int8": ["--quantization", "int8"]}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="model directory (default: SmolLM2-135M)")
+    p.add_argument("--formats", default="float32,int8")
+    p.add_argument("--concurrency", default="1,64")
+    p.add_argument("--input-len", type=int, default=16)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--serve-flag", action="append", default=[],
+                   help="an extra flag for roseserve serve (repeatable)")
+    p.add_argument("--json", dest="json_path", default=None)
+    return p.parse_args(argv)
+
+
+def prompts_for(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def in_process(engine, prompts: list[list[int]], output_len: int) -> float:
+    """Output tokens/s of the in-process engine on the workload."""
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    engine.block_manager.reset_prefix_cache()
+    start = time.perf_counter()
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"in-process-{time.monotonic_ns()}-{i}", prompt, params)
+    generated = 0
+    while engine.has_unfinished_requests():
+        generated += sum(len(o.new_token_ids) for o in engine.step())
+    return generated / (time.perf_counter() - start)
+
+
+async def over_http(url: str, model: str, prompts: list[list[int]], output_len: int
+                    ) -> tuple[float, int]:
+    """Output tokens/s over HTTP (every prompt a streaming request, all at once) and
+    the output tokens the server reported."""
+    async def one(client: httpx.AsyncClient, prompt: list[int]) -> int:
+        body = {"model": model, "prompt": prompt, "max_tokens": output_len, "stream": True,
+                "ignore_eos": True, "temperature": 0, "stream_options": {"include_usage": True}}
+        tokens = 0
+        async with client.stream("POST", url + "/v1/completions", json=body) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                if line.startswith("data: {") and '"usage":{' in line.replace(" ", ""):
+                    usage = json.loads(line[6:]).get("usage")
+                    if usage:
+                        tokens = usage["completion_tokens"]
+        return tokens
+
+    limits = httpx.Limits(max_connections=len(prompts) + 4)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        start = time.perf_counter()
+        tokens = sum(await asyncio.gather(*[one(client, p) for p in prompts]))
+        return tokens / (time.perf_counter() - start), tokens
+
+
+def cpu_seconds(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
+
+
+def measure_format(fmt: str, args, concurrencies: list[int]) -> dict:
+    from common.model_files import resolve_model_dir
+    from engine_worker.engine import LLMEngine
+    from engine_worker.model_config import load_model_config
+
+    model = str(resolve_model_dir(args.model))
+    flags = ["--model", model, "--device", "cpu", "--threads", str(args.threads),
+             "--max-batch-size", str(max(concurrencies)), *FORMAT_FLAGS[fmt],
+             *args.serve_flag]
+    stack = Stack(flags, name="frontend-bench")
+    stack.wait_ready()
+    try:
+        frontend = psutil.Process(stack.resources()["frontend"]["pid"])
+        vocab = load_model_config(Path(model)).vocab_size
+        engine = LLMEngine(EngineConfig(
+            model=model, device="cpu", num_threads=args.threads,
+            quantization="int8" if fmt == "int8" else None,
+            dtype="bfloat16" if fmt == "bfloat16" else "auto"))
+        warm = prompts_for(2, args.input_len, vocab, 0)
+        in_process(engine, warm, 4)
+        asyncio.run(over_http(stack.url, "frontend-bench", warm, 4))
+        rows = {}
+        for c in concurrencies:
+            ratios, cpu_per_token, local_rates, http_rates = [], [], [], []
+            for r in range(args.repeats):
+                prompts = prompts_for(c, args.input_len, vocab, 1000 * c + r)
+                local = in_process(engine, prompts, args.output_len)
+                before = cpu_seconds(frontend)
+                remote, tokens = asyncio.run(over_http(stack.url, "frontend-bench", prompts,
+                                                       args.output_len))
+                cpu_per_token.append((cpu_seconds(frontend) - before) / tokens)
+                ratios.append(remote / local)
+                local_rates.append(local)
+                http_rates.append(remote)
+                print(f"{fmt:8s} {c:3d} streams, round {r}: in-process {local:7.1f}, HTTP "
+                      f"{remote:7.1f} tokens/s ({remote / local:.3f}); frontend CPU "
+                      f"{1e3 * cpu_per_token[-1]:.3f} ms/token", flush=True)
+            rows[str(c)] = {"http_over_in_process": statistics.median(ratios),
+                            "frontend_cpu_ms_per_token": 1e3 * statistics.median(cpu_per_token),
+                            "in_process_tokens_per_s": statistics.median(local_rates),
+                            "http_tokens_per_s": statistics.median(http_rates),
+                            "ratios": ratios, "cpu_ms_per_token": [1e3 * x for x in cpu_per_token]}
+        return rows
+    finally:
+        stack.stop()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    report = {"cpu": cpu_model(), "model": args.model or "SmolLM2-135M-Instruct",
+              "input_len": args.input_len, "output_len": args.output_len,
+              "repeats": args.repeats, "formats": {}}
+    for fmt in args.formats.split(","):
+        report["formats"][fmt] = measure_format(fmt, args, concurrencies)
+    print(f"\nCPU: {report['cpu']}; {args.input_len} prompt / {args.output_len} output "
+          f"tokens; medians of {args.repeats} alternating rounds")
+    print("weights  streams  HTTP / in-process  frontend CPU per token")
+    for fmt, rows in report["formats"].items():
+        for c, row in rows.items():
+            print(f"{fmt:8s} {c:>7s}  {row['http_over_in_process']:17.3f}  "
+                  f"{row['frontend_cpu_ms_per_token']:18.3f} ms")
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
