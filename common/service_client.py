@@ -176,6 +176,12 @@ class ServiceClient:
         assert self.sock is not None
         await self.sock.send_multipart(self.codec.encode(message))
 
+    def _send_nowait(self, message: msgspec.Struct) -> None:
+        """Send without waiting, for callers that cannot await; frames leave in the
+        order they are given (a DEALER queues them when the service is slow)."""
+        assert self.sock is not None
+        self.sock.send_multipart(self.codec.encode(message)).add_done_callback(_sent)
+
     # -- internals -------------------------------------------------------------
 
     async def _receive_loop(self) -> None:
@@ -271,6 +277,11 @@ class ServiceClient:
         for future in self._pings.values():
             if not future.done():
                 future.set_exception(self.dead_error(reason))
+
+
+def _sent(future: asyncio.Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        logger.warning("a frame could not be sent: %s", future.exception())
 
 
 def _exited(process) -> bool:

@@ -1,14 +1,18 @@
 """The async client of one engine worker, used by the frontend, benchmarks and tests.
 
-Imports no torch: it speaks only the wire protocol (common/protocol.py). The receive
-task dispatches each OutputBatch to the per-request queues in one pass; liveness
-(DEAD frames, dropped connections, heartbeats) is common/service_client.py's.
+Imports no torch: it speaks only the wire protocol (common/protocol.py). Each request
+has a sink, a function that gets its outputs (and, instead of more outputs, the error
+that ends it): the receive task hands each OutputBatch to the sinks in one pass, with
+no task or queue per request (``submit``). ``generate`` wraps that as an async
+iterator. Liveness (DEAD frames, dropped connections, heartbeats) is
+common/service_client.py's.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Optional, Sequence
+import logging
+from typing import AsyncIterator, Callable, Optional, Sequence, Union
 
 import msgspec
 
@@ -16,6 +20,8 @@ from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, AbortRequests, Ad
                              Codec, OutputBatch, Pong, Ready, RequestError, RequestErrorKind,
                              RequestOutput, SamplingParams)
 from common.service_client import ServiceClient, ServiceDeadError, ServiceRequestError
+
+logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(ServiceDeadError):
@@ -26,6 +32,10 @@ class EngineRequestError(ServiceRequestError):
     """The engine refused or failed one request."""
 
 
+# Gets a request's outputs in order; an exception instead ends the request.
+Sink = Callable[[Union[RequestOutput, BaseException]], None]
+
+
 class EngineClient(ServiceClient):
     service = "engine"
     ready_type = Ready
@@ -34,22 +44,37 @@ class EngineClient(ServiceClient):
 
     def __init__(self, address: str, **kw) -> None:
         super().__init__(address, Codec(CLIENT_MESSAGES, ENGINE_MESSAGES), **kw)
-        self._streams: dict[str, asyncio.Queue] = {}
+        self._sinks: dict[str, Sink] = {}
+
+    def submit(self, request_id: str, prompt_token_ids: Sequence[int],
+               params: Optional[SamplingParams], sink: Sink) -> None:
+        """Submit a request: ``sink`` gets each of its outputs as the receive task
+        reads them, the last one with a finish_reason, or an exception (the engine
+        refused the request, or died) that ends it. Raises the dead error now if the
+        engine is known to be gone."""
+        self.check_alive()
+        if request_id in self._sinks:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        self._sinks[request_id] = sink
+        self._send_nowait(AddRequest(request_id=request_id,
+                                     prompt_token_ids=list(prompt_token_ids),
+                                     params=params or SamplingParams()))
+
+    def cancel(self, request_ids: Sequence[str]) -> None:
+        """Abort requests in the engine; their sinks get nothing more."""
+        for request_id in request_ids:
+            self._sinks.pop(request_id, None)
+        if self.dead_reason is None and request_ids and self.sock is not None:
+            self._send_nowait(AbortRequests(request_ids=list(request_ids)))
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
                        params: Optional[SamplingParams] = None) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs until it finishes. Leaving the loop
         early (or being cancelled) aborts the request in the engine."""
-        self.check_alive()
-        if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in flight")
         stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = stream
+        self.submit(request_id, prompt_token_ids, params, stream.put_nowait)
         finished = False
         try:
-            await self._send(AddRequest(request_id=request_id,
-                                        prompt_token_ids=list(prompt_token_ids),
-                                        params=params or SamplingParams()))
             while True:
                 item = await stream.get()
                 if isinstance(item, BaseException):
@@ -60,39 +85,41 @@ class EngineClient(ServiceClient):
                 if finished:
                     return
         finally:
-            if not finished and self._streams.pop(request_id, None) is not None:
-                await self.abort([request_id])
+            if not finished:
+                self.cancel([request_id])
 
     async def abort(self, request_ids: Sequence[str]) -> None:
-        for request_id in request_ids:
-            self._streams.pop(request_id, None)
-        if self.dead_reason is None and request_ids:
-            await self._send(AbortRequests(request_ids=list(request_ids)))
+        self.cancel(request_ids)
 
     def _dispatch(self, message: msgspec.Struct) -> None:
         if isinstance(message, OutputBatch):
-            streams = self._streams
+            sinks = self._sinks
             for out in message.outputs:
-                stream = streams.get(out.request_id)
-                if stream is not None:
-                    stream.put_nowait(out)
-                    if out.finish_reason is not None:
-                        del streams[out.request_id]
+                sink = sinks.get(out.request_id)
+                if sink is None:
+                    continue
+                if out.finish_reason is not None:
+                    del sinks[out.request_id]
+                try:
+                    sink(out)
+                except Exception:  # the receiver's bug: its request alone is dropped
+                    logger.exception("the receiver of %s failed; aborting it", out.request_id)
+                    self.cancel([out.request_id])
         elif isinstance(message, RequestError):
-            stream = self._streams.pop(message.request_id, None)
-            if stream is not None:
-                stream.put_nowait(EngineRequestError(message))
+            sink = self._sinks.pop(message.request_id, None)
+            if sink is not None:
+                sink(EngineRequestError(message))
 
     def _fail_pending(self, error: Exception) -> None:
-        streams, self._streams = self._streams, {}
-        for stream in streams.values():
-            stream.put_nowait(type(error)(str(error)))  # one instance per waiter
+        sinks, self._sinks = self._sinks, {}
+        for sink in sinks.values():
+            sink(type(error)(str(error)))  # one instance per waiter
 
     def _instance_id(self, ready: Ready) -> str:
         return ready.engine_id
 
     def _followed_ids(self) -> list[str]:
-        return list(self._streams)
+        return list(self._sinks)
 
 
 __all__ = ["EngineClient", "EngineDeadError", "EngineRequestError", "RequestErrorKind"]

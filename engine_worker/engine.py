@@ -19,6 +19,7 @@ from common.model_files import resolve_model_dir
 from common.protocol import (EngineStats, FinishReason, RequestOutput, SamplingParams,
                              TokenLogprobs)
 from common.structured import GrammarCompiler
+from common.validation import checked_prompt
 from engine_worker.block_manager import BlockManager
 from engine_worker.model_config import load_model_config
 from engine_worker.model_runner import ModelRunner, resolve_device, resolve_dtype
@@ -120,25 +121,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use",
                                       "request_id")
-        params.validate()
-        prompt = list(prompt_token_ids)
-        if params.truncate_prompt_tokens is not None:
-            prompt = prompt[-params.truncate_prompt_tokens:]
-        if not prompt:
-            raise InvalidRequestError("the prompt is empty; it needs at least one token",
-                                      "prompt")
-        self._check_token_ids(prompt, "prompt")
-        for name, ids in params.token_id_fields():
-            self._check_token_ids(ids, name)
+        prompt = checked_prompt(prompt_token_ids, params, self.vocab_size, self.max_model_len)
         room = self.max_model_len - len(prompt)
-        if params.max_tokens is not None and params.max_tokens > room:
-            raise InvalidRequestError(
-                f"the prompt ({len(prompt)} tokens) plus max_tokens ({params.max_tokens}) "
-                f"exceeds the model's context of {self.max_model_len} tokens", "max_tokens")
-        if room < 1:
-            raise InvalidRequestError(
-                f"the prompt ({len(prompt)} tokens) leaves no room to generate in the "
-                f"model's context of {self.max_model_len} tokens", "prompt")
         grammar = None
         if params.structured is not None:
             grammar = self.grammars.matcher(params.structured)  # InvalidRequestError
@@ -146,14 +130,6 @@ class LLMEngine:
                           self.eos_token_ids, grammar)
         self.requests[request_id] = request
         self.scheduler.add(request)
-
-    def _check_token_ids(self, token_ids: Sequence[int], param: str) -> None:
-        vocab = self.vocab_size
-        for token_id in token_ids:
-            if not isinstance(token_id, int) or not 0 <= token_id < vocab:
-                raise InvalidRequestError(
-                    f"{param} has token id {token_id!r} outside the vocabulary "
-                    f"[0, {vocab})", param)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
         """Stop requests and free their blocks. Returns the ids that were active."""

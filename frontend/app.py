@@ -23,10 +23,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common import faults
 from common.config import FrontendConfig
+from common.errors import InvalidRequestError
 from common.model_files import resolve_model_dir
 from common.protocol import ChatMessage
 from common.structured import GrammarCompiler
 from common.tokenizer import load_tokenizer
+from common.validation import check_token_ids
 from common.version import __version__
 from engine_worker.client import EngineClient
 from frontend.errors import APIError, from_validation_error
@@ -324,11 +326,10 @@ def create_app(config: FrontendConfig) -> FastAPI:
         pipe = pipeline()
         if body.model is not None:
             pipe.check_model(body.model)
-        vocab = pipe.tokenizer.get_vocab_size(True)
-        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise APIError(400, f"tokens has token id {bad} outside the vocabulary [0, {vocab})",
-                           param="tokens")
+        try:
+            check_token_ids(body.tokens, pipe.tokenizer.get_vocab_size(True), "tokens")
+        except InvalidRequestError as e:
+            raise APIError(400, e.message, param=e.param)
         return json_response({"prompt": pipe.tokenizer.decode(body.tokens,
                                                               skip_special_tokens=False)})
 

@@ -18,6 +18,7 @@ request ends (``finish``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -26,8 +27,9 @@ from typing import AsyncIterator, Optional, Sequence, Union
 
 from common.config import FrontendConfig
 from common.errors import InvalidRequestError
-from common.protocol import ChatMessage, FinishReason, Ready, SamplingParams
+from common.protocol import ChatMessage, FinishReason, Ready, RequestOutput, SamplingParams
 from common.structured import GrammarCompiler
+from common.validation import ContextLengthError, checked_prompt
 from engine_worker.client import EngineClient, EngineDeadError, EngineRequestError
 from frontend.admission import Admission, Ticket, estimate_tokens
 from frontend.choice import Choice, ChoiceFailed, Delta
@@ -75,7 +77,8 @@ class Job:
     engine_address: str = ""
     # Monotonic time by which it must be done (request_timeout_s), or None.
     deadline: Optional[float] = None
-    tasks: list[asyncio.Task] = field(default_factory=list)
+    # Every choice's deltas (or the error that ends the job), as they arrive.
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     done: bool = False
 
     def timing(self) -> dict:
@@ -291,61 +294,31 @@ class Pipeline:
                            code="tokenizer_unavailable", headers={"Retry-After": "1"})
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams, ready: Ready) -> list[int]:
-        """What the engine would refuse, refused here (400); returns the prompt as the
-        engine will see it (truncated if asked)."""
+        """What the engine would refuse, refused here (400; common/validation.py, which
+        the engine runs too); returns the prompt as the engine will see it."""
         try:
-            params.validate()
+            return checked_prompt(prompt_ids, params, ready.vocab_size, ready.max_model_len)
+        except ContextLengthError as e:
+            raise APIError(400, e.message, param=e.param, code="context_length_exceeded")
         except InvalidRequestError as e:
             raise APIError(400, e.message, param=e.param)
-        if params.truncate_prompt_tokens is not None:
-            prompt_ids = prompt_ids[-params.truncate_prompt_tokens:]
-        if not prompt_ids:
-            raise APIError(400, "the prompt is empty; it needs at least one token", param="prompt")
-        vocab = ready.vocab_size
-        for name, ids in (("prompt", prompt_ids), *params.token_id_fields()):
-            bad = next((t for t in ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise APIError(400, f"{name} has token id {bad} outside the vocabulary "
-                                    f"[0, {vocab})", param=name)
-        limit, n = ready.max_model_len, len(prompt_ids)
-        if params.max_tokens is not None and n + params.max_tokens > limit:
-            raise APIError(400, f"this model's maximum context length is {limit} tokens, but "
-                                f"the prompt has {n} tokens and max_tokens is "
-                                f"{params.max_tokens} ({n + params.max_tokens} in total)",
-                           param="max_tokens", code="context_length_exceeded")
-        if n >= limit:
-            raise APIError(400, f"this model's maximum context length is {limit} tokens, but "
-                                f"the prompt has {n} tokens, leaving no room to generate",
-                           param="prompt", code="context_length_exceeded")
-        return prompt_ids
 
     # -- running a job ---------------------------------------------------------
 
     async def deltas(self, job: Job) -> AsyncIterator[Delta]:
-        """Every choice's deltas, interleaved as they arrive, until all finish."""
+        """Every choice's deltas, interleaved as they arrive, until all finish. The
+        engine client hands each output to _on_output as it reads the step's frame:
+        no task per choice."""
         engine = job.engine
         assert engine is not None
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def run(choice: Choice, params: SamplingParams) -> None:
-            try:
-                async for out in engine.generate(choice.request_id, choice.prompt_token_ids,
-                                                 params):
-                    delta = choice.consume(out)
-                    queue.put_nowait(delta)
-                    if delta.finish_reason is not None:
-                        return  # leaving the loop aborts an engine request still running
-            except BaseException as e:  # handed to the consumer, which re-raises
-                queue.put_nowait(e)
-                if isinstance(e, asyncio.CancelledError):
-                    raise
-
-        job.tasks = [asyncio.create_task(run(c, p)) for c, p in zip(job.choices, job.params)]
+        for choice, params in zip(job.choices, job.params):
+            engine.submit(choice.request_id, choice.prompt_token_ids, params,
+                          functools.partial(self._on_output, job, choice))
         started = [False] * len(job.choices)
         remaining = len(job.choices)
         try:
             while remaining:
-                item = await self._next(queue, job)
+                item = await self._next(job.queue, job)
                 if isinstance(item, BaseException):
                     raise self._as_api_error(item)
                 if item.token_ids and not started[item.index]:
@@ -358,6 +331,25 @@ class Pipeline:
                 yield item
         finally:
             self.finish(job)
+
+    def _on_output(self, job: Job, choice: Choice,
+                   item: Union[RequestOutput, BaseException]) -> None:
+        """One engine output (or the error that ends the request) of one choice: into
+        a delta on the job's queue. A stop string that ends the choice before the
+        engine did aborts its engine request."""
+        if job.done:
+            return
+        if not isinstance(item, BaseException):
+            try:
+                delta = choice.consume(item)
+            except ChoiceFailed as e:
+                item = e
+            else:
+                if delta.finish_reason is not None and item.finish_reason is None:
+                    assert job.engine is not None
+                    job.engine.cancel([choice.request_id])
+                item = delta
+        job.queue.put_nowait(item)
 
     async def _next(self, queue: asyncio.Queue, job: Job):
         if job.deadline is None:
@@ -379,10 +371,10 @@ class Pipeline:
             return
         job.done = True
         self.num_jobs -= 1
-        for task in job.tasks:
-            task.cancel()  # each choice's stream then aborts its engine request
         job.ticket.release()
         if job.engine is not None:
+            # Engine requests still running (a client that left, an error, a deadline).
+            job.engine.cancel([c.request_id for c in job.choices if c.finish_reason is None])
             self.engines.release(job.engine)
             job.engine = None
         job.finished = time.monotonic()

@@ -144,9 +144,9 @@ def test_two_clients_at_once_get_only_their_own_outputs(shared_engine, tiny_llam
     assert [token_ids(got_a), token_ids(got_b)] == expected
 
 
-def test_an_id_in_use_is_refused_even_from_another_client(shared_engine):
-    a = RawClient(shared_engine.address, b"first")
-    b = RawClient(shared_engine.address, b"second")
+def test_an_id_in_use_is_refused_even_from_another_client(slow_engine):
+    a = RawClient(slow_engine.address, b"first")  # 20 ms a step: still running when b asks
+    b = RawClient(slow_engine.address, b"second")
     try:
         a.hello()
         b.hello()
@@ -230,8 +230,9 @@ def test_an_undecodable_request_gets_an_error_instead_of_silence(shared_engine):
 def test_a_client_that_stalled_past_its_timeout_is_told_its_requests_ended(engine_factory):
     """The client's event loop blocks for 2.5 s (no heartbeat) while the engine's client
     timeout is 1 s: the engine aborts its request, and once the client is back the
-    stream ends with the reason instead of staying open forever."""
-    engine = engine_factory("--client-timeout", "1")
+    stream ends with the reason instead of staying open forever. 20 ms a step: the
+    request is still running when the engine gives up on the client."""
+    engine = engine_factory("--client-timeout", "1", env={"ROSESERVE_FAULT_STEP_DELAY_S": "0.02"})
 
     async def main():
         client = await connect(engine.address)
