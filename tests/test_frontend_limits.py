@@ -180,7 +180,7 @@ def test_work_finished_despite_its_cancellation_is_handed_back_to_be_undone():
     a cancellation can be swallowed (asyncio.wait_for before 3.12), and the job it
     built (admission share, engine assignment) must still be finished. The soak found
     8 such jobs held forever in a minute of dropped connections."""
-    from frontend.app import ClientDisconnected, until_disconnected
+    from frontend.routes import ClientDisconnected, until_disconnected
 
     class Request:
         def __init__(self) -> None:
