@@ -138,6 +138,41 @@ class Pipeline:
         self.check_model(body.model)
         constraints, tool_plan = await self._constraints(body)
         n = body.num_generated()
+        ticket = self._admit(body, n, prompts, messages)
+        deadline = (None if self.config.request_timeout_s is None
+                    else received + self.config.request_timeout_s)
+        engine: Optional[EngineClient] = None
+        try:
+            token_prompts, tokenize_ms = await self._tokenize(
+                prompts, messages, add_generation_prompt, deadline, tools)
+            ticket.resize(n * sum(len(p) for p in token_prompts))
+            engine = self.engines.pick(token_prompts[0])
+            job = Job(request_id=f"{prefix}-{uuid.uuid4().hex}", created=int(time.time()),
+                      model=body.model, received=received, ticket=ticket,
+                      prompts=token_prompts, choices=[], params=[], n=n,
+                      tokenize_ms=tokenize_ms, num_logprobs=num_logprobs,
+                      include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                      return_token_ids=body.return_token_ids, engine_address=engine.address,
+                      deadline=deadline, keep=body.n if n > body.n else None,
+                      tool_plan=tool_plan, prompt_logprobs=body.prompt_logprobs is not None)
+            self._add_choices(job, body, engine, max_tokens, num_logprobs, constraints)
+            if getattr(body, "echo", False):
+                job.echo = [p if isinstance(p, str) and body.truncate_prompt_tokens is None
+                            else self.tokenizer.decode(ids, skip_special_tokens=False)
+                            for p, ids in zip(prompts, job.prompts)]
+            job.engine = engine
+            self.num_jobs += 1
+            return job
+        except BaseException:
+            ticket.release()
+            if engine is not None:
+                self.engines.release(engine)
+            raise
+
+    def _admit(self, body, n: int, prompts: Sequence[Union[str, list[int]]],
+               messages: Optional[list[ChatMessage]]) -> Ticket:
+        """The request's admission share: n x prompts engine requests, and their prompt
+        tokens as estimated before tokenizing. Raises APIError (400, 429)."""
         num_prompts = 1 if messages is not None else len(prompts)
         num_choices = num_prompts * n
         limit = self.config.max_choices_per_request
@@ -151,54 +186,30 @@ class Pipeline:
             estimate = sum(len(m.content) for m in messages) // 4 + 1
         else:
             estimate = sum(estimate_tokens(p) for p in prompts)
-        ticket = self.admission.admit(num_choices, n * estimate)
-        deadline = (None if self.config.request_timeout_s is None
-                    else received + self.config.request_timeout_s)
-        engine: Optional[EngineClient] = None
+        return self.admission.admit(num_choices, n * estimate)
+
+    def _add_choices(self, job: Job, body, engine: EngineClient, max_tokens: Optional[int],
+                     num_logprobs: Optional[int], constraints: dict) -> None:
+        """n choices per prompt, each checked against the engine's limits (engines
+        may differ)."""
+        ready = engine.ready
+        assert ready is not None
         # best_of ranks choices by their log probability: the engine must report it.
-        engine_logprobs = num_logprobs if n == body.n else (num_logprobs or 0)
-        try:
-            token_prompts, tokenize_ms = await self._tokenize(
-                prompts, messages, add_generation_prompt, deadline, tools)
-            ticket.resize(n * sum(len(p) for p in token_prompts))
-            engine = self.engines.pick(token_prompts[0])
-            ready = engine.ready  # its limits: engines may differ
-            assert ready is not None
-            job = Job(request_id=f"{prefix}-{uuid.uuid4().hex}", created=int(time.time()),
-                      model=body.model, received=received, ticket=ticket,
-                      prompts=token_prompts, choices=[], params=[], n=n,
-                      tokenize_ms=tokenize_ms, num_logprobs=num_logprobs,
-                      include_usage=bool(body.stream_options and body.stream_options.include_usage),
-                      return_token_ids=body.return_token_ids, engine_address=engine.address,
-                      deadline=deadline, keep=body.n if n > body.n else None,
-                      tool_plan=tool_plan, prompt_logprobs=body.prompt_logprobs is not None)
-            for p, prompt_ids in enumerate(token_prompts):
-                for j in range(n):
-                    index = p * n + j
-                    params = body.sampling_params(max_tokens, engine_logprobs, j, **constraints)
-                    prompt_ids = self._validate(prompt_ids, params, ready)
-                    job.params.append(params)
-                    job.choices.append(Choice(
-                        index=index, request_id=f"{job.request_id}-{index}",
-                        prompt_token_ids=prompt_ids,
-                        detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids,
-                                                           body.skip_special_tokens),
-                        stops=StopStringMatcher(body.stop_strings(),
-                                                body.include_stop_str_in_output),
-                        eos_token_ids=frozenset(ready.eos_token_ids)))
-                    job.prompts[p] = prompt_ids
-            if getattr(body, "echo", False):
-                job.echo = [p if isinstance(p, str) and body.truncate_prompt_tokens is None
-                            else self.tokenizer.decode(ids, skip_special_tokens=False)
-                            for p, ids in zip(prompts, job.prompts)]
-            job.engine = engine
-            self.num_jobs += 1
-            return job
-        except BaseException:
-            ticket.release()
-            if engine is not None:
-                self.engines.release(engine)
-            raise
+        engine_logprobs = num_logprobs if job.n == body.n else (num_logprobs or 0)
+        for p, prompt_ids in enumerate(job.prompts):
+            for j in range(job.n):
+                index = p * job.n + j
+                params = body.sampling_params(max_tokens, engine_logprobs, j, **constraints)
+                prompt_ids = self._validate(prompt_ids, params, ready)
+                job.params.append(params)
+                job.choices.append(Choice(
+                    index=index, request_id=f"{job.request_id}-{index}",
+                    prompt_token_ids=prompt_ids,
+                    detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids,
+                                                       body.skip_special_tokens),
+                    stops=StopStringMatcher(body.stop_strings(), body.include_stop_str_in_output),
+                    eos_token_ids=frozenset(ready.eos_token_ids)))
+                job.prompts[p] = prompt_ids
 
     async def _constraints(self, body) -> tuple[dict, Optional[ToolPlan]]:
         """The sampling fields the frontend works out (structured output, bad words'
