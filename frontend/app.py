@@ -129,7 +129,7 @@ def create_app(config: FrontendConfig) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         pipe = await start_pipeline(config, metrics)
-        metrics.watch(pipe)
+        metrics.watch(pipe.model_name, pipe.snapshot)
         app.state.pipeline = pipe
         yield
         for client in (*pipe.engines.clients, pipe.tokenizer_client):

@@ -17,13 +17,13 @@ tokenizer pool.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
-    from frontend.serving import Job, Pipeline
+    from frontend.serving import Job, PipelineSnapshot
 
 # vLLM's buckets, so that histogram_quantile over both gives comparable numbers.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -78,11 +78,11 @@ class Metrics:
                                 "Requests answered with an HTTP error, by status",
                                 ["status"], registry=self.registry)
 
-    def watch(self, pipe: "Pipeline") -> None:
-        """Export the live state of ``pipe`` at every scrape."""
-        self.model_name = pipe.model_name
-        self.engine_index = {e.address: str(i) for i, e in enumerate(pipe.engines.engines)}
-        self.registry.register(_StateCollector(pipe, self))
+    def watch(self, model_name: str, snapshot: Callable[[], "PipelineSnapshot"]) -> None:
+        """Export the pipeline's state, as ``snapshot()`` publishes it, at every scrape."""
+        self.model_name = model_name
+        self.engine_index = {e.address: str(i) for i, e in enumerate(snapshot().engines)}
+        self.registry.register(_StateCollector(snapshot, model_name))
 
     def record(self, job: "Job") -> None:
         """A finished job's counts and latencies."""
@@ -110,78 +110,75 @@ class Metrics:
 
 
 class _StateCollector:
-    def __init__(self, pipe: "Pipeline", metrics: Metrics) -> None:
-        self.pipe = pipe
-        self.metrics = metrics
+    def __init__(self, snapshot: Callable[[], "PipelineSnapshot"], model_name: str) -> None:
+        self.snapshot = snapshot
+        self.model_name = model_name
 
     def describe(self):
         return []
 
     def collect(self):
-        pipe = self.pipe
-        model = self.metrics.model_name
-
-        def family(kind, name, doc, labels=_LABELS):
-            return kind(name, doc, labels=labels)
-
-        running = family(GaugeMetricFamily, "vllm:num_requests_running",
-                         "Requests in the engine's batch (last heartbeat)")
-        waiting = family(GaugeMetricFamily, "vllm:num_requests_waiting",
-                         "Requests queued in the engine (last heartbeat)")
-        kv = family(GaugeMetricFamily, "vllm:kv_cache_usage_perc",
-                    "Fraction of the engine's KV blocks in use by requests (0-1)")
-        queries = family(CounterMetricFamily, "vllm:prefix_cache_queries",
-                         "Prompt tokens looked up in the engine's prefix cache")
-        hits = family(CounterMetricFamily, "vllm:prefix_cache_hits",
-                      "Of those, tokens served from it")
-        preemptions = family(CounterMetricFamily, "vllm:num_preemptions",
-                             "Requests the engine preempted (recomputed later)")
-        healthy = GaugeMetricFamily("roseserve_engine_healthy",
-                                    "1 when the engine is ready and answering", labels=["engine"])
-        load = GaugeMetricFamily("roseserve_engine_load",
-                                 "Requests assigned to the engine and not finished",
-                                 labels=["engine"])
-        routed = CounterMetricFamily("roseserve_engine_routed_requests",
-                                     "Requests routed to the engine, by why: for a prefix it "
-                                     "held, or by load", labels=["engine", "reason"])
-        blocks = GaugeMetricFamily("roseserve_engine_kv_blocks",
-                                   "The engine's KV blocks (last heartbeat): used by requests, "
-                                   "cached (free, holding a reusable prefix), free in all",
-                                   labels=["engine", "state"])
-        for i, e in enumerate(pipe.engines.engines):
-            healthy.add_metric([e.address], float(e.client.healthy))
-            load.add_metric([e.address], e.load)
-            routed.add_metric([e.address, "prefix"], e.num_prefix_routed)
-            routed.add_metric([e.address, "load"], e.num_routed - e.num_prefix_routed)
-            pong = e.client.last_pong
-            if pong is None:
-                continue
-            s, labels = pong.stats, [model, str(i)]
-            up = e.client.healthy  # a gone engine runs nothing
-            running.add_metric(labels, s.num_running if up else 0)
-            waiting.add_metric(labels, s.num_waiting if up else 0)
-            kv.add_metric(labels, s.num_blocks_used / max(1, s.num_blocks_total) if up else 0.0)
-            queries.add_metric(labels, s.prefix_cache_query_tokens)
-            hits.add_metric(labels, s.prefix_cache_hit_tokens)
-            preemptions.add_metric(labels, s.num_preemptions)
-            blocks.add_metric([e.address, "used"], s.num_blocks_used)
-            blocks.add_metric([e.address, "cached"], s.num_blocks_cached)
-            blocks.add_metric([e.address, "free"], s.num_blocks_free)
-        yield from (running, waiting, kv, queries, hits, preemptions, healthy, load, routed,
-                    blocks)
+        snap = self.snapshot()
+        yield from _engine_families(snap, self.model_name)
         yield GaugeMetricFamily("roseserve_requests_in_progress",
                                 "HTTP completion requests being served (admitted, not ended)",
-                                value=pipe.num_jobs)
+                                value=snap.num_jobs)
         yield GaugeMetricFamily("roseserve_admitted_requests",
                                 "Engine requests admitted here and not yet producing tokens",
-                                value=pipe.admission.requests)
+                                value=snap.admitted_requests)
         yield GaugeMetricFamily("roseserve_admitted_prompt_tokens",
                                 "Their prompt tokens (estimated until tokenized)",
-                                value=pipe.admission.tokens)
+                                value=snap.admitted_tokens)
         yield GaugeMetricFamily("roseserve_engines_healthy", "Engines answering",
-                                value=sum(e.client.healthy for e in pipe.engines.engines))
-        pool = pipe.tokenizer_client.last_pong
+                                value=sum(e.healthy for e in snap.engines))
         yield GaugeMetricFamily("roseserve_tokenizer_queue",
                                 "Tokenize jobs waiting or running in the pool",
-                                value=(pool.num_pending if pool else 0)
-                                + pipe.tokenizer_client.num_pending)
+                                value=snap.tokenizer_queue)
+
+
+def _engine_families(snap: "PipelineSnapshot", model: str) -> list:
+    """Per-engine gauges and counters: vLLM's names with (model_name, engine), and
+    roseserve's by address."""
+    def family(kind, name, doc, labels=_LABELS):
+        return kind(name, doc, labels=labels)
+
+    running = family(GaugeMetricFamily, "vllm:num_requests_running",
+                     "Requests in the engine's batch (last heartbeat)")
+    waiting = family(GaugeMetricFamily, "vllm:num_requests_waiting",
+                     "Requests queued in the engine (last heartbeat)")
+    kv = family(GaugeMetricFamily, "vllm:kv_cache_usage_perc",
+                "Fraction of the engine's KV blocks in use by requests (0-1)")
+    queries = family(CounterMetricFamily, "vllm:prefix_cache_queries",
+                     "Prompt tokens looked up in the engine's prefix cache")
+    hits = family(CounterMetricFamily, "vllm:prefix_cache_hits", "Of those, tokens served from it")
+    preemptions = family(CounterMetricFamily, "vllm:num_preemptions",
+                         "Requests the engine preempted (recomputed later)")
+    healthy = GaugeMetricFamily("roseserve_engine_healthy",
+                                "1 when the engine is ready and answering", labels=["engine"])
+    load = GaugeMetricFamily("roseserve_engine_load",
+                             "Requests assigned to the engine and not finished", labels=["engine"])
+    routed = CounterMetricFamily("roseserve_engine_routed_requests",
+                                 "Requests routed to the engine, by why: for a prefix it held, "
+                                 "or by load", labels=["engine", "reason"])
+    blocks = GaugeMetricFamily("roseserve_engine_kv_blocks",
+                               "The engine's KV blocks (last heartbeat): used by requests, "
+                               "cached (free, holding a reusable prefix), free in all",
+                               labels=["engine", "state"])
+    for i, e in enumerate(snap.engines):
+        healthy.add_metric([e.address], float(e.healthy))
+        load.add_metric([e.address], e.load)
+        routed.add_metric([e.address, "prefix"], e.num_prefix_routed)
+        routed.add_metric([e.address, "load"], e.num_routed - e.num_prefix_routed)
+        if e.stats is None:
+            continue
+        s, labels = e.stats, [model, str(i)]
+        running.add_metric(labels, s.num_running if e.healthy else 0)  # a gone engine runs nothing
+        waiting.add_metric(labels, s.num_waiting if e.healthy else 0)
+        kv.add_metric(labels, s.num_blocks_used / max(1, s.num_blocks_total) if e.healthy else 0.0)
+        queries.add_metric(labels, s.prefix_cache_query_tokens)
+        hits.add_metric(labels, s.prefix_cache_hit_tokens)
+        preemptions.add_metric(labels, s.num_preemptions)
+        blocks.add_metric([e.address, "used"], s.num_blocks_used)
+        blocks.add_metric([e.address, "cached"], s.num_blocks_cached)
+        blocks.add_metric([e.address, "free"], s.num_blocks_free)
+    return [running, waiting, kv, queries, hits, preemptions, healthy, load, routed, blocks]

@@ -27,7 +27,8 @@ from typing import AsyncIterator, Optional, Sequence, Union
 
 from common.config import FrontendConfig
 from common.errors import InvalidRequestError
-from common.protocol import ChatMessage, FinishReason, Ready, RequestOutput, SamplingParams
+from common.protocol import (ChatMessage, EngineStats, FinishReason, Ready, RequestOutput,
+                             SamplingParams)
 from common.structured import GrammarCompiler
 from common.validation import ContextLengthError, checked_prompt
 from engine_worker.client import EngineClient, EngineDeadError, EngineRequestError
@@ -98,6 +99,31 @@ class Job:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
 
+@dataclass(frozen=True)
+class EngineSnapshot:
+    address: str
+    healthy: bool
+    # Requests assigned and not finished; routed since start, and for a prefix it held.
+    load: int
+    num_routed: int
+    num_prefix_routed: int
+    # As of the engine's last heartbeat (None before the first).
+    stats: Optional[EngineStats]
+
+
+@dataclass(frozen=True)
+class PipelineSnapshot:
+    """What the pipeline publishes of its state (frontend/metrics.py reads this and
+    nothing else of the pipeline)."""
+
+    engines: list[EngineSnapshot]
+    num_jobs: int
+    admitted_requests: int
+    admitted_tokens: int
+    # Tokenize jobs waiting or running in the pool, and sent but not yet answered.
+    tokenizer_queue: int
+
+
 class Pipeline:
     def __init__(self, engines: EngineRouter, tokenizer_client: TokenizerClient, tokenizer,
                  metrics: Metrics, admission: Admission, model_names: Sequence[str],
@@ -120,6 +146,18 @@ class Pipeline:
         self.config = config
         # Jobs started and not finished (HTTP requests being served).
         self.num_jobs = 0
+
+    def snapshot(self) -> PipelineSnapshot:
+        pool = self.tokenizer_client.last_pong
+        return PipelineSnapshot(
+            engines=[EngineSnapshot(
+                address=e.address, healthy=e.client.healthy, load=e.load,
+                num_routed=e.num_routed, num_prefix_routed=e.num_prefix_routed,
+                stats=None if e.client.last_pong is None else e.client.last_pong.stats)
+                for e in self.engines.engines],
+            num_jobs=self.num_jobs, admitted_requests=self.admission.requests,
+            admitted_tokens=self.admission.tokens,
+            tokenizer_queue=(pool.num_pending if pool else 0) + self.tokenizer_client.num_pending)
 
     # -- building a job --------------------------------------------------------
 
