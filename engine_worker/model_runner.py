@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
@@ -114,9 +114,9 @@ class ModelRunner:
         logger.info("KV cache: %d blocks x %d tokens (%.0f MiB)", self.num_blocks,
                     cache.block_size, self.num_blocks * self._bytes_per_block() / 2**20)
 
-    def _backend(self, config: EngineConfig, kernels, max_seqs: int
-                 ) -> tuple[Union[TorchAttention, CpuAttention], object]:
-        """The attention backend and the elementwise ops, chosen once."""
+    def _backend(self, config: EngineConfig, kernels, max_seqs: int) -> tuple[object, object]:
+        """The attention backend (TorchAttention, CpuAttention or TritonAttention: one
+        interface, attention.py) and the elementwise ops, chosen once."""
         cfg = self.config
         args = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5)
         triton = config.attention_backend == "triton" or (
