@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import processes
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(2)
 # Without a GPU, Triton kernels run through Triton's interpreter on CPU tensors. Read
@@ -117,6 +119,42 @@ def default_model_dir() -> Path:
     from common.model_files import materialize_default_model
 
     return materialize_default_model()
+
+
+
+# -- engine worker processes (test_engine_worker.py, test_engine_protocol.py) --------
+
+@pytest.fixture
+def engine_factory(tmp_path, tiny_llama_dir):
+    procs = []
+
+    def start(*extra: str, name: str = "engine", env: dict | None = None):
+        proc = processes.engine(tiny_llama_dir, f"ipc://{tmp_path}/{name}.sock", *extra,
+                                env=env)
+        procs.append(proc)
+        return proc
+
+    yield start
+    for proc in procs:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_engine(tmp_path_factory, tiny_llama_dir):
+    path = tmp_path_factory.mktemp("shared-engine")
+    proc = processes.engine(tiny_llama_dir, f"ipc://{path}/engine.sock")
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture(scope="module")
+def slow_engine(tmp_path_factory, tiny_llama_dir):
+    """20 ms per step: 400 tokens take 8 s, so an abort that works is visible."""
+    path = tmp_path_factory.mktemp("slow-engine")
+    proc = processes.engine(tiny_llama_dir, f"ipc://{path}/engine.sock",
+                            env={"ROSESERVE_FAULT_STEP_DELAY_S": "0.02"})
+    yield proc
+    proc.stop()
 
 
 def pytest_collection_modifyitems(config, items):

@@ -8,62 +8,13 @@ import subprocess
 import sys
 import time
 
-import msgpack
 import pytest
 import zmq
 
-from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, PROTOCOL_VERSION, AbortRequests,
-                             AddRequest, Codec, Dead, FinishReason, Hello, Ping, Ready,
-                             RequestError)
-from engine_worker.client import EngineClient, EngineDeadError, EngineRequestError
-import processes
-from helpers import greedy, make_engine, random_prompts
-
-PROMPTS = random_prompts([3, 11, 26, 40], seed=21)
-
-
-@pytest.fixture
-def engine_factory(tmp_path, tiny_llama_dir):
-    procs = []
-
-    def start(*extra: str, name: str = "engine", env: dict | None = None):
-        proc = processes.engine(tiny_llama_dir, f"ipc://{tmp_path}/{name}.sock", *extra,
-                                env=env)
-        procs.append(proc)
-        return proc
-
-    yield start
-    for proc in procs:
-        proc.stop()
-
-
-@pytest.fixture(scope="module")
-def shared_engine(tmp_path_factory, tiny_llama_dir):
-    path = tmp_path_factory.mktemp("shared-engine")
-    proc = processes.engine(tiny_llama_dir, f"ipc://{path}/engine.sock")
-    yield proc
-    proc.stop()
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 120))
-
-
-async def connect(address: str, **kw) -> EngineClient:
-    client = EngineClient(address, **kw)
-    await client.start(timeout_s=60)
-    return client
-
-
-async def collect(client: EngineClient, request_id: str, prompt, params):
-    outs = []
-    async for out in client.generate(request_id, prompt, params):
-        outs.append(out)
-    return outs
-
-
-def token_ids(outs):
-    return [t for o in outs for t in o.new_token_ids]
+from common.protocol import CLIENT_MESSAGES, ENGINE_MESSAGES, AddRequest, Codec, FinishReason
+from engine_worker.client import EngineDeadError, EngineRequestError
+from engine_worker_helpers import PROMPTS, collect, connect, run, token_ids, wait_idle
+from helpers import greedy, make_engine
 
 
 def test_outputs_equal_the_in_process_engine(shared_engine, tiny_llama_dir):
@@ -84,25 +35,6 @@ def test_outputs_equal_the_in_process_engine(shared_engine, tiny_llama_dir):
         assert outs[0].queue_ms is not None and outs[0].prefill_ms is not None
 
 
-@pytest.fixture(scope="module")
-def slow_engine(tmp_path_factory, tiny_llama_dir):
-    """20 ms per step: 400 tokens take 8 s, so an abort that works is visible."""
-    path = tmp_path_factory.mktemp("slow-engine")
-    proc = processes.engine(tiny_llama_dir, f"ipc://{path}/engine.sock",
-                            env={"ROSESERVE_FAULT_STEP_DELAY_S": "0.02"})
-    yield proc
-    proc.stop()
-
-
-async def wait_idle(client: EngineClient, timeout_s: float = 15.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = (await client.ping()).stats
-        if (stats.num_running == 0 and stats.num_waiting == 0) or time.monotonic() > deadline:
-            return stats
-        await asyncio.sleep(0.05)
-
-
 def test_abort_mid_generation_stops_it_and_frees_blocks(slow_engine):
     async def main():
         client = await connect(slow_engine.address)
@@ -121,110 +53,6 @@ def test_abort_mid_generation_stops_it_and_frees_blocks(slow_engine):
     assert generated < 30  # 5 read, a few more in flight; never the 400 asked for
     assert stats.num_blocks_used == 0
     assert stats.num_blocks_free == stats.num_blocks_total
-
-
-def test_two_clients_at_once_get_only_their_own_outputs(shared_engine, tiny_llama_dir):
-    """Read on raw sockets: a client library drops outputs of ids it does not follow,
-    which would hide an engine that sent every output to every client."""
-    expected = make_engine(tiny_llama_dir).generate(PROMPTS[:2], greedy(8))
-    a = RawClient(shared_engine.address, b"client-a")
-    b = RawClient(shared_engine.address, b"client-b")
-    try:
-        a.hello()
-        b.hello()
-        a.send(AddRequest(request_id="from-a", prompt_token_ids=PROMPTS[0], params=greedy(8)))
-        b.send(AddRequest(request_id="from-b", prompt_token_ids=PROMPTS[1], params=greedy(8)))
-        got_a, got_b = a.until_finished("from-a"), b.until_finished("from-b")
-        got_a += a.outputs(0.5)  # anything else sent to a
-    finally:
-        a.close()
-        b.close()
-    assert {o.request_id for o in got_a} == {"from-a"}
-    assert {o.request_id for o in got_b} == {"from-b"}
-    assert [token_ids(got_a), token_ids(got_b)] == expected
-
-
-def test_an_id_in_use_is_refused_even_from_another_client(slow_engine):
-    a = RawClient(slow_engine.address, b"first")  # 20 ms a step: still running when b asks
-    b = RawClient(slow_engine.address, b"second")
-    try:
-        a.hello()
-        b.hello()
-        a.send(AddRequest(request_id="shared-id", prompt_token_ids=PROMPTS[0],
-                          params=greedy(400)))
-        a.receive(0.3)
-        b.send(AddRequest(request_id="shared-id", prompt_token_ids=PROMPTS[1], params=greedy(2)))
-        errors = [m for m in b.receive(5, until=lambda m: isinstance(m, RequestError))
-                  if isinstance(m, RequestError)]
-        a.send(AbortRequests(request_ids=["shared-id"]))
-        first = a.outputs(1.0)
-        assert a.stats().num_running == 0
-    finally:
-        a.close()
-        b.close()
-    assert [e.message for e in errors] == ["request_id 'shared-id' is already in use"]
-    # The first client's request ran on undisturbed until it aborted it.
-    assert first and all(o.error is None for o in first)
-
-
-def test_a_client_of_another_protocol_version_is_refused(shared_engine):
-    raw = RawClient(shared_engine.address, b"old-frontend")
-    try:
-        raw.send(Hello(client_id="old-frontend"))  # no version: an older release
-        replies = raw.receive(120, until=lambda m: isinstance(m, (Dead, Ready)))
-    finally:
-        raw.close()
-    assert isinstance(replies[-1], Dead)
-    assert replies[-1].reason == (
-        f"protocol version mismatch: the client speaks version 0, this process version "
-        f"{PROTOCOL_VERSION}; run the same roseserve release on both")
-
-
-def test_an_engine_of_another_protocol_version_is_refused(tmp_path):
-    """A fake engine answering Hello with a Ready of version 0: start() fails at once,
-    naming both versions."""
-    ctx = zmq.Context()
-    router = ctx.socket(zmq.ROUTER)
-    address = f"ipc://{tmp_path}/old-engine.sock"
-    router.bind(address)
-    codec = Codec(ENGINE_MESSAGES, CLIENT_MESSAGES)
-    ready = Ready(engine_id="old", model_name="m", max_model_len=8, vocab_size=8,
-                  num_kv_blocks=1, block_size=1, eos_token_ids=[])
-
-    async def main():
-        client = EngineClient(address)
-        start = asyncio.create_task(client.start(timeout_s=30))
-        identity, *frames = await asyncio.to_thread(router.recv_multipart)
-        assert isinstance(codec.decode(frames), Hello)
-        router.send_multipart([identity, *codec.encode(ready)])
-        t0 = time.monotonic()
-        with pytest.raises(EngineDeadError) as info:
-            await start
-        return str(info.value), time.monotonic() - t0
-
-    try:
-        message, waited = run(main())
-    finally:
-        router.close(0)
-        ctx.term()
-    assert message == (f"protocol version mismatch: the engine speaks version 0, this process "
-                       f"version {PROTOCOL_VERSION}; run the same roseserve release on both")
-    assert waited < 5
-
-
-def test_an_undecodable_request_gets_an_error_instead_of_silence(shared_engine):
-    raw = RawClient(shared_engine.address, b"sloppy")
-    try:
-        raw.hello()
-        raw.sock.send_multipart([b"\x02", msgpack.packb({
-            "request_id": "bad-params", "prompt_token_ids": [1, 2],
-            "params": {"max_tokens": "many"}})])
-        replies = raw.receive(3, until=lambda m: isinstance(m, RequestError))
-    finally:
-        raw.close()
-    assert replies and replies[-1].request_id == "bad-params"
-    assert replies[-1].message.startswith("undecodable request: bad AddRequest payload")
-    assert "max_tokens" in replies[-1].message
 
 
 def test_a_client_that_stalled_past_its_timeout_is_told_its_requests_ended(engine_factory):
@@ -429,80 +257,6 @@ def test_pings_are_answered_during_a_step_longer_than_the_heartbeat_timeout(engi
     assert len(token_ids(outs)) == 2 and healthy
 
 
-class RawClient:
-    """A DEALER speaking the protocol by hand."""
-
-    def __init__(self, address: str, identity: bytes) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.IDENTITY, identity)
-        self.sock.connect(address)
-        self.codec = Codec(CLIENT_MESSAGES, ENGINE_MESSAGES)
-
-    def send(self, message) -> None:
-        self.sock.send_multipart(self.codec.encode(message))
-
-    def receive(self, seconds: float, until=None) -> list:
-        """Messages arriving within ``seconds``; stops early at one ``until`` accepts."""
-        out = []
-        deadline = time.monotonic() + seconds
-        while (left := deadline - time.monotonic()) > 0 and self.sock.poll(int(left * 1000)):
-            out.append(self.codec.decode(self.sock.recv_multipart()))
-            if until is not None and until(out[-1]):
-                break
-        return out
-
-    def outputs(self, seconds: float) -> list:
-        return [o for m in self.receive(seconds) if hasattr(m, "outputs") for o in m.outputs]
-
-    def hello(self, seconds: float = 120) -> None:
-        """Say Hello and wait for Ready (the engine may still be loading)."""
-        self.send(Hello(client_id=self.sock.getsockopt(zmq.IDENTITY).decode(),
-                        protocol_version=PROTOCOL_VERSION))
-        assert isinstance(self.receive(seconds, until=lambda m: isinstance(m, Ready))[-1], Ready)
-
-    def until_finished(self, request_id: str, seconds: float = 60) -> list:
-        """Outputs until request_id's last one."""
-        outs = []
-        for m in self.receive(seconds, until=lambda m: any(
-                o.request_id == request_id and o.finish_reason is not None
-                for o in getattr(m, "outputs", []))):
-            outs += getattr(m, "outputs", [])
-        return outs
-
-    def stats(self):
-        self.send(Ping(nonce=1))
-        return self.receive(5, until=lambda m: hasattr(m, "stats"))[-1].stats
-
-    def close(self) -> None:
-        self.sock.close(0)
-        self.ctx.term()
-
-
-def test_hello_reconciles_the_requests_a_client_follows(slow_engine):
-    raw = RawClient(slow_engine.address, b"reconciler")
-    try:
-        raw.hello()
-        for name in ("keep", "drop"):
-            raw.send(AddRequest(request_id=name, prompt_token_ids=PROMPTS[0], params=greedy(400)))
-        raw.receive(1.0)
-        assert raw.stats().num_running == 2
-        raw.send(Hello(client_id="reconciler", request_ids=["keep"],
-                       protocol_version=PROTOCOL_VERSION))
-        ended = [o for m in raw.receive(0.5) if hasattr(m, "outputs") for o in m.outputs
-                 if o.request_id == "drop" and o.finish_reason is not None]
-        # "drop" was aborted, and said so; "keep" goes on.
-        assert [(o.finish_reason, o.error) for o in ended] == [
-            (FinishReason.ABORT, "the client no longer follows this request")]
-        assert raw.stats().num_running == 1
-        assert {o.request_id for o in raw.outputs(0.5)} == {"keep"}
-        raw.send(AbortRequests(request_ids=["keep"]))
-        raw.receive(0.5)
-        assert raw.stats().num_running == 0
-    finally:
-        raw.close()
-
-
 def test_a_client_that_gave_up_during_a_stall_has_its_requests_aborted(engine_factory):
     """The loop hangs for 3 s inside step 5; the client gives up on the engine after
     0.5 s, failing its request. When the loop is back, the client's Hello lists
@@ -528,38 +282,6 @@ def test_a_client_that_gave_up_during_a_stall_has_its_requests_aborted(engine_fa
     assert stats.num_running == 0 and stats.num_blocks_used == 0
     assert stats.num_generated_tokens < 30  # not the 400 the victim asked for
     assert len(token_ids(after)) == 3
-
-
-def test_bad_frames_are_counted_and_an_oversized_one_costs_only_its_connection(
-        engine_factory):
-    engine = engine_factory("--max-frame-bytes", "4096")
-    raw = RawClient(engine.address, b"fuzzer")
-    other = RawClient(engine.address, b"bystander")
-    try:
-        before = other.stats()
-        for frames in ([b"junk"], [b"\x02", b"\xc1"], [b"\x63", b"\x80"],
-                       [b"\x02", b"\x81\xa1x\x01"], [b"", b"", b""],
-                       [b"\x02", msgpack.packb({"request_id": 5})],
-                       [b"\x02", msgpack.packb({"request_id": "t", "prompt_token_ids": [1, 2],
-                                                 "params": {"max_tokens": "many"}})],
-                       [b"\x02", AddRequest(request_id="t", prompt_token_ids=[1] * 50,
-                                             params=greedy(2)).__class__.__name__.encode()]):
-            raw.sock.send_multipart(frames)
-        raw.sock.send_multipart([b"\x02", b"\x00" * 10_000])  # over the 4096-byte limit
-        time.sleep(1.0)
-        stats = other.stats()
-        assert stats.num_frames_dropped - before.num_frames_dropped == 8
-        assert stats.num_disconnects - before.num_disconnects >= 1
-        # The fuzzer's connection comes back by itself and works; so does the other's.
-        raw.send(Hello(client_id="fuzzer", protocol_version=PROTOCOL_VERSION))
-        raw.send(AddRequest(request_id="after", prompt_token_ids=[5, 6], params=greedy(2)))
-        other.send(AddRequest(request_id="other", prompt_token_ids=[7, 8], params=greedy(2)))
-        assert sum(len(o.new_token_ids) for o in raw.outputs(3)) == 2
-        assert sum(len(o.new_token_ids) for o in other.outputs(3)) == 2
-        assert engine.proc.poll() is None
-    finally:
-        raw.close()
-        other.close()
 
 
 def test_a_request_that_fails_in_the_engine_fails_alone(engine_factory, tiny_llama_dir):
