@@ -84,12 +84,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def make_prompts(args, vocab_size: int) -> list[list[int]]:
-    rng = random.Random(args.seed)
+def random_prompts(num: int, length: int, vocab_size: int, seed: int,
+                   shared_prefix: int = 0) -> list[list[int]]:
+    """``num`` prompts of ``length`` random token ids, the first ``shared_prefix`` of
+    them common to all."""
+    rng = random.Random(seed)
     # Avoid the lowest ids, which are special tokens in most vocabularies.
     draw = lambda n: [rng.randrange(100, vocab_size) for _ in range(n)]  # noqa: E731
-    prefix = draw(min(args.shared_prefix, args.input_len))
-    return [prefix + draw(args.input_len - len(prefix)) for _ in range(args.num_requests)]
+    prefix = draw(min(shared_prefix, length))
+    return [prefix + draw(length - len(prefix)) for _ in range(num)]
+
+
+def make_prompts(args, vocab_size: int) -> list[list[int]]:
+    return random_prompts(args.num_requests, args.input_len, vocab_size, args.seed,
+                          args.shared_prefix)
 
 
 def matmul_flops(seconds: float = 1.0) -> float:

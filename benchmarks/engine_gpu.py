@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import sys
 import time
@@ -36,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from benchmarks.engine import random_prompts, run_engine  # noqa: E402
 from common.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from common.protocol import SamplingParams  # noqa: E402
 
@@ -98,27 +98,6 @@ def gemm_rate(model, dtype: torch.dtype, device: torch.device, rows: int) -> flo
     x = {k: torch.randn(rows, k, dtype=dtype, device=device) for _, k in shapes}
     w = [torch.randn(n, k, dtype=dtype, device=device) for n, k in shapes]
     return flops / timed(lambda: [x[m.shape[1]] @ m.T for m in w], device)
-
-
-def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
-
-
-def run_engine(engine, prompts, output_len: int) -> dict:
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    sync(engine.device)
-    start = time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"bench-{time.monotonic_ns()}-{i}", prompt, params)
-    generated, batches = 0, []
-    while engine.has_unfinished_requests():
-        outputs = engine.step()
-        generated += sum(len(o.new_token_ids) for o in outputs)
-        batches.append(len(outputs))
-    elapsed = time.perf_counter() - start
-    return {"seconds": elapsed, "output_tokens": generated, "tokens_per_s": generated / elapsed,
-            "steps": len(batches)}
 
 
 def ttft(engine, prompt: list[int]) -> float:
@@ -239,9 +218,9 @@ def main(argv=None) -> int:
               "output_len": args.output_len, "cuda_graphs": runner.graphs is not None,
               "bandwidth_bytes_per_s": bandwidth, "gemm_flops_per_s": rate,
               "tokens_per_s": {}, "floor_fraction": {}, "hf_tokens_per_s": {}, "runs": {}}
-    run_engine(engine, make_prompts(2, args.input_len, cfg.vocab_size, args.seed + 99), 4)
+    run_engine(engine, random_prompts(2, args.input_len, cfg.vocab_size, args.seed + 99), 4)
     for c in concurrencies:
-        prompts = make_prompts(c, args.input_len, cfg.vocab_size, args.seed + c)
+        prompts = random_prompts(c, args.input_len, cfg.vocab_size, args.seed + c)
         result = run_engine(engine, prompts, args.output_len)
         floor = run_floor(cfg, weight_bytes, kv_bytes_per_token, c, args.input_len,
                           args.output_len, budget, bandwidth, rate)
@@ -252,7 +231,7 @@ def main(argv=None) -> int:
               f"({result['seconds']:.2f} s, floor {floor:.2f} s: "
               f"{floor / result['seconds']:.0%} of it)", flush=True)
     report["ttft_ms_one_stream"] = 1e3 * ttft(
-        engine, make_prompts(1, args.input_len, cfg.vocab_size, args.seed + 7)[0])
+        engine, random_prompts(1, args.input_len, cfg.vocab_size, args.seed + 7)[0])
     print(f"TTFT at one stream ({args.input_len}-token prompt): "
           f"{report['ttft_ms_one_stream']:.2f} ms", flush=True)
 
@@ -260,7 +239,7 @@ def main(argv=None) -> int:
     if hf_batches:
         hf = hf_model_with_engine_weights(engine)
         for b in hf_batches:
-            prompts = make_prompts(b, args.input_len, cfg.vocab_size, args.seed + b)
+            prompts = random_prompts(b, args.input_len, cfg.vocab_size, args.seed + b)
             run_hf(hf, prompts[:1], 4, device)  # warm-up
             result = run_hf(hf, prompts, args.output_len, device)
             report["hf_tokens_per_s"][str(b)] = result["tokens_per_s"]

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import statistics
 import sys
 import time
@@ -30,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import httpx  # noqa: E402
 import psutil  # noqa: E402
 
+from benchmarks.engine import random_prompts, run_engine  # noqa: E402
 from benchmarks.stack import Stack, cpu_model  # noqa: E402
 from common.config import EngineConfig  # noqa: E402
-from common.protocol import SamplingParams  # noqa: E402
 
 FORMAT_FLAGS = {"float32": [], "bfloat16": ["--dtype", "bfloat16"],
                 "int8": ["--quantization", "int8"]}
@@ -54,22 +53,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def prompts_for(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(100, vocab) for _ in range(length)] for _ in range(n)]
-
-
 def in_process(engine, prompts: list[list[int]], output_len: int) -> float:
-    """Output tokens/s of the in-process engine on the workload."""
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    """Output tokens/s of the in-process engine on the workload (a cold prefix cache)."""
     engine.block_manager.reset_prefix_cache()
-    start = time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"in-process-{time.monotonic_ns()}-{i}", prompt, params)
-    generated = 0
-    while engine.has_unfinished_requests():
-        generated += sum(len(o.new_token_ids) for o in engine.step())
-    return generated / (time.perf_counter() - start)
+    return run_engine(engine, prompts, output_len)["tokens_per_s"]
 
 
 async def over_http(url: str, model: str, prompts: list[list[int]], output_len: int
@@ -119,14 +106,14 @@ def measure_format(fmt: str, args, concurrencies: list[int]) -> dict:
             model=model, device="cpu", num_threads=args.threads,
             quantization="int8" if fmt == "int8" else None,
             dtype="bfloat16" if fmt == "bfloat16" else "auto"))
-        warm = prompts_for(2, args.input_len, vocab, 0)
+        warm = random_prompts(2, args.input_len, vocab, 0)
         in_process(engine, warm, 4)
         asyncio.run(over_http(stack.url, "frontend-bench", warm, 4))
         rows = {}
         for c in concurrencies:
             ratios, cpu_per_token, local_rates, http_rates = [], [], [], []
             for r in range(args.repeats):
-                prompts = prompts_for(c, args.input_len, vocab, 1000 * c + r)
+                prompts = random_prompts(c, args.input_len, vocab, 1000 * c + r)
                 local = in_process(engine, prompts, args.output_len)
                 before = cpu_seconds(frontend)
                 remote, tokens = asyncio.run(over_http(stack.url, "frontend-bench", prompts,

@@ -77,16 +77,15 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     kv_cache[1].view(-1, h_kv, d).index_copy_(0, slot_mapping, v)
 
 
-class TorchAttention:
-    """The reference backend. One instance serves every layer (they share head counts
-    and scale)."""
+class AttentionBackend:
+    """The interface every backend implements. One instance serves every layer (they
+    share head counts and scale)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
-        self.gqa = num_heads != num_kv_heads
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -94,6 +93,20 @@ class TorchAttention:
         -> (N, Hq * D)."""
         write_kv(kv_cache, k, v, meta.slot_mapping)
         return self.attend(q, k, v, kv_cache, meta)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention for keys and values already in the cache (k and v are the step's
+        own) -> (N, Hq * D)."""
+        raise NotImplementedError
+
+
+class TorchAttention(AttentionBackend):
+    """The reference backend."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+        self.gqa = num_heads != num_kv_heads
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

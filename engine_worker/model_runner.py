@@ -23,7 +23,8 @@ from typing import Optional
 import torch
 
 from common.config import EngineConfig, SchedulerConfig
-from engine_worker.attention import CpuAttention, TorchAttention, kv_cache_shape
+from engine_worker.attention import (AttentionBackend, CpuAttention, TorchAttention,
+                                     kv_cache_shape)
 from engine_worker.kernels import FusedLlama
 from engine_worker.kernels import cpu_kernels as load_cpu_kernels
 from engine_worker.model_config import ModelConfig
@@ -81,6 +82,9 @@ class ModelRunner:
         self.dtype = dtype
         max_seqs = max(scheduler.decode_batch_size, scheduler.prefill_batch_size)
         self.attn, ops = self._backend(config, kernels, max_seqs)
+        # Multiprocessors the split decode attention fills (read once: not per step).
+        self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
+                        if device.type == "cuda" else 1)
         self.model = load_model(model_config, model_dir, device, dtype, self.attn, ops,
                                 kernels, self.weight_format, config.load_format, config.seed)
         if self.weight_format != "float32":
@@ -114,9 +118,10 @@ class ModelRunner:
         logger.info("KV cache: %d blocks x %d tokens (%.0f MiB)", self.num_blocks,
                     cache.block_size, self.num_blocks * self._bytes_per_block() / 2**20)
 
-    def _backend(self, config: EngineConfig, kernels, max_seqs: int) -> tuple[object, object]:
-        """The attention backend (TorchAttention, CpuAttention or TritonAttention: one
-        interface, attention.py) and the elementwise ops, chosen once."""
+    def _backend(self, config: EngineConfig, kernels, max_seqs: int
+                 ) -> tuple[AttentionBackend, object]:
+        """The attention backend (TorchAttention, CpuAttention or TritonAttention) and
+        the elementwise ops, chosen once."""
         cfg = self.config
         args = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5)
         triton = config.attention_backend == "triton" or (
@@ -211,28 +216,22 @@ class ModelRunner:
     def make_graph_runner(self, max_batch: int, capture):
         """A GraphRunner over this runner's model and buffers (capture: CUDA graphs,
         or an eager stand-in in tests)."""
-        from engine_worker.gpu.attention import num_splits
         from engine_worker.gpu.graphs import GraphRunner
-
-        cfg = self.config
-        sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
-               if self.device.type == "cuda" else 1)
 
         def step(input_ids, positions, meta) -> torch.Tensor:
             with torch.inference_mode():
                 return self.model.compute_logits(
                     self.model(input_ids, positions, self.kv_caches, meta))
-        max_batch = min(max_batch, self.inputs.max_seqs)
-        return GraphRunner(step, self.inputs, max_batch,
-                           lambda b: num_splits(b, cfg.num_kv_heads, sms), capture)
+        return GraphRunner(step, self.inputs, min(max_batch, self.inputs.max_seqs),
+                           self._splits, capture)
 
     def _splits(self, num_decode: int) -> int:
-        if self.device.type != "cuda" or not hasattr(self.attn, "tile_tokens"):
-            return 1
-        from engine_worker.gpu.attention import num_splits
+        """Programs each decode row's context is split over (Triton attention only)."""
+        if hasattr(self.attn, "tile_tokens"):  # TritonAttention
+            from engine_worker.gpu.attention import num_splits
 
-        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        return num_splits(num_decode, self.config.num_kv_heads, sms)
+            return num_splits(num_decode, self.config.num_kv_heads, self.num_sms)
+        return 1
 
     @torch.inference_mode()
     def forward(self, scheduled: list[ScheduledRequest]) -> Optional[torch.Tensor]:

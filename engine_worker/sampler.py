@@ -110,11 +110,7 @@ class Sampler:
             self.apply_grammars(logits, [requests[i] for i in constrained], constrained,
                                 errors)
 
-        # Validity of every row after its processing: NaN and +inf propagate through
-        # the maximum; all -inf leaves nothing to choose.
-        row_max = logits.amax(dim=-1)
-        codes = torch.where(torch.isnan(row_max), 1, torch.where(
-            row_max == float("inf"), 2, torch.where(row_max == float("-inf"), 3, 0)))
+        codes = _row_codes(logits)  # every row, after its processing
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
         sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
         if len(greedy) == n:
@@ -183,10 +179,7 @@ class Sampler:
             logits = apply_top_k(logits, [p.top_k for p in params])
         if any(p.top_p < 1.0 for p in params):
             logits = apply_top_p(logits, [p.top_p for p in params])
-        row_max = logits.amax(dim=-1)
-        # Dividing by a temperature can overflow a finite logit to inf.
-        codes = torch.where(torch.isnan(row_max), 1, torch.where(
-            row_max == float("inf"), 2, torch.where(row_max == float("-inf"), 3, 0)))
+        codes = _row_codes(logits)  # a temperature can overflow a finite logit to inf
         probs = torch.softmax(logits, dim=-1)
         if any(p.min_p > 0.0 for p in params):
             probs = apply_min_p(probs, [p.min_p for p in params])
@@ -205,6 +198,14 @@ class Sampler:
         cut = apply_top_p(apply_top_k(logits, [logits.shape[1] // 2] * rows), [0.9] * rows)
         probs = apply_min_p(torch.softmax(cut, dim=-1), [0.05] * rows)
         (probs / torch.empty_like(probs).exponential_(generator=self.generator)).argmax(-1)
+
+
+def _row_codes(logits: torch.Tensor) -> torch.Tensor:
+    """(S,) validity code of each row (_ROW_ERRORS; 0: fine). NaN and +inf propagate
+    through the maximum; all -inf leaves nothing to choose."""
+    row_max = logits.amax(dim=-1)
+    return torch.where(torch.isnan(row_max), 1, torch.where(
+        row_max == float("inf"), 2, torch.where(row_max == float("-inf"), 3, 0)))
 
 
 def exponential_race(probs: torch.Tensor, requests: Sequence[Request],

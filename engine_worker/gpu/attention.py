@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine_worker.attention import AttentionBackend, AttentionMetadata
+
 # tl.dot needs at least 16 rows.
 MIN_ROWS = 16
 MAX_SPLITS = 16
@@ -255,31 +257,21 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return out
 
 
-class TritonAttention:
-    """The attention backend of the CUDA engine (engine_worker/attention.py's
-    interface): paged_attention for every sequence of the step."""
+class TritonAttention(AttentionBackend):
+    """The attention backend of the CUDA engine: paged_attention for every sequence of
+    the step."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  max_decode_rows: int, device: torch.device) -> None:
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.scale = scale
+        super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self.split_buffers = SplitBuffers.allocate(max_decode_rows, num_heads, head_dim, device)
 
     @property
     def tile_tokens(self) -> int:
         return chunk_block_q(self.num_heads // self.num_kv_heads, self.head_dim)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta) -> torch.Tensor:
-        from engine_worker.attention import write_kv
-
-        write_kv(kv_cache, k, v, meta.slot_mapping)
-        return self.attend(q, k, v, kv_cache, meta)
-
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               kv_cache: torch.Tensor, meta) -> torch.Tensor:
+               kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q (N, Hq, D) -> (N, Hq * D); k and v are already in the cache."""
         n = q.shape[0]
         out = q.new_empty(n, self.num_heads, self.head_dim)

@@ -8,7 +8,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
-from engine_worker.attention import TorchAttention
+from engine_worker.attention import AttentionBackend
 from engine_worker.kernels import CpuKernels
 from engine_worker.model_config import ModelConfig
 from engine_worker.models.gpt2 import GPT2Model
@@ -16,12 +16,10 @@ from engine_worker.models.llama import LlamaModel, Ops
 from engine_worker.weights import Checkpoint
 
 Model = Union[LlamaModel, GPT2Model]
-# An attention backend (engine_worker/attention.py's interface).
-Attention = TorchAttention
 
 
 def load_model(cfg: ModelConfig, model_dir: Path, device: torch.device,
-               dtype: torch.dtype, attn: Attention, ops: Ops,
+               dtype: torch.dtype, attn: AttentionBackend, ops: Ops,
                kernels: Optional[CpuKernels] = None, weight_format: str = "float32",
                load_format: str = "auto", seed: int = 0) -> Model:
     """Build the model for ``cfg`` on ``device`` and copy the checkpoint in (or, with

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_worker.attention import AttentionMetadata, TorchAttention
+from engine_worker.attention import AttentionBackend, AttentionMetadata
 from engine_worker.model_config import ModelConfig
 from engine_worker.weights import Checkpoint
 
@@ -30,7 +30,7 @@ def _layer_norm(size: int, eps: float) -> nn.LayerNorm:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn: TorchAttention) -> None:
+    def __init__(self, cfg: ModelConfig, attn: AttentionBackend) -> None:
         super().__init__()
         c = cfg.hidden_size
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
@@ -54,7 +54,7 @@ class Block(nn.Module):
 
 
 class GPT2Model(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn: TorchAttention) -> None:
+    def __init__(self, cfg: ModelConfig, attn: AttentionBackend) -> None:
         super().__init__()
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)

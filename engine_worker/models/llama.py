@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_worker.attention import AttentionMetadata, TorchAttention
+from engine_worker.attention import AttentionBackend, AttentionMetadata
 from engine_worker.kernels import CpuKernels
 from engine_worker.model_config import ModelConfig, RopeConfig
 from engine_worker.ops import TorchOps
@@ -80,7 +80,7 @@ def _linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn: TorchAttention, ops: Ops) -> None:
+    def __init__(self, cfg: ModelConfig, attn: AttentionBackend, ops: Ops) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -109,7 +109,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn: TorchAttention, ops: Ops) -> None:
+    def __init__(self, cfg: ModelConfig, attn: AttentionBackend, ops: Ops) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.self_attn = Attention(cfg, attn, ops)
@@ -130,7 +130,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn: TorchAttention, ops: Ops) -> None:
+    def __init__(self, cfg: ModelConfig, attn: AttentionBackend, ops: Ops) -> None:
         super().__init__()
         assert cfg.rope is not None
         self.cfg = cfg
