@@ -57,6 +57,11 @@ class StepInputs:
         self.block_size = block_size
         self.device = device
         self.tile_tokens = tile_tokens
+        self._chunk_tiles = None
+        if tile_tokens > 1:  # the Triton kernel's chunk programs
+            from engine_worker.gpu.attention import chunk_tiles
+
+            self._chunk_tiles = chunk_tiles
         self.max_seqs = max_seqs
         self.max_tokens = max_tokens
         self.width = max_blocks_per_seq
@@ -146,11 +151,9 @@ class StepInputs:
         ints[o_rows:o_rows + num_rows] = logits_rows
         o_tiles = o_rows + num_rows
         num_tiles = 0
-        if self.tile_tokens > 1 and num_decode < num_seqs:
-            from engine_worker.gpu.attention import chunk_tiles
-
-            tile_seq, tile_offset = chunk_tiles(q_lens[num_decode:], num_decode,
-                                                self.tile_tokens)
+        if self._chunk_tiles is not None and num_decode < num_seqs:
+            tile_seq, tile_offset = self._chunk_tiles(q_lens[num_decode:], num_decode,
+                                                      self.tile_tokens)
             num_tiles = len(tile_seq)
             ints[o_tiles:o_tiles + num_tiles] = tile_seq
             ints[o_tiles + num_tiles:o_tiles + 2 * num_tiles] = tile_offset

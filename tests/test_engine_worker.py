@@ -352,3 +352,22 @@ def test_the_signal_handler_takes_no_lock(tmp_path, tiny_llama_dir):
         signal.signal(signal.SIGINT, old[1])
         server.io.start()
         server._close()
+
+
+def test_a_receiver_that_raises_loses_only_its_own_request(shared_engine):
+    """EngineClient.submit hands outputs to a sink from the receive loop: a sink that
+    raises is dropped (its request aborted), and the loop serves everyone else."""
+    def broken(_item):
+        raise RuntimeError("a bug in the receiver")
+
+    async def main():
+        client = await connect(shared_engine.address)
+        client.submit("broken", PROMPTS[0], greedy(50), broken)
+        good = await collect(client, "good", PROMPTS[1], greedy(5))
+        stats = await wait_idle(client)
+        await client.close()
+        return good, stats
+
+    good, stats = run(main())
+    assert len(token_ids(good)) == 5 and good[-1].finish_reason is FinishReason.LENGTH
+    assert stats.num_running == 0 and stats.num_blocks_used == 0

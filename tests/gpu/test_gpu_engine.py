@@ -165,6 +165,43 @@ def test_dummy_weights_need_only_a_config(tmp_path, tiny_llama_dir):
     assert torch.equal(same.runner.model.embed_tokens.weight, weight)  # seeded
 
 
+def test_bad_gpu_settings_are_refused_with_a_clear_error(tiny_llama_dir, monkeypatch):
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\], got 1.5"):
+        CacheConfig(gpu_memory_utilization=1.5)
+    with pytest.raises(ValueError, match="load_format must be one of auto, dummy, got 'npz'"):
+        EngineConfig(load_format="npz")
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, torch, triton"):
+        EngineConfig(attention_backend="flash")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="the triton attention backend needs a CUDA device"):
+        LLMEngine(EngineConfig(model=str(tiny_llama_dir), device="cpu",
+                               attention_backend="triton",
+                               cache=CacheConfig(block_size=4, num_blocks=16)))
+
+
+def test_decode_batch_and_token_budget_default_by_device():
+    cuda, cpu = SchedulerConfig().for_device("cuda"), SchedulerConfig().for_device("cpu")
+    assert (cuda.decode_batch_size, cuda.token_budget) == (256, 8192)
+    assert (cpu.decode_batch_size, cpu.token_budget) == (64, 512)
+    given = SchedulerConfig(max_batch_size=8, max_num_batched_tokens=100).for_device("cuda")
+    assert (given.decode_batch_size, given.token_budget) == (8, 100)
+
+
+def test_shipped_shapes_resolve_by_name_and_need_dummy_weights():
+    from common.errors import ModelLoadError
+    from common.model_files import model_shapes, resolve_model_dir
+    from engine_worker.model_config import load_model_config
+
+    assert model_shapes() == ["llama-3-8b", "qwen2.5-7b", "smollm2-135m"]
+    llama = load_model_config(resolve_model_dir("llama-3-8b"))
+    assert (llama.num_params, llama.num_heads, llama.num_kv_heads, llama.head_dim) == (
+        8_029_995_008, 32, 8, 128)
+    assert load_model_config(resolve_model_dir("qwen2.5-7b")).num_params == 7_615_283_200
+    with pytest.raises(ModelLoadError, match="use --load-format dummy"):
+        LLMEngine(EngineConfig(model="smollm2-135m", device="cpu",
+                               cache=CacheConfig(num_blocks=16)))
+
+
 @pytest.mark.cuda
 def test_cuda_graphs_equal_eager_exactly(tiny_llama_dir):
     prompts = random_prompts([5, 9, 3, 17], seed=10)
