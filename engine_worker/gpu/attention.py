@@ -88,7 +88,9 @@ def _attention_kernel(
     tok = q_off + rows // GROUP_PAD  # query token within the sequence's chunk
     in_group = rows % GROUP_PAD
     head = kv_head * GROUP + in_group
-    row_ok = (tok < q_len) & (in_group < GROUP) & (ctx > 0)
+    # A padded row (context 0) has no query tokens. Folded into the bound, not and-ed
+    # as a scalar: Triton 3.9's interpreter turns tensor & scalar-bool into integers.
+    row_ok = (tok < tl.where(ctx > 0, q_len, 0)) & (in_group < GROUP)
     q_pos = ctx - q_len + tok  # the query's position in its sequence
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM

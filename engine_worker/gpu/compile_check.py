@@ -26,7 +26,7 @@ from triton.compiler import ASTSource
 
 from engine_worker.gpu import attention, ops
 
-_PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+_CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
 def _dtype_name(dtype: str) -> str:
@@ -88,18 +88,22 @@ def compile_variant(kernel, arg_types: dict, constexprs: dict, num_warps: int, a
                           options={"num_warps": num_warps})
 
 
-def resources(ptx: str, arch: int) -> tuple[int, int]:
-    """(registers, spilled bytes) of the PTX's kernel, from ptxas -v."""
+def resources(cubin: bytes) -> tuple[int, int]:
+    """(registers, local-memory bytes per thread) of the kernel in Triton's own cubin,
+    from cuobjdump (shipped beside ptxas). Triton kernels keep no arrays in local
+    memory, so any local memory is spilled registers. Reading the cubin Triton built
+    (rather than assembling its PTX again) checks exactly what it would load, with the
+    ptxas it chose: Triton 3.9 emits PTX that only its newer bundled ptxas accepts."""
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp, "k.ptx")
-        path.write_text(ptx)
-        report = subprocess.run([str(_PTXAS), f"-arch=sm_{arch}a" if arch == 90 else
-                                 f"-arch=sm_{arch}", "-v", str(path), "-o",
-                                 str(Path(tmp, "k.cubin"))],
-                                capture_output=True, text=True, check=True).stderr
-    registers = int(re.search(r"Used (\d+) registers", report).group(1))
-    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
-    return registers, spills
+        path = Path(tmp, "k.cubin")
+        path.write_bytes(cubin)
+        report = subprocess.run([str(_CUOBJDUMP), "--dump-resource-usage", str(path)],
+                                capture_output=True, text=True, check=True).stdout
+    usage = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", report)
+    if usage is None:
+        raise RuntimeError(f"no resource usage in cuobjdump's report: {report!r}")
+    registers, stack, local = map(int, usage.groups())
+    return registers, stack + local
 
 
 def check(model: str, arch: int, dtype: str) -> list[dict]:
@@ -112,7 +116,7 @@ def check(model: str, arch: int, dtype: str) -> list[dict]:
         row = {"model": model, "kernel": label, "error": None}
         try:
             compiled = compile_variant(kernel, arg_types, constexprs, warps, arch)
-            row["registers"], row["spill_bytes"] = resources(compiled.asm["ptx"], arch)
+            row["registers"], row["spill_bytes"] = resources(compiled.asm["cubin"])
             row["shared_bytes"] = compiled.metadata.shared
         except Exception as e:  # reported, and the run fails
             row["error"] = f"{type(e).__name__}: {e}"[:2000]
