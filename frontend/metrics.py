@@ -9,7 +9,7 @@ order). What only roseserve has keeps a ``roseserve_`` prefix: tokenize time,
 per-engine health, load and routing (labelled by address), admission, rejections
 and the tokenizer queue.
 
-Counters and histograms are updated as requests end (serving.py); gauges and the
+Counters and histograms are updated as jobs close (frontend/job.py); gauges and the
 engines' own counters (prefix cache, preemptions) are read at scrape time from the
 router, the admission counters and the last heartbeat of each engine and of the
 tokenizer pool.
@@ -23,7 +23,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 if TYPE_CHECKING:
-    from frontend.serving import Job, PipelineSnapshot
+    from frontend.job import Job
+    from frontend.serving import PipelineSnapshot
 
 # vLLM's buckets, so that histogram_quantile over both gives comparable numbers.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,

@@ -11,7 +11,7 @@ from typing import Callable, Optional
 
 from common.protocol import TokenLogprobs
 from frontend.choice import Delta
-from frontend.serving import Job
+from frontend.job import Job
 from frontend.tools import ToolCallParser
 
 TokenText = Callable[[int], str]

@@ -1,18 +1,20 @@
-"""The HTTP routes: plain module-level handlers. Each parses its body, asks the
-pipeline (frontend/serving.py) for the work and shapes the answer. What they share
-lives on ``app.state``, set by create_app (frontend/app.py): the pipeline (once the
-lifespan has started it), the metrics, the config and the start time.
+"""The HTTP routes: plain module-level handlers. Each parses its body and hands the
+work to the pipeline (frontend/serving.py). A completion becomes a Job run by its
+JobResponse: the input processor, the output processor, then the stream or the full
+body. What the routes share lives on ``app.state``, set by create_app
+(frontend/app.py): the pipeline (once the lifespan has started it), the metrics, the
+config and the start time.
 
 A client that goes away is noticed in every phase (while its prompt is tokenized,
-while it waits, mid-stream): the work for it is cancelled, which aborts its engine
-requests at once.
+while it waits, mid-stream): the work for it is cancelled and its job closed, which
+aborts its engine requests at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional, TypeVar
+from typing import Any, Awaitable, Callable, Optional, TypeVar
 
 import msgspec
 from fastapi import APIRouter, Request
@@ -21,14 +23,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from common.errors import InvalidRequestError
-from common.protocol import ChatMessage
 from common.validation import check_token_ids
 from common.version import __version__
 from frontend.errors import APIError, from_validation_error
-from frontend.openai_protocol import (ChatCompletionRequest, ChatMessageParam, CompletionRequest,
-                                      DetokenizeBody, TokenizeBody, ToolParam)
-from frontend.responses import ChatFormatter, CompletionFormatter, Formatter
-from frontend.serving import Job, Pipeline
+from frontend.input_processor import chat_message, tool_dicts
+from frontend.job import Job
+from frontend.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeBody,
+                                      TokenizeBody)
+from frontend.output_processor import events
+from frontend.serving import Pipeline
 
 T = TypeVar("T")
 router = APIRouter()
@@ -38,37 +41,59 @@ class ClientDisconnected(Exception):
     pass
 
 
-class JobStream(StreamingResponse):
-    """An SSE response that ends its job however the response ends: a client gone
-    before the first byte means the body iterator never starts, so its own cleanup
-    never runs."""
+class JobResponse(Response):
+    """The ASGI response of a completion request, and the one owner of its Job: it
+    runs the job's stages (prepare, submit, then stream or collect) while watching
+    for the client leaving, and closes the job however it ends. Errors before the
+    response starts propagate to the app's handlers as their HTTP status; a streamed
+    response's later errors are its last event (the output processor's)."""
 
-    def __init__(self, pipe: Pipeline, job: Job, body: AsyncIterator[bytes]) -> None:
-        super().__init__(body, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.pipe, self.job = pipe, job
+    def __init__(self, pipe: Pipeline, job: Job, body) -> None:
+        super().__init__()
+        self.pipe, self.job, self.body = pipe, job, body
 
     async def __call__(self, scope, receive, send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            try:
+                response = await self._run(receive)
+            except ClientDisconnected:
+                response = Response(status_code=499)  # for the access log: no one reads it
+            await response(scope, receive, send)
         finally:
-            self.pipe.finish(self.job)
+            self.job.close()
+
+    async def _run(self, receive) -> Response:
+        job = self.job
+        await until_disconnected(receive, self.pipe.inputs.prepare(job, self.body))
+        self.pipe.outputs.submit(job)
+        if job.stream:
+            return StreamingResponse(events(job), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache",
+                                              "X-Accel-Buffering": "no"})
+        await until_disconnected(receive, _ended(job))
+        if job.error is not None:
+            raise job.error
+        assert job.formatter is not None
+        return json_response(job.formatter.full())
+
+
+async def _ended(job: Job) -> None:
+    while not job.ended:
+        await job.wakeup.wait()
+        job.wakeup.clear()
 
 
 def json_response(body: Any, status: int = 200) -> Response:
     return Response(msgspec.json.encode(body), status_code=status, media_type="application/json")
 
 
-async def until_disconnected(request: Request, work: Awaitable[T],
-                             orphan: Optional[Callable[[T], None]] = None) -> T:
-    """Run ``work`` unless the client disconnects first (then it is cancelled).
-    ``orphan`` receives what ``work`` returned if it finished anyway: a cancellation
-    can be swallowed (asyncio.wait_for before Python 3.12 returns a result that
-    arrived together with the cancellation), and what it built must then be undone."""
+async def until_disconnected(receive: Callable[[], Awaitable[dict]], work: Awaitable[T]) -> T:
+    """Run ``work`` unless the client disconnects first (then it is cancelled, and
+    ClientDisconnected raised)."""
     task = asyncio.ensure_future(work)
 
     async def watch() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
+        while (await receive())["type"] != "http.disconnect":
             pass
 
     watcher = asyncio.ensure_future(watch())
@@ -80,8 +105,6 @@ async def until_disconnected(request: Request, work: Awaitable[T],
         return task.result()
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-    if orphan is not None and not task.cancelled() and task.exception() is None:
-        orphan(task.result())
     raise ClientDisconnected()
 
 
@@ -107,49 +130,21 @@ async def parse(request: Request, model: type[BaseModel]) -> Any:
         raise from_validation_error(e)
 
 
-async def respond(request: Request, body, job_work: Awaitable[Job],
-                  formatter_cls: type[Formatter]) -> Response:
-    """A started job's answer: an SSE stream, or one JSON body once it is done."""
-    pipe = pipeline(request)
-    try:
-        job = await until_disconnected(request, job_work, orphan=pipe.finish)
-    except ClientDisconnected:
-        return Response(status_code=499)
-    fmt = formatter_cls(job, pipe.token_text)
-    if body.stream:
-        return JobStream(pipe, job, _sse(pipe, job, fmt))
-
-    async def collect() -> None:
-        async for _ in pipe.deltas(job):
-            pass
-
-    try:
-        await until_disconnected(request, collect())
-    except ClientDisconnected:
-        return Response(status_code=499)
-    finally:
-        pipe.finish(job)  # also when collect() never got to start
-    return json_response(fmt.full())
-
-
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
-    received = time.monotonic()
-    body: CompletionRequest = await parse(request, CompletionRequest)
-    work = pipeline(request).start(body, body.prompts(), None, body.max_tokens, body.logprobs,
-                                   "cmpl", received)
-    return await respond(request, body, work, CompletionFormatter)
+    return await completion_response(request, CompletionRequest)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
+    return await completion_response(request, ChatCompletionRequest)
+
+
+async def completion_response(request: Request, model: type[BaseModel]) -> Response:
     received = time.monotonic()
-    body: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
-    messages = [chat_message(m) for m in body.messages]
-    work = pipeline(request).start(body, [], messages, body.max_new_tokens(),
-                                   body.num_logprobs(), "chatcmpl", received,
-                                   body.add_generation_prompt, tool_dicts(body.tools))
-    return await respond(request, body, work, ChatFormatter)
+    body = await parse(request, model)
+    pipe = pipeline(request)
+    return JobResponse(pipe, pipe.open(body, received), body)
 
 
 def model_card(request: Request, name: str) -> dict:
@@ -197,7 +192,7 @@ async def tokenize(request: Request) -> Response:
         kw["add_special_tokens"] = (True if body.add_special_tokens is None
                                     else body.add_special_tokens)
     try:
-        result = await until_disconnected(request, pipe.tokenize(**kw))
+        result = await until_disconnected(request.receive, pipe.tokenize(**kw))
     except ClientDisconnected:
         return Response(status_code=499)
     ids = list(result.prompt_token_ids)
@@ -249,32 +244,3 @@ async def health(request: Request) -> Response:
 async def prometheus(request: Request) -> Response:
     return Response(generate_latest(request.app.state.metrics.registry),
                     media_type=CONTENT_TYPE_LATEST)
-
-
-def chat_message(m: ChatMessageParam) -> ChatMessage:
-    return ChatMessage(role=m.role, content=m.text(), name=m.name, tool_call_id=m.tool_call_id,
-                       tool_calls=None if m.tool_calls is None else
-                       [c.model_dump() for c in m.tool_calls])
-
-
-def tool_dicts(tools: Optional[list[ToolParam]]) -> Optional[list[dict]]:
-    return None if tools is None else [t.model_dump(exclude_none=True) for t in tools]
-
-
-async def _sse(pipe: Pipeline, job: Job, fmt: Formatter) -> AsyncIterator[bytes]:
-    encode = msgspec.json.encode
-    try:
-        for chunk in fmt.first_chunks():
-            yield b"data: " + encode(chunk) + b"\n\n"
-        remaining = len(job.choices)
-        async for delta in pipe.deltas(job):
-            if delta.finish_reason is not None:
-                remaining -= 1
-            chunk = fmt.chunk(delta, last=remaining == 0)
-            if chunk is not None:
-                yield b"data: " + encode(chunk) + b"\n\n"
-        if job.include_usage:
-            yield b"data: " + encode(fmt.usage_chunk()) + b"\n\n"
-    except APIError as e:  # the stream has started: the error is its last event
-        yield b"data: " + encode(e.body()) + b"\n\n"
-    yield b"data: [DONE]\n\n"

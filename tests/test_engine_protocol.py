@@ -152,6 +152,7 @@ def test_bad_frames_are_counted_and_an_oversized_one_costs_only_its_connection(
     raw = RawClient(engine.address, b"fuzzer")
     other = RawClient(engine.address, b"bystander")
     try:
+        other.hello()  # the engine has loaded (a Ping alone waits only 5 s)
         before = other.stats()
         for frames in ([b"junk"], [b"\x02", b"\xc1"], [b"\x63", b"\x80"],
                        [b"\x02", b"\x81\xa1x\x01"], [b"", b"", b""],

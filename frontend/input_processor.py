@@ -1,0 +1,250 @@
+"""From a parsed HTTP request to validated engine requests: admission, the
+constraints the frontend works out (structured output, tool calls, bad words),
+tokenization through the pool, routing, and validation against the chosen engine's
+limits with the validator the engine runs too (common/validation.py).
+
+Admission (frontend/admission.py) is decided before any tokenizing, for everything
+the request will cost: a request for more choices (n x prompts) than one request may
+have is refused at once (400), as is one that could never be admitted (413), and one
+that finds the server full is told to retry (429). Everything the engine would refuse
+is checked here too, so that a streaming request fails with a 400 before its stream
+starts rather than inside it. Tokenization that takes longer than tokenize_timeout_s
+(or than what is left of the request's deadline) ends with 504.
+
+What a step takes (the admission share, the engine) is recorded on the Job as it is
+taken, so that Job.close gives it back wherever preparing stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+from common.config import FrontendConfig
+from common.errors import InvalidRequestError
+from common.protocol import ChatMessage, Ready, SamplingParams
+from common.validation import ContextLengthError, checked_prompt
+from frontend.admission import Admission, Ticket, estimate_tokens
+from frontend.choice import Choice
+from frontend.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from frontend.errors import APIError
+from frontend.grammar_cache import CheckedGrammars
+from frontend.job import Job
+from frontend.openai_protocol import ChatCompletionRequest, ChatMessageParam, ToolParam
+from frontend.responses import ChatFormatter, CompletionFormatter
+from frontend.router import EngineRouter
+from frontend.tools import ToolPlan, plan_tools
+from tokenizer_worker.client import TokenizeFailed, TokenizerClient, TokenizerDeadError
+
+Prompt = Union[str, list[int]]
+
+
+@dataclass
+class Inputs:
+    """What an endpoint's body asks the engines for."""
+
+    prompts: Sequence[Prompt]  # completions; empty for chat
+    messages: Optional[list[ChatMessage]]  # chat
+    max_tokens: Optional[int]
+    num_logprobs: Optional[int]
+    add_generation_prompt: bool = True
+    tools: Optional[list[dict]] = None
+
+    @classmethod
+    def of(cls, body) -> "Inputs":
+        if isinstance(body, ChatCompletionRequest):
+            return cls([], [chat_message(m) for m in body.messages], body.max_new_tokens(),
+                       body.num_logprobs(), body.add_generation_prompt, tool_dicts(body.tools))
+        return cls(body.prompts(), None, body.max_tokens, body.logprobs)
+
+
+def chat_message(m: ChatMessageParam) -> ChatMessage:
+    return ChatMessage(role=m.role, content=m.text(), name=m.name, tool_call_id=m.tool_call_id,
+                       tool_calls=None if m.tool_calls is None else
+                       [c.model_dump() for c in m.tool_calls])
+
+
+def tool_dicts(tools: Optional[list[ToolParam]]) -> Optional[list[dict]]:
+    return None if tools is None else [t.model_dump(exclude_none=True) for t in tools]
+
+
+class InputProcessor:
+    def __init__(self, engines: EngineRouter, tokenizer_client: TokenizerClient, tokenizer,
+                 admission: Admission, config: FrontendConfig,
+                 chat_template: Optional[str], grammars: Optional[CheckedGrammars]) -> None:
+        """``tokenizer``: the model's Rust tokenizer (bad words, echo, detokenizers);
+        ``grammars``: None when structured output is unavailable."""
+        self.engines = engines
+        self.tokenizer_client = tokenizer_client
+        self.tokenizer = tokenizer
+        self.admission = admission
+        self.config = config
+        self.chat_template = chat_template
+        self.grammars = grammars
+
+    async def prepare(self, job: Job, body) -> None:
+        """Fill ``job`` with its engine requests, admitted, tokenized, routed and
+        validated; its formatter is chosen. Raises APIError."""
+        inputs = Inputs.of(body)
+        constraints, job.tool_plan = await self._constraints(body)
+        job.n = body.num_generated()
+        job.ticket = self._admit(body, job.n, inputs)
+        job.prompts, job.tokenize_ms = await self._tokenize(inputs, job.deadline)
+        job.ticket.resize(job.n * sum(len(p) for p in job.prompts))
+        job.engine = self.engines.pick(job.prompts[0])
+        job.engine_address = job.engine.address
+        job.num_logprobs = inputs.num_logprobs
+        job.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        job.return_token_ids = body.return_token_ids
+        job.keep = body.n if job.n > body.n else None
+        job.prompt_logprobs = body.prompt_logprobs is not None
+        self._add_choices(job, body, inputs, constraints)
+        if getattr(body, "echo", False):
+            job.echo = [p if isinstance(p, str) and body.truncate_prompt_tokens is None
+                        else self.tokenizer.decode(ids, skip_special_tokens=False)
+                        for p, ids in zip(inputs.prompts, job.prompts)]
+        token_text = self.token_text
+        job.formatter = (ChatFormatter(job, token_text) if inputs.messages is not None
+                         else CompletionFormatter(job, token_text))
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def _admit(self, body, n: int, inputs: Inputs) -> Ticket:
+        """The request's admission share: n x prompts engine requests, and their prompt
+        tokens as estimated before tokenizing. Raises APIError (400, 413, 429)."""
+        num_prompts = 1 if inputs.messages is not None else len(inputs.prompts)
+        num_choices = num_prompts * n
+        limit = self.config.max_choices_per_request
+        if num_choices > limit:
+            per = f"n={n}" if n == body.n else f"best_of={n}"
+            raise APIError(400, f"this request asks for {num_choices} completions "
+                                f"({num_prompts} prompt(s) x {per}); at most {limit} are "
+                                f"allowed per request", param="n" if num_prompts == 1 else "prompt",
+                           code="too_many_choices")
+        if inputs.messages is not None:
+            estimate = sum(len(m.content) for m in inputs.messages) // 4 + 1
+        else:
+            estimate = sum(estimate_tokens(p) for p in inputs.prompts)
+        return self.admission.admit(num_choices, n * estimate)
+
+    def _add_choices(self, job: Job, body, inputs: Inputs, constraints: dict) -> None:
+        """n choices per prompt, each checked against the engine's limits (engines
+        may differ)."""
+        ready = job.engine.ready
+        assert ready is not None
+        # best_of ranks choices by their log probability: the engine must report it.
+        num_logprobs = inputs.num_logprobs
+        engine_logprobs = num_logprobs if job.n == body.n else (num_logprobs or 0)
+        for p, prompt_ids in enumerate(job.prompts):
+            for j in range(job.n):
+                index = p * job.n + j
+                params = body.sampling_params(inputs.max_tokens, engine_logprobs, j,
+                                              **constraints)
+                prompt_ids = self._validate(prompt_ids, params, ready)
+                job.params.append(params)
+                job.choices.append(Choice(
+                    index=index, request_id=f"{job.request_id}-{index}",
+                    prompt_token_ids=prompt_ids,
+                    detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids,
+                                                       body.skip_special_tokens),
+                    stops=StopStringMatcher(body.stop_strings(), body.include_stop_str_in_output),
+                    eos_token_ids=frozenset(ready.eos_token_ids)))
+                job.prompts[p] = prompt_ids
+
+    async def _constraints(self, body) -> tuple[dict, Optional[ToolPlan]]:
+        """The sampling fields the frontend works out (structured output, bad words'
+        token ids) and the request's tool plan. Raises APIError (400) for a schema,
+        grammar or tool choice that cannot be served."""
+        try:
+            structured = body.structured_output()
+            plan = None
+            if isinstance(body, ChatCompletionRequest):
+                plan = plan_tools(body, self.chat_template)
+                if plan is not None and plan.structured is not None:
+                    if structured is not None:
+                        raise InvalidRequestError(
+                            f"tool_choice forces a tool call and {structured.param} "
+                            f"constrains the output too; give one of them", "tool_choice")
+                    structured = plan.structured
+            extra: dict = {}
+            if structured is not None:
+                if self.grammars is None:
+                    raise InvalidRequestError("structured output is unavailable for this "
+                                              "model's tokenizer", structured.param)
+                await self.grammars.check(structured)
+                extra["structured"] = structured
+            if body.bad_words:
+                extra["bad_words_ids"] = self._bad_words_ids(body.bad_words)
+            if getattr(body, "echo", False) and body.logprobs is not None:
+                # echo with logprobs shows the prompt's tokens' logprobs too.
+                extra["prompt_logprobs"] = max(body.logprobs, body.prompt_logprobs or 0)
+        except InvalidRequestError as e:
+            raise APIError(400, e.message, param=e.param, code="invalid_value") from None
+        return extra, plan
+
+    def _bad_words_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word as it tokenizes alone and after a space (mid-sentence)."""
+        out: list[list[int]] = []
+        for word in words:
+            if not word:
+                raise InvalidRequestError("bad_words must not hold an empty string", "bad_words")
+            for text in (word, " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
+
+    async def _tokenize(self, inputs: Inputs, deadline: Optional[float]
+                        ) -> tuple[list[list[int]], float]:
+        if inputs.messages is None and all(isinstance(p, list) for p in inputs.prompts):
+            return [list(p) for p in inputs.prompts], 0.0  # token ids: no pool involved
+        return await self.within_tokenize_timeout(self._tokenize_texts(inputs), deadline)
+
+    async def within_tokenize_timeout(self, work, deadline: Optional[float] = None):
+        """``work``'s result; a 504 when the pool takes longer than the tokenize
+        timeout (or than what is left until ``deadline``)."""
+        timeout = self.config.tokenize_timeout_s
+        if deadline is not None:
+            timeout = max(0.0, min(timeout, deadline - time.monotonic()))
+        try:
+            return await asyncio.wait_for(work, timeout)
+        except asyncio.TimeoutError:
+            raise APIError(504, f"tokenization did not finish within {timeout:.1f} s",
+                           code="tokenize_timeout") from None
+
+    async def _tokenize_texts(self, inputs: Inputs) -> tuple[list[list[int]], float]:
+        if inputs.messages is not None:
+            results = [await self.call_tokenizer(
+                messages=inputs.messages, add_generation_prompt=inputs.add_generation_prompt,
+                tools=inputs.tools)]
+            return [list(results[0].prompt_token_ids)], results[0].tokenize_ms
+        texts = [p for p in inputs.prompts if isinstance(p, str)]
+        results = await asyncio.gather(*[self.call_tokenizer(prompt=t) for t in texts])
+        by_text = iter(results)
+        token_prompts = [list(p) if isinstance(p, list) else list(next(by_text).prompt_token_ids)
+                         for p in inputs.prompts]
+        return token_prompts, max((r.tokenize_ms for r in results), default=0.0)
+
+    async def call_tokenizer(self, **kw):
+        try:
+            return await self.tokenizer_client.tokenize(**kw)
+        except TokenizeFailed as e:
+            status = 400 if e.kind.value == "invalid_request" else 500
+            raise APIError(status, e.message, param="messages" if "messages" in kw else "prompt")
+        except TokenizerDeadError as e:
+            raise APIError(503, f"the tokenizer pool is unavailable: {e}",
+                           code="tokenizer_unavailable", headers={"Retry-After": "1"})
+
+    @staticmethod
+    def _validate(prompt_ids: list[int], params: SamplingParams, ready: Ready) -> list[int]:
+        """What the engine would refuse, refused here (400; common/validation.py, which
+        the engine runs too); returns the prompt as the engine will see it."""
+        try:
+            return checked_prompt(prompt_ids, params, ready.vocab_size, ready.max_model_len)
+        except ContextLengthError as e:
+            raise APIError(400, e.message, param=e.param, code="context_length_exceeded")
+        except InvalidRequestError as e:
+            raise APIError(400, e.message, param=e.param)

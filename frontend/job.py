@@ -1,0 +1,126 @@
+"""One HTTP request's completion, from admission to release.
+
+A Job is opened when its request has been parsed (Pipeline.open) and closed once,
+however the request ends: answered, failed, timed out, or left by its client. It
+records what the request takes from the server as each thing is taken (the
+admission share, the engine assignment, the engine requests), so that ``close``
+gives back exactly what is held, whichever phase the request reached. One object
+calls ``close``: the request's JobResponse (frontend/routes.py), in a finally block.
+
+Between the two, the input processor fills in the engine requests and the output
+processor the results; what a streamed response sends waits in ``outbox``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Optional
+
+from common.protocol import SamplingParams
+from frontend.admission import Ticket
+from frontend.choice import Choice
+from frontend.tools import ToolPlan
+
+if TYPE_CHECKING:
+    from engine_worker.client import EngineClient
+    from frontend.errors import APIError
+    from frontend.responses import Formatter
+
+
+@dataclass
+class Job:
+    request_id: str
+    created: int
+    model: str
+    # Monotonic time the request arrived.
+    received: float
+    stream: bool
+    # The pipeline's part of closing: the engine assignment and the metrics.
+    on_close: Callable[["Job"], None]
+    # Monotonic time by which it must be done (request_timeout_s), or None.
+    deadline: Optional[float] = None
+
+    # -- held, given back by close() ---------------------------------------------
+    ticket: Optional[Ticket] = None
+    engine: Optional["EngineClient"] = None
+    # The engine requests were sent (the choices' request ids are the engine's).
+    submitted: bool = False
+    timer: Optional[asyncio.TimerHandle] = None
+
+    # -- the request, as the input processor made it --------------------------------
+    prompts: list[list[int]] = field(default_factory=list)
+    choices: list[Choice] = field(default_factory=list)
+    params: list[SamplingParams] = field(default_factory=list)
+    # Choices per prompt (best_of, when it is larger than n).
+    n: int = 1
+    # best_of > n: the number of choices per prompt to return (the most likely ones).
+    keep: Optional[int] = None
+    tokenize_ms: float = 0.0
+    include_usage: bool = False
+    return_token_ids: bool = False
+    num_logprobs: Optional[int] = None
+    # echo: each prompt's text, shown before its completions.
+    echo: Optional[list[str]] = None
+    # Chat with tool calls possible: how they are made.
+    tool_plan: Optional[ToolPlan] = None
+    # prompt_logprobs asked for: shown with each choice.
+    prompt_logprobs: bool = False
+    # The engine that served it (its address), kept for the timing breakdown.
+    engine_address: str = ""
+    formatter: Optional["Formatter"] = None
+
+    # -- the results, as the output processor makes them ---------------------------
+    # Choices not finished yet.
+    remaining: int = 0
+    first_token_time: Optional[float] = None
+    # Encoded SSE events not yet sent, and the signal that there are new ones (or
+    # that the job has ended).
+    outbox: list[bytes] = field(default_factory=list)
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    ended: bool = False
+    # What ended it, if not every choice finishing.
+    error: Optional["APIError"] = None
+    closed: bool = False
+    finished: float = 0.0
+
+    def take(self) -> bytes:
+        """The events waiting to be sent, as one write."""
+        data = b"".join(self.outbox)
+        self.outbox.clear()
+        return data
+
+    def close(self) -> None:
+        """Give back everything the job holds: its admission share, the engine
+        requests still running (a client that left, an error, a deadline) and its
+        engine assignment; then the metrics. Idempotent. Synchronous on purpose: it
+        runs in finally blocks of cancelled tasks, where an await would be cancelled
+        again (anyio cancellation is level-triggered) before the bookkeeping ran."""
+        if self.closed:
+            return
+        self.closed = self.ended = True
+        self.finished = time.monotonic()
+        if self.timer is not None:
+            self.timer.cancel()
+        if self.ticket is not None:
+            self.ticket.release()
+        if self.engine is not None and self.submitted:
+            self.engine.cancel([c.request_id for c in self.choices if c.finish_reason is None])
+        self.on_close(self)
+
+    def timing(self) -> dict:
+        first = self.choices[0]
+        ttft = None if self.first_token_time is None else (
+            (self.first_token_time - self.received) * 1e3)
+        return {"tokenize_ms": round(self.tokenize_ms, 3), "queue_ms": first.queue_ms,
+                "prefill_ms": first.prefill_ms, "ttft_ms": ttft, "engine": self.engine_address}
+
+    def usage(self) -> dict:
+        cached = sum(self.choices[i * self.n].num_cached_tokens or 0
+                     for i in range(len(self.prompts)))
+        prompt = sum(len(p) for p in self.prompts)
+        completion = sum(len(c.token_ids) for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
