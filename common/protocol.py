@@ -476,3 +476,6 @@ class Codec:
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise ProtocolError(f"bad {decoder.type.__name__} payload: {e}",
                                 _request_id_of(frames[1])) from None
+        except RecursionError:  # free-form fields (tools, tool_calls) nested too deeply
+            raise ProtocolError(f"bad {decoder.type.__name__} payload: nested too deeply",
+                                _request_id_of(frames[1])) from None

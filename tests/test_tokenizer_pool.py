@@ -259,3 +259,36 @@ def test_a_client_of_another_protocol_version_is_refused(pool_factory):
     assert reply.reason == (f"protocol version mismatch: the frontend speaks version 7, this "
                             f"process version {PROTOCOL_VERSION}; run the same roseserve release "
                             f"on both")
+
+
+def test_a_frame_nested_too_deeply_is_dropped_and_the_pool_serves_on(pool_factory):
+    """tools is free-form: 100,000 nested arrays in it made msgspec raise
+    RecursionError out of the pool's receive loop, which stopped the pool."""
+    import zmq
+
+    from common.protocol import POOL_REQUESTS, Codec
+
+    pool = pool_factory(workers=1)
+    codec = Codec(POOL_REQUESTS, {})
+    kind, _ = codec.encode(TokenizeRequest(request_id="deep", prompt="x"))
+    payload = (b"\x83\xaarequest_id\xa4deep\xa8messages\x91\x82\xa4role\xa4user\xa7content\xa2hi"
+               b"\xa5tools\x91\x81\xa1a" + b"\x91" * 100_000 + b"\xc0")
+
+    async def main():
+        client = await connect(pool.address)
+        before = await client.ping()
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(pool.address)
+        sock.send_multipart([kind, payload])
+        await asyncio.sleep(1.0)
+        sock.close(0)
+        ctx.term()
+        after = await client.ping()
+        result = await client.tokenize("still fine")
+        await client.close()
+        return before, after, result
+
+    before, after, result = run(main())
+    assert after.num_frames_dropped - before.num_frames_dropped == 1
+    assert len(result.prompt_token_ids) == 2
