@@ -125,7 +125,7 @@ class InputProcessor:
                                 f"allowed per request", param="n" if num_prompts == 1 else "prompt",
                            code="too_many_choices")
         if inputs.messages is not None:
-            estimate = sum(len(m.content) for m in inputs.messages) // 4 + 1
+            estimate = estimate_tokens("".join(m.content for m in inputs.messages))
         else:
             estimate = sum(estimate_tokens(p) for p in inputs.prompts)
         return self.admission.admit(num_choices, n * estimate)
@@ -217,10 +217,10 @@ class InputProcessor:
 
     async def _tokenize_texts(self, inputs: Inputs) -> tuple[list[list[int]], float]:
         if inputs.messages is not None:
-            results = [await self.call_tokenizer(
+            result = await self.call_tokenizer(
                 messages=inputs.messages, add_generation_prompt=inputs.add_generation_prompt,
-                tools=inputs.tools)]
-            return [list(results[0].prompt_token_ids)], results[0].tokenize_ms
+                tools=inputs.tools)
+            return [list(result.prompt_token_ids)], result.tokenize_ms
         texts = [p for p in inputs.prompts if isinstance(p, str)]
         results = await asyncio.gather(*[self.call_tokenizer(prompt=t) for t in texts])
         by_text = iter(results)

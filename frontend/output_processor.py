@@ -102,7 +102,8 @@ class OutputProcessor:
         job.wakeup.set()
 
     def _expire(self, job: Job) -> None:
-        timeout = job.deadline - job.received if job.deadline is not None else 0.0
+        assert job.deadline is not None  # armed only then
+        timeout = job.deadline - job.received
         self._fail(job, APIError(504, f"the request did not finish within {timeout:g} s (the "
                                       f"server's request timeout)", code="request_timeout"))
 

@@ -70,17 +70,16 @@ class JobResponse(Response):
             return StreamingResponse(events(job), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache",
                                               "X-Accel-Buffering": "no"})
-        await until_disconnected(receive, _ended(job))
+        await until_disconnected(receive, _drain(events(job)))  # no events: until it ends
         if job.error is not None:
             raise job.error
         assert job.formatter is not None
         return json_response(job.formatter.full())
 
 
-async def _ended(job: Job) -> None:
-    while not job.ended:
-        await job.wakeup.wait()
-        job.wakeup.clear()
+async def _drain(chunks) -> None:
+    async for _ in chunks:
+        pass
 
 
 def json_response(body: Any, status: int = 200) -> Response:

@@ -172,21 +172,19 @@ def test_a_request_that_hangs_every_worker_fails_with_a_clear_error(pool_factory
     assert pong.num_workers_replaced == 2
 
 
-def test_bad_frames_are_counted_and_an_oversized_one_costs_only_its_connection(pool_factory):
+def raw_frames_then_serve(address: str, messages: list[list[bytes]]):
+    """Send ``messages`` from a raw socket, then ask the pool, as a real client does,
+    for its counters and to tokenize "still fine": (pong before, pong after, result)."""
     import zmq
 
-    pool = pool_factory(workers=1, extra=("--max-frame-bytes", "4096"))
-
     async def main():
-        client = await connect(pool.address)
+        client = await connect(address)
         before = await client.ping()
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
-        sock.connect(pool.address)
-        for frames in ([b"junk"], [b"\x02", b"\xc1"], [b"\x63", b"\x80"],
-                       [b"\x02", b"\x81\xa1x\x01"], [b"", b"", b""]):
+        sock.connect(address)
+        for frames in messages:
             sock.send_multipart(frames)
-        sock.send_multipart([b"\x02", b"x" * 10_000])
         await asyncio.sleep(1.0)
         sock.close(0)
         ctx.term()
@@ -195,7 +193,14 @@ def test_bad_frames_are_counted_and_an_oversized_one_costs_only_its_connection(p
         await client.close()
         return before, after, result
 
-    before, after, result = run(main())
+    return run(main())
+
+
+def test_bad_frames_are_counted_and_an_oversized_one_costs_only_its_connection(pool_factory):
+    pool = pool_factory(workers=1, extra=("--max-frame-bytes", "4096"))
+    before, after, result = raw_frames_then_serve(pool.address, [
+        [b"junk"], [b"\x02", b"\xc1"], [b"\x63", b"\x80"], [b"\x02", b"\x81\xa1x\x01"],
+        [b"", b"", b""], [b"\x02", b"x" * 10_000]])
     assert after.num_frames_dropped - before.num_frames_dropped == 5
     assert after.num_disconnects - before.num_disconnects >= 1
     assert len(result.prompt_token_ids) == 2
@@ -264,31 +269,12 @@ def test_a_client_of_another_protocol_version_is_refused(pool_factory):
 def test_a_frame_nested_too_deeply_is_dropped_and_the_pool_serves_on(pool_factory):
     """tools is free-form: 100,000 nested arrays in it made msgspec raise
     RecursionError out of the pool's receive loop, which stopped the pool."""
-    import zmq
-
     from common.protocol import POOL_REQUESTS, Codec
 
     pool = pool_factory(workers=1)
-    codec = Codec(POOL_REQUESTS, {})
-    kind, _ = codec.encode(TokenizeRequest(request_id="deep", prompt="x"))
+    kind, _ = Codec(POOL_REQUESTS, {}).encode(TokenizeRequest(request_id="deep", prompt="x"))
     payload = (b"\x83\xaarequest_id\xa4deep\xa8messages\x91\x82\xa4role\xa4user\xa7content\xa2hi"
                b"\xa5tools\x91\x81\xa1a" + b"\x91" * 100_000 + b"\xc0")
-
-    async def main():
-        client = await connect(pool.address)
-        before = await client.ping()
-        ctx = zmq.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.connect(pool.address)
-        sock.send_multipart([kind, payload])
-        await asyncio.sleep(1.0)
-        sock.close(0)
-        ctx.term()
-        after = await client.ping()
-        result = await client.tokenize("still fine")
-        await client.close()
-        return before, after, result
-
-    before, after, result = run(main())
+    before, after, result = raw_frames_then_serve(pool.address, [[kind, payload]])
     assert after.num_frames_dropped - before.num_frames_dropped == 1
     assert len(result.prompt_token_ids) == 2
