@@ -192,8 +192,12 @@ class EngineServerConfig:
 class FrontendConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    # Engine workers to route requests to (one or more); they may come and go.
+    # Engine workers to route requests to (one or more); they may come and go. A
+    # tcp:// address with a DNS name stands for every address the name resolves to
+    # (Swarm's tasks.<service>, a Kubernetes headless Service), re-resolved every
+    # dns_refresh_s (frontend/membership.py).
     engine_addresses: tuple[str, ...] = (DEFAULT_ENGINE_ADDRESS,)
+    dns_refresh_s: float = 5.0
     tokenizer_address: str = DEFAULT_TOKENIZER_ADDRESS
     # The model directory, for its tokenizer (output decoding); None: the default model.
     model: Optional[str] = None
@@ -218,6 +222,9 @@ class FrontendConfig:
     # "prefix": route to the engine most likely to hold the prompt's prefix, within
     # a load bound; "least-loaded": ignore prefixes (frontend/router.py).
     routing: str = "prefix"
+    # A request whose engine refused it (draining) or died before any of its output
+    # was read is sent to another engine, at most this many times.
+    request_retries: int = 2
     # /health waits this long for the engine and tokenizer round trips.
     health_timeout_s: float = 5.0
     # Pongs come from the engine's I/O thread, so silence this long means the process
@@ -238,9 +245,11 @@ class FrontendConfig:
                      "max_choices_per_request"):
             _positive(name, getattr(self, name))
         for name in ("tokenize_timeout_s", "request_timeout_s", "health_timeout_s",
-                     "engine_heartbeat_timeout_s", "engine_stall_timeout_s"):
+                     "engine_heartbeat_timeout_s", "engine_stall_timeout_s", "dns_refresh_s"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be positive, got {value}")
+        if self.request_retries < 0:
+            raise ValueError(f"request_retries must be 0 or more, got {self.request_retries}")
         if self.routing not in ("prefix", "least-loaded"):
             raise ValueError(f"routing must be prefix or least-loaded, got {self.routing!r}")

@@ -318,6 +318,10 @@ class Pong(msgspec.Struct, frozen=True, kw_only=True):
     # messages (about 1 s at most when idle, as an idle loop wakes every second). A
     # loop stuck anywhere shows here; clients and health checks bound it.
     busy_s: float = 0.0
+    # The engine got SIGTERM: it finishes what it holds and refuses new requests
+    # (routers stop sending it any). Also sent unsolicited (nonce 0) when the drain
+    # starts, so that clients learn at once rather than at their next heartbeat.
+    draining: bool = False
 
 
 class Dead(msgspec.Struct, frozen=True, kw_only=True):

@@ -82,11 +82,15 @@ class ServiceClient:
         # Why the service refused this client (another protocol version), if it did.
         self.refusal: Optional[str] = None
         self.last_pong = None
+        # The service said it is draining (finishing its work, taking none): it is
+        # alive but takes nothing new. Cleared by a Ready from a new instance.
+        self.draining = False
         self._last_pong_time = 0.0
         self._ready_event = asyncio.Event()
         self._pings: dict[int, asyncio.Future] = {}
         self._nonces = itertools.count(1)
         self._tasks: list[asyncio.Task] = []
+        self._monitor: Optional[zmq.asyncio.Socket] = None
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -95,9 +99,10 @@ class ServiceClient:
         Ready arrives, whenever that is."""
         self.sock = make_socket(self.ctx, self.address, zmq.DEALER, bind=False,
                                 identity=self.client_id.encode())
-        monitor = self.sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._monitor = self.sock.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._tasks = [asyncio.create_task(self._receive_loop()),
-                       asyncio.create_task(self._monitor_loop(monitor)),
+                       asyncio.create_task(self._monitor_loop(self._monitor)),
                        asyncio.create_task(self._heartbeat_loop())]
         await self._send(self._hello())
 
@@ -123,6 +128,8 @@ class ServiceClient:
         self._fail(f"the {self.service} client closed")
         if self.sock is not None:
             self.sock.disable_monitor()
+            # Closed here too: a monitor task cancelled before it ever ran has not.
+            self._monitor.close(linger=0)
             self.sock.close(linger=0)
             self.sock = None
         self.ctx.term()
@@ -130,6 +137,11 @@ class ServiceClient:
     @property
     def healthy(self) -> bool:
         return self.dead_reason is None
+
+    @property
+    def accepting(self) -> bool:
+        """Healthy and not draining: new work may go here."""
+        return self.dead_reason is None and not self.draining
 
     def check_alive(self) -> None:
         if self.dead_reason is not None:
@@ -196,6 +208,9 @@ class ServiceClient:
             if isinstance(message, self.pong_type):
                 self.last_pong = message
                 self._last_pong_time = time.monotonic()
+                if getattr(message, "draining", False) and not self.draining:
+                    logger.info("the %s at %s is draining", self.service, self.address)
+                    self.draining = True
                 future = self._pings.get(message.nonce)
                 if future is not None and not future.done():
                     future.set_result(message)
@@ -227,22 +242,20 @@ class ServiceClient:
             return
         if self.ready is not None and self._instance_id(ready) != self._instance_id(self.ready):
             self._fail(f"the {self.service} restarted")
+            self.draining = False
         self.ready = ready
         self.dead_reason = None
         self._last_pong_time = time.monotonic()
         self._ready_event.set()
 
     async def _monitor_loop(self, monitor: zmq.asyncio.Socket) -> None:
-        try:
-            while True:
-                event = parse_monitor_message(await monitor.recv_multipart())["event"]
-                if event == zmq.EVENT_DISCONNECTED:
-                    self._mark_dead(f"lost the connection to the {self.service} at "
-                                    f"{self.address}")
-                elif event == zmq.EVENT_CONNECTED and self.ready is not None:
-                    await self._send(self._hello())  # reconnected
-        finally:
-            monitor.close(linger=0)
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_DISCONNECTED:
+                self._mark_dead(f"lost the connection to the {self.service} at "
+                                f"{self.address}")
+            elif event == zmq.EVENT_CONNECTED and self.ready is not None:
+                await self._send(self._hello())  # reconnected
 
     async def _heartbeat_loop(self) -> None:
         while True:

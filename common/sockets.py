@@ -36,6 +36,8 @@ def make_socket(ctx: AnyContext, address: str, socket_type: int, *, bind: bool,
     sock.setsockopt(zmq.RCVHWM, hwm)
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
+    if address.startswith("tcp://["):  # an IPv6 literal (a DNS answer, say)
+        sock.setsockopt(zmq.IPV6, 1)
     if bind:
         if address.startswith("ipc://"):
             os.makedirs(os.path.dirname(address[len("ipc://"):]) or ".", exist_ok=True)

@@ -21,7 +21,9 @@ Failure handling: a request the engine refuses gets a RequestError; a request th
 fails inside a step ends with finish reason "error" (engine.py isolates it; the
 engine goes on); a sticky CUDA error (engine.FatalDeviceError) or anything else is a
 broken invariant, and the process sends DEAD to every client and exits nonzero.
-SIGTERM/SIGINT drain: new requests are refused, in-flight ones finish (up to
+SIGTERM/SIGINT drain: every client is told at once (a Pong with ``draining`` set,
+which later pongs repeat) so that routers send nothing more; new requests are
+refused (OVERLOADED, which frontends retry elsewhere), in-flight ones finish (up to
 drain_timeout_s), then DEAD is sent and the process exits 0; a second signal aborts
 what is left at once. The signal handler only counts signals (a handler that took a
 lock the interrupted code holds would deadlock); the loop is woken through Python's
@@ -93,6 +95,8 @@ class _IOThread(threading.Thread):
         # Published by the engine loop: its latest stats. Plain attribute writes:
         # atomic under the GIL.
         self.stats = stats
+        # Set by the loop when a drain starts; every later pong says so.
+        self.draining = False
         # When the engine loop began its current iteration (set by the loop): a pong
         # reports how long ago, so a loop stuck anywhere (a step, a lock) shows.
         self.loop_at = time.monotonic()
@@ -155,7 +159,7 @@ class _IOThread(threading.Thread):
         stats = msgspec.structs.replace(self.stats, num_frames_dropped=self.num_frames_dropped,
                                         num_disconnects=self.num_disconnects)
         pong = Pong(nonce=ping.nonce, stats=stats,
-                    busy_s=time.monotonic() - self.loop_at)
+                    busy_s=time.monotonic() - self.loop_at, draining=self.draining)
         self._send([identity, *self.codec.encode(pong)])
 
     def _forward(self) -> None:
@@ -287,6 +291,8 @@ class EngineServer:
             self.draining_since = time.monotonic()
             logger.info("signal: draining %d request(s) (up to %.0f s)", len(self.owner),
                         self.config.drain_timeout_s)
+            self.io.draining = True
+            self._broadcast(Pong(nonce=0, stats=self.io.stats, draining=True))
         if self.num_signals > 1 and self.owner:
             logger.info("another signal: aborting %d request(s)", len(self.owner))
         return self.draining_since is not None

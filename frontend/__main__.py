@@ -47,6 +47,12 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
                         "(default: no limit)")
     g.add_argument("--routing", choices=["prefix", "least-loaded"], default="prefix",
                    help="how requests are spread over engines")
+    g.add_argument("--dns-refresh", type=float, default=5.0,
+                   help="seconds between lookups of engine addresses given by DNS name "
+                        "(tcp://tasks.engine:5557: every address the name resolves to)")
+    g.add_argument("--request-retries", type=int, default=2,
+                   help="times a request is sent to another engine when its engine refused "
+                        "it (draining) or failed before any output (default 2; 0: never)")
 
 
 def api_key_from_args(args: argparse.Namespace) -> Optional[str]:
@@ -76,7 +82,8 @@ def frontend_config_from_args(args: argparse.Namespace, engines: Sequence[str],
         max_waiting_tokens=args.max_waiting_tokens,
         max_choices_per_request=args.max_choices_per_request,
         tokenize_timeout_s=args.tokenize_timeout, request_timeout_s=args.request_timeout,
-        routing=args.routing)
+        routing=args.routing, request_retries=args.request_retries,
+        dns_refresh_s=args.dns_refresh)
 
 
 def serve(config: FrontendConfig, log_level: Optional[str] = None) -> None:
@@ -95,7 +102,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--model", default=env_default("MODEL"),
                         help="model directory, for its tokenizer (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--engine", action="append", default=None,
-                        help="engine worker address (repeat for several engines)")
+                        help="engine worker address (repeat for several engines); "
+                             "tcp://NAME:PORT with a DNS name stands for every address NAME "
+                             "resolves to, looked up again every --dns-refresh seconds")
     parser.add_argument("--tokenizer", default=env_default("TOKENIZER_ADDRESS",
                                                            DEFAULT_TOKENIZER_ADDRESS),
                         help="tokenizer pool address")

@@ -22,6 +22,7 @@ from common.tokenizer import load_tokenizer
 from engine_worker.client import EngineClient
 from frontend.admission import Admission
 from frontend.errors import APIError
+from frontend.membership import Membership
 from frontend.metrics import Metrics
 from frontend.router import EngineRouter
 from frontend.routes import router
@@ -109,17 +110,21 @@ async def start_pipeline(config: FrontendConfig, metrics: Metrics) -> Pipeline:
         logger.warning("structured output is unavailable: %s", e)
         grammars = None
     model_names = list(config.served_model_names) or [model_dir.resolve().name]
-    engines = [EngineClient(a, heartbeat_timeout_s=config.engine_heartbeat_timeout_s,
-                            stall_timeout_s=config.engine_stall_timeout_s)
-               for a in config.engine_addresses]
     tok_client = TokenizerClient(config.tokenizer_address)
-    for client in (*engines, tok_client):
-        await client.connect()
-    pipe = Pipeline(EngineRouter(engines, config.routing), tok_client, tokenizer, metrics,
+    await tok_client.connect()
+    engines = EngineRouter([], config.routing)
+    pipe = Pipeline(engines, tok_client, tokenizer, metrics,
                     Admission(config.max_waiting_requests, config.max_waiting_tokens),
                     model_names, config, hf_tokenizer.chat_template, grammars)
-    logger.info("frontend ready: %s, %d engine address(es)", ", ".join(model_names),
-                len(engines))
+    pipe.membership = Membership(
+        config.engine_addresses, engines,
+        lambda address: EngineClient(address, heartbeat_timeout_s=config.engine_heartbeat_timeout_s,
+                                     stall_timeout_s=config.engine_stall_timeout_s),
+        interval_s=config.dns_refresh_s)
+    await pipe.membership.refresh()
+    pipe.membership.start()
+    logger.info("frontend ready: %s, %d engine(s) from %s", ", ".join(model_names),
+                len(engines.engines), ", ".join(config.engine_addresses))
     return pipe
 
 
@@ -132,6 +137,7 @@ def create_app(config: FrontendConfig) -> FastAPI:
         metrics.watch(pipe.model_name, pipe.snapshot)
         app.state.pipeline = pipe
         yield
+        await pipe.membership.stop()
         for client in (*pipe.engines.clients, pipe.tokenizer_client):
             await client.close()
 

@@ -48,6 +48,8 @@ class Job:
     # The engine requests were sent (the choices' request ids are the engine's).
     submitted: bool = False
     timer: Optional[asyncio.TimerHandle] = None
+    # Engines the requests were sent to before ``engine`` (retries).
+    attempt: int = 0
 
     # -- the request, as the input processor made it --------------------------------
     prompts: list[list[int]] = field(default_factory=list)
@@ -74,6 +76,8 @@ class Job:
     # -- the results, as the output processor makes them ---------------------------
     # Choices not finished yet.
     remaining: int = 0
+    # Some output of the engine was read (so the job can no longer move elsewhere).
+    started: bool = False
     first_token_time: Optional[float] = None
     # Encoded SSE events not yet sent, and the signal that there are new ones (or
     # that the job has ended).

@@ -82,12 +82,16 @@ class Metrics:
     def watch(self, model_name: str, snapshot: Callable[[], "PipelineSnapshot"]) -> None:
         """Export the pipeline's state, as ``snapshot()`` publishes it, at every scrape."""
         self.model_name = model_name
-        self.engine_index = {e.address: str(i) for i, e in enumerate(snapshot().engines)}
-        self.registry.register(_StateCollector(snapshot, model_name))
+        self.registry.register(_StateCollector(snapshot, model_name, self.index))
+
+    def index(self, address: str) -> str:
+        """The engine's ``engine`` label: its number in order of first sight (engines
+        join and leave; an address keeps its number)."""
+        return self.engine_index.setdefault(address, str(len(self.engine_index)))
 
     def record(self, job: "Job") -> None:
         """A finished job's counts and latencies."""
-        labels = (self.model_name, self.engine_index.get(job.engine_address, ""))
+        labels = (self.model_name, self.index(job.engine_address))
         self.e2e.labels(*labels).observe(job.finished - job.received)
         if job.first_token_time is not None:
             self.ttft.labels(*labels).observe(job.first_token_time - job.received)
@@ -111,16 +115,18 @@ class Metrics:
 
 
 class _StateCollector:
-    def __init__(self, snapshot: Callable[[], "PipelineSnapshot"], model_name: str) -> None:
+    def __init__(self, snapshot: Callable[[], "PipelineSnapshot"], model_name: str,
+                 index: Callable[[str], str]) -> None:
         self.snapshot = snapshot
         self.model_name = model_name
+        self.index = index
 
     def describe(self):
         return []
 
     def collect(self):
         snap = self.snapshot()
-        yield from _engine_families(snap, self.model_name)
+        yield from _engine_families(snap, self.model_name, self.index)
         yield GaugeMetricFamily("roseserve_requests_in_progress",
                                 "HTTP completion requests being served (admitted, not ended)",
                                 value=snap.num_jobs)
@@ -132,12 +138,16 @@ class _StateCollector:
                                 value=snap.admitted_tokens)
         yield GaugeMetricFamily("roseserve_engines_healthy", "Engines answering",
                                 value=sum(e.healthy for e in snap.engines))
+        yield CounterMetricFamily("roseserve_request_retries",
+                                  "Requests sent to another engine: theirs refused them "
+                                  "(draining) or failed before any output",
+                                  value=snap.num_retries)
         yield GaugeMetricFamily("roseserve_tokenizer_queue",
                                 "Tokenize jobs waiting or running in the pool",
                                 value=snap.tokenizer_queue)
 
 
-def _engine_families(snap: "PipelineSnapshot", model: str) -> list:
+def _engine_families(snap: "PipelineSnapshot", model: str, index: Callable[[str], str]) -> list:
     """Per-engine gauges and counters: vLLM's names with (model_name, engine), and
     roseserve's by address."""
     def family(kind, name, doc, labels=_LABELS):
@@ -156,6 +166,9 @@ def _engine_families(snap: "PipelineSnapshot", model: str) -> list:
                          "Requests the engine preempted (recomputed later)")
     healthy = GaugeMetricFamily("roseserve_engine_healthy",
                                 "1 when the engine is ready and answering", labels=["engine"])
+    draining = GaugeMetricFamily("roseserve_engine_draining",
+                                 "1 while the engine finishes its requests before stopping "
+                                 "(it is sent no new ones)", labels=["engine"])
     load = GaugeMetricFamily("roseserve_engine_load",
                              "Requests assigned to the engine and not finished", labels=["engine"])
     routed = CounterMetricFamily("roseserve_engine_routed_requests",
@@ -165,14 +178,15 @@ def _engine_families(snap: "PipelineSnapshot", model: str) -> list:
                                "The engine's KV blocks (last heartbeat): used by requests, "
                                "cached (free, holding a reusable prefix), free in all",
                                labels=["engine", "state"])
-    for i, e in enumerate(snap.engines):
+    for e in snap.engines:
         healthy.add_metric([e.address], float(e.healthy))
+        draining.add_metric([e.address], float(e.draining))
         load.add_metric([e.address], e.load)
         routed.add_metric([e.address, "prefix"], e.num_prefix_routed)
         routed.add_metric([e.address, "load"], e.num_routed - e.num_prefix_routed)
         if e.stats is None:
             continue
-        s, labels = e.stats, [model, str(i)]
+        s, labels = e.stats, [model, index(e.address)]
         running.add_metric(labels, s.num_running if e.healthy else 0)  # a gone engine runs nothing
         waiting.add_metric(labels, s.num_waiting if e.healthy else 0)
         kv.add_metric(labels, s.num_blocks_used / max(1, s.num_blocks_total) if e.healthy else 0.0)
@@ -182,4 +196,5 @@ def _engine_families(snap: "PipelineSnapshot", model: str) -> list:
         blocks.add_metric([e.address, "used"], s.num_blocks_used)
         blocks.add_metric([e.address, "cached"], s.num_blocks_cached)
         blocks.add_metric([e.address, "free"], s.num_blocks_free)
-    return [running, waiting, kv, queries, hits, preemptions, healthy, load, routed, blocks]
+    return [running, waiting, kv, queries, hits, preemptions, healthy, draining, load, routed,
+            blocks]

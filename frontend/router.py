@@ -13,9 +13,10 @@ and not yet finished) is within the imbalance bound of the least loaded one,
 holding the longest run of its leading blocks; when no engine holds any, or every
 holder is over the bound, to the least loaded. Policy "least-loaded" ignores
 prefixes. A request counts toward its engine's load from the pick on, so a burst
-still being tokenized spreads out. Only healthy engines (ready, answering
-heartbeats) are picked; an engine that comes back as a new instance starts with an
-empty table. With no healthy engine the answer is 503 with Retry-After.
+still being tokenized spreads out. Only engines that accept work (ready, answering
+heartbeats, not draining, not retired by membership: frontend/membership.py) are
+picked; an engine that comes back as a new instance starts with an empty table.
+With no healthy engine the answer is 503 with Retry-After.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ class RoutedEngine:
     # describe.
     table: "OrderedDict[bytes, None]" = field(default_factory=OrderedDict)
     instance: Optional[str] = None
+    # Gone from the engines' DNS answer (frontend/membership.py): routed nothing
+    # new, removed once its load is 0.
+    retired: bool = False
 
     @property
     def address(self) -> str:
@@ -78,8 +82,23 @@ class EngineRouter:
             raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}, "
                              f"got {policy!r}")
         self.policy = policy
-        self.engines = [RoutedEngine(c) for c in clients]
-        self._by_client = {id(e.client): e for e in self.engines}
+        self.engines: list[RoutedEngine] = []
+        self._by_client: dict[int, RoutedEngine] = {}
+        for client in clients:
+            self.add(client)
+
+    def add(self, client: EngineClient) -> None:
+        e = RoutedEngine(client)
+        self.engines.append(e)
+        self._by_client[id(client)] = e
+
+    def remove_idle_retired(self) -> list[EngineClient]:
+        """Forget the retired engines nothing is assigned to; their clients, to close."""
+        gone = [e for e in self.engines if e.retired and e.load == 0]
+        for e in gone:
+            self.engines.remove(e)
+            del self._by_client[id(e.client)]
+        return [e.client for e in gone]
 
     @property
     def clients(self) -> list[EngineClient]:
@@ -89,14 +108,18 @@ class EngineRouter:
         """Some engine's Ready (its limits), or None before any has started."""
         return next((e.client.ready for e in self.engines if e.client.ready is not None), None)
 
-    def pick(self, prompt_token_ids: Sequence[int]) -> EngineClient:
-        """The engine for a request with this prompt; counts it toward that engine's
-        load until release()."""
-        healthy = [e for e in self.engines if e.client.healthy]
+    def pick(self, prompt_token_ids: Sequence[int],
+             exclude: Optional[EngineClient] = None) -> EngineClient:
+        """The engine for a request with this prompt (other than ``exclude``, the one
+        a retried request left); counts it toward that engine's load until
+        release()."""
+        candidates = [e for e in self.engines if not e.retired and e.client is not exclude]
+        healthy = [e for e in candidates if e.client.accepting]
         if not healthy:
-            reasons = "; ".join(f"{e.address}: {e.client.dead_reason}" for e in self.engines)
-            raise APIError(503, f"no engine is available ({reasons})", code="engine_unavailable",
-                           headers={"Retry-After": "1"})
+            reasons = "; ".join(f"{e.address}: {e.client.dead_reason or 'draining'}"
+                                for e in candidates)
+            raise APIError(503, f"no engine is available ({reasons or 'none is known'})",
+                           code="engine_unavailable", headers={"Retry-After": "1"})
         hashes_by_size: dict[int, list[bytes]] = {}
 
         def hashes(e: RoutedEngine) -> list[bytes]:

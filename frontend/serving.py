@@ -26,6 +26,7 @@ from frontend.errors import APIError
 from frontend.grammar_cache import CheckedGrammars
 from frontend.input_processor import InputProcessor
 from frontend.job import Job
+from frontend.membership import Membership
 from frontend.metrics import Metrics
 from frontend.openai_protocol import ChatCompletionRequest
 from frontend.output_processor import OutputProcessor
@@ -37,6 +38,7 @@ from tokenizer_worker.client import TokenizerClient
 class EngineSnapshot:
     address: str
     healthy: bool
+    draining: bool
     # Requests assigned and not finished; routed since start, and for a prefix it held.
     load: int
     num_routed: int
@@ -56,6 +58,8 @@ class PipelineSnapshot:
     admitted_tokens: int
     # Tokenize jobs waiting or running in the pool, and sent but not yet answered.
     tokenizer_queue: int
+    # Requests sent to another engine (frontend/output_processor.py).
+    num_retries: int
 
 
 class Pipeline:
@@ -79,21 +83,26 @@ class Pipeline:
         self.inputs = InputProcessor(engines, tokenizer_client, tokenizer, admission, config,
                                      chat_template,
                                      None if grammars is None else CheckedGrammars(grammars))
-        self.outputs = OutputProcessor()
+        self.outputs = OutputProcessor(engines, config.request_retries)
         # Jobs opened and not closed (HTTP requests being served).
         self.num_jobs = 0
+        # Keeps the router's engines equal to what the engine addresses name (set by
+        # the app, which runs it).
+        self.membership: Optional[Membership] = None
 
     def snapshot(self) -> PipelineSnapshot:
         pool = self.tokenizer_client.last_pong
         return PipelineSnapshot(
             engines=[EngineSnapshot(
-                address=e.address, healthy=e.client.healthy, load=e.load,
+                address=e.address, healthy=e.client.healthy, draining=e.client.draining,
+                load=e.load,
                 num_routed=e.num_routed, num_prefix_routed=e.num_prefix_routed,
                 stats=None if e.client.last_pong is None else e.client.last_pong.stats)
                 for e in self.engines.engines],
             num_jobs=self.num_jobs, admitted_requests=self.admission.requests,
             admitted_tokens=self.admission.tokens,
-            tokenizer_queue=(pool.num_pending if pool else 0) + self.tokenizer_client.num_pending)
+            tokenizer_queue=(pool.num_pending if pool else 0) + self.tokenizer_client.num_pending,
+            num_retries=self.outputs.num_retries)
 
     def check_model(self, model: str) -> None:
         if model not in self.model_names:

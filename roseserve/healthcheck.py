@@ -9,9 +9,12 @@ engine / tokenizer: a Ping over the service's own socket and wire protocol, answ
 within the timeout. An engine's pong (answered by its I/O thread) says how long its
 loop has been in its current iteration (a step; about a second at most when idle):
 longer than ``--stall`` (default 300 s, the frontend's own limit) is a hung loop and
-fails the check, so the check goes through the loop without waiting behind a step. http: a GET answered with 2xx (the frontend's /metrics
-goes through its event loop and depends on nothing else, so a frontend waiting for
-its engines is still healthy).
+fails the check: it sees through to the loop without waiting behind a step. With
+``--ready`` (a readiness probe) a draining engine fails too: it is alive and
+finishing its requests, but should be sent nothing new.
+
+http: a GET answered with 2xx (the frontend's /metrics goes through its event loop
+and depends on nothing else, so a frontend waiting for its engines is still healthy).
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, POOL_REPLIES, POO
 from common.sockets import make_socket
 
 
-def check_service(kind: str, address: str, timeout_s: float, stall_s: float) -> Optional[str]:
-    """None when healthy, else why not."""
+def check_service(kind: str, address: str, timeout_s: float, stall_s: float,
+                  ready: bool = False) -> Optional[str]:
+    """None when healthy (and, with ``ready``, not draining), else why not."""
     codec = (Codec(CLIENT_MESSAGES, ENGINE_MESSAGES) if kind == "engine"
              else Codec(POOL_REQUESTS, POOL_REPLIES))
     ctx = zmq.Context()
@@ -47,6 +51,8 @@ def check_service(kind: str, address: str, timeout_s: float, stall_s: float) -> 
         busy = getattr(pong, "busy_s", 0.0)
         if busy > stall_s:
             return f"the {kind}'s loop has been stuck in one iteration for {busy:.0f} s"
+        if ready and getattr(pong, "draining", False):
+            return f"the {kind} at {address} is draining (finishing its requests, taking none)"
         return None
     finally:
         sock.close(linger=0)
@@ -68,11 +74,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("address", help="the service's socket address, or a URL for http")
     parser.add_argument("--timeout", type=float, default=5.0)
     parser.add_argument("--stall", type=float, default=300.0)
+    parser.add_argument("--ready", action="store_true",
+                        help="also fail while the engine drains: a readiness check (it "
+                             "is alive, but should be sent nothing new)")
     args = parser.parse_args(argv)
     if args.kind == "http":
         problem = check_http(args.address, args.timeout)
     else:
-        problem = check_service(args.kind, args.address, args.timeout, args.stall)
+        problem = check_service(args.kind, args.address, args.timeout, args.stall, args.ready)
     if problem:
         print(problem, file=sys.stderr)
         return 1

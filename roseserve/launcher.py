@@ -14,6 +14,13 @@ MAX_FAILURES times in a row, each run shorter than STABLE_S, is crash-looping: t
 command gives up, names it and prints its last log lines, stops the rest and exits 1.
 Ctrl-C (or SIGTERM) stops the frontend first, then the tokenizer pool and the engines
 (which finish what is in flight), and exits 0.
+
+Rolling restart: SIGHUP restarts the engines one at a time (to load new weights or a
+new release). Each is sent SIGTERM and drains: it tells the frontend at once, which
+sends it nothing more and sends whatever it refuses to another engine; it finishes
+what it runs and exits. It is started again, and the next one is drained only once
+the frontend reports the new one healthy. With two or more engines no request fails;
+with one, requests that arrive while it restarts get 503 with Retry-After.
 """
 
 from __future__ import annotations
@@ -59,6 +66,10 @@ class Component:
     failures: int = 0
     restart_at: Optional[float] = None
     tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+    # Its socket address, for an engine (the rolling restart waits for it).
+    address: Optional[str] = None
+    # Being restarted on purpose (a rolling restart): the supervisor leaves it alone.
+    restarting: bool = False
 
     def start(self) -> None:
         # Own process group: Ctrl-C reaches only the launcher, which stops the
@@ -124,7 +135,8 @@ ENGINE_FLAGS = ["device", "dtype", "quantization", "max_model_len", "max_batch_s
 # the key reaches the frontend through its environment.
 FRONTEND_FLAGS = ["host", "port", "api_key_file", "served_model_name", "max_body_bytes",
                   "max_waiting_requests", "max_waiting_tokens", "max_choices_per_request",
-                  "tokenize_timeout", "request_timeout", "routing"]
+                  "tokenize_timeout", "request_timeout", "routing", "request_retries",
+                  "dns_refresh"]
 
 
 def engine_threads(args: argparse.Namespace) -> Optional[int]:
@@ -146,17 +158,18 @@ def components(args: argparse.Namespace, model_dir: str, run_dir: str) -> list[C
         if args.engines > 1 and str(args.device).startswith("cuda") and \
                 "CUDA_VISIBLE_DEVICES" not in os.environ:
             env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(i)}  # one GPU each
+        address = f"ipc://{run_dir}/engine-{i}.sock"
         engines.append(Component(f"engine-{i}", py + [
-            "engine_worker", "--model", model_dir, "--bind", f"ipc://{run_dir}/engine-{i}.sock",
+            "engine_worker", "--model", model_dir, "--bind", address,
             *(["--threads", str(threads)] if threads else []),
-            *_forward(args, ENGINE_FLAGS), *log], env=env))
+            *_forward(args, ENGINE_FLAGS), *log], env=env, address=address))
     tokenizer_addr = f"ipc://{run_dir}/tokenizer.sock"
     tokenizer = Component("tokenizer", py + [
         "tokenizer_worker", "--model", model_dir, "--bind", tokenizer_addr,
         *(["--workers", str(args.tokenizer_workers)] if args.tokenizer_workers else []), *log])
     frontend = Component("frontend", py + [
         "frontend", "--model", model_dir, "--tokenizer", tokenizer_addr,
-        *[a for e in engines for a in ("--engine", e.cmd[e.cmd.index("--bind") + 1])],
+        *[a for e in engines for a in ("--engine", e.address)],
         *_forward(args, FRONTEND_FLAGS), *log])
     if args.api_key:
         frontend.env = {**os.environ, "ROSESERVE_API_KEY": args.api_key}
@@ -168,9 +181,11 @@ def serve(args: argparse.Namespace) -> int:
     run_dir = tempfile.mkdtemp(prefix="roseserve-")
     stack = components(args, model_dir, run_dir)
 
-    stop_requested = []
+    stop_requested: list = []
+    restart_requested: list = []
     signal.signal(signal.SIGINT, lambda *_: stop_requested.append(True))
     signal.signal(signal.SIGTERM, lambda *_: stop_requested.append(True))
+    signal.signal(signal.SIGHUP, lambda *_: restart_requested.append(True))
     url = f"http://{'localhost' if args.host in ('127.0.0.1', '::1') else args.host}:{args.port}"
     code = 0
     ready = False
@@ -181,8 +196,9 @@ def serve(args: argparse.Namespace) -> int:
         if failure is None and not stop_requested:
             ready = True
             print(f"roseserve is ready: {url}/v1 (model {os.path.basename(model_dir)}, "
-                  f"{args.engines} engine(s)); Ctrl-C stops it", flush=True)
-            failure = _supervise(stack, stop_requested)
+                  f"{args.engines} engine(s)); Ctrl-C stops it, SIGHUP restarts the "
+                  f"engines one at a time", flush=True)
+            failure = _supervise(stack, stop_requested, restart_requested, f"{url}/metrics")
         if failure is not None:
             print(f"roseserve: {failure}; stopping", file=sys.stderr, flush=True)
             code = 1
@@ -213,11 +229,25 @@ def _wait_ready(stack: list[Component], health_url: str,
     return None if stop_requested else f"not ready after {STARTUP_TIMEOUT_S:.0f} s"
 
 
-def _supervise(stack: list[Component], stop_requested: list) -> Optional[str]:
-    """Restart what exits, until a stop is requested or something crash-loops."""
+def _supervise(stack: list[Component], stop_requested: list, restart_requested: list,
+               metrics_url: str) -> Optional[str]:
+    """Restart what exits, until a stop is requested or something crash-loops; on
+    SIGHUP, restart the engines one at a time (in a thread: this loop goes on)."""
+    rolling: Optional[threading.Thread] = None
     while not stop_requested:
+        if restart_requested:
+            restart_requested.clear()
+            if rolling is not None and rolling.is_alive():
+                print("roseserve: a rolling restart is already under way", file=sys.stderr,
+                      flush=True)
+            else:
+                rolling = threading.Thread(target=_rolling_restart, daemon=True, args=(
+                    [c for c in stack if c.address is not None], metrics_url, stop_requested))
+                rolling.start()
         now = time.monotonic()
         for c in stack:
+            if c.restarting:
+                continue
             if c.restart_at is not None:
                 if now >= c.restart_at:
                     print(f"roseserve: restarting {c.name}", file=sys.stderr, flush=True)
@@ -238,3 +268,41 @@ def _supervise(stack: list[Component], stop_requested: list) -> Optional[str]:
             c.restart_at = now + delay
         time.sleep(0.1)
     return None
+
+
+def _rolling_restart(engines: list[Component], metrics_url: str, stop_requested: list) -> None:
+    """Drain and restart each engine in turn; the next waits until the frontend has
+    the restarted one healthy (it says Hello every heartbeat until the engine is back)."""
+    began = time.monotonic()
+    for c in engines:
+        if stop_requested:
+            return
+        c.restarting = True
+        try:
+            print(f"roseserve: rolling restart: draining {c.name}", file=sys.stderr, flush=True)
+            c.stop(STOP_TIMEOUT_S)
+            if stop_requested:
+                return
+            c.start()
+            deadline = time.monotonic() + STARTUP_TIMEOUT_S
+            while not _engine_healthy(metrics_url, c.address):
+                if stop_requested or c.exit_code() is not None or time.monotonic() > deadline:
+                    print(f"roseserve: rolling restart stopped: {c.name} did not come back "
+                          f"healthy", file=sys.stderr, flush=True)
+                    return  # the supervisor takes over (it restarts an exited engine)
+                time.sleep(0.2)
+        finally:
+            c.restarting = False
+    print(f"roseserve: rolling restart of {len(engines)} engine(s) done in "
+          f"{time.monotonic() - began:.1f} s", file=sys.stderr, flush=True)
+
+
+def _engine_healthy(metrics_url: str, address: Optional[str]) -> bool:
+    """Whether the frontend reports the engine at ``address`` healthy (its
+    roseserve_engine_healthy gauge)."""
+    try:
+        with urllib.request.urlopen(metrics_url, timeout=5) as response:
+            text = response.read().decode()
+    except (urllib.error.URLError, OSError):
+        return False
+    return f'roseserve_engine_healthy{{engine="{address}"}} 1.0' in text

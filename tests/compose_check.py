@@ -72,6 +72,15 @@ def docker_inspect(container: str, template: str) -> str:
                           text=True, check=True).stdout.strip()
 
 
+def engine_address(compose: list[str], service: str) -> str:
+    """The engine's address as the frontend names it: the frontend resolves the
+    service's DNS name (frontend/membership.py) to its container's address."""
+    container = subprocess.run(compose + ["ps", "-q", service], capture_output=True, text=True,
+                               check=True).stdout.strip()
+    ip = docker_inspect(container, "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}")
+    return f"tcp://{ip}:5557"
+
+
 def routed_again(url: str, client, model: str, engine: str) -> None:
     """Requests reach ``engine`` again (distinct one-token prompts: spread by load)."""
     before = metric(url, "roseserve_engine_routed_requests_total", engine=engine)
@@ -173,7 +182,7 @@ def main() -> int:
     subprocess.run(compose + ["start", "engine-0"], check=True, capture_output=True)
     back = wait_for(lambda: metric(url, "roseserve_engines_healthy") == 2, 300,
                     "engine-0 started again and healthy")
-    routed_again(url, client, model, "tcp://engine-0:5557")
+    routed_again(url, client, model, engine_address(compose, "engine-0"))
     phases.done(f"docker compose start engine-0: rejoined {back:.1f} s later, requests "
                 f"routed to it again")
 
@@ -191,7 +200,7 @@ def main() -> int:
     wait_for(lambda: metric(url, "roseserve_engines_healthy") == 2, 300,
              "engine-1 healthy again")
     rejoined = time.monotonic() - crashed
-    routed_again(url, client, model, "tcp://engine-1:5557")
+    routed_again(url, client, model, engine_address(compose, "engine-1"))
     phases.done(f"engine-1 process crashed: container restarted by its policy after "
                 f"{restarted:.1f} s, serving again {rejoined:.1f} s after the crash")
     print("[compose-check] passed: " + ", ".join(f"{n} {s:.1f} s" for n, s in phases.rows))

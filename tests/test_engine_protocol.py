@@ -5,6 +5,7 @@ gets)."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 
 import msgpack
@@ -12,7 +13,8 @@ import pytest
 import zmq
 
 from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, PROTOCOL_VERSION, AbortRequests,
-                             AddRequest, Codec, Dead, FinishReason, Hello, Ready, RequestError)
+                             AddRequest, Codec, Dead, FinishReason, Hello, Ping, Pong, Ready,
+                             RequestError)
 from engine_worker.client import EngineClient, EngineDeadError
 from engine_worker_helpers import PROMPTS, RawClient, run, token_ids
 from helpers import greedy, make_engine
@@ -182,3 +184,28 @@ def test_bad_frames_are_counted_and_an_oversized_one_costs_only_its_connection(
     finally:
         raw.close()
         other.close()
+
+
+def test_a_drain_is_announced_to_every_client_at_once(engine_factory):
+    """On SIGTERM every client gets an unsolicited Pong (nonce 0) saying the engine
+    drains, before any heartbeat asks; a pong it then asks for says so too."""
+    engine = engine_factory(env={"ROSESERVE_FAULT_STEP_DELAY_S": "0.02"})
+    raw = RawClient(engine.address, b"watcher")
+    try:
+        raw.hello()
+        raw.send(AddRequest(request_id="long", prompt_token_ids=[5, 6], params=greedy(100)))
+        assert raw.outputs(0.5)  # running
+        assert raw.stats().num_running == 1
+        engine.proc.send_signal(signal.SIGTERM)
+        pong = [m for m in raw.receive(5, until=lambda m: isinstance(m, Pong))
+                if isinstance(m, Pong)]
+        assert [(p.nonce, p.draining) for p in pong] == [(0, True)]
+        raw.send(Ping(nonce=7))
+        asked = [m for m in raw.receive(5, until=lambda m: isinstance(m, Pong))
+                 if isinstance(m, Pong)]
+        assert [(p.nonce, p.draining) for p in asked] == [(7, True)]
+        # The request it runs finishes in full.
+        assert raw.until_finished("long", 30)[-1].finish_reason is FinishReason.LENGTH
+        assert engine.proc.wait(timeout=30) == 0
+    finally:
+        raw.close()

@@ -139,7 +139,9 @@ def test_sigterm_lets_in_flight_requests_complete(engine_factory):
         await all_running.wait()
         engine.proc.send_signal(signal.SIGTERM)
         await asyncio.sleep(0.3)
-        # Draining: new work is refused, with a reason.
+        # Draining: the client was told (routers send it nothing more) ...
+        assert client.draining and client.healthy and not client.accepting
+        # ... and new work is refused, with a reason.
         with pytest.raises(EngineRequestError, match="shutting down"):
             await collect(client, "late", PROMPTS[0], greedy(2))
         await asyncio.gather(*tasks)

@@ -69,3 +69,35 @@ def test_a_stuck_engine_loop_fails_the_check(tiny_llama_dir, tmp_path):
         sock.close(linger=0)
         ctx.term()
         engine.stop()
+
+
+def test_a_draining_engine_is_alive_but_not_ready(tiny_llama_dir, tmp_path):
+    import signal
+
+    import zmq
+
+    from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, PROTOCOL_VERSION, AddRequest,
+                                 Codec, Hello, SamplingParams)
+
+    engine = processes.engine(tiny_llama_dir, f"ipc://{tmp_path}/engine.sock",
+                              env={"ROSESERVE_FAULT_STEP_DELAY_S": "0.05"})
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        until_ok("engine", engine.address, "--ready")
+        codec = Codec(CLIENT_MESSAGES, ENGINE_MESSAGES)
+        sock.connect(engine.address)
+        sock.send_multipart(codec.encode(Hello(client_id="t", protocol_version=PROTOCOL_VERSION)))
+        sock.send_multipart(codec.encode(AddRequest(  # 300 steps of 50 ms: still draining
+            request_id="r", prompt_token_ids=[1, 2, 3],
+            params=SamplingParams(max_tokens=300, ignore_eos=True))))
+        time.sleep(1.0)
+        engine.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert check("engine", engine.address).returncode == 0  # alive
+        not_ready = check("engine", engine.address, "--ready")
+        assert not_ready.returncode == 1 and "is draining" in not_ready.stderr
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+        engine.stop()

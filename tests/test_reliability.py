@@ -278,6 +278,56 @@ def test_one_of_two_engines_killed(tiny_llama_dir, tmp_path):
         assert stack.stop() == 0, stack.log()
 
 
+def test_a_rolling_restart_under_load_fails_nothing(tiny_llama_dir, tmp_path):
+    """SIGHUP to ``roseserve serve --engines 2`` while 8 clients stream 48-token
+    completions without pause: each engine drains and is restarted in turn, and every
+    request completes in full (none fails, none is cut short)."""
+    stack = processes.Serve(tiny_llama_dir, tmp_path / "serve.log", engines=2,
+                            env={"ROSESERVE_FAULT_STEP_DELAY_S": "0.02"})
+    try:
+        stack.wait_ready()
+        wait_for(lambda: metric(stack.url, "roseserve_engines_healthy") == 2, 60, "both up")
+        before = set(stack.pids()["engine"])
+        outcomes: list[Outcome] = []
+        restarted = asyncio.Event()
+
+        async def client(i: int, http: httpx.AsyncClient) -> None:
+            n = 0
+            while not restarted.is_set():
+                outcomes.append(await stream(http, f"{stack.url}/v1/completions",
+                                             completion_body([100 + 8 * n + i])))
+                n += 1
+
+        async def run() -> float:
+            async with httpx.AsyncClient(limits=httpx.Limits(max_connections=16)) as http:
+                clients = [asyncio.create_task(client(i, http)) for i in range(8)]
+                await asyncio.sleep(1.0)
+                began = time.monotonic()
+                os.kill(stack.proc.pid, signal.SIGHUP)
+                while "rolling restart of 2 engine(s) done" not in stack.log():
+                    assert time.monotonic() - began < 120, stack.log()
+                    assert not any(c.done() for c in clients), [c.exception() for c in clients]
+                    await asyncio.sleep(0.1)
+                took = time.monotonic() - began
+                await asyncio.sleep(1.0)  # and the restarted engines serve
+                restarted.set()
+                await asyncio.wait_for(asyncio.gather(*clients), 60)
+                return took
+
+        took = asyncio.run(run())
+        after = set(stack.pids()["engine"])
+        failed = [o for o in outcomes if not o.complete]
+        retries = metric(stack.url, "roseserve_request_retries_total")
+        print(f"\nrolling restart of 2 engines under 8 streaming clients: {len(outcomes)} "
+              f"requests, {len(failed)} failed, {retries:.0f} retried on the other engine; "
+              f"the restart took {took:.1f} s")
+        assert not failed, failed
+        assert len(outcomes) >= 16
+        assert len(after) == 2 and not after & before  # both were restarted
+    finally:
+        assert stack.stop() == 0, stack.log()
+
+
 def _engine_sockets(stack) -> list[str]:
     import psutil
 
@@ -295,9 +345,11 @@ async def _streams(url: str, bodies: list[dict]) -> list[Outcome]:
 
 
 def test_the_frontend_starts_alone_and_serves_once_an_engine_joins(tiny_llama_dir, tmp_path):
-    engine_address, pool_address = f"ipc://{tmp_path}/engine.sock", f"ipc://{tmp_path}/tok.sock"
-    front = processes.frontend(tiny_llama_dir, engine_address, pool_address,
-                               "--served-model-name", "tiny")
+    """The engine's address given by DNS name (localhost), as a cluster gives it."""
+    port = processes.free_port()
+    engine_address, pool_address = f"tcp://127.0.0.1:{port}", f"ipc://{tmp_path}/tok.sock"
+    front = processes.frontend(tiny_llama_dir, f"tcp://localhost:{port}", pool_address,
+                               "--served-model-name", "tiny", "--dns-refresh", "0.5")
     started: list = []
     try:
         def up() -> bool:

@@ -1,0 +1,266 @@
+"""Drain and retry in the frontend: the router skips a draining engine, and a job
+whose engine refused it (draining) or failed before any output is sent whole to
+another engine, unseen by its client. The real router, output processor, job and
+choices; the engines are fakes that record what they were sent and answer as a test
+tells them (the end-to-end rolling restart is in test_reliability.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Optional
+
+import pytest
+
+from common.protocol import (FinishReason, Ready, RequestError, RequestErrorKind, RequestOutput,
+                             SamplingParams)
+from common.tokenizer import load_tokenizer
+from engine_worker.client import EngineDeadError, EngineRequestError
+from frontend.admission import Admission
+from frontend.choice import Choice
+from frontend.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from frontend.errors import APIError
+from frontend.job import Job
+from frontend.output_processor import OutputProcessor
+from frontend.router import EngineRouter
+
+PROMPT = [5, 6, 7, 8, 9]
+
+
+class FakeEngine:
+    """What the router and the output processor use of an EngineClient."""
+
+    def __init__(self, name: str, max_model_len: int = 512) -> None:
+        self.address = f"fake://{name}"
+        self.ready = Ready(engine_id=name, protocol_version=1, model_name="tiny",
+                           max_model_len=max_model_len, vocab_size=1000, num_kv_blocks=64,
+                           block_size=4, eos_token_ids=[2])
+        self.dead_reason: Optional[str] = None
+        self.draining = False
+        self.sinks: dict = {}
+        self.submitted: list[str] = []
+        self.cancelled: list[str] = []
+
+    @property
+    def accepting(self) -> bool:
+        return self.dead_reason is None and not self.draining
+
+    def submit(self, request_id, prompt_token_ids, params, sink) -> None:
+        self.submitted.append(request_id)
+        self.sinks[request_id] = sink
+
+    def cancel(self, request_ids) -> None:
+        for r in request_ids:
+            self.cancelled.append(r)
+            self.sinks.pop(r, None)
+
+    # -- what the test makes the engine do --------------------------------------
+
+    def refuse(self, message="the engine is shutting down",
+               kind=RequestErrorKind.OVERLOADED) -> None:
+        for request_id in list(self.sinks):
+            sink = self.sinks.pop(request_id, None)  # a retry may have cancelled it
+            if sink is not None:
+                sink(EngineRequestError(RequestError(request_id=request_id, message=message,
+                                                     kind=kind)))
+
+    def die(self) -> None:
+        self.dead_reason = "lost the connection"
+        sinks, self.sinks = self.sinks, {}
+        for sink in sinks.values():
+            sink(EngineDeadError(self.dead_reason))
+
+    def emit(self, tokens: list[int], finish: Optional[FinishReason] = None,
+             error: Optional[str] = None) -> None:
+        for request_id, sink in list(self.sinks.items()):
+            if finish is not None:
+                del self.sinks[request_id]
+            sink(RequestOutput(request_id=request_id, new_token_ids=tokens,
+                               finish_reason=finish, error=error))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama_dir):
+    return load_tokenizer(tiny_llama_dir).backend_tokenizer
+
+
+def run_job(tokenizer, engines: list[FakeEngine], retries: int = 2, n: int = 1,
+            first: int = 0):
+    """A non-streamed job of ``n`` choices sent to ``engines[first]``, with the
+    router's and processor's state to inspect."""
+    router = EngineRouter(engines, policy="least-loaded")
+    processor = OutputProcessor(router, retries)
+    released = []
+    job = Job(request_id="cmpl-t", created=0, model="tiny", received=0.0, stream=False,
+              on_close=lambda j: released.append(j.engine))
+    job.prompts = [list(PROMPT)]
+    job.ticket = Admission(16, 1000).admit(n, n * len(PROMPT))
+    for i in range(n):
+        job.choices.append(Choice(
+            index=i, request_id=f"cmpl-t-{i}", prompt_token_ids=list(PROMPT),
+            detokenizer=IncrementalDetokenizer(tokenizer, PROMPT), stops=StopStringMatcher([]),
+            eos_token_ids=frozenset([2])))
+        job.params.append(SamplingParams(max_tokens=3))
+    for e in engines[:first]:
+        e.draining = True  # the pick lands on engines[first]
+    job.engine = router.pick(PROMPT)
+    for e in engines[:first]:
+        e.draining = False
+    job.formatter = object()  # a full response: nothing is formatted before it ends
+    processor.submit(job)
+    return job, router, processor
+
+
+def load(router: EngineRouter) -> list[int]:
+    return [e.load for e in router.engines]
+
+
+def finish(engine: FakeEngine) -> None:
+    engine.emit([11, 12])
+    engine.emit([13], FinishReason.LENGTH)
+
+
+async def _in_loop(fn):
+    return fn()
+
+
+def in_loop(fn):
+    """``fn`` run inside an event loop (submit arms no timer without a deadline, but
+    the job's Event wants a loop on older Pythons)."""
+    return asyncio.run(_in_loop(fn))
+
+
+def test_the_router_skips_a_draining_engine_and_refuses_when_all_drain():
+    a, b = FakeEngine("a"), FakeEngine("b")
+    router = EngineRouter([a, b], policy="least-loaded")
+    a.draining = True
+    assert [router.pick(PROMPT) for _ in range(3)] == [b, b, b]
+    b.draining = True
+    with pytest.raises(APIError) as e:
+        router.pick(PROMPT)
+    assert e.value.status == 503
+    assert "fake://a: draining; fake://b: draining" in e.value.message
+
+
+def test_a_request_refused_by_a_draining_engine_completes_on_another(tokenizer):
+    def scenario():
+        a, b = FakeEngine("a"), FakeEngine("b")
+        job, router, processor = run_job(tokenizer, [a, b], n=2)
+        assert a.submitted == ["cmpl-t-0", "cmpl-t-1"] and load(router) == [1, 0]
+        a.refuse()  # both choices refused: one retry of the whole job
+        assert b.submitted == ["cmpl-t-0", "cmpl-t-1"]
+        assert job.engine is b and job.attempt == 1 and processor.num_retries == 1
+        assert load(router) == [0, 1]
+        finish(b)
+        return job
+    job = in_loop(scenario)
+    assert job.ended and job.error is None
+    assert job.ticket.admission.requests == 0  # each choice gave its share back once
+    assert [c.token_ids for c in job.choices] == [[11, 12, 13]] * 2
+    assert [c.finish_reason for c in job.choices] == ["length"] * 2
+
+
+def test_a_request_whose_engine_died_before_any_output_moves(tokenizer):
+    def scenario():
+        a, b = FakeEngine("a"), FakeEngine("b")
+        job, router, processor = run_job(tokenizer, [a, b])
+        a.die()
+        assert job.engine is b and processor.num_retries == 1
+        finish(b)
+        return job
+    job = in_loop(scenario)
+    assert job.error is None and job.choices[0].token_ids == [11, 12, 13]
+
+
+def test_an_engine_abort_before_any_output_moves_but_an_error_of_its_own_does_not(tokenizer):
+    def scenario():
+        a, b = FakeEngine("a"), FakeEngine("b")
+        moved, _, _ = run_job(tokenizer, [a, b])
+        a.emit([], FinishReason.ABORT, "the engine is shutting down")
+        assert moved.engine is b and not moved.ended
+        c, d = FakeEngine("c"), FakeEngine("d")
+        failed, _, processor = run_job(tokenizer, [c, d])
+        c.emit([], FinishReason.ERROR, "non-finite logits")
+        assert failed.engine is c and processor.num_retries == 0 and d.submitted == []
+        e, f = FakeEngine("e"), FakeEngine("f")
+        invalid, _, processor = run_job(tokenizer, [e, f])
+        e.refuse("prompt too long", RequestErrorKind.INVALID)
+        assert invalid.engine is e and processor.num_retries == 0 and f.submitted == []
+        return failed, invalid
+    failed, invalid = in_loop(scenario)
+    assert failed.error.status == 500 and "non-finite logits" in failed.error.message
+    assert invalid.error.status == 400 and invalid.error.message == "prompt too long"
+
+
+def test_a_request_that_streamed_tokens_is_not_retried(tokenizer):
+    def scenario():
+        a, b = FakeEngine("a"), FakeEngine("b")
+        job, router, processor = run_job(tokenizer, [a, b])
+        a.emit([11])
+        a.die()
+        assert b.submitted == [] and processor.num_retries == 0
+        return job
+    job = in_loop(scenario)
+    assert job.ended and job.error.status == 503
+    assert "lost the connection" in job.error.message
+
+
+def test_retries_stop_at_the_limit_and_with_no_other_engine(tokenizer):
+    def scenario():
+        engines = [FakeEngine(x) for x in "abcd"]
+        job, router, processor = run_job(tokenizer, engines, retries=2)
+        for e in engines[:3]:
+            e.refuse()
+        assert [len(e.submitted) for e in engines] == [1, 1, 1, 0]
+        assert processor.num_retries == 2 and load(router) == [0, 0, 1, 0]
+        alone = FakeEngine("alone")
+        single, router1, p1 = run_job(tokenizer, [alone])
+        alone.die()
+        return job, single, p1
+    job, single, p1 = in_loop(scenario)
+    assert job.error.status == 503 and job.error.message == "the engine is shutting down"
+    assert single.error.status == 503 and p1.num_retries == 0
+
+
+def test_a_retry_skips_an_engine_with_a_shorter_context(tokenizer):
+    def scenario():
+        a, short = FakeEngine("a"), FakeEngine("short", max_model_len=64)
+        job, router, processor = run_job(tokenizer, [a, short])
+        a.refuse()
+        return job, router, processor, short
+    job, router, processor, short = in_loop(scenario)
+    assert job.error is not None and processor.num_retries == 0
+    assert short.submitted == [] and load(router) == [1, 0]
+
+
+def test_outputs_from_the_engine_a_job_left_are_ignored(tokenizer):
+    def scenario():
+        a, b = FakeEngine("a"), FakeEngine("b")
+        job, router, processor = run_job(tokenizer, [a, b], n=2)
+        sink = a.sinks["cmpl-t-1"]  # a dead engine fails each request it held, in turn
+        a.sinks["cmpl-t-0"](EngineDeadError("gone"))
+        assert job.engine is b and a.cancelled == ["cmpl-t-0", "cmpl-t-1"]
+        sink(EngineDeadError("gone"))  # the old attempt's second failure: ignored
+        sink(RequestOutput(request_id="cmpl-t-1", new_token_ids=[99]))
+        finish(b)
+        return job
+    job = in_loop(scenario)
+    assert job.error is None and [c.token_ids for c in job.choices] == [[11, 12, 13]] * 2
+
+
+def test_an_engine_that_died_between_the_pick_and_the_send_is_left_for_another(tokenizer):
+    """The pick and the send are in different turns of the event loop (the request's
+    preparation ends in between): the engine may be found dead at the send."""
+    class DiesBeforeTheSend(FakeEngine):
+        def submit(self, *args) -> None:
+            raise EngineDeadError("lost the connection")
+
+    def scenario():
+        a, b = DiesBeforeTheSend("a"), FakeEngine("b")
+        job, router, processor = run_job(tokenizer, [a, b])
+        assert job.engine is b and load(router) == [0, 1]
+        finish(b)
+        lone, _, _ = run_job(tokenizer, [DiesBeforeTheSend("lone")])
+        return job, lone
+    job, lone = in_loop(scenario)
+    assert job.error is None and job.choices[0].token_ids == [11, 12, 13]
+    assert lone.ended and lone.error.status == 503
