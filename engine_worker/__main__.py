@@ -84,7 +84,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                                   max_num_batched_tokens=args.max_num_batched_tokens))
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m engine_worker", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_engine_args(parser)
@@ -97,6 +97,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--max-frame-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES,
                         help="a client sending a larger frame is disconnected")
     parser.add_argument("--log-level", default=None)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     setup_logging("engine", args.log_level)
     try:

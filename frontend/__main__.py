@@ -96,7 +96,7 @@ def serve(config: FrontendConfig, log_level: Optional[str] = None) -> None:
                 timeout_graceful_shutdown=10)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m frontend", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=env_default("MODEL"),
@@ -110,6 +110,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="tokenizer pool address")
     add_frontend_args(parser)
     parser.add_argument("--log-level", default=None)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     setup_logging("frontend", args.log_level)
     engines = args.engine or [a for a in (env_default("ENGINE_ADDRESS") or

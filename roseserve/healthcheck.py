@@ -67,7 +67,7 @@ def check_http(url: str, timeout_s: float) -> Optional[str]:
         return f"{url}: {e}"
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m roseserve.healthcheck", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("kind", choices=["engine", "tokenizer", "http"])
@@ -77,7 +77,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--ready", action="store_true",
                         help="also fail while the engine drains: a readiness check (it "
                              "is alive, but should be sent nothing new)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.kind == "http":
         problem = check_http(args.address, args.timeout)
     else:

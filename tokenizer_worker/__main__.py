@@ -22,7 +22,7 @@ from tokenizer_worker.pool import DEFAULT_JOB_TIMEOUT_S, TokenizerPool, default_
 logger = logging.getLogger("tokenizer_worker")
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m tokenizer_worker", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=env_default("MODEL"),
@@ -41,6 +41,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--max-frame-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES,
                         help="a client sending a larger frame is disconnected")
     parser.add_argument("--log-level", default=None)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     setup_logging("tokenizer", args.log_level)
     if args.workers < 1:

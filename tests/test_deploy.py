@@ -1,0 +1,124 @@
+"""The deployment files: the Kubernetes manifests validate against Kubernetes' own
+schemas (the kubernetes-validate package; no cluster runs here), and every command
+in them, in the Swarm stack and in the compose file is one our programs accept,
+with the settings that make drains and membership work."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from engine_worker.__main__ import build_parser as engine_parser
+from frontend.__main__ import build_parser as frontend_parser
+from roseserve.healthcheck import build_parser as healthcheck_parser
+from tokenizer_worker.__main__ import build_parser as tokenizer_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+KUBERNETES = sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml"))
+KUBERNETES_VERSION = "1.31"
+PARSERS = {"engine_worker": engine_parser, "frontend": frontend_parser,
+           "tokenizer_worker": tokenizer_parser, "roseserve.healthcheck": healthcheck_parser}
+
+
+def parse(command: list[str]):
+    """``python -m MODULE ARGS...`` parsed by MODULE's own parser (argparse exits on
+    anything it refuses)."""
+    assert command[:2] == ["python", "-m"], command
+    return PARSERS[command[2]]().parse_args(command[3:])
+
+
+def manifests() -> dict[str, dict]:
+    """Every object, by kind/name."""
+    out = {}
+    for path in KUBERNETES:
+        for doc in yaml.safe_load_all(path.read_text()):
+            out[f"{doc['kind']}/{doc['metadata']['name']}"] = doc
+    return out
+
+
+def containers(doc: dict) -> list[dict]:
+    return doc["spec"]["template"]["spec"]["containers"]
+
+
+@pytest.mark.parametrize("path", KUBERNETES, ids=lambda p: p.name)
+def test_the_manifests_validate_against_the_kubernetes_schemas(path):
+    docs = list(yaml.safe_load_all(path.read_text()))
+    assert docs
+    for doc in docs:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def test_a_manifest_error_is_caught():
+    """The validation is not vacuous: a misspelt field and a wrong type fail it."""
+    deployment = manifests()["Deployment/engine"]
+    bad = yaml.safe_load(yaml.safe_dump(deployment))
+    bad["spec"]["replica"] = 2
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, KUBERNETES_VERSION, strict=True)
+    bad = yaml.safe_load(yaml.safe_dump(deployment))
+    bad["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = "45s"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, KUBERNETES_VERSION, strict=True)
+
+
+def test_the_kubernetes_commands_and_probes_are_ours_and_drain_within_the_grace_period():
+    objects = manifests()
+    engine_service = objects["Service/engine"]
+    assert engine_service["spec"]["clusterIP"] == "None"  # DNS answers with every pod
+    for name in ("Deployment/engine", "Deployment/engine-gpu"):
+        deployment = objects[name]
+        (container,) = containers(deployment)
+        args = parse(container["command"])
+        grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+        assert args.drain_timeout + 10 <= grace, name
+        assert container["readinessProbe"]["exec"]["command"][-1] == "--ready"
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            check = parse(container[probe]["exec"]["command"])
+            assert (check.kind, check.address) == ("engine", "tcp://127.0.0.1:5557"), probe
+        assert "kill -TERM 1" in container["lifecycle"]["preStop"]["exec"]["command"][-1]
+        # Both engine Deployments sit behind the one Service, each owning its own pods.
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert engine_service["spec"]["selector"].items() <= labels.items()
+        assert deployment["spec"]["selector"]["matchLabels"] == labels
+    gpu = containers(objects["Deployment/engine-gpu"])[0]
+    assert gpu["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert parse(gpu["command"]).device == "cuda"
+    cpu_labels = objects["Deployment/engine"]["spec"]["selector"]["matchLabels"]
+    gpu_labels = objects["Deployment/engine-gpu"]["spec"]["selector"]["matchLabels"]
+    assert cpu_labels["roseserve/accelerator"] != gpu_labels["roseserve/accelerator"]
+    (front,) = containers(objects["Deployment/frontend"])
+    args = parse(front["command"])
+    assert args.engine == ["tcp://engine:5557"] and args.tokenizer == "tcp://tokenizer:5558"
+    assert objects["Deployment/frontend"]["spec"]["replicas"] >= 2
+    (tokenizer,) = containers(objects["Deployment/tokenizer"])
+    assert parse(tokenizer["command"]).bind == "tcp://0.0.0.0:5558"
+    assert objects["Service/tokenizer"]["spec"]["clusterIP"] == "None"
+
+
+def interpolated(text: str) -> str:
+    """A compose file's ${VAR:-default} replaced by the default."""
+    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", text)
+
+
+def test_the_swarm_stack_and_the_compose_file_run_our_commands():
+    stack = yaml.safe_load(interpolated((ROOT / "deploy/swarm/stack.yml").read_text()))
+    services = stack["services"]
+    frontend = parse(services["frontend"]["command"])
+    assert frontend.engine == ["tcp://tasks.engine:5557"]
+    engine = parse(services["engine"]["command"])
+    grace = int(services["engine"]["stop_grace_period"].rstrip("s"))
+    assert engine.drain_timeout + 10 <= grace
+    assert services["engine"]["deploy"]["update_config"]["parallelism"] == 1
+    assert int(services["frontend"]["deploy"]["replicas"]) >= 2
+    for service in services.values():
+        parse(service["command"])
+        parse(service["healthcheck"]["test"][1:])
+    compose = yaml.safe_load(interpolated((ROOT / "docker-compose.yml").read_text()))
+    for name, service in compose["services"].items():
+        if "command" in service:
+            parse(service["command"])
+            parse(service["healthcheck"]["test"][1:])
