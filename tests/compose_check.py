@@ -49,7 +49,7 @@ def wait_for(predicate, timeout_s: float, what: str) -> float:
         try:
             if predicate():
                 return time.monotonic() - start
-        except (httpx.HTTPError, OSError):
+        except (httpx.HTTPError, OSError, ValueError):
             pass
         time.sleep(0.5)
     raise SystemExit(f"FAILED: {what} not within {timeout_s:.0f} s")

@@ -35,6 +35,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.stack import metric as parse_metric  # noqa: E402
+from compose_check import wait_for  # noqa: E402
 
 MAX_TOKENS = 32
 CLIENTS = 6
@@ -150,18 +151,6 @@ def engines_everywhere(frontends: Frontends, n: int) -> bool:
         if parse_metric(text, "roseserve_engines_healthy") != n:
             return False
     return True
-
-
-def wait_for(predicate, timeout_s: float, what: str) -> float:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        try:
-            if predicate():
-                return time.monotonic() - start
-        except (httpx.HTTPError, OSError, ValueError):
-            pass
-        time.sleep(1.0)
-    raise SystemExit(f"FAILED: {what} not within {timeout_s:.0f} s")
 
 
 def docker(*args: str) -> None:
