@@ -14,7 +14,8 @@ hung loop). Any of them fails everything in flight (``_fail_pending``) instead o
 leaving it to hang. A Ready revives the client; the Hello that asked for it listed the
 work the client still follows, so the service drops whatever the client gave up on
 (reconciliation), and a Ready from a different instance means the old one's work is
-lost.
+lost. A service that drains (an engine after SIGTERM) says so in its pongs: it stays
+healthy, finishing its work, but is not ``accepting`` new work.
 """
 
 from __future__ import annotations
