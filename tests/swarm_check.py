@@ -57,19 +57,20 @@ class Frontends:
             return subprocess.run(["docker", *args], capture_output=True, text=True,
                                   check=True).stdout
 
-        tasks = run("ps", "-q", "--no-trunc", "--filter",
-                    f"label=com.docker.swarm.service.name={self.stack}_frontend").split()
-        bridge = json.loads(run("network", "inspect", "docker_gwbridge", "-f",
-                                "{{json .Containers}}") or "{}") or {}
+        try:
+            tasks = run("ps", "-q", "--no-trunc", "--filter",
+                        f"label=com.docker.swarm.service.name={self.stack}_frontend").split()
+            # The bridge exists once the node's first task has started.
+            bridge = json.loads(run("network", "inspect", "docker_gwbridge", "-f",
+                                    "{{json .Containers}}") or "{}") or {}
+        except (subprocess.CalledProcessError, ValueError):
+            return  # not yet, or docker was busy: the last answer stands
         self.urls = sorted(f"http://{bridge[t]['IPv4Address'].split('/')[0]}:8000"
                            for t in tasks if t in bridge)
 
     def watch(self, stop: threading.Event) -> None:
         while self.mesh is None and not stop.wait(1.0):
-            try:
-                self.refresh()
-            except (subprocess.CalledProcessError, ValueError):
-                pass
+            self.refresh()
 
     def next(self) -> str:
         urls = self.urls
