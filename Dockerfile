@@ -37,7 +37,8 @@ FROM ${BASE_IMAGE}
 RUN (command -v cc > /dev/null || (apt-get update && \
         apt-get install -y --no-install-recommends gcc libc6-dev && \
         rm -rf /var/lib/apt/lists/*)) || echo "no C compiler: the engine will use torch ops"
-RUN useradd --create-home --uid 10001 roseserve && mkdir -p /cache/kernels && chown -R roseserve /cache
+RUN useradd --create-home --uid 10001 roseserve && mkdir -p /cache/kernels /keys && \
+    chown -R roseserve /cache /keys
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build --chown=roseserve /cache /cache
 ENV PATH=/opt/venv/bin:$PATH ROSESERVE_CACHE_DIR=/cache PYTHONUNBUFFERED=1 \

@@ -1,17 +1,22 @@
-"""Prefix-aware routing against least-loaded, on a workload of several shared prefixes.
+"""Prefix-aware routing against least-loaded, with one frontend and with two, on a
+workload of several shared prefixes.
 
     python benchmarks/routing.py --json docs/bench/routing.json
     python benchmarks/routing.py --num-requests 16 -- --model DIR --device cpu   # after --:
                                                                                   # serve's flags
 
 Runs benchmarks/stream.py's shared-prefix workload (``--num-prefixes`` distinct
-prefixes, each prompt one of them plus its own tail) against three ``roseserve serve``
+prefixes, each prompt one of them plus its own tail) against four ``roseserve serve``
 stacks in turn, each started fresh (cold caches): one engine with the whole machine
 (the reference hit rate), two engines of ``cores / 2`` threads with ``--routing
-prefix``, and two with ``--routing least-loaded``. Prints, per configuration, the
-prefix-cache hit rate (prompt tokens served from the cache / prompt tokens), TTFT
-p50/p99, output throughput and requests per engine; then each two-engine hit rate
-as a ratio of the one-engine rate (the target for prefix-aware routing: >= 0.9).
+prefix``, the same behind two frontends (``--frontends 2``, sent requests in turn as
+a round-robin balancer would: each frontend routes by what the engines report they
+cache, whoever sent it there), and two engines with ``--routing least-loaded``.
+Prints, per configuration, the prefix-cache hit rate (prompt tokens served from the
+cache / prompt tokens), TTFT p50/p99, output throughput and requests per engine; then
+each two-engine hit rate as a ratio of the one-engine rate (the target for
+prefix-aware routing: >= 0.9), and the two frontends' as a ratio of one frontend's
+(target: >= 0.95).
 """
 
 from __future__ import annotations
@@ -27,8 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import stream  # noqa: E402
 from benchmarks.stack import Stack, cpu_model  # noqa: E402
 
+ONE_FRONTEND = "2 engines, prefix-aware"
+TWO_FRONTENDS = "2 engines, prefix, 2 frontends"
 CONFIGS = [("1 engine", ["--engines", "1"]),
-           ("2 engines, prefix-aware", ["--engines", "2", "--routing", "prefix"]),
+           (ONE_FRONTEND, ["--engines", "2", "--routing", "prefix"]),
+           (TWO_FRONTENDS, ["--engines", "2", "--routing", "prefix", "--frontends", "2"]),
            ("2 engines, least-loaded", ["--engines", "2", "--routing", "least-loaded"])]
 
 
@@ -59,7 +67,8 @@ def main(argv=None) -> int:
             with tempfile.TemporaryDirectory() as tmp:
                 out = Path(tmp) / "run.json"
                 code = stream.main([
-                    "--url", stack.url, "--dataset", "shared-prefix",
+                    *[a for url in stack.urls for a in ("--url", url)],
+                    "--dataset", "shared-prefix",
                     "--num-prefixes", str(args.num_prefixes),
                     "--shared-prefix-len", str(args.shared_prefix_len),
                     "--input-len", str(args.input_len), "--num-requests", str(args.num_requests),
@@ -81,20 +90,27 @@ def main(argv=None) -> int:
     reference = results[0]["prefix_cache_hit_rate"] or 1e-9
     for r in results:
         r["hit_rate_vs_one_engine"] = r["prefix_cache_hit_rate"] / reference
+    by_name = {r["config"]: r for r in results}
+    two_vs_one = (by_name[TWO_FRONTENDS]["prefix_cache_hit_rate"] /
+                  (by_name[ONE_FRONTEND]["prefix_cache_hit_rate"] or 1e-9))
     cpu = cpu_model()
     print(f"\n=== routing: {args.num_requests} requests, {args.num_prefixes} prefixes of "
           f"{args.shared_prefix_len} tokens, {args.input_len}-token prompts, "
           f"{args.max_new_tokens} output tokens, concurrency {args.max_concurrency}; {cpu} ===")
-    print(f"{'configuration':<26} {'hit rate':>8} {'vs 1 engine':>11} {'TTFT p50':>9} "
+    print(f"{'configuration':<31} {'hit rate':>8} {'vs 1 engine':>11} {'TTFT p50':>9} "
           f"{'TTFT p99':>9} {'tok/s':>7}  requests per engine")
     for r in results:
         spread = " / ".join(str(n) for n in r["engines"].values())
-        print(f"{r['config']:<26} {r['prefix_cache_hit_rate']:>8.3f} "
+        print(f"{r['config']:<31} {r['prefix_cache_hit_rate']:>8.3f} "
               f"{r['hit_rate_vs_one_engine']:>11.2f} {r['ttft_ms_p50']:>7.0f}ms "
               f"{r['ttft_ms_p99']:>7.0f}ms {r['throughput_completion']:>7.1f}  {spread}")
+    print(f"two frontends' hit rate / one frontend's: {two_vs_one:.3f} "
+          f"({by_name[TWO_FRONTENDS]['prefix_cache_hit_rate']:.3f} / "
+          f"{by_name[ONE_FRONTEND]['prefix_cache_hit_rate']:.3f}; target >= 0.95)")
     if args.json_path:
         Path(args.json_path).write_text(json.dumps({
-            "cpu": cpu, "workload": vars(args), "serve_args": serve_args, "results": results},
+            "cpu": cpu, "workload": vars(args), "serve_args": serve_args, "results": results,
+            "two_frontends_vs_one": two_vs_one},
             indent=2) + "\n")
         print(f"wrote {args.json_path}")
     return 0

@@ -21,8 +21,11 @@ class Stack:
     """``roseserve serve`` started by a benchmark, its output in a temporary file."""
 
     def __init__(self, serve_args: list[str], name: str = "bench") -> None:
-        port = _free_port()
-        self.url = f"http://127.0.0.1:{port}"
+        frontends = int(serve_args[serve_args.index("--frontends") + 1]) \
+            if "--frontends" in serve_args else 1
+        port = _free_ports(frontends)
+        self.urls = [f"http://127.0.0.1:{port + i}" for i in range(frontends)]
+        self.url = self.urls[0]
         self.log = tempfile.NamedTemporaryFile(prefix=f"{name}-serve-", suffix=".log",
                                                delete=False)
         self.proc = subprocess.Popen(
@@ -72,12 +75,21 @@ class Stack:
             return self.proc.wait()
 
 
-def _free_port() -> int:
+def _free_ports(n: int) -> int:
+    """The first of ``n`` consecutive free ports."""
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            first = s.getsockname()[1]
+        try:
+            for port in range(first + 1, first + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
 
 
 def metric(text: str, name: str, **labels) -> float:

@@ -41,7 +41,10 @@ Prompt = Union[str, list[int]]
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--url", action="append", dest="urls",
+                   help="the server (default http://127.0.0.1:8000); repeated: several "
+                        "frontends of one cluster, sent requests in turn (a round-robin "
+                        "balancer)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--model", default=None,
                    help="model name to send (default: the server's only model)")
@@ -97,7 +100,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                  "output tokens/s over time")
     p.add_argument("--label", default=None, help="a name for this run in reports")
     p.add_argument("--no-progress", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.urls = args.urls or ["http://127.0.0.1:8000"]
+    args.url = args.urls[0]
+    return args
 
 
 # -- workload ------------------------------------------------------------------------
@@ -226,7 +232,7 @@ async def run_request(client: httpx.AsyncClient, url: str, body: dict, record: R
 
 async def run_once(args: argparse.Namespace, prompts: list[Prompt], model: str,
                    progress_label: Optional[str]) -> dict:
-    url = args.url.rstrip("/") + "/v1/completions"
+    urls = [u.rstrip("/") + "/v1/completions" for u in args.urls]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     offsets = arrival_offsets(len(prompts), args.request_rate, args.burstiness, args.seed,
                               args.submit_interval_ms / 1e3)
@@ -249,9 +255,10 @@ async def run_once(args: argparse.Namespace, prompts: list[Prompt], model: str,
             if semaphore is not None:
                 async with semaphore:
                     records[i].client_queue_ms = (time.perf_counter() - due) * 1e3
-                    await run_request(client, url, body(i), records[i], t0, headers)
+                    await run_request(client, urls[i % len(urls)], body(i), records[i], t0,
+                                      headers)
             else:
-                await run_request(client, url, body(i), records[i], t0, headers)
+                await run_request(client, urls[i % len(urls)], body(i), records[i], t0, headers)
             if bar is not None:
                 bar.update(1)
 
@@ -310,7 +317,7 @@ def summarize(args: argparse.Namespace, records: list[Record], wall: float, subm
         if address:
             engines[address] = engines.get(address, 0) + 1
     return {
-        "label": args.label, "model": model, "url": args.url, "pretok": bool(args.pretok or
+        "label": args.label, "model": model, "url": " ".join(args.urls), "pretok": bool(args.pretok or
                                                                               args.dataset != "fixed"),
         "dataset": args.dataset, "num_requests": len(records), "num_failed": len(records) - len(ok),
         "max_new_tokens": args.max_new_tokens, "request_rate": args.request_rate,

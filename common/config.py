@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    from common.curve import CurveKey
 
 _ENV_PREFIX = "ROSESERVE_"
 
@@ -180,6 +183,9 @@ class EngineServerConfig:
     # A client that sends a larger frame is disconnected (the frame is never read).
     # 16 MiB holds a prompt of about three million token ids.
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    # The cluster's CURVE key: clients must present it (common/curve.py); None: any
+    # client that reaches the socket is served.
+    curve_key: Optional["CurveKey"] = None
 
     def __post_init__(self) -> None:
         _check_address("bind", self.bind)
@@ -232,6 +238,9 @@ class FrontendConfig:
     engine_heartbeat_timeout_s: float = 10.0
     # An engine reporting one step running longer than this is treated as hung.
     engine_stall_timeout_s: float = 300.0
+    # The cluster's CURVE key, presented to the engines and the tokenizer pool
+    # (common/curve.py); None: plain sockets.
+    curve_key: Optional["CurveKey"] = None
 
     def __post_init__(self) -> None:
         if not self.engine_addresses:

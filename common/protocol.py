@@ -215,6 +215,9 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     # Client connections that ended, including peers cut off for sending a frame
     # over the size limit (ZeroMQ drops the connection before the frame is read).
     num_disconnects: int = 0
+    # Connections refused at the handshake: a peer without the cluster's CURVE key
+    # (common/curve.py), or speaking without CURVE to a socket that requires it.
+    num_handshakes_failed: int = 0
 
 
 # -- Engine worker <-> its clients (frontends, benchmarks, tests) ------------------
@@ -231,19 +234,21 @@ class MessageType(enum.IntEnum):
     ADD = 2  # AddRequest
     ABORT = 3  # AbortRequests
     PING = 4  # Ping: answered by Pong (from the I/O thread), with stats
+    CACHE_SYNC = 5  # CacheSync: send me a snapshot of your prefix cache
     # engine -> client
     READY = 16  # Ready
     OUTPUTS = 17  # OutputBatch: everything one step produced for this client
     REQUEST_ERROR = 18  # RequestError: one request refused or failed
     PONG = 19  # Pong
     DEAD = 20  # Dead: the engine is going down
+    CACHE_EVENTS = 21  # CacheEvents: the prefix cache's changes, or a snapshot of it
 
 
 # The version of every message in this module. Bump it when a message changes: the
 # two ends of a connection refuse each other when theirs differ (an older peer would
 # silently drop fields a newer one sends). A peer whose messages lack the field is
 # version 0.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 
 
 def version_mismatch(peer: str, theirs: int) -> Optional[str]:
@@ -288,6 +293,8 @@ class Ready(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int
     # EOS token ids of the model (the frontend hides them from text).
     eos_token_ids: list[int]
+    # Whether the engine keeps a prefix cache (and so publishes CacheEvents).
+    prefix_caching: bool = True
 
 
 class OutputBatch(msgspec.Struct, frozen=True, kw_only=True):
@@ -326,6 +333,26 @@ class Pong(msgspec.Struct, frozen=True, kw_only=True):
 
 class Dead(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
+
+
+class CacheSync(msgspec.Struct, frozen=True, kw_only=True):
+    """A client missed some CacheEvents (a gap in ``seq``): it asks for a snapshot."""
+
+
+class CacheEvents(msgspec.Struct, frozen=True, kw_only=True):
+    """What the engine's prefix cache holds, as changes: the chained hashes of the
+    full blocks it started and stopped holding (common/prefix_hash.py), sent to every
+    client after each step that changed it. ``seq`` numbers the engine instance's
+    changes 1, 2, 3...: a client that sees a number skipped has missed some and asks
+    for a snapshot (CacheSync). A snapshot (sent after every Ready, and on CacheSync)
+    lists in ``stored`` every hash the cache holds as of change ``seq``; it replaces
+    what the client had. Applying a change twice is harmless: ``stored`` and
+    ``removed`` are disjoint, and each says where a hash stands after the change."""
+
+    seq: int
+    stored: list[bytes] = []
+    removed: list[bytes] = []
+    snapshot: bool = False
 
 
 # -- Frontend <-> tokenizer pool ----------------------------------------------------
@@ -389,6 +416,8 @@ class PoolPong(msgspec.Struct, frozen=True, kw_only=True):
     num_disconnects: int = 0
     # Workers replaced since the pool started (died, or hung past the job timeout).
     num_workers_replaced: int = 0
+    # As EngineStats.num_handshakes_failed.
+    num_handshakes_failed: int = 0
 
 
 class TokenizerMessageType(enum.IntEnum):
@@ -408,6 +437,7 @@ CLIENT_MESSAGES: dict[int, type] = {
     MessageType.ADD: AddRequest,
     MessageType.ABORT: AbortRequests,
     MessageType.PING: Ping,
+    MessageType.CACHE_SYNC: CacheSync,
 }
 ENGINE_MESSAGES: dict[int, type] = {
     MessageType.READY: Ready,
@@ -415,6 +445,7 @@ ENGINE_MESSAGES: dict[int, type] = {
     MessageType.REQUEST_ERROR: RequestError,
     MessageType.PONG: Pong,
     MessageType.DEAD: Dead,
+    MessageType.CACHE_EVENTS: CacheEvents,
 }
 POOL_REQUESTS: dict[int, type] = {
     TokenizerMessageType.HELLO: Hello,

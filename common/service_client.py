@@ -6,7 +6,8 @@ service may come later or go and come back: until its Ready arrives the client i
 unavailable (new work fails at once) and says Hello again every heartbeat.
 
 Death is detected four ways, whichever comes first: a DEAD frame; the connection
-dropping (a ZeroMQ socket-monitor event, which is what a killed process produces); no
+dropping or refused at the handshake (ZeroMQ socket-monitor events: a killed process;
+a service that does not hold this client's CURVE key, common/curve.py); no
 pong to the heartbeat within the deadline (a hung process or a lost network; pongs
 come from the service's I/O thread, so a long step never delays them); or a pong
 saying the service's loop has been in one iteration for longer than ``stall_timeout_s`` (a
@@ -36,7 +37,8 @@ from zmq.utils.monitor import parse_monitor_message
 
 from common.protocol import (PROTOCOL_VERSION, Codec, Dead, Hello, Ping, ProtocolError,
                              version_mismatch)
-from common.sockets import make_socket
+from common.curve import CurveKey, client_security
+from common.sockets import HANDSHAKE_FAILED, make_socket
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +67,11 @@ class ServiceClient:
 
     def __init__(self, address: str, codec: Codec, *, client_id: Optional[str] = None,
                  heartbeat_interval_s: float = 1.0, heartbeat_timeout_s: float = 10.0,
-                 stall_timeout_s: float = 300.0, process=None) -> None:
+                 stall_timeout_s: float = 300.0, process=None,
+                 curve_key: Optional[CurveKey] = None) -> None:
         """``process``: the service's Popen/Process handle when this side started it;
-        its exit is then noticed directly."""
+        its exit is then noticed directly. ``curve_key``: the cluster's CURVE key, to
+        present to the service (common/curve.py)."""
         self.address = address
         self.codec = codec
         self.client_id = client_id or (
@@ -76,6 +80,7 @@ class ServiceClient:
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.stall_timeout_s = stall_timeout_s
         self.process = process
+        self.curve_key = curve_key
         self.ctx = zmq.asyncio.Context()
         self.sock: Optional[zmq.asyncio.Socket] = None
         self.ready = None
@@ -99,9 +104,10 @@ class ServiceClient:
         """Connect without waiting: the client is unavailable until the service's
         Ready arrives, whenever that is."""
         self.sock = make_socket(self.ctx, self.address, zmq.DEALER, bind=False,
-                                identity=self.client_id.encode())
+                                identity=self.client_id.encode(),
+                                secure=client_security(self.curve_key))
         self._monitor = self.sock.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
         self._tasks = [asyncio.create_task(self._receive_loop()),
                        asyncio.create_task(self._monitor_loop(self._monitor)),
                        asyncio.create_task(self._heartbeat_loop())]
@@ -114,8 +120,9 @@ class ServiceClient:
             await asyncio.wait_for(self._ready_event.wait(), timeout_s)
         except asyncio.TimeoutError:
             await self.close()
+            why = "" if self.dead_reason == "not started" else f" ({self.dead_reason})"
             raise self.dead_error(f"{self.service} at {self.address} did not answer within "
-                                  f"{timeout_s:.0f} s") from None
+                                  f"{timeout_s:.0f} s{why}") from None
         if self.refusal is not None:
             await self.close()
             raise self.dead_error(self.refusal)
@@ -255,6 +262,16 @@ class ServiceClient:
             if event == zmq.EVENT_DISCONNECTED:
                 self._mark_dead(f"lost the connection to the {self.service} at "
                                 f"{self.address}")
+            elif event & HANDSHAKE_FAILED:
+                reason = (f"the {self.service} at {self.address} refused the connection at "
+                          f"the handshake: " + (
+                              "it does not hold this client's CURVE key, or has none"
+                              if self.curve_key else
+                              "it requires a CURVE key (--curve-key-file)"))
+                if self.ready is None and self.dead_reason != reason:
+                    logger.error("%s", reason)  # once, not at every reconnection
+                    self.dead_reason = reason  # what start() reports
+                self._mark_dead(reason)
             elif event == zmq.EVENT_CONNECTED and self.ready is not None:
                 await self._send(self._hello())  # reconnected
 

@@ -4,12 +4,17 @@ marks and linger, so every process configures its sockets the same way."""
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
-from typing import Optional, Union
+import time
+from typing import Callable, Optional, Union
 from urllib.parse import urlsplit
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
+
+logger = logging.getLogger(__name__)
 
 AnyContext = Union[zmq.Context, zmq.asyncio.Context]
 
@@ -20,13 +25,16 @@ DEFAULT_HWM = 100_000
 
 def make_socket(ctx: AnyContext, address: str, socket_type: int, *, bind: bool,
                 identity: Optional[bytes] = None, hwm: int = DEFAULT_HWM,
-                linger_ms: int = 0, max_message_bytes: Optional[int] = None) -> zmq.Socket:
+                linger_ms: int = 0, max_message_bytes: Optional[int] = None,
+                secure: Optional[Callable[[zmq.Socket], None]] = None) -> zmq.Socket:
     """A socket bound or connected to ``address`` (tcp://host:port or ipc://path).
 
     ``linger_ms`` is how long close() may wait to flush unsent messages; 0 drops them
     (a process that is exiting anyway), more for last words such as a DEAD frame.
     ``max_message_bytes``: a peer that sends a larger frame is disconnected before
     the frame is buffered (ZeroMQ's MAXMSGSIZE); services facing clients set it.
+    ``secure``: sets the socket's CURVE options before it binds or connects
+    (common/curve.py).
     """
     sock = ctx.socket(socket_type)
     sock.setsockopt(zmq.LINGER, linger_ms)
@@ -38,6 +46,8 @@ def make_socket(ctx: AnyContext, address: str, socket_type: int, *, bind: bool,
         sock.setsockopt(zmq.IDENTITY, identity)
     if address.startswith("tcp://["):  # an IPv6 literal (a DNS answer, say)
         sock.setsockopt(zmq.IPV6, 1)
+    if secure is not None:
+        secure(sock)
     if bind:
         if address.startswith("ipc://"):
             os.makedirs(os.path.dirname(address[len("ipc://"):]) or ".", exist_ok=True)
@@ -58,3 +68,30 @@ def is_loopback(address: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+# Socket-monitor events of a connection refused at the handshake (CURVE).
+HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                    | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+
+
+# A refused peer reconnects every 100 ms: its refusals are logged this often at most.
+REFUSAL_LOG_INTERVAL_S = 10.0
+_last_refusal_log = [-REFUSAL_LOG_INTERVAL_S]
+
+
+def read_refusal(monitor: zmq.Socket) -> bool:
+    """Read one event from a service socket's monitor (watching EVENT_DISCONNECTED and
+    HANDSHAKE_FAILED): True for a connection refused at the handshake (logged), False
+    for a disconnection."""
+    event = parse_monitor_message(monitor.recv_multipart())
+    if not event["event"] & HANDSHAKE_FAILED:
+        return False
+    now = time.monotonic()
+    if now - _last_refusal_log[0] >= REFUSAL_LOG_INTERVAL_S:
+        _last_refusal_log[0] = now
+        logger.warning("refused a connection at the handshake on %s: a peer without the "
+                       "cluster's CURVE key, or without CURVE (logged every %.0f s at "
+                       "most; the service's pong counts them)",
+                       event["endpoint"].decode(errors="replace"), REFUSAL_LOG_INTERVAL_S)
+    return True

@@ -1,6 +1,7 @@
 """python -m engine_worker: run one engine worker process.
 
-    python -m engine_worker --device cuda --model /models/Qwen2-7B --bind tcp://0.0.0.0:5557
+    python -m engine_worker --device cuda --model /models/Qwen2-7B --bind tcp://0.0.0.0:5557 \
+        --curve-key-file cluster.key   # beyond loopback: only holders of the key are served
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Optional, Sequence
 from common import faults
 from common.config import (DEFAULT_ENGINE_ADDRESS, DEFAULT_MAX_FRAME_BYTES, CacheConfig,
                            EngineConfig, EngineServerConfig, SchedulerConfig, env_default)
+from common.curve import add_curve_args, key_for_bind
 from common.errors import InvalidRequestError, ModelLoadError
 from common.logging_setup import setup_logging
 from common.sockets import is_loopback
@@ -96,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="abort a silent client's requests after this many seconds")
     parser.add_argument("--max-frame-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES,
                         help="a client sending a larger frame is disconnected")
+    add_curve_args(parser, binds=True)
     parser.add_argument("--log-level", default=None)
     return parser
 
@@ -108,12 +111,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         server_config = EngineServerConfig(bind=args.bind, drain_timeout_s=args.drain_timeout,
                                            client_timeout_s=args.client_timeout,
                                            per_token_frames=args.per_token_output_frames,
-                                           max_frame_bytes=args.max_frame_bytes)
+                                           max_frame_bytes=args.max_frame_bytes,
+                                           curve_key=key_for_bind(args.bind, args.curve_key_file,
+                                                                  args.insecure_no_curve))
         engine_config = engine_config_from_args(args)
     except ValueError as e:
         parser.error(str(e))
     if not is_loopback(server_config.bind):
-        logger.warning("binding %s: reachable beyond this host, as asked", server_config.bind)
+        logger.warning("binding %s: reachable beyond this host, as asked (%s)",
+                       server_config.bind, "clients must hold the cluster's CURVE key"
+                       if server_config.curve_key else "WITHOUT authentication")
 
     from engine_worker.engine import LLMEngine
     from engine_worker.server import EngineServer

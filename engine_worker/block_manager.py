@@ -16,6 +16,11 @@ under its hash when it is scheduled to be filled, before the forward pass, so th
 request admitted later in the same step can attend to it (in-batch dedup: all KV
 writes of a layer precede its reads).
 
+Change log: with ``record_changes()``, every change to the set of hashes the cache
+holds (a block registered; evicted, forgotten or reset) is noted, last one winning
+per hash, until ``take_changes()``: the engine worker publishes them to its clients
+(CacheEvents in common/protocol.py) so that routers know exactly what it holds.
+
 Each query pairs a cheap check with its action: ``num_blocks_needed`` with
 ``can_allocate``/``allocate``; ``free`` undoes ``allocate``.
 """
@@ -61,6 +66,8 @@ class BlockManager:
         # Cached (ref 0, hashed) blocks, least recently used first.
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._by_hash: dict[bytes, int] = {}
+        # Hash -> held, since the last take_changes(); None: not recording.
+        self._changes: Optional[dict[bytes, bool]] = None
 
     # -- queries ---------------------------------------------------------------
 
@@ -83,6 +90,20 @@ class BlockManager:
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every hash the prefix cache holds."""
+        return list(self._by_hash)
+
+    def record_changes(self) -> None:
+        self._changes = {}
+
+    def take_changes(self) -> tuple[list[bytes], list[bytes]]:
+        """The hashes the cache started holding and stopped holding since the last
+        call (disjoint lists)."""
+        changes, self._changes = self._changes or {}, {}
+        stored = [h for h, held in changes.items() if held]
+        return stored, [h for h, held in changes.items() if not held]
 
     def hash_blocks(self, table: BlockTable, token_ids: Sequence[int], num_tokens: int) -> int:
         """Extend ``table.block_hashes`` over the full blocks among the first
@@ -169,7 +190,7 @@ class BlockManager:
         for block_id in block_ids:
             block = self.blocks[block_id]
             if block.block_hash is not None and self._by_hash.get(block.block_hash) == block_id:
-                del self._by_hash[block.block_hash]
+                self._unhash(block.block_hash)
             block.block_hash = None
             block.token_ids = None
         table.num_registered = min(table.num_registered, first)
@@ -183,7 +204,8 @@ class BlockManager:
         for block in self.blocks:
             block.block_hash = None
             block.token_ids = None
-        self._by_hash.clear()
+        for block_hash in list(self._by_hash):
+            self._unhash(block_hash)
 
     # -- internals -------------------------------------------------------------
 
@@ -201,10 +223,15 @@ class BlockManager:
         block = self.blocks[block_id]
         assert block.block_hash is not None
         if self._by_hash.get(block.block_hash) == block_id:
-            del self._by_hash[block.block_hash]
+            self._unhash(block.block_hash)
         block.block_hash = None
         block.token_ids = None
         return block_id
+
+    def _unhash(self, block_hash: bytes) -> None:
+        del self._by_hash[block_hash]
+        if self._changes is not None:
+            self._changes[block_hash] = False
 
     def _register(self, table: BlockTable, token_ids: Sequence[int], num_tokens: int) -> None:
         bs = self.block_size
@@ -219,4 +246,6 @@ class BlockManager:
             block.block_hash = block_hash
             block.token_ids = tuple(token_ids[i * bs:(i + 1) * bs])
             self._by_hash[block_hash] = block.block_id
+            if self._changes is not None:
+                self._changes[block_hash] = True
         table.num_registered = max(table.num_registered, num_full)

@@ -6,18 +6,23 @@ that ends it): the receive task hands each OutputBatch to the sinks in one pass,
 no task or queue per request (``submit``). ``generate`` wraps that as an async
 iterator. Liveness (DEAD frames, dropped connections, heartbeats) is
 common/service_client.py's.
+
+``cache`` mirrors what the engine's prefix cache holds, kept from the CacheEvents the
+engine sends (a gap in their numbers asks for a snapshot): the router reads it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections import OrderedDict
 from typing import AsyncIterator, Callable, Optional, Sequence, Union
 
 import msgspec
 
 from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, AbortRequests, AddRequest,
-                             Codec, OutputBatch, Pong, Ready, RequestError, RequestErrorKind,
+                             CacheEvents, CacheSync, Codec, OutputBatch, Pong, Ready, RequestError, RequestErrorKind,
                              RequestOutput, SamplingParams)
 from common.service_client import ServiceClient, ServiceDeadError, ServiceRequestError
 
@@ -35,6 +40,74 @@ class EngineRequestError(ServiceRequestError):
 # Gets a request's outputs in order; an exception instead ends the request.
 Sink = Callable[[Union[RequestOutput, BaseException]], None]
 
+# A client that missed some cache events asks for a snapshot at most this often (the
+# answer to an earlier request may itself have been lost).
+RESYNC_INTERVAL_S = 1.0
+
+
+class CacheView:
+    """The chained block hashes an engine instance's prefix cache holds (``held``, as
+    of its change number ``seq``), and those this client expects it to hold soon
+    (``expected``: prompts sent there whose blocks no change has reported yet; a
+    change that reports a hash stored or removed settles it). Memory: at most the
+    engine's KV blocks each."""
+
+    def __init__(self) -> None:
+        self.held: set[bytes] = set()
+        self.expected: "OrderedDict[bytes, None]" = OrderedDict()
+        # None until a snapshot arrives (changes before it are ignored).
+        self.seq: Optional[int] = None
+        self.num_resyncs = 0
+        self._resync_asked = -RESYNC_INTERVAL_S
+
+    def holds(self, block_hash: bytes) -> bool:
+        return block_hash in self.held or block_hash in self.expected
+
+    def expect(self, hashes: Sequence[bytes], capacity: int) -> None:
+        """A prompt with these block hashes was sent to the engine, which will cache
+        them when it computes it (unless they are evicted first); the oldest
+        expectations beyond ``capacity`` are dropped."""
+        for h in hashes:
+            if h not in self.held:
+                self.expected[h] = None
+                self.expected.move_to_end(h)
+        while len(self.expected) > capacity:
+            self.expected.popitem(last=False)
+
+    def reset(self) -> None:
+        """A new engine instance: nothing is known until its snapshot."""
+        self.held.clear()
+        self.expected.clear()
+        self.seq = None
+
+    def apply(self, events: CacheEvents, now: float) -> bool:
+        """Take in one message; True when a snapshot should be asked for (a gap)."""
+        if events.snapshot:
+            self.held = set(events.stored)
+            self._settle(self.held)
+            self.seq = events.seq
+            return False
+        if self.seq is None or events.seq <= self.seq:
+            return False  # before the snapshot, or already in it
+        if events.seq != self.seq + 1:
+            # Missed some: keep what is known (mostly right) until the snapshot.
+            if now - self._resync_asked < RESYNC_INTERVAL_S:
+                return False
+            self._resync_asked = now
+            self.num_resyncs += 1
+            return True
+        self.held.difference_update(events.removed)
+        self.held.update(events.stored)
+        self._settle(events.stored)
+        self._settle(events.removed)
+        self.seq = events.seq
+        return False
+
+    def _settle(self, hashes) -> None:
+        if self.expected:
+            for h in hashes:
+                self.expected.pop(h, None)
+
 
 class EngineClient(ServiceClient):
     service = "engine"
@@ -45,6 +118,7 @@ class EngineClient(ServiceClient):
     def __init__(self, address: str, **kw) -> None:
         super().__init__(address, Codec(CLIENT_MESSAGES, ENGINE_MESSAGES), **kw)
         self._sinks: dict[str, Sink] = {}
+        self.cache = CacheView()
 
     def submit(self, request_id: str, prompt_token_ids: Sequence[int],
                params: Optional[SamplingParams], sink: Sink) -> None:
@@ -109,6 +183,17 @@ class EngineClient(ServiceClient):
             sink = self._sinks.pop(message.request_id, None)
             if sink is not None:
                 sink(EngineRequestError(message))
+        elif isinstance(message, CacheEvents):
+            if self.cache.apply(message, time.monotonic()):
+                logger.info("missed prefix-cache changes of the engine at %s (%d after "
+                            "%s): asking for a snapshot", self.address, message.seq,
+                            self.cache.seq)
+                self._send_nowait(CacheSync())
+
+    def _on_ready(self, ready: Ready) -> None:
+        if self.ready is None or ready.engine_id != self.ready.engine_id:
+            self.cache.reset()
+        super()._on_ready(ready)
 
     def _fail_pending(self, error: Exception) -> None:
         sinks, self._sinks = self._sinks, {}

@@ -6,7 +6,9 @@ Threads:
     costs its sender the connection), answers pings itself with the stats the loop
     last published, so that liveness never depends on how long a step takes, passes
     everything else to the engine loop, and forwards the loop's encoded replies to
-    their clients, so the model step never waits on a socket;
+    their clients, so the model step never waits on a socket. With the cluster's
+    CURVE key (common/curve.py) the socket serves only clients presenting it; other
+    peers fail the handshake and are counted;
   * the engine loop (the main thread, which also receives signals) drains every
     message that arrived, handles them as one batch (adds, aborts, hellos), runs one
     engine step, and sends each client one OutputBatch holding everything that step
@@ -16,6 +18,11 @@ Reconciliation: a client's Hello lists the requests it still follows; the engine
 aborts any other request it holds for that client. A client that lost track of the
 engine (a missed heartbeat, a dropped connection) says Hello again when it is back,
 so nothing keeps running with nobody reading it.
+
+Prefix-cache events: after each loop iteration that changed what the prefix cache
+holds, every client gets a CacheEvents with the changes, numbered per engine instance;
+after each Ready, and when a client that missed a number asks (CacheSync), it gets a
+snapshot instead. Routers route by them (frontend/router.py).
 
 Failure handling: a request the engine refuses gets a RequestError; a request that
 fails inside a step ends with finish reason "error" (engine.py isolates it; the
@@ -46,12 +53,14 @@ import msgspec
 import zmq
 
 from common.config import EngineServerConfig
+from common.curve import CurveServer
 from common.errors import InvalidRequestError
 from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, PROTOCOL_VERSION,
-                             AbortRequests, AddRequest, Codec, Dead, EngineStats, FinishReason,
+                             AbortRequests, AddRequest, CacheEvents, CacheSync, Codec, Dead,
+                             EngineStats, FinishReason,
                              Hello, OutputBatch, Ping, Pong, ProtocolError, Ready, RequestError,
                              RequestErrorKind, RequestOutput, version_mismatch)
-from common.sockets import make_socket
+from common.sockets import HANDSHAKE_FAILED, make_socket, read_refusal
 from engine_worker.engine import FatalDeviceError, LLMEngine
 
 logger = logging.getLogger(__name__)
@@ -77,17 +86,18 @@ class _IOThread(threading.Thread):
     answered."""
 
     def __init__(self, ctx: zmq.Context, config: EngineServerConfig, inbox: "queue.Queue",
-                 stats: EngineStats) -> None:
+                 stats: EngineStats, curve: Optional[CurveServer]) -> None:
         super().__init__(name="engine-io", daemon=True)
         self.ctx = ctx
         self.inbox = inbox
         self.codec = Codec(ENGINE_MESSAGES, CLIENT_MESSAGES)
         # Created here so that bind errors surface in the constructor's caller.
         self.router = make_socket(ctx, config.bind, zmq.ROUTER, bind=True, linger_ms=1000,
-                                  max_message_bytes=config.max_frame_bytes)
+                                  max_message_bytes=config.max_frame_bytes,
+                                  secure=curve.secure if curve else None)
         # Sending to a client that is gone raises instead of silently dropping.
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.monitor = self.router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.monitor = self.router.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
         self.outbox = make_socket(ctx, _OUTBOX_ADDRESS, zmq.PULL, bind=True)
         self.unreachable: "queue.Queue[bytes]" = queue.Queue()
         # Read end of the signal wakeup pipe (EngineServer sets it).
@@ -105,6 +115,7 @@ class _IOThread(threading.Thread):
         self.last_seen: dict[bytes, float] = {}
         self.num_frames_dropped = 0
         self.num_disconnects = 0
+        self.num_handshakes_failed = 0
         self.stopping = False
         self.failed = False
 
@@ -123,8 +134,10 @@ class _IOThread(threading.Thread):
                     elif sock is self.outbox:
                         self._forward()
                     elif sock is self.monitor:
-                        self.monitor.recv_multipart()
-                        self.num_disconnects += 1
+                        if read_refusal(self.monitor):
+                            self.num_handshakes_failed += 1
+                        else:
+                            self.num_disconnects += 1
                     else:  # a signal arrived: the loop looks at its counter
                         os.read(self.wakeup_fd, 512)
                         self.inbox.put(_Wake())
@@ -157,7 +170,8 @@ class _IOThread(threading.Thread):
 
     def _pong(self, identity: bytes, ping: Ping) -> None:
         stats = msgspec.structs.replace(self.stats, num_frames_dropped=self.num_frames_dropped,
-                                        num_disconnects=self.num_disconnects)
+                                        num_disconnects=self.num_disconnects,
+                                        num_handshakes_failed=self.num_handshakes_failed)
         pong = Pong(nonce=ping.nonce, stats=stats,
                     busy_s=time.monotonic() - self.loop_at, draining=self.draining)
         self._send([identity, *self.codec.encode(pong)])
@@ -196,8 +210,13 @@ class EngineServer:
         self.config = config
         self.engine_id = uuid.uuid4().hex[:12]
         self.ctx = zmq.Context()
+        self.curve = CurveServer(self.ctx, config.curve_key) if config.curve_key else None
         self.inbox: "queue.Queue" = queue.Queue()
-        self.io = _IOThread(self.ctx, config, self.inbox, engine.stats())
+        try:
+            self.io = _IOThread(self.ctx, config, self.inbox, engine.stats(), self.curve)
+        except Exception:
+            self._stop_curve()
+            raise
         self.codec = Codec(ENGINE_MESSAGES, CLIENT_MESSAGES)
         self.outbox = make_socket(self.ctx, _OUTBOX_ADDRESS, zmq.PUSH, bind=False,
                                   linger_ms=1000)
@@ -213,7 +232,12 @@ class EngineServer:
             max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
             num_kv_blocks=engine.block_manager.num_blocks,
             block_size=engine.block_manager.block_size,
-            eos_token_ids=sorted(engine.eos_token_ids))
+            eos_token_ids=sorted(engine.eos_token_ids),
+            prefix_caching=engine.block_manager.enable_prefix_caching)
+        # The number of the last CacheEvents change sent (0: none yet).
+        self.cache_seq = 0
+        if self.ready.prefix_caching:
+            engine.block_manager.record_changes()
 
     # -- lifecycle -------------------------------------------------------------
 
@@ -261,7 +285,12 @@ class EngineServer:
         self.outbox.send_multipart(_FLUSH_AND_STOP)
         self.io.close()
         self.outbox.close()
+        self._stop_curve()
         self.ctx.term()
+
+    def _stop_curve(self) -> None:
+        if self.curve is not None:
+            self.curve.stop()
 
     # -- the loop --------------------------------------------------------------
 
@@ -282,6 +311,7 @@ class EngineServer:
                 return
             if self.engine.has_unfinished_requests():
                 outputs = self.engine.step()
+                self._publish_cache_changes()  # before the outputs they explain
                 self._send_outputs(outputs)
             self.io.stats = self.engine.stats()
 
@@ -326,6 +356,8 @@ class EngineServer:
                 self._abort(message.request_ids, None, identity)
             elif isinstance(message, Hello):
                 self._hello(identity, message)
+            elif isinstance(message, CacheSync):
+                self._send_cache_snapshot(identity)
         for identity, add in adds:  # batched: all of a loop's adds before one step
             self._add(identity, add)
         self._expire_silent_clients(time.monotonic())
@@ -345,6 +377,7 @@ class EngineServer:
             self._abort(list(stale), "the client no longer follows this request")
         logger.info("client %s connected", hello.client_id)
         self._send(identity, self.ready)
+        self._send_cache_snapshot(identity)
 
     def _add(self, identity: bytes, add: AddRequest) -> None:
         if self.draining_since is not None:
@@ -393,6 +426,22 @@ class EngineServer:
                     self._send(identity, OutputBatch(outputs=[out]))
             else:
                 self._send(identity, OutputBatch(outputs=batch))
+
+    def _publish_cache_changes(self) -> None:
+        if not self.ready.prefix_caching:
+            return
+        stored, removed = self.engine.block_manager.take_changes()
+        if stored or removed:
+            self.cache_seq += 1
+            self._broadcast(CacheEvents(seq=self.cache_seq, stored=stored, removed=removed))
+
+    def _send_cache_snapshot(self, identity: bytes) -> None:
+        if not self.ready.prefix_caching:
+            return
+        self._publish_cache_changes()  # so that the snapshot is exactly as of cache_seq
+        self._send(identity, CacheEvents(
+            seq=self.cache_seq, stored=self.engine.block_manager.cached_hashes(),
+            snapshot=True))
 
     def _expire_silent_clients(self, now: float) -> None:
         for client in list(self.clients.values()):

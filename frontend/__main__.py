@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 from common.config import (DEFAULT_ENGINE_ADDRESS, DEFAULT_TOKENIZER_ADDRESS, FrontendConfig,
                            env_default)
+from common.curve import CurveKey, add_curve_args
 from common.logging_setup import setup_logging
 
 logger = logging.getLogger("frontend")
@@ -83,7 +84,8 @@ def frontend_config_from_args(args: argparse.Namespace, engines: Sequence[str],
         max_choices_per_request=args.max_choices_per_request,
         tokenize_timeout_s=args.tokenize_timeout, request_timeout_s=args.request_timeout,
         routing=args.routing, request_retries=args.request_retries,
-        dns_refresh_s=args.dns_refresh)
+        dns_refresh_s=args.dns_refresh,
+        curve_key=CurveKey.from_option(getattr(args, "curve_key_file", None)))
 
 
 def serve(config: FrontendConfig, log_level: Optional[str] = None) -> None:
@@ -108,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer", default=env_default("TOKENIZER_ADDRESS",
                                                            DEFAULT_TOKENIZER_ADDRESS),
                         help="tokenizer pool address")
+    add_curve_args(parser, binds=False)
     add_frontend_args(parser)
     parser.add_argument("--log-level", default=None)
     return parser

@@ -110,7 +110,7 @@ async def start_pipeline(config: FrontendConfig, metrics: Metrics) -> Pipeline:
         logger.warning("structured output is unavailable: %s", e)
         grammars = None
     model_names = list(config.served_model_names) or [model_dir.resolve().name]
-    tok_client = TokenizerClient(config.tokenizer_address)
+    tok_client = TokenizerClient(config.tokenizer_address, curve_key=config.curve_key)
     await tok_client.connect()
     engines = EngineRouter([], config.routing)
     pipe = Pipeline(engines, tok_client, tokenizer, metrics,
@@ -119,7 +119,8 @@ async def start_pipeline(config: FrontendConfig, metrics: Metrics) -> Pipeline:
     pipe.membership = Membership(
         config.engine_addresses, engines,
         lambda address: EngineClient(address, heartbeat_timeout_s=config.engine_heartbeat_timeout_s,
-                                     stall_timeout_s=config.engine_stall_timeout_s),
+                                     stall_timeout_s=config.engine_stall_timeout_s,
+                                     curve_key=config.curve_key),
         interval_s=config.dns_refresh_s)
     await pipe.membership.refresh()
     pipe.membership.start()

@@ -178,7 +178,16 @@ def _engine_families(snap: "PipelineSnapshot", model: str, index: Callable[[str]
                                "The engine's KV blocks (last heartbeat): used by requests, "
                                "cached (free, holding a reusable prefix), free in all",
                                labels=["engine", "state"])
+    known = GaugeMetricFamily("roseserve_engine_cached_blocks_known",
+                              "Blocks this frontend knows the engine's prefix cache holds "
+                              "(from the engine's cache events; routing uses them)",
+                              labels=["engine"])
+    resyncs = CounterMetricFamily("roseserve_engine_cache_resyncs",
+                                  "Snapshots of the engine's prefix cache asked for after "
+                                  "missing some of its events", labels=["engine"])
     for e in snap.engines:
+        known.add_metric([e.address], e.num_blocks_known)
+        resyncs.add_metric([e.address], e.num_cache_resyncs)
         healthy.add_metric([e.address], float(e.healthy))
         draining.add_metric([e.address], float(e.draining))
         load.add_metric([e.address], e.load)
@@ -197,4 +206,4 @@ def _engine_families(snap: "PipelineSnapshot", model: str, index: Callable[[str]
         blocks.add_metric([e.address, "cached"], s.num_blocks_cached)
         blocks.add_metric([e.address, "free"], s.num_blocks_free)
     return [running, waiting, kv, queries, hits, preemptions, healthy, draining, load, routed,
-            blocks]
+            blocks, known, resyncs]

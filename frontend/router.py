@@ -2,10 +2,12 @@
 
 Model: an engine's prefix cache holds the prompts it served recently, in blocks of
 block_size tokens named by chained hashes (common/prefix_hash.py, the engines' own
-hash). The router keeps, per engine, the hashes of the blocks it has sent there,
-most recent last, bounded by the engine's KV capacity (the engine's LRU evicts at
-about that rate): a request whose leading blocks an engine holds will find them
-cached there.
+hash). Each engine tells every frontend exactly which hashes it holds, as they change
+(CacheEvents; each engine client's ``cache``, engine_worker/client.py), so every
+frontend sees the blocks any frontend's requests left there, and evictions. Added to
+that: the blocks of prompts this frontend has just sent an engine and the engine has
+not computed yet (``expected``), so that a burst sharing a prefix follows its first
+request. A request whose leading blocks an engine holds will find them cached there.
 
 Policy "prefix" (the default): among healthy engines whose load (requests assigned
 and not yet finished) is within the imbalance bound of the least loaded one,
@@ -15,14 +17,14 @@ holder is over the bound, to the least loaded. Policy "least-loaded" ignores
 prefixes. A request counts toward its engine's load from the pick on, so a burst
 still being tokenized spreads out. Only engines that accept work (ready, answering
 heartbeats, not draining, not retired by membership: frontend/membership.py) are
-picked; an engine that comes back as a new instance starts with an empty table.
+picked; an engine that comes back as a new instance is known to hold nothing until
+its snapshot arrives.
 With no healthy engine the answer is 503 with Retry-After.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from common.prefix_hash import prefix_hashes
@@ -48,10 +50,6 @@ class RoutedEngine:
     # for a prefix this engine held.
     num_routed: int = 0
     num_prefix_routed: int = 0
-    # Hashes of the blocks sent here, least recent first; the engine instance they
-    # describe.
-    table: "OrderedDict[bytes, None]" = field(default_factory=OrderedDict)
-    instance: Optional[str] = None
     # Gone from the engines' DNS answer (frontend/membership.py): routed nothing
     # new, removed once its load is 0.
     retired: bool = False
@@ -61,19 +59,15 @@ class RoutedEngine:
         return self.client.address
 
     def matched_blocks(self, hashes: list[bytes]) -> int:
+        if not self.client.ready.prefix_caching:
+            return 0
+        holds = self.client.cache.holds
         n = 0
         for h in hashes:
-            if h not in self.table:
+            if not holds(h):
                 break
             n += 1
         return n
-
-    def remember(self, hashes: list[bytes], capacity: int) -> None:
-        for h in hashes:
-            self.table[h] = None
-            self.table.move_to_end(h)
-        while len(self.table) > capacity:
-            self.table.popitem(last=False)
 
 
 class EngineRouter:
@@ -134,7 +128,6 @@ class EngineRouter:
             bound = min_load + max(MIN_SLACK, SLACK_FRACTION * min_load)
             best = 0
             for e in healthy:
-                self._sync(e)
                 if e.load > bound:
                     continue
                 n = e.matched_blocks(hashes(e))
@@ -144,20 +137,11 @@ class EngineRouter:
                 chosen.num_prefix_routed += 1
         if chosen is None:
             chosen = min(healthy, key=lambda e: (e.load, e.num_routed))
-        if self.policy == "prefix":
-            self._sync(chosen)
-            chosen.remember(hashes(chosen), chosen.client.ready.num_kv_blocks)
+        if self.policy == "prefix" and chosen.client.ready.prefix_caching:
+            chosen.client.cache.expect(hashes(chosen), chosen.client.ready.num_kv_blocks)
         chosen.load += 1
         chosen.num_routed += 1
         return chosen.client
 
     def release(self, client: EngineClient) -> None:
         self._by_client[id(client)].load -= 1
-
-    @staticmethod
-    def _sync(e: RoutedEngine) -> None:
-        """Forget what a previous instance of the engine held."""
-        instance = e.client.ready.engine_id
-        if instance != e.instance:
-            e.table.clear()
-            e.instance = instance

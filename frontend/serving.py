@@ -43,6 +43,10 @@ class EngineSnapshot:
     load: int
     num_routed: int
     num_prefix_routed: int
+    # Block hashes the router knows the engine's prefix cache holds (its events), and
+    # how often it had to ask for a snapshot after missing some.
+    num_blocks_known: int
+    num_cache_resyncs: int
     # As of the engine's last heartbeat (None before the first).
     stats: Optional[EngineStats]
 
@@ -97,6 +101,8 @@ class Pipeline:
                 address=e.address, healthy=e.client.healthy, draining=e.client.draining,
                 load=e.load,
                 num_routed=e.num_routed, num_prefix_routed=e.num_prefix_routed,
+                num_blocks_known=len(e.client.cache.held),
+                num_cache_resyncs=e.client.cache.num_resyncs,
                 stats=None if e.client.last_pong is None else e.client.last_pong.stats)
                 for e in self.engines.engines],
             num_jobs=self.num_jobs, admitted_requests=self.admission.requests,

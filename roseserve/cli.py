@@ -54,12 +54,37 @@ def _serve(args: argparse.Namespace) -> int:
     try:  # refuse bad flags here, before any process starts
         if args.engines < 1:
             raise ValueError(f"--engines must be at least 1, got {args.engines}")
+        if args.frontends < 1:
+            raise ValueError(f"--frontends must be at least 1, got {args.frontends}")
         engine_config_from_args(args)
         frontend_config_from_args(args, ["ipc://check"], "ipc://check")
     except ValueError as e:
         print(f"roseserve serve: {e}", file=sys.stderr)
         return 2
     return serve(args)
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    """Write a cluster CURVE key for the internal sockets (common/curve.py)."""
+    import os
+
+    from common.curve import CurveKey, create_key_file
+
+    if os.path.exists(args.file):
+        if not args.if_missing:
+            print(f"roseserve keygen: {args.file} exists; not overwriting it", file=sys.stderr)
+            return 1
+        try:
+            CurveKey.load(args.file)
+        except ValueError as e:
+            print(f"roseserve keygen: {e}", file=sys.stderr)
+            return 1
+        print(f"{args.file} holds a cluster key already")
+        return 0
+    key = create_key_file(args.file)
+    print(f"wrote the cluster key {args.file} (public key {key.public.decode()}); give it "
+          f"to every engine, tokenizer pool and frontend as --curve-key-file")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--engines", type=int, default=1,
                      help="engine worker processes (default 1); the frontend spreads "
                           "requests over them by prefix")
+    srv.add_argument("--frontends", type=int, default=1,
+                     help="frontend processes (default 1), on consecutive ports from --port, "
+                          "for a load balancer in front of them")
     srv.add_argument("--tokenizer-workers", type=int, default=None,
                      help="tokenizer processes (default: half the cores, at least 1)")
     srv.add_argument("--log-level", default=None)
@@ -88,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.set_defaults(func=_generate)
+    key = sub.add_parser("keygen", help="write a CURVE key for the cluster's internal sockets")
+    key.add_argument("file", help="where to write it (a ZeroMQ secret certificate)")
+    key.add_argument("--if-missing", action="store_true",
+                     help="leave an existing key file as it is (exit 0)")
+    key.set_defaults(func=_keygen)
     return parser
 
 

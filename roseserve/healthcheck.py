@@ -29,17 +29,20 @@ import zmq
 
 from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, POOL_REPLIES, POOL_REQUESTS,
                              Codec, Ping, ProtocolError)
+from common.curve import CurveKey, add_curve_args, client_security
 from common.sockets import make_socket
 
 
 def check_service(kind: str, address: str, timeout_s: float, stall_s: float,
-                  ready: bool = False) -> Optional[str]:
-    """None when healthy (and, with ``ready``, not draining), else why not."""
+                  ready: bool = False, curve_key: Optional[CurveKey] = None) -> Optional[str]:
+    """None when healthy (and, with ``ready``, not draining), else why not.
+    ``curve_key``: the cluster's, for a service that requires it."""
     codec = (Codec(CLIENT_MESSAGES, ENGINE_MESSAGES) if kind == "engine"
              else Codec(POOL_REQUESTS, POOL_REPLIES))
     ctx = zmq.Context()
     sock = make_socket(ctx, address, zmq.DEALER, bind=False,
-                       identity=f"healthcheck-{uuid.uuid4().hex[:8]}".encode())
+                       identity=f"healthcheck-{uuid.uuid4().hex[:8]}".encode(),
+                       secure=client_security(curve_key))
     try:
         sock.send_multipart(codec.encode(Ping(nonce=1)))
         if not sock.poll(int(timeout_s * 1000)):
@@ -77,15 +80,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ready", action="store_true",
                         help="also fail while the engine drains: a readiness check (it "
                              "is alive, but should be sent nothing new)")
+    add_curve_args(parser, binds=False)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.kind == "http":
         problem = check_http(args.address, args.timeout)
     else:
-        problem = check_service(args.kind, args.address, args.timeout, args.stall, args.ready)
+        try:
+            key = CurveKey.from_option(args.curve_key_file)
+        except ValueError as e:
+            parser.error(str(e))
+        problem = check_service(args.kind, args.address, args.timeout, args.stall, args.ready,
+                                key)
     if problem:
         print(problem, file=sys.stderr)
         return 1

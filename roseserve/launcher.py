@@ -3,7 +3,9 @@
 Starts N engine workers (``--engines``), the tokenizer pool and the frontend (each the
 same ``python -m ...`` a cluster would run), connected over ipc:// sockets in a private
 run directory. Ready when the frontend's /health answers 200 (the tokenizer pool and
-at least one engine answer a round trip); then the URL is printed.
+at least one engine answer a round trip); then the URL is printed. ``--frontends M``
+runs M frontends over the same engines, on consecutive ports from ``--port``, for a
+balancer in front of them (each learns what the engines cache from the engines).
 
 Supervision: a component that exits during start-up is a configuration error; the
 command stops everything and exits 1, naming it. Once the stack has been ready, a
@@ -133,7 +135,7 @@ ENGINE_FLAGS = ["device", "dtype", "quantization", "max_model_len", "max_batch_s
                 "seed", "per_token_output_frames"]
 # The API key is not among them: a command line is visible to every local user, so
 # the key reaches the frontend through its environment.
-FRONTEND_FLAGS = ["host", "port", "api_key_file", "served_model_name", "max_body_bytes",
+FRONTEND_FLAGS = ["host", "api_key_file", "served_model_name", "max_body_bytes",
                   "max_waiting_requests", "max_waiting_tokens", "max_choices_per_request",
                   "tokenize_timeout", "request_timeout", "routing", "request_retries",
                   "dns_refresh"]
@@ -167,13 +169,21 @@ def components(args: argparse.Namespace, model_dir: str, run_dir: str) -> list[C
     tokenizer = Component("tokenizer", py + [
         "tokenizer_worker", "--model", model_dir, "--bind", tokenizer_addr,
         *(["--workers", str(args.tokenizer_workers)] if args.tokenizer_workers else []), *log])
-    frontend = Component("frontend", py + [
-        "frontend", "--model", model_dir, "--tokenizer", tokenizer_addr,
-        *[a for e in engines for a in ("--engine", e.address)],
-        *_forward(args, FRONTEND_FLAGS), *log])
-    if args.api_key:
-        frontend.env = {**os.environ, "ROSESERVE_API_KEY": args.api_key}
-    return [*engines, tokenizer, frontend]
+    frontends = []
+    for i in range(args.frontends):
+        frontend = Component("frontend" if args.frontends == 1 else f"frontend-{i}", py + [
+            "frontend", "--model", model_dir, "--tokenizer", tokenizer_addr,
+            *[a for e in engines for a in ("--engine", e.address)],
+            "--port", str(args.port + i), *_forward(args, FRONTEND_FLAGS), *log])
+        if args.api_key:
+            frontend.env = {**os.environ, "ROSESERVE_API_KEY": args.api_key}
+        frontends.append(frontend)
+    return [*engines, tokenizer, *frontends]
+
+
+def frontend_urls(args: argparse.Namespace) -> list[str]:
+    host = "localhost" if args.host in ("127.0.0.1", "::1") else args.host
+    return [f"http://{host}:{args.port + i}" for i in range(args.frontends)]
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -186,19 +196,20 @@ def serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop_requested.append(True))
     signal.signal(signal.SIGTERM, lambda *_: stop_requested.append(True))
     signal.signal(signal.SIGHUP, lambda *_: restart_requested.append(True))
-    url = f"http://{'localhost' if args.host in ('127.0.0.1', '::1') else args.host}:{args.port}"
+    urls = frontend_urls(args)
     code = 0
     ready = False
     try:
         for component in stack:
             component.start()
-        failure = _wait_ready(stack, f"{url}/health", stop_requested)
+        failure = _wait_ready(stack, [f"{url}/health" for url in urls], stop_requested)
         if failure is None and not stop_requested:
             ready = True
-            print(f"roseserve is ready: {url}/v1 (model {os.path.basename(model_dir)}, "
-                  f"{args.engines} engine(s)); Ctrl-C stops it, SIGHUP restarts the "
-                  f"engines one at a time", flush=True)
-            failure = _supervise(stack, stop_requested, restart_requested, f"{url}/metrics")
+            print(f"roseserve is ready: {', '.join(f'{url}/v1' for url in urls)} (model "
+                  f"{os.path.basename(model_dir)}, {args.engines} engine(s)); Ctrl-C stops "
+                  f"it, SIGHUP restarts the engines one at a time", flush=True)
+            failure = _supervise(stack, stop_requested, restart_requested,
+                                 [f"{url}/metrics" for url in urls])
         if failure is not None:
             print(f"roseserve: {failure}; stopping", file=sys.stderr, flush=True)
             code = 1
@@ -211,18 +222,22 @@ def serve(args: argparse.Namespace) -> int:
     return code
 
 
-def _wait_ready(stack: list[Component], health_url: str,
+def _wait_ready(stack: list[Component], health_urls: list[str],
                 stop_requested: list) -> Optional[str]:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    waiting = list(health_urls)
     while time.monotonic() < deadline and not stop_requested:
         for component in stack:
             code = component.exit_code()
             if code is not None:
                 return f"{component.name} exited with code {code} during start-up (its log is above)"
         try:
-            with urllib.request.urlopen(health_url, timeout=2) as response:
+            with urllib.request.urlopen(waiting[0], timeout=2) as response:
                 if response.status == 200:
-                    return None
+                    waiting.pop(0)
+                    if not waiting:
+                        return None
+                    continue
         except (urllib.error.URLError, OSError):
             pass
         time.sleep(0.3)
@@ -230,7 +245,7 @@ def _wait_ready(stack: list[Component], health_url: str,
 
 
 def _supervise(stack: list[Component], stop_requested: list, restart_requested: list,
-               metrics_url: str) -> Optional[str]:
+               metrics_urls: list[str]) -> Optional[str]:
     """Restart what exits, until a stop is requested or something crash-loops; on
     SIGHUP, restart the engines one at a time (in a thread: this loop goes on)."""
     rolling: Optional[threading.Thread] = None
@@ -242,7 +257,7 @@ def _supervise(stack: list[Component], stop_requested: list, restart_requested: 
                       flush=True)
             else:
                 rolling = threading.Thread(target=_rolling_restart, daemon=True, args=(
-                    [c for c in stack if c.address is not None], metrics_url, stop_requested))
+                    [c for c in stack if c.address is not None], metrics_urls, stop_requested))
                 rolling.start()
         now = time.monotonic()
         for c in stack:
@@ -270,9 +285,11 @@ def _supervise(stack: list[Component], stop_requested: list, restart_requested: 
     return None
 
 
-def _rolling_restart(engines: list[Component], metrics_url: str, stop_requested: list) -> None:
-    """Drain and restart each engine in turn; the next waits until the frontend has
-    the restarted one healthy (it says Hello every heartbeat until the engine is back)."""
+def _rolling_restart(engines: list[Component], metrics_urls: list[str],
+                     stop_requested: list) -> None:
+    """Drain and restart each engine in turn; the next waits until every frontend has
+    the restarted one healthy (each says Hello every heartbeat until the engine is
+    back)."""
     began = time.monotonic()
     for c in engines:
         if stop_requested:
@@ -285,7 +302,7 @@ def _rolling_restart(engines: list[Component], metrics_url: str, stop_requested:
                 return
             c.start()
             deadline = time.monotonic() + STARTUP_TIMEOUT_S
-            while not _engine_healthy(metrics_url, c.address):
+            while not all(_engine_healthy(url, c.address) for url in metrics_urls):
                 if stop_requested or c.exit_code() is not None or time.monotonic() > deadline:
                     print(f"roseserve: rolling restart stopped: {c.name} did not come back "
                           f"healthy", file=sys.stderr, flush=True)

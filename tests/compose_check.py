@@ -116,6 +116,8 @@ def main() -> int:
     assert built.returncode == 0 and built.stdout.strip(), (
         f"no compiled kernels in the kernel-cache volume: {built.stdout}{built.stderr}")
     phases.done(f"compiled kernels cached in the volume ({built.stdout.split()[0]})")
+    check_curve(compose)
+    phases.done("the engines and the tokenizer pool serve only holders of the cluster key")
 
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
     model = client.models.list().data[0].id
@@ -205,6 +207,21 @@ def main() -> int:
                 f"{restarted:.1f} s, serving again {rejoined:.1f} s after the crash")
     print("[compose-check] passed: " + ", ".join(f"{n} {s:.1f} s" for n, s in phases.rows))
     return 0
+
+
+def check_curve(compose: list[str]) -> None:
+    """From inside the compose network, a health check with the cluster key is answered
+    by engine-1 and the tokenizer pool, and the same check without it is not."""
+    for kind, address in (("engine", "tcp://engine-1:5557"), ("tokenizer", "tcp://tokenizer:5558")):
+        check = ["python", "-m", "roseserve.healthcheck", kind, address, "--timeout", "3"]
+        keyed = subprocess.run(compose + ["exec", "-T", "engine-0", *check],
+                               capture_output=True, text=True)
+        assert keyed.returncode == 0, f"{kind} with the key: {keyed.stdout}{keyed.stderr}"
+        plain = subprocess.run(compose + ["exec", "-T", "engine-0", "env",
+                                          "ROSESERVE_CURVE_KEY_FILE=", *check],
+                               capture_output=True, text=True)
+        assert plain.returncode == 1 and "no answer" in plain.stderr, (
+            f"{kind} without the key: {plain.returncode} {plain.stdout}{plain.stderr}")
 
 
 def check_prometheus(prom: str) -> int:

@@ -14,6 +14,7 @@ import yaml
 
 from engine_worker.__main__ import build_parser as engine_parser
 from frontend.__main__ import build_parser as frontend_parser
+from roseserve.cli import build_parser as roseserve_parser
 from roseserve.healthcheck import build_parser as healthcheck_parser
 from tokenizer_worker.__main__ import build_parser as tokenizer_parser
 
@@ -21,7 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 KUBERNETES = sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml"))
 KUBERNETES_VERSION = "1.31"
 PARSERS = {"engine_worker": engine_parser, "frontend": frontend_parser,
-           "tokenizer_worker": tokenizer_parser, "roseserve.healthcheck": healthcheck_parser}
+           "tokenizer_worker": tokenizer_parser, "roseserve.healthcheck": healthcheck_parser,
+           "roseserve": roseserve_parser}
 
 
 def parse(command: list[str]):
@@ -97,6 +99,19 @@ def test_the_kubernetes_commands_and_probes_are_ours_and_drain_within_the_grace_
     (tokenizer,) = containers(objects["Deployment/tokenizer"])
     assert parse(tokenizer["command"]).bind == "tcp://0.0.0.0:5558"
     assert objects["Service/tokenizer"]["spec"]["clusterIP"] == "None"
+    # Every process holds the cluster's CURVE key, from the Secret, readable by the
+    # image's user through the pod's fsGroup.
+    for name, deployment in objects.items():
+        if not name.startswith("Deployment/"):
+            continue
+        pod = deployment["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert env["ROSESERVE_CURVE_KEY_FILE"] == mounts["cluster-key"] + "/cluster.key", name
+        assert volumes["cluster-key"]["secret"]["secretName"] == "roseserve-cluster-key", name
+        assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsUser"], name
 
 
 def interpolated(text: str) -> str:
@@ -117,8 +132,19 @@ def test_the_swarm_stack_and_the_compose_file_run_our_commands():
     for service in services.values():
         parse(service["command"])
         parse(service["healthcheck"]["test"][1:])
+        # The cluster key, from the Swarm secret, for every process.
+        (secret,) = service["secrets"]
+        assert service["environment"]["ROSESERVE_CURVE_KEY_FILE"] == \
+            f"/run/secrets/{secret['target']}"
+    assert stack["secrets"][secret["source"]] == {"external": True}
     compose = yaml.safe_load(interpolated((ROOT / "docker-compose.yml").read_text()))
+    keygen = parse(compose["services"]["keygen"]["command"])
     for name, service in compose["services"].items():
-        if "command" in service:
+        if "command" in service and name != "keygen":
             parse(service["command"])
             parse(service["healthcheck"]["test"][1:])
+            # Each waits for the key the keygen service writes, and reads it.
+            assert service["depends_on"]["keygen"]["condition"] == \
+                "service_completed_successfully", name
+            assert service["environment"]["ROSESERVE_CURVE_KEY_FILE"] == keygen.file, name
+            assert "cluster-key:/keys:ro" in service["volumes"], name

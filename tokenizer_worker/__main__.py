@@ -12,6 +12,7 @@ from typing import Optional, Sequence
 
 from common import faults
 from common.config import DEFAULT_MAX_FRAME_BYTES, DEFAULT_TOKENIZER_ADDRESS, env_default
+from common.curve import add_curve_args, key_for_bind
 from common.errors import ModelLoadError
 from common.logging_setup import setup_logging
 from common.model_files import resolve_model_dir
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "replaced")
     parser.add_argument("--max-frame-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES,
                         help="a client sending a larger frame is disconnected")
+    add_curve_args(parser, binds=True)
     parser.add_argument("--log-level", default=None)
     return parser
 
@@ -50,8 +52,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     setup_logging("tokenizer", args.log_level)
     if args.workers < 1:
         parser.error(f"--workers must be at least 1, got {args.workers}")
+    try:
+        curve_key = key_for_bind(args.bind, args.curve_key_file, args.insecure_no_curve)
+    except ValueError as e:
+        parser.error(str(e))
     if not is_loopback(args.bind):
-        logger.warning("binding %s: reachable beyond this host, as asked", args.bind)
+        logger.warning("binding %s: reachable beyond this host, as asked (%s)", args.bind,
+                       "clients must hold the cluster's CURVE key" if curve_key
+                       else "WITHOUT authentication")
     try:
         model_dir = resolve_model_dir(args.model)
         load_tokenizer(model_dir)  # fail here, clearly, rather than in every worker
@@ -62,7 +70,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         pool = TokenizerPool(model_dir, args.workers, args.bind, max_chars,
                              logging.getLevelName(logging.getLogger().level),
-                             job_timeout_s=args.job_timeout, max_frame_bytes=args.max_frame_bytes)
+                             job_timeout_s=args.job_timeout, max_frame_bytes=args.max_frame_bytes,
+                             curve_key=curve_key)
     except ValueError as e:
         parser.error(str(e))
     except Exception as e:  # zmq.ZMQError: address in use, bad address

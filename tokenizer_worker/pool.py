@@ -33,7 +33,8 @@ from common.protocol import (POOL_REPLIES, POOL_REQUESTS, PROTOCOL_VERSION, WORK
                              WORKER_REPLIES, Codec, Dead, Hello, Ping, PoolPong, PoolReady,
                              ProtocolError, RequestErrorKind, TokenizeError, TokenizeRequest,
                              TokenizeResult, version_mismatch)
-from common.sockets import make_socket
+from common.curve import CurveKey, CurveServer
+from common.sockets import HANDSHAKE_FAILED, make_socket, read_refusal
 from tokenizer_worker.worker import worker_main
 
 logger = logging.getLogger(__name__)
@@ -73,7 +74,8 @@ class Worker:
 class TokenizerPool:
     def __init__(self, model_dir: Path, num_workers: int, bind: str, max_chars: int,
                  log_level: str = "INFO", job_timeout_s: float = DEFAULT_JOB_TIMEOUT_S,
-                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+                 curve_key: Optional[CurveKey] = None) -> None:
         if num_workers < 1:
             raise ValueError(f"the pool needs at least one worker, got {num_workers}")
         if job_timeout_s <= 0:
@@ -85,10 +87,18 @@ class TokenizerPool:
         self.job_timeout_s = job_timeout_s
         self.pool_id = uuid.uuid4().hex[:12]
         self.ctx = zmq.Context()
-        self.front = make_socket(self.ctx, bind, zmq.ROUTER, bind=True, linger_ms=500,
-                                 max_message_bytes=max_frame_bytes)
+        # Only the front faces other hosts; the back is this host's ipc:// socket.
+        self.curve = CurveServer(self.ctx, curve_key) if curve_key else None
+        try:
+            self.front = make_socket(self.ctx, bind, zmq.ROUTER, bind=True, linger_ms=500,
+                                     max_message_bytes=max_frame_bytes,
+                                     secure=self.curve.secure if self.curve else None)
+        except Exception:
+            if self.curve:
+                self.curve.stop()
+            raise
         self.front.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.monitor = self.front.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.monitor = self.front.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
         self.back_address = f"ipc://{tempfile.mkdtemp(prefix='rs-tok-')}/workers.sock"
         self.back = make_socket(self.ctx, self.back_address, zmq.ROUTER, bind=True)
         self.front_codec = Codec(POOL_REPLIES, POOL_REQUESTS)
@@ -103,6 +113,7 @@ class TokenizerPool:
         self.num_jobs_total = 0
         self.num_frames_dropped = 0
         self.num_disconnects = 0
+        self.num_handshakes_failed = 0
         self.num_workers_replaced = 0
 
     # -- lifecycle -------------------------------------------------------------
@@ -123,8 +134,9 @@ class TokenizerPool:
                         self._receive_front()
                     elif sock is self.back:
                         self._receive_back()
+                    elif read_refusal(self.monitor):
+                        self.num_handshakes_failed += 1
                     else:
-                        self.monitor.recv_multipart()
                         self.num_disconnects += 1
                 self._check_workers()
                 self._dispatch()
@@ -147,6 +159,8 @@ class TokenizerPool:
         self.monitor.close(linger=0)
         self.front.close()
         self.back.close()
+        if self.curve:
+            self.curve.stop()
         self.ctx.term()
 
     def _spawn(self, slot: int) -> None:
@@ -185,7 +199,8 @@ class TokenizerPool:
                     num_jobs_total=self.num_jobs_total,
                     num_frames_dropped=self.num_frames_dropped,
                     num_disconnects=self.num_disconnects,
-                    num_workers_replaced=self.num_workers_replaced))
+                    num_workers_replaced=self.num_workers_replaced,
+                    num_handshakes_failed=self.num_handshakes_failed))
             elif isinstance(message, Hello):
                 refusal = version_mismatch("frontend", message.protocol_version)
                 if refusal:
