@@ -8,6 +8,7 @@
 ARG BASE_IMAGE=python:3.11-slim
 
 FROM ${BASE_IMAGE} AS build
+LABEL org.roseserve.image=build
 COPY wheelhouse/ /wheelhouse/
 COPY pyproject.toml README.md /src/
 COPY common/ /src/common/
@@ -32,6 +33,7 @@ ENV ROSESERVE_CACHE_DIR=/cache
 RUN /opt/venv/bin/python -c "from common.model_files import resolve_model_dir as r; print(r(None))"
 
 FROM ${BASE_IMAGE}
+LABEL org.roseserve.image=roseserve
 # A C compiler: the engine builds its CPU kernels for the CPU it runs on (-march=native)
 # at first start; without one it uses torch's ops, correct but slower.
 RUN (command -v cc > /dev/null || (apt-get update && \
