@@ -35,6 +35,9 @@ def _positive(name: str, value: Optional[int]) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value}")
 
 
+ENGINE_ROLES = ("mixed", "prefill", "decode")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     # Tokens per KV block. 16 balances prefix-cache granularity (a hit reuses whole
@@ -49,9 +52,21 @@ class CacheConfig:
     # Exact number of blocks, overriding the memory budget (tests use small pools).
     num_blocks: Optional[int] = None
     enable_prefix_caching: bool = True
+    # Prefill/decode disaggregation, decode side (engine_worker/kv_transfer.py): a KV
+    # transfer not complete by then ends, and the engine computes the rest itself; a
+    # pull asks for at most window bytes of blocks; the bytes asked for and not yet
+    # received, over all transfers, stay within max_inflight.
+    kv_transfer_timeout_s: float = 5.0
+    kv_transfer_window_bytes: int = 8 << 20
+    kv_transfer_max_inflight_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
+        if not self.kv_transfer_timeout_s > 0:
+            raise ValueError(f"kv_transfer_timeout_s must be positive, got "
+                             f"{self.kv_transfer_timeout_s}")
+        _positive("kv_transfer_window_bytes", self.kv_transfer_window_bytes)
+        _positive("kv_transfer_max_inflight_bytes", self.kv_transfer_max_inflight_bytes)
         _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
         _positive("num_blocks", self.num_blocks)
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -186,9 +201,14 @@ class EngineServerConfig:
     # The cluster's CURVE key: clients must present it (common/curve.py); None: any
     # client that reaches the socket is served.
     curve_key: Optional["CurveKey"] = None
+    # "mixed": prompts and generation; "prefill" or "decode": this engine's part of
+    # disaggregated serving, announced in Ready for routers (docs/architecture.md).
+    role: str = "mixed"
 
     def __post_init__(self) -> None:
         _check_address("bind", self.bind)
+        if self.role not in ENGINE_ROLES:
+            raise ValueError(f"role must be one of {', '.join(ENGINE_ROLES)}, got {self.role!r}")
         if self.drain_timeout_s < 0 or self.client_timeout_s <= 0:
             raise ValueError("drain_timeout_s must be >= 0 and client_timeout_s > 0")
         _positive("max_frame_bytes", self.max_frame_bytes)

@@ -194,6 +194,12 @@ class RequestOutput(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     queue_ms: Optional[float] = None
     # From that step to the end of the step that produced the first token.
     prefill_ms: Optional[float] = None
+    # A request continued from a prefill engine (AddRequest.kv_source), on its first
+    # output: how its KV transfer ended ("complete", or why it fell back to computing
+    # the rest here), the blocks received and verified, and its duration.
+    kv_outcome: Optional[str] = None
+    kv_blocks_received: Optional[int] = None
+    kv_transfer_ms: Optional[float] = None
 
 
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -218,6 +224,20 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     # Connections refused at the handshake: a peer without the cluster's CURVE key
     # (common/curve.py), or speaking without CURVE to a socket that requires it.
     num_handshakes_failed: int = 0
+    # Prefill/decode disaggregation (engine_worker/kv_transfer.py). Decode side: KV
+    # transfers started, blocks and bytes received and verified, prompt blocks not
+    # pulled because this engine held them, seconds spent in transfers, and
+    # transfers that ended early by reason (the rest computed here). Prefill side:
+    # blocks and bytes sent, and leases held now.
+    kv_transfers: int = 0
+    kv_blocks_received: int = 0
+    kv_bytes_received: int = 0
+    kv_blocks_skipped: int = 0
+    kv_transfer_seconds: float = 0.0
+    kv_fallbacks: dict[str, int] = {}
+    kv_blocks_sent: int = 0
+    kv_bytes_sent: int = 0
+    kv_leases: int = 0
 
 
 # -- Engine worker <-> its clients (frontends, benchmarks, tests) ------------------
@@ -235,6 +255,7 @@ class MessageType(enum.IntEnum):
     ABORT = 3  # AbortRequests
     PING = 4  # Ping: answered by Pong (from the I/O thread), with stats
     CACHE_SYNC = 5  # CacheSync: send me a snapshot of your prefix cache
+    KV_PULL = 6  # KvPull: a decode engine asks a prefill engine for KV blocks
     # engine -> client
     READY = 16  # Ready
     OUTPUTS = 17  # OutputBatch: everything one step produced for this client
@@ -242,13 +263,14 @@ class MessageType(enum.IntEnum):
     PONG = 19  # Pong
     DEAD = 20  # Dead: the engine is going down
     CACHE_EVENTS = 21  # CacheEvents: the prefix cache's changes, or a snapshot of it
+    KV_BLOCKS = 22  # KvBlocks: the answer to a KvPull
 
 
 # The version of every message in this module. Bump it when a message changes: the
 # two ends of a connection refuse each other when theirs differ (an older peer would
 # silently drop fields a newer one sends). A peer whose messages lack the field is
 # version 0.
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 
 
 def version_mismatch(peer: str, theirs: int) -> Optional[str]:
@@ -268,10 +290,30 @@ class Hello(msgspec.Struct, frozen=True, kw_only=True):
     request_ids: list[str] = []
 
 
+class KvSource(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a decode engine pulls a request's prompt KV from: a prefill engine's
+    address (as the frontend reaches it) and the request id it computed the prompt
+    under (and holds its blocks for: AddRequest.kv_lease_s)."""
+
+    address: str
+    request_id: str
+
+
 class AddRequest(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams = SamplingParams()
+    # Tokens already generated for this request elsewhere (a prefill engine's first
+    # token): the engine continues after them; they count toward max_tokens and
+    # penalties, and a seeded request's draws skip them.
+    output_token_ids: list[int] = []
+    # Prefill side of disaggregated serving: once the request ends, keep its prompt's
+    # full blocks for this long (or until a KvPull releases them) for a decode engine.
+    kv_lease_s: float = 0.0
+    # Decode side: pull the prompt blocks this engine lacks from there before
+    # computing the rest (engine_worker/kv_transfer.py); any block not received and
+    # verified is computed here.
+    kv_source: Optional[KvSource] = None
 
 
 class AbortRequests(msgspec.Struct, frozen=True, kw_only=True):
@@ -295,6 +337,9 @@ class Ready(msgspec.Struct, frozen=True, kw_only=True):
     eos_token_ids: list[int]
     # Whether the engine keeps a prefix cache (and so publishes CacheEvents).
     prefix_caching: bool = True
+    # "mixed" (prompts and generation), "prefill" or "decode" (disaggregated serving:
+    # routers send each role its part of a request).
+    role: str = "mixed"
 
 
 class OutputBatch(msgspec.Struct, frozen=True, kw_only=True):
@@ -353,6 +398,37 @@ class CacheEvents(msgspec.Struct, frozen=True, kw_only=True):
     stored: list[bytes] = []
     removed: list[bytes] = []
     snapshot: bool = False
+
+
+class KvPull(msgspec.Struct, frozen=True, kw_only=True):
+    """Decode engine -> prefill engine: send the KV of these full blocks (chained
+    hashes, in prompt order) held for ``request_id``. ``layout`` names the KV bytes a
+    block holds (model, dtype, shapes); a prefill engine with another layout refuses.
+    ``release``: the last pull for this request; its lease ends."""
+
+    request_id: str
+    hashes: list[bytes]
+    layout: str
+    release: bool = False
+
+
+class KvBlock(msgspec.Struct, frozen=True, array_like=True):
+    """One full block's KV, every layer's keys then values: its chained hash, the
+    CRC-32 of ``data``, and the bytes."""
+
+    block_hash: bytes
+    checksum: int
+    data: bytes
+
+
+class KvBlocks(msgspec.Struct, frozen=True, kw_only=True):
+    """Prefill engine -> decode engine: the blocks a KvPull asked for, in its order,
+    stopping at the first one the engine no longer holds. ``error``: why none or not
+    all were sent (the decode engine computes the rest itself)."""
+
+    request_id: str
+    blocks: list[KvBlock] = []
+    error: Optional[str] = None
 
 
 # -- Frontend <-> tokenizer pool ----------------------------------------------------
@@ -438,6 +514,7 @@ CLIENT_MESSAGES: dict[int, type] = {
     MessageType.ABORT: AbortRequests,
     MessageType.PING: Ping,
     MessageType.CACHE_SYNC: CacheSync,
+    MessageType.KV_PULL: KvPull,
 }
 ENGINE_MESSAGES: dict[int, type] = {
     MessageType.READY: Ready,
@@ -446,6 +523,7 @@ ENGINE_MESSAGES: dict[int, type] = {
     MessageType.PONG: Pong,
     MessageType.DEAD: Dead,
     MessageType.CACHE_EVENTS: CacheEvents,
+    MessageType.KV_BLOCKS: KvBlocks,
 }
 POOL_REQUESTS: dict[int, type] = {
     TokenizerMessageType.HELLO: Hello,

@@ -12,8 +12,8 @@ import sys
 from typing import Optional, Sequence
 
 from common import faults
-from common.config import (DEFAULT_ENGINE_ADDRESS, DEFAULT_MAX_FRAME_BYTES, CacheConfig,
-                           EngineConfig, EngineServerConfig, SchedulerConfig, env_default)
+from common.config import (DEFAULT_ENGINE_ADDRESS, DEFAULT_MAX_FRAME_BYTES, ENGINE_ROLES,
+                           CacheConfig, EngineConfig, EngineServerConfig, SchedulerConfig, env_default)
 from common.curve import add_curve_args, key_for_bind
 from common.errors import InvalidRequestError, ModelLoadError
 from common.logging_setup import setup_logging
@@ -63,6 +63,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-cpu-kernels", action="store_true",
                    help="use only torch ops (no C kernels, no packed GEMM)")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--kv-transfer-timeout", type=float, default=5.0,
+                   help="decode engine: a KV transfer from a prefill engine not complete "
+                        "after this many seconds ends; the rest of the prompt is computed "
+                        "here")
+    g.add_argument("--kv-transfer-window-bytes", type=int, default=8 << 20,
+                   help="decode engine: the most KV bytes one pull from a prefill engine "
+                        "asks for")
     g.add_argument("--per-token-output-frames", action="store_true",
                    help="experiment: one output frame per request per step, not one per "
                         "client per step")
@@ -80,7 +87,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=memory,
                           gpu_memory_utilization=args.gpu_memory_utilization,
-                          enable_prefix_caching=not args.no_prefix_cache),
+                          enable_prefix_caching=not args.no_prefix_cache,
+                          kv_transfer_timeout_s=args.kv_transfer_timeout,
+                          kv_transfer_window_bytes=args.kv_transfer_window_bytes),
         scheduler=SchedulerConfig(max_batch_size=args.max_batch_size,
                                   prefill_max_batch_size=args.prefill_max_batch_size,
                                   max_num_batched_tokens=args.max_num_batched_tokens))
@@ -92,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(parser)
     parser.add_argument("--bind", default=env_default("ENGINE_ADDRESS", DEFAULT_ENGINE_ADDRESS),
                         help="address of the engine socket (tcp://host:port or ipc://path)")
+    parser.add_argument("--role", default=env_default("ENGINE_ROLE", "mixed"),
+                        choices=ENGINE_ROLES,
+                        help="mixed: prompts and generation; prefill or decode: this "
+                             "engine's part of disaggregated serving (KV moves from "
+                             "prefill to decode engines over ZeroMQ)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds in-flight requests get to finish on SIGTERM")
     parser.add_argument("--client-timeout", type=float, default=15.0,
@@ -112,6 +126,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                            client_timeout_s=args.client_timeout,
                                            per_token_frames=args.per_token_output_frames,
                                            max_frame_bytes=args.max_frame_bytes,
+                                           role=args.role,
                                            curve_key=key_for_bind(args.bind, args.curve_key_file,
                                                                   args.insecure_no_curve))
         engine_config = engine_config_from_args(args)

@@ -95,6 +95,10 @@ class BlockManager:
         """Every hash the prefix cache holds."""
         return list(self._by_hash)
 
+    def lookup(self, block_hash: bytes) -> Optional[int]:
+        """The block caching this hash, if any."""
+        return self._by_hash.get(block_hash)
+
     def record_changes(self) -> None:
         self._changes = {}
 
@@ -164,6 +168,35 @@ class BlockManager:
         if self.enable_prefix_caching:
             self._register(table, token_ids, num_tokens)
         return True
+
+    def hold(self, block_ids: Sequence[int]) -> BlockTable:
+        """Reference blocks already in use or cached (so that they are not evicted);
+        ``free`` the returned table to let go."""
+        for block_id in block_ids:
+            self._ref(block_id)
+        return BlockTable(block_ids=list(block_ids))
+
+    def reserve(self, num_blocks: int) -> BlockTable:
+        """Up to ``num_blocks`` fresh blocks (fewer when the pool has fewer to give),
+        for KV that arrives from elsewhere; ``register`` each once filled, ``free``
+        the table to let go."""
+        table = BlockTable()
+        for _ in range(max(0, min(num_blocks, self.num_free_blocks))):
+            block_id = self._take_fresh()
+            self.blocks[block_id].ref_count = 1
+            table.block_ids.append(block_id)
+        return table
+
+    def register(self, block_id: int, block_hash: bytes, token_ids: Sequence[int]) -> None:
+        """Offer a filled, held block to the prefix cache under its hash (ignored when
+        the cache already holds that hash)."""
+        if not self.enable_prefix_caching or block_hash in self._by_hash:
+            return
+        block = self.blocks[block_id]
+        block.block_hash, block.token_ids = block_hash, tuple(token_ids)
+        self._by_hash[block_hash] = block_id
+        if self._changes is not None:
+            self._changes[block_hash] = True
 
     def free(self, table: BlockTable) -> None:
         """Release the request's blocks. Hashed blocks stay cached; the tail is
@@ -241,11 +274,6 @@ class BlockManager:
             block = self.blocks[table.block_ids[i]]
             if block.block_hash is not None:
                 continue  # already registered (a hit, or an earlier step)
-            if block_hash in self._by_hash:
-                continue  # the same prefix is cached in another block; keep that one
-            block.block_hash = block_hash
-            block.token_ids = tuple(token_ids[i * bs:(i + 1) * bs])
-            self._by_hash[block_hash] = block.block_id
-            if self._changes is not None:
-                self._changes[block_hash] = True
+            # The same prefix cached in another block: register keeps that one.
+            self.register(block.block_id, block_hash, token_ids[i * bs:(i + 1) * bs])
         table.num_registered = max(table.num_registered, num_full)

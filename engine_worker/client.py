@@ -121,18 +121,19 @@ class EngineClient(ServiceClient):
         self.cache = CacheView()
 
     def submit(self, request_id: str, prompt_token_ids: Sequence[int],
-               params: Optional[SamplingParams], sink: Sink) -> None:
+               params: Optional[SamplingParams], sink: Sink, **disaggregation) -> None:
         """Submit a request: ``sink`` gets each of its outputs as the receive task
         reads them, the last one with a finish_reason, or an exception (the engine
         refused the request, or died) that ends it. Raises the dead error now if the
-        engine is known to be gone."""
+        engine is known to be gone. ``disaggregation``: AddRequest's output_token_ids,
+        kv_lease_s and kv_source."""
         self.check_alive()
         if request_id in self._sinks:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         self._sinks[request_id] = sink
         self._send_nowait(AddRequest(request_id=request_id,
                                      prompt_token_ids=list(prompt_token_ids),
-                                     params=params or SamplingParams()))
+                                     params=params or SamplingParams(), **disaggregation))
 
     def cancel(self, request_ids: Sequence[str]) -> None:
         """Abort requests in the engine; their sinks get nothing more."""
@@ -142,11 +143,12 @@ class EngineClient(ServiceClient):
             self._send_nowait(AbortRequests(request_ids=list(request_ids)))
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
-                       params: Optional[SamplingParams] = None) -> AsyncIterator[RequestOutput]:
+                       params: Optional[SamplingParams] = None,
+                       **disaggregation) -> AsyncIterator[RequestOutput]:
         """Submit a request and yield its outputs until it finishes. Leaving the loop
         early (or being cancelled) aborts the request in the engine."""
         stream: asyncio.Queue = asyncio.Queue()
-        self.submit(request_id, prompt_token_ids, params, stream.put_nowait)
+        self.submit(request_id, prompt_token_ids, params, stream.put_nowait, **disaggregation)
         finished = False
         try:
             while True:

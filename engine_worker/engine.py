@@ -16,14 +16,15 @@ import torch
 from common.config import EngineConfig
 from common.errors import InvalidRequestError
 from common.model_files import resolve_model_dir
-from common.protocol import (EngineStats, FinishReason, RequestOutput, SamplingParams,
-                             TokenLogprobs)
+from common.protocol import (EngineStats, FinishReason, KvBlocks, KvPull, KvSource,
+                             RequestOutput, SamplingParams, TokenLogprobs)
 from common.structured import GrammarCompiler
-from common.validation import checked_prompt
+from common.validation import check_token_ids, checked_prompt
 from engine_worker.block_manager import BlockManager
+from engine_worker.kv_transfer import KvBlockStore, KvLeases, KvReceiver, KvTransfer
 from engine_worker.model_config import load_model_config
 from engine_worker.model_runner import ModelRunner, resolve_device, resolve_dtype
-from engine_worker.request import Request
+from engine_worker.request import Request, RequestStatus
 from engine_worker.sampler import Samples, token_logprobs
 from engine_worker.scheduler import ScheduledRequest, Scheduler
 
@@ -76,6 +77,14 @@ class LLMEngine:
         self.scheduler = Scheduler(scheduler_config, self.block_manager)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}
+        # Prefill/decode disaggregation: prompt blocks held for decode engines, and
+        # transfers from prefill engines (kv_transfer.py).
+        store = KvBlockStore(self.runner.kv_caches, self.model_config.name)
+        cache = config.cache
+        self.kv_leases = KvLeases(self.block_manager, store)
+        self.kv_receiver = KvReceiver(self.block_manager, store, cache.kv_transfer_timeout_s,
+                                      cache.kv_transfer_window_bytes,
+                                      cache.kv_transfer_max_inflight_bytes)
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
         logger.info("engine ready: %s (%s, %s, %s weights), context %d, %d KV blocks",
@@ -112,9 +121,14 @@ class LLMEngine:
     # -- requests --------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: Sequence[int],
-                    params: Optional[SamplingParams] = None) -> None:
+                    params: Optional[SamplingParams] = None, *,
+                    output_token_ids: Sequence[int] = (), kv_lease_s: float = 0.0,
+                    kv_source: Optional[KvSource] = None) -> None:
         """Queue a request. Raises InvalidRequestError (nothing queued) if it cannot be
-        served as asked."""
+        served as asked. Disaggregated serving (AddRequest in common/protocol.py):
+        ``output_token_ids`` were generated elsewhere and the request continues after
+        them; ``kv_lease_s`` keeps its prompt's blocks for a decode engine once it
+        ends; ``kv_source`` is where to pull its prompt's blocks from first."""
         params = params or SamplingParams()
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string", "request_id")
@@ -122,14 +136,19 @@ class LLMEngine:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use",
                                       "request_id")
         prompt = checked_prompt(prompt_token_ids, params, self.vocab_size, self.max_model_len)
+        _check_continuation(prompt, output_token_ids, params, self.vocab_size,
+                            self.max_model_len, kv_lease_s)
         room = self.max_model_len - len(prompt)
         grammar = None
         if params.structured is not None:
             grammar = self.grammars.matcher(params.structured)  # InvalidRequestError
         request = Request(request_id, prompt, params, params.max_tokens or room,
-                          self.eos_token_ids, grammar)
+                          self.eos_token_ids, grammar, output_token_ids)
+        request.kv_lease_s = kv_lease_s
         self.requests[request_id] = request
-        self.scheduler.add(request)
+        if kv_source is None or not self.kv_receiver.start(request, kv_source,
+                                                           time.monotonic()):
+            self.scheduler.add(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
         """Stop requests and free their blocks. Returns the ids that were active."""
@@ -138,13 +157,56 @@ class LLMEngine:
             request = self.requests.pop(request_id, None)
             if request is None:
                 continue
-            self.scheduler.finish(request)
+            if self.kv_receiver.cancel(request_id):
+                request.status = RequestStatus.FINISHED
+            else:
+                self.scheduler.finish(request)
             request.finish_reason = FinishReason.ABORT
             aborted.append(request_id)
         return aborted
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def has_steps_to_run(self) -> bool:
+        """Whether step() has anything to compute (requests waiting only for their
+        KV to arrive do not count)."""
+        return bool(self.scheduler.running or self.scheduler.waiting)
+
+    # -- KV transfers (prefill/decode disaggregation) ----------------------------
+
+    def kv_pulls(self) -> list[tuple[str, KvPull]]:
+        """(prefill engine address, KvPull) to send now."""
+        return self.kv_receiver.pulls()
+
+    def answer_kv_pull(self, pull: KvPull) -> KvBlocks:
+        return self.kv_leases.answer(pull, self.config.cache.kv_transfer_window_bytes)
+
+    def receive_kv(self, address: str, reply: KvBlocks) -> None:
+        self._kv_ended(self.kv_receiver.receive(address, reply, time.monotonic()))
+
+    def kv_source_failed(self, address: str, reason: str) -> None:
+        """A prefill engine is gone: its transfers end, the rest computed here."""
+        self._kv_ended(self.kv_receiver.fail_source(address, reason, time.monotonic()))
+
+    def expire_kv(self) -> Optional[float]:
+        """End leases and transfers past their time; the next transfer deadline."""
+        now = time.monotonic()
+        self.kv_leases.expire(now)
+        self._kv_ended(self.kv_receiver.expire(now))
+        return self.kv_receiver.next_deadline()
+
+    def _kv_ended(self, transfers: list[KvTransfer]) -> None:
+        for t in transfers:
+            request = t.request
+            request.kv_outcome = t.outcome
+            request.kv_blocks_received = t.num_done
+            request.kv_transfer_ms = (t.finished - t.started) * 1e3
+            if t.outcome != "complete":
+                logger.warning("KV transfer for %s from %s ended early (%s) after %d of %d "
+                               "block(s); computing the rest here", request.request_id,
+                               t.source.address, t.outcome, t.num_done, len(t.hashes))
+            self.scheduler.add(request)
 
     # -- stepping --------------------------------------------------------------
 
@@ -206,6 +268,8 @@ class LLMEngine:
         reason = request.check_stop(self.max_model_len)
         if reason is not None:
             request.finish_reason = reason
+            if request.kv_lease_s:
+                self.kv_leases.hold(request, request.kv_lease_s, now)
             self.scheduler.finish(request)
             del self.requests[request.request_id]
         return self._output(request, [token_id], None if logprobs is None else [logprobs])
@@ -298,6 +362,9 @@ class LLMEngine:
                              request.params.prompt_logprobs is not None else None),
             queue_ms=queue_ms,
             prefill_ms=prefill_ms,
+            kv_outcome=request.kv_outcome if first else None,
+            kv_blocks_received=request.kv_blocks_received if first else None,
+            kv_transfer_ms=request.kv_transfer_ms if first else None,
         )
 
     def _fail(self, request: Request, message: str) -> RequestOutput:
@@ -310,7 +377,7 @@ class LLMEngine:
     # -- introspection ---------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        bm, sched = self.block_manager, self.scheduler
+        bm, sched, kv = self.block_manager, self.scheduler, self.kv_receiver.stats
         return EngineStats(
             num_running=len(sched.running),
             num_waiting=len(sched.waiting),
@@ -323,6 +390,15 @@ class LLMEngine:
             num_preemptions=sched.num_preemptions,
             num_prompt_tokens_computed=self.num_prompt_tokens_computed,
             num_generated_tokens=self.num_generated_tokens,
+            kv_transfers=kv.num_transfers,
+            kv_blocks_received=kv.num_blocks_received,
+            kv_bytes_received=kv.num_bytes_received,
+            kv_blocks_skipped=kv.num_blocks_skipped,
+            kv_transfer_seconds=kv.transfer_seconds,
+            kv_fallbacks=dict(kv.fallbacks),
+            kv_blocks_sent=self.kv_leases.num_blocks_sent,
+            kv_bytes_sent=self.kv_leases.num_bytes_sent,
+            kv_leases=len(self.kv_leases.leases),
         )
 
     def generate(self, prompts: Sequence[Sequence[int]],
@@ -340,3 +416,24 @@ class LLMEngine:
                         raise RuntimeError(out.error)
                     results[out.request_id].extend(out.new_token_ids)
         return [results[request_id] for request_id in ids]
+
+
+# A lease longer than this is refused: blocks held that long are a leak in all but name.
+MAX_KV_LEASE_S = 600.0
+
+
+def _check_continuation(prompt: list[int], output_token_ids: Sequence[int],
+                        params: SamplingParams, vocab_size: int, max_model_len: int,
+                        kv_lease_s: float) -> None:
+    """The disaggregation fields of a request (InvalidRequestError naming the field)."""
+    check_token_ids(output_token_ids, vocab_size, "output_token_ids")
+    limit = params.max_tokens if params.max_tokens is not None else max_model_len
+    if output_token_ids and (len(output_token_ids) >= limit
+                             or len(prompt) + len(output_token_ids) >= max_model_len):
+        raise InvalidRequestError(
+            f"the request is complete already: {len(output_token_ids)} output token(s) "
+            f"given, max_tokens {params.max_tokens}, context {max_model_len}",
+            "output_token_ids")
+    if not 0.0 <= kv_lease_s <= MAX_KV_LEASE_S:  # NaN fails too
+        raise InvalidRequestError(f"kv_lease_s must be in [0, {MAX_KV_LEASE_S:g}], got "
+                                  f"{kv_lease_s}", "kv_lease_s")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -22,7 +22,10 @@ class RequestStatus(enum.Enum):
 class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  max_tokens: int, eos_token_ids: frozenset[int],
-                 grammar: Optional[GrammarMatcher] = None) -> None:
+                 grammar: Optional[GrammarMatcher] = None,
+                 output_token_ids: Sequence[int] = ()) -> None:
+        """``output_token_ids``: tokens generated for it elsewhere (a prefill engine);
+        it continues after them."""
         self.request_id = request_id
         self.params = params
         # Prompt then generated tokens: the sequence whose KV the cache holds.
@@ -42,6 +45,20 @@ class Request:
                              or bool(params.frequency_penalty) or bool(params.logit_bias)
                              or params.allowed_token_ids is not None
                              or bool(params.bad_words_ids) or grammar is not None)
+        for token_id in output_token_ids:
+            self.append_token(token_id)
+        # Draws a seeded request made elsewhere: its generator skips them, so that its
+        # output is what one engine would have sampled.
+        self.num_draws_elsewhere = 0 if params.greedy else len(output_token_ids)
+        # Prompt blocks received from a prefill engine (engine_worker/kv_transfer.py),
+        # held until the request's admission attaches them.
+        self.staged_blocks: Optional[BlockTable] = None
+        # Prefill side: hold the prompt's blocks this long once finished.
+        self.kv_lease_s = 0.0
+        # Decode side: how its KV transfer ended, for its first output.
+        self.kv_outcome: Optional[str] = None
+        self.kv_blocks_received: Optional[int] = None
+        self.kv_transfer_ms: Optional[float] = None
         self.status = RequestStatus.WAITING
         self.finish_reason: Optional[FinishReason] = None
         # Tokens whose KV is in the cache (or is written in the current step).

@@ -228,6 +228,8 @@ def exponential_race(probs: torch.Tensor, requests: Sequence[Request],
             if r.generator is None:
                 r.generator = torch.Generator(device=probs.device)
                 r.generator.manual_seed(r.params.seed & 0xFFFF_FFFF_FFFF_FFFF)
+                for _ in range(r.num_draws_elsewhere):  # made by a prefill engine
+                    noise[j].exponential_(generator=r.generator)
             noise[j].exponential_(generator=r.generator)
     # E can round to 0: keep the quotient finite (a zero p stays 0).
     return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)

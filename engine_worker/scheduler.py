@@ -129,6 +129,7 @@ class Scheduler:
                                                num_cached + num_new, cached):
                 break  # the pool is full; running requests free blocks as they finish
             self.waiting.popleft()
+            self._release_staged(request)
             if request.num_cached_tokens is None:  # first admission, not a recompute
                 request.num_cached_tokens = num_cached
                 if not request.needs_prompt_logits:  # looked up
@@ -166,4 +167,12 @@ class Scheduler:
             self.block_manager.free(request.blocks)
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
+        self._release_staged(request)
         request.status = RequestStatus.FINISHED
+
+    def _release_staged(self, request: Request) -> None:
+        """Blocks received for the request (kv_transfer.py) were attached by its
+        admission, or are no longer needed: the transfer's references go."""
+        if request.staged_blocks is not None:
+            self.block_manager.free(request.staged_blocks)
+            request.staged_blocks = None

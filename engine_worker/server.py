@@ -53,11 +53,11 @@ import msgspec
 import zmq
 
 from common.config import EngineServerConfig
-from common.curve import CurveServer
+from common.curve import CurveServer, client_security
 from common.errors import InvalidRequestError
 from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, PROTOCOL_VERSION,
                              AbortRequests, AddRequest, CacheEvents, CacheSync, Codec, Dead,
-                             EngineStats, FinishReason,
+                             EngineStats, FinishReason, KvBlocks, KvPull,
                              Hello, OutputBatch, Ping, Pong, ProtocolError, Ready, RequestError,
                              RequestErrorKind, RequestOutput, version_mismatch)
 from common.sockets import HANDSHAKE_FAILED, make_socket, read_refusal
@@ -66,6 +66,8 @@ from engine_worker.engine import FatalDeviceError, LLMEngine
 logger = logging.getLogger(__name__)
 
 _OUTBOX_ADDRESS = "inproc://engine-outbox"
+# The loop's frames to other engines (KV pulls): [address, type, payload].
+_PEER_OUTBOX_ADDRESS = "inproc://engine-peer-outbox"
 # Sent through the outbox last: everything queued before it is forwarded, then the
 # I/O thread stops.
 _FLUSH_AND_STOP = [b""]
@@ -73,6 +75,17 @@ _FLUSH_AND_STOP = [b""]
 
 class _Wake:
     """Put in the inbox by the I/O thread to wake the loop (a signal, a failure)."""
+
+
+@dataclass(frozen=True)
+class _Peer:
+    """The sender of a message from another engine (a prefill engine's KvBlocks)."""
+
+    address: str
+
+
+class _PeerLost:
+    """Put in the inbox when the connection to a peer engine drops."""
 
 
 @dataclass
@@ -99,6 +112,13 @@ class _IOThread(threading.Thread):
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.monitor = self.router.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
         self.outbox = make_socket(ctx, _OUTBOX_ADDRESS, zmq.PULL, bind=True)
+        # Other engines this one pulls KV from: a DEALER each, made on first use.
+        self.peer_outbox = make_socket(ctx, _PEER_OUTBOX_ADDRESS, zmq.PULL, bind=True)
+        self.peer_codec = Codec(CLIENT_MESSAGES, ENGINE_MESSAGES)
+        self.peers: dict[str, zmq.Socket] = {}
+        self.peer_monitors: dict[zmq.Socket, str] = {}
+        self.curve_key = config.curve_key
+        self.max_frame_bytes = config.max_frame_bytes
         self.unreachable: "queue.Queue[bytes]" = queue.Queue()
         # Read end of the signal wakeup pipe (EngineServer sets it).
         self.wakeup_fd: Optional[int] = None
@@ -120,10 +140,11 @@ class _IOThread(threading.Thread):
         self.failed = False
 
     def run(self) -> None:
-        poller = zmq.Poller()
+        self.poller = poller = zmq.Poller()
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.outbox, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
+        poller.register(self.peer_outbox, zmq.POLLIN)
         if self.wakeup_fd is not None:
             poller.register(self.wakeup_fd, zmq.POLLIN)
         try:
@@ -138,6 +159,13 @@ class _IOThread(threading.Thread):
                             self.num_handshakes_failed += 1
                         else:
                             self.num_disconnects += 1
+                    elif sock is self.peer_outbox:
+                        self._to_peers()
+                    elif sock in self.peer_monitors:
+                        sock.recv_multipart()
+                        self.inbox.put((_Peer(self.peer_monitors[sock]), _PeerLost()))
+                    elif isinstance(sock, zmq.Socket):
+                        self._from_peer(sock)
                     else:  # a signal arrived: the loop looks at its counter
                         os.read(self.wakeup_fd, 512)
                         self.inbox.put(_Wake())
@@ -167,6 +195,43 @@ class _IOThread(threading.Thread):
                 self._pong(identity, message)
             else:
                 self.inbox.put((identity, message))
+
+    def _to_peers(self) -> None:
+        while True:
+            try:
+                address, *frames = self.peer_outbox.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._peer(address.decode()).send_multipart(frames, zmq.NOBLOCK)
+
+    def _peer(self, address: str) -> zmq.Socket:
+        sock = self.peers.get(address)
+        if sock is None:
+            sock = make_socket(self.ctx, address, zmq.DEALER, bind=False,
+                               max_message_bytes=self.max_frame_bytes,
+                               secure=client_security(self.curve_key))
+            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
+            self.peers[address] = sock
+            self.peer_monitors[monitor] = address
+            self.poller.register(sock, zmq.POLLIN)
+            self.poller.register(monitor, zmq.POLLIN)
+        return sock
+
+    def _from_peer(self, sock: zmq.Socket) -> None:
+        address = next(a for a, s in self.peers.items() if s is sock)
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                message = self.peer_codec.decode(frames)
+            except ProtocolError as e:
+                self.num_frames_dropped += 1
+                logger.warning("dropped a frame from engine %s: %s", address, e)
+                continue
+            if isinstance(message, (KvBlocks, Dead)):
+                self.inbox.put((_Peer(address), message))
 
     def _pong(self, identity: bytes, ping: Ping) -> None:
         stats = msgspec.structs.replace(self.stats, num_frames_dropped=self.num_frames_dropped,
@@ -202,6 +267,12 @@ class _IOThread(threading.Thread):
         self.monitor.close(linger=0)
         self.router.close()
         self.outbox.close()
+        self.peer_outbox.close()
+        for sock in self.peers.values():
+            sock.disable_monitor()
+            sock.close(linger=0)
+        for monitor in self.peer_monitors:
+            monitor.close(linger=0)
 
 
 class EngineServer:
@@ -220,6 +291,8 @@ class EngineServer:
         self.codec = Codec(ENGINE_MESSAGES, CLIENT_MESSAGES)
         self.outbox = make_socket(self.ctx, _OUTBOX_ADDRESS, zmq.PUSH, bind=False,
                                   linger_ms=1000)
+        self.peer_outbox = make_socket(self.ctx, _PEER_OUTBOX_ADDRESS, zmq.PUSH, bind=False)
+        self.peer_codec = Codec(CLIENT_MESSAGES, ENGINE_MESSAGES)
         self.clients: dict[bytes, _Client] = {}
         self._next_prune = 0.0
         self.owner: dict[str, bytes] = {}  # request_id -> client identity
@@ -233,7 +306,7 @@ class EngineServer:
             num_kv_blocks=engine.block_manager.num_blocks,
             block_size=engine.block_manager.block_size,
             eos_token_ids=sorted(engine.eos_token_ids),
-            prefix_caching=engine.block_manager.enable_prefix_caching)
+            prefix_caching=engine.block_manager.enable_prefix_caching, role=config.role)
         # The number of the last CacheEvents change sent (0: none yet).
         self.cache_seq = 0
         if self.ready.prefix_caching:
@@ -285,6 +358,7 @@ class EngineServer:
         self.outbox.send_multipart(_FLUSH_AND_STOP)
         self.io.close()
         self.outbox.close()
+        self.peer_outbox.close()
         self._stop_curve()
         self.ctx.term()
 
@@ -295,21 +369,27 @@ class EngineServer:
     # -- the loop --------------------------------------------------------------
 
     def _loop(self) -> None:
+        kv_deadline = None
         while True:
             self.io.loop_at = time.monotonic()
-            messages = self._drain_inbox(block=not self.engine.has_unfinished_requests())
+            idle = not self.engine.has_steps_to_run()
+            messages = self._drain_inbox(block=idle, deadline=kv_deadline)
             draining = self._signalled()
             self._handle(messages)
             self._reap_unreachable_clients()
+            kv_deadline = self.engine.expire_kv()
+            self._send_kv_pulls()
             if draining:
                 overdue = time.monotonic() - self.draining_since > self.config.drain_timeout_s
                 if self.num_signals > 1 or overdue:
                     self._abort(list(self.owner), "the engine is shutting down")
-                if not self.engine.has_unfinished_requests():
+                # Leases held for decode engines are served until they end too.
+                holding = self.engine.has_unfinished_requests() or self.engine.kv_leases.leases
+                if not holding or overdue or self.num_signals > 1:
                     return
             if self.io.failed:
                 return
-            if self.engine.has_unfinished_requests():
+            if self.engine.has_steps_to_run():
                 outputs = self.engine.step()
                 self._publish_cache_changes()  # before the outputs they explain
                 self._send_outputs(outputs)
@@ -327,13 +407,14 @@ class EngineServer:
             logger.info("another signal: aborting %d request(s)", len(self.owner))
         return self.draining_since is not None
 
-    def _drain_inbox(self, block: bool) -> list:
+    def _drain_inbox(self, block: bool, deadline: Optional[float] = None) -> list:
         messages = []
         if block:
             # Idle: sleep until a message or a wake-up arrives. The timeout only
-            # bounds how late a silent client is noticed.
+            # bounds how late a silent client (or a KV transfer's deadline) is noticed.
+            timeout = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
             try:
-                messages.append(self.inbox.get(timeout=1.0))
+                messages.append(self.inbox.get(timeout=max(timeout, 0.001)))
             except queue.Empty:
                 return messages
         while True:
@@ -348,6 +429,12 @@ class EngineServer:
             if isinstance(item, _Wake):
                 continue
             identity, message = item
+            if isinstance(identity, _Peer):
+                self._from_peer(identity.address, message)
+                continue
+            if isinstance(message, KvPull):  # another engine, not a client
+                self._send(identity, self.engine.answer_kv_pull(message))
+                continue
             if identity not in self.clients:
                 self.clients[identity] = _Client(identity)
             if isinstance(message, AddRequest):
@@ -361,6 +448,18 @@ class EngineServer:
         for identity, add in adds:  # batched: all of a loop's adds before one step
             self._add(identity, add)
         self._expire_silent_clients(time.monotonic())
+
+    def _from_peer(self, address: str, message) -> None:
+        if isinstance(message, KvBlocks):
+            self.engine.receive_kv(address, message)
+        elif isinstance(message, Dead):
+            self.engine.kv_source_failed(address, "source_dead")
+        else:  # _PeerLost
+            self.engine.kv_source_failed(address, "disconnected")
+
+    def _send_kv_pulls(self) -> None:
+        for address, pull in self.engine.kv_pulls():
+            self.peer_outbox.send_multipart([address.encode(), *self.peer_codec.encode(pull)])
 
     def _hello(self, identity: bytes, hello: Hello) -> None:
         refusal = version_mismatch("client", hello.protocol_version)
@@ -386,7 +485,9 @@ class EngineServer:
                 kind=RequestErrorKind.OVERLOADED))
             return
         try:
-            self.engine.add_request(add.request_id, add.prompt_token_ids, add.params)
+            self.engine.add_request(add.request_id, add.prompt_token_ids, add.params,
+                                    output_token_ids=add.output_token_ids,
+                                    kv_lease_s=add.kv_lease_s, kv_source=add.kv_source)
         except InvalidRequestError as e:
             self._send(identity, RequestError(request_id=add.request_id, message=e.message,
                                               param=e.param))

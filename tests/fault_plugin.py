@@ -15,6 +15,8 @@ on by a test-only environment variable:
     ROSESERVE_FAULT_CUDA_ERROR_TOKEN  once a request whose prompt holds this token id
                                    is added, every forward pass raises CUDA's
                                    illegal-address error (a sticky error)
+    ROSESERVE_FAULT_KV             a prefill engine's answers to KV pulls spoiled:
+                                   "corrupt", "drop", "delay:S" or "exit:N" (_kv_faults)
   tokenizer_worker
     ROSESERVE_FAULT_CRASH_MARKER   a batch holding this text kills the worker...
     ROSESERVE_FAULT_CRASH_SLOTS    ...if its slot is listed (comma-separated)
@@ -69,8 +71,8 @@ def _engine(server) -> None:
             if request.num_output_tokens >= 2:
                 raise RuntimeError("injected per-request failure")
 
-        def add(request_id, prompt_token_ids, params=None):
-            add_request(request_id, prompt_token_ids, params)
+        def add(request_id, prompt_token_ids, params=None, **kw):
+            add_request(request_id, prompt_token_ids, params, **kw)
             if token in prompt_token_ids:
                 engine.requests[request_id].logits_processors.append(fail_at_third_token)
 
@@ -78,14 +80,50 @@ def _engine(server) -> None:
     cuda_token = _env("CUDA_ERROR_TOKEN")
     if cuda_token:
         _sticky_cuda_error(engine, int(cuda_token))
+    if _env("KV"):
+        _kv_faults(engine, _env("KV"))
+
+
+def _kv_faults(engine, fault: str) -> None:
+    """A prefill engine's answers to KV pulls, spoiled: "corrupt" flips a byte of the
+    first block, "drop" leaves out the first block, "delay:S" answers S seconds late,
+    "exit:N" answers N pulls and dies on the next (mid-transfer)."""
+    import msgspec
+
+    from common.protocol import KvBlock
+
+    answer = engine.answer_kv_pull
+    kind, _, arg = fault.partition(":")
+    answered = []
+
+    def spoiled(pull):
+        if kind == "exit" and len(answered) >= int(arg) and pull.hashes:
+            os._exit(9)
+        reply = answer(pull)
+        answered.append(1)
+        if not reply.blocks:
+            return reply
+        first = reply.blocks[0]
+        if kind == "corrupt":
+            data = bytearray(first.data)
+            data[7] ^= 0x10
+            first = KvBlock(first.block_hash, first.checksum, bytes(data))
+            return msgspec.structs.replace(reply, blocks=[first, *reply.blocks[1:]])
+        if kind == "drop":
+            return msgspec.structs.replace(reply, blocks=reply.blocks[1:])
+        if kind == "delay":
+            time.sleep(float(arg))
+        return reply
+
+    engine.answer_kv_pull = spoiled
 
 
 def _sticky_cuda_error(engine, token: int) -> None:
     add_request, forward = engine.add_request, engine.runner.forward
     broken = []
 
-    def add(request_id, prompt_token_ids, params=None):
-        add_request(request_id, prompt_token_ids, params)
+    def add(request_id, prompt_token_ids, params=None, **kw):
+        add_request(request_id, prompt_token_ids, params, **kw)
         if token in prompt_token_ids:
             broken.append(True)
 

@@ -1,0 +1,270 @@
+"""Prefill/decode disaggregation inside the engines (engine_worker/kv_transfer.py): a
+prefill engine computes the prompt and the first token, a decode engine pulls the
+prompt's blocks and continues. Messages are carried by hand here, so that every fault
+can be placed exactly; tests/test_disaggregation.py runs the real processes."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import pytest
+
+from common.errors import InvalidRequestError
+from common.protocol import KvBlock, KvBlocks, KvSource, SamplingParams
+from helpers import greedy, make_engine, random_prompts, run_to_end, tokens
+
+ADDRESS = "ipc:///prefill-engine"
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama_dir):
+    """A mixed engine (the reference), a prefill engine and a decode engine."""
+    return [make_engine(tiny_llama_dir, num_blocks=96, max_model_len=256) for _ in range(3)]
+
+
+@pytest.fixture(autouse=True)
+def clean(engines):
+    """Every test leaves every engine's pool as it found it: nothing leaks."""
+    for e in engines:
+        e.block_manager.reset_prefix_cache()
+    yield
+    for e in engines:
+        assert not e.has_unfinished_requests()
+        assert not e.kv_leases.leases and not e.kv_receiver.transfers
+        assert e.block_manager.num_used_blocks == 0, e
+
+
+def prefill(p, request_id, prompt, params, lease_s=30.0):
+    """The prefill engine's part: the first token, blocks held under a lease."""
+    p.add_request(request_id, prompt, msgspec.structs.replace(params, max_tokens=1),
+                  kv_lease_s=lease_s)
+    outs = run_to_end(p)[request_id]
+    return tokens(outs)
+
+
+def carry(p, d, fault=None):
+    """Deliver the decode engine's pulls to the prefill engine and the answers back
+    until none is left; ``fault(reply) -> reply or None`` may tamper or drop."""
+    while True:
+        pulls = d.kv_pulls()
+        if not pulls:
+            return
+        for address, pull in pulls:
+            assert address == ADDRESS
+            reply = p.answer_kv_pull(pull)
+            if fault is not None and reply.blocks:  # not a release's empty answer
+                reply = fault(reply)
+            if reply is not None:
+                d.receive_kv(address, reply)
+
+
+def disaggregated(p, d, request_id, prompt, params, fault=None):
+    first = prefill(p, request_id, prompt, params)
+    d.add_request(request_id, prompt, params, output_token_ids=first,
+                  kv_source=KvSource(address=ADDRESS, request_id=request_id))
+    carry(p, d, fault)
+    outs = run_to_end(d)[request_id]
+    return first + tokens(outs), outs[0]
+
+
+def test_decode_continues_from_the_prefill_engine_token_identical(engines):
+    mixed, p, d = engines
+    for i, prompt in enumerate(random_prompts([10, 33, 4, 3], seed=1)):
+        expected = mixed.generate([prompt], greedy(12))[0]
+        got, first_out = disaggregated(p, d, f"r{i}", prompt, greedy(12))
+        assert got == expected
+        full = len(prompt) // 4
+        assert first_out.kv_outcome == ("complete" if full else None)
+        assert first_out.kv_blocks_received == (full if full else None)
+        # The decode engine computed only what follows the received blocks.
+        assert first_out.num_cached_tokens == full * 4
+        p.block_manager.reset_prefix_cache()
+        d.block_manager.reset_prefix_cache()
+    assert p.stats().kv_blocks_sent == d.stats().kv_blocks_received == 2 + 8 + 1
+    assert d.stats().kv_bytes_received == 11 * d.kv_receiver.store.block_bytes
+    assert not d.stats().kv_fallbacks
+
+
+def test_only_blocks_the_decode_engine_lacks_are_pulled(engines):
+    mixed, p, d = engines
+    shared = random_prompts([16], seed=2)[0]
+    a, b = (shared + tail for tail in random_prompts([5, 9], seed=3))
+    d.generate([a], greedy(2))  # the decode engine holds the shared prefix now
+    skipped, received = d.stats().kv_blocks_skipped, d.stats().kv_blocks_received
+    got, first_out = disaggregated(p, d, "b", b, greedy(8))
+    assert got == mixed.generate([b], greedy(8))[0]
+    assert d.stats().kv_blocks_skipped - skipped == 4  # 16 shared tokens
+    assert d.stats().kv_blocks_received - received == 2  # the rest of b's 25 tokens
+    assert first_out.num_cached_tokens == 24
+
+
+def test_seeded_sampling_continues_the_same_random_stream(engines):
+    mixed, p, d = engines
+    prompt = random_prompts([13], seed=4)[0]
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=1234, ignore_eos=True)
+    expected = mixed.generate([prompt], params)[0]
+    got, _ = disaggregated(p, d, "seeded", prompt, params)
+    assert got == expected
+    # A different seed gives another stream: the comparison above can fail.
+    other = SamplingParams(max_tokens=10, temperature=1.0, seed=99, ignore_eos=True)
+    assert mixed.generate([prompt], other)[0] != expected
+
+
+def _corrupt_one_byte(reply: KvBlocks) -> KvBlocks:
+    b = reply.blocks[1]
+    data = bytearray(b.data)
+    data[len(data) // 2] ^= 0x01
+    return msgspec.structs.replace(reply, blocks=[reply.blocks[0], KvBlock(
+        b.block_hash, b.checksum, bytes(data))] + reply.blocks[2:])
+
+
+def _drop_second_block(reply: KvBlocks) -> KvBlocks:
+    return msgspec.structs.replace(reply, blocks=[reply.blocks[0]] + reply.blocks[2:])
+
+
+def _truncate(reply: KvBlocks) -> KvBlocks:
+    b = reply.blocks[1]
+    return msgspec.structs.replace(reply, blocks=[reply.blocks[0], KvBlock(
+        b.block_hash, b.checksum, b.data[:-4])])
+
+
+@pytest.mark.parametrize("fault, outcome, received", [
+    (_corrupt_one_byte, "checksum", 1),
+    (_drop_second_block, "hash", 1),
+    (_truncate, "size", 1),
+    (lambda reply: msgspec.structs.replace(reply, blocks=[], error="gone"), "source", 0),
+])
+def test_a_bad_block_is_never_used_and_the_rest_is_computed(engines, fault, outcome, received):
+    mixed, p, d = engines
+    prompt = random_prompts([21], seed=5)[0]
+    expected = mixed.generate([prompt], greedy(10))[0]
+    got, first_out = disaggregated(p, d, "faulty", prompt, greedy(10), fault)
+    assert got == expected
+    assert first_out.kv_outcome == outcome
+    assert first_out.kv_blocks_received == received
+    assert first_out.num_cached_tokens == received * 4
+    assert d.stats().kv_fallbacks[outcome] >= 1
+    carry(p, d)  # the decode engine lets the prefill engine's lease go
+
+
+def test_a_transfer_past_its_deadline_falls_back(engines, monkeypatch):
+    mixed, p, d = engines
+    prompt = random_prompts([18], seed=6)[0]
+    expected = mixed.generate([prompt], greedy(6))[0]
+    first = prefill(p, "late", prompt, greedy(6))
+    d.add_request("late", prompt, greedy(6), output_token_ids=first,
+                  kv_source=KvSource(address=ADDRESS, request_id="late"))
+    pulls = d.kv_pulls()
+    assert len(pulls) == 1 and not d.has_steps_to_run()  # waiting for its KV
+    now = time.monotonic()
+    monkeypatch.setattr(time, "monotonic", lambda: now + d.config.cache.kv_transfer_timeout_s)
+    assert d.expire_kv() is None
+    monkeypatch.undo()
+    assert d.has_steps_to_run()
+    reply = p.answer_kv_pull(pulls[0][1])  # arrives late: dropped
+    d.receive_kv(ADDRESS, reply)
+    outs = run_to_end(d)["late"]
+    assert first + tokens(outs) == expected
+    assert outs[0].kv_outcome == "deadline" and outs[0].kv_blocks_received == 0
+    carry(p, d)  # the lease is released
+
+
+def test_the_prefill_engine_dying_mid_transfer_falls_back(engines):
+    mixed, p, d = engines
+    prompt = random_prompts([40], seed=7)[0]
+    expected = mixed.generate([prompt], greedy(5))[0]
+    first = prefill(p, "dies", prompt, greedy(5))
+    d.add_request("dies", prompt, greedy(5), output_token_ids=first,
+                  kv_source=KvSource(address=ADDRESS, request_id="dies"))
+    [(_, pull)] = d.kv_pulls()
+    reply = p.answer_kv_pull(msgspec.structs.replace(pull, hashes=pull.hashes[:3]))
+    d.receive_kv(ADDRESS, reply)
+    d.kv_source_failed(ADDRESS, "disconnected")
+    outs = run_to_end(d)["dies"]
+    assert first + tokens(outs) == expected
+    assert outs[0].kv_outcome == "disconnected" and outs[0].kv_blocks_received == 3
+    p.kv_leases.release("dies")
+
+
+def test_abort_mid_transfer_frees_everything_on_both_engines(engines):
+    _, p, d = engines
+    prompt = random_prompts([30], seed=8)[0]
+    first = prefill(p, "gone", prompt, greedy(5))
+    assert p.block_manager.num_used_blocks == 7  # the lease holds 30 // 4 blocks
+    d.add_request("gone", prompt, greedy(5), output_token_ids=first,
+                  kv_source=KvSource(address=ADDRESS, request_id="gone"))
+    assert d.block_manager.num_used_blocks == 7  # reserved for the transfer
+    d.kv_pulls()
+    assert d.abort_requests(["gone"]) == ["gone"]
+    assert d.block_manager.num_used_blocks == 0
+    [(_, release)] = d.kv_pulls()
+    assert release.release and not release.hashes
+    assert p.answer_kv_pull(release).blocks == []
+    assert p.block_manager.num_used_blocks == 0
+
+
+def test_a_lease_nobody_pulls_expires(engines):
+    _, p, _ = engines
+    prefill(p, "unclaimed", random_prompts([12], seed=11)[0], greedy(3), lease_s=0.05)
+    assert p.stats().kv_leases == 1 and p.block_manager.num_used_blocks == 3
+    time.sleep(0.06)
+    p.expire_kv()
+    assert p.stats().kv_leases == 0 and p.block_manager.num_used_blocks == 0
+
+
+def test_pulls_are_windowed_and_bounded_in_flight(engines, tiny_llama_dir):
+    from common.config import CacheConfig, EngineConfig
+    from engine_worker.engine import LLMEngine
+
+    block_bytes = engines[0].kv_receiver.store.block_bytes
+    p, d = (LLMEngine(EngineConfig(
+        model=str(tiny_llama_dir), device="cpu", max_model_len=256,
+        cache=CacheConfig(block_size=4, num_blocks=96,
+                          kv_transfer_window_bytes=3 * block_bytes,
+                          kv_transfer_max_inflight_bytes=4 * block_bytes)))
+            for _ in range(2))
+    for i, prompt in enumerate(random_prompts([20, 20], seed=9)):
+        first = prefill(p, f"w{i}", prompt, greedy(3))
+        d.add_request(f"w{i}", prompt, greedy(3), output_token_ids=first,
+                      kv_source=KvSource(address=ADDRESS, request_id=f"w{i}"))
+    pulls = d.kv_pulls()
+    # Windows of 3 blocks; 4 blocks in flight at most over both transfers.
+    assert [len(pull.hashes) for _, pull in pulls] == [3, 1]
+    assert d.kv_pulls() == []
+    for _, pull in pulls:
+        d.receive_kv(ADDRESS, p.answer_kv_pull(pull))
+    carry(p, d)
+    outs = run_to_end(d)
+    assert {o[0].kv_outcome for o in outs.values()} == {"complete"}
+    assert d.stats().kv_blocks_received == 10
+    assert p.block_manager.num_used_blocks == d.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("kw, param", [
+    (dict(output_token_ids=[50257]), "output_token_ids"),
+    (dict(output_token_ids=[1, 2, 3, 4]), "output_token_ids"),  # max_tokens 4: done
+    (dict(kv_lease_s=-1.0), "kv_lease_s"),
+    (dict(kv_lease_s=float("nan")), "kv_lease_s"),
+    (dict(kv_lease_s=1e9), "kv_lease_s"),
+])
+def test_bad_disaggregation_fields_are_clear_errors(engines, kw, param):
+    _, _, d = engines
+    with pytest.raises(InvalidRequestError) as info:
+        d.add_request("bad", [1, 2, 3], greedy(4), **kw)
+    assert info.value.param == param
+
+
+def test_a_layout_mismatch_is_refused_by_the_prefill_engine(engines):
+    mixed, p, d = engines
+    prompt = random_prompts([12], seed=10)[0]
+    first = prefill(p, "layout", prompt, greedy(4))
+    d.add_request("layout", prompt, greedy(4), output_token_ids=first,
+                  kv_source=KvSource(address=ADDRESS, request_id="layout"))
+    [(_, pull)] = d.kv_pulls()
+    reply = p.answer_kv_pull(msgspec.structs.replace(pull, layout="another model"))
+    assert reply.blocks == [] and "KV layout mismatch" in reply.error
+    d.receive_kv(ADDRESS, reply)
+    outs = run_to_end(d)["layout"]
+    assert first + tokens(outs) == mixed.generate([prompt], greedy(4))[0]
+    assert outs[0].kv_outcome == "source"
