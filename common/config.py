@@ -248,6 +248,12 @@ class FrontendConfig:
     # "prefix": route to the engine most likely to hold the prompt's prefix, within
     # a load bound; "least-loaded": ignore prefixes (frontend/router.py).
     routing: str = "prefix"
+    # Prefill/decode disaggregation (engines of roles prefill and decode): a prompt
+    # whose blocks the decode engine lacks come to fewer tokens than this is computed
+    # by the decode engine itself; a prefill engine keeps a prompt's KV blocks this
+    # long for the decode engine to pull (it lets go of them at once once pulled).
+    disagg_min_prompt_tokens: int = 256
+    kv_lease_s: float = 30.0
     # A request whose engine refused it (draining) or died before any of its output
     # was read is sent to another engine, at most this many times.
     request_retries: int = 2
@@ -278,6 +284,11 @@ class FrontendConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be positive, got {value}")
+        if self.disagg_min_prompt_tokens < 0:
+            raise ValueError(f"disagg_min_prompt_tokens must be 0 or more, got "
+                             f"{self.disagg_min_prompt_tokens}")
+        if not 0 < self.kv_lease_s <= 600:
+            raise ValueError(f"kv_lease_s must be in (0, 600], got {self.kv_lease_s}")
         if self.request_retries < 0:
             raise ValueError(f"request_retries must be 0 or more, got {self.request_retries}")
         if self.routing not in ("prefix", "least-loaded"):

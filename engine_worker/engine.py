@@ -154,6 +154,8 @@ class LLMEngine:
         """Stop requests and free their blocks. Returns the ids that were active."""
         aborted = []
         for request_id in request_ids:
+            # A finished prefill's lease: the decode engine will not come for it.
+            self.kv_leases.release(request_id)
             request = self.requests.pop(request_id, None)
             if request is None:
                 continue

@@ -48,6 +48,13 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
                         "(default: no limit)")
     g.add_argument("--routing", choices=["prefix", "least-loaded"], default="prefix",
                    help="how requests are spread over engines")
+    g.add_argument("--disagg-min-prompt-tokens", type=int, default=256,
+                   help="with prefill and decode engines: prompts whose blocks the decode "
+                        "engine lacks come to fewer tokens than this skip the prefill "
+                        "engine (default 256; 0: every prompt goes to one)")
+    g.add_argument("--kv-lease", type=float, default=30.0,
+                   help="seconds a prefill engine keeps a prompt's KV blocks for the "
+                        "decode engine to pull (default 30)")
     g.add_argument("--dns-refresh", type=float, default=5.0,
                    help="seconds between lookups of engine addresses given by DNS name "
                         "(tcp://tasks.engine:5557: every address the name resolves to)")
@@ -84,7 +91,8 @@ def frontend_config_from_args(args: argparse.Namespace, engines: Sequence[str],
         max_choices_per_request=args.max_choices_per_request,
         tokenize_timeout_s=args.tokenize_timeout, request_timeout_s=args.request_timeout,
         routing=args.routing, request_retries=args.request_retries,
-        dns_refresh_s=args.dns_refresh,
+        dns_refresh_s=args.dns_refresh, disagg_min_prompt_tokens=args.disagg_min_prompt_tokens,
+        kv_lease_s=args.kv_lease,
         curve_key=CurveKey.from_option(getattr(args, "curve_key_file", None)))
 
 

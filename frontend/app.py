@@ -112,7 +112,7 @@ async def start_pipeline(config: FrontendConfig, metrics: Metrics) -> Pipeline:
     model_names = list(config.served_model_names) or [model_dir.resolve().name]
     tok_client = TokenizerClient(config.tokenizer_address, curve_key=config.curve_key)
     await tok_client.connect()
-    engines = EngineRouter([], config.routing)
+    engines = EngineRouter([], config.routing, config.disagg_min_prompt_tokens)
     pipe = Pipeline(engines, tok_client, tokenizer, metrics,
                     Admission(config.max_waiting_requests, config.max_waiting_tokens),
                     model_names, config, hf_tokenizer.chat_template, grammars)

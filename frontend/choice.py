@@ -59,14 +59,24 @@ class Choice:
     prompt_logprobs: Optional[list[TokenLogprobs]] = None
     # The model's EOS ids: a stop on one of them has no stop_reason.
     eos_token_ids: frozenset = frozenset()
+    # Disaggregated: the engine that computed the prompt and the first token, and how
+    # the decode engine's pull of the prompt's KV blocks from it went.
+    prefill_engine: Optional[str] = None
+    kv_outcome: Optional[str] = None
+    kv_blocks_received: Optional[int] = None
+    kv_transfer_ms: Optional[float] = None
 
     def consume(self, out: RequestOutput) -> Delta:
         now = time.monotonic()
         if out.prompt_logprobs is not None:
             self.prompt_logprobs = out.prompt_logprobs
-        if out.num_cached_tokens is not None:
+        if out.num_cached_tokens is not None and self.num_cached_tokens is None:
+            # The first engine's figures (a decode engine continuing reports its own).
             self.num_cached_tokens = out.num_cached_tokens
             self.queue_ms, self.prefill_ms = out.queue_ms, out.prefill_ms
+        if out.kv_outcome is not None:
+            self.kv_outcome, self.kv_transfer_ms = out.kv_outcome, out.kv_transfer_ms
+            self.kv_blocks_received = out.kv_blocks_received
         if out.finish_reason in (FinishReason.ABORT, FinishReason.ERROR):
             raise ChoiceFailed(out.error or f"the engine ended the request "
                                             f"({out.finish_reason.value})", out.finish_reason)

@@ -93,7 +93,8 @@ class InputProcessor:
         job.ticket = self._admit(body, job.n, inputs)
         job.prompts, job.tokenize_ms = await self._tokenize(inputs, job.deadline)
         job.ticket.resize(job.n * sum(len(p) for p in job.prompts))
-        job.engine = self.engines.pick(job.prompts[0])
+        job.engine, job.prefill = self.engines.route(job.prompts[0])
+        job.prefill_held = job.prefill is not None
         job.engine_address = job.engine.address
         job.num_logprobs = inputs.num_logprobs
         job.include_usage = bool(body.stream_options and body.stream_options.include_usage)

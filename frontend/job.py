@@ -50,6 +50,12 @@ class Job:
     timer: Optional[asyncio.TimerHandle] = None
     # Engines the requests were sent to before ``engine`` (retries).
     attempt: int = 0
+    # Prefill/decode disaggregation: the engine computing the prompts and first
+    # tokens (``engine`` decodes the rest), and the choices it has not finished.
+    prefill: Optional["EngineClient"] = None
+    # Counted toward the prefill engine's load (until no choice is prefilling).
+    prefill_held: bool = False
+    num_prefilling: int = 0
 
     # -- the request, as the input processor made it --------------------------------
     prompts: list[list[int]] = field(default_factory=list)
@@ -109,16 +115,25 @@ class Job:
             self.timer.cancel()
         if self.ticket is not None:
             self.ticket.release()
-        if self.engine is not None and self.submitted:
-            self.engine.cancel([c.request_id for c in self.choices if c.finish_reason is None])
+        if self.submitted:
+            unfinished = [c.request_id for c in self.choices if c.finish_reason is None]
+            for engine in (self.engine, self.prefill):
+                # On a prefill engine this also lets go of blocks held for a transfer.
+                if engine is not None:
+                    engine.cancel(unfinished)
         self.on_close(self)
 
     def timing(self) -> dict:
         first = self.choices[0]
         ttft = None if self.first_token_time is None else (
             (self.first_token_time - self.received) * 1e3)
-        return {"tokenize_ms": round(self.tokenize_ms, 3), "queue_ms": first.queue_ms,
-                "prefill_ms": first.prefill_ms, "ttft_ms": ttft, "engine": self.engine_address}
+        timing = {"tokenize_ms": round(self.tokenize_ms, 3), "queue_ms": first.queue_ms,
+                  "prefill_ms": first.prefill_ms, "ttft_ms": ttft, "engine": self.engine_address}
+        if first.prefill_engine is not None:
+            timing.update(prefill_engine=first.prefill_engine, kv_outcome=first.kv_outcome,
+                          kv_blocks_received=first.kv_blocks_received,
+                          kv_transfer_ms=first.kv_transfer_ms)
+        return timing
 
     def usage(self) -> dict:
         cached = sum(self.choices[i * self.n].num_cached_tokens or 0

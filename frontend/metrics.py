@@ -4,7 +4,9 @@ Named and shaped like vLLM's (``vllm:`` prefix, ``model_name`` and ``engine``
 labels), so that dashboards and alerts built for vLLM work unchanged: request and
 token counters, latency histograms (TTFT, inter-token, end to end, queue, prefill),
 running and waiting requests, KV cache usage, prefix-cache queries and hits, and
-preemptions. ``engine`` is the engine's index in the frontend's list (``--engine``
+preemptions. Prefill/decode disaggregation adds each engine's role and its KV
+transfers (roseserve_kv_*: blocks and bytes received, sent and skipped, time,
+fallbacks by reason, leases held). ``engine`` is the engine's index in the frontend's list (``--engine``
 order). What only roseserve has keeps a ``roseserve_`` prefix: tokenize time,
 per-engine health, load and routing (labelled by address), admission, rejections
 and the tokenizer queue.
@@ -127,6 +129,7 @@ class _StateCollector:
     def collect(self):
         snap = self.snapshot()
         yield from _engine_families(snap, self.model_name, self.index)
+        yield from _kv_transfer_families(snap)
         yield GaugeMetricFamily("roseserve_requests_in_progress",
                                 "HTTP completion requests being served (admitted, not ended)",
                                 value=snap.num_jobs)
@@ -207,3 +210,40 @@ def _engine_families(snap: "PipelineSnapshot", model: str, index: Callable[[str]
         blocks.add_metric([e.address, "free"], s.num_blocks_free)
     return [running, waiting, kv, queries, hits, preemptions, healthy, draining, load, routed,
             blocks, known, resyncs]
+
+
+def _kv_transfer_families(snap: "PipelineSnapshot") -> list:
+    """Prefill/decode disaggregation, by engine address: each engine's role, and the
+    KV blocks decode engines pulled from prefill engines (engine_worker/kv_transfer.py)."""
+    role = GaugeMetricFamily("roseserve_engine_role", "1 for the engine's role: mixed, "
+                             "prefill or decode", labels=["engine", "role"])
+    transfers = CounterMetricFamily("roseserve_kv_transfers", "Prompts whose KV blocks the "
+                                    "engine pulled from a prefill engine", labels=["engine"])
+    blocks = CounterMetricFamily("roseserve_kv_transfer_blocks", "KV blocks received (verified "
+                                 "and used) or sent, and those not pulled because the engine "
+                                 "held them already", labels=["engine", "direction"])
+    data = CounterMetricFamily("roseserve_kv_transfer_bytes", "KV bytes received or sent",
+                               labels=["engine", "direction"])
+    seconds = CounterMetricFamily("roseserve_kv_transfer_seconds", "Time from a transfer's "
+                                  "start to its end, summed", labels=["engine"])
+    fallbacks = CounterMetricFamily("roseserve_kv_transfer_fallbacks", "Transfers that ended "
+                                    "early, the rest of the prompt computed by the decode "
+                                    "engine, by why", labels=["engine", "reason"])
+    leases = GaugeMetricFamily("roseserve_kv_leases", "Prompts whose blocks a prefill engine "
+                               "holds for a decode engine", labels=["engine"])
+    for e in snap.engines:
+        role.add_metric([e.address, e.role], 1.0)
+        s = e.stats
+        if s is None:
+            continue
+        transfers.add_metric([e.address], s.kv_transfers)
+        for direction, n in (("received", s.kv_blocks_received), ("sent", s.kv_blocks_sent),
+                             ("skipped", s.kv_blocks_skipped)):
+            blocks.add_metric([e.address, direction], n)
+        data.add_metric([e.address, "received"], s.kv_bytes_received)
+        data.add_metric([e.address, "sent"], s.kv_bytes_sent)
+        seconds.add_metric([e.address], s.kv_transfer_seconds)
+        for reason, n in sorted(s.kv_fallbacks.items()):
+            fallbacks.add_metric([e.address, reason], n)
+        leases.add_metric([e.address], s.kv_leases)
+    return [role, transfers, blocks, data, seconds, fallbacks, leases]

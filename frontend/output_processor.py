@@ -30,7 +30,8 @@ from typing import Union
 
 import msgspec
 
-from common.protocol import FinishReason, Ready, RequestErrorKind, RequestOutput
+from common.protocol import (FinishReason, KvSource, Ready, RequestErrorKind, RequestOutput,
+                             SamplingParams)
 from engine_worker.client import EngineDeadError, EngineRequestError
 from frontend.choice import Choice, ChoiceFailed
 from frontend.errors import APIError
@@ -48,9 +49,11 @@ def sse(body: dict) -> bytes:
 
 
 class OutputProcessor:
-    def __init__(self, router: EngineRouter, retries: int) -> None:
+    def __init__(self, router: EngineRouter, retries: int, kv_lease_s: float = 30.0) -> None:
         self.router = router
         self.retries = retries
+        # How long a prefill engine keeps a prompt's blocks for the decode engine.
+        self.kv_lease_s = kv_lease_s
         # Jobs sent to another engine since start (each time counts).
         self.num_retries = 0
 
@@ -68,15 +71,106 @@ class OutputProcessor:
         job.wakeup.set()
 
     def _send(self, job: Job) -> None:
-        engine = job.engine
-        assert engine is not None
+        assert job.engine is not None
         job.submitted = True
         try:
             for choice, params in zip(job.choices, job.params):
-                engine.submit(choice.request_id, choice.prompt_token_ids, params,
-                              functools.partial(self._on_output, job, choice, job.attempt))
+                if job.prefill is None or not self._send_prefill(job, choice, params):
+                    self._submit(job, choice, params)
+            if job.num_prefilling == 0:  # none went to the prefill engine
+                self.release_prefill(job)
         except EngineDeadError as e:  # it died since it was picked (before any choice went)
             self._retry_or_fail(job, e)
+
+    def _submit(self, job: Job, choice: Choice, params: SamplingParams, **continuation) -> None:
+        assert job.engine is not None
+        job.engine.submit(choice.request_id, choice.prompt_token_ids, params,
+                          functools.partial(self._on_output, job, choice, job.attempt),
+                          **continuation)
+
+    # -- prefill/decode disaggregation -------------------------------------------------
+    #
+    # A choice goes to the prefill engine for its prompt and first token only, and
+    # the prefill engine keeps the prompt's KV blocks for a while (kv_lease_s). The
+    # first token is handed on like any output; unless it ended the choice, the
+    # decode engine then gets the request with that token, and pulls the blocks it
+    # lacks from the prefill engine itself (engine_worker/kv_transfer.py), computing
+    # whatever does not arrive intact. A prefill engine that fails or refuses the
+    # choice before its first token means the decode engine computes it all.
+
+    def _send_prefill(self, job: Job, choice: Choice, params: SamplingParams) -> bool:
+        """Send a choice's prompt to the job's prefill engine; False if it is gone."""
+        assert job.prefill is not None
+        first_only = msgspec.structs.replace(params, max_tokens=1,
+                                             min_tokens=min(params.min_tokens, 1))
+        try:
+            job.prefill.submit(choice.request_id, choice.prompt_token_ids, first_only,
+                               functools.partial(self._on_prefill_output, job, choice, params,
+                                                 job.attempt), kv_lease_s=self.kv_lease_s)
+        except EngineDeadError:
+            return False
+        choice.prefill_engine = job.prefill.address
+        job.num_prefilling += 1
+        return True
+
+    def _on_prefill_output(self, job: Job, choice: Choice, params: SamplingParams,
+                           attempt: int, item: Union[RequestOutput, BaseException]) -> None:
+        if job.ended or attempt != job.attempt:
+            return
+        if isinstance(item, RequestOutput) and item.finish_reason is None:
+            return self._on_output(job, choice, attempt, item)  # prompt logprobs, say
+        self._prefill_done(job)
+        if _retriable(item) or (isinstance(item, RequestOutput)
+                                and item.finish_reason is FinishReason.ABORT):
+            logger.info("%s: the prefill engine %s did not compute it (%s); the decode "
+                        "engine computes it all", choice.request_id, choice.prefill_engine,
+                        getattr(item, "error", None) or item)
+            choice.prefill_engine = None
+            try:
+                return self._submit(job, choice, params)
+            except EngineDeadError as e:
+                return self._retry_or_fail(job, e)
+        if isinstance(item, BaseException) or not self._continues(job, choice, params, item):
+            assert job.prefill is not None
+            job.prefill.cancel([choice.request_id])  # its blocks are not wanted
+            return self._on_output(job, choice, attempt, item)
+        try:
+            job.engine.check_alive()
+        except EngineDeadError as e:  # nothing sent yet: the job may still move
+            return self._retry_or_fail(job, e)
+        self._on_output(job, choice, attempt, msgspec.structs.replace(item, finish_reason=None))
+        if job.ended or choice.finish_reason is not None:  # a stop string ended it
+            job.prefill.cancel([choice.request_id])
+            return
+        source = KvSource(address=job.prefill.address, request_id=choice.request_id)
+        try:
+            self._submit(job, choice, msgspec.structs.replace(params, prompt_logprobs=None),
+                         output_token_ids=list(choice.token_ids), kv_source=source)
+        except EngineDeadError as e:
+            self._retry_or_fail(job, e)
+
+    @staticmethod
+    def _continues(job: Job, choice: Choice, params: SamplingParams,
+                   out: RequestOutput) -> bool:
+        """Whether a prefill engine's last output ended only because it was asked for
+        one token: the request goes on at the decode engine."""
+        assert job.engine is not None and job.engine.ready is not None
+        done = len(out.new_token_ids)
+        return (out.finish_reason is FinishReason.LENGTH and done == 1
+                and (params.max_tokens is None or params.max_tokens > done)
+                and len(choice.prompt_token_ids) + done < job.engine.ready.max_model_len)
+
+    def _prefill_done(self, job: Job) -> None:
+        job.num_prefilling -= 1
+        if job.num_prefilling == 0:
+            self.release_prefill(job)
+
+    def release_prefill(self, job: Job) -> None:
+        """The job's prefill engine no longer counts it toward its load."""
+        if job.prefill_held:
+            assert job.prefill is not None
+            self.router.release(job.prefill)
+            job.prefill_held = False
 
     def _on_output(self, job: Job, choice: Choice, attempt: int,
                    item: Union[RequestOutput, BaseException]) -> None:
@@ -133,6 +227,12 @@ class OutputProcessor:
             return self._fail(job, error)
         old.cancel([c.request_id for c in job.choices])
         self.router.release(old)
+        if job.prefill is not None:  # the new engine computes it all
+            job.prefill.cancel([c.request_id for c in job.choices])
+            self.release_prefill(job)
+            job.prefill, job.num_prefilling = None, 0
+            for c in job.choices:
+                c.prefill_engine = None
         job.engine, job.engine_address = new, new.address
         job.attempt += 1
         self.num_retries += 1

@@ -20,6 +20,15 @@ heartbeats, not draining, not retired by membership: frontend/membership.py) are
 picked; an engine that comes back as a new instance is known to hold nothing until
 its snapshot arrives.
 With no healthy engine the answer is 503 with Retry-After.
+
+Prefill/decode disaggregation: engines say their role in Ready. ``pick`` chooses the
+engine that decodes (and owns) a request among the engines that are not prefill
+engines, as above, and takes a prefill engine only when no other engine is left.
+``pick_prefill`` then chooses the prefill engine that computes the prompt and the
+first token, the one holding most of the prompt's leading blocks (the least loaded
+on a tie), or none: when no prefill engine is available, or when the blocks the
+decode engine lacks come to fewer than ``min_prefill_tokens`` tokens (a round trip
+and a transfer are not worth it; the decode engine computes the prompt itself).
 """
 
 from __future__ import annotations
@@ -71,11 +80,13 @@ class RoutedEngine:
 
 
 class EngineRouter:
-    def __init__(self, clients: Sequence[EngineClient], policy: str = "prefix") -> None:
+    def __init__(self, clients: Sequence[EngineClient], policy: str = "prefix",
+                 min_prefill_tokens: int = 0) -> None:
         if policy not in POLICIES:
             raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}, "
                              f"got {policy!r}")
         self.policy = policy
+        self.min_prefill_tokens = min_prefill_tokens
         self.engines: list[RoutedEngine] = []
         self._by_client: dict[int, RoutedEngine] = {}
         for client in clients:
@@ -107,8 +118,21 @@ class EngineRouter:
         """The engine for a request with this prompt (other than ``exclude``, the one
         a retried request left); counts it toward that engine's load until
         release()."""
+        return self._pick(prompt_token_ids, exclude, False)[0]
+
+    def route(self, prompt_token_ids: Sequence[int]
+              ) -> tuple[EngineClient, Optional[EngineClient]]:
+        """The engine that decodes a request with this prompt, and the prefill engine
+        that computes its prompt (or None); each counted toward its engine's load
+        until release()."""
+        return self._pick(prompt_token_ids, None, True)
+
+    def _pick(self, prompt_token_ids: Sequence[int], exclude: Optional[EngineClient],
+              disaggregate: bool) -> tuple[EngineClient, Optional[EngineClient]]:
         candidates = [e for e in self.engines if not e.retired and e.client is not exclude]
         healthy = [e for e in candidates if e.client.accepting]
+        # Prefill engines decode only when nothing else can.
+        healthy = [e for e in healthy if e.client.ready.role != "prefill"] or healthy
         if not healthy:
             reasons = "; ".join(f"{e.address}: {e.client.dead_reason or 'draining'}"
                                 for e in candidates)
@@ -137,8 +161,31 @@ class EngineRouter:
                 chosen.num_prefix_routed += 1
         if chosen is None:
             chosen = min(healthy, key=lambda e: (e.load, e.num_routed))
+        prefill = None
+        if disaggregate and chosen.client.ready.role != "prefill":
+            # What the decode engine holds, before this request's blocks are expected.
+            uncached = len(prompt_token_ids) - (chosen.matched_blocks(hashes(chosen))
+                                                * chosen.client.ready.block_size)
+            if uncached >= max(1, self.min_prefill_tokens):
+                prefill = self._pick_prefill(chosen.client.ready.block_size, hashes(chosen))
         if self.policy == "prefix" and chosen.client.ready.prefix_caching:
             chosen.client.cache.expect(hashes(chosen), chosen.client.ready.num_kv_blocks)
+        chosen.load += 1
+        chosen.num_routed += 1
+        return chosen.client, prefill
+
+    def _pick_prefill(self, block_size: int, hashes: list[bytes]) -> Optional[EngineClient]:
+        """The prefill engine holding most of the prompt's leading blocks (the least
+        loaded on a tie), among those with the decode engine's block size (their KV
+        blocks are of no use to it otherwise)."""
+        healthy = [e for e in self.engines if not e.retired and e.client.accepting
+                   and e.client.ready.role == "prefill"
+                   and e.client.ready.block_size == block_size]
+        if not healthy:
+            return None
+        chosen = min(healthy, key=lambda e: (-e.matched_blocks(hashes), e.load, e.num_routed))
+        if chosen.client.ready.prefix_caching:
+            chosen.client.cache.expect(hashes, chosen.client.ready.num_kv_blocks)
         chosen.load += 1
         chosen.num_routed += 1
         return chosen.client

@@ -37,6 +37,8 @@ from tokenizer_worker.client import TokenizerClient
 @dataclass(frozen=True)
 class EngineSnapshot:
     address: str
+    # mixed, prefill or decode ("" before its first Ready).
+    role: str
     healthy: bool
     draining: bool
     # Requests assigned and not finished; routed since start, and for a prefix it held.
@@ -87,7 +89,7 @@ class Pipeline:
         self.inputs = InputProcessor(engines, tokenizer_client, tokenizer, admission, config,
                                      chat_template,
                                      None if grammars is None else CheckedGrammars(grammars))
-        self.outputs = OutputProcessor(engines, config.request_retries)
+        self.outputs = OutputProcessor(engines, config.request_retries, config.kv_lease_s)
         # Jobs opened and not closed (HTTP requests being served).
         self.num_jobs = 0
         # Keeps the router's engines equal to what the engine addresses name (set by
@@ -98,7 +100,8 @@ class Pipeline:
         pool = self.tokenizer_client.last_pong
         return PipelineSnapshot(
             engines=[EngineSnapshot(
-                address=e.address, healthy=e.client.healthy, draining=e.client.draining,
+                address=e.address, healthy=e.client.healthy,
+                role=e.client.ready.role if e.client.ready is not None else "", draining=e.client.draining,
                 load=e.load,
                 num_routed=e.num_routed, num_prefix_routed=e.num_prefix_routed,
                 num_blocks_known=len(e.client.cache.held),
@@ -131,6 +134,7 @@ class Pipeline:
         self.num_jobs -= 1
         if job.engine is not None:
             self.engines.release(job.engine)
+        self.outputs.release_prefill(job)
         if job.submitted:
             self.metrics.record(job)
 

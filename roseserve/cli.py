@@ -52,7 +52,14 @@ def _serve(args: argparse.Namespace) -> int:
     from roseserve.launcher import serve
 
     try:  # refuse bad flags here, before any process starts
-        if args.engines < 1:
+        if args.prefill_engines or args.decode_engines:
+            if args.prefill_engines < 1 or args.decode_engines < 1:
+                raise ValueError("--prefill-engines and --decode-engines go together, each "
+                                 "at least 1")
+            if args.engines is not None:
+                raise ValueError("--engines runs mixed engines; give it or --prefill-engines "
+                                 "and --decode-engines, not both")
+        elif args.engines is not None and args.engines < 1:
             raise ValueError(f"--engines must be at least 1, got {args.engines}")
         if args.frontends < 1:
             raise ValueError(f"--frontends must be at least 1, got {args.frontends}")
@@ -96,9 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="run the whole stack: engine, tokenizer pool, frontend")
     add_engine_args(srv)
     add_frontend_args(srv)
-    srv.add_argument("--engines", type=int, default=1,
+    srv.add_argument("--engines", type=int, default=None,
                      help="engine worker processes (default 1); the frontend spreads "
                           "requests over them by prefix")
+    srv.add_argument("--prefill-engines", type=int, default=0,
+                     help="prefill/decode disaggregation: engines that compute prompts "
+                          "(with --decode-engines, instead of --engines)")
+    srv.add_argument("--decode-engines", type=int, default=0,
+                     help="engines that decode, pulling each prompt's KV blocks from a "
+                          "prefill engine")
     srv.add_argument("--frontends", type=int, default=1,
                      help="frontend processes (default 1), on consecutive ports from --port, "
                           "for a load balancer in front of them")

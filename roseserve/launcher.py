@@ -132,21 +132,31 @@ ENGINE_FLAGS = ["device", "dtype", "quantization", "max_model_len", "max_batch_s
                 "prefill_max_batch_size", "max_num_batched_tokens", "block_size",
                 "kv_cache_memory_gb", "gpu_memory_utilization", "load_format",
                 "enforce_eager", "attention_backend", "no_prefix_cache", "no_cpu_kernels",
-                "seed", "per_token_output_frames"]
+                "seed", "per_token_output_frames", "kv_transfer_timeout",
+                "kv_transfer_window_bytes"]
 # The API key is not among them: a command line is visible to every local user, so
 # the key reaches the frontend through its environment.
 FRONTEND_FLAGS = ["host", "api_key_file", "served_model_name", "max_body_bytes",
                   "max_waiting_requests", "max_waiting_tokens", "max_choices_per_request",
                   "tokenize_timeout", "request_timeout", "routing", "request_retries",
-                  "dns_refresh"]
+                  "dns_refresh", "disagg_min_prompt_tokens", "kv_lease"]
+
+
+def engine_roles(args: argparse.Namespace) -> list[str]:
+    """Each engine's --role: --prefill-engines then --decode-engines, else --engines
+    mixed ones (1 by default)."""
+    if args.prefill_engines or args.decode_engines:
+        return ["prefill"] * args.prefill_engines + ["decode"] * args.decode_engines
+    return ["mixed"] * (args.engines or 1)
 
 
 def engine_threads(args: argparse.Namespace) -> Optional[int]:
     """--threads, else the cores shared out among the engines (None for one engine:
     torch's default)."""
-    if args.threads is not None or args.engines == 1:
+    n = len(engine_roles(args))
+    if args.threads is not None or n == 1:
         return args.threads
-    return max(1, (os.cpu_count() or 1) // args.engines)
+    return max(1, (os.cpu_count() or 1) // n)
 
 
 def components(args: argparse.Namespace, model_dir: str, run_dir: str) -> list[Component]:
@@ -155,14 +165,15 @@ def components(args: argparse.Namespace, model_dir: str, run_dir: str) -> list[C
     log = ["--log-level", args.log_level] if args.log_level else []
     threads = engine_threads(args)
     engines = []
-    for i in range(args.engines):
+    roles = engine_roles(args)
+    for i, role in enumerate(roles):
         env = None
-        if args.engines > 1 and str(args.device).startswith("cuda") and \
+        if len(roles) > 1 and str(args.device).startswith("cuda") and \
                 "CUDA_VISIBLE_DEVICES" not in os.environ:
             env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(i)}  # one GPU each
         address = f"ipc://{run_dir}/engine-{i}.sock"
         engines.append(Component(f"engine-{i}", py + [
-            "engine_worker", "--model", model_dir, "--bind", address,
+            "engine_worker", "--model", model_dir, "--bind", address, "--role", role,
             *(["--threads", str(threads)] if threads else []),
             *_forward(args, ENGINE_FLAGS), *log], env=env, address=address))
     tokenizer_addr = f"ipc://{run_dir}/tokenizer.sock"
@@ -206,7 +217,7 @@ def serve(args: argparse.Namespace) -> int:
         if failure is None and not stop_requested:
             ready = True
             print(f"roseserve is ready: {', '.join(f'{url}/v1' for url in urls)} (model "
-                  f"{os.path.basename(model_dir)}, {args.engines} engine(s)); Ctrl-C stops "
+                  f"{os.path.basename(model_dir)}, {_describe(engine_roles(args))}); Ctrl-C stops "
                   f"it, SIGHUP restarts the engines one at a time", flush=True)
             failure = _supervise(stack, stop_requested, restart_requested,
                                  [f"{url}/metrics" for url in urls])
@@ -220,6 +231,12 @@ def serve(args: argparse.Namespace) -> int:
             component.stop(STOP_TIMEOUT_S if ready else STARTUP_STOP_TIMEOUT_S)
         shutil.rmtree(run_dir, ignore_errors=True)
     return code
+
+
+def _describe(roles: list[str]) -> str:
+    if set(roles) == {"mixed"}:
+        return f"{len(roles)} engine(s)"
+    return f"{roles.count('prefill')} prefill and {roles.count('decode')} decode engine(s)"
 
 
 def _wait_ready(stack: list[Component], health_urls: list[str],

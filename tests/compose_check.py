@@ -16,6 +16,11 @@ restarted by its policy and rejoin. Prints each phase's duration.
 
 checks the monitoring profile instead: its Prometheus scrapes the frontend and has
 the requests the checks above made.
+
+    python tests/compose_check.py --disagg http://127.0.0.1:8001 --url http://127.0.0.1:8000
+
+checks the disagg profile: its frontend's greedy completions equal the mixed
+engines', each computed by the prefill engine and decoded by the decode engine.
 """
 
 from __future__ import annotations
@@ -97,9 +102,14 @@ def main() -> int:
     p.add_argument("--compose", default="docker compose")
     p.add_argument("--prometheus", default=None,
                    help="check the monitoring profile's Prometheus at this URL instead")
+    p.add_argument("--disagg", default=None,
+                   help="check the disagg profile's frontend at this URL (against --url's "
+                        "output) instead")
     args = p.parse_args()
     if args.prometheus:
         return check_prometheus(args.prometheus)
+    if args.disagg:
+        return check_disagg(args.disagg, args.url)
     url = args.url
     phases = Phases()
     compose = args.compose.split() + ["-p", args.project]
@@ -222,6 +232,39 @@ def check_curve(compose: list[str]) -> None:
                                capture_output=True, text=True)
         assert plain.returncode == 1 and "no answer" in plain.stderr, (
             f"{kind} without the key: {plain.returncode} {plain.stdout}{plain.stderr}")
+
+
+def check_disagg(url: str, mixed_url: str) -> int:
+    """The disagg profile's frontend answers exactly as the mixed engines do, its
+    prompts computed by the prefill engine and their KV blocks pulled by the decode
+    engine (none computed again), and both engines end with no block in use."""
+    took = wait_for(lambda: metric(url, "roseserve_engines_healthy") == 2, 300,
+                    "the prefill and the decode engine healthy")
+    prompt = ("Explain, step by step and with an example for each, how a paged KV cache "
+              "lets a server share prompt prefixes between requests.")
+    model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+    # Distinct from their first block on: each has blocks for the decode engine to pull.
+    bodies = [{"model": model, "prompt": f"{i}. {prompt}", "max_tokens": 12, "temperature": 0,
+               "return_token_ids": True} for i in range(1, 5)]
+    for body in bodies:
+        got = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+        want = httpx.post(f"{mixed_url}/v1/completions", json=body, timeout=120).json()
+        ids = got["choices"][0]["token_ids"]
+        assert ids == want["choices"][0]["token_ids"], (got, want)
+        timing = got["timing"]
+        assert timing["prefill_engine"] == "tcp://engine-prefill:5557", timing
+        assert timing["engine"] == "tcp://engine-decode:5557", timing
+        assert timing["kv_outcome"] == "complete", timing
+    wait_for(lambda: metric(url, "roseserve_kv_transfer_blocks_total", direction="received") > 0
+             and metric(url, "roseserve_engine_kv_blocks", state="used") == 0
+             and metric(url, "roseserve_kv_leases") == 0, 30,
+             "the transfers counted and every block let go")
+    assert metric(url, "roseserve_kv_transfer_fallbacks_total") == 0
+    received = metric(url, "roseserve_kv_transfer_blocks_total", direction="received")
+    print(f"[compose-check] disagg: {len(bodies)} completions token-identical to the mixed "
+          f"engines', {received:.0f} KV blocks pulled from the prefill engine (engines healthy "
+          f"after {took:.1f} s)")
+    return 0
 
 
 def check_prometheus(prom: str) -> int:

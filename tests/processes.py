@@ -108,7 +108,7 @@ class Serve:
     reads would fill and block the stack)."""
 
     def __init__(self, model_dir, log_path, *extra: str, env: dict | None = None,
-                 engines: int = 1) -> None:
+                 engines: int | None = 1) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -116,7 +116,8 @@ class Serve:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "roseserve", "serve", "--model", str(model_dir),
              "--port", str(self.port), "--device", "cpu", "--kv-cache-memory-gb", "0.02",
-             "--block-size", "4", "--tokenizer-workers", "2", "--engines", str(engines),
+             "--block-size", "4", "--tokenizer-workers", "2",
+             *(["--engines", str(engines)] if engines else []),
              "--served-model-name", "tiny", *extra],
             stdout=self._log, stderr=subprocess.STDOUT, env=with_faults(env))
 

@@ -6,12 +6,21 @@ output, no leaked blocks on either engine)."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import re
+import signal
+import time
 
+import httpx
+import psutil
 import pytest
 
+from benchmarks.stack import metric, scrape
 from common.protocol import KvSource, SamplingParams
 from engine_worker_helpers import connect, run, token_ids, wait_idle
 from helpers import greedy, make_engine, random_prompts
+from processes import Serve
 
 PROMPTS = random_prompts([23, 40, 9, 64], seed=21)
 
@@ -106,6 +115,7 @@ def test_the_prefill_engine_dying_mid_transfer(engine_factory, tiny_llama_dir):
         ids, first = await disaggregated(p, d, "dies", prompt, greedy(5))
         stats = await wait_idle(d)
         await d.close()
+        await p.close()  # (an unclosed client's context blocks whoever collects it)
         return ids, first, stats
 
     ids, first, stats = run(main())
@@ -115,3 +125,170 @@ def test_the_prefill_engine_dying_mid_transfer(engine_factory, tiny_llama_dir):
     assert first.kv_transfer_ms < 10_000  # noticed at once, not at the 30 s deadline
     assert stats.num_blocks_used == 0
     assert prefill.proc.wait(timeout=10) == 9
+
+
+# -- through the frontend: roseserve serve --prefill-engines 1 --decode-engines 1 -------
+
+HTTP_PROMPTS = random_prompts([23, 40, 9, 64], seed=31)
+SHARED = random_prompts([24], seed=32)[0]
+HTTP_PROMPTS += [SHARED + tail for tail in random_prompts([6, 13], seed=33)]
+
+
+def complete(url: str, prompt, max_tokens: int, stream: bool = False, **kw):
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True, "stream": stream, **kw}
+    if not stream:
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        return body["choices"][0]["token_ids"], body["timing"]
+    ids, timing, error = [], None, None
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                error = event["error"]
+                continue
+            for c in event["choices"]:
+                ids += c.get("token_ids") or []
+            timing = event.get("timing", timing)
+    return ids, timing if error is None else error
+
+
+def engine_pid(role: str) -> int:
+    """The pid of this test's engine process of ``role``."""
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            cmd = proc.cmdline()
+        except psutil.Error:
+            continue
+        if "engine_worker" in cmd and cmd[cmd.index("--role") + 1] == role:
+            return proc.pid
+    raise LookupError(role)
+
+
+def engine_address(url: str, role: str) -> str:
+    [address] = re.findall(r'roseserve_engine_role\{engine="([^"]+)",role="%s"\}' % role,
+                           scrape(url))
+    return address
+
+
+def kv_idle(url: str) -> bool:
+    """Both engines as they started: no block used, no lease, nothing running."""
+    text = scrape(url)
+    return (metric(text, "roseserve_engine_kv_blocks", state="used") == 0
+            and metric(text, "roseserve_kv_leases") == 0
+            and metric(text, "vllm:num_requests_running") == 0)
+
+
+@pytest.fixture
+def pd_serve(tiny_llama_dir, tmp_path, request):
+    """``roseserve serve`` with one prefill and one decode engine; extra flags and
+    ROSESERVE_FAULT_* from the test's ``serve`` marker."""
+    marker = request.node.get_closest_marker("serve")
+    args, env = (marker.args if marker else ((), None))
+    s = Serve(tiny_llama_dir, tmp_path / "serve.log", "--prefill-engines", "1",
+              "--decode-engines", "1", "--disagg-min-prompt-tokens", "0", *args,
+              engines=None, env=env)
+    s.wait_ready()
+    yield s
+    s.stop()
+
+
+def wait_until(predicate, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "not within the time allowed"
+        time.sleep(0.1)
+
+
+def test_http_token_identical_to_a_mixed_engine(pd_serve, tiny_llama_dir):
+    expected = make_engine(tiny_llama_dir).generate(HTTP_PROMPTS, greedy(10))
+    got = [complete(pd_serve.url, p, 10, stream=i % 2 == 1) for i, p in enumerate(HTTP_PROMPTS)]
+    assert [ids for ids, _ in got] == expected
+    for (_, timing), prompt in zip(got, HTTP_PROMPTS):
+        assert timing["prefill_engine"].endswith("engine-0.sock")
+        assert timing["engine"].endswith("engine-1.sock")
+        assert timing["kv_outcome"] == ("complete" if len(prompt) >= 4 else None)
+        assert timing["kv_transfer_ms"] is None or timing["kv_transfer_ms"] >= 0
+    # The second prompt sharing SHARED finds its 6 blocks on the decode engine already.
+    received = sum(len(p) // 4 for p in HTTP_PROMPTS) - len(SHARED) // 4
+    wait_until(lambda: metric(scrape(pd_serve.url), "roseserve_kv_transfer_blocks_total",
+                              direction="received") == received)  # as of a heartbeat
+    text = scrape(pd_serve.url)
+    assert metric(text, "roseserve_kv_transfer_blocks_total", direction="received") == received
+    assert metric(text, "roseserve_kv_transfer_blocks_total", direction="skipped") == 6
+    assert metric(text, "roseserve_kv_transfer_fallbacks_total") == 0
+    assert metric(text, "roseserve_engine_role", role="prefill") == 1
+    wait_until(lambda: kv_idle(pd_serve.url))
+
+
+def test_http_max_tokens_1_and_short_prompts_stay_on_one_engine(pd_serve, tiny_llama_dir):
+    [prompt] = random_prompts([12], seed=34)
+    expected = make_engine(tiny_llama_dir).generate([prompt], greedy(1))[0]
+    ids, timing = complete(pd_serve.url, prompt, 1)
+    assert ids == expected and timing["kv_outcome"] is None  # nothing for a decode engine
+    wait_until(lambda: kv_idle(pd_serve.url))  # its lease was let go at once
+
+
+@pytest.mark.serve(("--kv-transfer-timeout", "1"), {"ROSESERVE_FAULT_KV": "corrupt"})
+def test_http_a_corrupt_block_is_computed_again(pd_serve, tiny_llama_dir):
+    expected = make_engine(tiny_llama_dir).generate(HTTP_PROMPTS[:3], greedy(6))
+    got = [complete(pd_serve.url, p, 6, stream=True) for p in HTTP_PROMPTS[:3]]
+    assert [ids for ids, _ in got] == expected
+    assert {t["kv_outcome"] for _, t in got} == {"checksum"}
+    # Engine figures are as of each engine's last heartbeat.
+    wait_until(lambda: metric(scrape(pd_serve.url), "roseserve_kv_transfer_fallbacks_total",
+                              reason="checksum") == 3)
+    wait_until(lambda: kv_idle(pd_serve.url))
+
+
+@pytest.mark.serve(("--kv-transfer-timeout", "30"), {"ROSESERVE_FAULT_KV": "delay:5"})
+def test_http_client_leaving_mid_transfer_frees_both_engines(pd_serve):
+    body = {"model": "tiny", "prompt": HTTP_PROMPTS[3], "max_tokens": 50, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", f"{pd_serve.url}/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if '"text"' in line:  # the first token, from the prefill engine
+                break
+        # The decode engine is pulling; the prefill engine's answer is 5 s away.
+        wait_until(lambda: metric(scrape(pd_serve.url), "roseserve_kv_transfers_total") == 1)
+    # The decode engine lets go at once; the prefill engine, stuck in its slow answer,
+    # when it reads the release that followed the pull.
+    decode = engine_address(pd_serve.url, "decode")
+    wait_until(lambda: metric(scrape(pd_serve.url), "roseserve_engine_kv_blocks",
+                              engine=decode, state="used") == 0, timeout_s=4)
+    wait_until(lambda: kv_idle(pd_serve.url))
+
+
+def test_http_prefill_engine_killed(pd_serve, tiny_llama_dir):
+    expected = make_engine(tiny_llama_dir).generate(HTTP_PROMPTS[:2], greedy(8))
+    os.kill(engine_pid("prefill"), signal.SIGKILL)
+    # Requests in flight or new: the decode engine computes everything, nothing fails.
+    got = [complete(pd_serve.url, p, 8, stream=True) for p in HTTP_PROMPTS[:2]]
+    assert [ids for ids, _ in got] == expected
+    wait_until(lambda: metric(scrape(pd_serve.url), "roseserve_engine_healthy") == 2, 60)
+
+
+@pytest.mark.serve(("--kv-transfer-timeout", "30"), {"ROSESERVE_FAULT_STEP_DELAY_S": "0.05"})
+def test_http_decode_engine_killed_mid_stream(pd_serve):
+    body = {"model": "tiny", "prompt": HTTP_PROMPTS[1], "max_tokens": 200, "stream": True,
+            "ignore_eos": True}
+    errors, tokens_seen = [], 0
+    start = None
+    with httpx.stream("POST", f"{pd_serve.url}/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if '"text"' in line:
+                tokens_seen += 1
+                if tokens_seen == 5:
+                    os.kill(engine_pid("decode"), signal.SIGKILL)
+                    start = time.monotonic()
+            elif '"error"' in line:
+                errors.append(json.loads(line[6:])["error"])
+    # No hang and no wrong output: the stream ends at once, its last event an error
+    # (what it sent cannot be taken back).
+    assert start is not None and time.monotonic() - start < 15
+    assert [e["code"] for e in errors] == ["engine_unavailable"] and tokens_seen < 200

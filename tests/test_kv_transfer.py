@@ -268,3 +268,40 @@ def test_a_layout_mismatch_is_refused_by_the_prefill_engine(engines):
     outs = run_to_end(d)["layout"]
     assert first + tokens(outs) == mixed.generate([prompt], greedy(4))[0]
     assert outs[0].kv_outcome == "source"
+
+
+def test_aborting_a_finished_prefill_lets_go_of_its_lease(engines):
+    # What a frontend does when the first token ended the request (or its client left).
+    _, p, _ = engines
+    prefill(p, "unwanted", random_prompts([12], seed=12)[0], greedy(3))
+    assert p.stats().kv_leases == 1 and p.block_manager.num_used_blocks == 3
+    assert p.abort_requests(["unwanted"]) == []  # finished: nothing was running
+    assert p.stats().kv_leases == 0 and p.block_manager.num_used_blocks == 0
+
+
+def test_chunked_prompts_and_decode_side_preemption(tiny_llama_dir):
+    mixed = make_engine(tiny_llama_dir, num_blocks=256, max_model_len=256)
+    p = make_engine(tiny_llama_dir, num_blocks=256, max_model_len=256, budget=8)
+    # 4 requests of about 14 blocks each, 40 blocks: the decode engine must preempt.
+    d = make_engine(tiny_llama_dir, num_blocks=40, max_model_len=256)
+    prompts = random_prompts([30, 35, 28, 33], seed=13)
+    params = greedy(24)
+    expected = mixed.generate(prompts, params)
+    firsts = []
+    for i, prompt in enumerate(prompts):
+        p.add_request(f"c{i}", prompt, msgspec.structs.replace(params, max_tokens=1),
+                      kv_lease_s=30.0)
+        outs = run_to_end(p)[f"c{i}"]
+        assert outs[0].prefill_ms is not None
+        firsts.append(tokens(outs))
+    assert p.stats().num_prompt_tokens_computed == sum(map(len, prompts))
+    for i, prompt in enumerate(prompts):
+        d.add_request(f"c{i}", prompt, params, output_token_ids=firsts[i],
+                      kv_source=KvSource(address=ADDRESS, request_id=f"c{i}"))
+    carry(p, d)
+    outs = run_to_end(d)
+    assert [firsts[i] + tokens(outs[f"c{i}"]) for i in range(4)] == expected
+    assert d.stats().num_preemptions > 0
+    assert d.stats().kv_blocks_received == sum(len(q) // 4 for q in prompts)
+    assert d.block_manager.num_used_blocks == 0 and p.block_manager.num_used_blocks == 0
+    assert p.stats().kv_leases == 0

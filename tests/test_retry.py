@@ -14,7 +14,7 @@ import pytest
 from common.protocol import (FinishReason, Ready, RequestError, RequestErrorKind, RequestOutput,
                              SamplingParams)
 from common.tokenizer import load_tokenizer
-from engine_worker.client import EngineDeadError, EngineRequestError
+from engine_worker.client import CacheView, EngineDeadError, EngineRequestError
 from frontend.admission import Admission
 from frontend.choice import Choice
 from frontend.detokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -29,24 +29,33 @@ PROMPT = [5, 6, 7, 8, 9]
 class FakeEngine:
     """What the router and the output processor use of an EngineClient."""
 
-    def __init__(self, name: str, max_model_len: int = 512) -> None:
+    def __init__(self, name: str, max_model_len: int = 512, role: str = "mixed") -> None:
         self.address = f"fake://{name}"
         self.ready = Ready(engine_id=name, protocol_version=1, model_name="tiny",
                            max_model_len=max_model_len, vocab_size=1000, num_kv_blocks=64,
-                           block_size=4, eos_token_ids=[2])
+                           block_size=4, eos_token_ids=[2], role=role)
         self.dead_reason: Optional[str] = None
         self.draining = False
         self.sinks: dict = {}
         self.submitted: list[str] = []
+        # What each submission asked for: its params and disaggregation fields.
+        self.sent: list[tuple[SamplingParams, dict]] = []
         self.cancelled: list[str] = []
+        self.cache = CacheView()
 
     @property
     def accepting(self) -> bool:
         return self.dead_reason is None and not self.draining
 
-    def submit(self, request_id, prompt_token_ids, params, sink) -> None:
+    def submit(self, request_id, prompt_token_ids, params, sink, **disaggregation) -> None:
+        self.check_alive()
         self.submitted.append(request_id)
+        self.sent.append((params, disaggregation))
         self.sinks[request_id] = sink
+
+    def check_alive(self) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
 
     def cancel(self, request_ids) -> None:
         for r in request_ids:
@@ -70,12 +79,12 @@ class FakeEngine:
             sink(EngineDeadError(self.dead_reason))
 
     def emit(self, tokens: list[int], finish: Optional[FinishReason] = None,
-             error: Optional[str] = None) -> None:
+             error: Optional[str] = None, stop_token_id: Optional[int] = None) -> None:
         for request_id, sink in list(self.sinks.items()):
             if finish is not None:
                 del self.sinks[request_id]
             sink(RequestOutput(request_id=request_id, new_token_ids=tokens,
-                               finish_reason=finish, error=error))
+                               finish_reason=finish, error=error, stop_token_id=stop_token_id))
 
 
 @pytest.fixture(scope="module")
@@ -84,10 +93,10 @@ def tokenizer(tiny_llama_dir):
 
 
 def run_job(tokenizer, engines: list[FakeEngine], retries: int = 2, n: int = 1,
-            first: int = 0):
-    """A non-streamed job of ``n`` choices sent to ``engines[first]``, with the
-    router's and processor's state to inspect."""
-    router = EngineRouter(engines, policy="least-loaded")
+            first: int = 0, min_prefill_tokens: int = 0):
+    """A non-streamed job of ``n`` choices sent to ``engines[first]`` (and to a prefill
+    engine when there is one), with the router's and processor's state to inspect."""
+    router = EngineRouter(engines, policy="least-loaded", min_prefill_tokens=min_prefill_tokens)
     processor = OutputProcessor(router, retries)
     released = []
     job = Job(request_id="cmpl-t", created=0, model="tiny", received=0.0, stream=False,
@@ -102,7 +111,8 @@ def run_job(tokenizer, engines: list[FakeEngine], retries: int = 2, n: int = 1,
         job.params.append(SamplingParams(max_tokens=3))
     for e in engines[:first]:
         e.draining = True  # the pick lands on engines[first]
-    job.engine = router.pick(PROMPT)
+    job.engine, job.prefill = router.route(PROMPT)
+    job.prefill_held = job.prefill is not None
     for e in engines[:first]:
         e.draining = False
     job.formatter = object()  # a full response: nothing is formatted before it ends
@@ -264,3 +274,84 @@ def test_an_engine_that_died_between_the_pick_and_the_send_is_left_for_another(t
     job, lone = in_loop(scenario)
     assert job.error is None and job.choices[0].token_ids == [11, 12, 13]
     assert lone.ended and lone.error.status == 503
+
+
+# -- prefill/decode disaggregation ---------------------------------------------------
+
+def pd_job(tokenizer, min_prefill_tokens: int = 0):
+    p, d = FakeEngine("p", role="prefill"), FakeEngine("d", role="decode")
+    job, router, processor = run_job(tokenizer, [p, d], min_prefill_tokens=min_prefill_tokens)
+    return p, d, job, router
+
+
+def test_the_first_token_comes_from_the_prefill_engine_the_rest_from_the_decode_engine(
+        tokenizer):
+    def scenario():
+        p, d, job, router = pd_job(tokenizer)
+        assert job.engine is d and job.prefill is p and load(router) == [1, 1]
+        [(params, kw)] = p.sent
+        assert params.max_tokens == 1 and kw == {"kv_lease_s": 30.0}
+        assert d.submitted == []
+        p.emit([11], FinishReason.LENGTH)
+        assert load(router) == [0, 1]  # the prefill engine is done with it
+        [(params, kw)] = d.sent
+        assert params.max_tokens == 3 and kw["output_token_ids"] == [11]
+        assert kw["kv_source"].address == "fake://p"
+        assert kw["kv_source"].request_id == "cmpl-t-0"
+        d.emit([12])
+        d.emit([13], FinishReason.LENGTH)
+        return job
+    job = in_loop(scenario)
+    assert job.error is None and job.choices[0].token_ids == [11, 12, 13]
+    assert job.choices[0].finish_reason == "length"
+    assert job.timing()["prefill_engine"] == "fake://p"
+
+
+def test_a_first_token_that_ends_the_request_lets_go_of_the_prefill_engines_blocks(tokenizer):
+    def scenario():
+        p, d, job, router = pd_job(tokenizer)
+        p.emit([2], FinishReason.STOP, stop_token_id=2)  # EOS
+        assert d.submitted == [] and p.cancelled == ["cmpl-t-0"]
+        assert load(router) == [0, 1]
+        return job
+    job = in_loop(scenario)
+    assert job.ended and job.error is None and job.choices[0].finish_reason == "stop"
+
+
+def test_a_prefill_engine_failing_before_its_token_leaves_it_all_to_the_decode_engine(
+        tokenizer):
+    def scenario():
+        p, d, job, router = pd_job(tokenizer)
+        p.die()
+        [(params, kw)] = d.sent
+        assert params.max_tokens == 3 and kw == {}  # computed whole, nothing pulled
+        assert load(router) == [0, 1]
+        finish(d)
+        return job
+    job = in_loop(scenario)
+    assert job.error is None and job.choices[0].token_ids == [11, 12, 13]
+    assert "prefill_engine" not in job.timing()
+
+
+def test_the_decode_engine_dying_before_the_first_token_moves_the_job(tokenizer):
+    def scenario():
+        p, d, job, router = pd_job(tokenizer)
+        d.dead_reason = "lost the connection"  # it had nothing of the job's yet
+        p.emit([11], FinishReason.LENGTH)
+        # Nothing was read: the job goes whole to the only engine left.
+        assert job.engine is p and job.prefill is None and job.attempt == 1
+        assert p.sent[-1] == (SamplingParams(max_tokens=3), {})
+        finish(p)
+        return job
+    job = in_loop(scenario)
+    assert job.error is None and job.choices[0].token_ids == [11, 12, 13]
+
+
+def test_prompts_the_decode_engine_mostly_holds_skip_the_prefill_engine(tokenizer):
+    def scenario():
+        p, d, job, router = pd_job(tokenizer, min_prefill_tokens=len(PROMPT) + 1)
+        assert job.prefill is None and p.submitted == [] and d.submitted == ["cmpl-t-0"]
+        assert load(router) == [0, 1]
+        finish(d)
+        return job
+    assert in_loop(scenario).error is None
