@@ -33,7 +33,7 @@ none, computing the prompt instead).
 from __future__ import annotations
 
 import zlib
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -155,10 +155,15 @@ class KvTransfer:
     staged: BlockTable
     deadline: float
     started: float
-    # Blocks received and verified; blocks asked for beyond those.
+    # Blocks received and verified; blocks asked for beyond those, and how many each
+    # pull not yet answered asked for (answers come in order, on one connection).
     num_done: int = 0
     num_asked: int = 0
     num_bytes: int = 0
+    unanswered: deque = field(default_factory=deque)
+    # Answers still to come to pulls given up on (after a short answer, the rest
+    # is asked for again): dropped as they arrive.
+    num_stale: int = 0
     # Set when it ended: "complete", or why it ended early.
     outcome: Optional[str] = None
     finished: Optional[float] = None
@@ -228,16 +233,22 @@ class KvReceiver:
         releases of leases no longer needed."""
         out, self._releases = self._releases, []
         budget = self.max_inflight_blocks - self.num_inflight_blocks
-        for t in self.transfers.values():
-            if t.num_asked > t.num_done or t.num_asked == len(t.hashes) or budget <= 0:
-                continue
-            n = min(self.window_blocks, len(t.hashes) - t.num_asked, budget)
-            hashes = t.hashes[t.num_asked:t.num_asked + n]
-            t.num_asked += n
-            budget -= n
-            out.append((t.source.address, KvPull(
-                request_id=t.source.request_id, hashes=hashes, layout=self.store.layout,
-                release=t.num_asked == len(t.hashes))))
+        # A window at a time for each transfer in turn, while the bound on blocks in
+        # flight allows: a busy source answers every pull waiting between its steps.
+        wanting = [t for t in self.transfers.values() if t.num_asked < len(t.hashes)]
+        while wanting and budget > 0:
+            for t in wanting:
+                n = min(self.window_blocks, len(t.hashes) - t.num_asked, budget)
+                if n <= 0:
+                    break
+                hashes = t.hashes[t.num_asked:t.num_asked + n]
+                t.num_asked += n
+                t.unanswered.append(n)
+                budget -= n
+                out.append((t.source.address, KvPull(
+                    request_id=t.source.request_id, hashes=hashes, layout=self.store.layout,
+                    release=t.num_asked == len(t.hashes))))
+            wanting = [t for t in wanting if t.num_asked < len(t.hashes)]
         return out
 
     def receive(self, address: str, reply: KvBlocks, now: float) -> list[KvTransfer]:
@@ -245,19 +256,25 @@ class KvReceiver:
         t = self._find(address, reply.request_id)
         if t is None:
             return []  # ended already (deadline, abort): its late blocks are dropped
+        if t.num_stale:
+            t.num_stale -= 1
+            return []
+        if not t.unanswered or len(reply.blocks) > t.unanswered[0]:
+            return [self._end(t, "protocol", now)]  # more than was asked for
+        asked = t.unanswered.popleft()
         for block in reply.blocks:
-            if t.num_done == t.num_asked:
-                return [self._end(t, "protocol", now)]  # more than was asked for
             reason = self._store(t, block)
             if reason is not None:
                 return [self._end(t, reason, now)]
         if reply.error is not None:
             return [self._end(t, "source", now)]
-        # Fewer than asked and no error: the source sends at most its own window; the
-        # rest is asked for again.
-        t.num_asked = t.num_done
         if t.num_done == len(t.hashes):
             return [self._end(t, "complete", now)]
+        if len(reply.blocks) < asked:
+            # Fewer than asked and no error (the source's window is smaller): the
+            # answers to later pulls would not follow on; drop them, ask again.
+            t.num_stale, t.num_asked = len(t.unanswered), t.num_done
+            t.unanswered.clear()
         return []
 
     def expire(self, now: float) -> list[KvTransfer]:

@@ -296,6 +296,9 @@ class EngineServer:
         self.clients: dict[bytes, _Client] = {}
         self._next_prune = 0.0
         self.owner: dict[str, bytes] = {}  # request_id -> client identity
+        # Finished requests whose prompt blocks are held for a decode engine (their
+        # client may still let go of them with an abort) -> that client's identity.
+        self.lease_owner: dict[str, bytes] = {}
         # SIGTERM/SIGINT received (the handler's only effect); the loop acts on it.
         self.num_signals = 0
         self.draining_since: Optional[float] = None
@@ -439,7 +442,13 @@ class EngineServer:
                 self.clients[identity] = _Client(identity)
             if isinstance(message, AddRequest):
                 adds.append((identity, message))
-            elif isinstance(message, AbortRequests):
+                continue
+            # The adds before this message first: an abort (or a Hello no longer
+            # listing a request) in the same batch as its add must find it.
+            for pending in adds:
+                self._add(*pending)
+            adds.clear()
+            if isinstance(message, AbortRequests):
                 self._abort(message.request_ids, None, identity)
             elif isinstance(message, Hello):
                 self._hello(identity, message)
@@ -500,6 +509,11 @@ class EngineServer:
         """Abort requests. A client may abort only its own; when the engine aborts on
         its own (``reason`` set), each owner is told with an ABORT output."""
         if requester is not None:
+            leases = self.engine.kv_leases
+            for r in request_ids:  # a finished prefill's blocks, not wanted after all
+                if self.lease_owner.get(r) == requester:
+                    leases.release(r)
+            self.lease_owner = {r: i for r, i in self.lease_owner.items() if r in leases.leases}
             request_ids = [r for r in request_ids if self.owner.get(r) == requester]
         by_client: dict[bytes, list[RequestOutput]] = {}
         for request_id in self.engine.abort_requests(request_ids):
@@ -521,6 +535,8 @@ class EngineServer:
             if out.finish_reason is not None:
                 del self.owner[out.request_id]
                 self.clients[identity].request_ids.discard(out.request_id)
+                if out.request_id in self.engine.kv_leases.leases:
+                    self.lease_owner[out.request_id] = identity
         for identity, batch in by_client.items():
             if self.config.per_token_frames:
                 for out in batch:

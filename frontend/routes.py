@@ -51,6 +51,7 @@ class JobResponse(Response):
     def __init__(self, pipe: Pipeline, job: Job, body) -> None:
         super().__init__()
         self.pipe, self.job, self.body = pipe, job, body
+        self.watcher: Optional[asyncio.Future] = None
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -60,6 +61,8 @@ class JobResponse(Response):
                 response = Response(status_code=499)  # for the access log: no one reads it
             await response(scope, receive, send)
         finally:
+            if self.watcher is not None:
+                self.watcher.cancel()
             self.job.close()
 
     async def _run(self, receive) -> Response:
@@ -67,6 +70,10 @@ class JobResponse(Response):
         await until_disconnected(receive, self.pipe.inputs.prepare(job, self.body))
         self.pipe.outputs.submit(job)
         if job.stream:
+            # A stream ends when its client leaves, even while nothing is being sent
+            # (a long prefill, a KV transfer): the ASGI server reports it only to
+            # whoever reads ``receive``, which StreamingResponse no longer does.
+            self.watcher = asyncio.ensure_future(_end_on_disconnect(receive, job))
             return StreamingResponse(events(job), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache",
                                               "X-Accel-Buffering": "no"})
@@ -75,6 +82,13 @@ class JobResponse(Response):
             raise job.error
         assert job.formatter is not None
         return json_response(job.formatter.full())
+
+
+async def _end_on_disconnect(receive: Callable[[], Awaitable[dict]], job: Job) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    job.ended = True  # its events end; JobResponse then closes it
+    job.wakeup.set()
 
 
 async def _drain(chunks) -> None:

@@ -213,7 +213,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         for component in stack:
             component.start()
-        failure = _wait_ready(stack, [f"{url}/health" for url in urls], stop_requested)
+        failure = _wait_ready(stack, urls, stop_requested)
         if failure is None and not stop_requested:
             ready = True
             print(f"roseserve is ready: {', '.join(f'{url}/v1' for url in urls)} (model "
@@ -239,24 +239,33 @@ def _describe(roles: list[str]) -> str:
     return f"{roles.count('prefill')} prefill and {roles.count('decode')} decode engine(s)"
 
 
-def _wait_ready(stack: list[Component], health_urls: list[str],
+def _wait_ready(stack: list[Component], frontend_urls: list[str],
                 stop_requested: list) -> Optional[str]:
+    """Until every frontend's /health answers 200 and each reports every engine
+    healthy (a frontend serves once one engine is; with prefill and decode engines,
+    the first requests would not be split yet)."""
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    waiting = list(health_urls)
+    engines = [c.address for c in stack if c.address is not None]
+    waiting = [f"{url}/health" for url in frontend_urls]
+    waiting += [f"{url}/metrics" for url in frontend_urls]
     while time.monotonic() < deadline and not stop_requested:
         for component in stack:
             code = component.exit_code()
             if code is not None:
                 return f"{component.name} exited with code {code} during start-up (its log is above)"
-        try:
-            with urllib.request.urlopen(waiting[0], timeout=2) as response:
-                if response.status == 200:
-                    waiting.pop(0)
-                    if not waiting:
-                        return None
-                    continue
-        except (urllib.error.URLError, OSError):
-            pass
+        if waiting[0].endswith("/metrics"):
+            ready = all(_engine_healthy(waiting[0], address) for address in engines)
+        else:
+            try:
+                with urllib.request.urlopen(waiting[0], timeout=2) as response:
+                    ready = response.status == 200
+            except (urllib.error.URLError, OSError):
+                ready = False
+        if ready:
+            waiting.pop(0)
+            if not waiting:
+                return None
+            continue
         time.sleep(0.3)
     return None if stop_requested else f"not ready after {STARTUP_TIMEOUT_S:.0f} s"
 

@@ -176,8 +176,13 @@ def engine_address(url: str, role: str) -> str:
     return address
 
 
+# The engines' figures in /metrics are as of their last heartbeat (every second).
+HEARTBEAT_S = 1.5
+
+
 def kv_idle(url: str) -> bool:
-    """Both engines as they started: no block used, no lease, nothing running."""
+    """Both engines as they started: no block used, no lease, nothing running (as of
+    the last heartbeat: wait HEARTBEAT_S after the event first)."""
     text = scrape(url)
     return (metric(text, "roseserve_engine_kv_blocks", state="used") == 0
             and metric(text, "roseserve_kv_leases") == 0
@@ -223,6 +228,7 @@ def test_http_token_identical_to_a_mixed_engine(pd_serve, tiny_llama_dir):
     assert metric(text, "roseserve_kv_transfer_blocks_total", direction="skipped") == 6
     assert metric(text, "roseserve_kv_transfer_fallbacks_total") == 0
     assert metric(text, "roseserve_engine_role", role="prefill") == 1
+    time.sleep(HEARTBEAT_S)
     wait_until(lambda: kv_idle(pd_serve.url))
 
 
@@ -231,7 +237,9 @@ def test_http_max_tokens_1_and_short_prompts_stay_on_one_engine(pd_serve, tiny_l
     expected = make_engine(tiny_llama_dir).generate([prompt], greedy(1))[0]
     ids, timing = complete(pd_serve.url, prompt, 1)
     assert ids == expected and timing["kv_outcome"] is None  # nothing for a decode engine
-    wait_until(lambda: kv_idle(pd_serve.url))  # its lease was let go at once
+    # The frontend let go of the prompt's blocks at once (the lease is 30 s).
+    time.sleep(HEARTBEAT_S)
+    wait_until(lambda: kv_idle(pd_serve.url), timeout_s=5)
 
 
 @pytest.mark.serve(("--kv-transfer-timeout", "1"), {"ROSESERVE_FAULT_KV": "corrupt"})
@@ -243,6 +251,7 @@ def test_http_a_corrupt_block_is_computed_again(pd_serve, tiny_llama_dir):
     # Engine figures are as of each engine's last heartbeat.
     wait_until(lambda: metric(scrape(pd_serve.url), "roseserve_kv_transfer_fallbacks_total",
                               reason="checksum") == 3)
+    time.sleep(HEARTBEAT_S)
     wait_until(lambda: kv_idle(pd_serve.url))
 
 
@@ -256,11 +265,13 @@ def test_http_client_leaving_mid_transfer_frees_both_engines(pd_serve):
                 break
         # The decode engine is pulling; the prefill engine's answer is 5 s away.
         wait_until(lambda: metric(scrape(pd_serve.url), "roseserve_kv_transfers_total") == 1)
-    # The decode engine lets go at once; the prefill engine, stuck in its slow answer,
-    # when it reads the release that followed the pull.
+    # The decode engine lets go at once (well before the prefill engine's answer)...
     decode = engine_address(pd_serve.url, "decode")
     wait_until(lambda: metric(scrape(pd_serve.url), "roseserve_engine_kv_blocks",
                               engine=decode, state="used") == 0, timeout_s=4)
+    # ...the prefill engine, stuck in its slow answer, when it reads the release that
+    # followed the pull.
+    time.sleep(HEARTBEAT_S)
     wait_until(lambda: kv_idle(pd_serve.url))
 
 
@@ -292,3 +303,7 @@ def test_http_decode_engine_killed_mid_stream(pd_serve):
     # (what it sent cannot be taken back).
     assert start is not None and time.monotonic() - start < 15
     assert [e["code"] for e in errors] == ["engine_unavailable"] and tokens_seen < 200
+    # The prefill engine let go of the prompt's blocks; the decode engine, restarted by
+    # the launcher, starts with none in use.
+    time.sleep(HEARTBEAT_S)
+    wait_until(lambda: kv_idle(pd_serve.url), timeout_s=60)

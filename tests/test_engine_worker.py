@@ -373,3 +373,24 @@ def test_a_receiver_that_raises_loses_only_its_own_request(shared_engine):
     good, stats = run(main())
     assert len(token_ids(good)) == 5 and good[-1].finish_reason is FinishReason.LENGTH
     assert stats.num_running == 0 and stats.num_blocks_used == 0
+
+
+def test_an_abort_right_behind_its_add_is_not_lost(slow_engine):
+    """The loop batches adds before a step; an abort read in the same batch as its
+    add (the engine busy in a 20 ms step) must still find the request."""
+    async def main():
+        client = await connect(slow_engine.address)
+        outputs: asyncio.Queue = asyncio.Queue()
+        client.submit("busy", PROMPTS[0], greedy(200), outputs.put_nowait)
+        await outputs.get()  # the engine is stepping
+        for i in range(5):
+            client.submit(f"gone-{i}", PROMPTS[1], greedy(200), lambda item: None)
+            client.cancel([f"gone-{i}"])
+        await asyncio.sleep(0.5)
+        stats = (await client.ping()).stats
+        client.cancel(["busy"])
+        await client.close()
+        return stats
+
+    stats = run(main())
+    assert stats.num_running + stats.num_waiting == 1  # "busy" alone

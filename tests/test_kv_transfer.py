@@ -241,6 +241,42 @@ def test_pulls_are_windowed_and_bounded_in_flight(engines, tiny_llama_dir):
     assert p.block_manager.num_used_blocks == d.block_manager.num_used_blocks == 0
 
 
+def test_windows_in_flight_together_and_a_source_with_smaller_windows(engines, tiny_llama_dir):
+    from common.config import CacheConfig, EngineConfig
+    from engine_worker.engine import LLMEngine
+
+    mixed = engines[0]
+    block_bytes = mixed.kv_receiver.store.block_bytes
+
+    def engine(window_blocks):
+        return LLMEngine(EngineConfig(
+            model=str(tiny_llama_dir), device="cpu", max_model_len=256,
+            cache=CacheConfig(block_size=4, num_blocks=96,
+                              kv_transfer_window_bytes=window_blocks * block_bytes,
+                              kv_transfer_max_inflight_bytes=9 * block_bytes)))
+
+    p, d = engine(2), engine(3)  # the source answers at most 2 blocks a pull
+    prompt = random_prompts([30], seed=14)[0]
+    first = prefill(p, "s", prompt, greedy(6))
+    d.add_request("s", prompt, greedy(6), output_token_ids=first,
+                  kv_source=KvSource(address=ADDRESS, request_id="s"))
+    pulls = d.kv_pulls()
+    # Every window of the 7 blocks asked for at once (a busy source answers them all
+    # between two of its steps); only the last pull releases the lease.
+    assert [len(pull.hashes) for _, pull in pulls] == [3, 3, 1]
+    assert [pull.release for _, pull in pulls] == [False, False, True]
+    replies = [p.answer_kv_pull(pull) for _, pull in pulls]
+    assert [len(r.blocks) for r in replies] == [2, 2, 1]
+    for reply in replies:  # the 1st is short: the 2nd and 3rd answers are dropped
+        d.receive_kv(ADDRESS, reply)
+    assert d.kv_receiver.transfers["s"].num_done == 2
+    carry(p, d)  # the rest asked for again
+    outs = run_to_end(d)["s"]
+    assert first + tokens(outs) == mixed.generate([prompt], greedy(6))[0]
+    assert outs[0].kv_outcome == "complete" and outs[0].kv_blocks_received == 7
+    assert p.block_manager.num_used_blocks == d.block_manager.num_used_blocks == 0
+
+
 @pytest.mark.parametrize("kw, param", [
     (dict(output_token_ids=[50257]), "output_token_ids"),
     (dict(output_token_ids=[1, 2, 3, 4]), "output_token_ids"),  # max_tokens 4: done
