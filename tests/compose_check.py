@@ -109,7 +109,7 @@ def main() -> int:
     if args.prometheus:
         return check_prometheus(args.prometheus)
     if args.disagg:
-        return check_disagg(args.disagg, args.url)
+        return check_disagg(args.disagg, args.url, args.compose.split() + ["-p", args.project])
     url = args.url
     phases = Phases()
     compose = args.compose.split() + ["-p", args.project]
@@ -234,7 +234,7 @@ def check_curve(compose: list[str]) -> None:
             f"{kind} without the key: {plain.returncode} {plain.stdout}{plain.stderr}")
 
 
-def check_disagg(url: str, mixed_url: str) -> int:
+def check_disagg(url: str, mixed_url: str, compose: list[str]) -> int:
     """The disagg profile's frontend answers exactly as the mixed engines do, its
     prompts computed by the prefill engine and their KV blocks pulled by the decode
     engine (none computed again), and both engines end with no block in use."""
@@ -243,6 +243,7 @@ def check_disagg(url: str, mixed_url: str) -> int:
     prompt = ("Explain, step by step and with an example for each, how a paged KV cache "
               "lets a server share prompt prefixes between requests.")
     model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+    prefill, decode = (engine_address(compose, s) for s in ("engine-prefill", "engine-decode"))
     # Distinct from their first block on: each has blocks for the decode engine to pull.
     bodies = [{"model": model, "prompt": f"{i}. {prompt}", "max_tokens": 12, "temperature": 0,
                "return_token_ids": True} for i in range(1, 5)]
@@ -252,8 +253,7 @@ def check_disagg(url: str, mixed_url: str) -> int:
         ids = got["choices"][0]["token_ids"]
         assert ids == want["choices"][0]["token_ids"], (got, want)
         timing = got["timing"]
-        assert timing["prefill_engine"] == "tcp://engine-prefill:5557", timing
-        assert timing["engine"] == "tcp://engine-decode:5557", timing
+        assert (timing["prefill_engine"], timing["engine"]) == (prefill, decode), timing
         assert timing["kv_outcome"] == "complete", timing
     wait_for(lambda: metric(url, "roseserve_kv_transfer_blocks_total", direction="received") > 0
              and metric(url, "roseserve_engine_kv_blocks", state="used") == 0
