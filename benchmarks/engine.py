@@ -19,8 +19,11 @@ divided by the model's FLOPs per token (2 x weights). That bound is not a roofli
 ignores memory bandwidth, which decides small batches, and the model's own shapes).
 
 --roofline measures the real one, in the same run: this machine's memory read
-bandwidth, and the engine's own GEMM rate on the model's weights at 256 rows (compute
-bound). A decode step at batch B must read every weight and its sequences' keys and
+bandwidth, and the best GEMM rate it reaches for the weight format: the engine's
+kernel on the model's own layers at 256 rows and on a 1024^3 weight, and torch's
+1024^3 matmul in that arithmetic (float32; bfloat16, which oneDNN runs on AMX or
+AVX-512-BF16 where present; int8 x int8 for int8); it prints which one set the
+floor. A decode step at batch B must read every weight and its sequences' keys and
 values, and do 2 x weights x B FLOPs, so its floor is the larger of bytes / bandwidth
 and FLOPs / GEMM rate. For batch 1, 8 and 64 it runs decode steps, prints the fraction
 of the floor they reach and where a step's time goes (linear layers, attention and the
@@ -77,6 +80,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--roofline", action="store_true",
                    help="also measure decode steps at --roofline-batches against their floor")
     p.add_argument("--roofline-batches", default="1,8,64")
+    p.add_argument("--against-float32", action="store_true",
+                   help="also run a float32 engine on the same workload, its runs "
+                        "alternating with this one's, and print the throughput ratio")
     p.add_argument("--kernel-isa", choices=["native", "avx2"], default="native",
                    help="avx2: build the C kernels as for an AVX2-only CPU, without "
                         "AVX-512 or AVX-VNNI (to measure that path on an AVX-512 machine)")
@@ -100,17 +106,46 @@ def make_prompts(args, vocab_size: int) -> list[list[int]]:
                           args.shared_prefix)
 
 
-def matmul_flops(seconds: float = 1.0) -> float:
-    """Sustained fp32 matmul FLOP/s on this machine, at a size that saturates it."""
-    n = 1024
-    a, b = torch.randn(n, n), torch.randn(n, n)
+def sustained_rate(fn, ops: float, seconds: float = 1.0) -> float:
+    """ops per second of ``fn`` (which does ``ops``), called for ``seconds``."""
     for _ in range(3):
-        a @ b
+        fn()
     count, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
-        a @ b
+        fn()
         count += 1
-    return 2 * n**3 * count / (time.perf_counter() - start)
+    return ops * count / (time.perf_counter() - start)
+
+
+def matmul_flops(seconds: float = 1.0, fmt: str = "float32", n: int = 1024) -> float:
+    """Sustained n^3 matmul FLOP/s of torch on this machine for a weight format:
+    float32 and bfloat16 matmuls (oneDNN's AMX or AVX-512-BF16 kernels where the CPU
+    has them), int8 x int8 -> int32 (torch._int_mm) for int8."""
+    if fmt == "int8":
+        a = torch.randint(-127, 128, (n, n), dtype=torch.int8)
+        b = torch.randint(-127, 128, (n, n), dtype=torch.int8)
+        return sustained_rate(lambda: torch._int_mm(a, b), 2 * n**3, seconds)
+    dtype = getattr(torch, fmt)
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    return sustained_rate(lambda: a @ b, 2 * n**3, seconds)
+
+
+def compute_rates(model, kernels, fmt: str, n: int = 1024) -> dict[str, float]:
+    """The GEMM rates this machine reaches for a weight format, by what reached them:
+    the engine's kernel on the model's own layers at 256 rows and on an n^3 weight, and
+    torch's n^3 matmul in the format's arithmetic. A compute floor takes the best: the
+    best the machine is known to do, not the code being measured."""
+    w, x = torch.randn(n, n), torch.randn(n, n)
+    packed = kernels.pack(w, fmt)
+    rates = {"engine kernel, the model's layers at 256 rows": gemm_rate(model),
+             f"engine kernel, {n}^3": sustained_rate(
+                 lambda: kernels.linear(x, packed, n, None, fmt), 2 * n**3)}
+    torch_name = {"int8": "torch._int_mm int8"}.get(fmt, f"torch.matmul {fmt}")
+    try:
+        rates[f"{torch_name}, {n}^3"] = matmul_flops(fmt=fmt, n=n)
+    except RuntimeError as e:  # no such kernel in this torch build
+        print(f"({torch_name} is not available here: {e})")
+    return rates
 
 
 STAT_FIELDS = ("num_prompt_tokens_computed", "prefix_cache_hit_tokens", "num_preemptions")
@@ -236,10 +271,14 @@ def roofline(engine, args) -> dict:
     params = sum(m.in_features * m.out_features for m in layers)
     kv_bytes_per_token = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
                           * runner.kv_caches[0].element_size())
-    bandwidth = read_bandwidth(runner.model.lm_head.kernels)
-    rate = gemm_rate(runner.model)
+    kernels = runner.model.lm_head.kernels
+    bandwidth = read_bandwidth(kernels)
+    rates = compute_rates(runner.model, kernels, runner.weight_format)
+    rate_from, rate = max(rates.items(), key=lambda item: item[1])
     output_len = 32
-    out = {"read_bandwidth_gbs": bandwidth / 1e9, "gemm_gflops_256_rows": rate / 1e9,
+    out = {"read_bandwidth_gbs": bandwidth / 1e9, "gemm_gflops": rate / 1e9,
+           "gemm_from": rate_from, "gemm_rates_gflops": {k: v / 1e9 for k, v in rates.items()},
+           "weights": runner.weight_format, "bf16_path": kernels.bf16_path,
            "weight_bytes": weight_bytes, "batches": []}
     for batch in roofline_batches(args):
         steps = decode_steps(engine, batch, args.input_len, output_len, args.seed)
@@ -342,13 +381,19 @@ def main(argv=None) -> int:
 
         kernels.use_extra_flags(["-mno-avx512f", "-mno-avxvnni"])
     concurrency = args.max_batch_size or args.num_requests
-    engine = LLMEngine(EngineConfig(
-        model=args.model, device="cpu", num_threads=args.threads, dtype=args.dtype,
-        quantization=args.quantization,
-        cache=CacheConfig(block_size=args.block_size,
-                          enable_prefix_caching=not args.no_prefix_cache),
-        scheduler=SchedulerConfig(max_batch_size=max([concurrency, *roofline_batches(args)]),
-                                  max_num_batched_tokens=args.max_num_batched_tokens)))
+
+    def make_engine(dtype: str, quantization) -> LLMEngine:
+        return LLMEngine(EngineConfig(
+            model=args.model, device="cpu", num_threads=args.threads, dtype=dtype,
+            quantization=quantization,
+            cache=CacheConfig(block_size=args.block_size,
+                              enable_prefix_caching=not args.no_prefix_cache),
+            scheduler=SchedulerConfig(
+                max_batch_size=max([concurrency, *roofline_batches(args)]),
+                max_num_batched_tokens=args.max_num_batched_tokens)))
+
+    engine = make_engine(args.dtype, args.quantization)
+    baseline = make_engine("float32", None) if args.against_float32 else None
     cfg = engine.model_config
     prompts = make_prompts(args, cfg.vocab_size)
     from benchmarks.stack import cpu_model, simd_flags
@@ -361,12 +406,18 @@ def main(argv=None) -> int:
           f"{args.output_len} output tokens, shared prefix {args.shared_prefix}, "
           f"engine concurrency {concurrency}")
 
-    run_engine(engine, prompts[:4], 4)  # warm-up
-    engine.block_manager.reset_prefix_cache()
+    for e in (engine, baseline):
+        if e is not None:
+            run_engine(e, prompts[:4], 4)  # warm-up
+            e.block_manager.reset_prefix_cache()
     # This machine's speed drifts: each engine run is paired with a matmul measurement
-    # taken right before it, and the roofline fraction is taken per pair.
-    runs = []
+    # taken right before it, and the roofline fraction is taken per pair; a float32
+    # baseline runs right before each run of the engine under test.
+    runs, baseline_runs = [], []
     for _ in range(args.repeats):
+        if baseline is not None:
+            baseline_runs.append(run_engine(baseline, prompts, args.output_len))
+            baseline.block_manager.reset_prefix_cache()
         flops = matmul_flops()
         run = run_engine(engine, prompts, args.output_len)
         engine.block_manager.reset_prefix_cache()
@@ -388,6 +439,12 @@ def main(argv=None) -> int:
         "weights": engine.runner.weight_format, "kernel_isa": args.kernel_isa,
         "hf": [],
     }
+    if baseline is not None:
+        ratios = [r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(runs, baseline_runs)]
+        result["against_float32"] = {
+            "float32_tokens_per_s_runs": [b["tokens_per_s"] for b in baseline_runs],
+            "ratio_runs": ratios, "ratio": statistics.median(ratios)}
+        del baseline
     if args.roofline:
         result["roofline"] = roofline(engine, args)
 
@@ -456,6 +513,12 @@ def print_report(r: dict) -> None:
     if len(eng["tokens_per_s_runs"]) > 1:
         runs = ", ".join(f"{x:.1f}" for x in eng["tokens_per_s_runs"])
         print(f"Engine runs: {runs} (median {statistics.median(eng['tokens_per_s_runs']):.1f})")
+    if "against_float32" in r:
+        a = r["against_float32"]
+        base = ", ".join(f"{x:.1f}" for x in a["float32_tokens_per_s_runs"])
+        ratios = ", ".join(f"{x:.2f}x" for x in a["ratio_runs"])
+        print(f"float32 weights, run before each: {base} tokens/s -> {r['weights']} / "
+              f"float32 = {a['ratio']:.2f}x (median of pairs: {ratios})")
     for hf in r["hf"]:
         print(f"HF generate batch {hf['batch_size']}: {hf['tokens_per_s']:.1f} tokens/s "
               f"-> engine / HF = {eng['tokens_per_s'] / hf['tokens_per_s']:.2f}x")
@@ -483,9 +546,12 @@ def print_report(r: dict) -> None:
 
 def print_roofline(rl: dict) -> None:
     ms = lambda s: f"{1e3 * s:.2f}"  # noqa: E731
-    print(f"=== roofline: memory read {rl['read_bandwidth_gbs']:.1f} GB/s, GEMM "
-          f"{rl['gemm_gflops_256_rows']:.1f} GFLOP/s at 256 rows on the model's weights, "
-          f"{rl['weight_bytes'] / 2**20:.0f} MiB of weights per step ===")
+    weights = rl["weights"] + (f" ({rl['bf16_path']} products)"
+                               if rl["weights"] == "bfloat16" else "")
+    print(f"=== roofline, {weights} weights: memory read {rl['read_bandwidth_gbs']:.1f} GB/s, "
+          f"GEMM {rl['gemm_gflops']:.1f} GFLOP/s ({rl['gemm_from']}, the best of: "
+          + ", ".join(f"{k} {v:.1f}" for k, v in rl["gemm_rates_gflops"].items())
+          + f"), {rl['weight_bytes'] / 2**20:.0f} MiB of weights per step ===")
     print("batch  step ms  floor ms (memory/compute)  of floor  tokens/s  |  linear  "
           "attention  C other  Python fwd  sampling  engine rest (ms)")
     for b in rl["batches"]:

@@ -130,7 +130,9 @@ class EngineConfig:
     # "cpu", "cuda", "cuda:N", or "auto" (cuda when available).
     device: str = "auto"
     # "auto": float32 on CPU, bfloat16 on CUDA (float16 where bf16 is unsupported). On
-    # the CPU kernels, bfloat16 stores the weights in bfloat16 and computes in float32.
+    # the CPU kernels, bfloat16 stores the weights in bfloat16; a layer's input is rounded
+    # to bfloat16 for AMX or AVX-512-BF16 products where the CPU has them, and the rest
+    # (norms, attention, the KV cache) stays float32.
     dtype: str = "auto"
     # "int8": weights and layer inputs in 8 bits, a scale per 32 values (CPU kernels
     # only; llama.cpp's Q8_0). None: dtype.

@@ -31,7 +31,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="cpu, cuda, cuda:N or auto (cuda when available)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: float32 on CPU, bfloat16 on CUDA; on the CPU kernels, "
-                        "bfloat16 means bfloat16 weights with float32 compute")
+                        "bfloat16 means bfloat16 weights, multiplied as bf16 products "
+                        "(AMX or AVX-512-BF16, where the CPU has them) or in float32")
     g.add_argument("--quantization", default=None, choices=["int8"],
                    help="int8: 8-bit weights and layer inputs, a scale per 32 values, "
                         "integer dot products (CPU kernels; as llama.cpp's Q8_0)")

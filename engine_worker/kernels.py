@@ -12,8 +12,10 @@ GEMM (gemm.c): every linear layer computes from a weight packed once at load tim
 panels of 16 output features, register-tiled for the CPU's vector width (AVX-512 or
 AVX2, whichever -march=native finds on the machine that compiles). At 1-8 rows a layer
 is bound by streaming its weight, at 64 by FMA throughput; the same kernel serves
-both, and nothing depends on a vendor BLAS. llama.c runs a whole Llama-family forward
-pass in one call on top of it.
+both, and nothing depends on a vendor BLAS. bfloat16 weights are multiplied as bf16
+products where the CPU has them (AMX tiles, or AVX-512-BF16's vdpbf16ps; see
+BF16_PATHS), which the OS must first allow: loading the kernels asks it (rs_init).
+llama.c runs a whole Llama-family forward pass in one call on top of it.
 """
 
 from __future__ import annotations
@@ -83,6 +85,9 @@ class CpuKernels:
         self._llama_scratch = lib.rs_llama_scratch_floats
         self._llama_scratch.argtypes = [ptr, i64, i64, i64, i64]
         self._llama_scratch.restype = i64
+        init = lib.rs_init
+        init.argtypes, init.restype = [], ctypes.c_int
+        self.bf16_path = BF16_PATHS[init()]
 
     # Linear layers (gemm.c).
 
@@ -94,8 +99,9 @@ class CpuKernels:
         code = WEIGHT_FORMATS[fmt]
         packed = torch.empty(self._packed_bytes(n, k, code), dtype=torch.uint8)
         if self._pack(weight.data_ptr(), n, k, code, packed.data_ptr()) != 0:
+            step = INT8_BLOCK if fmt == "int8" else 2
             raise ValueError(f"{fmt} weights need input sizes that are multiples of "
-                             f"{INT8_BLOCK}; a layer has {k}")
+                             f"{step}; a layer has {k}")
         return packed
 
     def unpack(self, packed: torch.Tensor, out_features: int, in_features: int,
@@ -188,6 +194,10 @@ class CpuKernels:
 # scale per INT8_BLOCK inputs of each output feature.
 WEIGHT_FORMATS = {"float32": 0, "bfloat16": 1, "int8": 2}
 INT8_BLOCK = 32
+# How bfloat16 weights are multiplied here (rs_bf16_path in gemm.c): AMX tiles (Intel
+# Xeon, 4th generation on; vdpbf16ps below 16 rows), AVX-512-BF16's vdpbf16ps (AMD Zen
+# 4/5), both taking x rounded to bfloat16, or widened to float32 (x stays float32).
+BF16_PATHS = {2: "amx", 1: "avx512-bf16", 0: "widened"}
 
 
 class _Layer(ctypes.Structure):

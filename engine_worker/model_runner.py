@@ -87,7 +87,9 @@ class ModelRunner:
                         if device.type == "cuda" else 1)
         self.model = load_model(model_config, model_dir, device, dtype, self.attn, ops,
                                 kernels, self.weight_format, config.load_format, config.seed)
-        if self.weight_format != "float32":
+        if self.weight_format == "bfloat16" and kernels is not None:
+            logger.info("weights: bfloat16, products: %s", kernels.bf16_path)
+        elif self.weight_format != "float32":
             logger.info("weights: %s, computing in %s", self.weight_format,
                         str(dtype).removeprefix("torch."))
         max_len = min(model_config.max_model_len, config.max_model_len or 1 << 62)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Optional
 
 import torch
 
@@ -41,12 +42,14 @@ def hf_model(model_dir: Path):
 
 @torch.inference_mode()
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int,
-              quantized_inputs: bool = False) -> list[Reference]:
-    """quantized_inputs: every linear layer's input goes through int8 as the engine's
-    int8 weights take it (a scale per 32 inputs), as in llama.cpp's Q8_0."""
+              round_inputs: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+              ) -> list[Reference]:
+    """round_inputs: every linear layer's input goes through it first, as the engine's
+    kernels take it (quantize_blocks: int8 with a scale per 32 inputs, as in llama.cpp's
+    Q8_0; or rounded to bfloat16 for bf16 products)."""
     model = hf_model(model_dir)
-    hooks = [m.register_forward_pre_hook(lambda _m, args: (quantize_blocks(args[0]),))
-             for m in model.modules() if quantized_inputs and isinstance(m, torch.nn.Linear)]
+    hooks = [m.register_forward_pre_hook(lambda _m, args: (round_inputs(args[0]),))
+             for m in model.modules() if round_inputs and isinstance(m, torch.nn.Linear)]
     try:
         return _greedy(model, prompts, max_new_tokens)
     finally:

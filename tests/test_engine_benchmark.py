@@ -14,7 +14,9 @@ import pytest
     ["--shared-prefix", "8", "--input-len", "10", "--block-size", "4", "--skip-hf"],  # prefix cache
     ["--zmq", "--skip-hf"],                                    # through the engine process
     ["--roofline", "--roofline-batches", "1,3", "--skip-hf"],  # decode steps vs their floor
-    ["--quantization", "int8", "--skip-hf"],                   # weight formats
+    ["--quantization", "int8", "--skip-hf", "--roofline", "--roofline-batches", "1,3"],
+    ["--dtype", "bfloat16", "--skip-hf", "--roofline", "--roofline-batches", "1,3",
+     "--against-float32"],
     ["--dtype", "bfloat16", "--kernel-isa", "avx2", "--skip-hf"],
 ])
 def test_engine_benchmark_smoke(tiny_llama_dir, tmp_path, extra):
@@ -32,13 +34,23 @@ def test_engine_benchmark_smoke(tiny_llama_dir, tmp_path, extra):
         assert report["engine"]["prefix_cache_hit_tokens"] > 0
     if "--roofline" in extra:
         rl = report["roofline"]
-        assert rl["read_bandwidth_gbs"] > 0 and rl["gemm_gflops_256_rows"] > 0
+        assert rl["read_bandwidth_gbs"] > 0 and rl["gemm_gflops"] > 0
+        # the compute floor is the best rate measured, and says where it came from
+        assert rl["gemm_gflops"] == max(rl["gemm_rates_gflops"].values())
+        assert rl["gemm_rates_gflops"][rl["gemm_from"]] == rl["gemm_gflops"]
+        assert any(name.startswith("torch") for name in rl["gemm_rates_gflops"])
         assert [b["batch"] for b in rl["batches"]] == [1, 3]
         for b in rl["batches"]:
             assert b["steps"] > 0 and 0 < b["floor_s"] and 0 < b["fraction_of_floor"]
             assert b["linear"] > 0 and b["attention"] > 0
     if "--quantization" in extra:
-        assert report["weights"] == "int8"
+        assert report["weights"] == report["roofline"]["weights"] == "int8"
+        assert "torch._int_mm int8, 1024^3" in report["roofline"]["gemm_rates_gflops"]
+    if "--dtype" in extra and "--roofline" in extra:
+        assert report["weights"] == report["roofline"]["weights"] == "bfloat16"
+        assert "torch.matmul bfloat16, 1024^3" in report["roofline"]["gemm_rates_gflops"]
+        a = report["against_float32"]
+        assert len(a["ratio_runs"]) == 1 and a["ratio"] > 0
     if "--kernel-isa" in extra:
         assert report["weights"] == "bfloat16" and report["kernel_isa"] == "avx2"
     if "--hf-batch-sizes" in extra:

@@ -20,18 +20,55 @@ from hf_reference import assert_matches, hf_greedy, quantize_blocks
 FORMATS = ["float32", "bfloat16", "int8"]
 
 
+NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
 ISAS = {"native": [], "avx2": ["-mno-avx512f"], "avx2-no-vnni": ["-mno-avx512f", "-mno-avxvnni"],
-        "portable": ["-mno-avx2", "-mno-avx512f"]}
+        "portable": ["-mno-avx2", "-mno-avx512f"], "avx512-bf16": NO_AMX,
+        "avx512-no-bf16": ["-mno-avx512bf16", *NO_AMX], "amx-built": ["-mamx-tile", "-mamx-bf16"]}
 
 
 @pytest.fixture(scope="module", params=list(ISAS))
 def cpu(request):
     """The kernels as built for this machine, and as an AVX2 machine with and without
-    VNNI, and one without AVX2, would build them (the int8 dot products differ on
-    each), so that every path is checked whichever CPU runs the tests."""
+    VNNI, one without AVX2, and AVX-512 machines with and without bf16 products and AMX
+    would build them (the int8 and bfloat16 products differ on each), so that every
+    path this CPU can execute is checked whichever CPU runs the tests. AMX's tiles run
+    only where the CPU has them; built with them elsewhere, the kernels must fall back."""
     k = kernels._build_and_load(ISAS[request.param])
     assert k is not None, "the C kernels must build on the test machines"
     return k
+
+
+def cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return set(next(line for line in f if line.startswith("flags")).split(":")[1].split())
+
+
+def test_bfloat16_takes_the_best_products_this_cpu_has():
+    flags = cpu_flags()
+    best = ("amx" if "amx_bf16" in flags else "avx512-bf16" if "avx512_bf16" in flags
+            else "widened")
+    assert kernels._build_and_load([]).bf16_path == best
+    no_amx = "avx512-bf16" if "avx512_bf16" in flags else "widened"
+    assert kernels._build_and_load(NO_AMX).bf16_path == no_amx
+    assert kernels._build_and_load(ISAS["avx512-no-bf16"]).bf16_path == "widened"
+    assert kernels._build_and_load(ISAS["amx-built"]).bf16_path == best
+    if "amx_bf16" not in flags:
+        pytest.skip("this CPU has no AMX: its tiles were built and fell back, not run")
+
+
+def test_bfloat16_weights_need_an_even_number_of_inputs(cpu):
+    with pytest.raises(ValueError, match="multiples of 2; a layer has 33"):
+        cpu.pack(torch.randn(16, 33), "bfloat16")
+
+
+def rounded_inputs(cpu, fmt: str, x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels multiply it: int8 with a scale per block of 32, bfloat16 where
+    the CPU multiplies bf16 products, else as it is."""
+    if fmt == "int8":
+        return quantize_blocks(x)
+    if fmt == "bfloat16" and cpu.bf16_path != "widened":
+        return x.to(torch.bfloat16).float()
+    return x
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -53,17 +90,19 @@ def test_a_packed_weight_is_as_close_as_its_format_allows(cpu, fmt):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("n,k", [(1, 32), (17, 64), (50, 96), (130, 576)])
+@pytest.mark.parametrize("n,k", [(1, 32), (17, 64), (50, 96), (130, 576), (40, 130)])
 def test_linear_computes_with_the_unpacked_weight(cpu, fmt, n, k):
+    if fmt == "int8" and k % 32:
+        return  # refused: test_int8_refuses_inputs_that_are_not_whole_blocks
     torch.manual_seed(n * k)
     w, bias = torch.randn(n, k), torch.randn(n)
     packed = cpu.pack(w, fmt)
     deq = cpu.unpack(packed, n, k, fmt)
-    for m in (1, 2, 3, 4, 5, 9, 16, 17, 64):  # tile remainders; in-register and expanded
+    # tile remainders; in-register and expanded; AMX's tiles of 16 rows and their rest
+    for m in (1, 2, 3, 4, 5, 9, 16, 17, 33, 64):
         x = torch.randn(m, k)
         x[0, :32] = 0.0  # an all-zero block: int8 scale 0
-        # int8 weights take x as int8 too, with a scale per block of 32
-        xr = quantize_blocks(x) if fmt == "int8" else x
+        xr = rounded_inputs(cpu, fmt, x)
         torch.testing.assert_close(cpu.linear(x, packed, n, bias, fmt), xr @ deq.T + bias,
                                    rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(cpu.linear(x, packed, n, None, fmt), xr @ deq.T,
@@ -120,7 +159,9 @@ def test_the_engine_on_packed_weights_matches_hf_on_the_same_weights(tiny_llama_
     prompts = random_prompts([1, 5, 17, 33], seed=9)
     out = engine.generate(prompts, greedy(10))
     unpacked_checkpoint(engine, tiny_llama_dir, tmp_path / fmt)
-    assert_matches(out, hf_greedy(tmp_path / fmt, prompts, 10, quantized_inputs=fmt == "int8"),
+    kernels_used = cpu_kernels()
+    assert_matches(out, hf_greedy(tmp_path / fmt, prompts, 10,
+                                  round_inputs=lambda x: rounded_inputs(kernels_used, fmt, x)),
                    fmt)
     # and the format is not a no-op: float32 weights give other logits somewhere
     assert not torch.equal(cpu_kernels().unpack(engine.runner.model.lm_head.packed,

@@ -12,10 +12,16 @@
  * panel being two 8-float registers). Threads split the panels, so each streams its
  * own share of the weight.
  *
- * Weight formats: float32 panels are read in place. bfloat16 panels (K x 16 x 2 bytes)
- * are widened in registers at up to DIRECT_MAX_ROWS rows, and above that expanded, NP
+ * Weight formats: float32 panels are read in place. bfloat16 panels store two
+ * consecutive inputs of an output together (K/2 pairs x 16 outputs x 2 bf16), the
+ * layout the bf16 dot-product instructions take: with AMX (Intel Xeon, 4th generation
+ * on) rows of x are rounded to bfloat16 and multiplied in 16 x 32 tiles (tdpbf16ps,
+ * float32 accumulation); with AVX-512-BF16 alone (AMD Zen 4/5) each vdpbf16ps adds two
+ * products per lane, twice the float32 FMA rate; elsewhere the pairs are widened to
+ * float32 in registers at up to DIRECT_MAX_ROWS rows, and above that expanded, NP
  * panels at a time, into a per-thread float32 buffer that stays in L2, on which the
- * float32 tiles run. int8 panels (GGUF Q8_0's blocking: one float scale per 32 inputs
+ * float32 tiles run (x stays float32 on that path). rs_bf16_path says which one runs.
+ * int8 panels (GGUF Q8_0's blocking: one float scale per 32 inputs
  * of an output feature) are computed with integer dot products, as llama.cpp does:
  * each row of x is quantized the same way (int8, a scale per 32 inputs), four int8
  * products at a time are summed into int32 lanes (AVX-512 VNNI's vpdpbusd, or
@@ -29,6 +35,8 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -60,8 +68,7 @@ typedef float vfu __attribute__((vector_size(VL * 4), aligned(4)));   /* unalign
 #define MR_MAX 6
 #endif
 
-typedef uint16_t vu16 __attribute__((vector_size(VL * 2), aligned(2)));
-typedef uint32_t vu32 __attribute__((vector_size(VL * 4)));
+typedef uint32_t vu32 __attribute__((vector_size(VL * 4), aligned(4)));
 
 /* Bytes of one packed panel of K inputs. */
 static int64_t panel_bytes(int64_t K, int format)
@@ -84,6 +91,12 @@ static inline int64_t int8_index(int64_t k, int64_t j)
     return (k & ~(int64_t)3) * RS_PANEL + j * 4 + (k & 3);
 }
 
+/* Where input k of output j of a panel is in a bfloat16 panel (pairs of inputs). */
+static inline int64_t bf16_index(int64_t k, int64_t j)
+{
+    return (k & ~(int64_t)1) * RS_PANEL + j * 2 + (k & 1);
+}
+
 static uint16_t to_bf16(float f)   /* round to nearest even */
 {
     uint32_t bits;
@@ -94,10 +107,10 @@ static uint16_t to_bf16(float f)   /* round to nearest even */
 }
 
 /* w [N, K] float32 -> packed panels in `format`. Returns -1 if int8 is asked for
-   with K not a multiple of its block. */
+   with K not a multiple of its block, or bfloat16 with K odd. */
 int rs_pack_weight(const float *w, int64_t N, int64_t K, int format, void *packed)
 {
-    if (format == RS_INT8 && K % RS_INT8_BLOCK != 0)
+    if ((format == RS_INT8 && K % RS_INT8_BLOCK != 0) || (format == RS_BF16 && K % 2 != 0))
         return -1;
     const int64_t panels = (N + RS_PANEL - 1) / RS_PANEL;
     const int64_t pb = panel_bytes(K, format);
@@ -113,7 +126,7 @@ int rs_pack_weight(const float *w, int64_t N, int64_t K, int format, void *packe
                     if (format == RS_F32)
                         ((float *)dst)[k * RS_PANEL + j] = v;
                     else
-                        ((uint16_t *)dst)[k * RS_PANEL + j] = to_bf16(v);
+                        ((uint16_t *)dst)[bf16_index(k, j)] = to_bf16(v);
                 }
                 continue;
             }
@@ -133,17 +146,12 @@ int rs_pack_weight(const float *w, int64_t N, int64_t K, int format, void *packe
     return 0;
 }
 
-/* VL bfloat16 -> VL floats (the same: an intrinsic, not GCC's generic conversion). */
-static inline vf bf16_to_float(const uint16_t *src)
+/* VL outputs' input k of a bfloat16 panel, as floats, from its pair at `pair` (the
+   pair's first input is the low half of each 32-bit lane). */
+static inline vf bf16_pair_to_float(const uint16_t *pair, int odd)
 {
-#if defined(__AVX512F__)
-    return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)src)),
-                                 16);
-#elif defined(__AVX2__)
-    return (vf)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)src)), 16);
-#else
-    return (vf)(__builtin_convertvector(*(const vu16 *)src, vu32) << 16);
-#endif
+    const vu32 u = *(const vu32 *)pair;
+    return (vf)(odd ? u & 0xffff0000u : u << 16);
 }
 
 /* Panels [p, p + np) of a bf16 weight as float32 panels in `out`. */
@@ -153,8 +161,12 @@ static void expand_panels(const char *packed, int64_t p, int np, int64_t K, floa
     for (int q = 0; q < np; q++) {
         const uint16_t *src = (const uint16_t *)(packed + (p + q) * pb);
         vf *dst = (vf *)(out + q * K * RS_PANEL);   /* K x PV vectors */
-        for (int64_t i = 0; i < K * PV; i++)
-            dst[i] = bf16_to_float(src + i * VL);
+        for (int64_t i = 0; i < K / 2; i++)
+            for (int h = 0; h < PV; h++) {
+                const uint16_t *pair = src + i * 2 * RS_PANEL + h * VL * 2;
+                dst[2 * i * PV + h] = bf16_pair_to_float(pair, 0);
+                dst[(2 * i + 1) * PV + h] = bf16_pair_to_float(pair, 1);
+            }
     }
 }
 
@@ -171,7 +183,7 @@ int rs_unpack_weight(const void *packed, int64_t N, int64_t K, int format, float
             if (format == RS_F32) {
                 v = ((const float *)panel)[at];
             } else if (format == RS_BF16) {
-                const uint32_t bits = (uint32_t)((const uint16_t *)panel)[at] << 16;
+                const uint32_t bits = (uint32_t)((const uint16_t *)panel)[bf16_index(k, j)] << 16;
                 memcpy(&v, &bits, 4);
             } else {
                 const float *scales = (const float *)(panel + K * RS_PANEL);
@@ -203,11 +215,11 @@ static void *thread_buffer(int64_t bytes)
 static inline __attribute__((always_inline)) vf
 weight_vector(const int FORMAT, const char *panel0, int64_t pb, int v, int64_t k)
 {
-    const int64_t at = k * RS_PANEL + (v % PV) * VL;   /* element index in its panel */
     const char *panel = panel0 + (v / PV) * pb;
     if (FORMAT == RS_BF16)
-        return bf16_to_float((const uint16_t *)panel + at);
-    return *(const vf *)((const float *)panel + at);
+        return bf16_pair_to_float((const uint16_t *)panel + (k & ~(int64_t)1) * RS_PANEL +
+                                      (v % PV) * VL * 2, (int)(k & 1));
+    return *(const vf *)((const float *)panel + k * RS_PANEL + (v % PV) * VL);
 }
 
 /* A tile's float32 results into y (+ bias, + y if accumulating). */
@@ -369,6 +381,163 @@ tile_q8(const int MR, const int NP, const int8_t *xq, const float *xs, const cha
     store_tile(MR, NP, acc, bias, y, ldy, n_left, accumulate);
 }
 
+/* bfloat16 products. Rows of x are rounded to bfloat16 (to nearest even) into a
+   per-thread buffer, K per row, then multiplied with the weight's pairs. */
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define BF16_DOT 1
+static void bf16_rows(const float *x, int64_t M, int64_t K, uint16_t *xb)
+{
+    int64_t i = 0;
+    for (; i + 16 <= M * K; i += 16)
+        _mm256_storeu_si256((__m256i *)(xb + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
+    for (; i < M * K; i++)
+        xb[i] = to_bf16(x[i]);
+}
+
+/* One vdpbf16ps tile: rows [0..MR) of the bf16 x against NP panels (one vector each:
+   16 outputs x a pair of inputs), two products per lane per instruction. */
+static inline __attribute__((always_inline)) void
+tile_bf16(const int MR, const int NP, const uint16_t *xb, int64_t K, const char *panel0,
+          int64_t pb, const float *bias, float *y, int64_t ldy, int64_t n_left,
+          int accumulate, int ahead)
+{
+    vf acc[8][NP_MAX * PV];
+    for (int m = 0; m < MR; m++)
+        for (int v = 0; v < NP; v++)
+            acc[m][v] = (vf){0};
+    for (int64_t k = 0; k < K; k += 2) {
+        __m512i w[NP_MAX];
+        for (int v = 0; v < NP; v++)
+            w[v] = _mm512_load_si512((const void *)(panel0 + v * pb + k * RS_PANEL * 2));
+        for (int q = 0; ahead && q < NP; q++)   /* one line per panel */
+            _mm_prefetch(panel0 + (NP + q) * pb + k * RS_PANEL * 2, _MM_HINT_T0);
+        for (int m = 0; m < MR; m++) {
+            const __m512i xm = _mm512_set1_epi32(*(const int32_t *)(xb + m * K + k));
+            for (int v = 0; v < NP; v++)
+                acc[m][v] = (vf)_mm512_dpbf16_ps((__m512)acc[m][v], (__m512bh)xm,
+                                                 (__m512bh)w[v]);
+        }
+    }
+    store_tile(MR, NP, acc, bias, y, ldy, n_left, accumulate);
+}
+#else
+#define BF16_DOT 0
+#endif
+
+/* AMX: 16 x 32 bfloat16 tiles of x times 32 x 16 tiles of the weight (a panel's 16
+   pairs of rows, 1 KB, contiguous) into 16 x 16 float32 tiles, 2 x 2 of them at a time
+   (tmm0-3: results, tmm4-5: x, tmm6-7: weight). Linux hands a process the tile
+   registers only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM): rs_init does. */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && BF16_DOT
+#define AMX 1
+static int amx_usable = 0;
+#ifndef AMX_MIN_ROWS
+#define AMX_MIN_ROWS 16
+#endif
+
+static void amx_configure(void)
+{
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* y rows [0, rows) x columns [0, cols) of a 16 x 16 result tile c (+ bias, + y). */
+static void store_result(const float *c, int64_t rows, int64_t cols, const float *bias,
+                         float *y, int64_t ldy, int accumulate)
+{
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t j = 0; j < cols; j++) {
+            const float r = c[m * 16 + j] + (bias ? bias[j] : 0.0f);
+            y[m * ldy + j] = accumulate ? y[m * ldy + j] + r : r;
+        }
+}
+
+/* Panels [p_begin, p_end) for all M rows of xb (bf16, K per row, zero rows up to a
+   multiple of 16 after them). c: 4 x 256 floats of scratch. */
+static void amx_panels(const uint16_t *xb, int64_t M, int64_t K, const char *packed,
+                       int64_t pb, int64_t p_begin, int64_t p_end, const float *bias,
+                       float *y, int64_t N, int accumulate, float *c)
+{
+    const int64_t Mp = (M + 15) / 16 * 16;
+    for (int64_t p = p_begin; p < p_end; p += 2) {
+        const int two = p + 1 < p_end;
+        const char *w0 = packed + p * pb, *w1 = packed + (p + two) * pb;
+        for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+            const int tall = m0 + 16 < Mp;
+            const uint16_t *x0 = xb + m0 * K, *x1 = xb + (m0 + 16 * tall) * K;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t k = 0; k < K; k += 32) {
+                _tile_loadd(4, x0 + k, K * 2);
+                _tile_loadd(6, w0 + k * RS_PANEL * 2, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                if (two) {
+                    _tile_loadd(7, w1 + k * RS_PANEL * 2, 64);
+                    _tile_dpbf16ps(1, 4, 7);
+                }
+                if (tall) {
+                    _tile_loadd(5, x1 + k, K * 2);
+                    _tile_dpbf16ps(2, 5, 6);
+                    if (two)
+                        _tile_dpbf16ps(3, 5, 7);
+                }
+            }
+            _tile_stored(0, c, 64);
+            _tile_stored(1, c + 256, 64);
+            _tile_stored(2, c + 512, 64);
+            _tile_stored(3, c + 768, 64);
+            for (int t = 0; t < 4; t++) {
+                const int64_t row = m0 + 16 * (t / 2), col = (p + t % 2) * RS_PANEL;
+                if ((t % 2 && !two) || (t / 2 && !tall) || row >= M || col >= N)
+                    continue;
+                const int64_t rows = M - row < 16 ? M - row : 16;
+                const int64_t cols = N - col < 16 ? N - col : 16;
+                store_result(c + 256 * t, rows, cols, bias ? bias + col : NULL,
+                             y + row * N + col, N, accumulate);
+            }
+        }
+    }
+}
+#else
+#define AMX 0
+#endif
+
+/* Asks the OS for what the kernels use (AMX's tile registers, where built with them).
+   Returns rs_bf16_path(). Call once, before the first linear layer. */
+int rs_bf16_path(void);
+int rs_init(void)
+{
+#if AMX
+    /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: refused where the CPU or the kernel
+       lacks AMX, and then the vdpbf16ps tiles run. */
+    amx_usable = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+#endif
+    return rs_bf16_path();
+}
+
+/* How bfloat16 weights are multiplied: 2 AMX tiles (from AMX_MIN_ROWS rows; vdpbf16ps
+   below), 1 vdpbf16ps, 0 widened to float32. */
+int rs_bf16_path(void)
+{
+#if AMX
+    if (amx_usable)
+        return 2;
+#endif
+    return BF16_DOT;
+}
+
 /* Rows of x quantized as int8 weights are: a scale per 32 inputs (amax / 127). */
 static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *xs)
 {
@@ -404,6 +573,23 @@ TILES_ROWS(1, RS_BF16, bf16_one) TILES_ROWS(NP_MAX, RS_BF16, bf16_wide)
                    tile_5_##name, tile_6_##name, tile_7_##name, tile_8_##name}
 static const tile_fn TILES[2][2][9] = {{ROW(f32_one), ROW(f32_wide)},
                                        {ROW(bf16_one), ROW(bf16_wide)}};
+#if BF16_DOT
+#define TILE_BF(mr, np, name) \
+    static void tile_bf_##mr##_##name(const uint16_t *xb, int64_t K, const char *w, \
+                                      int64_t pb, const float *bias, float *y, int64_t ldy, \
+                                      int64_t n_left, int acc, int ahead) \
+    { tile_bf16(mr, np, xb, K, w, pb, bias, y, ldy, n_left, acc, ahead); }
+#define TILES_BF(np, name) TILE_BF(1, np, name) TILE_BF(2, np, name) TILE_BF(3, np, name) \
+    TILE_BF(4, np, name) TILE_BF(5, np, name) TILE_BF(6, np, name)
+TILES_BF(1, one) TILES_BF(NP_MAX, wide)
+typedef void (*tile_bf_fn)(const uint16_t *, int64_t, const char *, int64_t, const float *,
+                           float *, int64_t, int64_t, int, int);
+static const tile_bf_fn TILES_BF[2][7] = {
+    {NULL, tile_bf_1_one, tile_bf_2_one, tile_bf_3_one, tile_bf_4_one, tile_bf_5_one,
+     tile_bf_6_one},
+    {NULL, tile_bf_1_wide, tile_bf_2_wide, tile_bf_3_wide, tile_bf_4_wide, tile_bf_5_wide,
+     tile_bf_6_wide}};
+#endif
 #define TILE_Q8(mr, np, name) \
     static void tile_q8_##mr##_##name(const int8_t *xq, const float *xs, const char *w, \
                                       int64_t pb, int64_t K, const float *bias, float *y, \
@@ -448,18 +634,37 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
 {
     const int64_t panels = (N + RS_PANEL - 1) / RS_PANEL;
     const int nthreads = rs_num_threads();
-    const int int8 = format == RS_INT8, expand = format == RS_BF16 && M > DIRECT_MAX_ROWS;
-    /* Scratch: expanded panels, or (int8) x quantized, by every thread for itself. */
-    void *buf = NULL;
+    const int bf16 = format == RS_BF16, int8 = format == RS_INT8;
+#if AMX
+    const int amx = bf16 && amx_usable && M >= AMX_MIN_ROWS && K % 32 == 0;
+#else
+    const int amx = 0;
+#endif
+    const int dot = bf16 && BF16_DOT && !amx, expand = bf16 && !BF16_DOT && M > DIRECT_MAX_ROWS;
+    const int64_t Mp = amx ? (M + 15) / 16 * 16 : M;   /* AMX: whole tiles of rows */
+    /* Scratch, by every thread for itself: expanded panels, or x as int8 (with its
+       scales) or as bfloat16 (and AMX's result tiles). */
+    int64_t bytes = 0;
     if (expand)
-        buf = thread_buffer(NP_MAX * K * RS_PANEL * 4);
+        bytes = NP_MAX * K * RS_PANEL * 4;
     else if (int8)
-        buf = thread_buffer(M * K + M * (K / RS_INT8_BLOCK) * 4);
-    int failed = (expand || int8) && buf == NULL;
+        bytes = M * K + M * (K / RS_INT8_BLOCK) * 4;
+    else if (dot || amx)
+        bytes = Mp * K * 2 + (amx ? 4 * 256 * 4 : 0);
+    void *buf = bytes ? thread_buffer(bytes) : NULL;
+    int failed = bytes && buf == NULL;
     int8_t *xq = buf;
     float *xs = int8 && buf ? (float *)((char *)buf + M * K) : NULL;   /* M * K % 32 == 0 */
+    uint16_t *xb = buf;
+    (void)xb;   /* unused where the CPU has no bf16 products */
     if (int8 && !failed)
         quantize_rows(x, M, K, xq, xs);
+#if BF16_DOT
+    if ((dot || amx) && !failed) {
+        bf16_rows(x, M, K, xb);
+        memset(xb + M * K, 0, (Mp - M) * K * 2);
+    }
+#endif
     const int64_t pb = panel_bytes(K, format);
     const int64_t mr_max = int8 ? Q8_MR_MAX : MR_MAX;
     const int64_t blocks = (M + mr_max - 1) / mr_max;
@@ -467,8 +672,19 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
 #pragma omp for schedule(static, 1)
     for (int t = 0; t < nthreads; t++) {
         const int64_t p_begin = panels * t / nthreads, p_end = panels * (t + 1) / nthreads;
+#if AMX
+        if (amx && !failed) {
+            amx_configure();
+            amx_panels(xb, M, K, packed, pb, p_begin, p_end, bias, y, N, accumulate,
+                       (float *)(xb + Mp * K));
+            _tile_release();
+            continue;
+        }
+#endif
         for (int64_t p = p_begin; p < p_end && !failed;) {
-            const int wide = M <= (int8 ? Q8_WIDE_MAX_ROWS : WIDE_MAX_ROWS) &&
+            /* bf16 products take NP_MAX panels at every row count (measured: 1.13x
+               at 64 rows; float32 panels do better one at a time there). */
+            const int wide = (dot || M <= (int8 ? Q8_WIDE_MAX_ROWS : WIDE_MAX_ROWS)) &&
                              p_end - p >= NP_MAX;
             const char *w = (const char *)packed + p * pb;
             int64_t w_pb = pb;
@@ -485,6 +701,7 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
             for (int64_t b = 0, m = 0; b < blocks; b++) {
                 const int mr = (int)((M * (b + 1)) / blocks - m);
                 const float *bias_n = bias == NULL ? NULL : bias + n0;
+                float *y_n = y + m * N + n0;
                 /* The first row block fetches the next panels while the others
                    compute from cache: memory and FMAs overlap (an expanded group
                    is not where the next one is). int8 tiles, narrower, fetch in
@@ -493,10 +710,15 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
                                   (int8 || (b == 0 && (AHEAD_ONE_BLOCK || blocks > 1)));
                 if (int8)
                     TILES_Q8[wide][mr](xq + m * K, xs + m * (K / RS_INT8_BLOCK), w, w_pb, K,
-                                       bias_n, y + m * N + n0, N, N - n0, accumulate, ahead);
+                                       bias_n, y_n, N, N - n0, accumulate, ahead);
+#if BF16_DOT
+                else if (dot)
+                    TILES_BF[wide][mr](xb + m * K, K, w, w_pb, bias_n, y_n, N, N - n0,
+                                       accumulate, ahead);
+#endif
                 else
-                    TILES[w_format][wide][mr](x + m * K, K, w, w_pb, K, bias_n,
-                                              y + m * N + n0, N, N - n0, accumulate, ahead);
+                    TILES[w_format][wide][mr](x + m * K, K, w, w_pb, K, bias_n, y_n, N,
+                                              N - n0, accumulate, ahead);
                 m += mr;
             }
             p += wide ? NP_MAX : 1;
