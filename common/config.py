@@ -135,7 +135,8 @@ class EngineConfig:
     # (norms, attention, the KV cache) stays float32.
     dtype: str = "auto"
     # "int8": weights and layer inputs in 8 bits, a scale per 32 values (CPU kernels
-    # only; llama.cpp's Q8_0). None: dtype.
+    # only; llama.cpp's Q8_0). "q4": 4-bit weights with a scale and a minimum per 32
+    # (llama.cpp's Q4_1), inputs as int8's. None: dtype.
     quantization: Optional[str] = None
     # Intra-op threads for CPU matmuls; None: torch's default (all cores).
     num_threads: Optional[int] = None
@@ -161,8 +162,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"quantization must be int8 or unset, got {self.quantization!r}")
+        if self.quantization not in (None, "int8", "q4"):
+            raise ValueError(f"quantization must be int8, q4 or unset, got "
+                             f"{self.quantization!r}")
         if self.load_format not in _LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(_LOAD_FORMATS)}, got "
                              f"{self.load_format!r}")

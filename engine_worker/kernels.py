@@ -85,6 +85,9 @@ class CpuKernels:
         self._llama_scratch = lib.rs_llama_scratch_floats
         self._llama_scratch.argtypes = [ptr, i64, i64, i64, i64]
         self._llama_scratch.restype = i64
+        self._pack_gguf = lib.rs_pack_gguf
+        self._pack_gguf.argtypes = [ptr, i64, i64, ctypes.c_int, ptr]
+        self._pack_gguf.restype = ctypes.c_int
         init = lib.rs_init
         init.argtypes, init.restype = [], ctypes.c_int
         self.bf16_path = BF16_PATHS[init()]
@@ -103,6 +106,21 @@ class CpuKernels:
             raise ValueError(f"{fmt} weights need input sizes that are multiples of "
                              f"{step}; a layer has {k}")
         return packed
+
+    def pack_gguf(self, blocks: torch.Tensor, ggml_type: int, out_features: int,
+                  in_features: int) -> tuple[torch.Tensor, str]:
+        """A GGUF tensor's raw blocks (uint8, out_features rows of in_features / 32
+        blocks) of a type in GGUF_FORMATS -> (its packed form, the format), unchanged:
+        Q8_0 as int8, Q4_0 and Q4_1 as q4."""
+        fmt = GGUF_FORMATS[ggml_type]
+        blocks = blocks.contiguous()
+        packed = torch.empty(self._packed_bytes(out_features, in_features, WEIGHT_FORMATS[fmt]),
+                             dtype=torch.uint8)
+        if self._pack_gguf(blocks.data_ptr(), out_features, in_features, ggml_type,
+                           packed.data_ptr()) != 0:
+            raise ValueError(f"GGUF blocks need input sizes that are multiples of "
+                             f"{INT8_BLOCK}; a tensor has {in_features}")
+        return packed, fmt
 
     def unpack(self, packed: torch.Tensor, out_features: int, in_features: int,
                fmt: str = "float32") -> torch.Tensor:
@@ -192,8 +210,10 @@ class CpuKernels:
 
 # Packed weight formats (RS_F32, RS_BF16, RS_INT8 in kernels.h). int8 keeps one float
 # scale per INT8_BLOCK inputs of each output feature.
-WEIGHT_FORMATS = {"float32": 0, "bfloat16": 1, "int8": 2}
+WEIGHT_FORMATS = {"float32": 0, "bfloat16": 1, "int8": 2, "q4": 3}
 INT8_BLOCK = 32
+# GGUF tensor types (ggml's ids) packed as they are, and the format each becomes.
+GGUF_FORMATS = {8: "int8", 2: "q4", 3: "q4"}  # Q8_0, Q4_0, Q4_1
 # How bfloat16 weights are multiplied here (rs_bf16_path in gemm.c): AMX tiles (Intel
 # Xeon, 4th generation on; vdpbf16ps below 16 rows), AVX-512-BF16's vdpbf16ps (AMD Zen
 # 4/5), both taking x rounded to bfloat16, or widened to float32 (x stays float32).
@@ -201,16 +221,18 @@ BF16_PATHS = {2: "amx", 1: "avx512-bf16", 0: "widened"}
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in (
+    _fields_ = [*((name, ctypes.c_void_p) for name in (
         "attn_norm", "qkv", "qkv_bias", "o", "o_bias", "mlp_norm", "gate_up", "gate_up_bias",
-        "down", "down_bias", "k_cache", "v_cache")]
+        "down", "down_bias", "k_cache", "v_cache")),
+        *((name, ctypes.c_int64) for name in (
+            "qkv_format", "o_format", "gate_up_format", "down_format"))]
 
 
 class _Llama(ctypes.Structure):
     _fields_ = [*((name, ctypes.c_int64) for name in (
         "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate",
         "vocab", "block_size")),
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("format", ctypes.c_int64),
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("lm_head_format", ctypes.c_int64),
         ("embed", ctypes.c_void_p), ("lm_head", ctypes.c_void_p), ("norm", ctypes.c_void_p),
         ("layers", ctypes.POINTER(_Layer))]
 
@@ -232,7 +254,7 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
 
 class FusedLlama:
     """A Llama-family forward pass in one C call (llama.c), over the weights of a
-    loaded model whose linear layers are packed (all in one format), and the engine's
+    loaded model whose linear layers are packed (each in its own format), and the engine's
     KV caches. Set ``profile`` to a float64 tensor of 3 to have the seconds spent in
     linear layers, attention and the rest added to it."""
 
@@ -250,7 +272,9 @@ class FusedLlama:
                 _ptr(attn.qkv_proj.bias), _ptr(attn.o_proj.packed), _ptr(attn.o_proj.bias),
                 _ptr(layer.post_attention_layernorm.weight), _ptr(mlp.gate_up_proj.packed),
                 _ptr(mlp.gate_up_proj.bias), _ptr(mlp.down_proj.packed),
-                _ptr(mlp.down_proj.bias), _ptr(kv[0]), _ptr(kv[1])))
+                _ptr(mlp.down_proj.bias), _ptr(kv[0]), _ptr(kv[1]),
+                *(WEIGHT_FORMATS[lin.fmt] for lin in (attn.qkv_proj, attn.o_proj,
+                                                      mlp.gate_up_proj, mlp.down_proj))))
         self._layers = (_Layer * len(layers))(*layers)
         self._model = _Llama(
             cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,

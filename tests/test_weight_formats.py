@@ -15,9 +15,9 @@ from safetensors.torch import save_file
 
 from engine_worker import kernels
 from helpers import greedy, make_engine, random_prompts
-from hf_reference import assert_matches, hf_greedy, quantize_blocks
+from hf_reference import NEAR_TIE, assert_matches, hf_greedy, quantize_blocks
 
-FORMATS = ["float32", "bfloat16", "int8"]
+FORMATS = ["float32", "bfloat16", "int8", "q4"]
 
 
 NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
@@ -64,7 +64,7 @@ def test_bfloat16_weights_need_an_even_number_of_inputs(cpu):
 def rounded_inputs(cpu, fmt: str, x: torch.Tensor) -> torch.Tensor:
     """x as the kernels multiply it: int8 with a scale per block of 32, bfloat16 where
     the CPU multiplies bf16 products, else as it is."""
-    if fmt == "int8":
+    if fmt in ("int8", "q4"):
         return quantize_blocks(x)
     if fmt == "bfloat16" and cpu.bf16_path != "widened":
         return x.to(torch.bfloat16).float()
@@ -81,18 +81,25 @@ def test_a_packed_weight_is_as_close_as_its_format_allows(cpu, fmt):
         assert torch.equal(got, w)
     elif fmt == "bfloat16":
         assert torch.equal(got, w.to(torch.bfloat16).float())  # round to nearest even
-    else:
+    elif fmt == "int8":
         blocks = w.view(50, 3, 32)
         step = blocks.abs().amax(-1, keepdim=True) / 127  # one int8 step per block
         err = (got.view(50, 3, 32) - blocks).abs()
         assert (err <= step * 0.5001 + 1e-12).all()
+        assert torch.equal(got[3], torch.zeros(96))
+    if fmt == "q4":  # as GGUF's Q4_1: 16 steps from each block's minimum to its maximum
+        blocks = w.view(50, 3, 32)
+        lo, hi = blocks.amin(-1, keepdim=True), blocks.amax(-1, keepdim=True)
+        step = (hi - lo) / 15  # and d, min rounded to half precision
+        err = (got.view(50, 3, 32) - blocks).abs()
+        assert (err <= step * 0.51 + lo.abs() * 1e-3 + 1e-7).all()
         assert torch.equal(got[3], torch.zeros(96))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("n,k", [(1, 32), (17, 64), (50, 96), (130, 576), (40, 130)])
 def test_linear_computes_with_the_unpacked_weight(cpu, fmt, n, k):
-    if fmt == "int8" and k % 32:
+    if fmt in ("int8", "q4") and k % 32:
         return  # refused: test_int8_refuses_inputs_that_are_not_whole_blocks
     torch.manual_seed(n * k)
     w, bias = torch.randn(n, k), torch.randn(n)
@@ -107,6 +114,31 @@ def test_linear_computes_with_the_unpacked_weight(cpu, fmt, n, k):
                                    rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(cpu.linear(x, packed, n, None, fmt), xr @ deq.T,
                                    rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_blocks_are_packed_as_they_are_and_computed_with(cpu, ggml_type):
+    """A GGUF tensor's blocks unpack to exactly what gguf's own dequantization gives
+    (nothing requantized), and the kernels compute with them, x quantized per 32."""
+    from gguf import GGMLQuantizationType, quants
+
+    t = GGMLQuantizationType[ggml_type]
+    torch.manual_seed(int(t))
+    for n, k in [(1, 32), (17, 64), (50, 96), (130, 576)]:
+        w = torch.randn(n, k) * torch.logspace(-3, 1, k)
+        w[n // 2] = 0.0  # an all-zero row
+        raw = quants.quantize(w.numpy(), t)
+        packed, fmt = cpu.pack_gguf(torch.from_numpy(raw), int(t), n, k)
+        assert fmt == ("int8" if ggml_type == "Q8_0" else "q4")
+        deq = cpu.unpack(packed, n, k, fmt)
+        assert torch.equal(deq, torch.from_numpy(quants.dequantize(raw, t)))
+        bias = torch.randn(n)
+        for m in (1, 2, 3, 4, 9, 17, 64):
+            x = torch.randn(m, k)
+            x[0, :32] = 0.0
+            torch.testing.assert_close(cpu.linear(x, packed, n, bias, fmt),
+                                       quantize_blocks(x) @ deq.T + bias,
+                                       rtol=1e-4, atol=1e-4)
 
 
 def test_int8_refuses_inputs_that_are_not_whole_blocks(cpu):
@@ -150,19 +182,24 @@ def cpu_kernels():
     return kernels.cpu_kernels()
 
 
-@pytest.mark.parametrize("fmt", ["bfloat16", "int8"])
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "q4"])
 def test_the_engine_on_packed_weights_matches_hf_on_the_same_weights(tiny_llama_dir,
                                                                      tmp_path, fmt):
     engine = make_engine(tiny_llama_dir, **({"dtype": "bfloat16"} if fmt == "bfloat16"
-                                            else {"quantization": "int8"}))
+                                            else {"quantization": fmt}))
     assert engine.runner.weight_format == fmt and engine.runner.fused is not None
     prompts = random_prompts([1, 5, 17, 33], seed=9)
     out = engine.generate(prompts, greedy(10))
     unpacked_checkpoint(engine, tiny_llama_dir, tmp_path / fmt)
     kernels_used = cpu_kernels()
+    # Quantized inputs make logits step: an activation one float ulp away from HF's
+    # can round to the next int8 step (1/127 of its block's amax), which moved a logit
+    # of 3.2 by 5e-4 in a q4 run: for the formats that quantize inputs, a near-tie is a
+    # top-2 gap under 2e-3.
+    near_tie = 2e-3 if fmt in ("int8", "q4") else NEAR_TIE
     assert_matches(out, hf_greedy(tmp_path / fmt, prompts, 10,
                                   round_inputs=lambda x: rounded_inputs(kernels_used, fmt, x)),
-                   fmt)
+                   fmt, near_tie)
     # and the format is not a no-op: float32 weights give other logits somewhere
     assert not torch.equal(cpu_kernels().unpack(engine.runner.model.lm_head.packed,
                                                 engine.model_config.vocab_size,
@@ -178,5 +215,5 @@ def test_int8_without_the_c_kernels_is_refused(tiny_llama_dir):
 def test_an_unknown_quantization_is_refused_by_name():
     from common.config import EngineConfig
 
-    with pytest.raises(ValueError, match="quantization must be int8 or unset, got 'int4'"):
+    with pytest.raises(ValueError, match="quantization must be int8, q4 or unset, got 'int4'"):
         EngineConfig(quantization="int4")

@@ -28,6 +28,12 @@
  * vpmaddubsw + vpmaddwd on AVX2), and each block's sum is scaled into float32. The
  * panel stores four consecutive inputs of an output together for that: K/4 groups of
  * 16 outputs x 4 bytes, then K/32 x 16 float scales (1.125 bytes per weight).
+ * 4-bit panels (GGUF Q4_0 and Q4_1, packed from the file's blocks as they are) hold
+ * K/8 groups of 16 outputs x 4 bytes, each byte two weights (low nibble: input t of the
+ * group, high: input t + 4), then K/32 x 16 half-precision scales d and offsets c (a
+ * weight is q * d + c, q in 0..15: Q4_0's c is -8 d, Q4_1's its m): 0.625 bytes per
+ * weight. x is quantized as for int8; unsigned nibbles times signed x are what
+ * vpdpbusd and vpmaddubsw take, and the offset adds c times x's block sum.
  *
  * The work-sharing loops are orphaned `omp for`s: called inside a parallel region
  * (the fused forward, llama.c) they share that region's threads; called outside one
@@ -76,6 +82,7 @@ static int64_t panel_bytes(int64_t K, int format)
     switch (format) {
     case RS_BF16: return K * RS_PANEL * 2;
     case RS_INT8: return K * RS_PANEL + K / RS_INT8_BLOCK * RS_PANEL * 4;
+    case RS_Q4: return K * RS_PANEL / 2 + K / RS_INT8_BLOCK * RS_PANEL * 4;
     default: return K * RS_PANEL * 4;
     }
 }
@@ -97,6 +104,99 @@ static inline int64_t bf16_index(int64_t k, int64_t j)
     return (k & ~(int64_t)1) * RS_PANEL + j * 2 + (k & 1);
 }
 
+/* The byte of a 4-bit panel that holds input k of output j (groups of 8 inputs: k & 4
+   says which nibble). */
+static inline int64_t q4_index(int64_t k, int64_t j)
+{
+    return (k >> 3) * RS_PANEL * 4 + j * 4 + (k & 3);
+}
+
+/* IEEE half precision -> float (GGUF's scales), exactly. */
+static float half_to_float(uint16_t h)
+{
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023;
+    uint32_t bits;
+    if (exp == 31) {
+        bits = sign | 0x7f800000 | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else {   /* zero or subnormal: man * 2^-24 */
+        const float f = ldexpf((float)man, -24);
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static uint16_t float_to_half(float f)   /* round to nearest even */
+{
+    const _Float16 h = (_Float16)f;
+    uint16_t bits;
+    memcpy(&bits, &h, 2);
+    return bits;
+}
+
+/* GGUF block types this packs as they are (ggml's type ids). */
+#define GGML_Q4_0 2
+#define GGML_Q4_1 3
+#define GGML_Q8_0 8
+
+/* Bytes of one GGUF block of 32 weights of `type` (0: not one of ours). */
+int64_t rs_gguf_block_bytes(int type)
+{
+    return type == GGML_Q4_0 ? 18 : type == GGML_Q4_1 ? 20 : type == GGML_Q8_0 ? 34 : 0;
+}
+
+/* N rows of K weights in GGUF blocks of `type` (each row K / 32 blocks) -> packed
+   panels: Q8_0 as RS_INT8, Q4_0 and Q4_1 as RS_Q4. Nothing is requantized: every
+   weight unpacks to what the file's dequantization gives. Returns -1 for another
+   type or K not a multiple of 32. */
+int rs_pack_gguf(const uint8_t *raw, int64_t N, int64_t K, int type, void *packed)
+{
+    const int64_t bb = rs_gguf_block_bytes(type), blocks = K / RS_INT8_BLOCK;
+    if (bb == 0 || K % RS_INT8_BLOCK != 0)
+        return -1;
+    const int format = type == GGML_Q8_0 ? RS_INT8 : RS_Q4;
+    const int64_t panels = (N + RS_PANEL - 1) / RS_PANEL, pb = panel_bytes(K, format);
+    memset(packed, 0, panels * pb);   /* the last panel's padding rows: weight 0 */
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        char *dst = (char *)packed + p * pb;
+        for (int64_t j = 0; j < RS_PANEL && p * RS_PANEL + j < N; j++) {
+            const uint8_t *row = raw + (p * RS_PANEL + j) * blocks * bb;
+            for (int64_t g = 0; g < blocks; g++) {
+                const uint8_t *blk = row + g * bb;
+                uint16_t d;
+                memcpy(&d, blk, 2);
+                if (format == RS_INT8) {
+                    ((float *)(dst + K * RS_PANEL))[g * RS_PANEL + j] = half_to_float(d);
+                    for (int t = 0; t < 32; t++)
+                        ((int8_t *)dst)[int8_index(g * 32 + t, j)] = (int8_t)blk[2 + t];
+                    continue;
+                }
+                uint16_t c;
+                if (type == GGML_Q4_1)
+                    memcpy(&c, blk + 2, 2);
+                else
+                    c = float_to_half(-8.0f * half_to_float(d));
+                uint16_t *dc = (uint16_t *)(dst + K * RS_PANEL / 2);
+                dc[g * RS_PANEL + j] = d;
+                dc[blocks * RS_PANEL + g * RS_PANEL + j] = c;
+                const uint8_t *qs = blk + (type == GGML_Q4_1 ? 4 : 2);
+                for (int t = 0; t < 32; t++) {   /* ggml: byte i holds i (low), i + 16 */
+                    const int q = t < 16 ? qs[t] & 15 : qs[t - 16] >> 4;
+                    const int64_t k = g * 32 + t;
+                    uint8_t *b = (uint8_t *)dst + q4_index(k, j);
+                    *b |= (uint8_t)(k & 4 ? q << 4 : q);
+                }
+            }
+        }
+    }
+    return 0;
+}
+
 static uint16_t to_bf16(float f)   /* round to nearest even */
 {
     uint32_t bits;
@@ -110,7 +210,8 @@ static uint16_t to_bf16(float f)   /* round to nearest even */
    with K not a multiple of its block, or bfloat16 with K odd. */
 int rs_pack_weight(const float *w, int64_t N, int64_t K, int format, void *packed)
 {
-    if ((format == RS_INT8 && K % RS_INT8_BLOCK != 0) || (format == RS_BF16 && K % 2 != 0))
+    if (((format == RS_INT8 || format == RS_Q4) && K % RS_INT8_BLOCK != 0) ||
+        (format == RS_BF16 && K % 2 != 0))
         return -1;
     const int64_t panels = (N + RS_PANEL - 1) / RS_PANEL;
     const int64_t pb = panel_bytes(K, format);
@@ -127,6 +228,29 @@ int rs_pack_weight(const float *w, int64_t N, int64_t K, int format, void *packe
                         ((float *)dst)[k * RS_PANEL + j] = v;
                     else
                         ((uint16_t *)dst)[bf16_index(k, j)] = to_bf16(v);
+                }
+                continue;
+            }
+            if (format == RS_Q4) {   /* as GGUF's Q4_1: q * d + min, q in 0..15 */
+                uint16_t *dc = (uint16_t *)(dst + K * RS_PANEL / 2);
+                const int64_t blocks = K / RS_INT8_BLOCK;
+                for (int64_t g = 0; g < blocks; g++) {
+                    float lo = 0.0f, hi = 0.0f;
+                    for (int64_t k = g * RS_INT8_BLOCK; row && k < (g + 1) * RS_INT8_BLOCK; k++) {
+                        lo = k == g * RS_INT8_BLOCK || row[k] < lo ? row[k] : lo;
+                        hi = k == g * RS_INT8_BLOCK || row[k] > hi ? row[k] : hi;
+                    }
+                    const uint16_t dh = float_to_half((hi - lo) / 15.0f), mh = float_to_half(lo);
+                    const float d = half_to_float(dh), m = half_to_float(mh);
+                    dc[g * RS_PANEL + j] = dh;
+                    dc[(blocks + g) * RS_PANEL + j] = mh;
+                    for (int64_t k = g * RS_INT8_BLOCK; k < (g + 1) * RS_INT8_BLOCK; k++) {
+                        const long q = row && d > 0.0f ? lrintf((row[k] - m) / d) : 0;
+                        const uint8_t q4 = (uint8_t)(q < 0 ? 0 : q > 15 ? 15 : q);
+                        uint8_t *byte = (uint8_t *)dst + q4_index(k, j);
+                        *byte = k & 4 ? (uint8_t)((*byte & 15) | q4 << 4)
+                                      : (uint8_t)((*byte & 0xf0) | q4);
+                    }
                 }
                 continue;
             }
@@ -185,6 +309,12 @@ int rs_unpack_weight(const void *packed, int64_t N, int64_t K, int format, float
             } else if (format == RS_BF16) {
                 const uint32_t bits = (uint32_t)((const uint16_t *)panel)[bf16_index(k, j)] << 16;
                 memcpy(&v, &bits, 4);
+            } else if (format == RS_Q4) {
+                const uint8_t byte = ((const uint8_t *)panel)[q4_index(k, j)];
+                const uint16_t *dc = (const uint16_t *)(panel + K * RS_PANEL / 2);
+                const int64_t at = k / RS_INT8_BLOCK * RS_PANEL + j;
+                v = (k & 4 ? byte >> 4 : byte & 15) * half_to_float(dc[at]) +
+                    half_to_float(dc[K / RS_INT8_BLOCK * RS_PANEL + at]);
             } else {
                 const float *scales = (const float *)(panel + K * RS_PANEL);
                 v = ((const int8_t *)panel)[int8_index(k, j)] *
@@ -341,6 +471,108 @@ static inline iv dot4(iv acc, iv x, iv w)
     return acc;
 }
 #endif
+
+/* Unsigned x signed bytes (4-bit weights 0..15 times x), 4 at a time into each int32
+   lane; the low and high nibbles of each byte of w; VL half-precision floats. */
+#if defined(__AVX512BW__)
+static inline iv dot4u(iv acc, iv w, iv x)
+{
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(acc, w, x);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x),
+                                                   _mm512_set1_epi16(1)));
+#endif
+}
+#define IV_LO(w) _mm512_and_si512(w, _mm512_set1_epi8(15))
+#define IV_HI(w) _mm512_and_si512(_mm512_srli_epi16(w, 4), _mm512_set1_epi8(15))
+#elif defined(__AVX2__) && !defined(__AVX512F__)
+static inline iv dot4u(iv acc, iv w, iv x)
+{
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, w, x);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x),
+                                                   _mm256_set1_epi16(1)));
+#endif
+}
+#define IV_LO(w) _mm256_and_si256(w, _mm256_set1_epi8(15))
+#define IV_HI(w) _mm256_and_si256(_mm256_srli_epi16(w, 4), _mm256_set1_epi8(15))
+#else
+typedef uint8_t iv8u __attribute__((vector_size(VL * 4)));
+static inline iv dot4u(iv acc, iv w, iv x)
+{
+    const iv8u wb = (iv8u)w;
+    const iv8 xb = (iv8)x;
+    for (int l = 0; l < VL; l++)
+        for (int t = 0; t < 4; t++)
+            acc[l] += wb[4 * l + t] * xb[4 * l + t];
+    return acc;
+}
+#define IV_LO(w) ((iv)((iv8u)(w) & 15))
+#define IV_HI(w) ((iv)((iv8u)(w) >> 4))
+#endif
+
+static inline vf halves_to_float(const uint16_t *h)
+{
+#if defined(__AVX512F__)
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h));
+#elif defined(__F16C__)
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h));
+#else
+    vf r;
+    for (int l = 0; l < VL; l++)
+        r[l] = half_to_float(h[l]);
+    return r;
+#endif
+}
+
+/* One 4-bit tile: as tile_q8, with xsum (x's scale times its block's sum of int8
+   values, per row and block of 32) for the offsets. */
+static inline __attribute__((always_inline)) void
+tile_q4(const int MR, const int NP, const int8_t *xq, const float *xs, const float *xsum,
+        const char *panel0, int64_t pb, int64_t K, const float *bias, float *y, int64_t ldy,
+        int64_t n_left, int accumulate, int ahead)
+{
+    const int64_t blocks = K / RS_INT8_BLOCK;
+    vf acc[8][NP_MAX * PV];
+    for (int m = 0; m < MR; m++)
+        for (int v = 0; v < NP * PV; v++)
+            acc[m][v] = (vf){0};
+    for (int64_t b = 0; b < blocks; b++) {
+        iv sums[8][NP_MAX * PV];
+        for (int m = 0; m < MR; m++)
+            for (int v = 0; v < NP * PV; v++)
+                sums[m][v] = IV_ZERO;
+        for (int64_t k = b * RS_INT8_BLOCK; k < (b + 1) * RS_INT8_BLOCK; k += 8) {
+            iv w[NP_MAX * PV];   /* VL outputs x 8 inputs each */
+            for (int v = 0; v < NP * PV; v++)
+                w[v] = IV_LOAD(panel0 + (v / PV) * pb + (k >> 3) * RS_PANEL * 4 +
+                               (v % PV) * VL * 4);
+            for (int q = 0; ahead && q < NP; q++)
+                _mm_prefetch(panel0 + (NP + q) * pb + (k >> 3) * RS_PANEL * 4, _MM_HINT_T0);
+            for (int m = 0; m < MR; m++) {
+                const iv xl = IV_BROADCAST(xq + m * K + k);
+                for (int v = 0; v < NP * PV; v++)
+                    sums[m][v] = dot4u(sums[m][v], IV_LO(w[v]), xl);
+            }
+            for (int m = 0; m < MR; m++) {
+                const iv xh = IV_BROADCAST(xq + m * K + k + 4);
+                for (int v = 0; v < NP * PV; v++)
+                    sums[m][v] = dot4u(sums[m][v], IV_HI(w[v]), xh);
+            }
+        }
+        for (int v = 0; v < NP * PV; v++) {
+            const uint16_t *dc = (const uint16_t *)(panel0 + (v / PV) * pb + K * RS_PANEL / 2) +
+                                 b * RS_PANEL + (v % PV) * VL;
+            const vf d = halves_to_float(dc), c = halves_to_float(dc + blocks * RS_PANEL);
+            for (int m = 0; m < MR; m++)
+                acc[m][v] += IV_TO_FLOAT(sums[m][v]) * (d * xs[m * blocks + b]) +
+                             c * xsum[m * blocks + b];
+        }
+    }
+    store_tile(MR, NP, acc, bias, y, ldy, n_left, accumulate);
+}
 
 /* One int8 tile: rows [0..MR) of the quantized x (xq: int8, K per row; xs: a scale
    per block of 32) against the NP int8 panels at panel0. */
@@ -538,8 +770,10 @@ int rs_bf16_path(void)
     return BF16_DOT;
 }
 
-/* Rows of x quantized as int8 weights are: a scale per 32 inputs (amax / 127). */
-static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *xs)
+/* Rows of x quantized as int8 weights are: a scale per 32 inputs (amax / 127); with
+   xsum, also each block's scale times the sum of its int8 values. */
+static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *xs,
+                          float *xsum)
 {
     for (int64_t i = 0; i < M * K / RS_INT8_BLOCK; i++) {
         const float *src = x + i * RS_INT8_BLOCK;
@@ -548,8 +782,13 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, floa
             amax = fmaxf(amax, fabsf(src[j]));
         const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
         xs[i] = amax / 127.0f;
-        for (int j = 0; j < RS_INT8_BLOCK; j++)
+        int32_t sum = 0;
+        for (int j = 0; j < RS_INT8_BLOCK; j++) {
             xq[i * RS_INT8_BLOCK + j] = (int8_t)nearbyintf(src[j] * inv);
+            sum += xq[i * RS_INT8_BLOCK + j];
+        }
+        if (xsum != NULL)
+            xsum[i] = xs[i] * (float)sum;
     }
 }
 
@@ -601,6 +840,21 @@ static const tile_q8_fn TILES_Q8[2][4] = {
     {NULL, tile_q8_1_one, tile_q8_2_one, tile_q8_3_one},
     {NULL, tile_q8_1_wide, tile_q8_2_wide, tile_q8_3_wide}};
 
+#define TILE_Q4(mr, np, name) \
+    static void tile_q4_##mr##_##name(const int8_t *xq, const float *xs, const float *xsum, \
+                                      const char *w, int64_t pb, int64_t K, \
+                                      const float *bias, float *y, int64_t ldy, \
+                                      int64_t n_left, int acc, int ahead) \
+    { tile_q4(mr, np, xq, xs, xsum, w, pb, K, bias, y, ldy, n_left, acc, ahead); }
+TILE_Q4(1, 1, one) TILE_Q4(2, 1, one) TILE_Q4(3, 1, one)
+TILE_Q4(1, NP_MAX, wide) TILE_Q4(2, NP_MAX, wide) TILE_Q4(3, NP_MAX, wide)
+typedef void (*tile_q4_fn)(const int8_t *, const float *, const float *, const char *,
+                           int64_t, int64_t, const float *, float *, int64_t, int64_t, int,
+                           int);
+static const tile_q4_fn TILES_Q4[2][4] = {
+    {NULL, tile_q4_1_one, tile_q4_2_one, tile_q4_3_one},
+    {NULL, tile_q4_1_wide, tile_q4_2_wide, tile_q4_3_wide}};
+
 /* Rows per int8 tile: two sets of accumulators (int32 block sums, float totals) must
    fit the registers. */
 #ifdef __AVX512F__
@@ -634,7 +888,7 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
 {
     const int64_t panels = (N + RS_PANEL - 1) / RS_PANEL;
     const int nthreads = rs_num_threads();
-    const int bf16 = format == RS_BF16, int8 = format == RS_INT8;
+    const int bf16 = format == RS_BF16, q4 = format == RS_Q4, int8 = format == RS_INT8 || q4;
 #if AMX
     const int amx = bf16 && amx_usable && M >= AMX_MIN_ROWS && K % 32 == 0;
 #else
@@ -647,18 +901,19 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
     int64_t bytes = 0;
     if (expand)
         bytes = NP_MAX * K * RS_PANEL * 4;
-    else if (int8)
-        bytes = M * K + M * (K / RS_INT8_BLOCK) * 4;
+    else if (int8)   /* xq, xs, and (4-bit) xsum */
+        bytes = M * K + M * (K / RS_INT8_BLOCK) * 4 * (q4 ? 2 : 1);
     else if (dot || amx)
         bytes = Mp * K * 2 + (amx ? 4 * 256 * 4 : 0);
     void *buf = bytes ? thread_buffer(bytes) : NULL;
     int failed = bytes && buf == NULL;
     int8_t *xq = buf;
     float *xs = int8 && buf ? (float *)((char *)buf + M * K) : NULL;   /* M * K % 32 == 0 */
+    float *xsum = q4 && buf ? xs + M * (K / RS_INT8_BLOCK) : NULL;
     uint16_t *xb = buf;
     (void)xb;   /* unused where the CPU has no bf16 products */
     if (int8 && !failed)
-        quantize_rows(x, M, K, xq, xs);
+        quantize_rows(x, M, K, xq, xs, xsum);
 #if BF16_DOT
     if ((dot || amx) && !failed) {
         bf16_rows(x, M, K, xb);
@@ -708,7 +963,11 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
                    every row block (measured: 10-16% faster at 1-8 rows). */
                 const int ahead = !expand &&
                                   (int8 || (b == 0 && (AHEAD_ONE_BLOCK || blocks > 1)));
-                if (int8)
+                if (q4)
+                    TILES_Q4[wide][mr](xq + m * K, xs + m * (K / RS_INT8_BLOCK),
+                                       xsum + m * (K / RS_INT8_BLOCK), w, w_pb, K, bias_n,
+                                       y_n, N, N - n0, accumulate, ahead);
+                else if (int8)
                     TILES_Q8[wide][mr](xq + m * K, xs + m * (K / RS_INT8_BLOCK), w, w_pb, K,
                                        bias_n, y_n, N, N - n0, accumulate, ahead);
 #if BF16_DOT

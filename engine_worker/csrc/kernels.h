@@ -18,10 +18,11 @@ typedef int32_t rs_vi __attribute__((vector_size(RS_VL * 4)));
 
 /* Output features per panel of a packed weight (gemm.c). */
 #define RS_PANEL 16
-/* Packed weight formats, and the int8 format's inputs per scale. */
+/* Packed weight formats, and the int8 and 4-bit formats' inputs per scale. */
 #define RS_F32 0
 #define RS_BF16 1
 #define RS_INT8 2
+#define RS_Q4 3
 #define RS_INT8_BLOCK 32
 
 /* Threads of the enclosing parallel region (1 outside one). */

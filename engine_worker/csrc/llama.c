@@ -38,13 +38,14 @@ struct rs_llama_layer {
     const void *down;                       /* packed [C, I] */
     const float *down_bias;
     float *k_cache, *v_cache;               /* [slots, Hkv, D] */
+    int64_t qkv_format, o_format, gate_up_format, down_format;   /* RS_F32 ... RS_Q4 */
 };
 
 struct rs_llama {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, vocab;
     int64_t block_size;
     float eps, scale;
-    int64_t format;          /* of every packed weight: RS_F32, RS_BF16 or RS_INT8 */
+    int64_t lm_head_format;  /* RS_F32, RS_BF16, RS_INT8 or RS_Q4, as each layer's */
     const float *embed;      /* [V, C] */
     const void *lm_head;     /* packed [V, C] */
     const float *norm;       /* [C] */
@@ -103,7 +104,6 @@ int rs_llama_forward(const struct rs_llama *m, const struct rs_step *s)
     const int64_t C = m->hidden, Hq = m->num_heads, Hkv = m->num_kv_heads;
     const int64_t D = m->head_dim, I = m->intermediate, half = D / 2;
     const int64_t QKV = (Hq + 2 * Hkv) * D, QD = Hq * D;
-    const int fmt = (int)m->format;
     if (D % 16 != 0 || D > 256)
         return -2;
     int failed = 0;
@@ -135,7 +135,8 @@ int rs_llama_forward(const struct rs_llama *m, const struct rs_step *s)
             for (int64_t n = 0; n < N; n++)
                 rms_norm_row(x + n * C, L->attn_norm, h + n * C, C, m->eps);
             PHASE(PROFILE_OTHER);
-            bad |= rs_linear_ws(h, N, C, L->qkv, QKV, L->qkv_bias, qkv, 0, fmt);
+            bad |= rs_linear_ws(h, N, C, L->qkv, QKV, L->qkv_bias, qkv, 0,
+                                 (int)L->qkv_format);
             PHASE(PROFILE_LINEAR);
 
             /* RoPE on q and k, then k and v into their cache slots. */
@@ -151,14 +152,15 @@ int rs_llama_forward(const struct rs_llama *m, const struct rs_step *s)
                               s->block_tables + s->seq[n] * s->max_blocks, s->ctx_lens[n],
                               attn + n * QD, my_scores, Hq, Hkv, D, m->block_size, m->scale);
             PHASE(PROFILE_ATTENTION);
-            bad |= rs_linear_ws(attn, N, QD, L->o, C, L->o_bias, x, 1, fmt);
+            bad |= rs_linear_ws(attn, N, QD, L->o, C, L->o_bias, x, 1, (int)L->o_format);
             PHASE(PROFILE_LINEAR);
 
 #pragma omp for schedule(static)
             for (int64_t n = 0; n < N; n++)
                 rms_norm_row(x + n * C, L->mlp_norm, h + n * C, C, m->eps);
             PHASE(PROFILE_OTHER);
-            bad |= rs_linear_ws(h, N, C, L->gate_up, 2 * I, L->gate_up_bias, gu, 0, fmt);
+            bad |= rs_linear_ws(h, N, C, L->gate_up, 2 * I, L->gate_up_bias, gu, 0,
+                                 (int)L->gate_up_format);
             PHASE(PROFILE_LINEAR);
 
 #pragma omp for schedule(static)
@@ -169,7 +171,8 @@ int rs_llama_forward(const struct rs_llama *m, const struct rs_step *s)
                     a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
             }
             PHASE(PROFILE_OTHER);
-            bad |= rs_linear_ws(act, N, I, L->down, C, L->down_bias, x, 1, fmt);
+            bad |= rs_linear_ws(act, N, I, L->down, C, L->down_bias, x, 1,
+                                 (int)L->down_format);
             PHASE(PROFILE_LINEAR);
         }
 
@@ -177,7 +180,8 @@ int rs_llama_forward(const struct rs_llama *m, const struct rs_step *s)
         for (int64_t j = 0; j < S; j++)
             rms_norm_row(x + s->sample_rows[j] * C, m->norm, final + j * C, C, m->eps);
         PHASE(PROFILE_OTHER);
-        bad |= rs_linear_ws(final, S, C, m->lm_head, m->vocab, NULL, s->logits, 0, fmt);
+        bad |= rs_linear_ws(final, S, C, m->lm_head, m->vocab, NULL, s->logits, 0,
+                              (int)m->lm_head_format);
         PHASE(PROFILE_LINEAR);
         if (bad) {
 #pragma omp atomic write
