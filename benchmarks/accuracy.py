@@ -2,8 +2,10 @@
 
     python benchmarks/accuracy.py --json docs/bench/accuracy.json
 
-For float32, bfloat16 and int8 weights (the engine's --dtype bfloat16 and
---quantization int8 on the CPU kernels) it measures, on the same model:
+For float32, bfloat16, int8 and 4-bit weights (the engine's --dtype bfloat16,
+--quantization int8 and --quantization q4 on the CPU kernels), and, for the default
+model, its own GGUF file served as it is (Q4_1 layers; "gguf"; --gguf names another
+file of the same model), it measures, on the same model:
 
 - greedy agreement: a fixed set of chat prompts, each generating --max-tokens tokens
   greedily; the share of prompts whose whole output equals float32's, and the mean
@@ -49,14 +51,20 @@ PROMPTS = [
     "Describe the color green to someone who cannot see.",
 ]
 
-FORMATS = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"}}
+FORMATS = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"},
+           "q4": {"quantization": "q4"}, "gguf": {}}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--formats", default="float32,bfloat16,int8")
+    p.add_argument("--formats", default=None,
+                   help="default: float32,bfloat16,int8,q4, and gguf for the default model "
+                        "or with --gguf")
+    p.add_argument("--gguf", default=None,
+                   help="the model's GGUF file, for the gguf format (default: the default "
+                        "model's own, Q4_1)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--num-prompts", type=int, default=len(PROMPTS))
     p.add_argument("--text-tokens", type=int, default=4096)
@@ -90,10 +98,17 @@ def window_nll(engine, token_ids: list[int]) -> float:
 def measure(fmt: str, args, prompts: list[list[int]], text_ids: list[int]) -> dict:
     from engine_worker.engine import LLMEngine
 
+    model = args.model
+    if fmt == "gguf":
+        from common.model_files import _find_gguf
+
+        model = args.gguf or str(_find_gguf())
     engine = LLMEngine(EngineConfig(
-        model=args.model, device="cpu", num_threads=args.threads, **FORMATS[fmt],
+        model=model, device="cpu", num_threads=args.threads, **FORMATS[fmt],
         cache=CacheConfig(kv_cache_memory_bytes=256 << 20)))
-    if engine.runner.fused is None or engine.runner.weight_format != fmt:
+    # a GGUF file's layers take the format their type packs as
+    expected = ("float32", "bfloat16", "int8", "q4") if fmt == "gguf" else (fmt,)
+    if engine.runner.fused is None or engine.runner.weight_format not in expected:
         raise SystemExit(f"{fmt}: needs the fused CPU forward (Llama family, C kernels)")
     start = time.perf_counter()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
@@ -134,7 +149,8 @@ def main(argv=None) -> int:
                           add_special_tokens=False)
                for p in PROMPTS[:args.num_prompts]]
     text_ids = tok(reference_text())["input_ids"][:args.text_tokens]
-    formats = args.formats.split(",")
+    formats = (args.formats or "float32,bfloat16,int8,q4" + (
+        ",gguf" if args.model is None or args.gguf else "")).split(",")
     if formats[0] != "float32":
         formats.insert(0, "float32")
     results = [measure(fmt, args, prompts, text_ids) for fmt in formats]

@@ -22,7 +22,7 @@ ignores memory bandwidth, which decides small batches, and the model's own shape
 bandwidth, and the best GEMM rate it reaches for the weight format: the engine's
 kernel on the model's own layers at 256 rows and on a 1024^3 weight, and torch's
 1024^3 matmul in that arithmetic (float32; bfloat16, which oneDNN runs on AMX or
-AVX-512-BF16 where present; int8 x int8 for int8); it prints which one set the
+AVX-512-BF16 where present; int8 x int8 for int8 and 4-bit); it prints which one set the
 floor. A decode step at batch B must read every weight and its sequences' keys and
 values, and do 2 x weights x B FLOPs, so its floor is the larger of bytes / bandwidth
 and FLOPs / GEMM rate. For batch 1, 8 and 64 it runs decode steps, prints the fraction
@@ -140,9 +140,11 @@ def compute_rates(model, kernels, fmt: str, n: int = 1024) -> dict[str, float]:
     rates = {"engine kernel, the model's layers at 256 rows": gemm_rate(model),
              f"engine kernel, {n}^3": sustained_rate(
                  lambda: kernels.linear(x, packed, n, None, fmt), 2 * n**3)}
-    torch_name = {"int8": "torch._int_mm int8"}.get(fmt, f"torch.matmul {fmt}")
+    # 4-bit weights are multiplied as bytes (int8 x int8 dot products), as int8's are
+    arithmetic = "int8" if fmt == "q4" else fmt
+    torch_name = {"int8": "torch._int_mm int8"}.get(arithmetic, f"torch.matmul {fmt}")
     try:
-        rates[f"{torch_name}, {n}^3"] = matmul_flops(fmt=fmt, n=n)
+        rates[f"{torch_name}, {n}^3"] = matmul_flops(fmt=arithmetic, n=n)
     except RuntimeError as e:  # no such kernel in this torch build
         print(f"({torch_name} is not available here: {e})")
     return rates

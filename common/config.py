@@ -125,7 +125,8 @@ _ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 @dataclass(frozen=True)
 class EngineConfig:
-    # A Hugging Face model directory; None: the default model (materialized on first use).
+    # A Hugging Face model directory or a GGUF file; None: the default model
+    # (materialized on first use).
     model: Optional[str] = None
     # "cpu", "cuda", "cuda:N", or "auto" (cuda when available).
     device: str = "auto"

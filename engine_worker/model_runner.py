@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Optional
 
@@ -28,7 +29,8 @@ from engine_worker.attention import (AttentionBackend, CpuAttention, TorchAttent
 from engine_worker.kernels import FusedLlama
 from engine_worker.kernels import cpu_kernels as load_cpu_kernels
 from engine_worker.model_config import ModelConfig
-from engine_worker.models import load_model
+from engine_worker.gguf import gguf_file
+from engine_worker.models import PackedLinear, load_model
 from engine_worker.ops import TorchOps
 from engine_worker.sampler import Sampler
 from engine_worker.scheduler import ScheduledRequest
@@ -69,6 +71,10 @@ class ModelRunner:
         if (config.cpu_kernels and device.type == "cpu" and config.attention_backend == "auto"
                 and dtype in (torch.float32, torch.bfloat16)):
             kernels = load_cpu_kernels()
+        gguf_path = gguf_file(model_dir) if config.load_format != "dummy" else None
+        if gguf_path is not None and (config.quantization or dtype != torch.float32):
+            raise ValueError(f"{gguf_path.name} is served as it is: --quantization and "
+                             f"--dtype (other than auto or float32) do not apply to it")
         # On the CPU kernels, bfloat16 and int8 are formats of the packed weights;
         # activations and the KV cache stay float32.
         self.weight_format = str(dtype).removeprefix("torch.")
@@ -87,6 +93,10 @@ class ModelRunner:
                         if device.type == "cuda" else 1)
         self.model = load_model(model_config, model_dir, device, dtype, self.attn, ops,
                                 kernels, self.weight_format, config.load_format, config.seed)
+        if gguf_path is not None:  # the format most of its weights are packed in
+            self.weight_format = Counter(
+                m.fmt for m in self.model.modules() if isinstance(m, PackedLinear)
+            ).most_common(1)[0][0]
         if self.weight_format == "bfloat16" and kernels is not None:
             logger.info("weights: bfloat16, products: %s", kernels.bf16_path)
         elif self.weight_format != "float32":

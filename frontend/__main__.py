@@ -110,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m frontend", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=env_default("MODEL"),
-                        help="model directory, for its tokenizer (default: SmolLM2-135M-Instruct)")
+                        help="model directory or GGUF file, for its tokenizer (default: "
+                             "SmolLM2-135M-Instruct)")
     parser.add_argument("--engine", action="append", default=None,
                         help="engine worker address (repeat for several engines); "
                              "tcp://NAME:PORT with a DNS name stands for every address NAME "

@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=_serve)
     gen = sub.add_parser("generate", help="generate from prompts with the in-process engine")
     gen.add_argument("--model", default=env_default("MODEL"),
-                     help="Hugging Face model directory (default: SmolLM2-135M-Instruct)")
+                     help="Hugging Face model directory, or a GGUF file (served as it is "
+                        "on the CPU kernels; default: SmolLM2-135M-Instruct)")
     gen.add_argument("--device", default=env_default("DEVICE", "auto"))
     gen.add_argument("--threads", type=int, default=None, help="CPU threads for matmuls")
     gen.add_argument("--prompt", action="append", help="a user message (repeatable)")

@@ -39,7 +39,7 @@ def test_accuracy_benchmark_smoke(tiny_llama_dir, tmp_path):
          "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
-    assert [f["format"] for f in report["formats"]] == ["float32", "bfloat16", "int8"]
+    assert [f["format"] for f in report["formats"]] == ["float32", "bfloat16", "int8", "q4"]
     reference = report["formats"][0]
     assert reference["perplexity_ratio"] == 1.0 and reference["identical_outputs"] == 1.0
     # float32 is Hugging Face's model: its greedy tokens and its perplexity.

@@ -15,6 +15,7 @@ import pytest
     ["--zmq", "--skip-hf"],                                    # through the engine process
     ["--roofline", "--roofline-batches", "1,3", "--skip-hf"],  # decode steps vs their floor
     ["--quantization", "int8", "--skip-hf", "--roofline", "--roofline-batches", "1,3"],
+    ["--quantization", "q4", "--skip-hf", "--roofline", "--roofline-batches", "1,3"],
     ["--dtype", "bfloat16", "--skip-hf", "--roofline", "--roofline-batches", "1,3",
      "--against-float32"],
     ["--dtype", "bfloat16", "--kernel-isa", "avx2", "--skip-hf"],
@@ -44,7 +45,8 @@ def test_engine_benchmark_smoke(tiny_llama_dir, tmp_path, extra):
             assert b["steps"] > 0 and 0 < b["floor_s"] and 0 < b["fraction_of_floor"]
             assert b["linear"] > 0 and b["attention"] > 0
     if "--quantization" in extra:
-        assert report["weights"] == report["roofline"]["weights"] == "int8"
+        fmt = extra[extra.index("--quantization") + 1]
+        assert report["weights"] == report["roofline"]["weights"] == fmt
         assert "torch._int_mm int8, 1024^3" in report["roofline"]["gemm_rates_gflops"]
     if "--dtype" in extra and "--roofline" in extra:
         assert report["weights"] == report["roofline"]["weights"] == "bfloat16"

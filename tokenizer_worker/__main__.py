@@ -27,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m tokenizer_worker", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=env_default("MODEL"),
-                        help="Hugging Face model directory (default: SmolLM2-135M-Instruct)")
+                        help="Hugging Face model directory, or a GGUF file (served as it is "
+                        "on the CPU kernels; default: SmolLM2-135M-Instruct)")
     parser.add_argument("--workers", type=int,
                         default=int(env_default("TOKENIZER_WORKERS") or default_num_workers()),
                         help="worker processes (default: half the cores, at least 1)")

@@ -415,24 +415,32 @@ tile(const int MR, const int NP, const int FORMAT, const float *x, int64_t ldx,
     store_tile(MR, NP, acc, bias, y, ldy, n_left, accumulate);
 }
 
-/* int8 x int8 dot products, 4 at a time into each int32 lane: acc += x . w for lanes of
-   4 signed bytes (x: one row's 4 inputs, broadcast). The unsigned x signed instructions
-   take |x| and w with x's sign. */
+/* Byte dot products, 4 at a time into each int32 lane, for lanes of 4 bytes (x: one
+   row's 4 inputs, broadcast): dot4u takes unsigned bytes times signed ones (4-bit
+   weights, 0..15, times x: what vpdpbusd and vpmaddubsw multiply); dot4 signed times
+   signed (int8 weights), as |x| times w with x's sign. IV_LO, IV_HI: the low and high
+   nibbles of each byte. */
 #if defined(__AVX512BW__)
 typedef __m512i iv;
 #define IV_ZERO _mm512_setzero_si512()
 #define IV_LOAD(p) _mm512_loadu_si512((const void *)(p))
 #define IV_BROADCAST(p) _mm512_set1_epi32(*(const int32_t *)(p))
 #define IV_TO_FLOAT(a) ((vf)_mm512_cvtepi32_ps(a))
+#define IV_LO(w) _mm512_and_si512(w, _mm512_set1_epi8(15))
+#define IV_HI(w) _mm512_and_si512(_mm512_srli_epi16(w, 4), _mm512_set1_epi8(15))
+static inline iv dot4u(iv acc, iv u, iv s)
+{
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(acc, u, s);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s),
+                                                   _mm512_set1_epi16(1)));
+#endif
+}
 static inline iv dot4(iv acc, iv x, iv w)
 {
-    const iv signed_w = _mm512_mask_sub_epi8(w, _mm512_movepi8_mask(x), IV_ZERO, w);
-#if defined(__AVX512VNNI__)
-    return _mm512_dpbusd_epi32(acc, _mm512_abs_epi8(x), signed_w);
-#else
-    const iv pairs = _mm512_maddubs_epi16(_mm512_abs_epi8(x), signed_w);
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
-#endif
+    return dot4u(acc, _mm512_abs_epi8(x),
+                 _mm512_mask_sub_epi8(w, _mm512_movepi8_mask(x), IV_ZERO, w));
 }
 #elif defined(__AVX2__) && !defined(__AVX512F__)
 typedef __m256i iv;
@@ -440,19 +448,25 @@ typedef __m256i iv;
 #define IV_LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
 #define IV_BROADCAST(p) _mm256_set1_epi32(*(const int32_t *)(p))
 #define IV_TO_FLOAT(a) ((vf)_mm256_cvtepi32_ps(a))
+#define IV_LO(w) _mm256_and_si256(w, _mm256_set1_epi8(15))
+#define IV_HI(w) _mm256_and_si256(_mm256_srli_epi16(w, 4), _mm256_set1_epi8(15))
+static inline iv dot4u(iv acc, iv u, iv s)
+{
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
+                                                   _mm256_set1_epi16(1)));
+#endif
+}
 static inline iv dot4(iv acc, iv x, iv w)
 {
-    const iv signed_w = _mm256_sign_epi8(w, x);
-#if defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(acc, _mm256_abs_epi8(x), signed_w);
-#else
-    const iv pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(x), signed_w);
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-#endif
+    return dot4u(acc, _mm256_abs_epi8(x), _mm256_sign_epi8(w, x));
 }
 #else   /* portable: GCC vectors, lane by lane */
 typedef int32_t iv __attribute__((vector_size(VL * 4)));
 typedef int8_t iv8 __attribute__((vector_size(VL * 4)));
+typedef uint8_t iv8u __attribute__((vector_size(VL * 4)));
 #define IV_ZERO ((iv){0})
 static inline iv IV_LOAD(const void *p) { iv r; memcpy(&r, p, sizeof r); return r; }
 static inline iv IV_BROADCAST(const void *p)
@@ -462,55 +476,20 @@ static inline iv IV_BROADCAST(const void *p)
     return (iv){0} + v;
 }
 #define IV_TO_FLOAT(a) __builtin_convertvector(a, vf)
-static inline iv dot4(iv acc, iv x, iv w)
-{
-    const iv8 xb = (iv8)x, wb = (iv8)w;
-    for (int l = 0; l < VL; l++)
-        for (int t = 0; t < 4; t++)
-            acc[l] += xb[4 * l + t] * wb[4 * l + t];
-    return acc;
-}
-#endif
-
-/* Unsigned x signed bytes (4-bit weights 0..15 times x), 4 at a time into each int32
-   lane; the low and high nibbles of each byte of w; VL half-precision floats. */
-#if defined(__AVX512BW__)
-static inline iv dot4u(iv acc, iv w, iv x)
-{
-#if defined(__AVX512VNNI__)
-    return _mm512_dpbusd_epi32(acc, w, x);
-#else
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x),
-                                                   _mm512_set1_epi16(1)));
-#endif
-}
-#define IV_LO(w) _mm512_and_si512(w, _mm512_set1_epi8(15))
-#define IV_HI(w) _mm512_and_si512(_mm512_srli_epi16(w, 4), _mm512_set1_epi8(15))
-#elif defined(__AVX2__) && !defined(__AVX512F__)
-static inline iv dot4u(iv acc, iv w, iv x)
-{
-#if defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(acc, w, x);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x),
-                                                   _mm256_set1_epi16(1)));
-#endif
-}
-#define IV_LO(w) _mm256_and_si256(w, _mm256_set1_epi8(15))
-#define IV_HI(w) _mm256_and_si256(_mm256_srli_epi16(w, 4), _mm256_set1_epi8(15))
-#else
-typedef uint8_t iv8u __attribute__((vector_size(VL * 4)));
-static inline iv dot4u(iv acc, iv w, iv x)
-{
-    const iv8u wb = (iv8u)w;
-    const iv8 xb = (iv8)x;
-    for (int l = 0; l < VL; l++)
-        for (int t = 0; t < 4; t++)
-            acc[l] += wb[4 * l + t] * xb[4 * l + t];
-    return acc;
-}
 #define IV_LO(w) ((iv)((iv8u)(w) & 15))
 #define IV_HI(w) ((iv)((iv8u)(w) >> 4))
+/* Bytes of a times bytes of b, unsigned or signed as a_unsigned says; b signed. */
+static inline iv dot4_bytes(iv acc, iv a, iv b, int a_unsigned)
+{
+    const iv8u au = (iv8u)a;
+    const iv8 as = (iv8)a, bs = (iv8)b;
+    for (int l = 0; l < VL; l++)
+        for (int t = 0; t < 4; t++)
+            acc[l] += (a_unsigned ? au[4 * l + t] : as[4 * l + t]) * bs[4 * l + t];
+    return acc;
+}
+static inline iv dot4u(iv acc, iv u, iv s) { return dot4_bytes(acc, u, s, 1); }
+static inline iv dot4(iv acc, iv x, iv w) { return dot4_bytes(acc, x, w, 0); }
 #endif
 
 static inline vf halves_to_float(const uint16_t *h)
@@ -527,14 +506,17 @@ static inline vf halves_to_float(const uint16_t *h)
 #endif
 }
 
-/* One 4-bit tile: as tile_q8, with xsum (x's scale times its block's sum of int8
-   values, per row and block of 32) for the offsets. */
+/* One integer tile: rows [0..MR) of the quantized x (xq: int8, K per row; xs: a scale
+   per block of 32; for 4-bit weights xsum: xs times the block's sum of int8 values)
+   against the NP panels at panel0, int8 (FORMAT RS_INT8) or 4-bit (RS_Q4). Block sums
+   in int32 lanes, scaled into float32 once per block of 32. */
 static inline __attribute__((always_inline)) void
-tile_q4(const int MR, const int NP, const int8_t *xq, const float *xs, const float *xsum,
-        const char *panel0, int64_t pb, int64_t K, const float *bias, float *y, int64_t ldy,
-        int64_t n_left, int accumulate, int ahead)
+tile_int(const int MR, const int NP, const int FORMAT, const int8_t *xq, const float *xs,
+         const float *xsum, const char *panel0, int64_t pb, int64_t K, const float *bias,
+         float *y, int64_t ldy, int64_t n_left, int accumulate, int ahead)
 {
     const int64_t blocks = K / RS_INT8_BLOCK;
+    const int q4 = FORMAT == RS_Q4, step = q4 ? 8 : 4;   /* inputs per 64-byte load */
     vf acc[8][NP_MAX * PV];
     for (int m = 0; m < MR; m++)
         for (int v = 0; v < NP * PV; v++)
@@ -544,70 +526,39 @@ tile_q4(const int MR, const int NP, const int8_t *xq, const float *xs, const flo
         for (int m = 0; m < MR; m++)
             for (int v = 0; v < NP * PV; v++)
                 sums[m][v] = IV_ZERO;
-        for (int64_t k = b * RS_INT8_BLOCK; k < (b + 1) * RS_INT8_BLOCK; k += 8) {
-            iv w[NP_MAX * PV];   /* VL outputs x 8 inputs each */
+        for (int64_t k = b * RS_INT8_BLOCK; k < (b + 1) * RS_INT8_BLOCK; k += step) {
+            const int64_t at = k / step * RS_PANEL * 4;   /* byte of k's group in a panel */
+            iv w[NP_MAX * PV];   /* VL outputs x 4 inputs (int8) or 8 (4-bit) each */
             for (int v = 0; v < NP * PV; v++)
-                w[v] = IV_LOAD(panel0 + (v / PV) * pb + (k >> 3) * RS_PANEL * 4 +
-                               (v % PV) * VL * 4);
-            for (int q = 0; ahead && q < NP; q++)
-                _mm_prefetch(panel0 + (NP + q) * pb + (k >> 3) * RS_PANEL * 4, _MM_HINT_T0);
-            for (int m = 0; m < MR; m++) {
-                const iv xl = IV_BROADCAST(xq + m * K + k);
-                for (int v = 0; v < NP * PV; v++)
-                    sums[m][v] = dot4u(sums[m][v], IV_LO(w[v]), xl);
-            }
-            for (int m = 0; m < MR; m++) {
-                const iv xh = IV_BROADCAST(xq + m * K + k + 4);
-                for (int v = 0; v < NP * PV; v++)
-                    sums[m][v] = dot4u(sums[m][v], IV_HI(w[v]), xh);
-            }
-        }
-        for (int v = 0; v < NP * PV; v++) {
-            const uint16_t *dc = (const uint16_t *)(panel0 + (v / PV) * pb + K * RS_PANEL / 2) +
-                                 b * RS_PANEL + (v % PV) * VL;
-            const vf d = halves_to_float(dc), c = halves_to_float(dc + blocks * RS_PANEL);
-            for (int m = 0; m < MR; m++)
-                acc[m][v] += IV_TO_FLOAT(sums[m][v]) * (d * xs[m * blocks + b]) +
-                             c * xsum[m * blocks + b];
-        }
-    }
-    store_tile(MR, NP, acc, bias, y, ldy, n_left, accumulate);
-}
-
-/* One int8 tile: rows [0..MR) of the quantized x (xq: int8, K per row; xs: a scale
-   per block of 32) against the NP int8 panels at panel0. */
-static inline __attribute__((always_inline)) void
-tile_q8(const int MR, const int NP, const int8_t *xq, const float *xs, const char *panel0,
-        int64_t pb, int64_t K, const float *bias, float *y, int64_t ldy, int64_t n_left,
-        int accumulate, int ahead)
-{
-    const int64_t blocks = K / RS_INT8_BLOCK;
-    vf acc[8][NP_MAX * PV];
-    for (int m = 0; m < MR; m++)
-        for (int v = 0; v < NP * PV; v++)
-            acc[m][v] = (vf){0};
-    for (int64_t b = 0; b < blocks; b++) {
-        iv sums[8][NP_MAX * PV];
-        for (int m = 0; m < MR; m++)
-            for (int v = 0; v < NP * PV; v++)
-                sums[m][v] = IV_ZERO;
-        for (int64_t k = b * RS_INT8_BLOCK; k < (b + 1) * RS_INT8_BLOCK; k += 4) {
-            iv w[NP_MAX * PV];   /* VL outputs x 4 inputs each */
-            for (int v = 0; v < NP * PV; v++)
-                w[v] = IV_LOAD(panel0 + (v / PV) * pb + k * RS_PANEL + (v % PV) * VL * 4);
+                w[v] = IV_LOAD(panel0 + (v / PV) * pb + at + (v % PV) * VL * 4);
             for (int q = 0; ahead && q < NP; q++)   /* as in tile() */
-                _mm_prefetch(panel0 + (NP + q) * pb + k * RS_PANEL, _MM_HINT_T0);
+                _mm_prefetch(panel0 + (NP + q) * pb + at, _MM_HINT_T0);
             for (int m = 0; m < MR; m++) {
-                const iv xm = IV_BROADCAST(xq + m * K + k);
+                const iv x = IV_BROADCAST(xq + m * K + k);
                 for (int v = 0; v < NP * PV; v++)
-                    sums[m][v] = dot4(sums[m][v], xm, w[v]);
+                    sums[m][v] = q4 ? dot4u(sums[m][v], IV_LO(w[v]), x)
+                                    : dot4(sums[m][v], x, w[v]);
+            }
+            for (int m = 0; q4 && m < MR; m++) {
+                const iv x = IV_BROADCAST(xq + m * K + k + 4);
+                for (int v = 0; v < NP * PV; v++)
+                    sums[m][v] = dot4u(sums[m][v], IV_HI(w[v]), x);
             }
         }
         for (int v = 0; v < NP * PV; v++) {
-            const vf ws = *(const vf *)(panel0 + (v / PV) * pb + K * RS_PANEL +
-                                        (b * RS_PANEL + (v % PV) * VL) * 4);
-            for (int m = 0; m < MR; m++)
-                acc[m][v] += IV_TO_FLOAT(sums[m][v]) * (ws * xs[m * blocks + b]);
+            const char *scales = panel0 + (v / PV) * pb + (q4 ? K * RS_PANEL / 2 : K * RS_PANEL);
+            const int64_t at = b * RS_PANEL + (v % PV) * VL;
+            if (q4) {
+                const uint16_t *dc = (const uint16_t *)scales + at;
+                const vf d = halves_to_float(dc), c = halves_to_float(dc + blocks * RS_PANEL);
+                for (int m = 0; m < MR; m++)
+                    acc[m][v] += IV_TO_FLOAT(sums[m][v]) * (d * xs[m * blocks + b]) +
+                                 c * xsum[m * blocks + b];
+            } else {
+                const vf ws = *(const vf *)((const float *)scales + at);
+                for (int m = 0; m < MR; m++)
+                    acc[m][v] += IV_TO_FLOAT(sums[m][v]) * (ws * xs[m * blocks + b]);
+            }
         }
     }
     store_tile(MR, NP, acc, bias, y, ldy, n_left, accumulate);
@@ -793,11 +744,9 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, floa
 }
 
 /* The tile shapes, instantiated with compile-time sizes and format so that the
-   accumulators stay in registers: TILES[format][wide][rows], TILES_Q8[wide][rows]. */
+   accumulators stay in registers: TILES[format][wide][rows], TILES_INT[4-bit][wide][rows]. */
 typedef void (*tile_fn)(const float *, int64_t, const char *, int64_t, int64_t, const float *,
                         float *, int64_t, int64_t, int, int);
-typedef void (*tile_q8_fn)(const int8_t *, const float *, const char *, int64_t, int64_t,
-                           const float *, float *, int64_t, int64_t, int, int);
 #define TILE(mr, np, f, name) \
     static void tile_##mr##_##name(const float *x, int64_t ldx, const char *w, int64_t pb, \
                                    int64_t K, const float *bias, float *y, int64_t ldy, \
@@ -829,31 +778,23 @@ static const tile_bf_fn TILES_BF[2][7] = {
     {NULL, tile_bf_1_wide, tile_bf_2_wide, tile_bf_3_wide, tile_bf_4_wide, tile_bf_5_wide,
      tile_bf_6_wide}};
 #endif
-#define TILE_Q8(mr, np, name) \
-    static void tile_q8_##mr##_##name(const int8_t *xq, const float *xs, const char *w, \
-                                      int64_t pb, int64_t K, const float *bias, float *y, \
-                                      int64_t ldy, int64_t n_left, int acc, int ahead) \
-    { tile_q8(mr, np, xq, xs, w, pb, K, bias, y, ldy, n_left, acc, ahead); }
-TILE_Q8(1, 1, one) TILE_Q8(2, 1, one) TILE_Q8(3, 1, one)
-TILE_Q8(1, NP_MAX, wide) TILE_Q8(2, NP_MAX, wide) TILE_Q8(3, NP_MAX, wide)
-static const tile_q8_fn TILES_Q8[2][4] = {
-    {NULL, tile_q8_1_one, tile_q8_2_one, tile_q8_3_one},
-    {NULL, tile_q8_1_wide, tile_q8_2_wide, tile_q8_3_wide}};
-
-#define TILE_Q4(mr, np, name) \
-    static void tile_q4_##mr##_##name(const int8_t *xq, const float *xs, const float *xsum, \
-                                      const char *w, int64_t pb, int64_t K, \
-                                      const float *bias, float *y, int64_t ldy, \
-                                      int64_t n_left, int acc, int ahead) \
-    { tile_q4(mr, np, xq, xs, xsum, w, pb, K, bias, y, ldy, n_left, acc, ahead); }
-TILE_Q4(1, 1, one) TILE_Q4(2, 1, one) TILE_Q4(3, 1, one)
-TILE_Q4(1, NP_MAX, wide) TILE_Q4(2, NP_MAX, wide) TILE_Q4(3, NP_MAX, wide)
-typedef void (*tile_q4_fn)(const int8_t *, const float *, const float *, const char *,
-                           int64_t, int64_t, const float *, float *, int64_t, int64_t, int,
-                           int);
-static const tile_q4_fn TILES_Q4[2][4] = {
-    {NULL, tile_q4_1_one, tile_q4_2_one, tile_q4_3_one},
-    {NULL, tile_q4_1_wide, tile_q4_2_wide, tile_q4_3_wide}};
+#define TILE_INT(mr, np, f, name) \
+    static void tile_int_##mr##_##name(const int8_t *xq, const float *xs, const float *xsum, \
+                                       const char *w, int64_t pb, int64_t K, \
+                                       const float *bias, float *y, int64_t ldy, \
+                                       int64_t n_left, int acc, int ahead) \
+    { tile_int(mr, np, f, xq, xs, xsum, w, pb, K, bias, y, ldy, n_left, acc, ahead); }
+#define TILES_INT_ROWS(np, f, name) \
+    TILE_INT(1, np, f, name) TILE_INT(2, np, f, name) TILE_INT(3, np, f, name)
+TILES_INT_ROWS(1, RS_INT8, q8_one) TILES_INT_ROWS(NP_MAX, RS_INT8, q8_wide)
+TILES_INT_ROWS(1, RS_Q4, q4_one) TILES_INT_ROWS(NP_MAX, RS_Q4, q4_wide)
+typedef void (*tile_int_fn)(const int8_t *, const float *, const float *, const char *,
+                            int64_t, int64_t, const float *, float *, int64_t, int64_t, int,
+                            int);
+#define INT_ROW(name) {NULL, tile_int_1_##name, tile_int_2_##name, tile_int_3_##name}
+/* TILES_INT[4-bit][wide][rows] */
+static const tile_int_fn TILES_INT[2][2][4] = {{INT_ROW(q8_one), INT_ROW(q8_wide)},
+                                               {INT_ROW(q4_one), INT_ROW(q4_wide)}};
 
 /* Rows per int8 tile: two sets of accumulators (int32 block sums, float totals) must
    fit the registers. */
@@ -963,13 +904,11 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
                    every row block (measured: 10-16% faster at 1-8 rows). */
                 const int ahead = !expand &&
                                   (int8 || (b == 0 && (AHEAD_ONE_BLOCK || blocks > 1)));
-                if (q4)
-                    TILES_Q4[wide][mr](xq + m * K, xs + m * (K / RS_INT8_BLOCK),
-                                       xsum + m * (K / RS_INT8_BLOCK), w, w_pb, K, bias_n,
-                                       y_n, N, N - n0, accumulate, ahead);
-                else if (int8)
-                    TILES_Q8[wide][mr](xq + m * K, xs + m * (K / RS_INT8_BLOCK), w, w_pb, K,
-                                       bias_n, y_n, N, N - n0, accumulate, ahead);
+                if (int8)
+                    TILES_INT[q4][wide][mr](xq + m * K, xs + m * (K / RS_INT8_BLOCK),
+                                            q4 ? xsum + m * (K / RS_INT8_BLOCK) : NULL, w,
+                                            w_pb, K, bias_n, y_n, N, N - n0, accumulate,
+                                            ahead);
 #if BF16_DOT
                 else if (dot)
                     TILES_BF[wide][mr](xb + m * K, K, w, w_pb, bias_n, y_n, N, N - n0,

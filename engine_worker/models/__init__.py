@@ -8,7 +8,9 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
+from common.errors import ModelLoadError
 from engine_worker.attention import AttentionBackend
+from engine_worker.gguf import gguf_file, load_gguf
 from engine_worker.kernels import CpuKernels
 from engine_worker.model_config import ModelConfig
 from engine_worker.models.gpt2 import GPT2Model
@@ -35,6 +37,13 @@ def load_model(cfg: ModelConfig, model_dir: Path, device: torch.device,
         else:
             model = GPT2Model(cfg, attn)
     model = model.to(dtype).to_empty(device=device)
+    gguf_path = gguf_file(model_dir) if load_format != "dummy" else None
+    if gguf_path is not None:
+        if kernels is None or cfg.family != "llama":
+            raise ModelLoadError("a GGUF file is served by the CPU C kernels, for the llama "
+                                 "family (--device cpu, float32, a C compiler)")
+        load_gguf(model, gguf_path, kernels)
+        return model.eval()
     if load_format == "dummy":
         dummy_weights(model, seed)
     else:
@@ -80,6 +89,17 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.register_buffer("packed", kernels.pack(weight, fmt), persistent=False)
         self.bias = bias
+
+    @classmethod
+    def from_packed(cls, kernels: CpuKernels, packed: torch.Tensor, fmt: str,
+                    out_features: int, in_features: int) -> "PackedLinear":
+        """One over a weight packed already (engine_worker/gguf.py: a file's blocks)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.kernels, layer.fmt, layer.bias = kernels, fmt, None
+        layer.out_features, layer.in_features = out_features, in_features
+        layer.register_buffer("packed", packed, persistent=False)
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.kernels.linear(x.reshape(-1, self.in_features), self.packed,

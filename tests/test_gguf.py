@@ -1,0 +1,186 @@
+"""Serving a GGUF file as it is (engine_worker/gguf.py, common/model_files.py): the
+default model's own file (SmolLM2-135M-Instruct, Q4_1 layers and a Q8_0 embedding),
+whose weights must be exactly what the file's dequantization gives (the default model's
+folder holds them so, dequantized by transformers), served through the real processes
+with the tokenizer and chat template from the file's metadata; and files the engine
+must refuse, by name, at start."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import requests
+import torch
+from safetensors import safe_open
+
+from common.errors import ModelLoadError
+from common.model_files import _find_gguf, materialize_default_model, resolve_model_dir
+from engine_worker import kernels
+from helpers import greedy, make_engine
+from hf_reference import hf_model, quantize_blocks
+from processes import local_stack
+
+
+@pytest.fixture(scope="module")
+def gguf_path():
+    return _find_gguf()
+
+
+@pytest.fixture(scope="module")
+def gguf_engine(gguf_path):
+    return make_engine(resolve_model_dir(str(gguf_path)))
+
+
+def test_the_folder_of_a_gguf_file_holds_its_metadata_and_no_weights(gguf_path):
+    folder = resolve_model_dir(str(gguf_path))
+    assert folder.name == "SmolLM2-135M-Instruct.Q4_1"
+    assert json.loads((folder / "gguf.json").read_text()) == {"file": str(gguf_path.resolve())}
+    assert not list(folder.glob("*.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]) == \
+        (30, 576, 49152)
+    assert "im_start" in (folder / "chat_template.jinja").read_text()
+    assert resolve_model_dir(str(gguf_path)) == folder  # made once
+
+
+def test_a_missing_gguf_file_is_named():
+    with pytest.raises(ModelLoadError, match="GGUF file '/nowhere/x.gguf' does not exist"):
+        resolve_model_dir("/nowhere/x.gguf")
+
+
+def test_every_weight_is_what_the_file_holds(gguf_engine):
+    """Unpacked, each packed layer equals transformers' dequantization of the same file
+    (the default model's folder), q and k rows back in Hugging Face's order."""
+    model, k = gguf_engine.runner.model, kernels.cpu_kernels()
+    cfg = gguf_engine.model_config
+    assert gguf_engine.runner.weight_format == "q4" and gguf_engine.runner.fused is not None
+    ref_dir = materialize_default_model()
+    with safe_open(str(ref_dir / "model.safetensors"), framework="pt") as ref:
+        def take(name):
+            return ref.get_tensor(name)
+
+        def unpack(lin):
+            return k.unpack(lin.packed, lin.out_features, lin.in_features, lin.fmt)
+
+        for i in (0, cfg.num_layers - 1):
+            p, layer = f"model.layers.{i}.", model.layers[i]
+            assert layer.self_attn.qkv_proj.fmt == "q4"
+            assert torch.equal(unpack(layer.self_attn.qkv_proj), torch.cat(
+                [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
+            assert torch.equal(unpack(layer.self_attn.o_proj), take(p + "self_attn.o_proj.weight"))
+            assert torch.equal(unpack(layer.mlp.gate_up_proj), torch.cat(
+                [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
+            assert torch.equal(unpack(layer.mlp.down_proj), take(p + "mlp.down_proj.weight"))
+            assert torch.equal(layer.input_layernorm.weight, take(p + "input_layernorm.weight"))
+        embed = take("model.embed_tokens.weight")
+        assert torch.equal(model.embed_tokens.weight, embed)
+        assert model.lm_head.fmt == "int8"  # the file's Q8_0 embedding, tied
+        assert torch.equal(unpack(model.lm_head), embed)
+        assert torch.equal(model.norm.weight, take("model.norm.weight"))
+
+
+def test_each_greedy_token_is_hfs_choice_up_to_quantization_noise(gguf_engine):
+    """Hugging Face on the dequantized file, each linear layer's input quantized as
+    the kernels quantize it, scores the engine's greedy tokens (teacher forcing): each
+    is its best token or within 0.3 of it in log-probability, and most are its best.
+    Not token for token: quantized inputs turn a one-ulp difference in an activation
+    (HF's RMSNorm rounds otherwise than ours) into a whole int8 step, and over 30
+    layers that moved a first token's log-probability by 0.04 between our own fused
+    and layer-by-layer forwards, with int8 weights as with these."""
+    prompts = [[1, 9690, 28, 198], [1, 504, 3458, 282, 4649, 314], [1] + list(range(400, 430))]
+    outs = gguf_engine.generate(prompts, greedy(8))
+    model = hf_model(materialize_default_model())
+    hooks = [m.register_forward_pre_hook(lambda _m, args: (quantize_blocks(args[0]),))
+             for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    best_chosen = 0
+    try:
+        for prompt, out in zip(prompts, outs):
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + out])).logits[0]
+            lp = torch.log_softmax(logits[len(prompt) - 1:-1], -1)
+            chosen, best = lp[torch.arange(len(out)), out], lp.max(-1).values
+            assert (best - chosen <= 0.3).all(), (out, (best - chosen).tolist())
+            best_chosen += int((chosen == best).sum())
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert best_chosen >= 0.75 * sum(map(len, outs))
+
+
+def write_gguf(path, arch="llama", tensors=()):
+    """A GGUF file with llama metadata and ``tensors``: (name, array, raw type)."""
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    for name, array, raw_type in tensors:
+        w.add_tensor(name, array, raw_dtype=raw_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_tensor_types_it_cannot_serve_are_refused_by_name(tmp_path):
+    from gguf import GGMLQuantizationType as T
+
+    from engine_worker.gguf import GgufWeights
+
+    q6k = np.zeros((64, 210 * 256 // 256), dtype=np.uint8)  # 64 rows of 256 Q6_K weights
+    ok = np.zeros((64, 256), dtype=np.float32)
+    write_gguf(tmp_path / "k.gguf", tensors=[("blk.0.attn_v.weight", q6k, T.Q6_K),
+                                             ("blk.0.attn_q.weight", ok, T.F32)])
+    with pytest.raises(ModelLoadError, match=r"k\.gguf has tensors in types roseserve cannot "
+                       r"serve as they are: blk\.0\.attn_v\.weight \(Q6_K\); it serves F32"):
+        GgufWeights(tmp_path / "k.gguf", kernels.cpu_kernels())
+    write_gguf(tmp_path / "q.gguf", arch="qwen2", tensors=[("blk.0.attn_q.weight", ok, T.F32)])
+    with pytest.raises(ModelLoadError, match="llama architecture .* not 'qwen2'"):
+        GgufWeights(tmp_path / "q.gguf", kernels.cpu_kernels())
+
+
+def test_q_k_v_of_different_types_are_refused_by_name(tmp_path):
+    from gguf import GGMLQuantizationType as T, quants
+
+    from engine_worker.gguf import GgufWeights
+
+    w = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
+    write_gguf(tmp_path / "mix.gguf", tensors=[
+        ("blk.0.attn_q.weight", quants.quantize(w, T.Q4_0), T.Q4_0),
+        ("blk.0.attn_k.weight", quants.quantize(w, T.Q8_0), T.Q8_0)])
+    weights = GgufWeights(tmp_path / "mix.gguf", kernels.cpu_kernels())
+    with pytest.raises(ModelLoadError, match=r"blk\.0\.attn_q\.weight \(Q4_0\), "
+                       r"blk\.0\.attn_k\.weight \(Q8_0\) are computed as one weight"):
+        weights.linear(["blk.0.attn_q.weight", "blk.0.attn_k.weight"], 64)
+
+
+def test_a_gguf_file_is_not_requantized(gguf_path):
+    with pytest.raises(ValueError, match="served as it is: --quantization"):
+        make_engine(resolve_model_dir(str(gguf_path)), quantization="int8")
+
+
+CHAT_IDS = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28,
+            7018, 411, 407, 19712, 8182, 2, 198, 1, 4093, 198, 1780, 314, 216, 34, 1232,
+            216, 34, 47, 2, 198, 1, 520, 9531, 198]
+
+
+def test_a_gguf_file_served_through_the_real_processes(gguf_path, tmp_path):
+    """Engine, tokenizer pool and frontend all given the file: a chat completion uses
+    the chat template from its metadata, and the text is the engine's greedy tokens."""
+    with local_stack(str(gguf_path), tmp_path) as front:
+        models = requests.get(f"{front.url}/v1/models", timeout=30).json()["data"]
+        assert [m["id"] for m in models] == ["SmolLM2-135M-Instruct.Q4_1"]
+        r = requests.post(f"{front.url}/v1/chat/completions", json={
+            "model": "SmolLM2-135M-Instruct.Q4_1", "messages": [{"role": "user", "content": "What is 2 + 2?"}],
+            "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}, timeout=120)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"]["completion_tokens"] == 8
+        choice = body["choices"][0]
+        # the file's template: its system prompt, then <|im_start|>user\n ... and
+        # <|im_start|>assistant\n
+        assert choice["prompt_token_ids"] == CHAT_IDS
+        assert choice["token_ids"] == \
+            make_engine(resolve_model_dir(str(gguf_path))).generate([CHAT_IDS], greedy(8))[0]
