@@ -56,3 +56,20 @@ def test_accuracy_benchmark_smoke(tiny_llama_dir, tmp_path):
             "tokens_before_first_difference": f["tokens_before_first_difference"]}
         assert f["perplexity_ratio"] == f["perplexity"] / reference["perplexity"]
         assert math.isfinite(f["perplexity"]) and f["perplexity"] > 1
+
+
+def test_accuracy_benchmark_smoke_on_the_default_models_gguf_file(tmp_path):
+    """The gguf format (the default model's own file, served as it is) against
+    float32 on the default model, as docs/performance.md runs it, briefly."""
+    out = tmp_path / "accuracy.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/accuracy.py", "--formats", "float32,gguf",
+         "--max-tokens", "4", "--num-prompts", "2", "--text-tokens", "64", "--window", "32",
+         "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [f["format"] for f in report["formats"]] == ["float32", "gguf"]
+    gguf = report["formats"][1]
+    assert len(gguf["outputs"]) == 2 and all(len(o) == 4 for o in gguf["outputs"])
+    # the file's weights are the default model's: only the int8 inputs differ
+    assert abs(gguf["perplexity_ratio"] - 1) < 0.05

@@ -75,3 +75,21 @@ def test_gpu_benchmark_smoke_on_the_cpu(tiny_llama_dir, tmp_path):
     assert report["runs"]["3"]["output_tokens"] == 12
     assert all(0 < f for f in report["floor_fraction"].values())
     assert report["ttft_ms_one_stream"] > 0 and report["bandwidth_bytes_per_s"] > 0
+
+
+def test_engine_benchmark_smoke_on_a_gguf_file(tmp_path):
+    """--model FILE.gguf, as docs/performance.md's roofline of the default model's own
+    file runs it (the shipped file: no tiny GGUF exists)."""
+    from common.model_files import _find_gguf
+
+    out = tmp_path / "gguf.json"
+    args = ["--model", str(_find_gguf()), "--num-requests", "2", "--input-len", "8",
+            "--output-len", "4", "--repeats", "1", "--skip-hf", "--roofline",
+            "--roofline-batches", "1,2", "--json", str(out)]
+    proc = subprocess.run([sys.executable, "benchmarks/engine.py", *args],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["engine"]["output_tokens"] == 8
+    assert report["weights"] == report["roofline"]["weights"] == "q4"
+    assert [b["batch"] for b in report["roofline"]["batches"]] == [1, 2]
