@@ -7,23 +7,21 @@ import ipaddress
 import logging
 import os
 import time
-from typing import Callable, Optional, Union
+from typing import Callable, Optional
 from urllib.parse import urlsplit
 
 import zmq
-import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 logger = logging.getLogger(__name__)
 
-AnyContext = Union[zmq.Context, zmq.asyncio.Context]
 
 # Messages queued per peer before a send would block. Output frames are small (one
 # per step), so this is hours of backlog, not a memory risk.
 DEFAULT_HWM = 100_000
 
 
-def make_socket(ctx: AnyContext, address: str, socket_type: int, *, bind: bool,
+def make_socket(ctx: zmq.Context, address: str, socket_type: int, *, bind: bool,
                 identity: Optional[bytes] = None, hwm: int = DEFAULT_HWM,
                 linger_ms: int = 0, max_message_bytes: Optional[int] = None,
                 secure: Optional[Callable[[zmq.Socket], None]] = None) -> zmq.Socket:

@@ -2,7 +2,7 @@
 
 Imports no torch: it speaks only the wire protocol (common/protocol.py). Each request
 has a sink, a function that gets its outputs (and, instead of more outputs, the error
-that ends it): the receive task hands each OutputBatch to the sinks in one pass, with
+that ends it): each OutputBatch is handed to the sinks in one pass as it is read, with
 no task or queue per request (``submit``). ``generate`` wraps that as an async
 iterator. Liveness (DEAD frames, dropped connections, heartbeats) is
 common/service_client.py's.
@@ -122,8 +122,8 @@ class EngineClient(ServiceClient):
 
     def submit(self, request_id: str, prompt_token_ids: Sequence[int],
                params: Optional[SamplingParams], sink: Sink, **disaggregation) -> None:
-        """Submit a request: ``sink`` gets each of its outputs as the receive task
-        reads them, the last one with a finish_reason, or an exception (the engine
+        """Submit a request: ``sink`` gets each of its outputs as the client reads
+        them, the last one with a finish_reason, or an exception (the engine
         refused the request, or died) that ends it. Raises the dead error now if the
         engine is known to be gone. ``disaggregation``: AddRequest's output_token_ids,
         kv_lease_s and kv_source."""
@@ -131,7 +131,7 @@ class EngineClient(ServiceClient):
         if request_id in self._sinks:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         self._sinks[request_id] = sink
-        self._send_nowait(AddRequest(request_id=request_id,
+        self._send(AddRequest(request_id=request_id,
                                      prompt_token_ids=list(prompt_token_ids),
                                      params=params or SamplingParams(), **disaggregation))
 
@@ -140,7 +140,7 @@ class EngineClient(ServiceClient):
         for request_id in request_ids:
             self._sinks.pop(request_id, None)
         if self.dead_reason is None and request_ids and self.sock is not None:
-            self._send_nowait(AbortRequests(request_ids=list(request_ids)))
+            self._send(AbortRequests(request_ids=list(request_ids)))
 
     async def generate(self, request_id: str, prompt_token_ids: Sequence[int],
                        params: Optional[SamplingParams] = None,
@@ -190,7 +190,7 @@ class EngineClient(ServiceClient):
                 logger.info("missed prefix-cache changes of the engine at %s (%d after "
                             "%s): asking for a snapshot", self.address, message.seq,
                             self.cache.seq)
-                self._send_nowait(CacheSync())
+                self._send(CacheSync())
 
     def _on_ready(self, ready: Ready) -> None:
         if self.ready is None or ready.engine_id != self.ready.engine_id:

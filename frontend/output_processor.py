@@ -1,6 +1,6 @@
 """From engine outputs to what each response sends.
 
-The engine clients' receive tasks read one frame per engine step (an OutputBatch) and
+The engine clients read one frame per engine step (an OutputBatch) as it arrives and
 hand each of its outputs here, in one pass, with no task or queue per choice. For
 each output this detokenizes, applies stop strings (aborting the engine request a
 stop string ended early), records logprobs and timings, gives back the admission

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Awaitable, Callable, Optional, TypeVar
+from typing import Any, Awaitable, Callable, Optional, TypeVar, Union
 
 import msgspec
 from fastapi import APIRouter, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
@@ -65,23 +65,42 @@ class JobResponse(Response):
                 self.watcher.cancel()
             self.job.close()
 
-    async def _run(self, receive) -> Response:
+    async def _run(self, receive) -> Union[Response, EventStream]:
         job = self.job
         await until_disconnected(receive, self.pipe.inputs.prepare(job, self.body))
         self.pipe.outputs.submit(job)
         if job.stream:
             # A stream ends when its client leaves, even while nothing is being sent
             # (a long prefill, a KV transfer): the ASGI server reports it only to
-            # whoever reads ``receive``, which StreamingResponse no longer does.
+            # whoever reads ``receive``.
             self.watcher = asyncio.ensure_future(_end_on_disconnect(receive, job))
-            return StreamingResponse(events(job), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache",
-                                              "X-Accel-Buffering": "no"})
+            return EventStream(job)
         await until_disconnected(receive, _drain(events(job)))  # no events: until it ends
         if job.error is not None:
             raise job.error
         assert job.formatter is not None
         return json_response(job.formatter.full())
+
+
+_SSE_START = {"type": "http.response.start", "status": 200, "headers": [
+    (b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no")]}
+
+
+class EventStream:
+    """A streamed job's response: what its output processor queued since the last
+    write, as one write each time the job wakes, until its last event. (Starlette's
+    StreamingResponse also runs a task group per response and listens for the
+    client leaving, which the JobResponse's watcher already does.)"""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+
+    async def __call__(self, scope, receive, send) -> None:
+        await send(_SSE_START)
+        async for data in events(self.job):
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 async def _end_on_disconnect(receive: Callable[[], Awaitable[dict]], job: Job) -> None:

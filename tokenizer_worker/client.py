@@ -49,7 +49,7 @@ class TokenizerClient(ServiceClient):
         future = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = future
         try:
-            await self._send(TokenizeRequest(
+            self._send(TokenizeRequest(
                 request_id=request_id, prompt=prompt, messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 add_special_tokens=add_special_tokens, tools=tools))

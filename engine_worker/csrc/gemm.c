@@ -111,23 +111,12 @@ static inline int64_t q4_index(int64_t k, int64_t j)
     return (k >> 3) * RS_PANEL * 4 + j * 4 + (k & 3);
 }
 
-/* IEEE half precision -> float (GGUF's scales), exactly. */
+/* IEEE half precision <-> float (GGUF's scales), by the compiler's _Float16. */
 static float half_to_float(uint16_t h)
 {
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, man = h & 1023;
-    uint32_t bits;
-    if (exp == 31) {
-        bits = sign | 0x7f800000 | (man << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    } else {   /* zero or subnormal: man * 2^-24 */
-        const float f = ldexpf((float)man, -24);
-        memcpy(&bits, &f, 4);
-        bits |= sign;
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
+    _Float16 f;
+    memcpy(&f, &h, 2);
+    return (float)f;
 }
 
 static uint16_t float_to_half(float f)   /* round to nearest even */
