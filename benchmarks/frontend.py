@@ -10,8 +10,9 @@ rounds): the in-process engine runs the workload (random token-id prompts, every
 request forced to --output-len tokens), then the same workload goes over HTTP
 (streaming completions with token-id prompts, so tokenization is not measured). It
 prints the median of each ratio, HTTP tokens/s / in-process tokens/s, and the
-frontend process's CPU time (user + system, read from /proc) per output token, which
-is what the frontend spends on each token whatever the machine's other load.
+frontend process's CPU time (all its threads, from the scheduler's counters) per
+output token, which is what the frontend spends on each token whatever the machine's
+other load.
 """
 
 from __future__ import annotations

@@ -131,9 +131,8 @@ class EngineClient(ServiceClient):
         if request_id in self._sinks:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         self._sinks[request_id] = sink
-        self._send(AddRequest(request_id=request_id,
-                                     prompt_token_ids=list(prompt_token_ids),
-                                     params=params or SamplingParams(), **disaggregation))
+        self._send(AddRequest(request_id=request_id, prompt_token_ids=list(prompt_token_ids),
+                              params=params or SamplingParams(), **disaggregation))
 
     def cancel(self, request_ids: Sequence[str]) -> None:
         """Abort requests in the engine; their sinks get nothing more."""

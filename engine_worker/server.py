@@ -1,14 +1,9 @@
 """The engine worker process: the in-process engine behind a ZeroMQ ROUTER socket.
 
 Threads:
-  * the I/O thread owns the ROUTER socket. It decodes client frames (a malformed,
-    truncated or unknown frame is counted and dropped; a frame over the size limit
-    costs its sender the connection), answers pings itself with the stats the loop
-    last published, so that liveness never depends on how long a step takes, passes
-    everything else to the engine loop, and forwards the loop's encoded replies to
-    their clients, so the model step never waits on a socket. With the cluster's
-    CURVE key (common/curve.py) the socket serves only clients presenting it; other
-    peers fail the handshake and are counted;
+  * the I/O thread (engine_worker/io_thread.py) owns the ROUTER socket: client frames
+    in, pings answered with the stats the loop last published, the loop's encoded
+    replies out, so the model step never waits on a socket;
   * the engine loop (the main thread, which also receives signals) drains every
     message that arrived, handles them as one batch (adds, aborts, hellos), runs one
     engine step, and sends each client one OutputBatch holding everything that step
@@ -43,7 +38,6 @@ import logging
 import os
 import queue
 import signal
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -53,226 +47,23 @@ import msgspec
 import zmq
 
 from common.config import EngineServerConfig
-from common.curve import CurveServer, client_security
+from common.curve import CurveServer
 from common.errors import InvalidRequestError
 from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, PROTOCOL_VERSION,
                              AbortRequests, AddRequest, CacheEvents, CacheSync, Codec, Dead,
-                             EngineStats, FinishReason, KvBlocks, KvPull,
-                             Hello, OutputBatch, Ping, Pong, ProtocolError, Ready, RequestError,
-                             RequestErrorKind, RequestOutput, version_mismatch)
-from common.sockets import HANDSHAKE_FAILED, make_socket, read_refusal
+                             FinishReason, KvBlocks, KvPull, Hello, OutputBatch, Pong, Ready,
+                             RequestError, RequestErrorKind, RequestOutput, version_mismatch)
+from common.sockets import make_socket
 from engine_worker.engine import FatalDeviceError, LLMEngine
+from engine_worker.io_thread import (FLUSH_AND_STOP, OUTBOX_ADDRESS, PEER_OUTBOX_ADDRESS,
+                                    IOThread, Peer, Wake)
 
 logger = logging.getLogger(__name__)
-
-_OUTBOX_ADDRESS = "inproc://engine-outbox"
-# The loop's frames to other engines (KV pulls): [address, type, payload].
-_PEER_OUTBOX_ADDRESS = "inproc://engine-peer-outbox"
-# Sent through the outbox last: everything queued before it is forwarded, then the
-# I/O thread stops.
-_FLUSH_AND_STOP = [b""]
-
-
-class _Wake:
-    """Put in the inbox by the I/O thread to wake the loop (a signal, a failure)."""
-
-
-@dataclass(frozen=True)
-class _Peer:
-    """The sender of a message from another engine (a prefill engine's KvBlocks)."""
-
-    address: str
-
-
-class _PeerLost:
-    """Put in the inbox when the connection to a peer engine drops."""
-
 
 @dataclass
 class _Client:
     identity: bytes
     request_ids: set[str] = field(default_factory=set)
-
-
-class _IOThread(threading.Thread):
-    """Owns the ROUTER socket: client frames in (decoded), encoded replies out, pings
-    answered."""
-
-    def __init__(self, ctx: zmq.Context, config: EngineServerConfig, inbox: "queue.Queue",
-                 stats: EngineStats, curve: Optional[CurveServer]) -> None:
-        super().__init__(name="engine-io", daemon=True)
-        self.ctx = ctx
-        self.inbox = inbox
-        self.codec = Codec(ENGINE_MESSAGES, CLIENT_MESSAGES)
-        # Created here so that bind errors surface in the constructor's caller.
-        self.router = make_socket(ctx, config.bind, zmq.ROUTER, bind=True, linger_ms=1000,
-                                  max_message_bytes=config.max_frame_bytes,
-                                  secure=curve.secure if curve else None)
-        # Sending to a client that is gone raises instead of silently dropping.
-        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.monitor = self.router.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
-        self.outbox = make_socket(ctx, _OUTBOX_ADDRESS, zmq.PULL, bind=True)
-        # Other engines this one pulls KV from: a DEALER each, made on first use.
-        self.peer_outbox = make_socket(ctx, _PEER_OUTBOX_ADDRESS, zmq.PULL, bind=True)
-        self.peer_codec = Codec(CLIENT_MESSAGES, ENGINE_MESSAGES)
-        self.peers: dict[str, zmq.Socket] = {}
-        self.peer_monitors: dict[zmq.Socket, str] = {}
-        self.curve_key = config.curve_key
-        self.max_frame_bytes = config.max_frame_bytes
-        self.unreachable: "queue.Queue[bytes]" = queue.Queue()
-        # Read end of the signal wakeup pipe (EngineServer sets it).
-        self.wakeup_fd: Optional[int] = None
-        # Published by the engine loop: its latest stats. Plain attribute writes:
-        # atomic under the GIL.
-        self.stats = stats
-        # Set by the loop when a drain starts; every later pong says so.
-        self.draining = False
-        # When the engine loop began its current iteration (set by the loop): a pong
-        # reports how long ago, so a loop stuck anywhere (a step, a lock) shows.
-        self.loop_at = time.monotonic()
-        # Monotonic time of each client's last frame, read by the loop to expire
-        # silent clients (a ping counts: it is answered here, never seen there).
-        self.last_seen: dict[bytes, float] = {}
-        self.num_frames_dropped = 0
-        self.num_disconnects = 0
-        self.num_handshakes_failed = 0
-        self.stopping = False
-        self.failed = False
-
-    def run(self) -> None:
-        self.poller = poller = zmq.Poller()
-        poller.register(self.router, zmq.POLLIN)
-        poller.register(self.outbox, zmq.POLLIN)
-        poller.register(self.monitor, zmq.POLLIN)
-        poller.register(self.peer_outbox, zmq.POLLIN)
-        if self.wakeup_fd is not None:
-            poller.register(self.wakeup_fd, zmq.POLLIN)
-        try:
-            while not self.stopping:
-                for sock, _ in poller.poll():
-                    if sock is self.router:
-                        self._receive()
-                    elif sock is self.outbox:
-                        self._forward()
-                    elif sock is self.monitor:
-                        if read_refusal(self.monitor):
-                            self.num_handshakes_failed += 1
-                        else:
-                            self.num_disconnects += 1
-                    elif sock is self.peer_outbox:
-                        self._to_peers()
-                    elif sock in self.peer_monitors:
-                        sock.recv_multipart()
-                        self.inbox.put((_Peer(self.peer_monitors[sock]), _PeerLost()))
-                    elif isinstance(sock, zmq.Socket):
-                        self._from_peer(sock)
-                    else:  # a signal arrived: the loop looks at its counter
-                        os.read(self.wakeup_fd, 512)
-                        self.inbox.put(_Wake())
-        except Exception:  # the loop learns of it through a _Wake and exits nonzero
-            logger.exception("engine I/O thread failed")
-            self.failed = True
-            self.inbox.put(_Wake())
-
-    def _receive(self) -> None:
-        while True:
-            try:
-                frames = self.router.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            identity, body = frames[0], frames[1:]
-            self.last_seen[identity] = time.monotonic()
-            try:
-                message = self.codec.decode(body)
-            except ProtocolError as e:
-                self.num_frames_dropped += 1
-                logger.warning("dropped a frame from client %r: %s", identity, e)
-                if e.request_id is not None:  # the request it was for fails, not hangs
-                    self._send([identity, *self.codec.encode(RequestError(
-                        request_id=e.request_id, message=f"undecodable request: {e}"))])
-                continue
-            if isinstance(message, Ping):
-                self._pong(identity, message)
-            else:
-                self.inbox.put((identity, message))
-
-    def _to_peers(self) -> None:
-        while True:
-            try:
-                address, *frames = self.peer_outbox.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self._peer(address.decode()).send_multipart(frames, zmq.NOBLOCK)
-
-    def _peer(self, address: str) -> zmq.Socket:
-        sock = self.peers.get(address)
-        if sock is None:
-            sock = make_socket(self.ctx, address, zmq.DEALER, bind=False,
-                               max_message_bytes=self.max_frame_bytes,
-                               secure=client_security(self.curve_key))
-            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
-            self.peers[address] = sock
-            self.peer_monitors[monitor] = address
-            self.poller.register(sock, zmq.POLLIN)
-            self.poller.register(monitor, zmq.POLLIN)
-        return sock
-
-    def _from_peer(self, sock: zmq.Socket) -> None:
-        address = next(a for a, s in self.peers.items() if s is sock)
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                message = self.peer_codec.decode(frames)
-            except ProtocolError as e:
-                self.num_frames_dropped += 1
-                logger.warning("dropped a frame from engine %s: %s", address, e)
-                continue
-            if isinstance(message, (KvBlocks, Dead)):
-                self.inbox.put((_Peer(address), message))
-
-    def _pong(self, identity: bytes, ping: Ping) -> None:
-        stats = msgspec.structs.replace(self.stats, num_frames_dropped=self.num_frames_dropped,
-                                        num_disconnects=self.num_disconnects,
-                                        num_handshakes_failed=self.num_handshakes_failed)
-        pong = Pong(nonce=ping.nonce, stats=stats,
-                    busy_s=time.monotonic() - self.loop_at, draining=self.draining)
-        self._send([identity, *self.codec.encode(pong)])
-
-    def _forward(self) -> None:
-        while True:
-            try:
-                frames = self.outbox.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if frames == _FLUSH_AND_STOP:
-                self.stopping = True
-                return
-            self._send(frames)
-
-    def _send(self, frames: list[bytes]) -> None:
-        try:
-            self.router.send_multipart(frames, zmq.NOBLOCK)
-        except zmq.ZMQError as e:  # EHOSTUNREACH (gone) or EAGAIN (not reading)
-            logger.info("client %r unreachable (%s)", frames[0], e)
-            self.unreachable.put(frames[0])
-
-    def close(self) -> None:
-        """After the engine loop sent _FLUSH_AND_STOP: wait, then close (lingering so
-        the last frames, DEAD among them, reach the clients)."""
-        self.join(timeout=5)
-        self.router.disable_monitor()
-        self.monitor.close(linger=0)
-        self.router.close()
-        self.outbox.close()
-        self.peer_outbox.close()
-        for sock in self.peers.values():
-            sock.disable_monitor()
-            sock.close(linger=0)
-        for monitor in self.peer_monitors:
-            monitor.close(linger=0)
 
 
 class EngineServer:
@@ -284,14 +75,14 @@ class EngineServer:
         self.curve = CurveServer(self.ctx, config.curve_key) if config.curve_key else None
         self.inbox: "queue.Queue" = queue.Queue()
         try:
-            self.io = _IOThread(self.ctx, config, self.inbox, engine.stats(), self.curve)
+            self.io = IOThread(self.ctx, config, self.inbox, engine.stats(), self.curve)
         except Exception:
             self._stop_curve()
             raise
         self.codec = Codec(ENGINE_MESSAGES, CLIENT_MESSAGES)
-        self.outbox = make_socket(self.ctx, _OUTBOX_ADDRESS, zmq.PUSH, bind=False,
+        self.outbox = make_socket(self.ctx, OUTBOX_ADDRESS, zmq.PUSH, bind=False,
                                   linger_ms=1000)
-        self.peer_outbox = make_socket(self.ctx, _PEER_OUTBOX_ADDRESS, zmq.PUSH, bind=False)
+        self.peer_outbox = make_socket(self.ctx, PEER_OUTBOX_ADDRESS, zmq.PUSH, bind=False)
         self.peer_codec = Codec(CLIENT_MESSAGES, ENGINE_MESSAGES)
         self.clients: dict[bytes, _Client] = {}
         self._next_prune = 0.0
@@ -358,7 +149,7 @@ class EngineServer:
         signal.signal(signal.SIGINT, on_signal)
 
     def _close(self) -> None:
-        self.outbox.send_multipart(_FLUSH_AND_STOP)
+        self.outbox.send_multipart(FLUSH_AND_STOP)
         self.io.close()
         self.outbox.close()
         self.peer_outbox.close()
@@ -429,10 +220,10 @@ class EngineServer:
     def _handle(self, messages: list) -> None:
         adds: list[tuple[bytes, AddRequest]] = []
         for item in messages:
-            if isinstance(item, _Wake):
+            if isinstance(item, Wake):
                 continue
             identity, message = item
-            if isinstance(identity, _Peer):
+            if isinstance(identity, Peer):
                 self._from_peer(identity.address, message)
                 continue
             if isinstance(message, KvPull):  # another engine, not a client
@@ -463,7 +254,7 @@ class EngineServer:
             self.engine.receive_kv(address, message)
         elif isinstance(message, Dead):
             self.engine.kv_source_failed(address, "source_dead")
-        else:  # _PeerLost
+        else:  # PeerLost
             self.engine.kv_source_failed(address, "disconnected")
 
     def _send_kv_pulls(self) -> None:

@@ -12,6 +12,8 @@ import time
 
 import httpx
 
+from benchmarks.stack import metric as parse_metric, scrape
+
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -169,3 +171,17 @@ class Serve:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+def serves(url: str) -> bool:
+    try:
+        r = httpx.post(f"{url}/v1/completions", timeout=10, json={
+            "model": "tiny", "prompt": "ok", "max_tokens": 2, "ignore_eos": True})
+        return r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    except httpx.HTTPError:
+        return False
+
+
+def metric(url: str, name: str, **labels) -> float:
+    """Sum of the series of ``name`` whose labels include ``labels``."""
+    return parse_metric(scrape(url), name, **labels)

@@ -207,6 +207,20 @@ def test_streamed_text_is_whole_utf8_and_matches_the_tokens(stack):
         assert text == tok.decode(ids, skip_special_tokens=True)
 
 
+def test_a_stream_is_an_uncached_event_stream(stack):
+    """What proxies and SSE clients read: the type, and no caching or buffering."""
+    with httpx.stream("POST", stack["url"] + "/v1/completions", timeout=60, json={
+            "model": "tiny-llama", "prompt": "Hi", "max_tokens": 3, "stream": True,
+            "ignore_eos": True}) as r:
+        events = sse_events(r)
+    assert r.status_code == 200
+    assert r.headers["content-type"] == "text/event-stream; charset=utf-8"
+    assert r.headers["cache-control"] == "no-cache"
+    assert r.headers["x-accel-buffering"] == "no"
+    assert r.headers["transfer-encoding"] == "chunked"
+    assert events[-1] == "[DONE]" and len(events) == 4  # role-less completion: 3 + DONE
+
+
 def test_stop_string_spanning_tokens_ends_the_request(stack):
     base = complete(stack["url"], prompt="Story:", max_tokens=20, temperature=0,
                     return_token_ids=True).json()["choices"][0]

@@ -1,0 +1,237 @@
+"""The engine worker's I/O thread: it owns the ROUTER socket the clients talk to.
+
+It decodes client frames (a malformed, truncated or unknown frame is counted and
+dropped; a frame over the size limit costs its sender the connection), answers pings
+itself with the stats the engine loop last published, so that liveness never depends
+on how long a step takes, passes everything else to the loop's inbox, and forwards the
+loop's encoded replies (sent to OUTBOX_ADDRESS) to their clients, so the model step
+never waits on a socket. It also carries the loop's KV pulls to other engines
+(PEER_OUTBOX_ADDRESS) and their answers back, and wakes the loop when a signal arrives
+(Python's wakeup fd). With the cluster's CURVE key (common/curve.py) the socket serves
+only clients presenting it; other peers fail the handshake and are counted.
+engine_worker/server.py is the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import msgspec
+import zmq
+
+from common.config import EngineServerConfig
+from common.curve import CurveServer, client_security
+from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, Codec, Dead, EngineStats, KvBlocks,
+                             Ping, Pong, ProtocolError, RequestError)
+from common.sockets import HANDSHAKE_FAILED, make_socket, read_refusal
+
+logger = logging.getLogger(__name__)
+
+OUTBOX_ADDRESS = "inproc://engine-outbox"
+# The loop's frames to other engines (KV pulls): [address, type, payload].
+PEER_OUTBOX_ADDRESS = "inproc://engine-peer-outbox"
+# Sent through the outbox last: everything queued before it is forwarded, then the
+# I/O thread stops.
+FLUSH_AND_STOP = [b""]
+
+
+class Wake:
+    """Put in the inbox by the I/O thread to wake the loop (a signal, a failure)."""
+
+
+@dataclass(frozen=True)
+class Peer:
+    """The sender of a message from another engine (a prefill engine's KvBlocks)."""
+
+    address: str
+
+
+class PeerLost:
+    """Put in the inbox when the connection to a peer engine drops."""
+
+
+class IOThread(threading.Thread):
+    """Owns the ROUTER socket: client frames in (decoded), encoded replies out, pings
+    answered."""
+
+    def __init__(self, ctx: zmq.Context, config: EngineServerConfig, inbox: "queue.Queue",
+                 stats: EngineStats, curve: Optional[CurveServer]) -> None:
+        super().__init__(name="engine-io", daemon=True)
+        self.ctx = ctx
+        self.inbox = inbox
+        self.codec = Codec(ENGINE_MESSAGES, CLIENT_MESSAGES)
+        # Created here so that bind errors surface in the constructor's caller.
+        self.router = make_socket(ctx, config.bind, zmq.ROUTER, bind=True, linger_ms=1000,
+                                  max_message_bytes=config.max_frame_bytes,
+                                  secure=curve.secure if curve else None)
+        # Sending to a client that is gone raises instead of silently dropping.
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.monitor = self.router.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
+        self.outbox = make_socket(ctx, OUTBOX_ADDRESS, zmq.PULL, bind=True)
+        # Other engines this one pulls KV from: a DEALER each, made on first use.
+        self.peer_outbox = make_socket(ctx, PEER_OUTBOX_ADDRESS, zmq.PULL, bind=True)
+        self.peer_codec = Codec(CLIENT_MESSAGES, ENGINE_MESSAGES)
+        self.peers: dict[str, zmq.Socket] = {}
+        self.peer_monitors: dict[zmq.Socket, str] = {}
+        self.curve_key = config.curve_key
+        self.max_frame_bytes = config.max_frame_bytes
+        self.unreachable: "queue.Queue[bytes]" = queue.Queue()
+        # Read end of the signal wakeup pipe (EngineServer sets it).
+        self.wakeup_fd: Optional[int] = None
+        # Published by the engine loop: its latest stats. Plain attribute writes:
+        # atomic under the GIL.
+        self.stats = stats
+        # Set by the loop when a drain starts; every later pong says so.
+        self.draining = False
+        # When the engine loop began its current iteration (set by the loop): a pong
+        # reports how long ago, so a loop stuck anywhere (a step, a lock) shows.
+        self.loop_at = time.monotonic()
+        # Monotonic time of each client's last frame, read by the loop to expire
+        # silent clients (a ping counts: it is answered here, never seen there).
+        self.last_seen: dict[bytes, float] = {}
+        self.num_frames_dropped = 0
+        self.num_disconnects = 0
+        self.num_handshakes_failed = 0
+        self.stopping = False
+        self.failed = False
+
+    def run(self) -> None:
+        self.poller = poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.outbox, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        poller.register(self.peer_outbox, zmq.POLLIN)
+        if self.wakeup_fd is not None:
+            poller.register(self.wakeup_fd, zmq.POLLIN)
+        try:
+            while not self.stopping:
+                for sock, _ in poller.poll():
+                    if sock is self.router:
+                        self._receive()
+                    elif sock is self.outbox:
+                        self._forward()
+                    elif sock is self.monitor:
+                        if read_refusal(self.monitor):
+                            self.num_handshakes_failed += 1
+                        else:
+                            self.num_disconnects += 1
+                    elif sock is self.peer_outbox:
+                        self._to_peers()
+                    elif sock in self.peer_monitors:
+                        sock.recv_multipart()
+                        self.inbox.put((Peer(self.peer_monitors[sock]), PeerLost()))
+                    elif isinstance(sock, zmq.Socket):
+                        self._from_peer(sock)
+                    else:  # a signal arrived: the loop looks at its counter
+                        os.read(self.wakeup_fd, 512)
+                        self.inbox.put(Wake())
+        except Exception:  # the loop learns of it through a Wake and exits nonzero
+            logger.exception("engine I/O thread failed")
+            self.failed = True
+            self.inbox.put(Wake())
+
+    def _receive(self) -> None:
+        while True:
+            try:
+                frames = self.router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            identity, body = frames[0], frames[1:]
+            self.last_seen[identity] = time.monotonic()
+            try:
+                message = self.codec.decode(body)
+            except ProtocolError as e:
+                self.num_frames_dropped += 1
+                logger.warning("dropped a frame from client %r: %s", identity, e)
+                if e.request_id is not None:  # the request it was for fails, not hangs
+                    self._send([identity, *self.codec.encode(RequestError(
+                        request_id=e.request_id, message=f"undecodable request: {e}"))])
+                continue
+            if isinstance(message, Ping):
+                self._pong(identity, message)
+            else:
+                self.inbox.put((identity, message))
+
+    def _to_peers(self) -> None:
+        while True:
+            try:
+                address, *frames = self.peer_outbox.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._peer(address.decode()).send_multipart(frames, zmq.NOBLOCK)
+
+    def _peer(self, address: str) -> zmq.Socket:
+        sock = self.peers.get(address)
+        if sock is None:
+            sock = make_socket(self.ctx, address, zmq.DEALER, bind=False,
+                               max_message_bytes=self.max_frame_bytes,
+                               secure=client_security(self.curve_key))
+            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
+            self.peers[address] = sock
+            self.peer_monitors[monitor] = address
+            self.poller.register(sock, zmq.POLLIN)
+            self.poller.register(monitor, zmq.POLLIN)
+        return sock
+
+    def _from_peer(self, sock: zmq.Socket) -> None:
+        address = next(a for a, s in self.peers.items() if s is sock)
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                message = self.peer_codec.decode(frames)
+            except ProtocolError as e:
+                self.num_frames_dropped += 1
+                logger.warning("dropped a frame from engine %s: %s", address, e)
+                continue
+            if isinstance(message, (KvBlocks, Dead)):
+                self.inbox.put((Peer(address), message))
+
+    def _pong(self, identity: bytes, ping: Ping) -> None:
+        stats = msgspec.structs.replace(self.stats, num_frames_dropped=self.num_frames_dropped,
+                                        num_disconnects=self.num_disconnects,
+                                        num_handshakes_failed=self.num_handshakes_failed)
+        pong = Pong(nonce=ping.nonce, stats=stats,
+                    busy_s=time.monotonic() - self.loop_at, draining=self.draining)
+        self._send([identity, *self.codec.encode(pong)])
+
+    def _forward(self) -> None:
+        while True:
+            try:
+                frames = self.outbox.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if frames == FLUSH_AND_STOP:
+                self.stopping = True
+                return
+            self._send(frames)
+
+    def _send(self, frames: list[bytes]) -> None:
+        try:
+            self.router.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # EHOSTUNREACH (gone) or EAGAIN (not reading)
+            logger.info("client %r unreachable (%s)", frames[0], e)
+            self.unreachable.put(frames[0])
+
+    def close(self) -> None:
+        """After the engine loop sent FLUSH_AND_STOP: wait, then close (lingering so
+        the last frames, DEAD among them, reach the clients)."""
+        self.join(timeout=5)
+        self.router.disable_monitor()
+        self.monitor.close(linger=0)
+        self.router.close()
+        self.outbox.close()
+        self.peer_outbox.close()
+        for sock in self.peers.values():
+            sock.disable_monitor()
+            sock.close(linger=0)
+        for monitor in self.peer_monitors:
+            monitor.close(linger=0)
