@@ -1,10 +1,14 @@
-"""Loading a model's fast (Rust) tokenizer; shared by the tokenizer pool and the
-frontend (which only decodes)."""
+"""Loading a model's tokenizer. The tokenizer pool encodes and renders chat templates
+with transformers' fast tokenizer (load_tokenizer); the frontend only turns token ids
+back into text, which the Rust tokenizer in tokenizer.json does alone (load_decoder),
+and only looks at the chat templates' text (chat_template_text): it loads neither
+transformers nor torch (3 s and 300 MB less per frontend)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 from common.errors import ModelLoadError
 
@@ -24,6 +28,41 @@ def load_tokenizer(model_dir: Path):
     if not getattr(tokenizer, "is_fast", False):
         raise ModelLoadError(f"{model_dir} has no fast tokenizer (tokenizer.json)")
     return tokenizer
+
+
+def load_decoder(model_dir: Path):
+    """The ``tokenizers.Tokenizer`` of the model's tokenizer.json: the one transformers'
+    fast tokenizer wraps (its ``backend_tokenizer``)."""
+    from tokenizers import Tokenizer
+
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{model_dir} has no fast tokenizer (tokenizer.json)")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the Rust library's errors have no common type
+        raise ModelLoadError(f"cannot load the tokenizer from {path}: {e}") from e
+
+
+def chat_template_text(model_dir: Path) -> Optional[str]:
+    """Every chat template the folder holds, one after the other (None: none), from
+    where transformers reads them: chat_template.jinja, additional_chat_templates/,
+    chat_template.json and tokenizer_config.json."""
+    texts = [p.read_text() for p in (model_dir / "chat_template.jinja",
+                                     *sorted((model_dir / "additional_chat_templates").glob("*.jinja")))
+             if p.is_file()]
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        path = model_dir / name
+        try:
+            template = json.loads(path.read_text()).get("chat_template") if path.is_file() else None
+        except (ValueError, AttributeError) as e:
+            raise ModelLoadError(f"{path} is not a JSON object: {e}") from e
+        if isinstance(template, str):
+            texts.append(template)
+        elif isinstance(template, list):  # named templates: [{"name", "template"}]
+            texts.extend(t["template"] for t in template
+                         if isinstance(t, dict) and isinstance(t.get("template"), str))
+    return "\n".join(texts) if texts else None
 
 
 def context_length(model_dir: Path) -> int:

@@ -18,7 +18,7 @@ from common import faults
 from common.config import FrontendConfig
 from common.model_files import resolve_model_dir
 from common.structured import GrammarCompiler
-from common.tokenizer import load_tokenizer
+from common.tokenizer import chat_template_text, load_decoder
 from engine_worker.client import EngineClient
 from frontend.admission import Admission
 from frontend.errors import APIError
@@ -102,8 +102,7 @@ async def start_pipeline(config: FrontendConfig, metrics: Metrics) -> Pipeline:
     engines and the pool may come later, and go and come back; until one engine and
     the pool answer, requests get 503."""
     model_dir = resolve_model_dir(config.model)
-    hf_tokenizer = load_tokenizer(model_dir)
-    tokenizer = hf_tokenizer.backend_tokenizer
+    tokenizer = load_decoder(model_dir)
     try:
         grammars = GrammarCompiler(tokenizer, tokenizer.get_vocab_size(True), [])
     except Exception as e:  # a tokenizer llguidance cannot read
@@ -115,7 +114,7 @@ async def start_pipeline(config: FrontendConfig, metrics: Metrics) -> Pipeline:
     engines = EngineRouter([], config.routing, config.disagg_min_prompt_tokens)
     pipe = Pipeline(engines, tok_client, tokenizer, metrics,
                     Admission(config.max_waiting_requests, config.max_waiting_tokens),
-                    model_names, config, hf_tokenizer.chat_template, grammars)
+                    model_names, config, chat_template_text(model_dir), grammars)
     pipe.membership = Membership(
         config.engine_addresses, engines,
         lambda address: EngineClient(address, heartbeat_timeout_s=config.engine_heartbeat_timeout_s,

@@ -207,6 +207,13 @@ def test_streamed_text_is_whole_utf8_and_matches_the_tokens(stack):
         assert text == tok.decode(ids, skip_special_tokens=True)
 
 
+def test_the_frontend_loads_no_torch(stack):
+    """It only decodes, with tokenizer.json's Rust tokenizer: transformers, and torch
+    with it, would cost each frontend 3 s to start and 300 MB."""
+    maps = open(f"/proc/{stack['frontend'].proc.pid}/maps").read()
+    assert "libtorch" not in maps and "libgomp" not in maps
+
+
 def test_a_stream_is_an_uncached_event_stream(stack):
     """What proxies and SSE clients read: the type, and no caching or buffering."""
     with httpx.stream("POST", stack["url"] + "/v1/completions", timeout=60, json={

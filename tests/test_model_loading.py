@@ -131,3 +131,44 @@ def test_mistral_sliding_window_caps_the_context(tiny_llama_dir, tmp_path):
     edit_config(model, architectures=["MistralForCausalLM"], model_type="mistral",
                 sliding_window=128)
     assert load_model_config(model).max_model_len == 128
+
+
+@pytest.mark.parametrize("folder", ["tiny_llama_dir", "default_model_dir", "gguf"])
+def test_the_frontends_tokenizer_is_the_one_transformers_wraps(request, folder):
+    """The frontend reads tokenizer.json and the chat templates without transformers:
+    the same Rust tokenizer (every setting, every added token) and the same template
+    text as transformers' fast tokenizer, which the tokenizer pool encodes with."""
+    from common.model_files import _find_gguf, materialize_gguf_folder
+    from common.tokenizer import chat_template_text, load_decoder, load_tokenizer
+
+    d = (materialize_gguf_folder(_find_gguf()) if folder == "gguf"
+         else request.getfixturevalue(folder))
+    hf = load_tokenizer(d)
+    assert load_decoder(d).to_str() == hf.backend_tokenizer.to_str()
+    assert chat_template_text(d) == hf.chat_template and hf.chat_template
+
+
+def test_chat_templates_are_read_from_everywhere_transformers_keeps_them(tmp_path):
+    from common.tokenizer import chat_template_text
+
+    assert chat_template_text(tmp_path) is None
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "default", "template": "A"}, {"name": "tool_use", "template": "B"}]}))
+    assert chat_template_text(tmp_path) == "A\nB"
+    (tmp_path / "additional_chat_templates").mkdir()
+    (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text("C")
+    (tmp_path / "chat_template.jinja").write_text("D")
+    assert chat_template_text(tmp_path) == "D\nC\nA\nB"
+    (tmp_path / "tokenizer_config.json").write_text("[1]")
+    with pytest.raises(ModelLoadError, match="tokenizer_config.json is not a JSON object"):
+        chat_template_text(tmp_path)
+
+
+def test_a_folder_without_tokenizer_json_is_named(tmp_path):
+    from common.tokenizer import load_decoder
+
+    with pytest.raises(ModelLoadError, match="no fast tokenizer"):
+        load_decoder(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{}")
+    with pytest.raises(ModelLoadError, match="cannot load the tokenizer"):
+        load_decoder(tmp_path)
