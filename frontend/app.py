@@ -5,6 +5,8 @@ clients), authentication and body limits (Guard), the error shapes, and the rout
 
 from __future__ import annotations
 
+import asyncio
+
 import hmac
 import logging
 import time
@@ -123,9 +125,27 @@ async def start_pipeline(config: FrontendConfig, metrics: Metrics) -> Pipeline:
         interval_s=config.dns_refresh_s)
     await pipe.membership.refresh()
     pipe.membership.start()
+    await _first_handshakes(pipe, STARTUP_WAIT_S)
     logger.info("frontend ready: %s, %d engine(s) from %s", ", ".join(model_names),
                 len(engines.engines), ", ".join(config.engine_addresses))
     return pipe
+
+
+# How long a starting frontend waits for the tokenizer pool and one engine to answer
+# before it opens its port anyway (then it answers 503 until they do).
+STARTUP_WAIT_S = 10.0
+
+
+async def _first_handshakes(pipe: Pipeline, timeout_s: float) -> None:
+    """Until the pool and one engine have said Ready, or ``timeout_s``: a frontend
+    started beside running engines (a rolling update) opens its port able to serve,
+    rather than answering 503 for the milliseconds its handshakes take."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while loop.time() < deadline and not (
+            pipe.tokenizer_client.ready is not None
+            and any(e.ready is not None for e in pipe.engines.clients)):
+        await asyncio.sleep(0.02)
 
 
 def create_app(config: FrontendConfig) -> FastAPI:
