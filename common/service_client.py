@@ -39,7 +39,7 @@ from zmq.utils.monitor import parse_monitor_message
 from common.protocol import (PROTOCOL_VERSION, Codec, Dead, Hello, Ping, ProtocolError,
                              version_mismatch)
 from common.curve import CurveKey, client_security
-from common.sockets import HANDSHAKE_FAILED, make_socket
+from common.sockets import HANDSHAKE_FAILED, make_socket, waiting_messages
 
 logger = logging.getLogger(__name__)
 
@@ -314,12 +314,12 @@ class ServiceClient:
 
     def _read_monitor(self) -> None:
         monitor = self._monitor
-        while monitor is not None and monitor is self._monitor:
-            try:
-                event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))["event"]
-            except zmq.Again:
-                return
-            self._on_connection_event(event)
+        if monitor is None:
+            return
+        for frames in waiting_messages(monitor):
+            self._on_connection_event(parse_monitor_message(frames)["event"])
+            if monitor is not self._monitor:
+                return  # closed by a handler
 
     def _on_connection_event(self, event: int) -> None:
         if event == zmq.EVENT_DISCONNECTED:

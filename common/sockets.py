@@ -7,7 +7,7 @@ import ipaddress
 import logging
 import os
 import time
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 from urllib.parse import urlsplit
 
 import zmq
@@ -19,6 +19,15 @@ logger = logging.getLogger(__name__)
 # Messages queued per peer before a send would block. Output frames are small (one
 # per step), so this is hours of backlog, not a memory risk.
 DEFAULT_HWM = 100_000
+
+
+def waiting_messages(sock: zmq.Socket) -> Iterator[list[bytes]]:
+    """Every message the socket holds now, read without waiting."""
+    while True:
+        try:
+            yield sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return
 
 
 def make_socket(ctx: zmq.Context, address: str, socket_type: int, *, bind: bool,

@@ -29,7 +29,7 @@ from common.config import EngineServerConfig
 from common.curve import CurveServer, client_security
 from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, Codec, Dead, EngineStats, KvBlocks,
                              Ping, Pong, ProtocolError, RequestError)
-from common.sockets import HANDSHAKE_FAILED, make_socket, read_refusal
+from common.sockets import HANDSHAKE_FAILED, make_socket, read_refusal, waiting_messages
 
 logger = logging.getLogger(__name__)
 
@@ -137,11 +137,7 @@ class IOThread(threading.Thread):
             self.inbox.put(Wake())
 
     def _receive(self) -> None:
-        while True:
-            try:
-                frames = self.router.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        for frames in waiting_messages(self.router):
             identity, body = frames[0], frames[1:]
             self.last_seen[identity] = time.monotonic()
             try:
@@ -159,11 +155,7 @@ class IOThread(threading.Thread):
                 self.inbox.put((identity, message))
 
     def _to_peers(self) -> None:
-        while True:
-            try:
-                address, *frames = self.peer_outbox.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        for address, *frames in waiting_messages(self.peer_outbox):
             self._peer(address.decode()).send_multipart(frames, zmq.NOBLOCK)
 
     def _peer(self, address: str) -> zmq.Socket:
@@ -181,11 +173,7 @@ class IOThread(threading.Thread):
 
     def _from_peer(self, sock: zmq.Socket) -> None:
         address = next(a for a, s in self.peers.items() if s is sock)
-        while True:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        for frames in waiting_messages(sock):
             try:
                 message = self.peer_codec.decode(frames)
             except ProtocolError as e:
@@ -204,11 +192,7 @@ class IOThread(threading.Thread):
         self._send([identity, *self.codec.encode(pong)])
 
     def _forward(self) -> None:
-        while True:
-            try:
-                frames = self.outbox.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        for frames in waiting_messages(self.outbox):
             if frames == FLUSH_AND_STOP:
                 self.stopping = True
                 return

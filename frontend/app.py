@@ -6,7 +6,6 @@ clients), authentication and body limits (Guard), the error shapes, and the rout
 from __future__ import annotations
 
 import asyncio
-
 import hmac
 import logging
 import time
@@ -99,10 +98,15 @@ class Guard:
                 await error.response()(scope, receive, send)
 
 
+# How long a starting frontend waits for the tokenizer pool and one engine to answer
+# before it opens its port anyway (then it answers 503 until they do).
+STARTUP_WAIT_S = 10.0
+
+
 async def start_pipeline(config: FrontendConfig, metrics: Metrics) -> Pipeline:
-    """The tokenizer, the grammar compiler and the clients; nothing is waited for:
-    engines and the pool may come later, and go and come back; until one engine and
-    the pool answer, requests get 503."""
+    """The tokenizer, the grammar compiler and the clients. The pool and one engine
+    are waited for STARTUP_WAIT_S at most: they may come later, and go and come back;
+    until one engine and the pool answer, requests get 503."""
     model_dir = resolve_model_dir(config.model)
     tokenizer = load_decoder(model_dir)
     try:
@@ -129,11 +133,6 @@ async def start_pipeline(config: FrontendConfig, metrics: Metrics) -> Pipeline:
     logger.info("frontend ready: %s, %d engine(s) from %s", ", ".join(model_names),
                 len(engines.engines), ", ".join(config.engine_addresses))
     return pipe
-
-
-# How long a starting frontend waits for the tokenizer pool and one engine to answer
-# before it opens its port anyway (then it answers 503 until they do).
-STARTUP_WAIT_S = 10.0
 
 
 async def _first_handshakes(pipe: Pipeline, timeout_s: float) -> None:

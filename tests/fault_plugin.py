@@ -6,6 +6,8 @@ on by a test-only environment variable:
     ROSESERVE_FAULT_EXIT_IF_FILE   "COMPONENT:PATH": that component exits with code 7
                                    when it starts while PATH exists (a crash loop)
   engine
+    ROSESERVE_FAULT_HELLO_DELAY_S  answer each client's first Hello this many seconds
+                                   late (a handshake still under way)
     ROSESERVE_FAULT_STEP_DELAY_S   sleep this long after every step (requests stay
                                    queued or running long enough to observe)
     ROSESERVE_FAULT_STALL          "N:S": step number N takes S seconds more (one
@@ -48,6 +50,17 @@ def install(component: str, target, **context) -> None:
 
 
 def _engine(server) -> None:
+    hello_delay = float(_env("HELLO_DELAY_S") or 0)
+    if hello_delay:
+        hello, seen = server._hello, set()
+
+        def slow_hello(identity, message):
+            if identity not in seen:
+                seen.add(identity)
+                time.sleep(hello_delay)
+            hello(identity, message)
+
+        server._hello = slow_hello
     engine = server.engine
     delay = float(_env("STEP_DELAY_S") or 0)
     stall_step, _, stall_s = _env("STALL").partition(":")

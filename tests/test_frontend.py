@@ -214,6 +214,37 @@ def test_the_frontend_loads_no_torch(stack):
     assert "libtorch" not in maps and "libgomp" not in maps
 
 
+def test_a_starting_frontend_opens_its_port_once_it_can_serve(tmp_path, tiny_llama_dir):
+    """Started beside a running engine (a rolling update), a frontend's first request
+    is served, not refused for the time its handshakes take (here the engine answers
+    each Hello 2 s late)."""
+    engine = processes.engine(tiny_llama_dir, f"ipc://{tmp_path}/engine.sock",
+                              env={"ROSESERVE_FAULT_HELLO_DELAY_S": "2"})
+    pool = processes.tokenizer_pool(tiny_llama_dir, f"ipc://{tmp_path}/tok.sock", workers=1)
+    procs = [engine, pool]
+    try:
+        ping(EngineClient, engine.address)  # the engine is up (its Ready 2 s late)
+        front = processes.frontend(tiny_llama_dir, engine.address, pool.address,
+                                   "--served-model-name", "tiny")
+        procs.append(front)
+        port = int(front.url.rsplit(":", 1)[1])
+        deadline = time.monotonic() + 60
+        while True:  # the first moment the port accepts
+            assert front.proc.poll() is None and time.monotonic() < deadline, front.stop()
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.01)
+        r = httpx.post(front.url + "/v1/completions", timeout=30, json={
+            "model": "tiny", "prompt": [11, 12, 13], "max_tokens": 2, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 2
+    finally:
+        for p in reversed(procs):
+            p.stop()
+
+
 def test_a_stream_is_an_uncached_event_stream(stack):
     """What proxies and SSE clients read: the type, and no caching or buffering."""
     with httpx.stream("POST", stack["url"] + "/v1/completions", timeout=60, json={

@@ -34,7 +34,7 @@ from common.protocol import (POOL_REPLIES, POOL_REQUESTS, PROTOCOL_VERSION, WORK
                              ProtocolError, RequestErrorKind, TokenizeError, TokenizeRequest,
                              TokenizeResult, version_mismatch)
 from common.curve import CurveKey, CurveServer
-from common.sockets import HANDSHAKE_FAILED, make_socket, read_refusal
+from common.sockets import HANDSHAKE_FAILED, make_socket, read_refusal, waiting_messages
 from tokenizer_worker.worker import worker_main
 
 logger = logging.getLogger(__name__)
@@ -177,11 +177,7 @@ class TokenizerPool:
     # -- messages --------------------------------------------------------------
 
     def _receive_front(self) -> None:
-        while True:
-            try:
-                client, *body = self.front.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                break
+        for client, *body in waiting_messages(self.front):
             try:
                 message = self.front_codec.decode(body)
             except ProtocolError as e:
@@ -212,11 +208,7 @@ class TokenizerPool:
             self._answer_hellos()
 
     def _receive_back(self) -> None:
-        while True:
-            try:
-                identity, *body = self.back.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        for identity, *body in waiting_messages(self.back):
             worker = self.workers.get(identity)
             try:
                 message = self.back_codec.decode(body)
