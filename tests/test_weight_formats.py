@@ -23,14 +23,15 @@ FORMATS = ["float32", "bfloat16", "int8", "q4"]
 NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
 ISAS = {"native": [], "avx2": ["-mno-avx512f"], "avx2-no-vnni": ["-mno-avx512f", "-mno-avxvnni"],
         "portable": ["-mno-avx2", "-mno-avx512f"], "avx512-bf16": NO_AMX,
+        "avx512-no-vnni": ["-mno-avx512vnni", *NO_AMX],
         "avx512-no-bf16": ["-mno-avx512bf16", *NO_AMX], "amx-built": ["-mamx-tile", "-mamx-bf16"]}
 
 
 @pytest.fixture(scope="module", params=list(ISAS))
 def cpu(request):
     """The kernels as built for this machine, and as an AVX2 machine with and without
-    VNNI, one without AVX2, and AVX-512 machines with and without bf16 products and AMX
-    would build them (the int8 and bfloat16 products differ on each), so that every
+    VNNI, one without AVX2, and AVX-512 machines with and without VNNI, bf16 products
+    and AMX would build them (the int8 and bfloat16 products differ on each), so that every
     path this CPU can execute is checked whichever CPU runs the tests. AMX's tiles run
     only where the CPU has them; built with them elsewhere, the kernels must fall back."""
     k = kernels._build_and_load(ISAS[request.param])
@@ -106,7 +107,7 @@ def test_linear_computes_with_the_unpacked_weight(cpu, fmt, n, k):
     packed = cpu.pack(w, fmt)
     deq = cpu.unpack(packed, n, k, fmt)
     # tile remainders; in-register and expanded; AMX's tiles of 16 rows and their rest
-    for m in (1, 2, 3, 4, 5, 9, 16, 17, 33, 64):
+    for m in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 64):
         x = torch.randn(m, k)
         x[0, :32] = 0.0  # an all-zero block: int8 scale 0
         xr = rounded_inputs(cpu, fmt, x)

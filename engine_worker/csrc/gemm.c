@@ -7,9 +7,9 @@
  * a small batch needs: at 1-8 rows the layer is bound by reading the weight.
  *
  * Register tiles: MR rows of x times NP panels, accumulated over all of K in
- * registers. With -march=native the tile is sized for the machine at hand: 6 rows x 4
- * panels (24 of AVX-512's 32 registers), or 6 rows x 1 panel (12 of AVX2's 16, a
- * panel being two 8-float registers). Threads split the panels, so each streams its
+ * registers. With -march=native the tile is sized for the machine at hand: up to 8
+ * rows x 4 panels at 8 rows or fewer and 8 x 1 above on AVX-512 (32 registers), or 6
+ * rows x 1 panel (12 of AVX2's 16, a panel being two 8-float registers). Threads split the panels, so each streams its
  * own share of the weight.
  *
  * Weight formats: float32 panels are read in place. bfloat16 panels store two
@@ -27,7 +27,13 @@
  * products at a time are summed into int32 lanes (AVX-512 VNNI's vpdpbusd, or
  * vpmaddubsw + vpmaddwd on AVX2), and each block's sum is scaled into float32. The
  * panel stores four consecutive inputs of an output together for that: K/4 groups of
- * 16 outputs x 4 bytes, then K/32 x 16 float scales (1.125 bytes per weight).
+ * 16 outputs x 4 bytes, then K/32 x 16 float scales (1.125 bytes per weight). Each
+ * weight byte holds w + 128 (0..255): vpdpbusd multiplies unsigned bytes by signed
+ * ones, so x stays signed and a block's sum starts at -128 times the sum of x's block
+ * instead of 0, which makes it exactly the signed one (one instruction per 4 products,
+ * where signed times signed takes three). Without VNNI, vpmaddubsw's 16-bit pair sums
+ * would overflow with such bytes: there the weight is flipped back to signed and
+ * multiplied as |x| times w with x's sign, as before.
  * 4-bit panels (GGUF Q4_0 and Q4_1, packed from the file's blocks as they are) hold
  * K/8 groups of 16 outputs x 4 bytes, each byte two weights (low nibble: input t of the
  * group, high: input t + 4), then K/32 x 16 half-precision scales d and offsets c (a
@@ -62,6 +68,12 @@ typedef float vfu __attribute__((vector_size(VL * 4), aligned(4)));   /* unalign
 #ifndef WIDE_MAX_ROWS
 #define WIDE_MAX_ROWS 8
 #endif
+/* Up to 8 rows in one block: a batch of 8 reads the weight once, its FMAs overlapping
+   the stream (measured: 1.27x at 8 rows over two blocks of 4, which left memory idle
+   while the second computed from cache; 1.05x at 64 rows, 8 x 1 panel). */
+#ifndef MR_MAX
+#define MR_MAX 8
+#endif
 #else
 #ifndef NP_MAX
 #define NP_MAX 2
@@ -73,6 +85,7 @@ typedef float vfu __attribute__((vector_size(VL * 4), aligned(4)));   /* unalign
 #ifndef MR_MAX
 #define MR_MAX 6
 #endif
+#define BF16_MR_MAX 6   /* vdpbf16ps tiles: 6 rows x 4 panels at most */
 
 typedef uint32_t vu32 __attribute__((vector_size(VL * 4), aligned(4)));
 
@@ -92,7 +105,8 @@ int64_t rs_packed_bytes(int64_t N, int64_t K, int format)
     return (N + RS_PANEL - 1) / RS_PANEL * panel_bytes(K, format);
 }
 
-/* Where input k of output j of a panel is in an int8 panel (groups of 4 inputs). */
+/* Where input k of output j of a panel is in an int8 panel (groups of 4 inputs), whose
+   bytes hold w + 128. */
 static inline int64_t int8_index(int64_t k, int64_t j)
 {
     return (k & ~(int64_t)3) * RS_PANEL + j * 4 + (k & 3);
@@ -149,10 +163,12 @@ int rs_pack_gguf(const uint8_t *raw, int64_t N, int64_t K, int type, void *packe
         return -1;
     const int format = type == GGML_Q8_0 ? RS_INT8 : RS_Q4;
     const int64_t panels = (N + RS_PANEL - 1) / RS_PANEL, pb = panel_bytes(K, format);
-    memset(packed, 0, panels * pb);   /* the last panel's padding rows: weight 0 */
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < panels; p++) {
         char *dst = (char *)packed + p * pb;
+        memset(dst, 0, pb);   /* the last panel's padding rows: weight 0 */
+        if (format == RS_INT8)
+            memset(dst, 128, K * RS_PANEL);
         for (int64_t j = 0; j < RS_PANEL && p * RS_PANEL + j < N; j++) {
             const uint8_t *row = raw + (p * RS_PANEL + j) * blocks * bb;
             for (int64_t g = 0; g < blocks; g++) {
@@ -162,7 +178,7 @@ int rs_pack_gguf(const uint8_t *raw, int64_t N, int64_t K, int type, void *packe
                 if (format == RS_INT8) {
                     ((float *)(dst + K * RS_PANEL))[g * RS_PANEL + j] = half_to_float(d);
                     for (int t = 0; t < 32; t++)
-                        ((int8_t *)dst)[int8_index(g * 32 + t, j)] = (int8_t)blk[2 + t];
+                        ((uint8_t *)dst)[int8_index(g * 32 + t, j)] = blk[2 + t] ^ 0x80;
                     continue;
                 }
                 uint16_t c;
@@ -243,7 +259,7 @@ int rs_pack_weight(const float *w, int64_t N, int64_t K, int format, void *packe
                 }
                 continue;
             }
-            int8_t *q = (int8_t *)dst;
+            uint8_t *q = (uint8_t *)dst;
             float *scales = (float *)(dst + K * RS_PANEL);
             for (int64_t g = 0; g < K / RS_INT8_BLOCK; g++) {
                 float amax = 0.0f;
@@ -252,7 +268,7 @@ int rs_pack_weight(const float *w, int64_t N, int64_t K, int format, void *packe
                 const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
                 scales[g * RS_PANEL + j] = scale;
                 for (int64_t k = g * RS_INT8_BLOCK; k < (g + 1) * RS_INT8_BLOCK; k++)
-                    q[int8_index(k, j)] = row ? (int8_t)lrintf(row[k] * inv) : 0;
+                    q[int8_index(k, j)] = (uint8_t)(128 + (row ? lrintf(row[k] * inv) : 0));
             }
         }
     }
@@ -306,7 +322,7 @@ int rs_unpack_weight(const void *packed, int64_t N, int64_t K, int format, float
                     half_to_float(dc[K / RS_INT8_BLOCK * RS_PANEL + at]);
             } else {
                 const float *scales = (const float *)(panel + K * RS_PANEL);
-                v = ((const int8_t *)panel)[int8_index(k, j)] *
+                v = (((const uint8_t *)panel)[int8_index(k, j)] - 128) *
                     scales[k / RS_INT8_BLOCK * RS_PANEL + j];
             }
             w[n * K + k] = v;
@@ -405,10 +421,12 @@ tile(const int MR, const int NP, const int FORMAT, const float *x, int64_t ldx,
 }
 
 /* Byte dot products, 4 at a time into each int32 lane, for lanes of 4 bytes (x: one
-   row's 4 inputs, broadcast): dot4u takes unsigned bytes times signed ones (4-bit
-   weights, 0..15, times x: what vpdpbusd and vpmaddubsw multiply); dot4 signed times
-   signed (int8 weights), as |x| times w with x's sign. IV_LO, IV_HI: the low and high
-   nibbles of each byte. */
+   row's 4 inputs, broadcast): dot4u takes unsigned bytes times signed ones (weights
+   as stored, times x: what vpdpbusd and vpmaddubsw multiply); dot4 signed times
+   signed, as |x| times w with x's sign. U8_EXACT: dot4u is exact for any unsigned
+   byte (VNNI, portable); without it (vpmaddubsw's saturating 16-bit pair sums) only
+   for small ones (4-bit weights), and int8 weights are flipped back to signed
+   (IV_SIGNED) for dot4. IV_LO, IV_HI: the low and high nibbles of each byte. */
 #if defined(__AVX512BW__)
 typedef __m512i iv;
 #define IV_ZERO _mm512_setzero_si512()
@@ -417,6 +435,12 @@ typedef __m512i iv;
 #define IV_TO_FLOAT(a) ((vf)_mm512_cvtepi32_ps(a))
 #define IV_LO(w) _mm512_and_si512(w, _mm512_set1_epi8(15))
 #define IV_HI(w) _mm512_and_si512(_mm512_srli_epi16(w, 4), _mm512_set1_epi8(15))
+#define IV_SIGNED(w) _mm512_xor_si512(w, _mm512_set1_epi8(-128))
+#if defined(__AVX512VNNI__)
+#define U8_EXACT 1
+#else
+#define U8_EXACT 0
+#endif
 static inline iv dot4u(iv acc, iv u, iv s)
 {
 #if defined(__AVX512VNNI__)
@@ -439,6 +463,12 @@ typedef __m256i iv;
 #define IV_TO_FLOAT(a) ((vf)_mm256_cvtepi32_ps(a))
 #define IV_LO(w) _mm256_and_si256(w, _mm256_set1_epi8(15))
 #define IV_HI(w) _mm256_and_si256(_mm256_srli_epi16(w, 4), _mm256_set1_epi8(15))
+#define IV_SIGNED(w) _mm256_xor_si256(w, _mm256_set1_epi8(-128))
+#if defined(__AVXVNNI__)
+#define U8_EXACT 1
+#else
+#define U8_EXACT 0
+#endif
 static inline iv dot4u(iv acc, iv u, iv s)
 {
 #if defined(__AVXVNNI__)
@@ -467,6 +497,8 @@ static inline iv IV_BROADCAST(const void *p)
 #define IV_TO_FLOAT(a) __builtin_convertvector(a, vf)
 #define IV_LO(w) ((iv)((iv8u)(w) & 15))
 #define IV_HI(w) ((iv)((iv8u)(w) >> 4))
+#define IV_SIGNED(w) ((iv)((iv8u)(w) ^ 0x80))
+#define U8_EXACT 1
 /* Bytes of a times bytes of b, unsigned or signed as a_unsigned says; b signed. */
 static inline iv dot4_bytes(iv acc, iv a, iv b, int a_unsigned)
 {
@@ -496,42 +528,53 @@ static inline vf halves_to_float(const uint16_t *h)
 }
 
 /* One integer tile: rows [0..MR) of the quantized x (xq: int8, K per row; xs: a scale
-   per block of 32; for 4-bit weights xsum: xs times the block's sum of int8 values)
-   against the NP panels at panel0, int8 (FORMAT RS_INT8) or 4-bit (RS_Q4). Block sums
-   in int32 lanes, scaled into float32 once per block of 32. */
+   per block of 32; for 4-bit weights xsum: xs times the block's sum of int8 values,
+   for int8 ones xoff: -128 times that sum, as an int32) against the NP panels at
+   panel0, int8 (FORMAT RS_INT8) or 4-bit (RS_Q4). Block sums in int32 lanes, scaled
+   into float32 once per block of 32. */
 static inline __attribute__((always_inline)) void
 tile_int(const int MR, const int NP, const int FORMAT, const int8_t *xq, const float *xs,
-         const float *xsum, const char *panel0, int64_t pb, int64_t K, const float *bias,
-         float *y, int64_t ldy, int64_t n_left, int accumulate, int ahead)
+         const float *xsum, const int32_t *xoff, const char *panel0, int64_t pb, int64_t K,
+         const float *bias, float *y, int64_t ldy, int64_t n_left, int accumulate, int ahead)
 {
     const int64_t blocks = K / RS_INT8_BLOCK;
     const int q4 = FORMAT == RS_Q4, step = q4 ? 8 : 4;   /* inputs per 64-byte load */
+    const int unsigned_w = q4 || U8_EXACT;   /* dot4u on the bytes as stored */
     vf acc[8][NP_MAX * PV];
     for (int m = 0; m < MR; m++)
         for (int v = 0; v < NP * PV; v++)
             acc[m][v] = (vf){0};
     for (int64_t b = 0; b < blocks; b++) {
         iv sums[8][NP_MAX * PV];
-        for (int m = 0; m < MR; m++)
+        for (int m = 0; m < MR; m++) {
+            /* int8 bytes hold w + 128: start at -128 sum(x) to sum w x exactly */
+            const iv start = !q4 && unsigned_w ? IV_BROADCAST(xoff + m * blocks + b) : IV_ZERO;
             for (int v = 0; v < NP * PV; v++)
-                sums[m][v] = IV_ZERO;
+                sums[m][v] = start;
+        }
         for (int64_t k = b * RS_INT8_BLOCK; k < (b + 1) * RS_INT8_BLOCK; k += step) {
             const int64_t at = k / step * RS_PANEL * 4;   /* byte of k's group in a panel */
-            iv w[NP_MAX * PV];   /* VL outputs x 4 inputs (int8) or 8 (4-bit) each */
-            for (int v = 0; v < NP * PV; v++)
-                w[v] = IV_LOAD(panel0 + (v / PV) * pb + at + (v % PV) * VL * 4);
+            iv raw[NP_MAX * PV], w[NP_MAX * PV];   /* VL outputs x 4 inputs (int8), 8 (4-bit) */
+            for (int v = 0; v < NP * PV; v++) {
+                raw[v] = IV_LOAD(panel0 + (v / PV) * pb + at + (v % PV) * VL * 4);
+                w[v] = q4 ? IV_LO(raw[v]) : unsigned_w ? raw[v] : IV_SIGNED(raw[v]);
+            }
             for (int q = 0; ahead && q < NP; q++)   /* as in tile() */
                 _mm_prefetch(panel0 + (NP + q) * pb + at, _MM_HINT_T0);
             for (int m = 0; m < MR; m++) {
                 const iv x = IV_BROADCAST(xq + m * K + k);
                 for (int v = 0; v < NP * PV; v++)
-                    sums[m][v] = q4 ? dot4u(sums[m][v], IV_LO(w[v]), x)
-                                    : dot4(sums[m][v], x, w[v]);
+                    sums[m][v] = unsigned_w ? dot4u(sums[m][v], w[v], x)
+                                            : dot4(sums[m][v], x, w[v]);
             }
-            for (int m = 0; q4 && m < MR; m++) {
+            if (!q4)
+                continue;
+            for (int v = 0; v < NP * PV; v++)
+                w[v] = IV_HI(raw[v]);
+            for (int m = 0; m < MR; m++) {
                 const iv x = IV_BROADCAST(xq + m * K + k + 4);
                 for (int v = 0; v < NP * PV; v++)
-                    sums[m][v] = dot4u(sums[m][v], IV_HI(w[v]), x);
+                    sums[m][v] = dot4u(sums[m][v], w[v], x);
             }
         }
         for (int v = 0; v < NP * PV; v++) {
@@ -711,9 +754,10 @@ int rs_bf16_path(void)
 }
 
 /* Rows of x quantized as int8 weights are: a scale per 32 inputs (amax / 127); with
-   xsum, also each block's scale times the sum of its int8 values. */
+   xsum, also each block's scale times the sum of its int8 values; with xoff, -128 times
+   that sum (where int8 weights are multiplied as stored, w + 128). */
 static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, float *xs,
-                          float *xsum)
+                          float *xsum, int32_t *xoff)
 {
     for (int64_t i = 0; i < M * K / RS_INT8_BLOCK; i++) {
         const float *src = x + i * RS_INT8_BLOCK;
@@ -729,6 +773,8 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, floa
         }
         if (xsum != NULL)
             xsum[i] = xs[i] * (float)sum;
+        if (xoff != NULL)
+            xoff[i] = -128 * sum;
     }
 }
 
@@ -769,17 +815,17 @@ static const tile_bf_fn TILES_BF[2][7] = {
 #endif
 #define TILE_INT(mr, np, f, name) \
     static void tile_int_##mr##_##name(const int8_t *xq, const float *xs, const float *xsum, \
-                                       const char *w, int64_t pb, int64_t K, \
-                                       const float *bias, float *y, int64_t ldy, \
+                                       const int32_t *xoff, const char *w, int64_t pb, \
+                                       int64_t K, const float *bias, float *y, int64_t ldy, \
                                        int64_t n_left, int acc, int ahead) \
-    { tile_int(mr, np, f, xq, xs, xsum, w, pb, K, bias, y, ldy, n_left, acc, ahead); }
+    { tile_int(mr, np, f, xq, xs, xsum, xoff, w, pb, K, bias, y, ldy, n_left, acc, ahead); }
 #define TILES_INT_ROWS(np, f, name) \
     TILE_INT(1, np, f, name) TILE_INT(2, np, f, name) TILE_INT(3, np, f, name)
 TILES_INT_ROWS(1, RS_INT8, q8_one) TILES_INT_ROWS(NP_MAX, RS_INT8, q8_wide)
 TILES_INT_ROWS(1, RS_Q4, q4_one) TILES_INT_ROWS(NP_MAX, RS_Q4, q4_wide)
-typedef void (*tile_int_fn)(const int8_t *, const float *, const float *, const char *,
-                            int64_t, int64_t, const float *, float *, int64_t, int64_t, int,
-                            int);
+typedef void (*tile_int_fn)(const int8_t *, const float *, const float *, const int32_t *,
+                            const char *, int64_t, int64_t, const float *, float *, int64_t,
+                            int64_t, int, int);
 #define INT_ROW(name) {NULL, tile_int_1_##name, tile_int_2_##name, tile_int_3_##name}
 /* TILES_INT[4-bit][wide][rows] */
 static const tile_int_fn TILES_INT[2][2][4] = {{INT_ROW(q8_one), INT_ROW(q8_wide)},
@@ -831,8 +877,8 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
     int64_t bytes = 0;
     if (expand)
         bytes = NP_MAX * K * RS_PANEL * 4;
-    else if (int8)   /* xq, xs, and (4-bit) xsum */
-        bytes = M * K + M * (K / RS_INT8_BLOCK) * 4 * (q4 ? 2 : 1);
+    else if (int8)   /* xq, xs, and xsum (4-bit) or xoff (int8) */
+        bytes = M * K + M * (K / RS_INT8_BLOCK) * 4 * 2;
     else if (dot || amx)
         bytes = Mp * K * 2 + (amx ? 4 * 256 * 4 : 0);
     void *buf = bytes ? thread_buffer(bytes) : NULL;
@@ -840,10 +886,12 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
     int8_t *xq = buf;
     float *xs = int8 && buf ? (float *)((char *)buf + M * K) : NULL;   /* M * K % 32 == 0 */
     float *xsum = q4 && buf ? xs + M * (K / RS_INT8_BLOCK) : NULL;
+    int32_t *xoff = int8 && !q4 && U8_EXACT && buf ? (int32_t *)(xs + M * (K / RS_INT8_BLOCK))
+                                                   : NULL;
     uint16_t *xb = buf;
     (void)xb;   /* unused where the CPU has no bf16 products */
     if (int8 && !failed)
-        quantize_rows(x, M, K, xq, xs, xsum);
+        quantize_rows(x, M, K, xq, xs, xsum, xoff);
 #if BF16_DOT
     if ((dot || amx) && !failed) {
         bf16_rows(x, M, K, xb);
@@ -851,7 +899,7 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
     }
 #endif
     const int64_t pb = panel_bytes(K, format);
-    const int64_t mr_max = int8 ? Q8_MR_MAX : MR_MAX;
+    const int64_t mr_max = int8 ? Q8_MR_MAX : dot ? BF16_MR_MAX : MR_MAX;
     const int64_t blocks = (M + mr_max - 1) / mr_max;
     /* Contiguous panel ranges, one per thread, balanced to a panel. */
 #pragma omp for schedule(static, 1)
@@ -895,7 +943,8 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
                                   (int8 || (b == 0 && (AHEAD_ONE_BLOCK || blocks > 1)));
                 if (int8)
                     TILES_INT[q4][wide][mr](xq + m * K, xs + m * (K / RS_INT8_BLOCK),
-                                            q4 ? xsum + m * (K / RS_INT8_BLOCK) : NULL, w,
+                                            xsum ? xsum + m * (K / RS_INT8_BLOCK) : NULL,
+                                            xoff ? xoff + m * (K / RS_INT8_BLOCK) : NULL, w,
                                             w_pb, K, bias_n, y_n, N, N - n0, accumulate,
                                             ahead);
 #if BF16_DOT
