@@ -1,10 +1,14 @@
 """Building and choosing the CPU kernels: every way it can go wrong falls back to the
-torch path instead of failing, and the fast path is only taken where it applies."""
+torch path instead of failing, and the fast path is only taken where it applies; the
+paged decode attention kernel against its definition."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+
+import pytest
+import torch
 
 from engine_worker import kernels
 from engine_worker.attention import TorchAttention
@@ -52,3 +56,28 @@ def test_the_declared_torch_floor_has_what_the_code_uses():
     assert "enable_gqa" in (ROOT / "engine_worker" / "attention.py").read_text()
     floor = re.search(r'"torch>=(\d+)\.(\d+)', (ROOT / "pyproject.toml").read_text())
     assert floor and (int(floor[1]), int(floor[2])) >= (2, 5)
+
+
+@pytest.mark.parametrize("isa", [[], ["-mno-avx512f"]], ids=["native", "avx2"])
+@pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 16), (4, 4, 128, 16), (8, 2, 64, 8)])
+def test_the_paged_decode_attention_kernel_matches_softmax_over_the_context(isa, hq, hkv, d,
+                                                                            bs):
+    """Every context length around the 16-token groups the AVX-512 kernel sums together
+    (and the block size), read through a shuffled block table, against softmax(q k^T) v
+    over each sequence's gathered keys and values."""
+    k = kernels._build_and_load(isa)
+    torch.manual_seed(hq * d + bs)
+    lens = [1, 2, 15, 16, 17, 31, 33, 48, 50]
+    max_blocks = (max(lens) + bs - 1) // bs
+    num_blocks = len(lens) * max_blocks
+    cache = torch.randn(2, num_blocks, bs, hkv, d)
+    tables = torch.randperm(num_blocks).view(len(lens), max_blocks)
+    q = torch.randn(len(lens), hq, d)
+    scale = d ** -0.5
+    out = k.paged_decode_attention(q, cache, tables, torch.tensor(lens), scale)
+    for b, n in enumerate(lens):
+        keys, values = (cache[i][tables[b]].reshape(-1, hkv, d)[:n]
+                        .repeat_interleave(hq // hkv, dim=1) for i in (0, 1))
+        p = torch.softmax(torch.einsum("hd,thd->ht", q[b], keys) * scale, dim=-1)
+        torch.testing.assert_close(out[b], torch.einsum("ht,thd->hd", p, values),
+                                   rtol=1e-5, atol=1e-5)
