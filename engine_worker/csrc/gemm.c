@@ -9,8 +9,8 @@
  * Register tiles: MR rows of x times NP panels, accumulated over all of K in
  * registers. With -march=native the tile is sized for the machine at hand: up to 8
  * rows x 4 panels at 8 rows or fewer and 8 x 1 above on AVX-512 (32 registers), or 6
- * rows x 1 panel (12 of AVX2's 16, a panel being two 8-float registers). Threads split the panels, so each streams its
- * own share of the weight.
+ * rows x 1 panel (12 of AVX2's 16, a panel being two 8-float registers). Threads
+ * split the panels, so each streams its own share of the weight.
  *
  * Weight formats: float32 panels are read in place. bfloat16 panels store two
  * consecutive inputs of an output together (K/2 pairs x 16 outputs x 2 bf16), the
@@ -69,7 +69,7 @@ typedef float vfu __attribute__((vector_size(VL * 4), aligned(4)));   /* unalign
 #define WIDE_MAX_ROWS 8
 #endif
 /* Up to 8 rows in one block: a batch of 8 reads the weight once, its FMAs overlapping
-   the stream (measured: 1.27x at 8 rows over two blocks of 4, which left memory idle
+   the stream (measured: 1.21x at 8 rows over two blocks of 4, which left memory idle
    while the second computed from cache; 1.05x at 64 rows, 8 x 1 panel). */
 #ifndef MR_MAX
 #define MR_MAX 8
@@ -547,14 +547,16 @@ tile_int(const int MR, const int NP, const int FORMAT, const int8_t *xq, const f
     for (int64_t b = 0; b < blocks; b++) {
         iv sums[8][NP_MAX * PV];
         for (int m = 0; m < MR; m++) {
-            /* int8 bytes hold w + 128: start at -128 sum(x) to sum w x exactly */
-            const iv start = !q4 && unsigned_w ? IV_BROADCAST(xoff + m * blocks + b) : IV_ZERO;
+            /* int8 bytes hold w + 128: from -128 sum(x), the sum is w x's exactly */
+            const iv start = !q4 && unsigned_w ? IV_BROADCAST(xoff + m * blocks + b)
+                                               : IV_ZERO;
             for (int v = 0; v < NP * PV; v++)
                 sums[m][v] = start;
         }
         for (int64_t k = b * RS_INT8_BLOCK; k < (b + 1) * RS_INT8_BLOCK; k += step) {
             const int64_t at = k / step * RS_PANEL * 4;   /* byte of k's group in a panel */
-            iv raw[NP_MAX * PV], w[NP_MAX * PV];   /* VL outputs x 4 inputs (int8), 8 (4-bit) */
+            /* VL outputs x 4 inputs (int8) or 8 (4-bit) per vector */
+            iv raw[NP_MAX * PV], w[NP_MAX * PV];
             for (int v = 0; v < NP * PV; v++) {
                 raw[v] = IV_LOAD(panel0 + (v / PV) * pb + at + (v % PV) * VL * 4);
                 w[v] = q4 ? IV_LO(raw[v]) : unsigned_w ? raw[v] : IV_SIGNED(raw[v]);
