@@ -9,10 +9,17 @@ file); the weights stay in the file and are read from it here, at start:
   is what the file's own dequantization gives;
 - F32 and BF16 linear layers are packed as float32 and bfloat16; F16 ones are widened
   to float32 (exactly: every half is a float);
+- three types are re-stored at start as one of those, for the "K-quant" files most
+  users download (a Q4_K_M file holds Q5_0, Q4_K, Q6_K and Q8_0 tensors): Q5_0 as
+  Q8_0 blocks, exactly (its 5-bit values less 16 are int8 values of the same scale);
+  Q4_K as Q4_1 blocks, the 4-bit values unchanged and each 32-weight sub-block's
+  scale and offset (its super-block's half-precision factor times a 6-bit one)
+  rounded to half precision; Q6_K as Q8_0 blocks, requantized from its values (an
+  error of at most half a step of 127 per block of 32: 1/254 of its largest weight);
 - norms and the embedding rows are read as float32 (the embedding dequantized);
-- a tensor of any other type (Q4_K, Q6_K, ...) is refused at start, by name, as is a
-  tensor the architecture does not use, or q/k/v (gate/up) of different types, which
-  one packed weight cannot hold.
+- a tensor of any other type (Q5_1, Q5_K, IQ4_XS...) is refused at start, by name, as is
+  a tensor the architecture does not use, or q/k/v (gate/up) whose types become
+  different ones, which one packed weight cannot hold.
 
 llama.cpp's converter stores the rows of attn_q and attn_k permuted for its RoPE
 (pairs of rotated dimensions interleaved); they are put back in Hugging Face's order
@@ -38,7 +45,68 @@ logger = logging.getLogger(__name__)
 
 # Dense GGUF types (ggml's ids) and the packed format each becomes.
 DENSE_FORMATS = {0: "float32", 1: "float32", 30: "bfloat16"}  # F32, F16 (widened), BF16
-SERVED = "F32, F16, BF16, Q8_0, Q4_0 and Q4_1"
+Q4_1, Q5_0, Q8_0, Q4_K, Q6_K = 3, 6, 8, 12, 14
+SERVED = "F32, F16, BF16, Q8_0, Q4_0 and Q4_1 as they are, and Q5_0, Q4_K and Q6_K"
+
+
+def _halves(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The half-precision field at byte ``at`` of each block, as float32."""
+    return blocks[:, at:at + 2].copy().view(np.float16)[:, 0].astype(np.float32)
+
+
+def q5_0_as_q8_0(rows: np.ndarray) -> np.ndarray:
+    """Q5_0 blocks (a half scale d, 32 fifth bits, 16 bytes of nibbles; weight
+    d (q - 16)) as Q8_0 blocks (d, then q - 16 as int8): the same weights exactly."""
+    blocks = rows.reshape(-1, 22)
+    qh = blocks[:, 2:6].copy().view("<u4")
+    qs = blocks[:, 6:22]
+    q = np.concatenate([qs & 15, qs >> 4], axis=1).astype(np.int16)   # values 0..15, 16..31
+    q |= (((qh >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.int16)
+    out = np.empty((len(blocks), 34), dtype=np.uint8)
+    out[:, :2] = blocks[:, :2]
+    out[:, 2:] = (q - 16).astype(np.int8).view(np.uint8)
+    return out.reshape(len(rows), -1)
+
+
+def q4_k_as_q4_1(rows: np.ndarray) -> np.ndarray:
+    """Q4_K super-blocks of 256 (half d and dmin, 8 pairs of 6-bit scale and min, 128
+    bytes of nibbles; weight d sc q - dmin m) as eight Q4_1 blocks (half d', half m,
+    16 bytes of nibbles; weight d' q + m): the 4-bit values as they are, d sc and
+    -dmin m rounded to half precision."""
+    blocks = rows.reshape(-1, 144)
+    d, dmin = _halves(blocks, 0), _halves(blocks, 2)
+    s = blocks[:, 4:16].astype(np.int32)
+    sc = np.concatenate([s[:, 0:4] & 63, (s[:, 8:12] & 15) | ((s[:, 0:4] >> 6) << 4)], axis=1)
+    mn = np.concatenate([s[:, 4:8] & 63, (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)], axis=1)
+    qs = blocks[:, 16:].reshape(-1, 4, 32)   # 4 chunks: sub-blocks 2c (low), 2c + 1 (high)
+    q = np.stack([qs & 15, qs >> 4], axis=2).reshape(-1, 8, 32)
+    out = np.empty((len(blocks), 8, 20), dtype=np.uint8)
+    out[:, :, 0:2] = (d[:, None] * sc).astype(np.float16)[..., None].view(np.uint8)
+    out[:, :, 2:4] = (-dmin[:, None] * mn).astype(np.float16)[..., None].view(np.uint8)
+    out[:, :, 4:] = q[:, :, :16] | (q[:, :, 16:] << 4)
+    return out.reshape(len(rows), -1)
+
+
+def q6_k_as_q8_0(rows: np.ndarray) -> np.ndarray:
+    """Q6_K rows (gguf's own dequantization of them) requantized as Q8_0: per block of
+    32, the scale d = largest |weight| / 127 rounded to half precision first and each
+    weight round(w / d), so that no weight is off by more than half of d."""
+    from gguf import GGMLQuantizationType, quants
+
+    values = quants.dequantize(rows, GGMLQuantizationType.Q6_K).reshape(-1, 32)
+    d = (np.abs(values).max(axis=1) / 127).astype(np.float16)
+    d32 = d.astype(np.float32)[:, None]
+    q = np.divide(values, d32, out=np.zeros_like(values), where=d32 > 0)
+    out = np.empty((len(values), 34), dtype=np.uint8)
+    out[:, :2] = d[:, None].view(np.uint8)
+    out[:, 2:] = np.clip(np.rint(q), -127, 127).astype(np.int8).view(np.uint8)
+    return out.reshape(len(rows), -1)
+
+
+# Types re-stored at load: ggml id -> (the type they become, how, in words).
+RESTORED = {Q5_0: (Q8_0, q5_0_as_q8_0, "Q8_0, exactly"),
+            Q4_K: (Q4_1, q4_k_as_q4_1, "Q4_1, sub-block scales rounded to half precision"),
+            Q6_K: (Q8_0, q6_k_as_q8_0, "Q8_0, requantized")}
 
 
 def gguf_file(model_dir: Path) -> Optional[Path]:
@@ -75,7 +143,7 @@ class GgufWeights:
                                  f"architecture (Llama, SmolLM, Mistral...), not {arch!r}")
         bad = [f"{t.name} ({t.tensor_type.name})" for t in self.reader.tensors
                if int(t.tensor_type) not in GGUF_FORMATS and
-               int(t.tensor_type) not in DENSE_FORMATS]
+               int(t.tensor_type) not in DENSE_FORMATS and int(t.tensor_type) not in RESTORED]
         if bad:
             more = f" and {len(bad) - 6} more" if len(bad) > 6 else ""
             raise ModelLoadError(f"{path.name} has tensors in types roseserve cannot serve as "
@@ -115,7 +183,7 @@ class GgufWeights:
         from engine_worker.models import PackedLinear
 
         tensors = [self._take(n) for n in names]
-        types = {int(t.tensor_type) for t in tensors}
+        types = {RESTORED.get(int(t.tensor_type), (int(t.tensor_type),))[0] for t in tensors}
         if len(types) > 1:
             listed = ", ".join(f"{t.name} ({t.tensor_type.name})" for t in tensors)
             raise ModelLoadError(f"{self.path.name}: {listed} are computed as one weight and "
@@ -127,6 +195,8 @@ class GgufWeights:
                 raise ModelLoadError(f"{self.path.name}: tensor {t.name!r} has "
                                      f"{int(t.shape[0])} inputs, expected {in_features}")
             rows = np.asarray(t.data).reshape(int(t.shape[1]), -1)
+            if int(t.tensor_type) in RESTORED:
+                rows = RESTORED[int(t.tensor_type)][1](rows)
             parts.append(rows[unpermute_rows(len(rows), h)] if h else rows)
         rows = np.ascontiguousarray(np.concatenate(parts))
         out_features = rows.shape[0]
@@ -151,6 +221,8 @@ class GgufWeights:
 def load_gguf(model, path: Path, kernels: CpuKernels) -> None:
     """Fill a LlamaModel (built with empty weights) from a GGUF file: every linear
     layer packed from the file's blocks as they are."""
+    from gguf import GGMLQuantizationType
+
     w = GgufWeights(path, kernels)
     cfg = model.cfg
     c, i_size = cfg.hidden_size, cfg.intermediate_size
@@ -172,6 +244,9 @@ def load_gguf(model, path: Path, kernels: CpuKernels) -> None:
     model.lm_head = w.linear(["output.weight" if "output.weight" in w.tensors
                               else "token_embd.weight"], c)
     w.finish()
-    counts = Counter(t.tensor_type.name for t in w.reader.tensors)
-    logger.info("weights: %s as they are (%s)", path.name,
-                ", ".join(f"{n} {k}" for k, n in counts.most_common()))
+    counts = Counter(int(t.tensor_type) for t in w.reader.tensors)
+    name = lambda ggml_type: GGMLQuantizationType(ggml_type).name  # noqa: E731
+    kept = ", ".join(f"{n} {name(k)}" for k, n in counts.most_common() if k not in RESTORED)
+    restored = "".join(f"; {n} {name(k)} re-stored as {RESTORED[k][2]}"
+                       for k, n in counts.most_common() if k in RESTORED)
+    logger.info("weights: %s, as they are: %s%s", path.name, kept, restored)

@@ -128,12 +128,12 @@ def test_tensor_types_it_cannot_serve_are_refused_by_name(tmp_path):
 
     from engine_worker.gguf import GgufWeights
 
-    q6k = np.zeros((64, 210 * 256 // 256), dtype=np.uint8)  # 64 rows of 256 Q6_K weights
+    q5k = np.zeros((64, 176), dtype=np.uint8)  # 64 rows of 256 Q5_K weights
     ok = np.zeros((64, 256), dtype=np.float32)
-    write_gguf(tmp_path / "k.gguf", tensors=[("blk.0.attn_v.weight", q6k, T.Q6_K),
+    write_gguf(tmp_path / "k.gguf", tensors=[("blk.0.attn_v.weight", q5k, T.Q5_K),
                                              ("blk.0.attn_q.weight", ok, T.F32)])
     with pytest.raises(ModelLoadError, match=r"k\.gguf has tensors in types roseserve cannot "
-                       r"serve as they are: blk\.0\.attn_v\.weight \(Q6_K\); it serves F32"):
+                       r"serve as they are: blk\.0\.attn_v\.weight \(Q5_K\); it serves F32"):
         GgufWeights(tmp_path / "k.gguf", kernels.cpu_kernels())
     write_gguf(tmp_path / "q.gguf", arch="qwen2", tensors=[("blk.0.attn_q.weight", ok, T.F32)])
     with pytest.raises(ModelLoadError, match="llama architecture .* not 'qwen2'"):
@@ -153,6 +153,72 @@ def test_q_k_v_of_different_types_are_refused_by_name(tmp_path):
     with pytest.raises(ModelLoadError, match=r"blk\.0\.attn_q\.weight \(Q4_0\), "
                        r"blk\.0\.attn_k\.weight \(Q8_0\) are computed as one weight"):
         weights.linear(["blk.0.attn_q.weight", "blk.0.attn_k.weight"], 64)
+
+
+def random_blocks(rng, rows: int, blocks: int, size: int, halves: tuple[int, ...]):
+    """Rows of random GGUF blocks of ``size`` bytes whose half-precision fields at
+    ``halves`` are small finite scales: any other bytes are valid block contents."""
+    raw = rng.integers(0, 256, (rows, blocks, size), dtype=np.uint8)
+    for at in halves:
+        raw[:, :, at:at + 2] = (rng.standard_normal((rows, blocks, 1)) * 0.01) \
+            .astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def test_k_quant_files_tensors_are_re_stored_as_types_the_kernels_compute(tmp_path):
+    """The types of a Q4_K_M file (llama.cpp's Q4_K_M of the default model holds Q5_0,
+    Q4_K, Q6_K and Q8_0 tensors, q and k Q5_0 beside a Q8_0 v): Q5_0 becomes Q8_0
+    exactly, so q, k and v make one int8 weight equal to gguf's dequantization; Q4_K
+    becomes Q4_1 with each sub-block's scale and offset rounded to half precision; Q6_K
+    is requantized as Q8_0. Q4_K beside Q8_0 (4-bit and int8) cannot be one weight."""
+    from gguf import GGMLQuantizationType as T, quants
+
+    from engine_worker.gguf import GgufWeights
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 256)).astype(np.float32)
+    tensors = {"blk.0.attn_q.weight": (random_blocks(rng, 64, 8, 22, (0,)), T.Q5_0),
+               "blk.0.attn_k.weight": (quants.quantize(w[:32], T.Q5_0), T.Q5_0),
+               "blk.0.attn_v.weight": (quants.quantize(w[32:], T.Q8_0), T.Q8_0),
+               "blk.0.ffn_gate.weight": (random_blocks(rng, 32, 1, 144, (0, 2)), T.Q4_K),
+               "blk.0.ffn_up.weight": (random_blocks(rng, 16, 1, 144, (0, 2)), T.Q4_K),
+               "blk.0.ffn_down.weight": (random_blocks(rng, 48, 1, 210, (208,)), T.Q6_K)}
+    write_gguf(tmp_path / "km.gguf", tensors=[(n, a, t) for n, (a, t) in tensors.items()])
+    weights, k = GgufWeights(tmp_path / "km.gguf", kernels.cpu_kernels()), kernels.cpu_kernels()
+
+    def dequantized(*names):
+        return torch.from_numpy(np.concatenate(
+            [quants.dequantize(*tensors[n]).reshape(len(tensors[n][0]), -1) for n in names]))
+
+    def unpacked(lin):
+        return k.unpack(lin.packed, lin.out_features, lin.in_features, lin.fmt)
+
+    qkv = weights.linear(["blk.0.attn_q.weight", "blk.0.attn_k.weight",
+                          "blk.0.attn_v.weight"], 256)
+    assert (qkv.fmt, qkv.out_features) == ("int8", 128)
+    assert torch.equal(unpacked(qkv), dequantized("blk.0.attn_q.weight", "blk.0.attn_k.weight",
+                                                  "blk.0.attn_v.weight"))
+    gate_up = weights.linear(["blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"], 256)
+    assert gate_up.fmt == "q4"
+    want = dequantized("blk.0.ffn_gate.weight", "blk.0.ffn_up.weight")
+    # a weight d sc q - dmin m, with d sc and dmin m each off by at most half an ulp of
+    # half precision (2^-11 of it), q at most 15
+    blocks = np.concatenate([tensors[n][0] for n in ("blk.0.ffn_gate.weight",
+                                                     "blk.0.ffn_up.weight")]).reshape(-1, 144)
+    d, dmin = (torch.from_numpy(blocks[:, at:at + 2].copy().view(np.float16)[:, 0]
+                                .astype(np.float32)).abs().repeat_interleave(256)
+               for at in (0, 2))
+    bound = (15 * 63 * d + 63 * dmin) * 2.0 ** -11
+    err = (unpacked(gate_up) - want).abs().flatten()
+    assert (err <= bound + 1e-12).all() and err.max() > 0  # rounded, not exact
+    down = weights.linear(["blk.0.ffn_down.weight"], 256)
+    assert down.fmt == "int8"
+    want = dequantized("blk.0.ffn_down.weight").view(-1, 32)
+    err = (unpacked(down).view(-1, 32) - want).abs().amax(-1)
+    assert (err <= want.abs().amax(-1) / 250).all()  # half a step of 127: 1/254
+    with pytest.raises(ModelLoadError, match=r"blk\.0\.ffn_gate\.weight \(Q4_K\), "
+                       r"blk\.0\.attn_v\.weight \(Q8_0\) are computed as one weight"):
+        weights.linear(["blk.0.ffn_gate.weight", "blk.0.attn_v.weight"], 256)
 
 
 def test_a_gguf_file_is_not_requantized(gguf_path):
