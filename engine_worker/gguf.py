@@ -9,15 +9,17 @@ file); the weights stay in the file and are read from it here, at start:
   is what the file's own dequantization gives;
 - F32 and BF16 linear layers are packed as float32 and bfloat16; F16 ones are widened
   to float32 (exactly: every half is a float);
-- three types are re-stored at start as one of those, for the "K-quant" files most
-  users download (a Q4_K_M file holds Q5_0, Q4_K, Q6_K and Q8_0 tensors): Q5_0 as
-  Q8_0 blocks, exactly (its 5-bit values less 16 are int8 values of the same scale);
-  Q4_K as Q4_1 blocks, the 4-bit values unchanged and each 32-weight sub-block's
-  scale and offset (its super-block's half-precision factor times a 6-bit one)
-  rounded to half precision; Q6_K as Q8_0 blocks, requantized from its values (an
-  error of at most half a step of 127 per block of 32: 1/254 of its largest weight);
+- the other types of llama.cpp's "K-quant" files, which most users download (its
+  Q4_K_M of the default model holds Q5_0, Q4_K, Q6_K and Q8_0 tensors), are
+  re-stored at start as one of those: Q5_0 as Q8_0 blocks, exactly (its 5-bit values
+  less 16 are int8 values of the same scale); Q4_K as Q4_1 blocks, the 4-bit values
+  unchanged and each 32-weight sub-block's scale and offset (its super-block's
+  half-precision factor times a 6-bit one) rounded to half precision; Q5_1, Q2_K,
+  Q3_K, Q5_K and Q6_K as Q8_0 blocks, requantized from their values (an error of at
+  most half a step of 127 per block of 32: 1/254 of its largest weight; 1.06 bytes a
+  weight, more than the file's);
 - norms and the embedding rows are read as float32 (the embedding dequantized);
-- a tensor of any other type (Q5_1, Q5_K, IQ4_XS...) is refused at start, by name, as is
+- a tensor of any other type (IQ4_XS, TQ1_0...) is refused at start, by name, as is
   a tensor the architecture does not use, or q/k/v (gate/up) whose types become
   different ones, which one packed weight cannot hold.
 
@@ -45,8 +47,9 @@ logger = logging.getLogger(__name__)
 
 # Dense GGUF types (ggml's ids) and the packed format each becomes.
 DENSE_FORMATS = {0: "float32", 1: "float32", 30: "bfloat16"}  # F32, F16 (widened), BF16
-Q4_1, Q5_0, Q8_0, Q4_K, Q6_K = 3, 6, 8, 12, 14
-SERVED = "F32, F16, BF16, Q8_0, Q4_0 and Q4_1 as they are, and Q5_0, Q4_K and Q6_K"
+Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 3, 6, 7, 8, 10, 11, 12, 13, 14
+SERVED = ("F32, F16, BF16, Q8_0, Q4_0 and Q4_1 as they are, and Q5_0, Q5_1, Q2_K, Q3_K, "
+          "Q4_K, Q5_K and Q6_K re-stored")
 
 
 def _halves(blocks: np.ndarray, at: int) -> np.ndarray:
@@ -87,13 +90,14 @@ def q4_k_as_q4_1(rows: np.ndarray) -> np.ndarray:
     return out.reshape(len(rows), -1)
 
 
-def q6_k_as_q8_0(rows: np.ndarray) -> np.ndarray:
-    """Q6_K rows (gguf's own dequantization of them) requantized as Q8_0: per block of
-    32, the scale d = largest |weight| / 127 rounded to half precision first and each
-    weight round(w / d), so that no weight is off by more than half of d."""
-    from gguf import GGMLQuantizationType, quants
+def requantized_as_q8_0(rows: np.ndarray, ggml_type: int) -> np.ndarray:
+    """Rows of another block type (gguf's own dequantization of them) requantized as
+    Q8_0: per block of 32, the scale d = largest |weight| / 127 rounded to half
+    precision first and each weight round(w / d), so that no weight is off by more
+    than half of d."""
+    from gguf import quants
 
-    values = quants.dequantize(rows, GGMLQuantizationType.Q6_K).reshape(-1, 32)
+    values = quants.dequantize(rows, ggml_type).reshape(-1, 32)
     d = (np.abs(values).max(axis=1) / 127).astype(np.float16)
     d32 = d.astype(np.float32)[:, None]
     q = np.divide(values, d32, out=np.zeros_like(values), where=d32 > 0)
@@ -106,7 +110,8 @@ def q6_k_as_q8_0(rows: np.ndarray) -> np.ndarray:
 # Types re-stored at load: ggml id -> (the type they become, how, in words).
 RESTORED = {Q5_0: (Q8_0, q5_0_as_q8_0, "Q8_0, exactly"),
             Q4_K: (Q4_1, q4_k_as_q4_1, "Q4_1, sub-block scales rounded to half precision"),
-            Q6_K: (Q8_0, q6_k_as_q8_0, "Q8_0, requantized")}
+            **{t: (Q8_0, lambda rows, t=t: requantized_as_q8_0(rows, t), "Q8_0, requantized")
+               for t in (Q5_1, Q2_K, Q3_K, Q5_K, Q6_K)}}
 
 
 def gguf_file(model_dir: Path) -> Optional[Path]:

@@ -128,12 +128,12 @@ def test_tensor_types_it_cannot_serve_are_refused_by_name(tmp_path):
 
     from engine_worker.gguf import GgufWeights
 
-    q5k = np.zeros((64, 176), dtype=np.uint8)  # 64 rows of 256 Q5_K weights
+    iq4 = np.zeros((64, 136), dtype=np.uint8)  # 64 rows of 256 IQ4_XS weights
     ok = np.zeros((64, 256), dtype=np.float32)
-    write_gguf(tmp_path / "k.gguf", tensors=[("blk.0.attn_v.weight", q5k, T.Q5_K),
+    write_gguf(tmp_path / "k.gguf", tensors=[("blk.0.attn_v.weight", iq4, T.IQ4_XS),
                                              ("blk.0.attn_q.weight", ok, T.F32)])
     with pytest.raises(ModelLoadError, match=r"k\.gguf has tensors in types roseserve cannot "
-                       r"serve as they are: blk\.0\.attn_v\.weight \(Q5_K\); it serves F32"):
+                       r"serve as they are: blk\.0\.attn_v\.weight \(IQ4_XS\); it serves F32"):
         GgufWeights(tmp_path / "k.gguf", kernels.cpu_kernels())
     write_gguf(tmp_path / "q.gguf", arch="qwen2", tensors=[("blk.0.attn_q.weight", ok, T.F32)])
     with pytest.raises(ModelLoadError, match="llama architecture .* not 'qwen2'"):
@@ -169,8 +169,8 @@ def test_k_quant_files_tensors_are_re_stored_as_types_the_kernels_compute(tmp_pa
     """The types of a Q4_K_M file (llama.cpp's Q4_K_M of the default model holds Q5_0,
     Q4_K, Q6_K and Q8_0 tensors, q and k Q5_0 beside a Q8_0 v): Q5_0 becomes Q8_0
     exactly, so q, k and v make one int8 weight equal to gguf's dequantization; Q4_K
-    becomes Q4_1 with each sub-block's scale and offset rounded to half precision; Q6_K
-    is requantized as Q8_0. Q4_K beside Q8_0 (4-bit and int8) cannot be one weight."""
+    becomes Q4_1 with each sub-block's scale and offset rounded to half precision (Q6_K:
+    the next test). Q4_K beside Q8_0 (4-bit and int8) cannot be one weight."""
     from gguf import GGMLQuantizationType as T, quants
 
     from engine_worker.gguf import GgufWeights
@@ -181,8 +181,7 @@ def test_k_quant_files_tensors_are_re_stored_as_types_the_kernels_compute(tmp_pa
                "blk.0.attn_k.weight": (quants.quantize(w[:32], T.Q5_0), T.Q5_0),
                "blk.0.attn_v.weight": (quants.quantize(w[32:], T.Q8_0), T.Q8_0),
                "blk.0.ffn_gate.weight": (random_blocks(rng, 32, 1, 144, (0, 2)), T.Q4_K),
-               "blk.0.ffn_up.weight": (random_blocks(rng, 16, 1, 144, (0, 2)), T.Q4_K),
-               "blk.0.ffn_down.weight": (random_blocks(rng, 48, 1, 210, (208,)), T.Q6_K)}
+               "blk.0.ffn_up.weight": (random_blocks(rng, 16, 1, 144, (0, 2)), T.Q4_K)}
     write_gguf(tmp_path / "km.gguf", tensors=[(n, a, t) for n, (a, t) in tensors.items()])
     weights, k = GgufWeights(tmp_path / "km.gguf", kernels.cpu_kernels()), kernels.cpu_kernels()
 
@@ -211,14 +210,36 @@ def test_k_quant_files_tensors_are_re_stored_as_types_the_kernels_compute(tmp_pa
     bound = (15 * 63 * d + 63 * dmin) * 2.0 ** -11
     err = (unpacked(gate_up) - want).abs().flatten()
     assert (err <= bound + 1e-12).all() and err.max() > 0  # rounded, not exact
-    down = weights.linear(["blk.0.ffn_down.weight"], 256)
-    assert down.fmt == "int8"
-    want = dequantized("blk.0.ffn_down.weight").view(-1, 32)
-    err = (unpacked(down).view(-1, 32) - want).abs().amax(-1)
-    assert (err <= want.abs().amax(-1) / 250).all()  # half a step of 127: 1/254
     with pytest.raises(ModelLoadError, match=r"blk\.0\.ffn_gate\.weight \(Q4_K\), "
                        r"blk\.0\.attn_v\.weight \(Q8_0\) are computed as one weight"):
         weights.linear(["blk.0.ffn_gate.weight", "blk.0.attn_v.weight"], 256)
+
+
+# Bytes per block and where its half-precision scales are, for the types requantized.
+REQUANTIZED = {"Q5_1": (24, (0, 2)), "Q2_K": (84, (80, 82)), "Q3_K": (110, (108,)),
+               "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
+
+
+@pytest.mark.parametrize("type_name", list(REQUANTIZED))
+def test_other_k_quant_types_are_requantized_as_q8_0(tmp_path, type_name):
+    """Q5_1, Q2_K, Q3_K, Q5_K and Q6_K become int8 weights (Q8_0 blocks) within half a
+    step of 127 of gguf's dequantization, per block of 32."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+    from engine_worker.gguf import GgufWeights
+
+    t = GGMLQuantizationType[type_name]
+    size, halves = REQUANTIZED[type_name]
+    raw = random_blocks(np.random.default_rng(int(t)), 48, 256 // GGML_QUANT_SIZES[t][0],
+                        size, halves)
+    write_gguf(tmp_path / "r.gguf", tensors=[("blk.0.ffn_down.weight", raw, t)])
+    lin = GgufWeights(tmp_path / "r.gguf", kernels.cpu_kernels()).linear(
+        ["blk.0.ffn_down.weight"], 256)
+    assert lin.fmt == "int8"
+    want = torch.from_numpy(quants.dequantize(raw, t)).view(-1, 32)
+    got = kernels.cpu_kernels().unpack(lin.packed, 48, 256, "int8").view(-1, 32)
+    err = (got - want).abs().amax(-1)
+    assert (err <= want.abs().amax(-1) / 250).all() and (err > 0).any()
 
 
 def test_a_gguf_file_is_not_requantized(gguf_path):
