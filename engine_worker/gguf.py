@@ -114,6 +114,18 @@ RESTORED = {Q5_0: (Q8_0, q5_0_as_q8_0, "Q8_0, exactly"),
                for t in (Q5_1, Q2_K, Q3_K, Q5_K, Q6_K)}}
 
 
+# Bytes of blocks re-stored at a time: at most ~3 weights a byte (Q2_K), so the
+# temporary float32 values stay near 50 MiB whatever the tensor's size (an 8B model's
+# embedding holds half a billion weights).
+RESTORE_CHUNK_BYTES = 1 << 22
+
+
+def _restored(rows: np.ndarray, convert) -> np.ndarray:
+    """``convert`` applied to ``rows`` a chunk of rows at a time."""
+    n = max(1, RESTORE_CHUNK_BYTES // max(1, rows.shape[1]))
+    return np.concatenate([convert(rows[i:i + n]) for i in range(0, len(rows), n)])
+
+
 def gguf_file(model_dir: Path) -> Optional[Path]:
     """The GGUF file a model folder's weights are read from, or None (safetensors)."""
     pointer = model_dir / GGUF_POINTER
@@ -201,7 +213,7 @@ class GgufWeights:
                                      f"{int(t.shape[0])} inputs, expected {in_features}")
             rows = np.asarray(t.data).reshape(int(t.shape[1]), -1)
             if int(t.tensor_type) in RESTORED:
-                rows = RESTORED[int(t.tensor_type)][1](rows)
+                rows = _restored(rows, RESTORED[int(t.tensor_type)][1])
             parts.append(rows[unpermute_rows(len(rows), h)] if h else rows)
         rows = np.ascontiguousarray(np.concatenate(parts))
         out_features = rows.shape[0]
@@ -225,7 +237,7 @@ class GgufWeights:
 @torch.no_grad()
 def load_gguf(model, path: Path, kernels: CpuKernels) -> None:
     """Fill a LlamaModel (built with empty weights) from a GGUF file: every linear
-    layer packed from the file's blocks as they are."""
+    layer packed from the file's blocks, as they are or re-stored (RESTORED)."""
     from gguf import GGMLQuantizationType
 
     w = GgufWeights(path, kernels)

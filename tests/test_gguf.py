@@ -165,15 +165,20 @@ def random_blocks(rng, rows: int, blocks: int, size: int, halves: tuple[int, ...
     return raw.reshape(rows, -1)
 
 
-def test_k_quant_files_tensors_are_re_stored_as_types_the_kernels_compute(tmp_path):
+def test_k_quant_files_tensors_are_re_stored_as_types_the_kernels_compute(tmp_path,
+                                                                            monkeypatch):
     """The types of a Q4_K_M file (llama.cpp's Q4_K_M of the default model holds Q5_0,
     Q4_K, Q6_K and Q8_0 tensors, q and k Q5_0 beside a Q8_0 v): Q5_0 becomes Q8_0
     exactly, so q, k and v make one int8 weight equal to gguf's dequantization; Q4_K
     becomes Q4_1 with each sub-block's scale and offset rounded to half precision (Q6_K:
-    the next test). Q4_K beside Q8_0 (4-bit and int8) cannot be one weight."""
+    the next test). Q4_K beside Q8_0 (4-bit and int8) cannot be one weight. Tensors are
+    re-stored a few rows at a time here (RESTORE_CHUNK_BYTES), as large ones are."""
     from gguf import GGMLQuantizationType as T, quants
 
+    from engine_worker import gguf as gguf_module
     from engine_worker.gguf import GgufWeights
+
+    monkeypatch.setattr(gguf_module, "RESTORE_CHUNK_BYTES", 600)   # 3 Q5_0, 4 Q4_K rows
 
     rng = np.random.default_rng(0)
     w = rng.standard_normal((64, 256)).astype(np.float32)
@@ -221,17 +226,20 @@ REQUANTIZED = {"Q5_1": (24, (0, 2)), "Q2_K": (84, (80, 82)), "Q3_K": (110, (108,
 
 
 @pytest.mark.parametrize("type_name", list(REQUANTIZED))
-def test_other_k_quant_types_are_requantized_as_q8_0(tmp_path, type_name):
+def test_other_k_quant_types_are_requantized_as_q8_0(tmp_path, monkeypatch, type_name):
     """Q5_1, Q2_K, Q3_K, Q5_K and Q6_K become int8 weights (Q8_0 blocks) within half a
-    step of 127 of gguf's dequantization, per block of 32."""
+    step of 127 of gguf's dequantization, per block of 32, requantized a few rows at a
+    time (the 48 rows in 10 chunks)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
+    from engine_worker import gguf as gguf_module
     from engine_worker.gguf import GgufWeights
 
     t = GGMLQuantizationType[type_name]
     size, halves = REQUANTIZED[type_name]
     raw = random_blocks(np.random.default_rng(int(t)), 48, 256 // GGML_QUANT_SIZES[t][0],
                         size, halves)
+    monkeypatch.setattr(gguf_module, "RESTORE_CHUNK_BYTES", 5 * raw.shape[1])
     write_gguf(tmp_path / "r.gguf", tensors=[("blk.0.ffn_down.weight", raw, t)])
     lin = GgufWeights(tmp_path / "r.gguf", kernels.cpu_kernels()).linear(
         ["blk.0.ffn_down.weight"], 256)
