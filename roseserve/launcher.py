@@ -14,8 +14,8 @@ others keep serving meanwhile (the frontend answers 503 with Retry-After while n
 engine is up, and reconnects to a restarted one by itself). A component that fails
 MAX_FAILURES times in a row, each run shorter than STABLE_S, is crash-looping: the
 command gives up, names it and prints its last log lines, stops the rest and exits 1.
-Ctrl-C (or SIGTERM) stops the frontend first, then the tokenizer pool and the engines
-(which finish what is in flight), and exits 0.
+Ctrl-C (or SIGTERM) stops the frontends first, then the tokenizer pool and the engines
+together (the engines finish what is in flight), and exits 0.
 
 Rolling restart: SIGHUP restarts the engines one at a time (to load new weights or a
 new release). Each is sent SIGTERM and drains: it tells the frontend at once, which
@@ -101,16 +101,24 @@ class Component:
         return "\n".join(f"  {self.name} | {line}" for line in self.tail)
 
     def stop(self, timeout_s: float) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        self.process.send_signal(signal.SIGTERM)
+        stop_all([self], timeout_s)
+
+
+def stop_all(stack: list[Component], timeout_s: float) -> None:
+    """SIGTERM every running component at once, wait for them all until one deadline,
+    then kill what is left."""
+    running = [c for c in stack if c.process is not None and c.process.poll() is None]
+    for c in running:
+        c.process.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    for c in running:
         try:
-            self.process.wait(timeout_s)
+            c.process.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            print(f"roseserve: {self.name} did not stop within {timeout_s:.0f} s; killing it",
+            print(f"roseserve: {c.name} did not stop within {timeout_s:.0f} s; killing it",
                   file=sys.stderr, flush=True)
-            self.process.kill()
-            self.process.wait()
+            c.process.kill()
+            c.process.wait()
 
 
 def _forward(args: argparse.Namespace, names: list[str]) -> list[str]:
@@ -227,8 +235,12 @@ def serve(args: argparse.Namespace) -> int:
     finally:
         # Before readiness nothing is in flight, and a component still starting may
         # not act on SIGTERM until it has started: do not wait long for it.
-        for component in reversed(stack):
-            component.stop(STOP_TIMEOUT_S if ready else STARTUP_STOP_TIMEOUT_S)
+        # The frontends first, so that nothing new reaches the engines; then the
+        # tokenizer pool and the engines together.
+        timeout_s = STOP_TIMEOUT_S if ready else STARTUP_STOP_TIMEOUT_S
+        frontends = [c for c in stack if c.name.startswith("frontend")]
+        stop_all(frontends, timeout_s)
+        stop_all([c for c in stack if c not in frontends], timeout_s)
         shutil.rmtree(run_dir, ignore_errors=True)
     return code
 

@@ -134,3 +134,42 @@ def test_a_crash_looping_component_is_given_up_on_named_with_its_last_lines(tiny
     # Its last log lines are quoted in the give-up message.
     assert "  tokenizer | injected start failure in the tokenizer_pool" in log
     assert not psutil.pid_exists(serve_.proc.pid) or serve_.proc.poll() is not None
+
+
+CHILD = """
+import signal, sys, time
+log = open(sys.argv[1], "a")
+def term(*_):
+    if sys.argv[2] == "ignore":
+        return
+    log.write(f"term {time.monotonic()}\\n"); log.flush()
+    time.sleep(0.5)  # a drain
+    log.write(f"exit {time.monotonic()}\\n"); log.flush()
+    sys.exit(0)
+signal.signal(signal.SIGTERM, term)
+log.write("up\\n"); log.flush()
+time.sleep(60)
+"""
+
+
+def test_stop_all_signals_every_component_before_waiting_and_kills_at_the_deadline(tmp_path):
+    from roseserve.launcher import Component, stop_all
+
+    stack = [Component(f"c{i}", [sys.executable, "-c", CHILD, str(tmp_path / f"c{i}.log"),
+                                 "ignore" if i == 3 else "drain"]) for i in range(4)]
+    for c in stack:
+        c.start()
+    deadline = time.monotonic() + 30
+    while not all((tmp_path / f"c{i}.log").exists() and (tmp_path / f"c{i}.log").read_text()
+                  for i in range(4)):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    stop_all(stack, timeout_s=3.0)
+    assert [c.process.returncode for c in stack] == [0, 0, 0, -signal.SIGKILL]
+    events = [line.split() for i in range(3)
+              for line in (tmp_path / f"c{i}.log").read_text().splitlines()[1:]]
+    terms = [float(t) for kind, t in events if kind == "term"]
+    exits = [float(t) for kind, t in events if kind == "exit"]
+    # Each was told to stop before any had finished stopping (one after another, the
+    # second would hear of it only after the first had drained).
+    assert len(terms) == len(exits) == 3 and max(terms) < min(exits)
