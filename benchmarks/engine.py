@@ -67,6 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="engine decode batch (default: --num-requests)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--hf-batch-sizes", default="8,same",
                    help="comma-separated HF generate batch sizes; 'same' = engine concurrency")
@@ -281,7 +282,8 @@ def roofline(engine, args) -> dict:
     out = {"gemm_gflops": rate / 1e9,
            "gemm_from": rate_from, "gemm_rates_gflops": {k: v / 1e9 for k, v in rates.items()},
            "weights": runner.weight_format, "bf16_path": kernels.bf16_path,
-           "weight_bytes": weight_bytes, "batches": []}
+           "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes_per_token,
+           "batches": []}
     for batch in roofline_batches(args):
         # The bandwidth a VM gets moves by up to 1.7x from minute to minute (its
         # neighbours): measured right before and right after the batch's steps, the
@@ -308,7 +310,8 @@ def start_engine_process(args, concurrency: int, address: str):
 
     cmd = [sys.executable, "-m", "engine_worker", "--device", "cpu", "--bind", address,
            "--threads", str(args.threads), "--max-batch-size", str(concurrency),
-           "--block-size", str(args.block_size), "--log-level", "WARNING"]
+           "--block-size", str(args.block_size), "--kv-cache-dtype", args.kv_cache_dtype,
+           "--log-level", "WARNING"]
     if args.model:
         cmd += ["--model", args.model]
     if args.max_num_batched_tokens:
@@ -395,7 +398,7 @@ def main(argv=None) -> int:
         return LLMEngine(EngineConfig(
             model=args.model, device="cpu", num_threads=args.threads, dtype=dtype,
             quantization=quantization,
-            cache=CacheConfig(block_size=args.block_size,
+            cache=CacheConfig(block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype,
                               enable_prefix_caching=not args.no_prefix_cache),
             scheduler=SchedulerConfig(
                 max_batch_size=max([concurrency, *roofline_batches(args)]),

@@ -52,6 +52,10 @@ class CacheConfig:
     # Exact number of blocks, overriding the memory budget (tests use small pools).
     num_blocks: Optional[int] = None
     enable_prefix_caching: bool = True
+    # The KV cache's element type: "auto" (the dtype the engine computes in), or on the
+    # CPU "bfloat16" (half the bytes to read per step and to hold; keys and values
+    # rounded to bfloat16 as they are written) or "float32".
+    kv_cache_dtype: str = "auto"
     # Prefill/decode disaggregation, decode side (engine_worker/kv_transfer.py): a KV
     # transfer not complete by then ends, and the engine computes the rest itself; a
     # pull asks for at most window bytes of blocks; the bytes asked for and not yet
@@ -62,6 +66,9 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"kv_cache_dtype must be auto, float32 or bfloat16, got "
+                             f"{self.kv_cache_dtype!r}")
         if not self.kv_transfer_timeout_s > 0:
             raise ValueError(f"kv_transfer_timeout_s must be positive, got "
                              f"{self.kv_transfer_timeout_s}")

@@ -52,6 +52,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="KV pool size in GiB (default: 2 on CPU; on CUDA, what "
                         "--gpu-memory-utilization leaves after the weights, a profiled "
                         "step and the CUDA graphs)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="auto: the dtype the model computes in (float32 on CPU, the model's "
+                        "dtype on CUDA); bfloat16 on the CPU: half the KV bytes to hold and "
+                        "read, keys and values rounded to bfloat16 (as llama.cpp's default "
+                        "f16 cache)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="CUDA: share of the GPU's total memory the engine may use")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
@@ -89,6 +94,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         load_format=args.load_format, attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=memory,
+                          kv_cache_dtype=args.kv_cache_dtype,
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           enable_prefix_caching=not args.no_prefix_cache,
                           kv_transfer_timeout_s=args.kv_transfer_timeout,

@@ -73,8 +73,8 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """k and v (N, Hkv, D) into their slots of one layer's cache."""
     h_kv, d = k.shape[1:]
-    kv_cache[0].view(-1, h_kv, d).index_copy_(0, slot_mapping, k)
-    kv_cache[1].view(-1, h_kv, d).index_copy_(0, slot_mapping, v)
+    kv_cache[0].view(-1, h_kv, d).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    kv_cache[1].view(-1, h_kv, d).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
 class AttentionBackend:
@@ -123,9 +123,11 @@ class TorchAttention(AttentionBackend):
                                     meta.block_tables[s], lens[s])
         return out.view(n, self.num_heads * d)
 
-    def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
-        """(2, num_blocks, bs, Hkv, D) cache, (...) ids -> (2, ..., bs, Hkv, D)."""
-        gathered = torch.index_select(kv_cache, 1, block_ids.reshape(-1))
+    def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+        """(2, num_blocks, bs, Hkv, D) cache, (...) ids -> (2, ..., bs, Hkv, D) in
+        ``dtype`` (the queries')."""
+        gathered = torch.index_select(kv_cache, 1, block_ids.reshape(-1)).to(dtype)
         return gathered.view(2, *block_ids.shape, *kv_cache.shape[2:])
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor,
@@ -134,7 +136,7 @@ class TorchAttention(AttentionBackend):
         lens = torch.tensor(meta.seq_lens_host[:b], device=q.device)
         width = -(-max(meta.seq_lens_host[:b]) // bs)
         tables = meta.block_tables[:b, :width]
-        kv = self._gather(kv_cache, tables)  # (2, B, nb, bs, Hkv, D)
+        kv = self._gather(kv_cache, tables, q.dtype)  # (2, B, nb, bs, Hkv, D)
         kv = kv.view(2, b, -1, self.num_kv_heads, self.head_dim).transpose(2, 3)
         mask = torch.arange(width * bs, device=q.device).unsqueeze(0) < lens.unsqueeze(1)
         out = F.scaled_dot_product_attention(
@@ -146,12 +148,14 @@ class TorchAttention(AttentionBackend):
                kv_cache: torch.Tensor, block_table: torch.Tensor, context_len: int
                ) -> torch.Tensor:
         length = q.shape[0]
-        if context_len == length:
-            # No cached prefix: attend within the chunk, causally.
+        if context_len == length and kv_cache.dtype == q.dtype:
+            # No cached prefix: attend within the chunk, causally. (A cache of another
+            # dtype is read back, so that the chunk sees its keys rounded as every later
+            # query will, and as the C kernels do.)
             keys, values, mask, causal = k, v, None, True
         else:
             blocks = block_table[:-(-context_len // kv_cache.shape[2])]
-            kv = self._gather(kv_cache, blocks)  # (2, nb, bs, Hkv, D)
+            kv = self._gather(kv_cache, blocks, q.dtype)  # (2, nb, bs, Hkv, D)
             kv = kv.view(2, -1, self.num_kv_heads, self.head_dim)[:, :context_len]
             q_pos = torch.arange(context_len - length, context_len, device=q.device)
             mask = torch.arange(context_len, device=q.device).unsqueeze(0) <= q_pos.unsqueeze(1)

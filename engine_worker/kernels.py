@@ -48,8 +48,8 @@ class CpuKernels:
     def __init__(self, lib: ctypes.CDLL) -> None:
         fn = lib.rs_paged_decode_attention
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
-                       ctypes.c_float]
+        fn.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, i64, i64,
+                       i64, ctypes.c_float]
         fn.restype = ctypes.c_int
         self._decode = fn
         self._argmax = lib.rs_argmax_rows
@@ -59,7 +59,8 @@ class CpuKernels:
         self._add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
         self._add_rms_norm.restype = None
         self._rope_write_kv = lib.rs_rope_write_kv
-        self._rope_write_kv.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64]
+        self._rope_write_kv.argtypes = [ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ptr, i64, i64,
+                                        i64, i64]
         self._rope_write_kv.restype = None
         self._silu_mul = lib.rs_silu_mul
         self._silu_mul.argtypes = [ptr, ptr, i64, i64]
@@ -165,7 +166,8 @@ class CpuKernels:
         n = qkv.shape[0]
         self._rope_write_kv(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                             kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
-                            slot_mapping.data_ptr(), n, num_heads, num_kv_heads, head_dim)
+                            kv_type(kv_cache.dtype), slot_mapping.data_ptr(), n, num_heads,
+                            num_kv_heads, head_dim)
         return split_qkv(qkv, num_heads, num_kv_heads, head_dim)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -191,14 +193,14 @@ class CpuKernels:
     def paged_decode_attention(self, q: torch.Tensor, kv_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
                                scale: float) -> torch.Tensor:
-        """q (B, Hq, D) float32, kv_cache (2, num_blocks, bs, Hkv, D), block_tables
-        (B, max_blocks) and context_lens (B,) int64 -> (B, Hq, D)."""
+        """q (B, Hq, D) float32, kv_cache (2, num_blocks, bs, Hkv, D) float32 or
+        bfloat16, block_tables (B, max_blocks) and context_lens (B,) int64 -> (B, Hq, D)."""
         q = q.contiguous()
         b, hq, d = q.shape
         _, _, block_size, hkv, _ = kv_cache.shape
         out = torch.empty_like(q)
         rc = self._decode(q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
-                          block_tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(),
+                          kv_type(kv_cache.dtype), block_tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(),
                           b, hq, hkv, d, block_size, block_tables.shape[1], scale)
         if rc == -2:
             raise ValueError(f"paged attention kernel needs head_dim a multiple of 16 "
@@ -206,6 +208,16 @@ class CpuKernels:
         if rc != 0:
             raise MemoryError("paged attention kernel could not allocate scratch memory")
         return out
+
+
+# KV cache element types the C kernels read and write (RS_KV_F32, RS_KV_BF16).
+KV_TYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def kv_type(dtype: torch.dtype) -> int:
+    if dtype not in KV_TYPES:
+        raise ValueError(f"the CPU kernels keep the KV cache in float32 or bfloat16, not {dtype}")
+    return KV_TYPES[dtype]
 
 
 # Packed weight formats (RS_F32, RS_BF16, RS_INT8 in kernels.h). int8 keeps one float
@@ -233,6 +245,7 @@ class _Llama(ctypes.Structure):
         "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate",
         "vocab", "block_size")),
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("lm_head_format", ctypes.c_int64),
+        ("kv_type", ctypes.c_int64),
         ("embed", ctypes.c_void_p), ("lm_head", ctypes.c_void_p), ("norm", ctypes.c_void_p),
         ("layers", ctypes.POINTER(_Layer))]
 
@@ -280,6 +293,7 @@ class FusedLlama:
             cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
             cfg.intermediate_size, cfg.vocab_size, block_size, cfg.norm_eps,
             cfg.head_dim ** -0.5, WEIGHT_FORMATS[model.lm_head.fmt],
+            kv_type(kv_caches[0].dtype),
             _ptr(model.embed_tokens.weight), _ptr(model.lm_head.packed),
             _ptr(model.norm.weight), self._layers)
         self._keep = (model, kv_caches)  # everything the pointers point into

@@ -76,7 +76,7 @@ class ModelRunner:
             raise ValueError(f"{gguf_path.name} is served as it is: --quantization and "
                              f"--dtype (other than auto or float32) do not apply to it")
         # On the CPU kernels, bfloat16 and int8 are formats of the packed weights;
-        # activations and the KV cache stay float32.
+        # activations stay float32 (and the KV cache, unless --kv-cache-dtype says).
         self.weight_format = str(dtype).removeprefix("torch.")
         if kernels is not None:
             self.weight_format = config.quantization or (
@@ -86,6 +86,12 @@ class ModelRunner:
             raise ValueError(f"{config.quantization} weights need the CPU C kernels (--device "
                              f"cpu, a C compiler, not --no-cpu-kernels)")
         self.dtype = dtype
+        self.kv_dtype = dtype if cache.kv_cache_dtype == "auto" else getattr(
+            torch, cache.kv_cache_dtype)
+        if self.kv_dtype != dtype and device.type != "cpu":
+            raise ValueError(f"--kv-cache-dtype {cache.kv_cache_dtype}: on {device.type} the KV "
+                             f"cache is kept in the dtype the model computes in "
+                             f"({str(dtype).removeprefix('torch.')}); use auto")
         max_seqs = max(scheduler.decode_batch_size, scheduler.prefill_batch_size)
         self.attn, ops = self._backend(config, kernels, max_seqs)
         # Multiprocessors the split decode attention fills (read once: not per step).
@@ -127,8 +133,9 @@ class ModelRunner:
 
             self.graphs = self.make_graph_runner(scheduler.decode_batch_size, CudaGraphCapture())
             self.graphs.capture_all()
-        logger.info("KV cache: %d blocks x %d tokens (%.0f MiB)", self.num_blocks,
-                    cache.block_size, self.num_blocks * self._bytes_per_block() / 2**20)
+        logger.info("KV cache: %d blocks x %d tokens, %s (%.0f MiB)", self.num_blocks,
+                    cache.block_size, str(self.kv_dtype).removeprefix("torch."),
+                    self.num_blocks * self._bytes_per_block() / 2**20)
 
     def _backend(self, config: EngineConfig, kernels, max_seqs: int
                  ) -> tuple[AttentionBackend, object]:
@@ -156,7 +163,7 @@ class ModelRunner:
 
     def _bytes_per_block(self) -> int:
         cfg = self.config
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
     def _blocks_in(self, budget: int) -> int:
@@ -172,7 +179,7 @@ class ModelRunner:
                                self.config.head_dim)
         # Zeroed, not empty: padded reads of unused slots are masked out, but garbage
         # there could be NaN, and 0 * NaN would leak through the softmax.
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device)
+        return [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                 for _ in range(self.config.num_layers)]
 
     def _size_gpu_cache(self, cache, scheduler: SchedulerConfig) -> int:

@@ -52,8 +52,10 @@ class TorchOps:
         qk = apply_rotary(qk, cos.unsqueeze(1), sin.unsqueeze(1))
         q, k = qk[:, :num_heads], qk[:, num_heads:]
         v = qkv[:, k_end:].view(n, num_kv_heads, head_dim)
-        kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k)
-        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+        kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping,
+                                                                 k.to(kv_cache.dtype))
+        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping,
+                                                                 v.to(kv_cache.dtype))
         return q, k, v
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -138,7 +138,7 @@ def _forward(args: argparse.Namespace, names: list[str]) -> list[str]:
 
 ENGINE_FLAGS = ["device", "dtype", "quantization", "max_model_len", "max_batch_size",
                 "prefill_max_batch_size", "max_num_batched_tokens", "block_size",
-                "kv_cache_memory_gb", "gpu_memory_utilization", "load_format",
+                "kv_cache_memory_gb", "kv_cache_dtype", "gpu_memory_utilization", "load_format",
                 "enforce_eager", "attention_backend", "no_prefix_cache", "no_cpu_kernels",
                 "seed", "per_token_output_frames", "kv_transfer_timeout",
                 "kv_transfer_window_bytes"]

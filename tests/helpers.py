@@ -11,13 +11,14 @@ from engine_worker.engine import LLMEngine
 
 def make_engine(model_dir, block_size=4, num_blocks=512, budget=None, max_batch=64,
                 prefill_batch=None, prefix_caching=True, cpu_kernels=True,
-                max_model_len=None, dtype="auto", quantization=None) -> LLMEngine:
+                max_model_len=None, dtype="auto", quantization=None,
+                kv_cache_dtype="auto") -> LLMEngine:
     return LLMEngine(EngineConfig(
         model=str(model_dir), device="cpu", cpu_kernels=cpu_kernels, dtype=dtype,
         quantization=quantization,
         max_model_len=max_model_len,
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                          enable_prefix_caching=prefix_caching),
+                          enable_prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype),
         scheduler=SchedulerConfig(max_batch_size=max_batch, prefill_max_batch_size=prefill_batch,
                                   max_num_batched_tokens=budget)))
 

@@ -12,10 +12,11 @@ import pytest
 @pytest.mark.parametrize("extra", [
     ["--hf-batch-sizes", "4,same"],                            # against Hugging Face
     ["--shared-prefix", "8", "--input-len", "10", "--block-size", "4", "--skip-hf"],  # prefix cache
-    ["--zmq", "--skip-hf"],                                    # through the engine process
+    ["--zmq", "--skip-hf", "--kv-cache-dtype", "bfloat16"],    # through the engine process
     ["--roofline", "--roofline-batches", "1,3", "--skip-hf"],  # decode steps vs their floor
     ["--quantization", "int8", "--skip-hf", "--roofline", "--roofline-batches", "1,3"],
-    ["--quantization", "q4", "--skip-hf", "--roofline", "--roofline-batches", "1,3"],
+    ["--quantization", "q4", "--skip-hf", "--roofline", "--roofline-batches", "1,3",
+     "--kv-cache-dtype", "bfloat16"],
     ["--dtype", "bfloat16", "--skip-hf", "--roofline", "--roofline-batches", "1,3",
      "--against-float32"],
     ["--dtype", "bfloat16", "--kernel-isa", "avx2", "--skip-hf"],
@@ -53,6 +54,12 @@ def test_engine_benchmark_smoke(tiny_llama_dir, tmp_path, extra):
         assert "torch.matmul bfloat16, 1024^3" in report["roofline"]["gemm_rates_gflops"]
         a = report["against_float32"]
         assert len(a["ratio_runs"]) == 1 and a["ratio"] > 0
+    if "--roofline" in extra:
+        cfg = json.loads((tiny_llama_dir / "config.json").read_text())
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        elem = 2 if "--kv-cache-dtype" in extra else 4  # bytes of a bfloat16 or float32
+        assert report["roofline"]["kv_bytes_per_token"] == (
+            2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * elem)
     if "--kernel-isa" in extra:
         assert report["weights"] == "bfloat16" and report["kernel_isa"] == "avx2"
     if "--hf-batch-sizes" in extra:

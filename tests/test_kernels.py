@@ -13,7 +13,8 @@ import torch
 from engine_worker import kernels
 from engine_worker.attention import TorchAttention
 from helpers import greedy, make_engine, random_prompts
-from hf_reference import assert_matches, hf_greedy
+import hf_reference
+from hf_reference import assert_matches, hf_greedy, hf_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -60,24 +61,73 @@ def test_the_declared_torch_floor_has_what_the_code_uses():
 
 @pytest.mark.parametrize("isa", [[], ["-mno-avx512f"]], ids=["native", "avx2"])
 @pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 16), (4, 4, 128, 16), (8, 2, 64, 8)])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_the_paged_decode_attention_kernel_matches_softmax_over_the_context(isa, hq, hkv, d,
-                                                                            bs):
+                                                                            bs, kv_dtype):
     """Every context length around the 16-token groups the AVX-512 kernel sums together
     (and the block size), read through a shuffled block table, against softmax(q k^T) v
-    over each sequence's gathered keys and values."""
+    over each sequence's gathered keys and values (a bfloat16 cache's widened exactly)."""
     k = kernels._build_and_load(isa)
     torch.manual_seed(hq * d + bs)
     lens = [1, 2, 15, 16, 17, 31, 33, 48, 50]
     max_blocks = (max(lens) + bs - 1) // bs
     num_blocks = len(lens) * max_blocks
-    cache = torch.randn(2, num_blocks, bs, hkv, d)
+    cache = torch.randn(2, num_blocks, bs, hkv, d).to(kv_dtype)
     tables = torch.randperm(num_blocks).view(len(lens), max_blocks)
     q = torch.randn(len(lens), hq, d)
     scale = d ** -0.5
     out = k.paged_decode_attention(q, cache, tables, torch.tensor(lens), scale)
     for b, n in enumerate(lens):
-        keys, values = (cache[i][tables[b]].reshape(-1, hkv, d)[:n]
+        keys, values = (cache[i][tables[b]].float().reshape(-1, hkv, d)[:n]
                         .repeat_interleave(hq // hkv, dim=1) for i in (0, 1))
         p = torch.softmax(torch.einsum("hd,thd->ht", q[b], keys) * scale, dim=-1)
         torch.testing.assert_close(out[b], torch.einsum("ht,thd->hd", p, values),
                                    rtol=1e-5, atol=1e-5)
+
+
+def hf_greedy_bf16_kv(model_dir, prompts, max_new_tokens, monkeypatch):
+    """HF's greedy outputs with every key (after RoPE) and value rounded to bfloat16
+    before attention reads it, as a bfloat16 KV cache holds them."""
+    from transformers.models.llama import modeling_llama
+
+    rotary = modeling_llama.apply_rotary_pos_emb
+
+    def rounded_keys(q, k, *args, **kw):
+        q, k = rotary(q, k, *args, **kw)
+        return q, k.to(torch.bfloat16).float()
+
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", rounded_keys)
+    model = hf_model(model_dir)
+    hooks = [layer.self_attn.v_proj.register_forward_hook(
+        lambda _m, _args, out: out.to(torch.bfloat16).float()) for layer in model.model.layers]
+    try:
+        return hf_reference._greedy(model, prompts, max_new_tokens)
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["c-kernels", "torch"])
+def test_a_bfloat16_kv_cache_holds_twice_the_tokens_and_matches_hf_reading_rounded_keys(
+        tiny_llama_dir, monkeypatch, cpu_kernels):
+    """--kv-cache-dtype bfloat16: keys and values rounded to bfloat16 as they are
+    written, read back by every query (a prompt's own chunk too), on the fused C forward
+    and on the torch reference path alike; the same memory holds twice the blocks."""
+    prompts = random_prompts([3, 9, 20, 37], seed=11)
+    engine = make_engine(tiny_llama_dir, cpu_kernels=cpu_kernels, budget=16,
+                         kv_cache_dtype="bfloat16")
+    assert engine.runner.kv_caches[0].dtype == torch.bfloat16
+    assert (engine.runner.fused is not None) == cpu_kernels
+    got = engine.generate(prompts, greedy(12))
+    assert_matches(got, hf_greedy_bf16_kv(tiny_llama_dir, prompts, 12, monkeypatch),
+                   "bfloat16 KV")
+    f32 = make_engine(tiny_llama_dir, cpu_kernels=cpu_kernels)
+    assert f32.runner._bytes_per_block() == 2 * engine.runner._bytes_per_block()
+
+
+def test_the_kv_cache_dtype_is_checked():
+    from common.config import CacheConfig
+
+    with pytest.raises(ValueError, match="kv_cache_dtype must be auto, float32 or bfloat16, "
+                                         "got 'fp8'"):
+        CacheConfig(kv_cache_dtype="fp8")

@@ -202,15 +202,6 @@ int rs_pack_gguf(const uint8_t *raw, int64_t N, int64_t K, int type, void *packe
     return 0;
 }
 
-static uint16_t to_bf16(float f)   /* round to nearest even */
-{
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffff) > 0x7f800000)
-        return (uint16_t)((bits >> 16) | 0x40);   /* NaN stays NaN */
-    return (uint16_t)((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
-}
-
 /* w [N, K] float32 -> packed panels in `format`. Returns -1 if int8 is asked for
    with K not a multiple of its block, or bfloat16 with K odd. */
 int rs_pack_weight(const float *w, int64_t N, int64_t K, int format, void *packed)
@@ -232,7 +223,7 @@ int rs_pack_weight(const float *w, int64_t N, int64_t K, int format, void *packe
                     if (format == RS_F32)
                         ((float *)dst)[k * RS_PANEL + j] = v;
                     else
-                        ((uint16_t *)dst)[bf16_index(k, j)] = to_bf16(v);
+                        ((uint16_t *)dst)[bf16_index(k, j)] = rs_to_bf16(v);
                 }
                 continue;
             }
@@ -608,7 +599,7 @@ static void bf16_rows(const float *x, int64_t M, int64_t K, uint16_t *xb)
     for (; i + 16 <= M * K; i += 16)
         _mm256_storeu_si256((__m256i *)(xb + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(x + i)));
     for (; i < M * K; i++)
-        xb[i] = to_bf16(x[i]);
+        xb[i] = rs_to_bf16(x[i]);
 }
 
 /* One vdpbf16ps tile: rows [0..MR) of the bf16 x against NP panels (one vector each:

@@ -15,6 +15,7 @@
 #endif
 typedef float rs_vf __attribute__((vector_size(RS_VL * 4), aligned(4)));   /* unaligned */
 typedef int32_t rs_vi __attribute__((vector_size(RS_VL * 4)));
+typedef uint16_t rs_vh __attribute__((vector_size(RS_VL * 2), aligned(2)));  /* unaligned */
 
 /* Output features per panel of a packed weight (gemm.c). */
 #define RS_PANEL 16
@@ -25,6 +26,15 @@ typedef int32_t rs_vi __attribute__((vector_size(RS_VL * 4)));
 #define RS_Q4 3
 #define RS_INT8_BLOCK 32
 
+/* float32 -> bfloat16, rounded to nearest even as torch rounds (NaN stays NaN). */
+static inline uint16_t rs_to_bf16(float f)
+{
+    union { float f; uint32_t u; } v = {f};
+    if ((v.u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((v.u >> 16) | 0x40u);
+    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
+}
+
 /* Threads of the enclosing parallel region (1 outside one). */
 static inline int rs_num_threads(void) { return omp_get_num_threads(); }
 
@@ -34,15 +44,21 @@ static inline int rs_num_threads(void) { return omp_get_num_threads(); }
 int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64_t N,
                  const float *bias, float *y, int accumulate, int format);
 
+/* KV cache element types: float32, or bfloat16 (the upper half of a float32,
+   rounded to nearest even when written). */
+#define RS_KV_F32 0
+#define RS_KV_BF16 1
+
 /* Decode-style attention of one query row (all heads) over its sequence's first T
    tokens, read through its block table (paged_attention.c). scores: Hq * T floats. */
-void rs_attend_one(const float *q, const float *k_cache, const float *v_cache,
+void rs_attend_one(const float *q, const void *k_cache, const void *v_cache, int kv_type,
                    const int64_t *table, int64_t T, float *out, float *scores,
                    int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale);
 
 /* RoPE on one token's q and k heads (in its fused qkv row), then its k and v into
    cache slot `slot` (layers.c). cn, sn: the token's D / 2 cos and sin. */
-void rs_rope_write_kv_row(float *r, const float *cn, const float *sn, float *k_cache,
-                          float *v_cache, int64_t slot, int64_t Hq, int64_t Hkv, int64_t D);
+void rs_rope_write_kv_row(float *r, const float *cn, const float *sn, void *k_cache,
+                          void *v_cache, int kv_type, int64_t slot, int64_t Hq, int64_t Hkv,
+                          int64_t D);
 
 #endif

@@ -42,10 +42,22 @@ void rs_add_rms_norm(const float *x, const float *residual_in, float *residual_o
     }
 }
 
+static inline void store_kv(void *cache, int kv_type, int64_t at, const float *src, int64_t n)
+{
+    if (kv_type == RS_KV_BF16) {
+        uint16_t *dst = (uint16_t *)cache + at;
+        for (int64_t i = 0; i < n; i++)
+            dst[i] = rs_to_bf16(src[i]);
+    } else {
+        memcpy((float *)cache + at, src, sizeof(float) * (size_t)n);
+    }
+}
+
 /* One token's row of a fused qkv projection: RoPE (rotate-half) on its q and k heads
    in place, then its k and v into cache slot `slot`. */
-void rs_rope_write_kv_row(float *r, const float *cn, const float *sn, float *k_cache,
-                          float *v_cache, int64_t slot, int64_t Hq, int64_t Hkv, int64_t D)
+void rs_rope_write_kv_row(float *r, const float *cn, const float *sn, void *k_cache,
+                          void *v_cache, int kv_type, int64_t slot, int64_t Hq, int64_t Hkv,
+                          int64_t D)
 {
     const int64_t half = D / 2;
     for (int64_t h = 0; h < Hq + Hkv; h++) {
@@ -56,8 +68,8 @@ void rs_rope_write_kv_row(float *r, const float *cn, const float *sn, float *k_c
             x[i + half] = x2 * cn[i] + x1 * sn[i];
         }
     }
-    memcpy(k_cache + slot * Hkv * D, r + Hq * D, sizeof(float) * (size_t)(Hkv * D));
-    memcpy(v_cache + slot * Hkv * D, r + (Hq + Hkv) * D, sizeof(float) * (size_t)(Hkv * D));
+    store_kv(k_cache, kv_type, slot * Hkv * D, r + Hq * D, Hkv * D);
+    store_kv(v_cache, kv_type, slot * Hkv * D, r + (Hq + Hkv) * D, Hkv * D);
 }
 
 /*
@@ -65,10 +77,10 @@ void rs_rope_write_kv_row(float *r, const float *cn, const float *sn, float *k_c
  * a fused qkv projection, then k and v written into the paged cache.
  *   qkv      [N, (Hq + 2 Hkv) * D], q heads, then k heads, then v heads
  *   cos, sin [N, D / 2]
- *   k_cache, v_cache: [num_slots, Hkv, D]; slots [N] int64
+ *   k_cache, v_cache: [num_slots, Hkv, D] of kv_type (RS_KV_F32, RS_KV_BF16); slots [N]
  */
 void rs_rope_write_kv(float *qkv, const float *cos, const float *sin,
-                      float *k_cache, float *v_cache, const int64_t *slots,
+                      void *k_cache, void *v_cache, int kv_type, const int64_t *slots,
                       int64_t N, int64_t Hq, int64_t Hkv, int64_t D)
 {
     const int64_t half = D / 2;
@@ -76,7 +88,7 @@ void rs_rope_write_kv(float *qkv, const float *cos, const float *sin,
 #pragma omp parallel for schedule(static)
     for (int64_t n = 0; n < N; n++)
         rs_rope_write_kv_row(qkv + n * row, cos + n * half, sin + n * half, k_cache, v_cache,
-                             slots[n], Hq, Hkv, D);
+                             kv_type, slots[n], Hq, Hkv, D);
 }
 
 /* out = silu(gate) * up, where gate_up [N, 2 I] holds gate then up per row. */

@@ -37,7 +37,7 @@ struct rs_llama_layer {
     const float *gate_up_bias;
     const void *down;                       /* packed [C, I] */
     const float *down_bias;
-    float *k_cache, *v_cache;               /* [slots, Hkv, D] */
+    void *k_cache, *v_cache;                /* [slots, Hkv, D] of the model's kv_type */
     int64_t qkv_format, o_format, gate_up_format, down_format;   /* RS_F32 ... RS_Q4 */
 };
 
@@ -46,6 +46,7 @@ struct rs_llama {
     int64_t block_size;
     float eps, scale;
     int64_t lm_head_format;  /* RS_F32, RS_BF16, RS_INT8 or RS_Q4, as each layer's */
+    int64_t kv_type;         /* RS_KV_F32 or RS_KV_BF16 */
     const float *embed;      /* [V, C] */
     const void *lm_head;     /* packed [V, C] */
     const float *norm;       /* [C] */
@@ -143,12 +144,13 @@ int rs_llama_forward(const struct rs_llama *m, const struct rs_step *s)
 #pragma omp for schedule(static)
             for (int64_t n = 0; n < N; n++)
                 rs_rope_write_kv_row(qkv + n * QKV, s->cos + n * half, s->sin + n * half,
-                                     L->k_cache, L->v_cache, s->slots[n], Hq, Hkv, D);
+                                     L->k_cache, L->v_cache, (int)m->kv_type, s->slots[n],
+                                     Hq, Hkv, D);
             PHASE(PROFILE_OTHER);
 
 #pragma omp for schedule(dynamic, 1)
             for (int64_t n = 0; n < N; n++)
-                rs_attend_one(qkv + n * QKV, L->k_cache, L->v_cache,
+                rs_attend_one(qkv + n * QKV, L->k_cache, L->v_cache, (int)m->kv_type,
                               s->block_tables + s->seq[n] * s->max_blocks, s->ctx_lens[n],
                               attn + n * QD, my_scores, Hq, Hkv, D, m->block_size, m->scale);
             PHASE(PROFILE_ATTENTION);

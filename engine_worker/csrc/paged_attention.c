@@ -10,7 +10,7 @@
  *      rows, a block at a time (the block stays in L1 across heads).
  * Sequences are spread over OpenMP threads (torch's runtime: one pool).
  *
- * Layout (row-major, float32):
+ * Layout (row-major; float32, the cache float32 or bfloat16, kv_type):
  *   q            [B, Hq, D]
  *   k/v cache    [num_blocks, block_size, Hkv, D]
  *   block_tables [B, max_blocks] int64
@@ -48,41 +48,55 @@ typedef rs_vf vfl;   /* one machine vector (kernels.h) */
 #endif
 #define PREFETCH_MAX_ROW_BYTES 1024
 
-static inline void prefetch_row(const float *row, int64_t floats)
+static inline void prefetch_row(const char *row, int64_t bytes)
 {
-    for (int64_t f = 0; f < floats; f += 16)
-        __builtin_prefetch(row + f, 0, 3);
+    for (int64_t b = 0; b < bytes; b += 64)
+        __builtin_prefetch(row + b, 0, 3);
+}
+
+/* Vector i of a cache row: float32 as it is, bfloat16 widened (its bits are the upper
+   half of a float32's). kv_type is a constant where it is called, so each caller's
+   loop is compiled for one type. */
+static inline vfl kv_vec(const char *row, int64_t i, int kv_type)
+{
+    if (kv_type == RS_KV_BF16) {
+        const rs_vi w = __builtin_convertvector(((const rs_vh *)row)[i], rs_vi) << 16;
+        return (vfl)w;
+    }
+    return ((const vfl *)row)[i];
 }
 
 /* One sequence: all its query heads against its first T tokens. D % 16 == 0. */
-static inline void attend_one(const float *q, const float *k_cache, const float *v_cache,
-                              const int64_t *table, int64_t T, float *out, float *scores,
-                              int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale)
+static inline void attend_one(const float *q, const void *k_cache, const void *v_cache,
+                              int kv_type, const int64_t *table, int64_t T, float *out,
+                              float *scores, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
+                              float scale)
 {
     const int64_t G = Hq / Hkv;
-    const int64_t token_stride = Hkv * D;
+    const int64_t elem = kv_type == RS_KV_BF16 ? 2 : 4;
+    const int64_t row_bytes = Hkv * D * elem;   /* a token's keys (or values), all heads */
+    const int64_t head_bytes = D * elem;
     const int64_t nv = D / LANES;
     /* Pass 1: scores[i][t] = scale * <q_i, k_t> for query head i (KV head i / G); the
        token's keys for all heads are one contiguous row. */
-    const int64_t row_bytes = token_stride * (int64_t)sizeof(float);
     const int fetch = ATTN_AHEAD_BYTES > 0 && row_bytes <= PREFETCH_MAX_ROW_BYTES;
     const int64_t ahead = ATTN_AHEAD_BYTES / row_bytes + 1;
-#define ROW(cache, t) ((cache) + (table[(t) / bs] * bs + (t) % bs) * token_stride)
+#define ROW(cache, t) ((const char *)(cache) + (table[(t) / bs] * bs + (t) % bs) * row_bytes)
     for (int64_t t = 0; fetch && t < T && t < ahead; t++)
-        prefetch_row(ROW(k_cache, t), token_stride);
+        prefetch_row(ROW(k_cache, t), row_bytes);
     for (int64_t t = 0; t < T; t++) {
-        const float *kt = ROW(k_cache, t);
+        const char *kt = ROW(k_cache, t);
         if (fetch) {
             if (t + ahead < T)
-                prefetch_row(ROW(k_cache, t + ahead), token_stride);
-            prefetch_row(ROW(v_cache, t), token_stride);
+                prefetch_row(ROW(k_cache, t + ahead), row_bytes);
+            prefetch_row(ROW(v_cache, t), row_bytes);
         }
         for (int64_t i = 0; i < Hq; i++) {
             const vfl *qi = (const vfl *)(q + i * D);
-            const vfl *ki = (const vfl *)(kt + (i / G) * D);
-            vfl acc = qi[0] * ki[0];
+            const char *ki = kt + (i / G) * head_bytes;
+            vfl acc = qi[0] * kv_vec(ki, 0, kv_type);
             for (int64_t v = 1; v < nv; v++)
-                acc += qi[v] * ki[v];
+                acc += qi[v] * kv_vec(ki, v, kv_type);
             float dot = 0.0f;
             for (int l = 0; l < LANES; l++)
                 dot += acc[l];
@@ -110,19 +124,19 @@ static inline void attend_one(const float *q, const float *k_cache, const float 
        accumulated in registers within a block. */
     for (int64_t start = 0; start < T; start += bs) {
         const int64_t n = T - start < bs ? T - start : bs;
-        const float *vb = v_cache + table[start / bs] * bs * token_stride;
+        const char *vb = (const char *)v_cache + table[start / bs] * bs * row_bytes;
         for (int64_t i = 0; i < Hq; i++) {
             vfl *oi = (vfl *)(out + i * D);
             vfl acc[MAX_DIM / LANES];
             for (int64_t v = 0; v < nv; v++)
                 acc[v] = start == 0 ? (vfl){0} : oi[v];
             const float *p = scores + i * T + start;
-            const float *vi = vb + (i / G) * D;
+            const char *vi = vb + (i / G) * head_bytes;
             for (int64_t j = 0; j < n; j++) {
-                const vfl *vt = (const vfl *)(vi + j * token_stride);
+                const char *vt = vi + j * row_bytes;
                 const float pj = p[j];
                 for (int64_t v = 0; v < nv; v++)
-                    acc[v] += pj * vt[v];
+                    acc[v] += pj * kv_vec(vt, v, kv_type);
             }
             for (int64_t v = 0; v < nv; v++)
                 oi[v] = acc[v];
@@ -130,23 +144,36 @@ static inline void attend_one(const float *q, const float *k_cache, const float 
     }
 }
 
-void rs_attend_one(const float *q, const float *k_cache, const float *v_cache,
+void rs_attend_one(const float *q, const void *k_cache, const void *v_cache, int kv_type,
                    const int64_t *table, int64_t T, float *out, float *scores,
                    int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale)
 {
-    /* The common shapes get compile-time sizes, so loops vectorize fully. */
-    if (bs == 16 && D == 64)
-        attend_one(q, k_cache, v_cache, table, T, out, scores, Hq, Hkv, 64, 16, scale);
-    else if (bs == 16 && D == 128)
-        attend_one(q, k_cache, v_cache, table, T, out, scores, Hq, Hkv, 128, 16, scale);
-    else
-        attend_one(q, k_cache, v_cache, table, T, out, scores, Hq, Hkv, D, bs, scale);
+    /* The common shapes get compile-time sizes and cache types, so loops vectorize
+       fully. */
+#define ATTEND(type, d, b) attend_one(q, k_cache, v_cache, type, table, T, out, scores, \
+                                      Hq, Hkv, d, b, scale)
+    if (kv_type == RS_KV_BF16) {
+        if (bs == 16 && D == 64)
+            ATTEND(RS_KV_BF16, 64, 16);
+        else if (bs == 16 && D == 128)
+            ATTEND(RS_KV_BF16, 128, 16);
+        else
+            ATTEND(RS_KV_BF16, D, bs);
+    } else if (bs == 16 && D == 64) {
+        ATTEND(RS_KV_F32, 64, 16);
+    } else if (bs == 16 && D == 128) {
+        ATTEND(RS_KV_F32, 128, 16);
+    } else {
+        ATTEND(RS_KV_F32, D, bs);
+    }
+#undef ATTEND
 }
 
-int rs_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
-                              const int64_t *block_tables, const int64_t *context_lens,
-                              float *out, int64_t B, int64_t Hq, int64_t Hkv, int64_t D,
-                              int64_t block_size, int64_t max_blocks, float scale)
+int rs_paged_decode_attention(const float *q, const void *k_cache, const void *v_cache,
+                              int kv_type, const int64_t *block_tables,
+                              const int64_t *context_lens, float *out, int64_t B, int64_t Hq,
+                              int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks,
+                              float scale)
 {
     if (D > MAX_DIM || D % LANES != 0)
         return -2;
@@ -160,8 +187,8 @@ int rs_paged_decode_attention(const float *q, const float *k_cache, const float 
             failed = 1;
             continue;
         }
-        rs_attend_one(q + b * Hq * D, k_cache, v_cache, block_tables + b * max_blocks, T,
-                      out + b * Hq * D, scores, Hq, Hkv, D, block_size, scale);
+        rs_attend_one(q + b * Hq * D, k_cache, v_cache, kv_type, block_tables + b * max_blocks,
+                      T, out + b * Hq * D, scores, Hq, Hkv, D, block_size, scale);
         free(scores);
     }
     return failed ? -1 : 0;
