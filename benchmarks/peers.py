@@ -15,7 +15,9 @@ each run through benchmarks/stream.py, which needs nothing roseserve-specific fr
 the peer: without token ids or a usage chunk it counts one token per text chunk.
 Printed: per concurrency and server, the median output tokens/s and TTFT p50, and
 roseserve / peer as a ratio of those medians. Name the CPU with the figures: it is
-printed too.
+printed too. A run in which requests failed (a server that crashed, say) is recorded
+with its errors and left out of the medians; the other runs go on, the JSON is written
+after each concurrency, and the exit status is 1.
 """
 
 from __future__ import annotations
@@ -63,12 +65,18 @@ def run(url: str, streams: int, args: argparse.Namespace, label: str, seed: int)
                 "--max-concurrency", str(streams), "--seed", str(seed),
                 "--warmup-runs", "0", "--no-progress", "--label", label, "--json", str(out),
                 *(["--tokenizer", args.tokenizer] if args.tokenizer else [])]
-        with contextlib.redirect_stdout(io.StringIO()):  # the full report is in the JSON
-            code = stream.main(argv)
-        summary = json.loads(out.read_text())
-    if code != 0:
-        raise SystemExit(f"{label}: {summary['num_failed']} requests failed: "
-                         f"{summary['failures'][:3]}")
+        errors = io.StringIO()
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(errors):
+            code = stream.main(argv)  # the full report is in the JSON
+        if not out.exists():  # it could not start (the server is unreachable)
+            summary = {"num_failed": int(argv[argv.index("--num-requests") + 1]),
+                       "failures": [errors.getvalue().strip()]}
+        else:
+            summary = json.loads(out.read_text())
+    if code != 0:  # recorded, and the other runs go on: one server's failure is a result
+        print(f"{label}: {summary['num_failed']} requests failed: {summary['failures'][:3]}",
+              flush=True)
+        return {"failed": summary["num_failed"], "errors": summary["failures"][:3]}
     return {"tokens_per_s": summary["throughput_completion"],
             "ttft_ms_p50": summary["ttft_ms"][0], "completion_tokens": summary["completion_tokens"]}
 
@@ -77,7 +85,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     servers = [("roseserve", args.url), (args.peer_name, args.peer_url)]
     levels = [int(s) for s in args.streams.split(",")]
-    results = []
+    results: list[dict] = []
+    cpu = cpu_model()
     for streams in levels:
         runs: dict[str, list[dict]] = {name: [] for name, _ in servers}
         for r in range(args.rounds):
@@ -87,18 +96,14 @@ def main(argv=None) -> int:
             for name, url in servers:
                 one = run(url, streams, args, f"{name} x{streams} round {r + 1}", seed)
                 runs[name].append(one)
-                print(f"{streams:>3} streams, round {r + 1}: {name:<10} "
-                      f"{one['tokens_per_s']:7.1f} tokens/s, TTFT p50 {one['ttft_ms_p50']:.0f} ms",
-                      flush=True)
-        row = {"streams": streams}
-        for name, _ in servers:
-            row[name] = {"tokens_per_s": statistics.median(x["tokens_per_s"] for x in runs[name]),
-                         "ttft_ms_p50": statistics.median(x["ttft_ms_p50"] for x in runs[name]),
-                         "runs": runs[name]}
-        row["ratio_tokens_per_s"] = (row["roseserve"]["tokens_per_s"]
-                                     / row[args.peer_name]["tokens_per_s"])
-        results.append(row)
-    cpu = cpu_model()
+                if "failed" not in one:
+                    print(f"{streams:>3} streams, round {r + 1}: {name:<10} "
+                          f"{one['tokens_per_s']:7.1f} tokens/s, TTFT p50 "
+                          f"{one['ttft_ms_p50']:.0f} ms", flush=True)
+        results.append(summarize(streams, runs, args.peer_name))
+        if args.json_path:  # after every level: what was measured outlives a crash
+            Path(args.json_path).write_text(json.dumps(
+                {"cpu": cpu, "workload": vars(args), "results": results}, indent=2) + "\n")
     peer = args.peer_name
     print(f"\n=== roseserve vs {peer}: {args.input_len}-token random prompts, "
           f"{args.output_len} output tokens, median of {args.rounds} alternating rounds; "
@@ -106,14 +111,38 @@ def main(argv=None) -> int:
     print(f"{'streams':>7} {'roseserve tok/s':>16} {peer + ' tok/s':>16} {'ratio':>6} "
           f"{'roseserve TTFT p50':>19} {peer + ' TTFT p50':>19}")
     for row in results:
-        print(f"{row['streams']:>7} {row['roseserve']['tokens_per_s']:>16.1f} "
-              f"{row[peer]['tokens_per_s']:>16.1f} {row['ratio_tokens_per_s']:>6.2f} "
-              f"{row['roseserve']['ttft_ms_p50']:>16.0f} ms {row[peer]['ttft_ms_p50']:>16.0f} ms")
+        mine, theirs, ratio = row["roseserve"], row[peer], row["ratio_tokens_per_s"]
+        print(f"{row['streams']:>7} {_figure(mine, 'tokens_per_s', 16, '.1f')} "
+              f"{_figure(theirs, 'tokens_per_s', 16, '.1f')} "
+              f"{'-' if ratio is None else format(ratio, '.2f'):>6} "
+              f"{_figure(mine, 'ttft_ms_p50', 16, '.0f')} ms "
+              f"{_figure(theirs, 'ttft_ms_p50', 16, '.0f')} ms")
     if args.json_path:
-        Path(args.json_path).write_text(json.dumps(
-            {"cpu": cpu, "workload": vars(args), "results": results}, indent=2) + "\n")
         print(f"wrote {args.json_path}")
-    return 0
+    failed = sum(run.get("failed", 0) for row in results for name, _ in servers
+                 for run in row[name]["runs"])
+    if failed:
+        print(f"{failed} requests failed (their runs are left out of the medians)")
+    return 1 if failed else 0
+
+
+def summarize(streams: int, runs: dict[str, list[dict]], peer: str) -> dict:
+    """One concurrency's row: each server's medians over the runs that completed (None
+    where none did) and its runs, failed ones included; the ratio where both ran."""
+    row: dict = {"streams": streams}
+    for name, theirs in runs.items():
+        done = [x for x in theirs if "failed" not in x]
+        row[name] = {key: statistics.median(x[key] for x in done) if done else None
+                     for key in ("tokens_per_s", "ttft_ms_p50")}
+        row[name]["runs"] = theirs
+    mine, other = row["roseserve"]["tokens_per_s"], row[peer]["tokens_per_s"]
+    row["ratio_tokens_per_s"] = mine / other if mine and other else None
+    return row
+
+
+def _figure(server: dict, key: str, width: int, spec: str) -> str:
+    value = server[key]
+    return f"{'-' if value is None else format(value, spec):>{width}}"
 
 
 if __name__ == "__main__":

@@ -108,13 +108,21 @@ def scrape(url: str) -> str:
 
 
 def cpu_model() -> str:
+    """The CPU as a figure should name it: its model name, family and model (a VM's
+    "AMD EPYC" is a Zen 3 or a Zen 5), its widest vector ISA and the cores used."""
     try:
+        fields = {}
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
     except OSError:
-        pass
-    return "unknown CPU"
+        return "unknown CPU"
+    have = set(fields.get("flags", "").split())
+    isa = next((name for flag, name in (("amx_tile", "AMX"), ("avx512f", "AVX-512"),
+                                         ("avx2", "AVX2")) if flag in have), "no AVX2")
+    family = f"family {fields['cpu family']}, model {fields['model']}; " \
+        if "cpu family" in fields and "model" in fields else ""
+    return f"{fields.get('model name', 'unknown CPU')} ({family}{isa}; {os.cpu_count()} cores)"
 
 
 SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni",

@@ -197,3 +197,25 @@ def test_peers_compares_roseserve_with_any_openai_server(stack, tmp_path, tiny_l
     assert peer.bodies and all("return_token_ids" not in b and b["ignore_eos"]
                                for b in peer.bodies)
     assert "=== roseserve vs plain" in proc.stdout
+
+
+def test_peers_records_a_failing_peer_and_keeps_what_it_measured(stack, tmp_path,
+                                                                  tiny_llama_dir):
+    out = tmp_path / "peers.json"
+    nothing = f"http://127.0.0.1:{processes.free_port()}"  # no server: every request fails
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/peers.py", "--url", stack, "--peer-url", nothing,
+         "--peer-name", "gone", "--streams", "1,2", "--input-len", "8", "--output-len", "4",
+         "--min-requests", "2", "--rounds", "2", "--tokenizer", str(tiny_llama_dir),
+         "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert [row["streams"] for row in report["results"]] == [1, 2]
+    for row in report["results"]:
+        n = max(2, 2 * row["streams"])
+        mine = row["roseserve"]
+        assert [r["completion_tokens"] for r in mine["runs"]] == [4 * n, 4 * n]
+        assert mine["tokens_per_s"] > 0
+        assert [r["failed"] for r in row["gone"]["runs"]] == [n, n]
+        assert row["gone"]["tokens_per_s"] is None and row["ratio_tokens_per_s"] is None
+    assert "12 requests failed" in proc.stdout  # 2 rounds x (2 + 4) requests
