@@ -57,10 +57,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run(url: str, streams: int, args: argparse.Namespace, label: str, seed: int) -> dict:
+    num_requests = max(args.min_requests, 2 * streams)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run.json"
         argv = ["--url", url, "--dataset", "random", "--input-len", str(args.input_len),
-                "--num-requests", str(max(args.min_requests, 2 * streams)),
+                "--num-requests", str(num_requests),
                 "--max-new-tokens", str(args.output_len), "--no-stop-on-eos",
                 "--max-concurrency", str(streams), "--seed", str(seed),
                 "--warmup-runs", "0", "--no-progress", "--label", label, "--json", str(out),
@@ -69,8 +70,7 @@ def run(url: str, streams: int, args: argparse.Namespace, label: str, seed: int)
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(errors):
             code = stream.main(argv)  # the full report is in the JSON
         if not out.exists():  # it could not start (the server is unreachable)
-            summary = {"num_failed": int(argv[argv.index("--num-requests") + 1]),
-                       "failures": [errors.getvalue().strip()]}
+            summary = {"num_failed": num_requests, "failures": [errors.getvalue().strip()]}
         else:
             summary = json.loads(out.read_text())
     if code != 0:  # recorded, and the other runs go on: one server's failure is a result
@@ -119,8 +119,8 @@ def main(argv=None) -> int:
               f"{_figure(theirs, 'ttft_ms_p50', 16, '.0f')} ms")
     if args.json_path:
         print(f"wrote {args.json_path}")
-    failed = sum(run.get("failed", 0) for row in results for name, _ in servers
-                 for run in row[name]["runs"])
+    failed = sum(x.get("failed", 0) for row in results for name, _ in servers
+                 for x in row[name]["runs"])
     if failed:
         print(f"{failed} requests failed (their runs are left out of the medians)")
     return 1 if failed else 0
