@@ -42,8 +42,9 @@
  * block by block, 4 groups of 16 outputs x 4 bytes, each byte two weights (low nibble:
  * input t of the group, high: input t + 4), then the block's 16 half-precision scales d
  * and 16 offsets c (a weight is q * d + c, q in 0..15: Q4_0's c is -8 d, Q4_1's its m):
- * 320 bytes a block, 0.625 bytes per weight. x is quantized as for int8; unsigned nibbles times signed x are what
- * vpdpbusd and vpmaddubsw take, and the offset adds c times x's block sum.
+ * 320 bytes a block, 0.625 bytes per weight. x is quantized as for int8; unsigned
+ * nibbles times signed x are what vpdpbusd and vpmaddubsw take, and the offset adds c
+ * times x's block sum.
  *
  * The work-sharing loops are orphaned `omp for`s: called inside a parallel region
  * (the fused forward, llama.c) they share that region's threads; called outside one
@@ -549,13 +550,15 @@ tile_int(const int MR, const int NP, const int FORMAT, const int8_t *xq, const f
 {
     const int64_t blocks = K / RS_INT8_BLOCK;
     const int q4 = FORMAT == RS_Q4, step = q4 ? 8 : 4;   /* inputs per 64-byte load */
+    const int64_t block_bytes = q4 ? Q4_BLOCK_BYTES : Q8_BLOCK_BYTES,
+                  weight_bytes = q4 ? Q4_WEIGHT_BYTES : Q8_WEIGHT_BYTES;   /* then scales */
     const int unsigned_w = q4 || U8_EXACT;   /* dot4u on the bytes as stored */
     vf acc[8][NP_MAX * PV];
     for (int m = 0; m < MR; m++)
         for (int v = 0; v < NP * PV; v++)
             acc[m][v] = (vf){0};
     for (int64_t b = 0; b < blocks; b++) {
-        const char *block = panel0 + b * (q4 ? Q4_BLOCK_BYTES : Q8_BLOCK_BYTES);
+        const char *block = panel0 + b * block_bytes;
         iv sums[8][NP_MAX * PV];
         for (int m = 0; m < MR; m++) {
             /* int8 bytes hold w + 128: from -128 sum(x), the sum is w x's exactly */
@@ -595,7 +598,7 @@ tile_int(const int MR, const int NP, const int FORMAT, const int8_t *xq, const f
             }
         }
         for (int v = 0; v < NP * PV; v++) {
-            const char *scales = block + (v / PV) * pb + (q4 ? Q4_WEIGHT_BYTES : Q8_WEIGHT_BYTES);
+            const char *scales = block + (v / PV) * pb + weight_bytes;
             if (q4) {
                 const uint16_t *dc = (const uint16_t *)scales + (v % PV) * VL;
                 const vf d = halves_to_float(dc), c = halves_to_float(dc + RS_PANEL);
