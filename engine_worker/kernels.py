@@ -53,7 +53,7 @@ class CpuKernels:
         fn.restype = ctypes.c_int
         self._decode = fn
         self._argmax = lib.rs_argmax_rows
-        self._argmax.argtypes = [ptr, i64, i64, i64, ptr]
+        self._argmax.argtypes = [ptr, i64, i64, i64, ptr, ptr]
         self._argmax.restype = None
         self._add_rms_norm = lib.rs_add_rms_norm
         self._add_rms_norm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_float]
@@ -182,8 +182,18 @@ class CpuKernels:
         if x.stride(1) != 1:
             x = x.contiguous()
         out = torch.empty(x.shape[0], dtype=torch.int64)
-        self._argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
+        self._argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), None)
         return out
+
+    def greedy_rows(self, x: torch.Tensor) -> list[tuple[int, int]]:
+        """(R, C) float32 -> per row (first index of its maximum, validity code: 0, or
+        1 a NaN, 2 a +inf, 3 every value -inf), in one pass over the rows."""
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        out = torch.empty(2, x.shape[0], dtype=torch.int64)
+        self._argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out[0].data_ptr(),
+                     out[1].data_ptr())
+        return list(zip(*out.tolist()))
 
     @staticmethod
     def supports_head_dim(head_dim: int) -> bool:

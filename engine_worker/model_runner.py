@@ -343,11 +343,15 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
         extra = self._prompt_rows(scheduled, first_rows)
         width = max(len(t) for t in tables)
-        positions_t = torch.tensor(positions)
+        n = len(input_ids)
+        # Every int64 array of the step in one tensor (one host copy), viewed in parts.
+        flat = torch.tensor(input_ids + positions + [p + 1 for p in positions] + slots + seq
+                            + [b for t in tables for b in t + [0] * (width - len(t))]
+                            + sample_rows + extra, dtype=torch.int64)
+        ids, positions_t, ctx_lens, slots_t, seq_t = flat[:5 * n].view(5, n)
+        block_tables = flat[5 * n:5 * n + len(tables) * width].view(len(tables), width)
         cos, sin = self.model.rotary(positions_t, torch.float32)
         logits = self.fused.forward(
-            torch.tensor(input_ids), cos, sin, torch.tensor(slots), torch.tensor(seq),
-            positions_t + 1, torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-            torch.tensor(sample_rows + extra, dtype=torch.int64), max(positions) + 1,
-            torch.get_num_threads())
+            ids, cos, sin, slots_t, seq_t, ctx_lens, block_tables,
+            flat[5 * n + len(tables) * width:], max(positions) + 1, torch.get_num_threads())
         return self._split_prompt_logits(logits, len(sample_rows))

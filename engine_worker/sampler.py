@@ -110,6 +110,33 @@ class Sampler:
             self.apply_grammars(logits, [requests[i] for i in constrained], constrained,
                                 errors)
 
+        if (self.kernels is not None and logits.device.type == "cpu" and top_n is None
+                and all(r.params.greedy for r in requests)):
+            host = self.kernels.greedy_rows(logits)  # (token, code) per row, one pass
+        else:
+            host = self._draw(logits, requests, top_n, raw_logprobs)
+
+        token_ids: list[Optional[int]] = [None] * n
+        logprobs: list[Optional[TokenLogprobs]] = [None] * n
+        for i, row in enumerate(host):
+            if i in errors:
+                continue
+            code = int(row[1])
+            if code:
+                errors[i] = _ROW_ERRORS[code]
+                continue
+            token_ids[i] = int(row[0])
+            want = requests[i].params.logprobs
+            if want is not None:
+                top_ids = [int(x) for x in row[3 + top_n:3 + top_n + want]]
+                logprobs[i] = TokenLogprobs(row[2], top_ids, row[3:3 + want])
+        return Samples(token_ids, logprobs, errors)
+
+    def _draw(self, logits: torch.Tensor, requests: Sequence[Request], top_n: Optional[int],
+              raw_logprobs: Optional[torch.Tensor]) -> list[list[float]]:
+        """Each row's token and validity code, then its logprobs if any row wants them
+        (the chosen token's, then top_n values and top_n ids), copied to the host at once."""
+        n = len(requests)
         codes = _row_codes(logits)  # every row, after its processing
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
         sampled = [i for i, r in enumerate(requests) if not r.params.greedy]
@@ -133,23 +160,7 @@ class Sampler:
             if top_n:
                 values, ids = torch.topk(raw_logprobs, top_n, dim=-1)
                 columns += [values.double(), ids.double()]
-        host = torch.cat(columns, dim=1).cpu().tolist()
-
-        token_ids: list[Optional[int]] = [None] * n
-        logprobs: list[Optional[TokenLogprobs]] = [None] * n
-        for i, row in enumerate(host):
-            if i in errors:
-                continue
-            code = int(row[1])
-            if code:
-                errors[i] = _ROW_ERRORS[code]
-                continue
-            token_ids[i] = int(row[0])
-            want = requests[i].params.logprobs
-            if want is not None:
-                top_ids = [int(x) for x in row[3 + top_n:3 + top_n + want]]
-                logprobs[i] = TokenLogprobs(row[2], top_ids, row[3:3 + want])
-        return Samples(token_ids, logprobs, errors)
+        return torch.cat(columns, dim=1).cpu().tolist()
 
     def apply_grammars(self, logits: torch.Tensor, requests: list[Request], rows: list[int],
                        errors: dict[int, str]) -> None:

@@ -179,3 +179,34 @@ def test_a_vanishing_top_p_keeps_the_most_likely_token(tiny_llama_dir):
     assert got == want  # only the most likely token survives: greedy
     logits = torch.tensor([[3.0, 1.0, 2.0]])
     assert torch.isinf(apply_top_p(logits, [0.0])).tolist() == [[False, True, True]]
+
+
+@pytest.mark.parametrize("width", [5, 16, 49152 + 7])  # tail only; vectors; vectors + tail
+def test_greedy_rows_on_the_c_kernels_match_the_torch_path(width):
+    """An all-greedy batch on the CPU kernels takes each row's token and validity code
+    in one C pass; the tokens and errors must be the torch path's exactly: the first
+    index of a tie, and NaN, +inf and all -inf rows failed with their own messages."""
+    from engine_worker.kernels import cpu_kernels
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("no C compiler: the CPU kernels cannot be built here")
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(8, width, generator=g)
+    rows[1, width // 3] = rows[1, width - 1] = 50.0        # a tie: the first index wins
+    rows[2, width - 1] = float("nan")                      # NaN in the tail, or a lane
+    rows[3, width // 2] = float("inf")
+    rows[4] = float("-inf")
+    rows[5, :] = float("-inf")
+    rows[5, width - 2] = -1e30                             # one finite value is enough
+    rows[6, 0] = float("nan")                              # NaN in the first vector
+    rows[7, width // 2] = float("-inf")                    # a -inf among finite values
+    requests = [req([1, 2], max_tokens=4, temperature=0.0) for _ in range(8)]
+    fast = Sampler(torch.device("cpu"), 0, kernels)(rows.clone(), requests)
+    slow = Sampler(torch.device("cpu"), 0, None)(rows.clone(), requests)
+    assert fast.token_ids == slow.token_ids
+    assert fast.errors == slow.errors == {2: "the logits hold NaN", 3: "the logits hold +inf",
+                                          4: "every token is excluded (all logits are -inf)",
+                                          6: "the logits hold NaN"}
+    assert fast.token_ids[1] == width // 3 and fast.token_ids[5] == width - 2
+    assert kernels.greedy_rows(rows[[0, 1]]) == [(int(rows[0].argmax()), 0), (width // 3, 0)]
