@@ -49,11 +49,13 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
 #define RS_KV_F32 0
 #define RS_KV_BF16 1
 
-/* Decode-style attention of one query row (all heads) over its sequence's first T
-   tokens, read through its block table (paged_attention.c). scores: Hq * T floats. */
+/* Decode-style attention of one query row over its sequence's first T tokens, read
+   through its block table (paged_attention.c): the query heads of KV heads [g0, g1)
+   (0, Hkv: all). scores: Hq * T floats. */
 void rs_attend_one(const float *q, const void *k_cache, const void *v_cache, int kv_type,
                    const int64_t *table, int64_t T, float *out, float *scores,
-                   int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale);
+                   int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale, int64_t g0,
+                   int64_t g1);
 
 /* RoPE on one token's q and k heads (in its fused qkv row), then its k and v into
    cache slot `slot` (layers.c). cn, sn: the token's D / 2 cos and sin. */

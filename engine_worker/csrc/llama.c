@@ -107,6 +107,9 @@ int rs_llama_forward(const struct rs_llama *m, const struct rs_step *s)
     const int64_t QKV = (Hq + 2 * Hkv) * D, QD = Hq * D;
     if (D % 16 != 0 || D > 256)
         return -2;
+    /* Attention work items per token: its KV heads apart when there are fewer tokens
+       than threads (one token would keep one thread busy, the others waiting). */
+    const int64_t items_per_token = N < s->num_threads ? Hkv : 1;
     int failed = 0;
     float *x = s->scratch;             /* [N, C] the residual stream */
     float *h = x + N * C;              /* [N, C] normed */
@@ -148,11 +151,16 @@ int rs_llama_forward(const struct rs_llama *m, const struct rs_step *s)
                                      Hq, Hkv, D);
             PHASE(PROFILE_OTHER);
 
+            const int64_t heads = Hkv / items_per_token;   /* KV heads of an item */
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t n = 0; n < N; n++)
+            for (int64_t item = 0; item < N * items_per_token; item++) {
+                const int64_t n = item / items_per_token;
+                const int64_t g0 = item % items_per_token * heads;
                 rs_attend_one(qkv + n * QKV, L->k_cache, L->v_cache, (int)m->kv_type,
                               s->block_tables + s->seq[n] * s->max_blocks, s->ctx_lens[n],
-                              attn + n * QD, my_scores, Hq, Hkv, D, m->block_size, m->scale);
+                              attn + n * QD, my_scores, Hq, Hkv, D, m->block_size, m->scale,
+                              g0, g0 + heads);
+            }
             PHASE(PROFILE_ATTENTION);
             bad |= rs_linear_ws(attn, N, QD, L->o, C, L->o_bias, x, 1, (int)L->o_format);
             PHASE(PROFILE_LINEAR);

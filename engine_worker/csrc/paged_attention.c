@@ -66,16 +66,18 @@ static inline vfl kv_vec(const char *row, int64_t i, int kv_type)
     return ((const vfl *)row)[i];
 }
 
-/* One sequence: all its query heads against its first T tokens. D % 16 == 0. */
-static inline void attend_one(const float *q, const void *k_cache, const void *v_cache,
-                              int kv_type, const int64_t *table, int64_t T, float *out,
-                              float *scores, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
-                              float scale)
+/* One sequence: the query heads of KV heads [g0, g1) against its first T tokens.
+   D % 16 == 0. */
+static inline __attribute__((always_inline)) void
+attend_one(const float *q, const void *k_cache, const void *v_cache, int kv_type,
+           const int64_t *table, int64_t T, float *out, float *scores, int64_t Hq,
+           int64_t Hkv, int64_t D, int64_t bs, float scale, int64_t g0, int64_t g1)
 {
-    const int64_t G = Hq / Hkv;
+    const int64_t G = Hq / Hkv, i0 = g0 * G, i1 = g1 * G;
     const int64_t elem = kv_type == RS_KV_BF16 ? 2 : 4;
     const int64_t row_bytes = Hkv * D * elem;   /* a token's keys (or values), all heads */
     const int64_t head_bytes = D * elem;
+    const int64_t used_bytes = (g1 - g0) * head_bytes;   /* of a row, from g0's head */
     const int64_t nv = D / LANES;
     /* Pass 1: scores[i][t] = scale * <q_i, k_t> for query head i (KV head i / G); the
        token's keys for all heads are one contiguous row. */
@@ -83,15 +85,15 @@ static inline void attend_one(const float *q, const void *k_cache, const void *v
     const int64_t ahead = ATTN_AHEAD_BYTES / row_bytes + 1;
 #define ROW(cache, t) ((const char *)(cache) + (table[(t) / bs] * bs + (t) % bs) * row_bytes)
     for (int64_t t = 0; fetch && t < T && t < ahead; t++)
-        prefetch_row(ROW(k_cache, t), row_bytes);
+        prefetch_row(ROW(k_cache, t) + g0 * head_bytes, used_bytes);
     for (int64_t t = 0; t < T; t++) {
         const char *kt = ROW(k_cache, t);
         if (fetch) {
             if (t + ahead < T)
-                prefetch_row(ROW(k_cache, t + ahead), row_bytes);
-            prefetch_row(ROW(v_cache, t), row_bytes);
+                prefetch_row(ROW(k_cache, t + ahead) + g0 * head_bytes, used_bytes);
+            prefetch_row(ROW(v_cache, t) + g0 * head_bytes, used_bytes);
         }
-        for (int64_t i = 0; i < Hq; i++) {
+        for (int64_t i = i0; i < i1; i++) {
             const vfl *qi = (const vfl *)(q + i * D);
             const char *ki = kt + (i / G) * head_bytes;
             vfl acc = qi[0] * kv_vec(ki, 0, kv_type);
@@ -105,7 +107,7 @@ static inline void attend_one(const float *q, const void *k_cache, const void *v
     }
 #undef ROW
     /* Softmax over t, per query head. */
-    for (int64_t i = 0; i < Hq; i++) {
+    for (int64_t i = i0; i < i1; i++) {
         float *s = scores + i * T;
         float m = s[0];
         for (int64_t t = 1; t < T; t++)
@@ -125,7 +127,7 @@ static inline void attend_one(const float *q, const void *k_cache, const void *v
     for (int64_t start = 0; start < T; start += bs) {
         const int64_t n = T - start < bs ? T - start : bs;
         const char *vb = (const char *)v_cache + table[start / bs] * bs * row_bytes;
-        for (int64_t i = 0; i < Hq; i++) {
+        for (int64_t i = i0; i < i1; i++) {
             vfl *oi = (vfl *)(out + i * D);
             vfl acc[MAX_DIM / LANES];
             for (int64_t v = 0; v < nv; v++)
@@ -146,12 +148,13 @@ static inline void attend_one(const float *q, const void *k_cache, const void *v
 
 void rs_attend_one(const float *q, const void *k_cache, const void *v_cache, int kv_type,
                    const int64_t *table, int64_t T, float *out, float *scores,
-                   int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale)
+                   int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale, int64_t g0,
+                   int64_t g1)
 {
     /* The common shapes get compile-time sizes and cache types, so loops vectorize
        fully. */
 #define ATTEND(type, d, b) attend_one(q, k_cache, v_cache, type, table, T, out, scores, \
-                                      Hq, Hkv, d, b, scale)
+                                      Hq, Hkv, d, b, scale, g0, g1)
     if (kv_type == RS_KV_BF16) {
         if (bs == 16 && D == 64)
             ATTEND(RS_KV_BF16, 64, 16);
@@ -188,7 +191,7 @@ int rs_paged_decode_attention(const float *q, const void *k_cache, const void *v
             continue;
         }
         rs_attend_one(q + b * Hq * D, k_cache, v_cache, kv_type, block_tables + b * max_blocks,
-                      T, out + b * Hq * D, scores, Hq, Hkv, D, block_size, scale);
+                      T, out + b * Hq * D, scores, Hq, Hkv, D, block_size, scale, 0, Hkv);
         free(scores);
     }
     return failed ? -1 : 0;
