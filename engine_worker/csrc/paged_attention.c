@@ -8,7 +8,9 @@
  *      and dotted with every query head;
  *   2. softmax over the scores, then per head the probability-weighted sum of value
  *      rows, a block at a time (the block stays in L1 across heads).
- * Sequences are spread over OpenMP threads (torch's runtime: one pool).
+ * Sequences are spread over OpenMP threads (torch's runtime: one pool). The fused
+ * forward (llama.c) also gives each KV head its own thread when a step has fewer
+ * tokens than threads (rs_attend_one takes a range of KV heads).
  *
  * Layout (row-major; float32, the cache float32 or bfloat16, kv_type):
  *   q            [B, Hq, D]
