@@ -38,8 +38,10 @@ static inline uint16_t rs_to_bf16(float f)
 /* Threads of the enclosing parallel region (1 outside one). */
 static inline int rs_num_threads(void) { return omp_get_num_threads(); }
 
-/* y[M, N] (+)= x[M, K] W^T (+ bias), W packed by rs_pack_weight in `format`. A
-   work-sharing loop: inside a parallel region the region's threads split it.
+/* y[M, N] (+)= x[M, K] W^T (+ bias), W packed by rs_pack_weight in `format`, at a
+   64-byte aligned address (the tiles load panels with aligned vector loads; torch's CPU
+   allocations are 64-byte aligned). A work-sharing loop: inside a parallel region the
+   region's threads split it.
    Returns -1 (on the threads that could not get scratch memory) or 0. */
 int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64_t N,
                  const float *bias, float *y, int accumulate, int format);
