@@ -15,7 +15,9 @@ a seed draws its E from its own generator (so its draws do not depend on what el
 batched), the others from the engine's.
 
 Everything a step returns (token ids, a validity code per row, the chosen token's
-logprob and the top-n) is packed into one tensor and copied to the host once.
+logprob and the top-n) is packed into one tensor and copied to the host once. On the
+CPU's C kernels, a step whose rows are all greedy and want no logprobs takes its tokens
+and validity codes from one pass over the logits instead (``greedy_rows``).
 
 Failure isolation: one row's trouble is that row's alone. Its logits processing runs
 inside its own try; a row whose logits end up NaN, +inf or all -inf (nothing left to
