@@ -179,21 +179,21 @@ class CpuKernels:
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
         """(R, C) float32 -> (R,) int64, first index of each row's maximum."""
-        if x.stride(1) != 1:
-            x = x.contiguous()
-        out = torch.empty(x.shape[0], dtype=torch.int64)
-        self._argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), None)
-        return out
+        return self._argmax_pass(x, codes=False)[0]
 
     def greedy_rows(self, x: torch.Tensor) -> list[tuple[int, int]]:
         """(R, C) float32 -> per row (first index of its maximum, validity code: 0, or
         1 a NaN, 2 a +inf, 3 every value -inf), in one pass over the rows."""
+        return list(zip(*self._argmax_pass(x, codes=True).tolist()))
+
+    def _argmax_pass(self, x: torch.Tensor, codes: bool) -> torch.Tensor:
+        """(1 or 2, R) int64: each row's argmax, then (codes) its validity code."""
         if x.stride(1) != 1:
             x = x.contiguous()
-        out = torch.empty(2, x.shape[0], dtype=torch.int64)
+        out = torch.empty(1 + codes, x.shape[0], dtype=torch.int64)
         self._argmax(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out[0].data_ptr(),
-                     out[1].data_ptr())
-        return list(zip(*out.tolist()))
+                     out[1].data_ptr() if codes else None)
+        return out
 
     @staticmethod
     def supports_head_dim(head_dim: int) -> bool:

@@ -84,8 +84,11 @@ class Sampler:
         self.generator.manual_seed(seed)
         self.kernels = kernels
 
+    def _c_kernels_take(self, logits: torch.Tensor) -> bool:
+        return self.kernels is not None and logits.device.type == "cpu"
+
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
-        if self.kernels is not None and logits.device.type == "cpu":
+        if self._c_kernels_take(logits):
             return self.kernels.argmax_rows(logits)
         return logits.argmax(dim=-1)
 
@@ -112,7 +115,7 @@ class Sampler:
             self.apply_grammars(logits, [requests[i] for i in constrained], constrained,
                                 errors)
 
-        if (self.kernels is not None and logits.device.type == "cpu" and top_n is None
+        if (self._c_kernels_take(logits) and top_n is None
                 and all(r.params.greedy for r in requests)):
             host = self.kernels.greedy_rows(logits)  # (token, code) per row, one pass
         else:
