@@ -2,8 +2,8 @@
 
 Threads:
   * the I/O thread (engine_worker/io_thread.py) owns the ROUTER socket: client frames
-    in, pings answered with the stats the loop last published, the loop's encoded
-    replies out, so the model step never waits on a socket;
+    in, pings answered with the stats the loop last published; the loop sends its
+    replies on it through the thread's ``send``, which never waits;
   * the engine loop (the main thread, which also receives signals) drains every
     message that arrived, handles them as one batch (adds, aborts, hellos), runs one
     engine step, and sends each client one OutputBatch holding everything that step
@@ -55,8 +55,7 @@ from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, PROTOCOL_VERSION,
                              RequestError, RequestErrorKind, RequestOutput, version_mismatch)
 from common.sockets import make_socket
 from engine_worker.engine import FatalDeviceError, LLMEngine
-from engine_worker.io_thread import (FLUSH_AND_STOP, OUTBOX_ADDRESS, PEER_OUTBOX_ADDRESS,
-                                    IOThread, Peer, Wake)
+from engine_worker.io_thread import PEER_OUTBOX_ADDRESS, IOThread, Peer, Wake
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +79,6 @@ class EngineServer:
             self._stop_curve()
             raise
         self.codec = Codec(ENGINE_MESSAGES, CLIENT_MESSAGES)
-        self.outbox = make_socket(self.ctx, OUTBOX_ADDRESS, zmq.PUSH, bind=False,
-                                  linger_ms=1000)
         self.peer_outbox = make_socket(self.ctx, PEER_OUTBOX_ADDRESS, zmq.PUSH, bind=False)
         self.peer_codec = Codec(CLIENT_MESSAGES, ENGINE_MESSAGES)
         self.clients: dict[bytes, _Client] = {}
@@ -149,9 +146,7 @@ class EngineServer:
         signal.signal(signal.SIGINT, on_signal)
 
     def _close(self) -> None:
-        self.outbox.send_multipart(FLUSH_AND_STOP)
         self.io.close()
-        self.outbox.close()
         self.peer_outbox.close()
         self._stop_curve()
         self.ctx.term()
@@ -390,7 +385,7 @@ class EngineServer:
                 self.io.last_seen.pop(identity, None)
 
     def _send(self, identity: bytes, message: msgspec.Struct) -> None:
-        self.outbox.send_multipart([identity, *self.codec.encode(message)])
+        self.io.send([identity, *self.codec.encode(message)])
 
     def _broadcast(self, message: msgspec.Struct) -> None:
         for identity in list(self.clients):
