@@ -785,6 +785,21 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, floa
 {
     for (int64_t i = 0; i < M * K / RS_INT8_BLOCK; i++) {
         const float *src = x + i * RS_INT8_BLOCK;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+        /* Two vectors a block, the same values as the loops below: the conversion
+           rounds to nearest even, as nearbyintf does (both follow MXCSR's mode). */
+        const __m512 lo = _mm512_loadu_ps(src), hi = _mm512_loadu_ps(src + 16);
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo),
+                                                               _mm512_abs_ps(hi)));
+        const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        xs[i] = amax / 127.0f;
+        const __m512 vinv = _mm512_set1_ps(inv);
+        const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, vinv)),
+                      qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, vinv));
+        _mm_storeu_si128((__m128i *)(xq + i * RS_INT8_BLOCK), _mm512_cvtepi32_epi8(qlo));
+        _mm_storeu_si128((__m128i *)(xq + i * RS_INT8_BLOCK + 16), _mm512_cvtepi32_epi8(qhi));
+        const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+#else
         float amax = 0.0f;
         for (int j = 0; j < RS_INT8_BLOCK; j++)
             amax = fmaxf(amax, fabsf(src[j]));
@@ -795,6 +810,7 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int8_t *xq, floa
             xq[i * RS_INT8_BLOCK + j] = (int8_t)nearbyintf(src[j] * inv);
             sum += xq[i * RS_INT8_BLOCK + j];
         }
+#endif
         if (xsum != NULL)
             xsum[i] = xs[i] * (float)sum;
         if (xoff != NULL)
