@@ -912,19 +912,21 @@ static const tile_int_fn TILES_INT[2][2][9] = {{INT_ROW8(q8_one), INT_ROW(q8_wid
 #endif
 #endif
 
-/* From this many row blocks on, an int8 tile's row blocks (AVX-512: 3 rows x 4 panels)
-   share the fetching of the next panels, each its own stretch of K, instead of each
-   fetching all of it: 4 int8 panels of K = 576 are 41 KiB, so a second group fetched
-   whole while 22 row blocks compute from the first evicted the first from L1 (48 KiB
-   on Zen 5), and 32 fetches per block of 32 inputs in every row block cost issue slots
-   the dot products need. The default model's int8 layers at 64 rows: 1.15x (AMD EPYC
-   Zen 5). At 8 rows (3 blocks) each block fetching all of it is faster (0.92x shared);
-   4-bit panels (23 KiB a group) gain nothing from it. */
-#ifndef INT8_SHARED_AHEAD_BLOCKS
+/* From this many row blocks on, the row blocks of an int8 tile (AVX-512: 3 rows x 4
+   panels) or a vdpbf16ps one (6 x 4) share the fetching of the next panels, each its
+   own stretch of K, instead of each fetching all of it (int8) or the first alone
+   (bf16): 4 int8 panels of K = 576 are 41 KiB, so a second group fetched whole while 22
+   row blocks computed from the first evicted the first from L1 (48 KiB on Zen 5), and
+   32 fetches per block of 32 inputs in every row block cost issue slots the dot
+   products need. The default model's layers at 64 rows (AMD EPYC Zen 5): int8 1.15x,
+   bf16 1.04-1.06x (1.07x at 128, even at 24-32). At 8 rows (3 blocks) each int8 block
+   fetching all of it is faster (0.92x shared); 4-bit panels (23 KiB a group) and
+   float32 ones (8 x 1 tiles) gain nothing from it. */
+#ifndef SHARED_AHEAD_BLOCKS
 #ifdef __AVX512F__
-#define INT8_SHARED_AHEAD_BLOCKS 4
+#define SHARED_AHEAD_BLOCKS 4
 #else
-#define INT8_SHARED_AHEAD_BLOCKS (1 << 30)   /* never: AVX2 int8 tiles take one panel */
+#define SHARED_AHEAD_BLOCKS (1 << 30)   /* never: AVX2 int8 tiles take one panel */
 #endif
 #endif
 
@@ -1023,7 +1025,7 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
                    others computed). */
                 int64_t ahead_lo = 0, ahead_hi =
                     !expand && (int8 || AHEAD_ONE_BLOCK || (b == 0 && blocks > 1)) ? K : 0;
-                if (format == RS_INT8 && blocks >= INT8_SHARED_AHEAD_BLOCKS) {
+                if ((format == RS_INT8 || dot) && blocks >= SHARED_AHEAD_BLOCKS) {
                     const int64_t kb = K / RS_INT8_BLOCK;   /* this block's share */
                     ahead_lo = kb * b / blocks * RS_INT8_BLOCK;
                     ahead_hi = kb * (b + 1) / blocks * RS_INT8_BLOCK;
