@@ -884,7 +884,7 @@ static const tile_int_fn TILES_INT[2][2][9] = {{INT_ROW8(q8_one), INT_ROW(q8_wid
    of weights where 4 panels are 4 (the default model's layers alone, alternating rounds,
    AMD EPYC Zen 5: int8 1.06-1.09x at 1-3 rows, 1.20-1.24x at 8, 1.29-1.35x at 12-16,
    1.17x at 20-24, 0.98x at 28, 0.86x at 64, where 4 panels share each row's broadcast;
-   4-bit 1.15-1.20x at 1-2 rows, 1.17-1.19x at 8, 1.12-1.17x at 12-16, 1.04x at 32,
+   4-bit 1.14-1.38x at 1-2 rows, 1.08-1.19x at 8, 1.12-1.17x at 12-16, 1.04x at 32,
    0.95-1.0x at 64). */
 #ifdef __AVX512F__
 #define Q8_MR_MAX 3
