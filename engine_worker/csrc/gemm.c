@@ -1022,11 +1022,13 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
                    every row block (measured: 10-16% faster at 1-8 rows), and so do
                    AVX2's float32 tiles (1.10x at 8 rows, 1.20x at 16, 1.08x at 64 on
                    a Zen 3: with one fetching block, memory sat idle while the
-                   others computed). */
+                   others computed). From SHARED_AHEAD_BLOCKS blocks on, int8 and
+                   vdpbf16ps row blocks each fetch their own stretch of K instead. */
                 int64_t ahead_lo = 0, ahead_hi =
                     !expand && (int8 || AHEAD_ONE_BLOCK || (b == 0 && blocks > 1)) ? K : 0;
                 if ((format == RS_INT8 || dot) && blocks >= SHARED_AHEAD_BLOCKS) {
-                    const int64_t kb = K / RS_INT8_BLOCK;   /* this block's share */
+                    /* this block's share, in whole blocks of 32 inputs */
+                    const int64_t kb = K / RS_INT8_BLOCK;
                     ahead_lo = kb * b / blocks * RS_INT8_BLOCK;
                     ahead_hi = kb * (b + 1) / blocks * RS_INT8_BLOCK;
                 }
