@@ -7,10 +7,11 @@
  * a small batch needs: at 1-8 rows the layer is bound by reading the weight.
  *
  * Register tiles: MR rows of x times NP panels, accumulated over all of K in
- * registers. With -march=native the tile is sized for the machine at hand: up to 8
- * rows x 4 panels at 8 rows or fewer and 8 x 1 above on AVX-512 (32 registers), or 6
+ * registers. With -march=native the tile is sized for the machine at hand: up to 4
+ * rows x 4 panels at 4 rows or fewer and 8 x 1 above on AVX-512 (32 registers), or 6
  * rows x 1 panel (12 of AVX2's 16, a panel being two 8-float registers). Threads
- * split the panels, so each streams its own share of the weight.
+ * split the panels, so each streams its own share of the weight, and a tile of one
+ * panel fetches the next panel into the cache as it goes.
  *
  * Weight formats: float32 panels are read in place. bfloat16 panels store two
  * consecutive inputs of an output together (K/2 pairs x 16 outputs x 2 bf16), the
@@ -70,8 +71,12 @@ typedef float vfu __attribute__((vector_size(VL * 4), aligned(4)));   /* unalign
 #ifndef NP_MAX
 #define NP_MAX 4
 #endif
+/* 4 panels a tile up to 4 rows, one panel above: a block of 8 rows x 4 panels spills
+   accumulators, and one panel that fetches the next one keeps memory busy while the
+   block computes (the default model's layers alone, old and new builds alternating,
+   AMD EPYC Zen 5: float32 1.04-1.07x at 5-8 rows; widened bfloat16 1.12-1.23x). */
 #ifndef WIDE_MAX_ROWS
-#define WIDE_MAX_ROWS 8
+#define WIDE_MAX_ROWS 4
 #endif
 /* Up to 8 rows in one block: a batch of 8 reads the weight once, its FMAs overlapping
    the stream (measured: 1.21x at 8 rows over two blocks of 4, which left memory idle
@@ -844,12 +849,12 @@ static const tile_fn TILES[2][2][9] = {{ROW(f32_one), ROW(f32_wide)},
     { tile_bf16(mr, np, xb, K, w, pb, bias, y, ldy, n_left, acc, lo, hi); }
 #define TILES_BF(np, name) TILE_BF(1, np, name) TILE_BF(2, np, name) TILE_BF(3, np, name) \
     TILE_BF(4, np, name) TILE_BF(5, np, name) TILE_BF(6, np, name)
-TILES_BF(1, one) TILES_BF(NP_MAX, wide)
+TILES_BF(1, one) TILES_BF(NP_MAX, wide) TILE_BF(7, 1, one) TILE_BF(8, 1, one)
 typedef void (*tile_bf_fn)(const uint16_t *, int64_t, const char *, int64_t, const float *,
                            float *, int64_t, int64_t, int, int64_t, int64_t);
-static const tile_bf_fn TILES_BF[2][7] = {
+static const tile_bf_fn TILES_BF[2][9] = {
     {NULL, tile_bf_1_one, tile_bf_2_one, tile_bf_3_one, tile_bf_4_one, tile_bf_5_one,
-     tile_bf_6_one},
+     tile_bf_6_one, tile_bf_7_one, tile_bf_8_one},
     {NULL, tile_bf_1_wide, tile_bf_2_wide, tile_bf_3_wide, tile_bf_4_wide, tile_bf_5_wide,
      tile_bf_6_wide}};
 #endif
@@ -889,15 +894,21 @@ static const tile_int_fn TILES_INT[2][2][9] = {{INT_ROW8(q8_one), INT_ROW(q8_wid
 #ifdef __AVX512F__
 #define Q8_MR_MAX 3
 #define Q8_WIDE_MAX_ROWS (1 << 30)   /* above the narrow rows: 3 rows x 4 panels fit */
-#define Q8_NARROW_MR_MAX 8
+#define NARROW_MR_MAX 8
 #define Q8_NARROW_MAX_ROWS 24
 #define Q4_NARROW_MAX_ROWS 32
+/* vdpbf16ps tiles, too, take one panel up to 24 rows, each row block fetching the next
+   panel (same measurement: 1.02-1.04x at 1-2 rows, 1.18x at 4, 1.27x at 8, 1.1-1.23x
+   at 12-16, 1.03-1.06x at 24-32, 1.0x at 64; the 4-panel tiles of 2 x 4 rows had left
+   memory idle while the second block computed from cache). */
+#define BF16_NARROW_MAX_ROWS 24
 #else   /* AVX2: NP_MAX panels at one row, one panel of 2 rows above */
 #define Q8_MR_MAX 2
 #define Q8_WIDE_MAX_ROWS 1
-#define Q8_NARROW_MR_MAX 2
+#define NARROW_MR_MAX 2
 #define Q8_NARROW_MAX_ROWS 0
 #define Q4_NARROW_MAX_ROWS 0
+#define BF16_NARROW_MAX_ROWS 0
 #endif
 
 /* Whether every row block fetches ahead, a single one too: on AVX2, whose narrow tiles
@@ -977,8 +988,9 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
     }
 #endif
     const int64_t pb = panel_bytes(K, format);
-    const int narrow = int8 && M <= (q4 ? Q4_NARROW_MAX_ROWS : Q8_NARROW_MAX_ROWS);
-    const int64_t mr_max = narrow ? Q8_NARROW_MR_MAX : int8 ? Q8_MR_MAX
+    const int narrow = int8 ? M <= (q4 ? Q4_NARROW_MAX_ROWS : Q8_NARROW_MAX_ROWS)
+                     : dot && M <= BF16_NARROW_MAX_ROWS;
+    const int64_t mr_max = narrow ? NARROW_MR_MAX : int8 ? Q8_MR_MAX
                          : dot ? BF16_MR_MAX : MR_MAX;
     const int64_t blocks = (M + mr_max - 1) / mr_max;
     /* Contiguous panel ranges, one per thread, balanced to a panel. */
@@ -1016,16 +1028,18 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
                 const int mr = (int)((M * (b + 1)) / blocks - m);
                 const float *bias_n = bias == NULL ? NULL : bias + n0;
                 float *y_n = y + m * N + n0;
-                /* The first row block fetches the next panels while the others
-                   compute from cache: memory and FMAs overlap (an expanded group
-                   is not where the next one is). int8 tiles, narrower, fetch in
-                   every row block (measured: 10-16% faster at 1-8 rows), and so do
-                   AVX2's float32 tiles (1.10x at 8 rows, 1.20x at 16, 1.08x at 64 on
-                   a Zen 3: with one fetching block, memory sat idle while the
-                   others computed). From SHARED_AHEAD_BLOCKS blocks on, int8 and
-                   vdpbf16ps row blocks each fetch their own stretch of K instead. */
+                /* Of a float tile of 4 panels, the first row block fetches the next
+                   panels while the others compute from cache: memory and FMAs
+                   overlap (an expanded group is not where the next one is). Tiles of
+                   one panel fetch in every row block, and so do int8 tiles (10-16%
+                   faster at 1-8 rows): with one fetching block, memory sat idle
+                   while the others computed (AVX2 float32: 1.10x at 8 rows, 1.20x
+                   at 16 on a Zen 3; AVX-512: 1.09x at 12-16 on a Zen 5). From
+                   SHARED_AHEAD_BLOCKS blocks on, int8 and vdpbf16ps row blocks each
+                   fetch their own stretch of K instead. */
                 int64_t ahead_lo = 0, ahead_hi =
-                    !expand && (int8 || AHEAD_ONE_BLOCK || (b == 0 && blocks > 1)) ? K : 0;
+                    !expand && (int8 || !wide || AHEAD_ONE_BLOCK || (b == 0 && blocks > 1))
+                    ? K : 0;
                 if ((format == RS_INT8 || dot) && blocks >= SHARED_AHEAD_BLOCKS) {
                     /* this block's share, in whole blocks of 32 inputs */
                     const int64_t kb = K / RS_INT8_BLOCK;
