@@ -898,9 +898,10 @@ static const tile_int_fn TILES_INT[2][2][9] = {{INT_ROW8(q8_one), INT_ROW(q8_wid
 #define Q8_NARROW_MAX_ROWS 24
 #define Q4_NARROW_MAX_ROWS 32
 /* vdpbf16ps tiles, too, take one panel up to 24 rows, each row block fetching the next
-   panel (same measurement: 1.02-1.04x at 1-2 rows, 1.18x at 4, 1.27x at 8, 1.1-1.23x
-   at 12-16, 1.03-1.06x at 24-32, 1.0x at 64; the 4-panel tiles of 2 x 4 rows had left
-   memory idle while the second block computed from cache). */
+   panel (same measurement: 1.02-1.04x at 1-2 rows, 1.14-1.18x at 4, 1.25-1.27x at 8,
+   1.1-1.23x at 12-16, 1.03-1.06x at 24; 0.99x at 32 and 0.80x at 64, where 4 panels
+   share each row's broadcast). The 4-panel tiles of 2 x 4 rows had left memory idle
+   while the second block computed from cache. */
 #define BF16_NARROW_MAX_ROWS 24
 #else   /* AVX2: NP_MAX panels at one row, one panel of 2 rows above */
 #define Q8_MR_MAX 2
