@@ -912,10 +912,11 @@ static const tile_int_fn TILES_INT[2][2][9] = {{INT_ROW8(q8_one), INT_ROW(q8_wid
 #define BF16_NARROW_MAX_ROWS 0
 #endif
 
-/* Whether every row block fetches ahead, a single one too: on AVX2, whose narrow tiles
-   leave the hardware prefetchers too many short streams, yes (1.5x at 1-8 rows);
-   AVX-512's prefetchers do better alone (measured: 12% slower at 1 row with it), and
-   there only the first of several blocks fetches. */
+/* Whether every row block of a float tile of 4 panels fetches ahead, a single one too:
+   on AVX2, whose narrow tiles leave the hardware prefetchers too many short streams,
+   yes (1.5x at 1-8 rows); AVX-512's prefetchers do better alone with 4 panels of 1-4
+   rows (measured: 12% slower at 1 row with it), and there only the first of several
+   such blocks fetches. Tiles of one panel, and integer tiles, fetch in every block. */
 #ifndef AHEAD_ONE_BLOCK
 #ifdef __AVX512F__
 #define AHEAD_ONE_BLOCK 0
