@@ -375,6 +375,15 @@ def use_extra_flags(flags: list[str]) -> None:
     _loaded.pop("cpu", None)
 
 
+def cached_path(extra_flags: Sequence[str] = ()) -> Path:
+    """Where the kernels built from this source, with the standard flags plus
+    ``extra_flags``, for this CPU are cached."""
+    source = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
+    flags = _FLAGS + list(extra_flags)
+    key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_signature().encode())
+    return Path(cache_dir()) / "kernels" / f"roseserve-kernels-{key.hexdigest()[:16]}.so"
+
+
 def _build_and_load(extra_flags: Sequence[str] = ()) -> Optional[CpuKernels]:
     """Build (or find in the cache) and load the kernels, compiled with the standard
     flags plus ``extra_flags``."""
@@ -382,11 +391,9 @@ def _build_and_load(extra_flags: Sequence[str] = ()) -> Optional[CpuKernels]:
     if compiler is None:
         logger.warning("no C compiler found: CPU attention uses the slower torch path")
         return None
-    source = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
     flags = _FLAGS + list(extra_flags)
-    key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_signature().encode())
-    out_dir = Path(cache_dir()) / "kernels"
-    target = out_dir / f"roseserve-kernels-{key.hexdigest()[:16]}.so"
+    target = cached_path(extra_flags)
+    out_dir = target.parent
     if not target.is_file():
         out_dir.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)

@@ -119,12 +119,16 @@ def main() -> int:
     wait_for(lambda: metric(url, "roseserve_engines_healthy") == 2, 300, "both engines healthy")
     phases.done("cluster healthy (2 engines)")
     # The engines run as an unprivileged user: their kernel cache volume must be
-    # writable by it, or they fall back to torch's slower ops with only a warning.
-    built = subprocess.run(compose + ["exec", "-T", "engine-0", "sh", "-c",
-                                      "ls /cache/kernels/*.so"],
+    # writable by it, or they fall back to torch's slower ops with only a warning. The
+    # file looked for is the one this image's source builds (a volume kept from an
+    # earlier image may hold others).
+    built = subprocess.run(compose + ["exec", "-T", "engine-0", "python", "-c",
+                                      "from engine_worker.kernels import cached_path; "
+                                      "p = cached_path(); print(p); assert p.is_file()"],
                            capture_output=True, text=True)
     assert built.returncode == 0 and built.stdout.strip(), (
-        f"no compiled kernels in the kernel-cache volume: {built.stdout}{built.stderr}")
+        f"this image's compiled kernels are not in the kernel-cache volume: "
+        f"{built.stdout}{built.stderr}")
     phases.done(f"compiled kernels cached in the volume ({built.stdout.split()[0]})")
     check_curve(compose)
     phases.done("the engines and the tokenizer pool serve only holders of the cluster key")
