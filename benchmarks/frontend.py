@@ -12,7 +12,8 @@ request forced to --output-len tokens), then the same workload goes over HTTP
 prints the median of each ratio, HTTP tokens/s / in-process tokens/s, and the
 frontend process's CPU time (all its threads, from the scheduler's counters) per
 output token, which is what the frontend spends on each token whatever the machine's
-other load.
+other load, and beside it the client's own CPU per token (it shares the machine's
+cores with the server: see over_http).
 """
 
 from __future__ import annotations
