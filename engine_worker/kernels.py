@@ -46,12 +46,12 @@ _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 
 class CpuKernels:
     def __init__(self, lib: ctypes.CDLL) -> None:
-        fn = lib.rs_paged_decode_attention
+        fn = lib.rs_paged_attention
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        fn.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, i64, i64, i64, i64, i64,
-                       i64, ctypes.c_float]
+        fn.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, i64, i64,
+                       i64, i64, ctypes.c_float]
         fn.restype = ctypes.c_int
-        self._decode = fn
+        self._attention = fn
         self._argmax = lib.rs_argmax_rows
         self._argmax.argtypes = [ptr, i64, i64, i64, ptr, ptr]
         self._argmax.restype = None
@@ -204,14 +204,27 @@ class CpuKernels:
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
                                scale: float) -> torch.Tensor:
         """q (B, Hq, D) float32, kv_cache (2, num_blocks, bs, Hkv, D) float32 or
-        bfloat16, block_tables (B, max_blocks) and context_lens (B,) int64 -> (B, Hq, D)."""
+        bfloat16, block_tables (B, max_blocks) and context_lens (B,) int64 -> (B, Hq, D):
+        one query per sequence."""
+        seq = torch.arange(q.shape[0], dtype=torch.int64)
+        return self.paged_attention(q, kv_cache, seq, block_tables, context_lens, scale)
+
+    def paged_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, seq: torch.Tensor,
+                        block_tables: torch.Tensor, context_lens: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+        """q (N, Hq, D) float32: token n attends to the first context_lens[n] tokens of
+        sequence seq[n] (its row of block_tables); a sequence's consecutive tokens (a
+        prompt chunk) are attended as tiles, as in the fused forward. -> (N, Hq, D)."""
         q = q.contiguous()
-        b, hq, d = q.shape
+        n, hq, d = q.shape
         _, _, block_size, hkv, _ = kv_cache.shape
         out = torch.empty_like(q)
-        rc = self._decode(q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
-                          kv_type(kv_cache.dtype), block_tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(),
-                          b, hq, hkv, d, block_size, block_tables.shape[1], scale)
+        seq, block_tables = seq.contiguous(), block_tables.contiguous()
+        context_lens = context_lens.contiguous()
+        rc = self._attention(q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+                             kv_type(kv_cache.dtype), seq.data_ptr(), context_lens.data_ptr(),
+                             block_tables.data_ptr(), out.data_ptr(), n, hq, hkv, d,
+                             block_size, block_tables.shape[1], scale)
         if rc == -2:
             raise ValueError(f"paged attention kernel needs head_dim a multiple of 16 "
                              f"and <= 256, got {d}")

@@ -85,6 +85,66 @@ def test_the_paged_decode_attention_kernel_matches_softmax_over_the_context(isa,
                                    rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("isa", [[], ["-mno-avx512f"]], ids=["native", "avx2"])
+@pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 16), (4, 4, 128, 16), (8, 2, 64, 8),
+                                         (16, 1, 32, 16)])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_prompt_chunks_are_attended_in_tiles_as_softmax_over_each_tokens_context(
+        isa, hq, hkv, d, bs, kv_dtype):
+    """A step mixing decode rows with prompt chunks (a fresh prompt, long enough for
+    several tiles; a chunk after a cached prefix; a one-token chunk), each query token
+    against softmax(q k^T) v over its own first context_lens keys: the tiles' causal
+    masks, partial key groups and padded rows (16 query heads per KV head: one token a
+    tile with AVX2)."""
+    k = kernels._build_and_load(isa)
+    torch.manual_seed(hq * d + bs + hkv)
+    # (sequence, first token's context length, tokens)
+    runs = [(0, 40, 1), (1, 20, 37), (2, 1, 70), (3, 1, 1), (4, 33, 1), (5, 17, 2)]
+    seq, lens = [], []
+    for s, first, count in runs:
+        seq += [s] * count
+        lens += list(range(first, first + count))
+    max_blocks = (max(lens) + bs - 1) // bs
+    num_blocks = len(runs) * max_blocks
+    cache = torch.randn(2, num_blocks, bs, hkv, d).to(kv_dtype)
+    tables = torch.randperm(num_blocks).view(len(runs), max_blocks)
+    q = torch.randn(len(seq), hq, d)
+    scale = d ** -0.5
+    out = k.paged_attention(q, cache, torch.tensor(seq), tables, torch.tensor(lens), scale)
+    for n, (s, length) in enumerate(zip(seq, lens)):
+        keys, values = (cache[i][tables[s]].float().reshape(-1, hkv, d)[:length]
+                        .repeat_interleave(hq // hkv, dim=1) for i in (0, 1))
+        p = torch.softmax(torch.einsum("hd,thd->ht", q[n], keys) * scale, dim=-1)
+        torch.testing.assert_close(out[n], torch.einsum("ht,thd->hd", p, values),
+                                   rtol=1e-5, atol=1e-5, msg=f"token {n}")
+
+
+@pytest.mark.parametrize("isa", [[], ["-mno-avx512f"]], ids=["native", "avx2"])
+@pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 16), (8, 2, 128, 8)])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("lens", [[1030], [700, 3], [2049, 257, 16]])
+def test_few_decode_rows_over_long_contexts_split_their_keys_and_merge(isa, hq, hkv, d, bs,
+                                                                       kv_dtype, lens):
+    """A step of so few decode rows that each row's keys are split into parts across
+    threads (some of a short row's parts empty), merged: softmax(q k^T) v over each
+    row's whole context."""
+    k = kernels._build_and_load(isa)
+    torch.manual_seed(len(lens) * d + bs)
+    max_blocks = (max(lens) + bs - 1) // bs
+    num_blocks = len(lens) * max_blocks
+    cache = torch.randn(2, num_blocks, bs, hkv, d).to(kv_dtype)
+    tables = torch.randperm(num_blocks).view(len(lens), max_blocks)
+    q = torch.randn(len(lens), hq, d) * 3  # peaked: the parts' maxima differ
+    scale = d ** -0.5
+    out = k.paged_decode_attention(q, cache, tables, torch.tensor(lens), scale)
+    for b, n in enumerate(lens):
+        keys, values = (cache[i][tables[b]].float().reshape(-1, hkv, d)[:n]
+                        .repeat_interleave(hq // hkv, dim=1) for i in (0, 1))
+        p = torch.softmax(torch.einsum("hd,thd->ht", q[b], keys) * scale, dim=-1)
+        torch.testing.assert_close(out[b], torch.einsum("ht,thd->hd", p, values),
+                                   rtol=1e-5, atol=1e-5)
+
+
 def hf_greedy_bf16_kv(model_dir, prompts, max_new_tokens, monkeypatch):
     """HF's greedy outputs with every key (after RoPE) and value rounded to bfloat16
     before attention reads it, as a bfloat16 KV cache holds them."""

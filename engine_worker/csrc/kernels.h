@@ -51,13 +51,28 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
 #define RS_KV_F32 0
 #define RS_KV_BF16 1
 
-/* Decode-style attention of one query row over its sequence's first T tokens, read
-   through its block table (paged_attention.c): the query heads of KV heads [g0, g1)
-   (0, Hkv: all). scores: Hq * T floats. */
-void rs_attend_one(const float *q, const void *k_cache, const void *v_cache, int kv_type,
-                   const int64_t *table, int64_t T, float *out, float *scores,
-                   int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale, int64_t g0,
-                   int64_t g1);
+/* Floats of per-thread scratch a step's attention needs (rs_attention_ws). */
+int64_t rs_attention_scratch_floats(int64_t Hq, int64_t Hkv, int64_t D, int64_t max_ctx);
+
+/* Floats of the buffer (shared by a parallel region's threads) where rs_attention_ws
+   keeps the parts of decode rows whose keys it splits across threads. */
+int64_t rs_attention_partial_floats(int64_t Hq, int64_t Hkv, int64_t D, int64_t threads);
+
+/* Splits a step's N tokens into query tiles (paged_attention.c): runs of a sequence's
+   consecutive tokens (a prompt chunk), each token alone otherwise. starts: N + 1
+   entries, tile i is tokens [starts[i], starts[i + 1]). Returns the number of tiles. */
+int64_t rs_attention_tiles(int64_t N, const int64_t *seq, const int64_t *ctx_lens, int64_t Hq,
+                           int64_t Hkv, int64_t *starts);
+
+/* Attention of a step's tokens (token n: its q row at q + n q_stride, its output row
+   at out + n out_stride, the block table row seq[n], ctx_lens[n] keys), tiled by
+   rs_attention_tiles. A work-sharing loop, as rs_linear_ws; scratch: this thread's
+   rs_attention_scratch_floats; partial: rs_attention_partial_floats, shared. */
+void rs_attention_ws(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
+                     int kv_type, const int64_t *seq, const int64_t *ctx_lens,
+                     const int64_t *block_tables, int64_t max_blocks, const int64_t *starts,
+                     int64_t tiles, float *out, int64_t out_stride, int64_t Hq, int64_t Hkv,
+                     int64_t D, int64_t bs, float scale, float *scratch, float *partial);
 
 /* RoPE on one token's q and k heads (in its fused qkv row), then its k and v into
    cache slot `slot` (layers.c). cn, sn: the token's D / 2 cos and sin. */

@@ -78,13 +78,20 @@ enum { PROFILE_LINEAR, PROFILE_ATTENTION, PROFILE_OTHER };
         }                                                  \
     } while (0)
 
+/* The attention's tiles (N + 1 int64) in floats, one more to align them: they come
+   last in the scratch. */
+static inline int64_t tile_floats(int64_t N) { return 2 * (N + 1) + 1; }
+
 int64_t rs_llama_scratch_floats(const struct rs_llama *m, int64_t N, int64_t S,
                                 int64_t max_ctx, int64_t threads)
 {
     const int64_t C = m->hidden, D = m->head_dim, I = m->intermediate;
     const int64_t qkv = (m->num_heads + 2 * m->num_kv_heads) * D;
-    return N * (2 * C + qkv + m->num_heads * D + 3 * I) + S * C
-           + threads * m->num_heads * max_ctx;
+    const int64_t attention = (rs_attention_scratch_floats(m->num_heads, m->num_kv_heads, D,
+                                                           max_ctx) + 15) / 16 * 16;
+    return N * (2 * C + qkv + m->num_heads * D + 3 * I) + S * C + threads * attention
+           + rs_attention_partial_floats(m->num_heads, m->num_kv_heads, D, threads)
+           + tile_floats(N);
 }
 
 /* out = RMSNorm(h) * w, a row. */
@@ -107,9 +114,6 @@ int rs_llama_forward(const struct rs_llama *m, const struct rs_step *s)
     const int64_t QKV = (Hq + 2 * Hkv) * D, QD = Hq * D;
     if (D % 16 != 0 || D > 256)
         return -2;
-    /* Attention work items per token: its KV heads apart when there are fewer tokens
-       than threads (one token would keep one thread busy, the others waiting). */
-    const int64_t items_per_token = N < s->num_threads ? Hkv : 1;
     int failed = 0;
     float *x = s->scratch;             /* [N, C] the residual stream */
     float *h = x + N * C;              /* [N, C] normed */
@@ -118,11 +122,17 @@ int rs_llama_forward(const struct rs_llama *m, const struct rs_step *s)
     float *gu = attn + N * QD;         /* [N, 2 I] */
     float *act = gu + N * 2 * I;       /* [N, I] */
     float *final = act + N * I;        /* [S, C] */
-    float *scores = final + S * C;     /* [threads, Hq * max_ctx] */
+    const int64_t per_thread = (rs_attention_scratch_floats(Hq, Hkv, D, s->max_ctx) + 15) / 16
+                               * 16;
+    float *scratch = final + S * C;    /* [threads, per_thread] the attention's */
+    float *partial = scratch + s->num_threads * per_thread;   /* shared by the threads */
+    float *after = partial + rs_attention_partial_floats(Hq, Hkv, D, s->num_threads);
+    int64_t *tiles = (int64_t *)(after + ((uintptr_t)after & 4) / 4);   /* [N + 1], aligned */
+    const int64_t num_tiles = rs_attention_tiles(N, s->seq, s->ctx_lens, Hq, Hkv, tiles);
 
 #pragma omp parallel num_threads(s->num_threads)
     {
-        float *my_scores = scores + (int64_t)omp_get_thread_num() * Hq * s->max_ctx;
+        float *my_scratch = scratch + (int64_t)omp_get_thread_num() * per_thread;
         double *profile = omp_get_thread_num() == 0 ? s->profile : NULL;
         double since = profile != NULL ? omp_get_wtime() : 0.0;
         int bad = 0;   /* this thread's linear layers could not get scratch memory */
@@ -151,16 +161,10 @@ int rs_llama_forward(const struct rs_llama *m, const struct rs_step *s)
                                      Hq, Hkv, D);
             PHASE(PROFILE_OTHER);
 
-            const int64_t heads = Hkv / items_per_token;   /* KV heads of an item */
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t item = 0; item < N * items_per_token; item++) {
-                const int64_t n = item / items_per_token;
-                const int64_t g0 = item % items_per_token * heads;
-                rs_attend_one(qkv + n * QKV, L->k_cache, L->v_cache, (int)m->kv_type,
-                              s->block_tables + s->seq[n] * s->max_blocks, s->ctx_lens[n],
-                              attn + n * QD, my_scores, Hq, Hkv, D, m->block_size, m->scale,
-                              g0, g0 + heads);
-            }
+            rs_attention_ws(qkv, QKV, L->k_cache, L->v_cache, (int)m->kv_type, s->seq,
+                            s->ctx_lens, s->block_tables, s->max_blocks, tiles, num_tiles,
+                            attn, QD, Hq, Hkv, D, m->block_size, m->scale, my_scratch,
+                            partial);
             PHASE(PROFILE_ATTENTION);
             bad |= rs_linear_ws(attn, N, QD, L->o, C, L->o_bias, x, 1, (int)L->o_format);
             PHASE(PROFILE_LINEAR);
