@@ -5,6 +5,7 @@
     python benchmarks/engine.py --zmq --skip-hf      # + through the engine process
     python benchmarks/engine.py --roofline --skip-hf # decode steps against their floor
     python benchmarks/engine.py --quantization int8  # (or --dtype bfloat16) weight formats
+    python benchmarks/engine.py --long-context 512,2048,4096 --skip-hf  # long prompts
     python benchmarks/engine.py --device cuda --load-format dummy --model-config llama-3-8b
 
 With --device cuda, benchmarks/engine_gpu.py runs instead (its own flags and report:
@@ -30,6 +31,10 @@ and FLOPs / GEMM rate. For batch 1, 8 and 64 it runs decode steps, prints the fr
 of the floor they reach and where a step's time goes (linear layers, attention and the
 other C work inside the fused forward, the Python that prepares it, sampling, and the
 rest of the engine step).
+
+--long-context runs one request alone per prompt length: the time to its first token
+(its prefill, in chunks of the engine's token budget) and then its decode steps at that
+context, each split into linear layers, attention and the rest of the fused forward.
 """
 
 from __future__ import annotations
@@ -82,6 +87,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--roofline", action="store_true",
                    help="also measure decode steps at --roofline-batches against their floor")
     p.add_argument("--roofline-batches", default="1,8,64")
+    p.add_argument("--long-context", default=None, metavar="LENGTHS",
+                   help="comma-separated prompt lengths: per length one request's prefill "
+                        "and its decode steps at that context (--output-len tokens)")
     p.add_argument("--against-float32", action="store_true",
                    help="also run a float32 engine on the same workload, its runs "
                         "alternating with this one's, and print the throughput ratio")
@@ -459,6 +467,8 @@ def main(argv=None) -> int:
         del baseline
     if args.roofline:
         result["roofline"] = roofline(engine, args)
+    if args.long_context:
+        result["long_context"] = long_context(engine, args)
 
     if args.zmq:
         result["zmq"] = compare_zmq(args, engine, prompts, concurrency)
@@ -554,6 +564,60 @@ def print_report(r: dict) -> None:
           f"{eng['num_preemptions']} preemptions")
     if "roofline" in r:
         print_roofline(r["roofline"])
+    if "long_context" in r:
+        print_long_context(r["long_context"])
+
+
+def long_context(engine, args) -> list[dict]:
+    """Per prompt length, one request alone (--repeats runs, medians): seconds to its
+    first token and per later decode step, each with the fused forward's split (linear
+    layers, attention, the rest)."""
+    runner = engine.runner
+    if runner.fused is None:
+        raise SystemExit("--long-context needs the fused CPU forward (a Llama-family model, "
+                         "CPU kernels)")
+    rng = random.Random(args.seed)
+    params = SamplingParams(max_tokens=args.output_len + 1, temperature=0.0, ignore_eos=True)
+    rows = []
+    for length in (int(n) for n in args.long_context.split(",")):
+        runs = []
+        for _ in range(args.repeats):
+            prompt = [rng.randrange(100, engine.model_config.vocab_size) for _ in range(length)]
+            engine.add_request(f"long-{length}-{time.monotonic_ns()}", prompt, params)
+            runner.fused.profile = profile = torch.zeros(3, dtype=torch.float64)
+            try:
+                start, chunks = time.perf_counter(), 0
+                while not any(out.new_token_ids for out in engine.step()):
+                    chunks += 1
+                prefill = time.perf_counter() - start
+                split = profile.tolist()
+                profile.zero_()
+                start, steps = time.perf_counter(), 0
+                while engine.has_unfinished_requests():
+                    engine.step()
+                    steps += 1
+                decode = (time.perf_counter() - start) / steps
+                per_step = [x / steps for x in profile.tolist()]
+            finally:
+                runner.fused.profile = None
+            engine.block_manager.reset_prefix_cache()
+            runs.append({"prefill_s": prefill, "prefill_steps": chunks + 1,
+                         "prefill_linear_s": split[0], "prefill_attention_s": split[1],
+                         "decode_step_s": decode, "decode_linear_s": per_step[0],
+                         "decode_attention_s": per_step[1], "decode_steps": steps})
+        rows.append({"prompt_tokens": length, "runs": runs,
+                     **{k: statistics.median(r[k] for r in runs) for k in runs[0]}})
+    return rows
+
+
+def print_long_context(rows: list[dict]) -> None:
+    print("=== one request alone: prefill, then decode at that context (medians) ===")
+    print("prompt  prefill s (steps)  linear  attention  |  decode ms/token  linear  attention")
+    for r in rows:
+        print(f"{r['prompt_tokens']:6d}  {r['prefill_s']:9.3f} ({r['prefill_steps']:3.0f})  "
+              f"{r['prefill_linear_s']:6.3f}  {r['prefill_attention_s']:9.3f}  |  "
+              f"{1e3 * r['decode_step_s']:15.2f}  {1e3 * r['decode_linear_s']:6.2f}  "
+              f"{1e3 * r['decode_attention_s']:9.2f}")
 
 
 def print_roofline(rl: dict) -> None:

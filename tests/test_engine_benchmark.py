@@ -20,6 +20,7 @@ import pytest
     ["--dtype", "bfloat16", "--skip-hf", "--roofline", "--roofline-batches", "1,3",
      "--against-float32"],
     ["--dtype", "bfloat16", "--kernel-isa", "avx2", "--skip-hf"],
+    ["--long-context", "24,70", "--skip-hf"],                 # one long prompt alone
 ])
 def test_engine_benchmark_smoke(tiny_llama_dir, tmp_path, extra):
     out = tmp_path / "engine.json"
@@ -62,6 +63,12 @@ def test_engine_benchmark_smoke(tiny_llama_dir, tmp_path, extra):
             2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * elem)
     if "--kernel-isa" in extra:
         assert report["weights"] == "bfloat16" and report["kernel_isa"] == "avx2"
+    if "--long-context" in extra:
+        rows = report["long_context"]
+        assert [r["prompt_tokens"] for r in rows] == [24, 70]
+        for r in rows:  # the prefill's token, then --output-len decode steps
+            assert r["decode_steps"] == 4 and r["prefill_steps"] >= 1
+            assert r["prefill_s"] > r["prefill_attention_s"] > 0 and r["decode_step_s"] > 0
     if "--hf-batch-sizes" in extra:
         assert report["hf"] and report["hf"][0]["output_tokens"] == 16
 
