@@ -87,15 +87,16 @@ def test_the_paged_decode_attention_kernel_matches_softmax_over_the_context(isa,
 
 @pytest.mark.parametrize("isa", [[], ["-mno-avx512f"]], ids=["native", "avx2"])
 @pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 16), (4, 4, 128, 16), (8, 2, 64, 8),
-                                         (16, 1, 32, 16)])
+                                         (16, 1, 32, 16), (32, 1, 64, 16)])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_prompt_chunks_are_attended_in_tiles_as_softmax_over_each_tokens_context(
         isa, hq, hkv, d, bs, kv_dtype):
     """A step mixing decode rows with prompt chunks (a fresh prompt, long enough for
     several tiles; a chunk after a cached prefix; a one-token chunk), each query token
     against softmax(q k^T) v over its own first context_lens keys: the tiles' causal
-    masks, partial key groups and padded rows (16 query heads per KV head: one token a
-    tile with AVX2)."""
+    masks, partial key groups and padded rows. A tile holds 64 (token, head) rows with
+    AVX-512, 16 with AVX2: there 16 query heads per KV head make one-token tiles, and
+    32 more than a tile holds (each token attended alone)."""
     k = kernels._build_and_load(isa)
     torch.manual_seed(hq * d + bs + hkv)
     # (sequence, first token's context length, tokens)
