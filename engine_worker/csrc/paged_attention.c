@@ -560,27 +560,38 @@ void rs_attention_ws(const float *q, int64_t q_stride, const void *k_cache, cons
                         D);
         return;
     }
-    /* Work items: a tile's KV heads apart, unless every tile is a lone token and there
-       are at least as many as threads (one token would keep one thread busy, the
-       others waiting). */
-    const int64_t split = tiles < threads || tiles < N ? Hkv : 1;
-    const int64_t heads = Hkv / split;
-    const int64_t items = tiles * split;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < items; item++) {
-        const int64_t tile = item / split, g0 = item % split * heads;
-        const int64_t n0 = starts[tile], nq = starts[tile + 1] - n0;
-        const int64_t *table = block_tables + seq[n0] * max_blocks;
-        if (nq == 1) {
-            attend_row(q + n0 * q_stride, k_cache, v_cache, kv_type, table, 0, ctx_lens[n0],
-                       out + n0 * out_stride, NULL, scratch, Hq, Hkv, D, bs, scale, g0,
-                       g0 + heads);
-            continue;
+    /* Prompt chunks' tiles a KV head apiece, and so every tile when there are fewer
+       than threads (one token would keep one thread busy, the others waiting) ... */
+    const int few = tiles < threads, chunks = tiles < N;
+    if (few || chunks) {
+#pragma omp for schedule(dynamic, 1) nowait
+        for (int64_t item = 0; item < tiles * Hkv; item++) {
+            const int64_t tile = item / Hkv, g = item % Hkv;
+            const int64_t n0 = starts[tile], nq = starts[tile + 1] - n0;
+            const int64_t *table = block_tables + seq[n0] * max_blocks;
+            if (nq > 1)
+                attend_chunk(q + n0 * q_stride, q_stride, nq, k_cache, v_cache, kv_type,
+                             table, ctx_lens[n0], out + n0 * out_stride, out_stride, Hq, Hkv,
+                             D, bs, scale, g, scratch);
+            else if (few)
+                attend_row(q + n0 * q_stride, k_cache, v_cache, kv_type, table, 0,
+                           ctx_lens[n0], out + n0 * out_stride, NULL, scratch, Hq, Hkv, D, bs,
+                           scale, g, g + 1);
         }
-        for (int64_t g = g0; g < g0 + heads; g++)
-            attend_chunk(q + n0 * q_stride, q_stride, nq, k_cache, v_cache, kv_type, table,
-                         ctx_lens[n0], out + n0 * out_stride, out_stride, Hq, Hkv, D, bs,
-                         scale, g, scratch);
+    }
+    /* ... else decode rows whole: a row's keys of all heads are one contiguous row. */
+    if (!few) {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t tile = 0; tile < tiles; tile++) {
+            const int64_t n0 = starts[tile];
+            if (starts[tile + 1] - n0 == 1)
+                attend_row(q + n0 * q_stride, k_cache, v_cache, kv_type,
+                           block_tables + seq[n0] * max_blocks, 0, ctx_lens[n0],
+                           out + n0 * out_stride, NULL, scratch, Hq, Hkv, D, bs, scale, 0,
+                           Hkv);
+        }
+    } else {
+#pragma omp barrier
     }
 }
 
