@@ -11,8 +11,9 @@
  * - A run of a sequence's consecutive tokens (a prompt chunk): attend_tile, up to
  *   TILE_ROWS (token, head) rows of a KV head at once, below.
  *
- * Tiles are spread over OpenMP threads (torch's runtime: one pool), a KV head apiece
- * when a step has prompt chunks or fewer tiles than threads.
+ * Tiles are spread over OpenMP threads (torch's runtime: one pool) by rs_attention_ws:
+ * a chunk's tiles a KV head apiece, decode rows whole (a KV head apiece when there are
+ * fewer tiles than threads), and a few decode rows over long contexts in parts.
  *
  * Layout (row-major; float32, the cache float32 or bfloat16, kv_type):
  *   q, out       [N, Hq, D] (rows q_stride, out_stride floats apart in the fused forward)
