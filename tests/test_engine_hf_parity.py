@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.config import CacheConfig, EngineConfig
+from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.protocol import FinishReason, SamplingParams
 from engine_worker.engine import LLMEngine
 from helpers import greedy, make_engine, random_prompts, run_staggered
@@ -94,6 +94,24 @@ def test_default_model_matches_hf(default_model_dir):
     engine = LLMEngine(EngineConfig(device="cpu", cache=CacheConfig(num_blocks=64)))
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     assert_matches(engine.generate(prompts, params), refs, "SmolLM2")
+
+
+def test_default_model_matches_hf_on_a_long_prompt(default_model_dir):
+    """About 1,100 tokens of real text in chunks of 256 (each chunk's tiles over the
+    cached prefix before it), then decode steps whose keys are split into parts across
+    threads: HF's greedy tokens."""
+    from pydoc_data.topics import topics
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir)
+    text = "".join(topics[k] for k in ("assert", "if", "while", "for", "try", "with"))
+    prompt = tok.encode(text, add_special_tokens=False)[:1100]
+    assert len(prompt) == 1100
+    refs = hf_greedy(default_model_dir, [prompt], 12)
+    engine = LLMEngine(EngineConfig(device="cpu", cache=CacheConfig(num_blocks=96),
+                                    scheduler=SchedulerConfig(max_num_batched_tokens=256)))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    assert_matches(engine.generate([prompt], params), refs, "long prompt")
 
 
 def test_default_model_stops_on_eos(default_model_dir):
