@@ -25,6 +25,7 @@ docs quote come from an H100.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -113,17 +114,14 @@ def ttft(engine, prompt: list[int]) -> float:
     return statistics.median(times[1:])
 
 
-def hf_model_with_engine_weights(engine):
+def hf_model_with_engine_weights(ours, cfg, model_dir, device, dtype):
     """A transformers model of the same config and dtype, SDPA attention, holding the
-    engine's weights (q/k/v and gate/up split back out)."""
+    weights of the engine's model ``ours`` (q/k/v and gate/up split back out)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = engine.model_config
-    config = AutoConfig.from_pretrained(str(engine.model_dir))
-    with torch.device(engine.device):
-        hf = AutoModelForCausalLM.from_config(config, dtype=engine.runner.dtype,
-                                              attn_implementation="sdpa")
-    ours = engine.runner.model
+    config = AutoConfig.from_pretrained(str(model_dir))
+    with torch.device(device):
+        hf = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     with torch.no_grad():
         hf.model.embed_tokens.weight.copy_(ours.embed_tokens.weight)
@@ -237,7 +235,15 @@ def main(argv=None) -> int:
 
     hf_batches = [int(b) for b in args.hf_batches.split(",") if b]
     if hf_batches:
-        hf = hf_model_with_engine_weights(engine)
+        # The engine is done: all but its weights go (its KV cache, which the KV
+        # transfer store also holds, and its CUDA graphs take most of the GPU, which
+        # HF's weights and cache need: an H200 ran out of memory at batch 64).
+        model, model_dir, dtype = runner.model, engine.model_dir, runner.dtype
+        del engine, runner
+        gc.collect()
+        torch.cuda.empty_cache()
+        hf = hf_model_with_engine_weights(model, cfg, model_dir, device, dtype)
+        del model
         for b in hf_batches:
             prompts = random_prompts(b, args.input_len, cfg.vocab_size, args.seed + b)
             run_hf(hf, prompts[:1], 4, device)  # warm-up
