@@ -59,6 +59,18 @@ def test_the_declared_torch_floor_has_what_the_code_uses():
     assert floor and (int(floor[1]), int(floor[2])) >= (2, 5)
 
 
+def softmax_attention(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, length: int,
+                      scale: float) -> torch.Tensor:
+    """The reference: one token's query heads (Hq, D) against softmax(q k^T) v over its
+    sequence's first ``length`` keys and values, gathered through its block table (a
+    bfloat16 cache's widened exactly)."""
+    hq, (hkv, d) = q.shape[0], cache.shape[-2:]
+    keys, values = (cache[i][table].float().reshape(-1, hkv, d)[:length]
+                    .repeat_interleave(hq // hkv, dim=1) for i in (0, 1))
+    p = torch.softmax(torch.einsum("hd,thd->ht", q, keys) * scale, dim=-1)
+    return torch.einsum("ht,thd->hd", p, values)
+
+
 @pytest.mark.parametrize("isa", [[], ["-mno-avx512f"]], ids=["native", "avx2"])
 @pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 16), (4, 4, 128, 16), (8, 2, 64, 8)])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -78,10 +90,7 @@ def test_the_paged_decode_attention_kernel_matches_softmax_over_the_context(isa,
     scale = d ** -0.5
     out = k.paged_decode_attention(q, cache, tables, torch.tensor(lens), scale)
     for b, n in enumerate(lens):
-        keys, values = (cache[i][tables[b]].float().reshape(-1, hkv, d)[:n]
-                        .repeat_interleave(hq // hkv, dim=1) for i in (0, 1))
-        p = torch.softmax(torch.einsum("hd,thd->ht", q[b], keys) * scale, dim=-1)
-        torch.testing.assert_close(out[b], torch.einsum("ht,thd->hd", p, values),
+        torch.testing.assert_close(out[b], softmax_attention(q[b], cache, tables[b], n, scale),
                                    rtol=1e-5, atol=1e-5)
 
 
@@ -113,10 +122,8 @@ def test_prompt_chunks_are_attended_in_tiles_as_softmax_over_each_tokens_context
     scale = d ** -0.5
     out = k.paged_attention(q, cache, torch.tensor(seq), tables, torch.tensor(lens), scale)
     for n, (s, length) in enumerate(zip(seq, lens)):
-        keys, values = (cache[i][tables[s]].float().reshape(-1, hkv, d)[:length]
-                        .repeat_interleave(hq // hkv, dim=1) for i in (0, 1))
-        p = torch.softmax(torch.einsum("hd,thd->ht", q[n], keys) * scale, dim=-1)
-        torch.testing.assert_close(out[n], torch.einsum("ht,thd->hd", p, values),
+        torch.testing.assert_close(out[n], softmax_attention(q[n], cache, tables[s], length,
+                                                             scale),
                                    rtol=1e-5, atol=1e-5, msg=f"token {n}")
 
 
@@ -139,10 +146,7 @@ def test_few_decode_rows_over_long_contexts_split_their_keys_and_merge(isa, hq, 
     scale = d ** -0.5
     out = k.paged_decode_attention(q, cache, tables, torch.tensor(lens), scale)
     for b, n in enumerate(lens):
-        keys, values = (cache[i][tables[b]].float().reshape(-1, hkv, d)[:n]
-                        .repeat_interleave(hq // hkv, dim=1) for i in (0, 1))
-        p = torch.softmax(torch.einsum("hd,thd->ht", q[b], keys) * scale, dim=-1)
-        torch.testing.assert_close(out[b], torch.einsum("ht,thd->hd", p, values),
+        torch.testing.assert_close(out[b], softmax_attention(q[b], cache, tables[b], n, scale),
                                    rtol=1e-5, atol=1e-5)
 
 

@@ -483,8 +483,8 @@ int64_t rs_attention_tiles(int64_t N, const int64_t *seq, const int64_t *ctx_len
    thread, when the step is decode rows alone. */
 static int64_t context_parts(int64_t N, int64_t tiles, const int64_t *ctx_lens, int64_t threads)
 {
-    if (tiles < N)
-        return 1;   /* a prompt chunk: its tiles are the step's bulk */
+    if (tiles < N || N >= 8 * threads)
+        return 1;   /* a prompt chunk (its tiles are the step's bulk), or items enough */
     int64_t longest = 0;
     for (int64_t n = 0; n < N; n++)
         longest = ctx_lens[n] > longest ? ctx_lens[n] : longest;
