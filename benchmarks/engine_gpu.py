@@ -39,6 +39,7 @@ import torch  # noqa: E402
 from benchmarks.engine import random_prompts, run_engine  # noqa: E402
 from common.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from common.protocol import SamplingParams  # noqa: E402
+from engine_worker.gpu.compile_check import compiled_kernels  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -217,6 +218,7 @@ def main(argv=None) -> int:
               "bandwidth_bytes_per_s": bandwidth, "gemm_flops_per_s": rate,
               "tokens_per_s": {}, "floor_fraction": {}, "hf_tokens_per_s": {}, "runs": {}}
     run_engine(engine, random_prompts(2, args.input_len, cfg.vocab_size, args.seed + 99), 4)
+    compiled = compiled_kernels()
     for c in concurrencies:
         prompts = random_prompts(c, args.input_len, cfg.vocab_size, args.seed + c)
         result = run_engine(engine, prompts, args.output_len)
@@ -228,6 +230,10 @@ def main(argv=None) -> int:
         print(f"engine, {c:4d} streams: {result['tokens_per_s']:10.1f} output tokens/s "
               f"({result['seconds']:.2f} s, floor {floor:.2f} s: "
               f"{floor / result['seconds']:.0%} of it)", flush=True)
+    # Kernel compiles while serving stall every request (about a second each).
+    report["kernels_compiled_while_serving"] = compiled_kernels() - compiled
+    print(f"Triton kernels compiled during the runs: "
+          f"{report['kernels_compiled_while_serving']}", flush=True)
     report["ttft_ms_one_stream"] = 1e3 * ttft(
         engine, random_prompts(1, args.input_len, cfg.vocab_size, args.seed + 7)[0])
     print(f"TTFT at one stream ({args.input_len}-token prompt): "

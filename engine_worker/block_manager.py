@@ -156,6 +156,10 @@ class BlockManager:
         ``cached_block_ids`` (prefix-cache hits). Registers the full blocks among the
         first ``num_tokens`` tokens in the prefix cache. Returns False, changing
         nothing, when the pool cannot supply the blocks."""
+        if (not cached_block_ids and num_tokens <= len(table.block_ids) * self.block_size
+                and (not self.enable_prefix_caching
+                     or num_tokens // self.block_size <= table.num_registered)):
+            return True  # most decode steps: room in the last block, no block filled
         if not self.can_allocate(table, num_tokens, cached_block_ids):
             return False
         for block_id in cached_block_ids:

@@ -128,6 +128,8 @@ class ModelRunner:
         # The whole forward pass in one C call, for the Llama family on the CPU.
         if isinstance(self.attn, CpuAttention) and model_config.family == "llama":
             self.fused = FusedLlama(kernels, self.model, self.kv_caches, cache.block_size)
+        if hasattr(self.attn, "tile_tokens"):  # TritonAttention
+            self._compile_kernels(scheduler)
         if device.type == "cuda" and not config.enforce_eager and model_config.family == "llama":
             from engine_worker.gpu.graphs import CudaGraphCapture
 
@@ -243,6 +245,22 @@ class ModelRunner:
                     self.model(input_ids, positions, self.kv_caches, meta))
         return GraphRunner(step, self.inputs, min(max_batch, self.inputs.max_seqs),
                            self._splits, capture)
+
+    def _compile_kernels(self, scheduler: SchedulerConfig) -> None:
+        """Runs a step of one prompt chunk and a decode step at each split count a
+        step can take, so that no Triton kernel compiles while serving (a compile
+        takes a second or so; the step inputs' alignment keeps the variants to these)."""
+        from engine_worker.profile_step import dummy_step
+
+        capacity = self.num_blocks * self.block_size
+        chunk = min(scheduler.token_budget, 64, capacity)
+        steps = [dummy_step(chunk, 1, self.block_size, self.inputs.width)[0]]
+        top = min(scheduler.decode_batch_size, self.inputs.max_seqs, self.num_blocks)
+        by_splits = {self._splits(b): b for b in range(top, 0, -1)}
+        steps += [dummy_step(b, b, self.block_size, self.inputs.width)[0]  # decode rows
+                  for b in by_splits.values()]
+        for scheduled in steps:
+            self.forward(scheduled)
 
     def _splits(self, num_decode: int) -> int:
         """Programs each decode row's context is split over (Triton attention only)."""

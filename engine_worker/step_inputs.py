@@ -33,6 +33,18 @@ from engine_worker.attention import AttentionMetadata
 from engine_worker.scheduler import ScheduledRequest
 
 
+# Every packed vector starts on a multiple of 16 int64 elements (128 bytes): Triton
+# specializes a kernel on whether each pointer it gets is 16-byte aligned, so vectors
+# at offsets that follow the step's token count would compile a new variant of a
+# kernel in the middle of serving (a second or so each) whenever the count's parity
+# pattern is new.
+_ALIGN = 16
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
 @dataclass
 class StepBatch:
     """A step's inputs on the device (views of the persistent buffers)."""
@@ -67,8 +79,9 @@ class StepInputs:
         self.width = max_blocks_per_seq
         pin = device.type == "cuda"
         # Vectors: ids, positions, slots, logits rows (T each), seq_lens (S), query
-        # start (S + 1), tile sequences and offsets (T each, at most a tile a token).
-        size = 6 * max_tokens + 2 * max_seqs + 1
+        # start (S + 1), tile sequences and offsets (T each, at most a tile a token),
+        # each starting on an _ALIGN boundary.
+        size = 6 * max_tokens + 2 * max_seqs + 1 + 8 * _ALIGN
         self._host_ints = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
         self._host_tables = torch.zeros(max_seqs, self.width, dtype=torch.int32,
                                         pin_memory=pin)
@@ -114,11 +127,11 @@ class StepInputs:
         if self._copied is not None:
             self._copied.synchronize()
 
-        # Offsets of the packed vectors.
+        # Offsets of the packed vectors, each aligned (see _ALIGN).
         t, s = padded_tokens, padded_seqs
-        o_ids, o_pos, o_slot, o_seq = 0, t, 2 * t, 3 * t
-        o_qs = o_seq + s
-        o_rows = o_qs + s + 1
+        o_ids, o_pos, o_slot, o_seq = 0, _aligned(t), 2 * _aligned(t), 3 * _aligned(t)
+        o_qs = o_seq + _aligned(s)
+        o_rows = o_qs + _aligned(s + 1)
         ints = self.ints
 
         self._write_tables(scheduled, ends)
@@ -149,15 +162,17 @@ class StepInputs:
 
         num_rows = len(logits_rows)
         ints[o_rows:o_rows + num_rows] = logits_rows
-        o_tiles = o_rows + num_rows
+        o_tiles = o_rows + _aligned(num_rows)
         num_tiles = 0
         if self._chunk_tiles is not None and num_decode < num_seqs:
             tile_seq, tile_offset = self._chunk_tiles(q_lens[num_decode:], num_decode,
                                                       self.tile_tokens)
             num_tiles = len(tile_seq)
+        o_offsets = o_tiles + _aligned(num_tiles)
+        if num_tiles:
             ints[o_tiles:o_tiles + num_tiles] = tile_seq
-            ints[o_tiles + num_tiles:o_tiles + 2 * num_tiles] = tile_offset
-        used = o_tiles + 2 * num_tiles
+            ints[o_offsets:o_offsets + num_tiles] = tile_offset
+        used = o_offsets + num_tiles
 
         dev = self._device_ints
         if dev is not self._host_ints:
@@ -171,7 +186,7 @@ class StepInputs:
             seq_lens=dev[o_seq:o_seq + s],
             query_start=dev[o_qs:o_qs + s + 1],
             tile_seq=dev[o_tiles:o_tiles + num_tiles],
-            tile_offset=dev[o_tiles + num_tiles:o_tiles + 2 * num_tiles],
+            tile_offset=dev[o_offsets:o_offsets + num_tiles],
             num_splits=num_splits,
             seq_lens_host=ends.tolist(),
             query_start_host=query_start[:num_seqs + 1].tolist(),

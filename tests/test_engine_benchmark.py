@@ -89,6 +89,7 @@ def test_gpu_benchmark_smoke_on_the_cpu(tiny_llama_dir, tmp_path):
     assert report["runs"]["3"]["output_tokens"] == 12
     assert all(0 < f for f in report["floor_fraction"].values())
     assert report["ttft_ms_one_stream"] > 0 and report["bandwidth_bytes_per_s"] > 0
+    assert report["kernels_compiled_while_serving"] == 0  # the torch path compiles none
 
 
 def test_engine_benchmark_smoke_on_a_gguf_file(tmp_path):

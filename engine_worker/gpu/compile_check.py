@@ -29,6 +29,19 @@ from engine_worker.gpu import attention, ops
 _CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
+# Every Triton kernel the CUDA engine launches.
+KERNELS = (attention._attention_kernel, attention._merge_splits_kernel,
+           ops._add_rms_norm_kernel, ops._rope_write_kv_kernel, ops._silu_mul_kernel)
+
+
+def compiled_kernels() -> int:
+    """Variants of the engine's Triton kernels compiled so far in this process (0
+    under Triton's interpreter, which compiles nothing)."""
+    # device_caches: per device, a tuple whose first item maps keys to compiled kernels.
+    return sum(len(caches[0]) for kernel in KERNELS
+               for caches in getattr(kernel, "device_caches", {}).values())
+
+
 def _dtype_name(dtype: str) -> str:
     return {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[dtype]
 

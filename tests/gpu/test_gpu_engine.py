@@ -124,6 +124,31 @@ def test_step_inputs_pack_a_mixed_step_and_pad_a_decode_step():
     assert again.meta.seq_lens.data_ptr() == padded.meta.seq_lens.data_ptr()
 
 
+def test_step_vectors_start_aligned_whatever_the_step_holds():
+    """Triton compiles a kernel anew for each pattern of 16-byte-aligned pointers it is
+    given: every vector of every step starts 128 bytes apart from the buffer's start
+    (itself aligned), whatever the
+    step's token, sequence, logits-row and tile counts (else a step of a new parity
+    pattern compiles kernels while serving)."""
+    inputs = StepInputs(max_tokens=64, max_seqs=8, max_blocks_per_seq=8, block_size=4,
+                        device=torch.device("cpu"), tile_tokens=4)
+    for num_decode, chunk_lens, extra_rows in [(1, [], 0), (3, [5], 0), (0, [7, 2], 3),
+                                                (5, [3, 11, 6], 1), (2, [9], 4)]:
+        scheduled = [ScheduledRequest(_request(6, [0, 1], computed=5), 1)
+                     for _ in range(num_decode)]
+        scheduled += [ScheduledRequest(_request(n, [2, 3, 4], computed=0), n)
+                      for n in chunk_lens]
+        rows = list(range(len(scheduled))) + list(range(extra_rows))
+        batch = inputs.prepare(scheduled, rows, len(scheduled))
+        meta = batch.meta
+        vectors = [batch.input_ids, batch.positions, batch.logits_rows, meta.slot_mapping,
+                   meta.seq_lens, meta.query_start, meta.tile_seq, meta.tile_offset]
+        base = batch.input_ids.data_ptr()  # the buffer's start (allocations are aligned)
+        misaligned = [(v.data_ptr() - base) % 128 for v in vectors if v.numel()]
+        assert misaligned == [0] * len(misaligned)
+        assert meta.tile_seq.numel() == sum(-(-n // 4) for n in chunk_lens)
+
+
 def test_block_table_rows_are_written_incrementally():
     inputs = StepInputs(max_tokens=8, max_seqs=2, max_blocks_per_seq=4, block_size=2,
                         device=torch.device("cpu"))
@@ -209,6 +234,25 @@ def test_cuda_graphs_equal_eager_exactly(tiny_llama_dir):
     graphed = triton_engine(tiny_llama_dir, enforce_eager=False)
     assert graphed.runner.graphs is not None
     assert graphed.generate(prompts, greedy(8)) == eager
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_no_kernel_compiles_while_serving(tiny_llama_dir, enforce_eager):
+    """The engine compiles its kernels' variants at start: chunked prompts, mixed
+    steps and decode batches of every size then compile nothing (a compile stalls
+    every request for about a second)."""
+    from engine_worker.gpu.compile_check import KERNELS, compiled_kernels
+
+    for kernel in KERNELS:  # what earlier tests compiled must not hide a miss here
+        kernel.device_caches.clear()
+    engine = triton_engine(tiny_llama_dir, budget=16, enforce_eager=enforce_eager)
+    compiled = compiled_kernels()
+    assert compiled > 0
+    prompts = random_prompts([5, 9, 3, 17, 30, 2, 11, 6], seed=12)
+    for n in (8, 5, 3, 1):
+        engine.generate(prompts[:n], greedy(4))
+    assert compiled_kernels() == compiled
 
 
 def test_step_layout_keeps_schedule_order_within_groups():
