@@ -92,6 +92,20 @@ def test_gpu_benchmark_smoke_on_the_cpu(tiny_llama_dir, tmp_path):
     assert report["kernels_compiled_while_serving"] == 0  # the torch path compiles none
 
 
+def test_gpu_profile_smoke_on_the_cpu(tiny_llama_dir):
+    """benchmarks/gpu_profile.py, which docs/performance.md quotes from a GPU, runs
+    here on the CPU with the tiny model (its graph and kernel sections need CUDA)."""
+    args = ["--device", "cpu", "--model-config", str(tiny_llama_dir), "--load-format", "auto",
+            "--batches", "1,3", "--input-len", "8", "--decode-steps", "3"]
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_profile.py", *args],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "=== batch 1: prefill" in out and "=== batch 3: prefill" in out
+    assert out.count("decode step:") == 2 and "time to first token (8-token prompt)" in out
+    assert "(step)" in out  # cProfile's table of the engine's host functions
+
+
 def test_engine_benchmark_smoke_on_a_gguf_file(tmp_path):
     """--model FILE.gguf, as docs/performance.md's roofline of the default model's own
     file runs it (the shipped file: no tiny GGUF exists)."""
