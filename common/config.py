@@ -164,6 +164,10 @@ class EngineConfig:
     attention_backend: str = "auto"
     # CUDA: no CUDA graphs (every step runs kernel by kernel).
     enforce_eager: bool = False
+    # Schedule and queue the next step before this step's tokens reach the host
+    # (engine.py's run-ahead), so the device does not wait for the host between
+    # steps. None: on with CUDA, off on the CPU (whose forward pass is the host's work).
+    async_scheduling: Optional[bool] = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

@@ -64,6 +64,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "(benchmarks; --model may name a shipped config, e.g. llama-3-8b)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="CUDA: no CUDA graphs for decode steps")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule and queue each step before the previous step's tokens "
+                        "reach the host, so the device never waits for the scheduler "
+                        "(default: on with CUDA, off on the CPU)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: Triton on CUDA, C kernels or torch on the CPU; torch: the "
                         "reference path")
@@ -92,7 +96,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         quantization=args.quantization, num_threads=args.threads,
         max_model_len=args.max_model_len, seed=args.seed, cpu_kernels=not args.no_cpu_kernels,
         load_format=args.load_format, attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager,
+        enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=memory,
                           kv_cache_dtype=args.kv_cache_dtype,
                           gpu_memory_utilization=args.gpu_memory_utilization,

@@ -151,14 +151,18 @@ class BlockManager:
     # -- actions ---------------------------------------------------------------
 
     def allocate(self, table: BlockTable, token_ids: Sequence[int], num_tokens: int,
-                 cached_block_ids: Sequence[int] = ()) -> bool:
+                 cached_block_ids: Sequence[int] = (), num_known: Optional[int] = None
+                 ) -> bool:
         """Grow ``table`` to hold ``num_tokens`` tokens, first attaching
         ``cached_block_ids`` (prefix-cache hits). Registers the full blocks among the
-        first ``num_tokens`` tokens in the prefix cache. Returns False, changing
-        nothing, when the pool cannot supply the blocks."""
+        first ``num_tokens`` tokens in the prefix cache, or among the first
+        ``num_known`` when fewer are known (the rest are placeholders: a block is
+        registered once its tokens are). Returns False, changing nothing, when the
+        pool cannot supply the blocks."""
+        registrable = num_tokens if num_known is None else min(num_tokens, num_known)
         if (not cached_block_ids and num_tokens <= len(table.block_ids) * self.block_size
                 and (not self.enable_prefix_caching
-                     or num_tokens // self.block_size <= table.num_registered)):
+                     or registrable // self.block_size <= table.num_registered)):
             return True  # most decode steps: room in the last block, no block filled
         if not self.can_allocate(table, num_tokens, cached_block_ids):
             return False
@@ -170,7 +174,7 @@ class BlockManager:
             self.blocks[block_id].ref_count = 1
             table.block_ids.append(block_id)
         if self.enable_prefix_caching:
-            self._register(table, token_ids, num_tokens)
+            self._register(table, token_ids, registrable)
         return True
 
     def hold(self, block_ids: Sequence[int]) -> BlockTable:

@@ -25,7 +25,7 @@ from engine_worker.kv_transfer import KvBlockStore, KvLeases, KvReceiver, KvTran
 from engine_worker.model_config import load_model_config
 from engine_worker.model_runner import ModelRunner, resolve_device, resolve_dtype
 from engine_worker.request import Request, RequestStatus
-from engine_worker.sampler import Samples, token_logprobs
+from engine_worker.sampler import PendingSamples, Samples, token_logprobs
 from engine_worker.scheduler import ScheduledRequest, Scheduler
 
 logger = logging.getLogger(__name__)
@@ -87,6 +87,12 @@ class LLMEngine:
                                       cache.kv_transfer_max_inflight_bytes)
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else self.device.type == "cuda")
+        # The step queued ahead whose tokens the host has not read yet (step()), and
+        # how many steps were queued while the one before was in flight.
+        self._inflight: Optional[_Step] = None
+        self.num_steps_ahead = 0
         logger.info("engine ready: %s (%s, %s, %s weights), context %d, %d KV blocks",
                     self.model_config.name, self.model_config.family, self.device,
                     self.runner.weight_format,
@@ -171,9 +177,9 @@ class LLMEngine:
         return bool(self.requests)
 
     def has_steps_to_run(self) -> bool:
-        """Whether step() has anything to compute (requests waiting only for their
-        KV to arrive do not count)."""
-        return bool(self.scheduler.running or self.scheduler.waiting)
+        """Whether step() has anything to compute or a step in flight to finish
+        (requests waiting only for their KV to arrive do not count)."""
+        return bool(self._inflight or self.scheduler.running or self.scheduler.waiting)
 
     # -- KV transfers (prefill/decode disaggregation) ----------------------------
 
@@ -216,39 +222,95 @@ class LLMEngine:
         """Run one batch. Returns an output for every request with news: a new token,
         or the end.
 
+        Run-ahead (``async_scheduling``, on with CUDA): a step's tokens stay on the
+        device while the next step is scheduled and queued behind it, its inputs
+        reading them there (each request that goes on holds a placeholder for its
+        token); then the host reads the first step's tokens and finishes it, while the
+        device computes the next. The device never waits for the host's scheduling and
+        bookkeeping, and step() returns the outputs of the step before the one it
+        queued. A step runs ahead only when no request in it has sampling that reads
+        its tokens (Request.runs_ahead); otherwise it is finished before the next is
+        scheduled. A request that ends on the token it was waiting for wastes its row
+        of the queued step; one preempted while its token is pending gets the token
+        when the step is finished and is recomputed with it. Outputs are the same
+        either way.
+
         One request's failure is its own: a request whose logits or sampling go bad,
         or whose post-processing raises, ends with finish reason "error" and the others
         go on. When the batch's forward pass itself raises, every request is run alone
         to find the one(s) that fail (see _forward_one_by_one); the prefix cache keeps
         everything that is known good."""
+        inflight, self._inflight = self._inflight, None
+        outputs: list[RequestOutput] = []
+        if inflight is not None and self._may_run_ahead(inflight):
+            self._hold_places(inflight)
+            plan = self.scheduler.schedule()
+            launched = self._launch(plan.scheduled, after=inflight) if plan.scheduled else None
+            outputs = self._finish(inflight)
+            if launched is not None:
+                self._inflight = launched
+                self.num_steps_ahead += 1
+            return outputs
+        if inflight is not None:
+            outputs = self._finish(inflight)
         plan = self.scheduler.schedule()
         if not plan.scheduled:
-            return []
-        scheduled = plan.scheduled
-        outputs: list[RequestOutput] = []
+            return outputs
+        launched = self._launch(plan.scheduled)
+        if self.async_scheduling and self._may_run_ahead(launched):
+            self._inflight = launched
+            return outputs
+        return outputs + self._finish(launched)
+
+    def _may_run_ahead(self, step: "_Step") -> bool:
+        """Whether the next step may be scheduled before ``step``'s tokens are known."""
+        return not step.finished and all(r.runs_ahead for r in step.sampling)
+
+    def _hold_places(self, step: "_Step") -> None:
+        """A placeholder token for each request of ``step`` that goes on for sure
+        (it may still stop on its token; it cannot end by length)."""
+        for request in step.sampling:
+            if (request.status is RequestStatus.RUNNING
+                    and not request.ends_after_next_token(self.max_model_len)):
+                request.hold_place()
+
+    def _launch(self, scheduled: list[ScheduledRequest], after: Optional["_Step"] = None
+                ) -> "_Step":
+        """Queue a step's forward pass and sampling, and count its tokens as computed.
+        ``after``: the step still in flight whose tokens fill this one's placeholders."""
+        early: list[RequestOutput] = []
         try:
-            logits = self.runner.forward(scheduled)
+            logits = self.runner.forward(scheduled, after.tokens() if after else None)
             self._record_prompt_logprobs()
         except Exception as e:
             raise_if_fatal(e)
             logger.exception("the forward pass failed for %d request(s); running them one "
                              "by one", len(scheduled))
-            scheduled, logits, outputs = self._forward_one_by_one(scheduled)
+            if after is not None:  # its tokens first: they fill the placeholders
+                early = self._finish(after)
+                scheduled = [s for s in scheduled if s.request.status is RequestStatus.RUNNING]
+            scheduled, logits, failures = self._forward_one_by_one(scheduled)
+            early += failures
         sampling = [s.request for s in scheduled if s.samples]
-        samples = self._sample(logits, sampling)
-
-        now = time.monotonic()
-        row = 0
         for s in scheduled:
             request = s.request
-            samples_here = s.samples  # read before num_computed_tokens moves
             start = request.num_computed_tokens
             request.num_computed_tokens += s.num_tokens
             self.num_prompt_tokens_computed += max(
                 0, min(request.num_computed_tokens, request.num_prompt_tokens) - start)
-            if not samples_here:
-                continue
-            i, row = row, row + 1
+        return _Step(sampling, self._sample(logits, sampling), early)
+
+    def _finish(self, step: "_Step") -> list[RequestOutput]:
+        """Wait for a step's tokens and hand them to its requests (once)."""
+        if step.finished:
+            return []
+        step.finished = True
+        outputs = step.early_outputs
+        samples = self._read_samples(step)
+        now = time.monotonic()
+        for i, request in enumerate(step.sampling):
+            if request.status is RequestStatus.FINISHED:
+                continue  # ended (or was aborted) after the step was queued
             if i in samples.errors:
                 outputs.append(self._fail(request, samples.errors[i]))
                 continue
@@ -284,17 +346,31 @@ class LLMEngine:
                 request.token_ids[first + 1:first + 1 + len(logits)],
                 request.params.prompt_logprobs))
 
-    def _sample(self, logits: Optional[torch.Tensor], requests: list[Request]) -> Samples:
+    def _sample(self, logits: Optional[torch.Tensor], requests: list[Request]
+                ) -> PendingSamples:
         if not requests:
-            return Samples([], [])
+            return PendingSamples.ready(Samples([], []), self.device)
         assert logits is not None
-        sampler = self.runner.sampler
         try:
-            return sampler(logits, requests)
+            return self.runner.sampler.launch(logits, requests)
         except Exception as e:  # the sampler isolates rows itself; this is a last resort
             raise_if_fatal(e)
             logger.exception("sampling failed for %d request(s); sampling them one by one",
                              len(requests))
+        return PendingSamples.ready(self._sample_one_by_one(logits, requests), self.device)
+
+    def _read_samples(self, step: "_Step") -> Samples:
+        try:
+            return step.pending.result()
+        except Exception as e:  # reading the draws back failed: the step's rows fail
+            raise_if_fatal(e)
+            logger.exception("reading the samples of %d request(s) failed", len(step.sampling))
+            message = f"sampling failed: {type(e).__name__}: {e}"
+            return Samples([None] * len(step.sampling), [None] * len(step.sampling),
+                           {i: message for i in range(len(step.sampling))})
+
+    def _sample_one_by_one(self, logits: torch.Tensor, requests: list[Request]) -> Samples:
+        sampler = self.runner.sampler
         samples = Samples([None] * len(requests), [None] * len(requests))
         for i, request in enumerate(requests):
             try:
@@ -418,6 +494,22 @@ class LLMEngine:
                         raise RuntimeError(out.error)
                     results[out.request_id].extend(out.new_token_ids)
         return [results[request_id] for request_id in ids]
+
+
+class _Step:
+    """A queued step: the requests that sample in it, in row order, their draws on
+    the way to the host, and outputs it already has (requests that failed alone)."""
+
+    def __init__(self, sampling: list[Request], pending: PendingSamples,
+                 early_outputs: list[RequestOutput]) -> None:
+        self.sampling = sampling
+        self.pending = pending
+        self.early_outputs = early_outputs
+        self.finished = False
+
+    def tokens(self) -> tuple[torch.Tensor, dict[int, int]]:
+        """Its tokens on the device, and by id(request) where each request's is."""
+        return self.pending.tokens, {id(r): i for i, r in enumerate(self.sampling)}
 
 
 # A lease longer than this is refused: blocks held that long are a leak in all but name.

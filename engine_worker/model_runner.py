@@ -271,7 +271,9 @@ class ModelRunner:
         return 1
 
     @torch.inference_mode()
-    def forward(self, scheduled: list[ScheduledRequest]) -> Optional[torch.Tensor]:
+    def forward(self, scheduled: list[ScheduledRequest],
+                pending: Optional[tuple[torch.Tensor, dict[int, int]]] = None
+                ) -> Optional[torch.Tensor]:
         """Compute the scheduled tokens (writing their KV). Returns the logits (S, V) of
         the requests whose step reaches the end of their known tokens (``samples``),
         in ``scheduled`` order, or None when no request samples this step. The logits
@@ -280,11 +282,18 @@ class ModelRunner:
 
         ``scheduled`` is in the scheduler's order, where a request may attend to
         blocks that an earlier one fills in the same step; all KV writes of a layer
-        precede its reads, which makes that safe."""
+        precede its reads, which makes that safe.
+
+        ``pending``: the previous step's sampled tokens (a device tensor) and, by
+        ``id(request)``, where each request's token is in it: a request whose newest
+        token is a placeholder (``num_pending``) reads its id from there."""
         self.prompt_logits = []
+        fills = self._fills(scheduled, pending)
         if self.fused is not None:
-            return self._forward_fused(scheduled)
+            return self._forward_fused(scheduled, fills, pending)
         order, first_rows = step_layout(scheduled)
+        fills = [(first_rows[i] + offset, source) for i, offset, source in fills]
+        tokens = pending[0] if pending is not None else None
         sampled = [first_rows[i] + s.num_tokens - 1 for i, s in enumerate(scheduled)
                    if s.samples]
         extra = self._prompt_rows(scheduled, first_rows)
@@ -296,12 +305,28 @@ class ModelRunner:
         if bucket is not None:
             # Every row of a decode step samples, in layout order = schedule order.
             batch = self.inputs.prepare(layout, sampled, len(sampled), pad_to=bucket,
-                                        num_splits=self.graphs.splits(bucket))
+                                        num_splits=self.graphs.splits(bucket), fills=fills)
+            batch.fill_ids(tokens)
             return self.graphs.run(batch)
         batch = self.inputs.prepare(layout, sampled + extra, len(sampled),
                                     num_splits=self._splits(sum(
-                                        1 for s in layout if s.num_tokens == 1)))
+                                        1 for s in layout if s.num_tokens == 1)), fills=fills)
+        batch.fill_ids(tokens)
         return self._run_eager(batch)
+
+    @staticmethod
+    def _fills(scheduled: list[ScheduledRequest],
+               pending: Optional[tuple[torch.Tensor, dict[int, int]]]
+               ) -> list[tuple[int, int, int]]:
+        """(index in scheduled, offset in its tokens this step, index in the pending
+        tokens) of every placeholder the step computes."""
+        fills = []
+        for i, s in enumerate(scheduled):
+            r = s.request
+            if r.num_pending and r.num_computed_tokens + s.num_tokens == r.num_tokens:
+                assert pending is not None and id(r) in pending[1], "a placeholder with no token"
+                fills.append((i, s.num_tokens - 1, pending[1][id(r)]))
+        return fills
 
     def _run_eager(self, batch: StepBatch) -> Optional[torch.Tensor]:
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
@@ -336,7 +361,10 @@ class ModelRunner:
             at += count
         return logits[:num_samples] if num_samples else None
 
-    def _forward_fused(self, scheduled: list[ScheduledRequest]) -> Optional[torch.Tensor]:
+    def _forward_fused(self, scheduled: list[ScheduledRequest],
+                       fills: list[tuple[int, int, int]],
+                       pending: Optional[tuple[torch.Tensor, dict[int, int]]]
+                       ) -> Optional[torch.Tensor]:
         """The step as flat per-token arrays, in ``scheduled`` order, through llama.c."""
         assert self.fused is not None
         bs = self.block_size
@@ -367,6 +395,8 @@ class ModelRunner:
                             + [b for t in tables for b in t + [0] * (width - len(t))]
                             + sample_rows + extra, dtype=torch.int64)
         ids, positions_t, ctx_lens, slots_t, seq_t = flat[:5 * n].view(5, n)
+        for i, offset, source in fills:  # placeholders: the ids the last step sampled
+            ids[first_rows[i] + offset] = pending[0][source]
         block_tables = flat[5 * n:5 * n + len(tables) * width].view(len(tables), width)
         cos, sin = self.model.rotary(positions_t, torch.float32)
         logits = self.fused.forward(

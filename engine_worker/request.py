@@ -13,6 +13,11 @@ from common.structured import GrammarMatcher
 from engine_worker.block_manager import BlockTable
 
 
+# The id held by a token sampled on the device and not yet seen by the host; never a
+# model's input (the step reads the real id on the device).
+PENDING_TOKEN = -1
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, or preempted and queued again for recompute
     RUNNING = "running"  # holds KV blocks; computing its prompt or decoding
@@ -31,6 +36,10 @@ class Request:
         # Prompt then generated tokens: the sequence whose KV the cache holds.
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
+        # 1 while the newest token is a placeholder (PENDING_TOKEN): sampled on the
+        # device, its id not yet on the host. The engine appends it to schedule the
+        # request's next step before this one's tokens are read (engine.py, run-ahead).
+        self.num_pending = 0
         # Resolved limit: params.max_tokens, or what the context has room for.
         self.max_tokens = max_tokens
         # Tokens that end generation with "stop" (empty with ignore_eos).
@@ -105,8 +114,34 @@ class Request:
         return (self._constrained or bool(self.logits_processors)
                 or (self.num_output_tokens < self.params.min_tokens and bool(self.stop_ids)))
 
+    @property
+    def runs_ahead(self) -> bool:
+        """Whether its next step may be scheduled before its newest token is known:
+        nothing that samples it reads its tokens (penalties, bad words, a grammar,
+        extra logits processors), and no KV lease holds its blocks once it ends."""
+        p = self.params
+        return (self.grammar is None and not self.logits_processors and not p.bad_words_ids
+                and p.repetition_penalty == 1.0 and not p.presence_penalty
+                and not p.frequency_penalty and not self.kv_lease_s)
+
+    def ends_after_next_token(self, max_model_len: int) -> bool:
+        """Whether the token being sampled ends it by length, whatever it is."""
+        return (self.num_output_tokens + 1 >= self.max_tokens
+                or self.num_tokens + 1 >= max_model_len)
+
+    def hold_place(self) -> None:
+        """A placeholder for the token being sampled (see num_pending)."""
+        assert not self.num_pending
+        self.token_ids.append(PENDING_TOKEN)
+        self.num_pending = 1
+
     def append_token(self, token_id: int) -> None:
-        self.token_ids.append(token_id)
+        """The sampled token: fills the placeholder if one holds its place."""
+        if self.num_pending:
+            self.token_ids[-1] = token_id
+            self.num_pending = 0
+        else:
+            self.token_ids.append(token_id)
         if self.grammar is not None:
             self.grammar.consume(token_id)
 

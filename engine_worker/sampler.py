@@ -15,7 +15,10 @@ a seed draws its E from its own generator (so its draws do not depend on what el
 batched), the others from the engine's.
 
 Everything a step returns (token ids, a validity code per row, the chosen token's
-logprob and the top-n) is packed into one tensor and copied to the host once. On the
+logprob and the top-n) is packed into one tensor and copied to the host once.
+``launch`` queues the draws and that copy and returns at once: the token ids stay on
+the device too, where a next step queued before the host reads them takes its inputs
+(the engine's run-ahead); ``result()`` waits for the copy. On the
 CPU's C kernels, a step whose rows are all greedy and want no logprobs takes its tokens
 and validity codes from one pass over the logits instead (``greedy_rows``).
 
@@ -32,7 +35,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -76,6 +79,55 @@ class PenaltyState:
             self.num_counted += len(new)
 
 
+class PendingSamples:
+    """A step's draws on their way to the host. ``tokens`` (S,) int64, on the logits'
+    device: what a next step scheduled before the host has seen them reads as its input
+    ids. ``result()`` waits for the host copy (the first call only) and returns them."""
+
+    def __init__(self, tokens: torch.Tensor, read: Callable[[], list], requests: Sequence[Request],
+                 top_n: Optional[int], errors: dict[int, str]) -> None:
+        self.tokens = tokens
+        self._read = read
+        self._requests = requests
+        self._top_n = top_n
+        self._errors = errors
+        self._samples: Optional[Samples] = None
+
+    @classmethod
+    def ready(cls, samples: Samples, device: torch.device) -> "PendingSamples":
+        """Draws already on the host (a failed row's token is 0: its row is ignored)."""
+        pending = cls(torch.tensor([t or 0 for t in samples.token_ids], dtype=torch.int64,
+                                   device=device), list, [], None, {})
+        pending._samples = samples
+        return pending
+
+    def result(self) -> Samples:
+        if self._samples is None:
+            self._samples = _unpack(self._read(), self._requests, self._top_n, self._errors)
+        return self._samples
+
+
+def _unpack(host: list, requests: Sequence[Request], top_n: Optional[int],
+            errors: dict[int, str]) -> Samples:
+    """Samples from each row's (token, validity code, logprobs...) as copied to the host."""
+    n = len(requests)
+    token_ids: list[Optional[int]] = [None] * n
+    logprobs: list[Optional[TokenLogprobs]] = [None] * n
+    for i, row in enumerate(host):
+        if i in errors:
+            continue
+        code = int(row[1])
+        if code:
+            errors[i] = _ROW_ERRORS[code]
+            continue
+        token_ids[i] = int(row[0])
+        want = requests[i].params.logprobs
+        if want is not None:
+            top_ids = [int(x) for x in row[3 + top_n:3 + top_n + want]]
+            logprobs[i] = TokenLogprobs(row[2], top_ids, row[3:3 + want])
+    return Samples(token_ids, logprobs, errors)
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int,
                  kernels: Optional[CpuKernels] = None) -> None:
@@ -92,11 +144,16 @@ class Sampler:
             return self.kernels.argmax_rows(logits)
         return logits.argmax(dim=-1)
 
-    @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> Samples:
         """logits (S, V), one row per request. May modify ``logits`` in place."""
+        return self.launch(logits, requests).result()
+
+    @torch.inference_mode()
+    def launch(self, logits: torch.Tensor, requests: Sequence[Request]) -> "PendingSamples":
+        """The draws of ``requests`` from ``logits`` (S, V), queued on the logits'
+        device: their token ids stay there for the next step's inputs, and their copy
+        to the host is read by ``result()`` (the step's one device-to-host copy)."""
         logits = logits.float()
-        n = len(requests)
         errors: dict[int, str] = {}
         top_n = max((r.params.logprobs for r in requests if r.params.logprobs is not None),
                     default=None)
@@ -117,30 +174,27 @@ class Sampler:
 
         if (self._c_kernels_take(logits) and top_n is None
                 and all(r.params.greedy for r in requests)):
-            host = self.kernels.greedy_rows(logits)  # (token, code) per row, one pass
-        else:
-            host = self._draw(logits, requests, top_n, raw_logprobs)
+            rows = self.kernels.greedy_rows(logits)  # (token, code) per row, one pass
+            tokens = torch.tensor([row[0] for row in rows], dtype=torch.int64)
+            return PendingSamples(tokens, lambda: rows, requests, top_n, errors)
+        tokens, packed = self._draw(logits, requests, top_n, raw_logprobs)
+        if packed.device.type != "cuda":
+            return PendingSamples(tokens, packed.tolist, requests, top_n, errors)
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host.copy_(packed, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
 
-        token_ids: list[Optional[int]] = [None] * n
-        logprobs: list[Optional[TokenLogprobs]] = [None] * n
-        for i, row in enumerate(host):
-            if i in errors:
-                continue
-            code = int(row[1])
-            if code:
-                errors[i] = _ROW_ERRORS[code]
-                continue
-            token_ids[i] = int(row[0])
-            want = requests[i].params.logprobs
-            if want is not None:
-                top_ids = [int(x) for x in row[3 + top_n:3 + top_n + want]]
-                logprobs[i] = TokenLogprobs(row[2], top_ids, row[3:3 + want])
-        return Samples(token_ids, logprobs, errors)
+        def read() -> list[list[float]]:
+            copied.synchronize()
+            return host.tolist()
+        return PendingSamples(tokens, read, requests, top_n, errors)
 
     def _draw(self, logits: torch.Tensor, requests: Sequence[Request], top_n: Optional[int],
-              raw_logprobs: Optional[torch.Tensor]) -> list[list[float]]:
-        """Each row's token and validity code, then its logprobs if any row wants them
-        (the chosen token's, then top_n values and top_n ids), copied to the host at once."""
+              raw_logprobs: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's token (S,) and, packed in one (S, K) float64 tensor for the host,
+        its token, validity code, then its logprobs if any row wants them (the chosen
+        token's, then top_n values and top_n ids)."""
         n = len(requests)
         codes = _row_codes(logits)  # every row, after its processing
         greedy = [i for i, r in enumerate(requests) if r.params.greedy]
@@ -158,14 +212,13 @@ class Sampler:
             tokens[index] = drawn
             codes[index] = torch.maximum(codes[index], sampled_codes)
 
-        # One copy to the host: token, code, and the logprobs asked for.
         columns = [tokens.double().unsqueeze(1), codes.double().unsqueeze(1)]
         if raw_logprobs is not None:
             columns.append(raw_logprobs.gather(1, tokens.unsqueeze(1)).double())
             if top_n:
                 values, ids = torch.topk(raw_logprobs, top_n, dim=-1)
                 columns += [values.double(), ids.double()]
-        return torch.cat(columns, dim=1).cpu().tolist()
+        return tokens, torch.cat(columns, dim=1)
 
     def apply_grammars(self, logits: torch.Tensor, requests: list[Request], rows: list[int],
                        errors: dict[int, str]) -> None:

@@ -93,7 +93,9 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             target = request.num_computed_tokens + num_new
-            while not self.block_manager.allocate(request.blocks, request.token_ids, target):
+            while not self.block_manager.allocate(request.blocks, request.token_ids, target,
+                                                  num_known=request.num_tokens
+                                                  - request.num_pending):
                 victim = self._pick_victim(scheduled_ids)
                 self.preempt(victim)
                 out.preempted.append(victim)
@@ -126,7 +128,8 @@ class Scheduler:
             num_cached = len(cached) * self.block_manager.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.block_manager.allocate(request.blocks, request.token_ids,
-                                               num_cached + num_new, cached):
+                                               num_cached + num_new, cached,
+                                               request.num_tokens - request.num_pending):
                 break  # the pool is full; running requests free blocks as they finish
             self.waiting.popleft()
             self._release_staged(request)

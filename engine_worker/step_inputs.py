@@ -59,6 +59,17 @@ class StepBatch:
     # Sequences and tokens before padding.
     num_seqs: int
     num_tokens: int
+    # (F,) int64 each: rows of input_ids whose ids are on the device only, and where
+    # in the device's tokens each one is (StepInputs.prepare's fills).
+    fill_rows: torch.Tensor
+    fill_sources: torch.Tensor
+
+    def fill_ids(self, tokens: Optional[torch.Tensor]) -> None:
+        """Copies the device-only ids into input_ids (queued, before the forward)."""
+        if self.fill_rows.numel():
+            assert tokens is not None
+            self.input_ids.index_copy_(0, self.fill_rows,
+                                       tokens.index_select(0, self.fill_sources))
 
 
 class StepInputs:
@@ -80,8 +91,9 @@ class StepInputs:
         pin = device.type == "cuda"
         # Vectors: ids, positions, slots, logits rows (T each), seq_lens (S), query
         # start (S + 1), tile sequences and offsets (T each, at most a tile a token),
-        # each starting on an _ALIGN boundary.
-        size = 6 * max_tokens + 2 * max_seqs + 1 + 8 * _ALIGN
+        # the rows whose ids come from the device and their sources (S each), each
+        # starting on an _ALIGN boundary.
+        size = 6 * max_tokens + 4 * max_seqs + 1 + 10 * _ALIGN
         self._host_ints = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
         self._host_tables = torch.zeros(max_seqs, self.width, dtype=torch.int32,
                                         pin_memory=pin)
@@ -104,11 +116,13 @@ class StepInputs:
 
     def prepare(self, scheduled: Sequence[ScheduledRequest], logits_rows: Sequence[int],
                 num_sampled: int, pad_to: Optional[int] = None,
-                num_splits: int = 1) -> StepBatch:
+                num_splits: int = 1, fills: Sequence[tuple[int, int]] = ()) -> StepBatch:
         """``scheduled`` in the step's layout (step_layout): single-token queries
         first, then chunks. ``logits_rows``: the rows whose logits are computed, the
         ``num_sampled`` sampled ones first. ``pad_to``: a decode-only step's padded
-        size (a CUDA graph's batch)."""
+        size (a CUDA graph's batch). ``fills``: (row, source) of the tokens whose ids
+        are on the device only (placeholders in the requests' token ids): the caller
+        copies them into ``input_ids`` (fill_rows, fill_sources)."""
         num_seqs = len(scheduled)
         q_lens = np.fromiter((s.num_tokens for s in scheduled), dtype=np.int64, count=num_seqs)
         starts = np.fromiter((s.request.num_computed_tokens for s in scheduled), dtype=np.int64,
@@ -172,7 +186,14 @@ class StepInputs:
         if num_tiles:
             ints[o_tiles:o_tiles + num_tiles] = tile_seq
             ints[o_offsets:o_offsets + num_tiles] = tile_offset
-        used = o_offsets + num_tiles
+        num_fills = len(fills)
+        o_fill_rows = o_offsets + _aligned(num_tiles)
+        o_fill_sources = o_fill_rows + _aligned(num_fills)
+        if num_fills:
+            rows, sources = zip(*fills)
+            ints[o_fill_rows:o_fill_rows + num_fills] = rows
+            ints[o_fill_sources:o_fill_sources + num_fills] = sources
+        used = o_fill_sources + num_fills
 
         dev = self._device_ints
         if dev is not self._host_ints:
@@ -192,7 +213,9 @@ class StepInputs:
             query_start_host=query_start[:num_seqs + 1].tolist(),
         )
         return StepBatch(dev[o_ids:o_ids + t], dev[o_pos:o_pos + t], meta,
-                         dev[o_rows:o_rows + num_rows], num_sampled, num_seqs, num_tokens)
+                         dev[o_rows:o_rows + num_rows], num_sampled, num_seqs, num_tokens,
+                         dev[o_fill_rows:o_fill_rows + num_fills],
+                         dev[o_fill_sources:o_fill_sources + num_fills])
 
     def _write_tables(self, scheduled: Sequence[ScheduledRequest], ends: np.ndarray) -> None:
         """Each sequence's block ids into its row, only what changed since last step."""

@@ -115,10 +115,13 @@ def test_a_sampler_that_fails_on_the_batch_is_retried_row_by_row(tiny_llama_dir)
 
     class Picky:
         """Raises whenever "r2" is among the rows (a bug its values trigger)."""
-        def __call__(self, logits, requests):
+        def launch(self, logits, requests):
             if any(r.request_id == "r2" for r in requests):
                 raise ValueError("injected sampler bug")
-            return sampler(logits, requests)
+            return sampler.launch(logits, requests)
+
+        def __call__(self, logits, requests):
+            return self.launch(logits, requests).result()
 
     engine.runner.sampler = Picky()
     out = run_to_end(engine)

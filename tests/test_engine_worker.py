@@ -35,6 +35,26 @@ def test_outputs_equal_the_in_process_engine(shared_engine, tiny_llama_dir):
         assert outs[0].queue_ms is not None and outs[0].prefill_ms is not None
 
 
+def test_run_ahead_serves_the_same_tokens_over_zeromq(engine_factory, tiny_llama_dir):
+    """--async-scheduling (on by default with CUDA only) forced on for the CPU engine:
+    the engine process's outputs are still the in-process engine's, token for token."""
+    expected = make_engine(tiny_llama_dir).generate(PROMPTS, greedy(10))
+    proc = engine_factory("--async-scheduling")
+
+    async def main():
+        client = await connect(proc.address)
+        results = await asyncio.gather(*[collect(client, f"a{i}", p, greedy(10))
+                                         for i, p in enumerate(PROMPTS)])
+        stats = await wait_idle(client)
+        await client.close()
+        return results, stats
+
+    results, stats = run(main())
+    assert [token_ids(outs) for outs in results] == expected
+    assert all(outs[-1].finish_reason is FinishReason.LENGTH for outs in results)
+    assert stats.num_blocks_used == 0
+
+
 def test_abort_mid_generation_stops_it_and_frees_blocks(slow_engine):
     async def main():
         client = await connect(slow_engine.address)

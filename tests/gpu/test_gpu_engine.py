@@ -27,10 +27,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def triton_engine(model_dir, budget=None, max_batch=8, enforce_eager=True,
-                  num_blocks=256) -> LLMEngine:
+                  num_blocks=256, async_scheduling=None) -> LLMEngine:
     return LLMEngine(EngineConfig(
         model=str(model_dir), device=DEVICE, dtype="float32", attention_backend="triton",
-        enforce_eager=enforce_eager,
+        enforce_eager=enforce_eager, async_scheduling=async_scheduling,
         cache=CacheConfig(block_size=4, num_blocks=num_blocks),
         scheduler=SchedulerConfig(max_batch_size=max_batch, max_num_batched_tokens=budget)))
 
@@ -62,10 +62,13 @@ def test_triton_path_matches_hf_with_chunks_prefix_hits_and_mixed_steps(tiny_lla
     assert engine.scheduler.prefix_cache_hit_tokens >= 12
 
 
-def test_graph_runner_pads_to_buckets_and_matches_eager(tiny_llama_dir):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_graph_runner_pads_to_buckets_and_matches_eager(tiny_llama_dir, async_scheduling):
+    """With run-ahead, each graph step reads the tokens the step before sampled
+    straight from the device, into the graph's own input buffer."""
     prompts = random_prompts([5, 9, 3], seed=9)
-    eager = triton_engine(tiny_llama_dir).generate(prompts, greedy(5))
-    engine = triton_engine(tiny_llama_dir)
+    eager = triton_engine(tiny_llama_dir, async_scheduling=False).generate(prompts, greedy(5))
+    engine = triton_engine(tiny_llama_dir, async_scheduling=async_scheduling)
     replays = Replays()
     runner = engine.runner
     runner.graphs = runner.make_graph_runner(8, replays)
@@ -75,6 +78,7 @@ def test_graph_runner_pads_to_buckets_and_matches_eager(tiny_llama_dir):
     # Three sequences decode at the bucket of 4 (one padded row) for 4 steps; the
     # prefill step ran eagerly.
     assert replays.counts == {4: 4}
+    assert engine.num_steps_ahead == (4 if async_scheduling else 0)
 
 
 def test_graph_batch_sizes():
