@@ -5,10 +5,11 @@
 
 For each batch size: that many --input-len-token prompts prefilled (wall time), then
 decode steps in steady state: the step's wall time, the host time of the forward call
-(which returns once the work is queued) and of sampling (which waits for the device),
-the decode graph's own device time when a CUDA graph runs the step (the wall time less
-this is host time the device sat idle), the kernels of a graph replay by device time
-(torch.profiler), and the host functions of the step by their own time (cProfile).
+(which returns once the work is queued), of queueing the sampling and of reading the
+tokens back (which waits for the device), the decode graph's own device time when a
+CUDA graph runs the step (without run-ahead, the wall time less this is host time the
+device sat idle), the kernels of a graph replay by device time (torch.profiler), and
+the host functions of the step by their own time (cProfile).
 Then the anatomy of the time to first token (one prompt's prefill: wall, host time of
 the forward, device time of the forward) and the host cost of one kernel launch (a
 Triton kernel of the engine's, a cuBLAS matmul, a torch elementwise op).
@@ -134,16 +135,19 @@ def profile_batch(engine, clock: Clock, batch: int, args) -> None:
     for _ in range(3):
         engine.step()
     totals: dict = {}
-    forward = timed_calls(runner, "forward", totals)
-    sample = timed_calls(engine, "_sample", totals)
+    wrapped = [(obj, name, timed_calls(obj, name, totals)) for obj, name in
+               ((runner, "forward"), (engine, "_sample"), (engine, "_read_samples"))]
     start = time.perf_counter()
     for _ in range(args.decode_steps):
         engine.step()
     wall = (time.perf_counter() - start) / args.decode_steps * 1e3
-    runner.forward, engine._sample = forward, sample
+    for obj, name, original in wrapped:
+        setattr(obj, name, original)
     per_step = {k: v / args.decode_steps * 1e3 for k, v in totals.items()}
-    print(f"decode step: {wall:.3f} ms wall; host: forward call {per_step['forward']:.3f} ms, "
-          f"sampling (waits for the device) {per_step['_sample']:.3f} ms")
+    print(f"decode step: {wall:.3f} ms wall (run-ahead: {engine.async_scheduling}); host: "
+          f"forward call {per_step['forward']:.3f} ms, sampling queued "
+          f"{per_step['_sample']:.3f} ms, tokens read (waits for the device) "
+          f"{per_step['_read_samples']:.3f} ms")
     bucket = runner.graphs.bucket(batch) if runner.graphs is not None else None
     if bucket is not None:
         replay = runner.graphs.graphs[bucket]
@@ -164,19 +168,24 @@ def profile_ttft(engine, clock: Clock, args) -> None:
         clock.sync()
         start = time.perf_counter()
 
-        def timed_forward(scheduled):
+        def timed_forward(*args):
             host = time.perf_counter()
-            out = forward(scheduled)
+            out = forward(*args)
             hosts.append(time.perf_counter() - host)
             return out
         runner.forward = timed_forward
-        devices.append(clock.ms(engine.step))
+        devices.append(clock.ms(lambda: run_to_end(engine)))  # with run-ahead: two step()s
         walls.append(time.perf_counter() - start)
         runner.forward = forward
     median = statistics.median  # of the last six: the first two warm up
     print(f"\n=== time to first token ({args.input_len}-token prompt): step "
           f"{median(walls[2:]) * 1e3:.2f} ms wall; forward {median(hosts[2:]) * 1e3:.2f} ms "
           f"of host time; the step {median(devices[2:]):.2f} ms of device time")
+
+
+def run_to_end(engine) -> None:
+    while engine.has_steps_to_run():
+        engine.step()
 
 
 def profile_launches(engine, device: torch.device) -> None:

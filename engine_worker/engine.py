@@ -280,7 +280,10 @@ class LLMEngine:
         ``after``: the step still in flight whose tokens fill this one's placeholders."""
         early: list[RequestOutput] = []
         try:
-            logits = self.runner.forward(scheduled, after.tokens() if after else None)
+            if after is None:
+                logits = self.runner.forward(scheduled)
+            else:
+                logits = self.runner.forward(scheduled, after.tokens())
             self._record_prompt_logprobs()
         except Exception as e:
             raise_if_fatal(e)
