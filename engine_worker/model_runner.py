@@ -93,6 +93,7 @@ class ModelRunner:
                              f"cache is kept in the dtype the model computes in "
                              f"({str(dtype).removeprefix('torch.')}); use auto")
         max_seqs = max(scheduler.decode_batch_size, scheduler.prefill_batch_size)
+        self.token_budget = scheduler.token_budget
         self.attn, ops = self._backend(config, kernels, max_seqs)
         # Multiprocessors the split decode attention fills (read once: not per step).
         self.num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
@@ -196,10 +197,16 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         torch_held = torch.cuda.memory_reserved(self.device)
         weights = torch.cuda.memory_allocated(self.device)
-        peak = self.profile_peak(scheduler)
+        seqs = min(scheduler.decode_batch_size, scheduler.token_budget)
+        peak = self.profile_peak(scheduler.token_budget, seqs)
         graph_pool = 0
-        if self.config.family == "llama":  # graphs hold one decode batch's activations
-            graph_pool = self.profile_peak(scheduler, decode_only=True)
+        if self.config.family == "llama":  # graphs hold their largest step's activations
+            from engine_worker.gpu.graphs import PROMPT_GRAPH_SEQS, prompt_graph_sizes
+
+            graph_pool = max(self.profile_peak(scheduler.decode_batch_size,
+                                               scheduler.decode_batch_size),
+                             self.profile_peak(prompt_graph_sizes(scheduler.token_budget)[-1],
+                                               PROMPT_GRAPH_SEQS))
         profile = MemoryProfile(total=total, used_by_others=total - free - torch_held,
                                 weights=weights, activation_peak=peak, graph_pool=graph_pool)
         kv_bytes = profile.kv_cache_bytes(cache.gpu_memory_utilization)
@@ -209,19 +216,18 @@ class ModelRunner:
         return self._blocks_in(kv_bytes)
 
     @torch.inference_mode()
-    def profile_peak(self, scheduler: SchedulerConfig, decode_only: bool = False) -> int:
-        """Bytes a step adds at its peak over the weights: a forward pass over the
-        token budget in as many sequences as may run, its logits at the decode batch
-        and the sampler on them (or a decode step at the full batch alone). Runs on a
-        cache of just enough blocks, freed after."""
+    def profile_peak(self, tokens: int, seqs: int) -> int:
+        """Bytes a step adds at its peak over the weights: a forward pass over
+        ``tokens`` prompt tokens in ``seqs`` sequences (the token budget in as many
+        sequences as may run; a decode batch; a prompt graph's largest step), the
+        logits of every sequence and the sampler on them. Runs on a cache of just
+        enough blocks, freed after."""
         from engine_worker.profile_step import dummy_step
 
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        tokens = scheduler.decode_batch_size if decode_only else scheduler.token_budget
-        seqs = min(scheduler.decode_batch_size, tokens)
         scheduled, blocks = dummy_step(tokens, seqs, self.block_size, self.inputs.width)
         self.kv_caches = self._allocate_cache(blocks)
         logits = self.forward(scheduled)
@@ -236,15 +242,17 @@ class ModelRunner:
 
     def make_graph_runner(self, max_batch: int, capture):
         """A GraphRunner over this runner's model and buffers (capture: CUDA graphs,
-        or an eager stand-in in tests)."""
-        from engine_worker.gpu.graphs import GraphRunner
+        or an eager stand-in in tests), with prompt graphs up to the token budget."""
+        from engine_worker.gpu.graphs import GraphRunner, prompt_graph_sizes
 
-        def step(input_ids, positions, meta) -> torch.Tensor:
+        def step(input_ids, positions, meta, logits_rows) -> torch.Tensor:
             with torch.inference_mode():
-                return self.model.compute_logits(
-                    self.model(input_ids, positions, self.kv_caches, meta))
+                hidden = self.model(input_ids, positions, self.kv_caches, meta)
+                if logits_rows is not None:
+                    hidden = hidden.index_select(0, logits_rows)
+                return self.model.compute_logits(hidden)
         return GraphRunner(step, self.inputs, min(max_batch, self.inputs.max_seqs),
-                           self._splits, capture)
+                           self._splits, capture, prompt_graph_sizes(self.token_budget))
 
     def _compile_kernels(self, scheduler: SchedulerConfig) -> None:
         """Runs a step of one prompt chunk and a decode step at each split count a
@@ -298,16 +306,25 @@ class ModelRunner:
                    if s.samples]
         extra = self._prompt_rows(scheduled, first_rows)
         layout = [scheduled[i] for i in order]
-        bucket = None
-        if (self.graphs is not None and not extra and len(sampled) == len(layout)
-                and all(s.num_tokens == 1 for s in layout)):
-            bucket = self.graphs.bucket(len(layout))
+        bucket = prompt_bucket = None
+        if self.graphs is not None and not extra:
+            if len(sampled) == len(layout) and all(s.num_tokens == 1 for s in layout):
+                bucket = self.graphs.bucket(len(layout))
+            elif all(s.num_tokens > 1 for s in layout):
+                prompt_bucket = self.graphs.prompt_bucket(
+                    sum(s.num_tokens for s in layout), len(layout))
         if bucket is not None:
             # Every row of a decode step samples, in layout order = schedule order.
             batch = self.inputs.prepare(layout, sampled, len(sampled), pad_to=bucket,
                                         num_splits=self.graphs.splits(bucket), fills=fills)
             batch.fill_ids(tokens)
             return self.graphs.run(batch)
+        if prompt_bucket is not None:
+            batch = self.inputs.prepare(layout, sampled, len(sampled), fills=fills,
+                                        pad_chunks=(prompt_bucket, self.graphs.prompt_seqs))
+            batch.fill_ids(tokens)
+            logits = self.graphs.run_prompt(batch, prompt_bucket)
+            return logits if sampled else None
         batch = self.inputs.prepare(layout, sampled + extra, len(sampled),
                                     num_splits=self._splits(sum(
                                         1 for s in layout if s.num_tokens == 1)), fills=fills)

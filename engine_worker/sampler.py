@@ -96,8 +96,10 @@ class PendingSamples:
     @classmethod
     def ready(cls, samples: Samples, device: torch.device) -> "PendingSamples":
         """Draws already on the host (a failed row's token is 0: its row is ignored)."""
-        pending = cls(torch.tensor([t or 0 for t in samples.token_ids], dtype=torch.int64,
-                                   device=device), list, [], None, {})
+        ids = [t or 0 for t in samples.token_ids]
+        tokens = (torch.tensor(ids, dtype=torch.int64).to(device) if ids
+                  else torch.empty(0, dtype=torch.int64, device=device))
+        pending = cls(tokens, list, [], None, {})
         pending._samples = samples
         return pending
 

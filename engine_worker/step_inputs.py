@@ -116,13 +116,17 @@ class StepInputs:
 
     def prepare(self, scheduled: Sequence[ScheduledRequest], logits_rows: Sequence[int],
                 num_sampled: int, pad_to: Optional[int] = None,
-                num_splits: int = 1, fills: Sequence[tuple[int, int]] = ()) -> StepBatch:
+                num_splits: int = 1, fills: Sequence[tuple[int, int]] = (),
+                pad_chunks: Optional[tuple[int, int]] = None) -> StepBatch:
         """``scheduled`` in the step's layout (step_layout): single-token queries
         first, then chunks. ``logits_rows``: the rows whose logits are computed, the
         ``num_sampled`` sampled ones first. ``pad_to``: a decode-only step's padded
-        size (a CUDA graph's batch). ``fills``: (row, source) of the tokens whose ids
-        are on the device only (placeholders in the requests' token ids): the caller
-        copies them into ``input_ids`` (fill_rows, fill_sources)."""
+        size (a CUDA graph's batch). ``pad_chunks``: a prompt-only step's padded
+        (tokens, sequences) (a prompt graph's): its logits rows are padded to the
+        sequences, its chunk tiles to chunk_tile_capacity. ``fills``: (row, source)
+        of the tokens whose ids are on the device only (placeholders in the requests'
+        token ids): the caller copies them into ``input_ids`` (fill_rows,
+        fill_sources)."""
         num_seqs = len(scheduled)
         q_lens = np.fromiter((s.num_tokens for s in scheduled), dtype=np.int64, count=num_seqs)
         starts = np.fromiter((s.request.num_computed_tokens for s in scheduled), dtype=np.int64,
@@ -133,6 +137,10 @@ class StepInputs:
         if pad_to is not None:
             assert num_decode == num_seqs and pad_to >= num_seqs
             padded_seqs = padded_tokens = pad_to
+        if pad_chunks is not None:
+            assert num_decode == 0 and num_tokens <= pad_chunks[0] and num_seqs <= pad_chunks[1]
+            padded_tokens, padded_seqs = pad_chunks
+            logits_rows = list(logits_rows) + [0] * (padded_seqs - len(logits_rows))
         if num_tokens > self.max_tokens or padded_seqs > self.max_seqs:
             raise ValueError(f"a step of {num_tokens} tokens in {num_seqs} sequences "
                              f"exceeds the buffers ({self.max_tokens}, {self.max_seqs})")
@@ -177,15 +185,11 @@ class StepInputs:
         num_rows = len(logits_rows)
         ints[o_rows:o_rows + num_rows] = logits_rows
         o_tiles = o_rows + _aligned(num_rows)
-        num_tiles = 0
-        if self._chunk_tiles is not None and num_decode < num_seqs:
-            tile_seq, tile_offset = self._chunk_tiles(q_lens[num_decode:], num_decode,
-                                                      self.tile_tokens)
-            num_tiles = len(tile_seq)
+        tile_seq, tile_offset = self._tiles(q_lens[num_decode:], num_decode, pad_chunks)
+        num_tiles = len(tile_seq)
         o_offsets = o_tiles + _aligned(num_tiles)
-        if num_tiles:
-            ints[o_tiles:o_tiles + num_tiles] = tile_seq
-            ints[o_offsets:o_offsets + num_tiles] = tile_offset
+        ints[o_tiles:o_tiles + num_tiles] = tile_seq
+        ints[o_offsets:o_offsets + num_tiles] = tile_offset
         num_fills = len(fills)
         o_fill_rows = o_offsets + _aligned(num_tiles)
         o_fill_sources = o_fill_rows + _aligned(num_fills)
@@ -217,6 +221,19 @@ class StepInputs:
                          dev[o_fill_rows:o_fill_rows + num_fills],
                          dev[o_fill_sources:o_fill_sources + num_fills])
 
+    def _tiles(self, chunk_lens: np.ndarray, first_seq: int,
+               pad_chunks: Optional[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """The chunk tiles of the Triton kernel (sequence, first query token), padded
+        to a prompt graph's fixed count with tiles that start past every chunk's end."""
+        if self._chunk_tiles is None or not (len(chunk_lens) or pad_chunks):
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        tile_seq, tile_offset = self._chunk_tiles(chunk_lens, first_seq, self.tile_tokens)
+        if pad_chunks is None:
+            return tile_seq, tile_offset
+        padding = chunk_tile_capacity(*pad_chunks, self.tile_tokens) - len(tile_seq)
+        return (np.concatenate([tile_seq, np.zeros(padding, np.int64)]),
+                np.concatenate([tile_offset, np.full(padding, pad_chunks[0])]))
+
     def _write_tables(self, scheduled: Sequence[ScheduledRequest], ends: np.ndarray) -> None:
         """Each sequence's block ids into its row, only what changed since last step."""
         bs = self.block_size
@@ -234,6 +251,11 @@ class StepInputs:
                 self.tables[row, have:needed] = r.blocks.block_ids[have:needed]
                 self._row_owner[row] = owner
                 self._row_blocks[row] = needed
+
+
+def chunk_tile_capacity(tokens: int, seqs: int, tile_tokens: int) -> int:
+    """The most chunk tiles a step of this many tokens in this many sequences has."""
+    return -(-tokens // tile_tokens) + seqs
 
 
 def step_layout(scheduled: Sequence[ScheduledRequest]) -> tuple[list[int], list[int]]:

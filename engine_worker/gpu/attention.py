@@ -21,7 +21,8 @@ The inner loop is online softmax over BLOCK_N keys at a time; key j of sequence 
 at ``block_tables[s, j // page] * page + j % page``, so no block is copied out.
 
 Padded decode rows (CUDA graphs run a fixed batch) have seq_lens 0: they read no key
-and write zeros. The kernels compute in float32 and store in the cache's dtype.
+and write zeros. A prompt step's graph runs a fixed number of chunk tiles too: its
+padding tiles start past their chunk's end, so they read no key and write nothing. The kernels compute in float32 and store in the cache's dtype.
 """
 
 from __future__ import annotations
@@ -99,7 +100,9 @@ def _attention_kernel(
 
     # Keys this tile may see: up to its last query's position (causal).
     last_tok = tl.minimum(q_off + BLOCK_Q, q_len) - 1
-    kv_end = tl.maximum(ctx - q_len + last_tok + 1, 0)
+    # A padding tile (a CUDA graph's fixed grid: its first query past the chunk's end)
+    # reads no key.
+    kv_end = tl.where(q_off < q_len, tl.maximum(ctx - q_len + last_tok + 1, 0), 0)
     per_split = tl.cdiv(tl.cdiv(kv_end, SPLITS), BLOCK_N) * BLOCK_N
     lo = split * per_split
     hi = tl.minimum(lo + per_split, kv_end)

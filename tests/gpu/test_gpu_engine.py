@@ -74,10 +74,12 @@ def test_graph_runner_pads_to_buckets_and_matches_eager(tiny_llama_dir, async_sc
     runner.graphs = runner.make_graph_runner(8, replays)
     runner.graphs.capture_all()
     assert runner.graphs.sizes == [1, 2, 4, 8]
+    assert runner.graphs.prompt_sizes == [16, 32, 64, 128, 256, 512]  # the CPU's budget
     assert engine.generate(prompts, greedy(5)) == eager
-    # Three sequences decode at the bucket of 4 (one padded row) for 4 steps; the
-    # prefill step ran eagerly.
-    assert replays.counts == {4: 4}
+    # The three prompts (17 tokens) ran as the prompt graph of 32 tokens (4 sequences,
+    # one padded); then three sequences decode at the bucket of 4 (one padded row)
+    # for 4 steps.
+    assert replays.counts == {32: 1, 4: 4}
     assert engine.num_steps_ahead == (4 if async_scheduling else 0)
 
 
@@ -229,6 +231,24 @@ def test_shipped_shapes_resolve_by_name_and_need_dummy_weights():
     with pytest.raises(ModelLoadError, match="use --load-format dummy"):
         LLMEngine(EngineConfig(model="smollm2-135m", device="cpu",
                                cache=CacheConfig(num_blocks=16)))
+
+
+def test_prompt_graphs_run_chunks_and_cached_prefixes_as_eager_steps_do(tiny_llama_dir):
+    """Prompt steps within the graphs' buckets (a token budget of 16: one bucket) run
+    as graphs, with padded tokens, sequences and chunk tiles; mixed steps and steps of
+    more sequences than a prompt graph holds run eagerly; outputs equal eager ones."""
+    shared = random_prompts([12], seed=7)[0]
+    prompts = [shared + [11, 12], random_prompts([30], seed=8)[0], shared + [13, 14, 15],
+               *random_prompts([3, 2, 4, 2, 3], seed=4)]
+    eager = triton_engine(tiny_llama_dir, budget=16).generate(prompts, greedy(4))
+    engine = triton_engine(tiny_llama_dir, budget=16)
+    replays = Replays()
+    engine.runner.graphs = engine.runner.make_graph_runner(8, replays)
+    engine.runner.graphs.capture_all()
+    assert engine.runner.graphs.prompt_sizes == [16]
+    assert engine.generate(prompts, greedy(4)) == eager
+    assert replays.counts.get(16, 0) >= 1
+    assert engine.scheduler.prefix_cache_hit_tokens >= 12
 
 
 @pytest.mark.cuda
