@@ -55,6 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--hf-batches", default="1,64", help="HF generate batch sizes ('' skips)")
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="the engine's run-ahead (default: on with CUDA)")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--kv-cache-memory-gb", type=float, default=None)
@@ -189,6 +191,7 @@ def main(argv=None) -> int:
     engine = LLMEngine(EngineConfig(
         model=str(resolve_model_dir(args.model_config)), device=args.device, dtype=args.dtype,
         load_format=args.load_format, seed=args.seed, enforce_eager=args.enforce_eager,
+        async_scheduling=args.async_scheduling,
         attention_backend=args.attention_backend,
         max_model_len=args.input_len + args.output_len + 8,
         cache=CacheConfig(kv_cache_memory_bytes=None if args.kv_cache_memory_gb is None
@@ -199,8 +202,8 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device: {name}; model: {args.model_config} ({cfg.num_params / 1e9:.2f}B params, "
           f"{str(runner.dtype).removeprefix('torch.')}, {args.load_format} weights); "
-          f"graphs: {runner.graphs is not None}; {args.input_len} in / {args.output_len} out",
-          flush=True)
+          f"graphs: {runner.graphs is not None}; run-ahead: {engine.async_scheduling}; "
+          f"{args.input_len} in / {args.output_len} out", flush=True)
 
     element = torch.empty((), dtype=runner.dtype).element_size()
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
@@ -215,6 +218,7 @@ def main(argv=None) -> int:
     report = {"device": name, "model": args.model_config, "dtype": str(runner.dtype),
               "load_format": args.load_format, "input_len": args.input_len,
               "output_len": args.output_len, "cuda_graphs": runner.graphs is not None,
+              "async_scheduling": engine.async_scheduling,
               "bandwidth_bytes_per_s": bandwidth, "gemm_flops_per_s": rate,
               "tokens_per_s": {}, "floor_fraction": {}, "hf_tokens_per_s": {}, "runs": {}}
     run_engine(engine, random_prompts(2, args.input_len, cfg.vocab_size, args.seed + 99), 4)
