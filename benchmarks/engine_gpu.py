@@ -42,13 +42,18 @@ from common.protocol import SamplingParams  # noqa: E402
 from engine_worker.gpu.compile_check import compiled_kernels  # noqa: E402
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The device and model arguments of the GPU benchmarks (this and gpu_profile.py)."""
     p.add_argument("--device", default="cuda")
     p.add_argument("--model-config", default="llama-3-8b",
                    help="a shipped model shape (common/model_configs) or a model directory")
     p.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--concurrency", default="1,64,256")
     p.add_argument("--input-len", type=int, default=512)

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from benchmarks.engine import random_prompts  # noqa: E402
+from benchmarks.engine_gpu import add_model_args  # noqa: E402
 from common.config import EngineConfig, SchedulerConfig  # noqa: E402
 from common.model_files import resolve_model_dir  # noqa: E402
 from common.protocol import SamplingParams  # noqa: E402
@@ -42,10 +43,7 @@ from common.protocol import SamplingParams  # noqa: E402
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--model-config", default="llama-3-8b",
-                   help="a shipped model shape (common/model_configs) or a model directory")
-    p.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
+    add_model_args(p)
     p.add_argument("--batches", default="1,64,256")
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--decode-steps", type=int, default=20)
