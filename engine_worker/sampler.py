@@ -206,9 +206,9 @@ class Sampler:
         else:
             tokens = torch.zeros(n, dtype=torch.int64, device=logits.device)
             if greedy:
-                index = torch.tensor(greedy, device=logits.device)
+                index = to_device(greedy, logits.device)
                 tokens[index] = self.argmax(logits.index_select(0, index))
-            index = torch.tensor(sampled, device=logits.device)
+            index = to_device(sampled, logits.device)
             drawn, sampled_codes = self._sample(logits.index_select(0, index),
                                                 [requests[i] for i in sampled])
             tokens[index] = drawn
@@ -244,7 +244,7 @@ class Sampler:
         cut-offs cannot empty a row that had a finite maximum: each keeps the most
         likely token)."""
         params = [r.params for r in requests]
-        temps = torch.tensor([p.temperature for p in params], device=logits.device)
+        temps = to_device([p.temperature for p in params], logits.device, torch.float32)
         logits = logits / temps.unsqueeze(1)
         if any(p.top_k is not None for p in params):
             logits = apply_top_k(logits, [p.top_k for p in params])
@@ -271,6 +271,16 @@ class Sampler:
         (probs / torch.empty_like(probs).exponential_(generator=self.generator)).argmax(-1)
 
 
+def to_device(values: Sequence, device: torch.device, dtype: torch.dtype = torch.int64
+              ) -> torch.Tensor:
+    """A small tensor of ``values`` on ``device``, copied without waiting for the
+    device: from pinned memory on CUDA (a copy from pageable memory would wait for
+    every queued kernel, the step queued ahead's included)."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def _row_codes(logits: torch.Tensor) -> torch.Tensor:
     """(S,) validity code of each row (_ROW_ERRORS; 0: fine). NaN and +inf propagate
     through the maximum; all -inf leaves nothing to choose."""
@@ -289,7 +299,7 @@ def exponential_race(probs: torch.Tensor, requests: Sequence[Request],
         noise.exponential_(generator=generator)
     else:
         if shared:
-            index = torch.tensor(shared, device=probs.device)
+            index = to_device(shared, probs.device)
             noise.index_copy_(0, index, torch.empty(len(shared), probs.shape[1],
                                                     device=probs.device).exponential_(
                                                         generator=generator))
@@ -315,13 +325,13 @@ def process_logits(row: torch.Tensor, request: Request) -> None:
     if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty:
         apply_penalties(row.unsqueeze(0), [request])
     if request.num_output_tokens < p.min_tokens and request.stop_ids:
-        row[list(request.stop_ids)] = float("-inf")
+        row.index_fill_(0, to_device(list(request.stop_ids), row.device), float("-inf"))
     if p.logit_bias:
-        ids = torch.tensor(list(p.logit_bias), device=row.device)
-        row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
+        row.index_add_(0, to_device(list(p.logit_bias), row.device),
+                       to_device(list(p.logit_bias.values()), row.device, row.dtype))
     if p.allowed_token_ids is not None:
         keep = torch.zeros_like(row, dtype=torch.bool)
-        keep[p.allowed_token_ids] = True
+        keep[to_device(p.allowed_token_ids, row.device)] = True
         row.masked_fill_(~keep, float("-inf"))
     if p.bad_words_ids:
         banned = [word[-1] for word in p.bad_words_ids
@@ -359,7 +369,7 @@ def apply_top_k(logits: torch.Tensor, top_ks: list[Optional[int]]) -> torch.Tens
     vocab = logits.shape[1]
     ks = [min(k, vocab) if k is not None else vocab for k in top_ks]
     kth = torch.topk(logits, max(ks), dim=-1).values  # (S, max_k), descending
-    idx = torch.tensor([k - 1 for k in ks], device=logits.device).unsqueeze(1)
+    idx = to_device([k - 1 for k in ks], logits.device).unsqueeze(1)
     threshold = kth.gather(1, idx)
     return logits.masked_fill(logits < threshold, float("-inf"))
 
@@ -369,7 +379,7 @@ def apply_top_p(logits: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(dim=-1)
     before = probs.cumsum(dim=-1) - probs  # probability mass ranked above each token
-    top_p = torch.tensor(top_ps, device=logits.device).unsqueeze(1)
+    top_p = to_device(top_ps, logits.device, torch.float32).unsqueeze(1)
     drop_sorted = before >= top_p
     drop_sorted[:, 0] = False  # the most likely token, whatever top_p
     drop = torch.empty_like(drop_sorted).scatter_(1, order, drop_sorted)
@@ -378,7 +388,7 @@ def apply_top_p(logits: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
 
 def apply_min_p(probs: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
     """Zero tokens less likely than min_p times the row's most likely token."""
-    min_p = torch.tensor(min_ps, device=probs.device).unsqueeze(1)
+    min_p = to_device(min_ps, probs.device, torch.float32).unsqueeze(1)
     threshold = probs.max(dim=-1, keepdim=True).values * min_p
     return probs.masked_fill(probs < threshold, 0.0)
 
