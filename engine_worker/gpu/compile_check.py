@@ -81,11 +81,13 @@ def variants(cfg, dtype: str = "bfloat16", block_size: int = 16) -> list[tuple]:
                      dict(C=c, BLOCK=triton.next_power_of_2(c), HAS_RESIDUAL=residual),
                      ops._warps(c)))
     half = d // 2
+    heads_pad = triton.next_power_of_2(cfg.num_heads + 2 * cfg.num_kv_heads)
     out.append(("rope_write_kv", ops._rope_write_kv_kernel,
                 dict(qkv_ptr=t, cos_ptr=t, sin_ptr=t, k_cache_ptr=t, v_cache_ptr=t,
                      slot_ptr="*i64"),
-                dict(NUM_HEADS=cfg.num_heads, NUM_KV_HEADS=cfg.num_kv_heads, HALF=half,
-                     HALF_PAD=triton.next_power_of_2(half)), 4))
+                dict(NUM_HEADS=cfg.num_heads, NUM_KV_HEADS=cfg.num_kv_heads,
+                     HEADS_PAD=heads_pad, HALF=half, HALF_PAD=triton.next_power_of_2(half)),
+                ops._rope_warps(heads_pad * half)))
     i = cfg.intermediate_size
     out.append(("silu_mul", ops._silu_mul_kernel, dict(x_ptr=t, out_ptr=t),
                 dict(WIDTH=i, BLOCK=min(1024, triton.next_power_of_2(i))), 4))

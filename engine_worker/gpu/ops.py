@@ -42,33 +42,37 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, h_ptr, eps,
 def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                           stride_t, stride_cs, stride_slot, stride_head,
                           NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                          HALF: tl.constexpr, HALF_PAD: tl.constexpr):
-    """One program per (token, head of q, k or v)."""
+                          HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+    """One program per token, all its heads at once (rows: q heads, then k, then v)."""
     t = tl.program_id(0)
-    head = tl.program_id(1)
-    i = tl.arange(0, HALF_PAD)
-    ok = i < HALF
+    head = tl.arange(0, HEADS_PAD)[:, None]
+    i = tl.arange(0, HALF_PAD)[None, :]
+    ok = (head < NUM_HEADS + 2 * NUM_KV_HEADS) & (i < HALF)
     base = qkv_ptr + t * stride_t + head * (2 * HALF)
     x1 = tl.load(base + i, mask=ok, other=0.0)
     x2 = tl.load(base + HALF + i, mask=ok, other=0.0)
+    cos = tl.load(cos_ptr + t * stride_cs + i, mask=i < HALF, other=0.0).to(tl.float32)
+    sin = tl.load(sin_ptr + t * stride_cs + i, mask=i < HALF, other=0.0).to(tl.float32)
+    # q and k rotate (rotate-half convention), rounded to the activations' dtype; v not.
+    rotates = head < NUM_HEADS + NUM_KV_HEADS
+    a, b = x1.to(tl.float32), x2.to(tl.float32)
+    y1 = tl.where(rotates, (a * cos - b * sin).to(x1.dtype), x1)
+    y2 = tl.where(rotates, (b * cos + a * sin).to(x2.dtype), x2)
+    tl.store(base + i, y1, mask=ok & rotates)
+    tl.store(base + HALF + i, y2, mask=ok & rotates)
+    # k and v into their cache slot; a slot of -1 (a padded row) writes nothing.
     slot = tl.load(slot_ptr + t)
-    kv_head = head - NUM_HEADS
-    if head < NUM_HEADS + NUM_KV_HEADS:  # q or k: rotate (rotate-half convention)
-        cos = tl.load(cos_ptr + t * stride_cs + i, mask=ok, other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + t * stride_cs + i, mask=ok, other=0.0).to(tl.float32)
-        a, b = x1.to(tl.float32), x2.to(tl.float32)
-        x1 = (a * cos - b * sin).to(x1.dtype)
-        x2 = (b * cos + a * sin).to(x2.dtype)
-        tl.store(base + i, x1, mask=ok)
-        tl.store(base + HALF + i, x2, mask=ok)
-        cache = k_cache_ptr
-    else:
-        kv_head = head - NUM_HEADS - NUM_KV_HEADS
-        cache = v_cache_ptr
-    if (head >= NUM_HEADS) & (slot >= 0):
-        dst = cache + slot.to(tl.int64) * stride_slot + kv_head * stride_head
-        tl.store(dst + i, x1.to(cache.dtype.element_ty), mask=ok)
-        tl.store(dst + HALF + i, x2.to(cache.dtype.element_ty), mask=ok)
+    is_k = (head >= NUM_HEADS) & rotates
+    is_v = ok & ~rotates
+    kv_head = tl.where(is_k, head - NUM_HEADS, head - NUM_HEADS - NUM_KV_HEADS)
+    dst = slot.to(tl.int64) * stride_slot + kv_head * stride_head + i
+    # (Folded into a bound, not and-ed as a scalar: the interpreter turns tensor &
+    # scalar-bool into integers.)
+    write = ok & (i < tl.where(slot >= 0, HALF, 0))
+    tl.store(k_cache_ptr + dst, y1.to(k_cache_ptr.dtype.element_ty), mask=write & is_k)
+    tl.store(k_cache_ptr + dst + HALF, y2.to(k_cache_ptr.dtype.element_ty), mask=write & is_k)
+    tl.store(v_cache_ptr + dst, y1.to(v_cache_ptr.dtype.element_ty), mask=write & is_v)
+    tl.store(v_cache_ptr + dst + HALF, y2.to(v_cache_ptr.dtype.element_ty), mask=write & is_v)
 
 
 @triton.jit
@@ -114,10 +118,12 @@ class TritonOps:
         v_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
         half = head_dim // 2
         if n:
-            _rope_write_kv_kernel[(n, num_heads + 2 * num_kv_heads)](
+            heads_pad = triton.next_power_of_2(num_heads + 2 * num_kv_heads)
+            _rope_write_kv_kernel[(n,)](
                 qkv, cos, sin, k_cache, v_cache, slot_mapping, qkv.stride(0), cos.stride(0),
                 k_cache.stride(0), k_cache.stride(1), NUM_HEADS=num_heads,
-                NUM_KV_HEADS=num_kv_heads, HALF=half, HALF_PAD=triton.next_power_of_2(half))
+                NUM_KV_HEADS=num_kv_heads, HEADS_PAD=heads_pad, HALF=half,
+                HALF_PAD=triton.next_power_of_2(half), num_warps=_rope_warps(heads_pad * half))
         return split_qkv(qkv, num_heads, num_kv_heads, head_dim)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -134,3 +140,8 @@ class TritonOps:
 
 def _warps(width: int) -> int:
     return 4 if width <= 2048 else 8
+
+
+def _rope_warps(elements: int) -> int:
+    """Warps for a token's heads x half a head: about 16 values a thread a half."""
+    return max(1, min(8, elements // 512))

@@ -25,7 +25,7 @@ def test_add_rms_norm_matches_torch(with_residual):
     torch.testing.assert_close(h, ref_h, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("heads", [(4, 2), (2, 2)], ids=["gqa", "mha"])
+@pytest.mark.parametrize("heads", [(4, 2), (2, 2), (3, 1)], ids=["gqa", "mha", "gqa3"])
 def test_rope_write_kv_matches_torch_and_skips_padded_slots(heads):
     hq, hkv = heads
     d, page, num_blocks, n = 16, 4, 6, 7
