@@ -21,7 +21,8 @@ def run(engine, requests) -> dict:
     for request_id, prompt, params in requests:
         engine.add_request(request_id, prompt, params)
     out = run_to_end(engine)
-    return {rid: (tokens(o), o[-1].finish_reason, [x.logprobs for x in o]) for rid, o in out.items()}
+    return {rid: (tokens(o), o[-1].finish_reason, [x.logprobs for x in o], o[0].prompt_logprobs)
+            for rid, o in out.items()}
 
 
 def assert_no_placeholder_cached(engine):
@@ -43,6 +44,7 @@ def test_run_ahead_yields_what_one_step_at_a_time_does(tiny_llama_dir, cpu_kerne
                                                   stop_token_ids=[7])),
         ("shared-prefix", shared + [1, 2, 3], greedy(6)),
         ("one", prompts[5], greedy(1)),
+        ("prompt-logprobs", prompts[5][:9], greedy(5, prompt_logprobs=1)),
     ]
     sync, ahead = both(tiny_llama_dir, budget=16, cpu_kernels=cpu_kernels)
     assert run(ahead, requests) == run(sync, requests)
