@@ -9,8 +9,9 @@ Paths, chosen once at start from the device and the model:
     backend (attention.py: TorchAttention, CpuAttention, or TritonAttention on CUDA)
     and elementwise ops (ops.TorchOps, the C kernels, or gpu.ops.TritonOps), the step's
     inputs in persistent buffers (step_inputs.py);
-  * on CUDA, decode-only steps of the Llama family replay CUDA graphs (gpu/graphs.py)
-    unless ``enforce_eager``.
+  * on CUDA, decode-only steps of the Llama family, and steps of a few short prompt
+    chunks alone, replay CUDA graphs (gpu/graphs.py) unless ``enforce_eager``; a
+    step's input ids may come from the device (the engine's run-ahead: ``pending``).
 """
 
 from __future__ import annotations
