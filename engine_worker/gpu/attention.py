@@ -22,7 +22,8 @@ at ``block_tables[s, j // page] * page + j % page``, so no block is copied out.
 
 Padded decode rows (CUDA graphs run a fixed batch) have seq_lens 0: they read no key
 and write zeros. A prompt step's graph runs a fixed number of chunk tiles too: its
-padding tiles start past their chunk's end, so they read no key and write nothing. The kernels compute in float32 and store in the cache's dtype.
+padding tiles start past their chunk's end, so they read no key and write nothing.
+The kernels compute in float32 and store in the cache's dtype.
 """
 
 from __future__ import annotations
