@@ -98,8 +98,7 @@ def host_profile(fn, rows: int = 12) -> str:
     profiler.disable()
     out = io.StringIO()
     pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(rows)
-    text = out.getvalue().splitlines()
-    return "\n".join(line for line in text if line.strip())[-4000:]
+    return "\n".join(line for line in out.getvalue().splitlines() if line.strip())
 
 
 def timed_calls(obj, name: str, totals: dict):
