@@ -241,6 +241,7 @@ class LLMEngine:
         to find the one(s) that fail (see _forward_one_by_one); the prefix cache keeps
         everything that is known good."""
         inflight, self._inflight = self._inflight, None
+        self.runner.prompt_logits = []  # this call's, if it runs a forward pass
         outputs: list[RequestOutput] = []
         if inflight is not None and self._may_run_ahead(inflight):
             self._hold_places(inflight)

@@ -184,7 +184,11 @@ class CpuKernels:
     def greedy_rows(self, x: torch.Tensor) -> list[tuple[int, int]]:
         """(R, C) float32 -> per row (first index of its maximum, validity code: 0, or
         1 a NaN, 2 a +inf, 3 every value -inf), in one pass over the rows."""
-        return list(zip(*self._argmax_pass(x, codes=True).tolist()))
+        return list(zip(*self.greedy_pass(x).tolist()))
+
+    def greedy_pass(self, x: torch.Tensor) -> torch.Tensor:
+        """greedy_rows as a (2, R) int64 tensor: the rows' tokens, then their codes."""
+        return self._argmax_pass(x, codes=True)
 
     def _argmax_pass(self, x: torch.Tensor, codes: bool) -> torch.Tensor:
         """(1 or 2, R) int64: each row's argmax, then (codes) its validity code."""

@@ -20,7 +20,7 @@ logprob and the top-n) is packed into one tensor and copied to the host once.
 the device too, where a next step queued before the host reads them takes its inputs
 (the engine's run-ahead); ``result()`` waits for the copy. On the
 CPU's C kernels, a step whose rows are all greedy and want no logprobs takes its tokens
-and validity codes from one pass over the logits instead (``greedy_rows``).
+and validity codes from one pass over the logits instead (``greedy_pass``).
 
 Failure isolation: one row's trouble is that row's alone. Its logits processing runs
 inside its own try; a row whose logits end up NaN, +inf or all -inf (nothing left to
@@ -176,9 +176,9 @@ class Sampler:
 
         if (self._c_kernels_take(logits) and top_n is None
                 and all(r.params.greedy for r in requests)):
-            rows = self.kernels.greedy_rows(logits)  # (token, code) per row, one pass
-            tokens = torch.tensor([row[0] for row in rows], dtype=torch.int64)
-            return PendingSamples(tokens, lambda: rows, requests, top_n, errors)
+            both = self.kernels.greedy_pass(logits)  # tokens and codes, one pass
+            return PendingSamples(both[0], lambda: list(zip(*both.tolist())), requests,
+                                  top_n, errors)
         tokens, packed = self._draw(logits, requests, top_n, raw_logprobs)
         if packed.device.type != "cuda":
             return PendingSamples(tokens, packed.tolist, requests, top_n, errors)

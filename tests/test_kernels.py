@@ -59,6 +59,16 @@ def test_the_declared_torch_floor_has_what_the_code_uses():
     assert floor and (int(floor[1]), int(floor[2])) >= (2, 5)
 
 
+def paged_cache(num_seqs: int, max_len: int, bs: int, hkv: int, d: int,
+                kv_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random KV cache (2, blocks, bs, hkv, d) holding num_seqs sequences of up to
+    max_len tokens, and their block tables: the blocks shuffled among the sequences."""
+    max_blocks = (max_len + bs - 1) // bs
+    num_blocks = num_seqs * max_blocks
+    cache = torch.randn(2, num_blocks, bs, hkv, d).to(kv_dtype)
+    return cache, torch.randperm(num_blocks).view(num_seqs, max_blocks)
+
+
 def softmax_attention(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, length: int,
                       scale: float) -> torch.Tensor:
     """The reference: one token's query heads (Hq, D) against softmax(q k^T) v over its
@@ -82,10 +92,7 @@ def test_the_paged_decode_attention_kernel_matches_softmax_over_the_context(isa,
     k = kernels._build_and_load(isa)
     torch.manual_seed(hq * d + bs)
     lens = [1, 2, 15, 16, 17, 31, 33, 48, 50]
-    max_blocks = (max(lens) + bs - 1) // bs
-    num_blocks = len(lens) * max_blocks
-    cache = torch.randn(2, num_blocks, bs, hkv, d).to(kv_dtype)
-    tables = torch.randperm(num_blocks).view(len(lens), max_blocks)
+    cache, tables = paged_cache(len(lens), max(lens), bs, hkv, d, kv_dtype)
     q = torch.randn(len(lens), hq, d)
     scale = d ** -0.5
     out = k.paged_decode_attention(q, cache, tables, torch.tensor(lens), scale)
@@ -114,10 +121,7 @@ def test_prompt_chunks_are_attended_in_tiles_as_softmax_over_each_tokens_context
     for s, first, count in runs:
         seq += [s] * count
         lens += list(range(first, first + count))
-    max_blocks = (max(lens) + bs - 1) // bs
-    num_blocks = len(runs) * max_blocks
-    cache = torch.randn(2, num_blocks, bs, hkv, d).to(kv_dtype)
-    tables = torch.randperm(num_blocks).view(len(runs), max_blocks)
+    cache, tables = paged_cache(len(runs), max(lens), bs, hkv, d, kv_dtype)
     q = torch.randn(len(seq), hq, d)
     scale = d ** -0.5
     out = k.paged_attention(q, cache, torch.tensor(seq), tables, torch.tensor(lens), scale)
@@ -138,10 +142,7 @@ def test_few_decode_rows_over_long_contexts_split_their_keys_and_merge(isa, hq, 
     row's whole context."""
     k = kernels._build_and_load(isa)
     torch.manual_seed(len(lens) * d + bs)
-    max_blocks = (max(lens) + bs - 1) // bs
-    num_blocks = len(lens) * max_blocks
-    cache = torch.randn(2, num_blocks, bs, hkv, d).to(kv_dtype)
-    tables = torch.randperm(num_blocks).view(len(lens), max_blocks)
+    cache, tables = paged_cache(len(lens), max(lens), bs, hkv, d, kv_dtype)
     q = torch.randn(len(lens), hq, d) * 3  # peaked: the parts' maxima differ
     scale = d ** -0.5
     out = k.paged_decode_attention(q, cache, tables, torch.tensor(lens), scale)

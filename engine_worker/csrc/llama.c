@@ -82,14 +82,20 @@ enum { PROFILE_LINEAR, PROFILE_ATTENTION, PROFILE_OTHER };
    last in the scratch. */
 static inline int64_t tile_floats(int64_t N) { return 2 * (N + 1) + 1; }
 
+/* A thread's attention scratch, rounded up to 16 floats (each starts aligned). */
+static inline int64_t attention_floats(const struct rs_llama *m, int64_t max_ctx)
+{
+    return (rs_attention_scratch_floats(m->num_heads, m->num_kv_heads, m->head_dim, max_ctx)
+            + 15) / 16 * 16;
+}
+
 int64_t rs_llama_scratch_floats(const struct rs_llama *m, int64_t N, int64_t S,
                                 int64_t max_ctx, int64_t threads)
 {
     const int64_t C = m->hidden, D = m->head_dim, I = m->intermediate;
     const int64_t qkv = (m->num_heads + 2 * m->num_kv_heads) * D;
-    const int64_t attention = (rs_attention_scratch_floats(m->num_heads, m->num_kv_heads, D,
-                                                           max_ctx) + 15) / 16 * 16;
-    return N * (2 * C + qkv + m->num_heads * D + 3 * I) + S * C + threads * attention
+    return N * (2 * C + qkv + m->num_heads * D + 3 * I) + S * C
+           + threads * attention_floats(m, max_ctx)
            + rs_attention_partial_floats(m->num_heads, m->num_kv_heads, D, threads)
            + tile_floats(N);
 }
@@ -122,8 +128,7 @@ int rs_llama_forward(const struct rs_llama *m, const struct rs_step *s)
     float *gu = attn + N * QD;         /* [N, 2 I] */
     float *act = gu + N * 2 * I;       /* [N, I] */
     float *final = act + N * I;        /* [S, C] */
-    const int64_t per_thread = (rs_attention_scratch_floats(Hq, Hkv, D, s->max_ctx) + 15) / 16
-                               * 16;
+    const int64_t per_thread = attention_floats(m, s->max_ctx);
     float *scratch = final + S * C;    /* [threads, per_thread] the attention's */
     float *partial = scratch + s->num_threads * per_thread;   /* shared by the threads */
     float *after = partial + rs_attention_partial_floats(Hq, Hkv, D, s->num_threads);

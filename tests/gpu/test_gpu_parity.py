@@ -98,7 +98,6 @@ def test_teacher_forced_logits_and_greedy_tokens_match_hf(smollm2_dir):
         engine.add_request(f"tf-{i}", prompt, SamplingParams(max_tokens=1, prompt_logprobs=0))
         rows = []
         while engine.has_unfinished_requests():
-            engine.runner.prompt_logits = []  # a step() that runs no forward pass sets none
             engine.step()
             rows += [logits.float() for _, _, logits in engine.runner.prompt_logits]
         ours.append(torch.cat(rows))
