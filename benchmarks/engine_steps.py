@@ -168,7 +168,7 @@ def roofline(engine, args) -> dict:
     output_len = 32
     out = {"gemm_gflops": rate / 1e9,
            "gemm_from": rate_from, "gemm_rates_gflops": {k: v / 1e9 for k, v in rates.items()},
-           "weights": runner.weight_format, "bf16_path": kernels.bf16_path,
+           "weights": runner.weight_format, "products": kernels.products(runner.weight_format),
            "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_bytes_per_token,
            "batches": []}
     for batch in roofline_batches(args):
@@ -246,8 +246,7 @@ def print_long_context(rows: list[dict]) -> None:
 
 def print_roofline(rl: dict) -> None:
     ms = lambda s: f"{1e3 * s:.2f}"  # noqa: E731
-    weights = rl["weights"] + (f" ({rl['bf16_path']} products)"
-                               if rl["weights"] == "bfloat16" else "")
+    weights = rl["weights"] + (f" ({rl['products']} products)" if rl["products"] else "")
     print(f"=== roofline, {weights} weights: GEMM {rl['gemm_gflops']:.1f} GFLOP/s ({rl['gemm_from']}, the best of: "
           + ", ".join(f"{k} {v:.1f}" for k, v in rl["gemm_rates_gflops"].items())
           + f"), {rl['weight_bytes'] / 2**20:.0f} MiB of weights per step ===")

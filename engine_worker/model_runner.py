@@ -105,8 +105,9 @@ class ModelRunner:
             self.weight_format = Counter(
                 m.fmt for m in self.model.modules() if isinstance(m, PackedLinear)
             ).most_common(1)[0][0]
-        if self.weight_format == "bfloat16" and kernels is not None:
-            logger.info("weights: bfloat16, products: %s", kernels.bf16_path)
+        products = kernels.products(self.weight_format) if kernels is not None else None
+        if products is not None:
+            logger.info("weights: %s, products: %s", self.weight_format, products)
         elif self.weight_format != "float32":
             logger.info("weights: %s, computing in %s", self.weight_format,
                         str(dtype).removeprefix("torch."))

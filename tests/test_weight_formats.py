@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from engine_worker import kernels
-from helpers import greedy, make_engine, random_prompts
+from helpers import greedy, make_engine, random_prompts, run_to_end
 from hf_reference import NEAR_TIE, assert_matches, hf_greedy, quantize_blocks
 
 FORMATS = ["float32", "bfloat16", "int8", "q4"]
@@ -24,7 +24,10 @@ NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
 ISAS = {"native": [], "avx2": ["-mno-avx512f"], "avx2-no-vnni": ["-mno-avx512f", "-mno-avxvnni"],
         "portable": ["-mno-avx2", "-mno-avx512f"], "avx512-bf16": NO_AMX,
         "avx512-no-vnni": ["-mno-avx512vnni", *NO_AMX],
-        "avx512-no-bf16": ["-mno-avx512bf16", *NO_AMX], "amx-built": ["-mamx-tile", "-mamx-bf16"]}
+        "avx512-no-bf16": ["-mno-avx512bf16", *NO_AMX],
+        "amx-built": ["-mamx-tile", "-mamx-bf16", "-mamx-int8"],
+        # AMX's tile instructions in plain C (csrc/amx_emulate.h): the AMX paths run here
+        "amx-emulated": ["-DRS_AMX_EMULATE", *NO_AMX]}
 
 
 @pytest.fixture(scope="module", params=list(ISAS))
@@ -33,7 +36,8 @@ def cpu(request):
     VNNI, one without AVX2, and AVX-512 machines with and without VNNI, bf16 products
     and AMX would build them (the int8 and bfloat16 products differ on each), so that every
     path this CPU can execute is checked whichever CPU runs the tests. AMX's tiles run
-    only where the CPU has them; built with them elsewhere, the kernels must fall back."""
+    only where the CPU has them; built with them elsewhere, the kernels must fall back.
+    And the AMX paths with the tile instructions emulated, which run on any CPU."""
     k = kernels._build_and_load(ISAS[request.param])
     assert k is not None, "the C kernels must build on the test machines"
     return k
@@ -53,8 +57,80 @@ def test_bfloat16_takes_the_best_products_this_cpu_has():
     assert kernels._build_and_load(NO_AMX).bf16_path == no_amx
     assert kernels._build_and_load(ISAS["avx512-no-bf16"]).bf16_path == "widened"
     assert kernels._build_and_load(ISAS["amx-built"]).bf16_path == best
+    emulated = "amx" if "avx512_bf16" in flags else "widened"  # AMX's bf16 tiles take vdpbf16ps' x
+    assert kernels._build_and_load(ISAS["amx-emulated"]).bf16_path == emulated
     if "amx_bf16" not in flags:
         pytest.skip("this CPU has no AMX: its tiles were built and fell back, not run")
+
+
+def int8_dot_products(flags: set[str]) -> str:
+    """The int8 path an AVX-512 (or AVX2) build without AMX takes on this CPU."""
+    return ("vnni" if "avx512_vnni" in flags or ("avx_vnni" in flags and "avx512f" not in flags)
+            else "no-vnni")
+
+
+def test_int8_takes_the_best_products_this_cpu_has():
+    flags = cpu_flags()
+    best = "amx" if "amx_int8" in flags else int8_dot_products(flags)
+    assert kernels._build_and_load([]).int8_path == best
+    assert kernels._build_and_load(NO_AMX).int8_path == int8_dot_products(flags)
+    assert kernels._build_and_load(ISAS["avx512-no-vnni"]).int8_path == "no-vnni"
+    assert kernels._build_and_load(ISAS["amx-built"]).int8_path == best
+    if "amx_int8" not in flags:
+        pytest.skip("this CPU has no AMX: its int8 tiles were built and fell back, not run "
+                    "(test_int8_amx_tiles_give_the_vnni_tiles_results_bit_for_bit runs them "
+                    "emulated)")
+
+
+def amx_and_vnni_builds():
+    """The kernels with AMX's int8 tiles (this CPU's, else emulated) and without them."""
+    if int8_dot_products(cpu_flags()) != "vnni":
+        pytest.skip("AMX's int8 tiles are built only with VNNI (every AMX CPU has it)")
+    vnni = kernels._build_and_load(NO_AMX)
+    native = kernels._build_and_load([])
+    amx = native if native.int8_path == "amx" else kernels._build_and_load(ISAS["amx-emulated"])
+    assert (amx.int8_path, vnni.int8_path) == ("amx", "vnni")
+    return amx, vnni
+
+
+@pytest.mark.parametrize("n,k", [(1, 32), (17, 64), (50, 96), (130, 576), (40, 1536)])
+def test_int8_amx_tiles_give_the_vnni_tiles_results_bit_for_bit(n, k):
+    """From 16 rows int8 products run on AMX tiles (a block of 32 inputs per product,
+    odd and even block counts), scaled as the VNNI tiles scale them: the same floats.
+    On a CPU without AMX the tile instructions are emulated (csrc/amx_emulate.h)."""
+    amx, vnni = amx_and_vnni_builds()
+    torch.manual_seed(n + k)
+    w = torch.randn(n, k) * torch.logspace(-3, 1, k)
+    packed = vnni.pack(w, "int8")
+    assert torch.equal(amx.pack(w, "int8"), packed)
+    for m in (15, 16, 17, 31, 32, 33, 64):
+        x = torch.randn(m, k) * 3
+        x[1, :32] = 0.0  # an all-zero block: scale 0
+        for bias in (None, torch.randn(n)):
+            got = amx.linear(x, packed, n, bias, "int8")
+            want = vnni.linear(x, packed, n, bias, "int8")
+            assert torch.equal(got, want), (m, (got - want).abs().max())
+
+
+def test_the_engine_on_amx_int8_tiles_gives_the_vnni_engines_tokens_and_logprobs(tiny_llama_dir):
+    """The fused forward with AMX's int8 tiles (its threads each configure their own
+    tiles), prompts and 16-sequence decode steps: the VNNI engine's tokens and logprobs."""
+    amx, vnni = amx_and_vnni_builds()
+    prompts = random_prompts([3, 17, 5, 33, 9, 16, 2, 21, 7, 40, 11, 4, 26, 8, 13, 19], seed=5)
+    results = []
+    try:
+        for k in (amx, vnni):
+            kernels._loaded["cpu"] = k
+            engine = make_engine(tiny_llama_dir, quantization="int8")
+            for i, prompt in enumerate(prompts):
+                engine.add_request(f"r{i}", prompt, greedy(6, logprobs=2))
+            results.append({r: [(o.new_token_ids, o.logprobs) for o in outs]
+                            for r, outs in run_to_end(engine).items()})
+    finally:
+        kernels._loaded.pop("cpu", None)
+    assert results[0] == results[1]
+    assert len(results[0]) == 16 and all(sum(len(ids) for ids, _ in outs) == 6
+                                         for outs in results[0].values())
 
 
 def test_bfloat16_weights_need_an_even_number_of_inputs(cpu):

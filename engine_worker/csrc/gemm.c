@@ -26,9 +26,10 @@
  * of an output feature) are computed with integer dot products, as llama.cpp does:
  * each row of x is quantized the same way (int8, a scale per 32 inputs), four int8
  * products at a time are summed into int32 lanes (AVX-512 VNNI's vpdpbusd, or
- * vpmaddubsw + vpmaddwd on AVX2), and each block's sum is scaled into float32. The
- * panel stores four consecutive inputs of an output together for that, block by block:
- * each block of 32 inputs is 8 groups of 16 outputs x 4 bytes, then the block's 16
+ * vpmaddubsw + vpmaddwd on AVX2; from 16 rows AMX's tdpbsud, one block of 32 inputs
+ * per tile product; rs_int8_path says which), and each block's sum is scaled into
+ * float32. The panel stores four consecutive inputs of an output together for that,
+ * block by block: each block of 32 inputs is 8 groups of 16 outputs x 4 bytes, then the block's 16
  * float scales (576 bytes; 1.125 bytes per weight), so a tile reads one stream per
  * panel, the scales beside the weights they scale (with the scales K/32 x 16 after the
  * weights, a tile of NP panels read 2 NP streams; this layout measured 1.05x at one
@@ -668,18 +669,40 @@ tile_bf16(const int MR, const int NP, const uint16_t *xb, int64_t K, const char 
 #define BF16_DOT 0
 #endif
 
-/* AMX: 16 x 32 bfloat16 tiles of x times 32 x 16 tiles of the weight (a panel's 16
-   pairs of rows, 1 KB, contiguous) into 16 x 16 float32 tiles, 2 x 2 of them at a time
-   (tmm0-3: results, tmm4-5: x, tmm6-7: weight). Linux hands a process the tile
-   registers only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM): rs_init does. */
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && BF16_DOT
-#define AMX 1
+/* AMX: tile registers of up to 16 rows x 64 bytes, multiplied by the tile matrix unit.
+   Linux hands a process the tile registers only once it asks (arch_prctl
+   ARCH_REQ_XCOMP_PERM): rs_init does. Built with -DRS_AMX_EMULATE (tests), the tile
+   instructions are plain C (amx_emulate.h) and these paths run on any CPU. */
+#if defined(RS_AMX_EMULATE) || (defined(__AMX_TILE__) && defined(__x86_64__))
+#define AMX_TILES 1
+#ifdef RS_AMX_EMULATE
+#include "amx_emulate.h"
+#endif
+#if defined(RS_AMX_EMULATE) || defined(__AMX_BF16__)
+#define AMX_BF16 BF16_DOT
+#else
+#define AMX_BF16 0
+#endif
+#if defined(RS_AMX_EMULATE) || defined(__AMX_INT8__)
+#define AMX_INT8 U8_EXACT
+#else
+#define AMX_INT8 0
+#endif
+#else
+#define AMX_TILES 0
+#define AMX_BF16 0
+#define AMX_INT8 0
+#endif
+
+#if AMX_TILES
 static int amx_usable = 0;
 #ifndef AMX_MIN_ROWS
 #define AMX_MIN_ROWS 16
 #endif
 
-static void amx_configure(void)
+/* Tiles 0-3 hold results (16 rows x 16 int32 or float32), 4-5 x (16 rows x a_colsb
+   bytes), 6-7 the weight (b_rows x 64 bytes). */
+static __attribute__((unused)) void amx_configure(int a_colsb, int b_rows)
 {
     struct {
         uint8_t palette, start_row, reserved[14];
@@ -689,11 +712,16 @@ static void amx_configure(void)
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
+        cfg.colsb[t] = t == 4 || t == 5 ? a_colsb : 64;
+        cfg.rows[t] = t >= 6 ? b_rows : 16;
     }
     _tile_loadconfig(&cfg);
 }
+#endif
+
+#if AMX_BF16
+/* bfloat16: 16 x 32 tiles of x times 32 x 16 tiles of the weight (a panel's 16 pairs of
+   rows, 1 KB, contiguous) into 16 x 16 float32 tiles, 2 x 2 of them at a time. */
 
 /* y rows [0, rows) x columns [0, cols) of a 16 x 16 result tile c (+ bias, + y). */
 static void store_result(const float *c, int64_t rows, int64_t cols, const float *bias,
@@ -713,6 +741,7 @@ static void amx_panels(const uint16_t *xb, int64_t M, int64_t K, const char *pac
                        float *y, int64_t N, int accumulate, float *c)
 {
     const int64_t Mp = (M + 15) / 16 * 16;
+    amx_configure(64, 16);
     for (int64_t p = p_begin; p < p_end; p += 2) {
         const int two = p + 1 < p_end;
         const char *w0 = packed + p * pb, *w1 = packed + (p + two) * pb;
@@ -753,9 +782,75 @@ static void amx_panels(const uint16_t *xb, int64_t M, int64_t K, const char *pac
             }
         }
     }
+    _tile_release();
 }
-#else
-#define AMX 0
+#endif
+
+#if AMX_INT8
+/* int8: 16 rows of x (int8, as quantize_rows makes them) times one block of a panel,
+   whose 8 groups of 4 inputs x 16 outputs (512 contiguous bytes) are a 32 x 16 tile as
+   they are stored, into 16 x 16 int32 sums (tdpbsud: signed x times unsigned w + 128),
+   one block of 32 inputs per product: each block has its own scales. Two blocks at a
+   time (tiles 0-1), so that one's product overlaps the other's scaling. The sums are
+   scaled into float32 as tile_int does, in the same order: the results are the VNNI
+   tiles' bit for bit. xq holds whole tiles of 16 rows (the rows after M are never
+   scaled); c: 2 x 256 int32 of scratch. */
+typedef int32_t vi32u __attribute__((vector_size(VL * 4), aligned(4)));
+
+static void amx_int8_panels(const int8_t *xq, const float *xs, const int32_t *xoff,
+                            int64_t M, int64_t K, const char *packed, int64_t pb,
+                            int64_t p_begin, int64_t p_end, const float *bias, float *y,
+                            int64_t N, int accumulate, int32_t *c)
+{
+    const int64_t blocks = K / RS_INT8_BLOCK;
+    amx_configure(RS_INT8_BLOCK, RS_INT8_BLOCK / 4);
+    for (int64_t p = p_begin; p < p_end; p++) {
+        const char *panel = packed + p * pb;
+        const int64_t n0 = p * RS_PANEL;
+        for (int64_t m0 = 0; m0 < M; m0 += 16) {
+            const int rows = M - m0 < 16 ? (int)(M - m0) : 16;
+            vf acc[16][NP_MAX * PV];
+            for (int m = 0; m < rows; m++)
+                for (int v = 0; v < PV; v++)
+                    acc[m][v] = (vf){0};
+            for (int64_t b = 0; b < blocks; b += 2) {
+                const int two = b + 1 < blocks;
+                const char *block = panel + b * Q8_BLOCK_BYTES;
+                const int8_t *x = xq + m0 * K + b * RS_INT8_BLOCK;
+                _tile_zero(0);
+                _tile_loadd(4, x, K);
+                _tile_loadd(6, block, 64);
+                _tile_dpbsud(0, 4, 6);
+                if (two) {
+                    _tile_zero(1);
+                    _tile_loadd(5, x + RS_INT8_BLOCK, K);
+                    _tile_loadd(7, block + Q8_BLOCK_BYTES, 64);
+                    _tile_dpbsud(1, 5, 7);
+                }
+                _tile_stored(0, c, 64);
+                if (two)
+                    _tile_stored(1, c + 256, 64);
+                for (int h = 0; h <= two; h++) {
+                    const float *ws = (const float *)(block + h * Q8_BLOCK_BYTES +
+                                                      Q8_WEIGHT_BYTES);
+                    for (int m = 0; m < rows; m++) {
+                        const int64_t i = (m0 + m) * blocks + b + h;
+                        for (int v = 0; v < PV; v++) {
+                            /* the bytes hold w + 128: from -128 sum(x), w x's exactly */
+                            const vi32u sums = *(const vi32u *)(c + 256 * h + 16 * m + VL * v)
+                                               + xoff[i];
+                            acc[m][v] += __builtin_convertvector(sums, vf) *
+                                         (*(const vf *)(ws + VL * v) * xs[i]);
+                        }
+                    }
+                }
+            }
+            store_tile(rows, 1, acc, bias ? bias + n0 : NULL, y + m0 * N + n0, N, N - n0,
+                       accumulate);
+        }
+    }
+    _tile_release();
+}
 #endif
 
 /* Asks the OS for what the kernels use (AMX's tile registers, where built with them).
@@ -763,9 +858,11 @@ static void amx_panels(const uint16_t *xb, int64_t M, int64_t K, const char *pac
 int rs_bf16_path(void);
 int rs_init(void)
 {
-#if AMX
+#ifdef RS_AMX_EMULATE
+    amx_usable = 1;
+#elif AMX_TILES
     /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: refused where the CPU or the kernel
-       lacks AMX, and then the vdpbf16ps tiles run. */
+       lacks AMX, and then the vdpbf16ps and VNNI tiles run. */
     amx_usable = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
 #endif
     return rs_bf16_path();
@@ -775,11 +872,27 @@ int rs_init(void)
    below), 1 vdpbf16ps, 0 widened to float32. */
 int rs_bf16_path(void)
 {
-#if AMX
+#if AMX_BF16
     if (amx_usable)
         return 2;
 #endif
     return BF16_DOT;
+}
+
+/* How int8 weights are multiplied: 2 AMX tiles (from AMX_MIN_ROWS rows; VNNI below),
+   1 VNNI's byte dot products (vpdpbusd), 0 without them (vpmaddubsw, or lane by lane). */
+int rs_int8_path(void)
+{
+#if AMX_INT8
+    if (amx_usable)
+        return 2;
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) || \
+    defined(__AVXVNNI__) && defined(__AVX2__) && !defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 /* Rows of x quantized as int8 weights are: a scale per 32 inputs (amax / 127); with
@@ -956,33 +1069,40 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
     const int64_t panels = (N + RS_PANEL - 1) / RS_PANEL;
     const int nthreads = rs_num_threads();
     const int bf16 = format == RS_BF16, q4 = format == RS_Q4, int8 = format == RS_INT8 || q4;
-#if AMX
+#if AMX_BF16
     const int amx = bf16 && amx_usable && M >= AMX_MIN_ROWS && K % 32 == 0;
 #else
     const int amx = 0;
 #endif
+#if AMX_INT8
+    const int amx8 = format == RS_INT8 && amx_usable && M >= AMX_MIN_ROWS;
+#else
+    const int amx8 = 0;
+#endif
     const int dot = bf16 && BF16_DOT && !amx, expand = bf16 && !BF16_DOT && M > DIRECT_MAX_ROWS;
-    const int64_t Mp = amx ? (M + 15) / 16 * 16 : M;   /* AMX: whole tiles of rows */
+    const int64_t Mp = amx || amx8 ? (M + 15) / 16 * 16 : M;   /* AMX: whole tiles of rows */
     /* Scratch, by every thread for itself: expanded panels, or x as int8 (with its
        scales) or as bfloat16 (and AMX's result tiles). */
     int64_t bytes = 0;
     if (expand)
         bytes = NP_MAX * K * RS_PANEL * 4;
-    else if (int8)   /* xq, xs, and xsum (4-bit) or xoff (int8) */
-        bytes = M * K + M * (K / RS_INT8_BLOCK) * 4 * 2;
+    else if (int8)   /* xq, xs, and xsum (4-bit) or xoff (int8); AMX's block sums */
+        bytes = Mp * K + M * (K / RS_INT8_BLOCK) * 4 * 2 + (amx8 ? 2 * 256 * 4 : 0);
     else if (dot || amx)
         bytes = Mp * K * 2 + (amx ? 4 * 256 * 4 : 0);
     void *buf = bytes ? thread_buffer(bytes) : NULL;
     int failed = bytes && buf == NULL;
     int8_t *xq = buf;
-    float *xs = int8 && buf ? (float *)((char *)buf + M * K) : NULL;   /* M * K % 32 == 0 */
+    float *xs = int8 && buf ? (float *)((char *)buf + Mp * K) : NULL;   /* Mp K % 32 == 0 */
     float *xsum = q4 && buf ? xs + M * (K / RS_INT8_BLOCK) : NULL;
     int32_t *xoff = int8 && !q4 && U8_EXACT && buf ? (int32_t *)(xs + M * (K / RS_INT8_BLOCK))
                                                    : NULL;
     uint16_t *xb = buf;
     (void)xb;   /* unused where the CPU has no bf16 products */
-    if (int8 && !failed)
+    if (int8 && !failed) {
         quantize_rows(x, M, K, xq, xs, xsum, xoff);
+        memset(xq + M * K, 0, (Mp - M) * K);   /* AMX's last tile of rows */
+    }
 #if BF16_DOT
     if ((dot || amx) && !failed) {
         bf16_rows(x, M, K, xb);
@@ -999,12 +1119,17 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
 #pragma omp for schedule(static, 1)
     for (int t = 0; t < nthreads; t++) {
         const int64_t p_begin = panels * t / nthreads, p_end = panels * (t + 1) / nthreads;
-#if AMX
+#if AMX_BF16
         if (amx && !failed) {
-            amx_configure();
             amx_panels(xb, M, K, packed, pb, p_begin, p_end, bias, y, N, accumulate,
                        (float *)(xb + Mp * K));
-            _tile_release();
+            continue;
+        }
+#endif
+#if AMX_INT8
+        if (amx8 && !failed) {
+            amx_int8_panels(xq, xs, xoff, M, K, packed, pb, p_begin, p_end, bias, y, N,
+                            accumulate, xoff + M * (K / RS_INT8_BLOCK));
             continue;
         }
 #endif
