@@ -797,6 +797,64 @@ static void amx_panels(const uint16_t *xb, int64_t M, int64_t K, const char *pac
    scaled); c: 2 x 256 int32 of scratch. */
 typedef int32_t vi32u __attribute__((vector_size(VL * 4), aligned(4)));
 
+/* acc += a block's int32 sums (c: 16 x 16), scaled: ROWS rows of x (their scales and
+   offsets every blocks-th of xs and xoff) against the block's 16 outputs. */
+static inline __attribute__((always_inline)) void
+amx_int8_scale(const int ROWS, vf *acc, const int32_t *c, const char *block,
+               const float *xs, const int32_t *xoff, int64_t blocks)
+{
+    const float *ws = (const float *)(block + Q8_WEIGHT_BYTES);
+#pragma GCC unroll 16
+    for (int m = 0; m < ROWS; m++)
+        for (int v = 0; v < PV; v++) {
+            /* the bytes hold w + 128: from -128 sum(x), w x's exactly */
+            const vi32u sums = *(const vi32u *)(c + 16 * m + VL * v) + xoff[m * blocks];
+            acc[m * PV + v] += __builtin_convertvector(sums, vf) *
+                               (*(const vf *)(ws + VL * v) * xs[m * blocks]);
+        }
+}
+
+/* One tile of ROWS rows (16, or the rest; a constant, so that a whole tile's 16
+   accumulators stay in registers) of x from xq (K per row) against one panel. */
+static inline __attribute__((always_inline)) void
+amx_int8_tile(const int ROWS, const int8_t *xq, const float *xs, const int32_t *xoff,
+              int64_t K, const char *panel, const float *bias, float *y, int64_t ldy,
+              int64_t n_left, int accumulate, int32_t *c)
+{
+    const int64_t blocks = K / RS_INT8_BLOCK;
+    vf acc[16 * PV], out[16][NP_MAX * PV];   /* acc: small enough to stay in registers */
+#pragma GCC unroll 16
+    for (int m = 0; m < 16 * PV; m++)
+        acc[m] = (vf){0};
+    for (int64_t b = 0; b < blocks; b += 2) {
+        const int two = b + 1 < blocks;
+        const char *block = panel + b * Q8_BLOCK_BYTES;
+        _tile_zero(0);
+        _tile_loadd(4, xq + b * RS_INT8_BLOCK, K);
+        _tile_loadd(6, block, 64);
+        _tile_dpbsud(0, 4, 6);
+        if (two) {
+            _tile_zero(1);
+            _tile_loadd(5, xq + (b + 1) * RS_INT8_BLOCK, K);
+            _tile_loadd(7, block + Q8_BLOCK_BYTES, 64);
+            _tile_dpbsud(1, 5, 7);
+        }
+        _tile_stored(0, c, 64);
+        amx_int8_scale(ROWS, acc, c, block, xs + b, xoff + b, blocks);
+        if (two) {   /* its product ran meanwhile */
+            _tile_stored(1, c + 256, 64);
+            amx_int8_scale(ROWS, acc, c + 256, block + Q8_BLOCK_BYTES, xs + b + 1,
+                           xoff + b + 1, blocks);
+        }
+    }
+#pragma GCC unroll 16
+    for (int m = 0; m < ROWS; m++)
+        for (int v = 0; v < PV; v++)
+            out[m][v] = acc[m * PV + v];
+    store_tile(ROWS, 1, out, bias, y, ldy, n_left, accumulate);
+}
+
+/* Panels [p_begin, p_end) for all M rows; xq holds whole tiles of 16 rows. */
 static void amx_int8_panels(const int8_t *xq, const float *xs, const int32_t *xoff,
                             int64_t M, int64_t K, const char *packed, int64_t pb,
                             int64_t p_begin, int64_t p_end, const float *bias, float *y,
@@ -804,51 +862,18 @@ static void amx_int8_panels(const int8_t *xq, const float *xs, const int32_t *xo
 {
     const int64_t blocks = K / RS_INT8_BLOCK;
     amx_configure(RS_INT8_BLOCK, RS_INT8_BLOCK / 4);
-    for (int64_t p = p_begin; p < p_end; p++) {
-        const char *panel = packed + p * pb;
-        const int64_t n0 = p * RS_PANEL;
+    for (int64_t p = p_begin; p < p_end; p++)
         for (int64_t m0 = 0; m0 < M; m0 += 16) {
-            const int rows = M - m0 < 16 ? (int)(M - m0) : 16;
-            vf acc[16][NP_MAX * PV];
-            for (int m = 0; m < rows; m++)
-                for (int v = 0; v < PV; v++)
-                    acc[m][v] = (vf){0};
-            for (int64_t b = 0; b < blocks; b += 2) {
-                const int two = b + 1 < blocks;
-                const char *block = panel + b * Q8_BLOCK_BYTES;
-                const int8_t *x = xq + m0 * K + b * RS_INT8_BLOCK;
-                _tile_zero(0);
-                _tile_loadd(4, x, K);
-                _tile_loadd(6, block, 64);
-                _tile_dpbsud(0, 4, 6);
-                if (two) {
-                    _tile_zero(1);
-                    _tile_loadd(5, x + RS_INT8_BLOCK, K);
-                    _tile_loadd(7, block + Q8_BLOCK_BYTES, 64);
-                    _tile_dpbsud(1, 5, 7);
-                }
-                _tile_stored(0, c, 64);
-                if (two)
-                    _tile_stored(1, c + 256, 64);
-                for (int h = 0; h <= two; h++) {
-                    const float *ws = (const float *)(block + h * Q8_BLOCK_BYTES +
-                                                      Q8_WEIGHT_BYTES);
-                    for (int m = 0; m < rows; m++) {
-                        const int64_t i = (m0 + m) * blocks + b + h;
-                        for (int v = 0; v < PV; v++) {
-                            /* the bytes hold w + 128: from -128 sum(x), w x's exactly */
-                            const vi32u sums = *(const vi32u *)(c + 256 * h + 16 * m + VL * v)
-                                               + xoff[i];
-                            acc[m][v] += __builtin_convertvector(sums, vf) *
-                                         (*(const vf *)(ws + VL * v) * xs[i]);
-                        }
-                    }
-                }
-            }
-            store_tile(rows, 1, acc, bias ? bias + n0 : NULL, y + m0 * N + n0, N, N - n0,
-                       accumulate);
+            const int64_t n0 = p * RS_PANEL, at = m0 * blocks;
+            const float *bias_n = bias ? bias + n0 : NULL;
+            if (M - m0 >= 16)
+                amx_int8_tile(16, xq + m0 * K, xs + at, xoff + at, K, packed + p * pb,
+                              bias_n, y + m0 * N + n0, N, N - n0, accumulate, c);
+            else
+                amx_int8_tile((int)(M - m0), xq + m0 * K, xs + at, xoff + at, K,
+                              packed + p * pb, bias_n, y + m0 * N + n0, N, N - n0,
+                              accumulate, c);
         }
-    }
     _tile_release();
 }
 #endif
