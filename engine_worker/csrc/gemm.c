@@ -29,11 +29,12 @@
  * vpmaddubsw + vpmaddwd on AVX2; from 16 rows AMX's tdpbsud, one block of 32 inputs
  * per tile product; rs_int8_path says which), and each block's sum is scaled into
  * float32. The panel stores four consecutive inputs of an output together for that,
- * block by block: each block of 32 inputs is 8 groups of 16 outputs x 4 bytes, then the block's 16
- * float scales (576 bytes; 1.125 bytes per weight), so a tile reads one stream per
- * panel, the scales beside the weights they scale (with the scales K/32 x 16 after the
- * weights, a tile of NP panels read 2 NP streams; this layout measured 1.05x at one
- * row, 1.2x at 8 and 1.2-1.4x at 64 on an AVX2 Zen 3, results bit for bit the same). Each
+ * block by block: each block of 32 inputs is 8 groups of 16 outputs x 4 bytes, then
+ * the block's 16 float scales (576 bytes; 1.125 bytes per weight), so a tile reads one
+ * stream per panel, the scales beside the weights they scale (with the scales K/32 x 16
+ * after the weights, a tile of NP panels read 2 NP streams; this layout measured 1.05x
+ * at one row, 1.2x at 8 and 1.2-1.4x at 64 on an AVX2 Zen 3, results bit for bit the
+ * same). Each
  * weight byte holds w + 128 (0..255): vpdpbusd multiplies unsigned bytes by signed
  * ones, so x stays signed and a block's sum starts at -128 times the sum of x's block
  * instead of 0, which makes it exactly the signed one (one instruction per 4 products,
