@@ -35,9 +35,9 @@
  * after the weights, a tile of NP panels read 2 NP streams; this layout measured 1.05x
  * at one row, 1.2x at 8 and 1.2-1.4x at 64 on an AVX2 Zen 3, results bit for bit the
  * same). Each weight byte holds w + 128 (0..255): vpdpbusd multiplies unsigned bytes
- * by signed ones, so x stays signed and a block's sum starts at -128 times the sum of x's block
- * instead of 0, which makes it exactly the signed one (one instruction per 4 products,
- * where signed times signed takes three). Without VNNI, vpmaddubsw's 16-bit pair sums
+ * by signed ones, so x stays signed and a block's sum starts at -128 times the sum of
+ * x's block instead of 0, which makes it exactly the signed one (one instruction per 4
+ * products, where signed times signed takes three). Without VNNI, vpmaddubsw's 16-bit pair sums
  * would overflow with such bytes: there the weight is flipped back to signed and
  * multiplied as |x| times w with x's sign, as before.
  * 4-bit panels (GGUF Q4_0 and Q4_1, packed from the file's blocks as they are) hold,
