@@ -93,6 +93,11 @@ class CpuKernels:
         init = lib.rs_init
         init.argtypes, init.restype = [], ctypes.c_int
         self.bf16_path = BF16_PATHS[init()]
+        amx_status = lib.rs_amx_status
+        amx_status.argtypes, amx_status.restype = [], ctypes.c_int
+        if amx_status() < 0:
+            logger.warning("this CPU's AMX tiles gave other results than its vector "
+                           "instructions on a test layer: they are not used")
         int8_path = lib.rs_int8_path
         int8_path.argtypes, int8_path.restype = [], ctypes.c_int
         self.int8_path = INT8_PATHS[int8_path()]

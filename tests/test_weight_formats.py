@@ -7,6 +7,7 @@ on the same (unpacked) weights."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 
 import pytest
@@ -110,6 +111,30 @@ def test_int8_amx_tiles_give_the_vnni_tiles_results_bit_for_bit(n, k):
             got = amx.linear(x, packed, n, bias, "int8")
             want = vnni.linear(x, packed, n, bias, "int8")
             assert torch.equal(got, want), (m, (got - want).abs().max())
+
+
+def test_amx_tiles_that_disagree_at_load_are_not_used(caplog):
+    """The kernels check AMX's tiles against the other paths on a small layer as they
+    load; tiles that give other results (here emulated ones, every product off by one)
+    are not used, with a warning, and the layers still compute right."""
+    flags = cpu_flags()
+    with caplog.at_level(logging.WARNING, logger="engine_worker.kernels"):
+        faulty = kernels._build_and_load(["-DRS_AMX_EMULATE", "-DRS_AMX_EMULATE_FAULT",
+                                          *NO_AMX])
+    assert "AMX tiles gave other results than its vector instructions" in caplog.text
+    assert faulty.int8_path == int8_dot_products(flags)
+    assert faulty.bf16_path == ("avx512-bf16" if "avx512_bf16" in flags else "widened")
+    plain = kernels._build_and_load(NO_AMX)
+    torch.manual_seed(1)
+    w, x = torch.randn(40, 96), torch.randn(33, 96)
+    for fmt in ("int8", "bfloat16"):
+        packed = plain.pack(w, fmt)
+        assert torch.equal(faulty.linear(x, packed, 40, None, fmt),
+                           plain.linear(x, packed, 40, None, fmt))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="engine_worker.kernels"):
+        assert kernels._build_and_load(ISAS["amx-emulated"]).int8_path in ("amx", "no-vnni")
+    assert "AMX tiles" not in caplog.text
 
 
 def test_the_engine_on_amx_int8_tiles_gives_the_vnni_engines_tokens_and_logprobs(tiny_llama_dir):

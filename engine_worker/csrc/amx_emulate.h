@@ -7,7 +7,8 @@
  * and zeroes the rest of the register, and a product's shapes must agree (A: M x K
  * bytes, B: K/4 rows x N*4 bytes, C: M x N*4 bytes); any other use aborts, where the
  * hardware would fault. Each thread has its own tile registers, as each core does.
- * Slow, and only for tests.
+ * Slow, and only for tests. -DRS_AMX_EMULATE_FAULT makes every product off by one, as
+ * tiles a machine mishandles would be.
  */
 #ifndef RS_AMX_EMULATE_H
 #define RS_AMX_EMULATE_H
@@ -102,6 +103,9 @@ static inline void rs_tile_dpbsud(int tc, int ta, int tb)
             for (int k = 0; k < a->colsb / 4; k++)
                 for (int i = 0; i < 4; i++)
                     sum += (int8_t)a->data[m][4 * k + i] * (int32_t)b->data[k][4 * n + i];
+#ifdef RS_AMX_EMULATE_FAULT
+            sum += 1;
+#endif
             memcpy(c->data[m] + 4 * n, &sum, 4);
         }
 }
@@ -128,6 +132,9 @@ static inline void rs_tile_dpbf16ps(int tc, int ta, int tb)
                 for (int i = 0; i < 2; i++)
                     sum += rs_tile_bf16(a->data[m] + 4 * k + 2 * i) *
                            rs_tile_bf16(b->data[k] + 4 * n + 2 * i);
+#ifdef RS_AMX_EMULATE_FAULT
+            sum += 1.0f;
+#endif
             memcpy(c->data[m] + 4 * n, &sum, 4);
         }
 }

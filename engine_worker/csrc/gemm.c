@@ -878,19 +878,75 @@ static void amx_int8_panels(const int8_t *xq, const float *xs, const int32_t *xo
 }
 #endif
 
-/* Asks the OS for what the kernels use (AMX's tile registers, where built with them).
-   Returns rs_bf16_path(). Call once, before the first linear layer. */
+#if AMX_TILES
+int rs_linear(const float *x, int64_t M, int64_t K, const void *packed, int64_t N,
+              const float *bias, float *y, int accumulate, int format);
+/* 1: AMX in use; -1: the tiles gave other results than the other paths at load and are
+   not used; 0: no AMX (not built with it, or the OS refused). */
+static int amx_status = 0;
+
+/* Whether the AMX paths give what the others give on a small layer of 17 rows (a whole
+   tile and one row of another; 40 outputs: a partial panel): int8 the same floats,
+   bfloat16 within float32 rounding (its sums go in another order). Run once, at load:
+   a CPU, kernel or virtual machine that mishandles the tiles costs speed, not answers. */
+static int amx_agrees(void)
+{
+    enum { M = 17, N = 40, K = 96 };
+    static float x[M * K], w[N * K], want[M * N], got[M * N];
+    uint32_t r = 12345;   /* values in [-1, 1) */
+    for (int i = 0; i < M * K; i++)
+        x[i] = (float)((int32_t)((r = r * 1664525u + 1013904223u) >> 8) - (1 << 23)) / (1 << 23);
+    for (int i = 0; i < N * K; i++)
+        w[i] = (float)((int32_t)((r = r * 1664525u + 1013904223u) >> 8) - (1 << 23)) / (1 << 23);
+    const int formats[2] = {AMX_INT8 ? RS_INT8 : -1, AMX_BF16 ? RS_BF16 : -1};
+    int agrees = 1;
+    for (int f = 0; f < 2 && agrees; f++) {
+        if (formats[f] < 0)
+            continue;
+        void *packed = aligned_alloc(64, (rs_packed_bytes(N, K, formats[f]) + 63) / 64 * 64);
+        agrees = packed != NULL && rs_pack_weight(w, N, K, formats[f], packed) == 0;
+        for (int amx = 0; amx < 2 && agrees; amx++) {
+            amx_usable = amx;
+            agrees = rs_linear(x, M, K, packed, N, NULL, amx ? got : want, 0, formats[f]) == 0;
+        }
+        for (int i = 0; i < M * N && agrees; i++)
+            agrees = formats[f] == RS_INT8 ? got[i] == want[i]
+                                           : fabsf(got[i] - want[i]) <= 1e-4f * K;
+        free(packed);
+    }
+    return agrees;
+}
+#endif
+
+/* Asks the OS for what the kernels use (AMX's tile registers, where built with them),
+   and checks the tiles. Returns rs_bf16_path(). Call once, before the first linear
+   layer. */
 int rs_bf16_path(void);
 int rs_init(void)
 {
+#if AMX_TILES
 #ifdef RS_AMX_EMULATE
     amx_usable = 1;
-#elif AMX_TILES
+#else
     /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: refused where the CPU or the kernel
        lacks AMX, and then the vdpbf16ps and VNNI tiles run. */
     amx_usable = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
 #endif
+    if (amx_usable && (AMX_INT8 || AMX_BF16))
+        amx_status = amx_agrees() ? 1 : -1;
+    amx_usable = amx_status == 1;
+#endif
     return rs_bf16_path();
+}
+
+/* See amx_status. */
+int rs_amx_status(void)
+{
+#if AMX_TILES
+    return amx_status;
+#else
+    return 0;
+#endif
 }
 
 /* How bfloat16 weights are multiplied: 2 AMX tiles (from AMX_MIN_ROWS rows; vdpbf16ps
