@@ -56,32 +56,29 @@ def _save(model, out_dir: Path) -> Path:
     return out_dir
 
 
+def _tiny_llama(tmp_path_factory, name: str, seed: int, hidden_size: int) -> Path:
+    """A 2-layer Llama with 4 query heads and 2 KV heads, untied lm_head."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=50257, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=512, rope_theta=10000.0, tie_word_embeddings=False,
+        bos_token_id=EOS, eos_token_id=EOS, initializer_range=0.1)
+    return _save(LlamaForCausalLM(config).eval(), tmp_path_factory.mktemp(name))
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     """Llama with grouped-query attention (4 query heads, 2 KV heads), untied lm_head."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=50257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=EOS, eos_token_id=EOS,
-        initializer_range=0.1)
-    return _save(LlamaForCausalLM(config).eval(), tmp_path_factory.mktemp("tiny-llama"))
+    return _tiny_llama(tmp_path_factory, "tiny-llama", seed=0, hidden_size=64)
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_hd8_dir(tmp_path_factory) -> Path:
     """Llama with head_dim 8, a size the C decode-attention kernel does not handle."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(3)
-    config = LlamaConfig(
-        vocab_size=50257, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=EOS, eos_token_id=EOS,
-        initializer_range=0.1)
-    return _save(LlamaForCausalLM(config).eval(), tmp_path_factory.mktemp("tiny-llama-hd8"))
+    return _tiny_llama(tmp_path_factory, "tiny-llama-hd8", seed=3, hidden_size=32)
 
 
 @pytest.fixture(scope="session")
