@@ -69,6 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=len(PROMPTS))
     p.add_argument("--text-tokens", type=int, default=4096)
     p.add_argument("--window", type=int, default=512)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="the KV cache of every format but the float32 reference (which keeps "
+                        "float32, as Hugging Face computes)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", dest="json_path", default=None)
     return p.parse_args(argv)
@@ -95,7 +98,8 @@ def window_nll(engine, token_ids: list[int]) -> float:
     return -logprobs.gather(1, torch.tensor(token_ids[1:]).unsqueeze(1)).sum().item()
 
 
-def measure(fmt: str, args, prompts: list[list[int]], text_ids: list[int]) -> dict:
+def measure(fmt: str, args, prompts: list[list[int]], text_ids: list[int],
+            kv_dtype: str) -> dict:
     from engine_worker.engine import LLMEngine
 
     model = args.model
@@ -105,7 +109,7 @@ def measure(fmt: str, args, prompts: list[list[int]], text_ids: list[int]) -> di
         model = args.gguf or str(_find_gguf())
     engine = LLMEngine(EngineConfig(
         model=model, device="cpu", num_threads=args.threads, **FORMATS[fmt],
-        cache=CacheConfig(kv_cache_memory_bytes=256 << 20)))
+        cache=CacheConfig(kv_cache_memory_bytes=256 << 20, kv_cache_dtype=kv_dtype)))
     # a GGUF file's layers take the format their type packs as
     expected = ("float32", "bfloat16", "int8", "q4") if fmt == "gguf" else (fmt,)
     if engine.runner.fused is None or engine.runner.weight_format not in expected:
@@ -153,11 +157,13 @@ def main(argv=None) -> int:
         ",gguf" if args.model is None or args.gguf else "")).split(",")
     if formats[0] != "float32":
         formats.insert(0, "float32")
-    results = [measure(fmt, args, prompts, text_ids) for fmt in formats]
+    results = [measure(fmt, args, prompts, text_ids, "float32" if i == 0 else args.kv_cache_dtype)
+               for i, fmt in enumerate(formats)]
     reference = results[0]["outputs"]
     report = {"cpu": cpu_model(), "model": str(model_dir), "python": platform.python_version(),
               "prompts": len(prompts), "max_tokens": args.max_tokens,
               "prompt_token_ids": prompts, "window": args.window,
+              "kv_cache_dtype": args.kv_cache_dtype,
               "text": f"pydoc_data.topics (Python {platform.python_version()}), first "
                       f"{len(text_ids)} tokens, windows of {args.window}",
               "formats": []}
