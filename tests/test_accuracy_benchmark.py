@@ -73,3 +73,23 @@ def test_accuracy_benchmark_smoke_on_the_default_models_gguf_file(tmp_path):
     assert len(gguf["outputs"]) == 2 and all(len(o) == 4 for o in gguf["outputs"])
     # the file's weights are the default model's: only the int8 inputs differ
     assert abs(gguf["perplexity_ratio"] - 1) < 0.05
+
+
+def test_accuracy_benchmark_with_a_bfloat16_kv_cache(tiny_llama_dir, tmp_path):
+    """--kv-cache-dtype bfloat16, as docs/performance.md runs it: the formats' caches
+    hold bfloat16 (their perplexity moves), the float32 reference's stays float32."""
+    reports = {}
+    for kv in ("float32", "bfloat16"):
+        out = tmp_path / f"accuracy-{kv}.json"
+        proc = subprocess.run(
+            [sys.executable, "benchmarks/accuracy.py", "--model", str(tiny_llama_dir),
+             "--formats", "float32,int8", "--kv-cache-dtype", kv, "--max-tokens", "4",
+             "--num-prompts", "2", "--text-tokens", "80", "--window", "40", "--json", str(out)],
+            capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        reports[kv] = json.loads(out.read_text())
+        assert reports[kv]["kv_cache_dtype"] == kv
+    f32, bf16 = (reports[kv]["formats"] for kv in ("float32", "bfloat16"))
+    assert f32[0]["perplexity"] == bf16[0]["perplexity"]  # the reference: float32 both times
+    assert f32[1]["perplexity"] != bf16[1]["perplexity"]
+    assert abs(bf16[1]["perplexity"] / f32[1]["perplexity"] - 1) < 0.01
