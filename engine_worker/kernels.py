@@ -14,8 +14,8 @@ AVX2, whichever -march=native finds on the machine that compiles). At 1-8 rows a
 is bound by streaming its weight, at 64 by FMA throughput; the same kernel serves
 both, and nothing depends on a vendor BLAS. bfloat16 weights are multiplied as bf16
 products where the CPU has them (AMX tiles, or AVX-512-BF16's vdpbf16ps; see
-BF16_PATHS), and int8 weights as AMX tiles from 16 rows where it has them (INT8_PATHS);
-the OS must first allow AMX: loading the kernels asks it (rs_init).
+BF16_PATHS), and int8 and 4-bit weights as AMX tiles from 16 rows where it has them
+(INT8_PATHS); the OS must first allow AMX: loading the kernels asks it (rs_init).
 llama.c runs a whole Llama-family forward pass in one call on top of it.
 """
 
@@ -105,7 +105,8 @@ class CpuKernels:
     def products(self, fmt: str) -> Optional[str]:
         """How products with weights in ``fmt`` are computed here (BF16_PATHS,
         INT8_PATHS), for the formats that have a choice."""
-        return {"bfloat16": self.bf16_path, "int8": self.int8_path}.get(fmt)
+        return {"bfloat16": self.bf16_path, "int8": self.int8_path,
+                "q4": self.int8_path}.get(fmt)
 
     # Linear layers (gemm.c).
 
@@ -271,9 +272,10 @@ GGUF_FORMATS = {8: "int8", 2: "q4", 3: "q4"}  # Q8_0, Q4_0, Q4_1
 # Xeon, 4th generation on; vdpbf16ps below 16 rows), AVX-512-BF16's vdpbf16ps (AMD Zen
 # 4/5), both taking x rounded to bfloat16, or widened to float32 (x stays float32).
 BF16_PATHS = {2: "amx", 1: "avx512-bf16", 0: "widened"}
-# And int8 weights (rs_int8_path): AMX tiles (from 16 rows; VNNI below), VNNI's byte dot
-# products (vpdpbusd: AVX-512 VNNI or AVX-VNNI), or without them (vpmaddubsw, portable).
-# AMX tiles give the VNNI tiles' results bit for bit.
+# And int8 and 4-bit weights (rs_int8_path): AMX tiles (from 16 rows; VNNI below), VNNI's
+# byte dot products (vpdpbusd: AVX-512 VNNI or AVX-VNNI), or without them (vpmaddubsw,
+# portable). AMX tiles give the VNNI tiles' results: int8's bit for bit, 4-bit's within a
+# float32 rounding.
 INT8_PATHS = {2: "amx", 1: "vnni", 0: "no-vnni"}
 
 

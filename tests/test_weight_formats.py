@@ -94,23 +94,31 @@ def amx_and_vnni_builds():
     return amx, vnni
 
 
+@pytest.mark.parametrize("fmt", ["int8", "q4"])
 @pytest.mark.parametrize("n,k", [(1, 32), (17, 64), (50, 96), (130, 576), (40, 1536)])
-def test_int8_amx_tiles_give_the_vnni_tiles_results_bit_for_bit(n, k):
-    """From 16 rows int8 products run on AMX tiles (a block of 32 inputs per product,
-    odd and even block counts), scaled as the VNNI tiles scale them: the same floats.
-    On a CPU without AMX the tile instructions are emulated (csrc/amx_emulate.h)."""
+def test_int8_amx_tiles_give_the_vnni_tiles_results_bit_for_bit(n, k, fmt):
+    """From 16 rows int8 and 4-bit products run on AMX tiles (a block of 32 inputs per
+    product, odd and even block counts; 4-bit nibbles spread into bytes first), scaled
+    as the VNNI tiles scale them: int8 the same floats, 4-bit within a float32 rounding
+    (the compiler orders its sum of two products otherwise there). On a CPU without AMX
+    the tile instructions are emulated (csrc/amx_emulate.h)."""
     amx, vnni = amx_and_vnni_builds()
     torch.manual_seed(n + k)
     w = torch.randn(n, k) * torch.logspace(-3, 1, k)
-    packed = vnni.pack(w, "int8")
-    assert torch.equal(amx.pack(w, "int8"), packed)
+    packed = vnni.pack(w, fmt)
+    assert torch.equal(amx.pack(w, fmt), packed)
+    deq = vnni.unpack(packed, n, k, fmt)
     for m in (15, 16, 17, 31, 32, 33, 64):
         x = torch.randn(m, k) * 3
         x[1, :32] = 0.0  # an all-zero block: scale 0
         for bias in (None, torch.randn(n)):
-            got = amx.linear(x, packed, n, bias, "int8")
-            want = vnni.linear(x, packed, n, bias, "int8")
-            assert torch.equal(got, want), (m, (got - want).abs().max())
+            got = amx.linear(x, packed, n, bias, fmt)
+            want = vnni.linear(x, packed, n, bias, fmt)
+            if fmt == "int8":
+                assert torch.equal(got, want), (m, (got - want).abs().max())
+            else:  # float32 roundings of the sum of |products|, far below a block's share
+                bound = 1e-6 * (x.abs() @ deq.abs().T + 1)
+                assert ((got - want).abs() <= bound).all(), (m, (got - want).abs().max())
 
 
 def test_amx_tiles_that_disagree_at_load_are_not_used(caplog):
@@ -129,7 +137,7 @@ def test_amx_tiles_that_disagree_at_load_are_not_used(caplog):
     plain = kernels._build_and_load(NO_AMX)
     torch.manual_seed(1)
     w, x = torch.randn(40, 96), torch.randn(33, 96)
-    for fmt in ("int8", "bfloat16"):
+    for fmt in ("int8", "q4", "bfloat16"):
         packed = plain.pack(w, fmt)
         assert torch.equal(faulty.linear(x, packed, 40, None, fmt),
                            plain.linear(x, packed, 40, None, fmt))
@@ -139,23 +147,32 @@ def test_amx_tiles_that_disagree_at_load_are_not_used(caplog):
     assert "AMX tiles" not in caplog.text
 
 
-def test_the_engine_on_amx_int8_tiles_gives_the_vnni_engines_tokens_and_logprobs(tiny_llama_dir):
-    """The fused forward with AMX's int8 tiles (its threads each configure their own
-    tiles), prompts and 16-sequence decode steps: the VNNI engine's tokens and logprobs."""
+@pytest.mark.parametrize("fmt", ["int8", "q4"])
+def test_the_engine_on_amx_int8_tiles_gives_the_vnni_engines_tokens_and_logprobs(
+        tiny_llama_dir, fmt):
+    """The fused forward with AMX's integer tiles (its threads each configure their own
+    tiles), prompts and 16-sequence decode steps: the VNNI engine's tokens, and its
+    logprobs (int8: the same floats; 4-bit: within a rounding)."""
     amx, vnni = amx_and_vnni_builds()
     prompts = random_prompts([3, 17, 5, 33, 9, 16, 2, 21, 7, 40, 11, 4, 26, 8, 13, 19], seed=5)
     results = []
     try:
         for k in (amx, vnni):
             kernels._loaded["cpu"] = k
-            engine = make_engine(tiny_llama_dir, quantization="int8")
+            engine = make_engine(tiny_llama_dir, quantization=fmt)
             for i, prompt in enumerate(prompts):
                 engine.add_request(f"r{i}", prompt, greedy(6, logprobs=2))
             results.append({r: [(o.new_token_ids, o.logprobs) for o in outs]
                             for r, outs in run_to_end(engine).items()})
     finally:
         kernels._loaded.pop("cpu", None)
-    assert results[0] == results[1]
+    if fmt == "int8":
+        assert results[0] == results[1]
+    tokens = [{r: [ids for ids, _ in outs] for r, outs in res.items()} for res in results]
+    assert tokens[0] == tokens[1]
+    logprobs = [[lp.logprob for outs in res.values() for _, lps in outs for lp in lps]
+                for res in results]
+    assert logprobs[0] == pytest.approx(logprobs[1], rel=1e-5, abs=1e-5)
     assert len(results[0]) == 16 and all(sum(len(ids) for ids, _ in outs) == 6
                                          for outs in results[0].values())
 

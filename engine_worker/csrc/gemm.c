@@ -22,24 +22,24 @@
  * float32 in registers at up to DIRECT_MAX_ROWS rows, and above that expanded, NP
  * panels at a time, into a per-thread float32 buffer that stays in L2, on which the
  * float32 tiles run (x stays float32 on that path). rs_bf16_path says which one runs.
- * int8 panels (GGUF Q8_0's blocking: one float scale per 32 inputs
- * of an output feature) are computed with integer dot products, as llama.cpp does:
- * each row of x is quantized the same way (int8, a scale per 32 inputs), four int8
- * products at a time are summed into int32 lanes (AVX-512 VNNI's vpdpbusd, or
- * vpmaddubsw + vpmaddwd on AVX2; from 16 rows AMX's tdpbsud, one block of 32 inputs
- * per tile product; rs_int8_path says which), and each block's sum is scaled into
- * float32. The panel stores four consecutive inputs of an output together for that,
- * block by block: each block of 32 inputs is 8 groups of 16 outputs x 4 bytes, then
- * the block's 16 float scales (576 bytes; 1.125 bytes per weight), so a tile reads one
- * stream per panel, the scales beside the weights they scale (with the scales K/32 x 16
- * after the weights, a tile of NP panels read 2 NP streams; this layout measured 1.05x
- * at one row, 1.2x at 8 and 1.2-1.4x at 64 on an AVX2 Zen 3, results bit for bit the
- * same). Each weight byte holds w + 128 (0..255): vpdpbusd multiplies unsigned bytes
- * by signed ones, so x stays signed and a block's sum starts at -128 times the sum of
- * x's block instead of 0, which makes it exactly the signed one (one instruction per 4
- * products, where signed times signed takes three). Without VNNI, vpmaddubsw's 16-bit pair sums
- * would overflow with such bytes: there the weight is flipped back to signed and
- * multiplied as |x| times w with x's sign, as before.
+ * int8 panels (GGUF Q8_0's blocking: one float scale per 32 inputs of an output
+ * feature) are computed with integer dot products, as llama.cpp does: each row of x
+ * is quantized the same way (int8, a scale per 32 inputs), four int8 products at a
+ * time are summed into int32 lanes (AVX-512 VNNI's vpdpbusd, or vpmaddubsw + vpmaddwd
+ * on AVX2; from 16 rows AMX's tdpbsud, one block of 32 inputs per tile product, 4-bit
+ * weights too; rs_int8_path says which), and each block's sum is scaled into float32.
+ * The panel stores four consecutive inputs of an output together for that, block by
+ * block: each block of 32 inputs is 8 groups of 16 outputs x 4 bytes, then the
+ * block's 16 float scales (576 bytes; 1.125 bytes per weight), so a tile reads one
+ * stream per panel, the scales beside the weights they scale (with the scales K/32 x
+ * 16 after the weights, a tile of NP panels read 2 NP streams; this layout measured
+ * 1.05x at one row, 1.2x at 8 and 1.2-1.4x at 64 on an AVX2 Zen 3, results bit for
+ * bit the same). Each weight byte holds w + 128 (0..255): vpdpbusd multiplies
+ * unsigned bytes by signed ones, so x stays signed and a block's sum starts at -128
+ * times the sum of x's block instead of 0, which makes it exactly the signed one (one
+ * instruction per 4 products, where signed times signed takes three). Without VNNI,
+ * vpmaddubsw's 16-bit pair sums would overflow with such bytes: there the weight is
+ * flipped back to signed and multiplied as |x| times w with x's sign, as before.
  * 4-bit panels (GGUF Q4_0 and Q4_1, packed from the file's blocks as they are) hold,
  * block by block, 4 groups of 16 outputs x 4 bytes, each byte two weights (low nibble:
  * input t of the group, high: input t + 4), then the block's 16 half-precision scales d
@@ -787,64 +787,99 @@ static void amx_panels(const uint16_t *xb, int64_t M, int64_t K, const char *pac
 #endif
 
 #if AMX_INT8
-/* int8: 16 rows of x (int8, as quantize_rows makes them) times one block of a panel,
-   whose 8 groups of 4 inputs x 16 outputs (512 contiguous bytes) are a 32 x 16 tile as
-   they are stored, into 16 x 16 int32 sums (tdpbsud: signed x times unsigned w + 128),
-   one block of 32 inputs per product: each block has its own scales. Two blocks at a
-   time (tiles 0-1), so that one's product overlaps the other's scaling. The sums are
-   scaled into float32 as tile_int does, in the same order: the results are the VNNI
-   tiles' bit for bit. xq holds whole tiles of 16 rows (the rows after M are never
-   scaled); c: 2 x 256 int32 of scratch. */
+/* int8 and 4-bit weights: 16 rows of x (int8, as quantize_rows makes them) times one
+   block of a panel, a 32 x 16 tile of unsigned bytes, into 16 x 16 int32 sums
+   (tdpbsud: signed x times unsigned weights), one block of 32 inputs per product: each
+   block has its own scales. An int8 block's 8 groups of 4 inputs x 16 outputs (512
+   contiguous bytes, w + 128) are that tile as they are stored; a 4-bit block's 4 groups
+   of 8 inputs hold it in nibbles (a group's low nibbles are inputs 0-3 of its 8, its
+   high ones 4-7), spread into bytes first. Two blocks at a time (tiles 0-1), so that
+   the second's product runs while the first's sums are scaled. The sums are scaled into
+   float32 as tile_int does: int8's results are the VNNI tiles' bit for bit, 4-bit's
+   within a rounding (the compiler orders its two products' sum otherwise here). xq holds whole tiles of 16 rows (the rows after M are never scaled). c: 2 x 256
+   int32, then 2 x 512 bytes of scratch. */
 typedef int32_t vi32u __attribute__((vector_size(VL * 4), aligned(4)));
 
-/* acc += a block's int32 sums (c: 16 x 16), scaled: ROWS rows of x (their scales and
-   offsets every blocks-th of xs and xoff) against the block's 16 outputs. */
+/* acc += a block's int32 sums (c: 16 x 16), scaled: ROWS rows of x (their scales, and
+   int32 offsets (int8) or float sums (4-bit), every blocks-th of xs and xo) against the
+   block's 16 outputs. */
 static inline __attribute__((always_inline)) void
-amx_int8_scale(const int ROWS, vf *acc, const int32_t *c, const char *block,
-               const float *xs, const int32_t *xoff, int64_t blocks)
+amx_int_scale(const int ROWS, const int Q4, vf *acc, const int32_t *c, const char *block,
+              const float *xs, const int32_t *xo, int64_t blocks)
 {
-    const float *ws = (const float *)(block + Q8_WEIGHT_BYTES);
+    const char *scales = block + (Q4 ? Q4_WEIGHT_BYTES : Q8_WEIGHT_BYTES);
+    for (int v = 0; v < PV; v++) {
+        if (Q4) {
+            const uint16_t *dc = (const uint16_t *)scales + v * VL;
+            const vf d = halves_to_float(dc), cc = halves_to_float(dc + RS_PANEL);
+            const float *xsum = (const float *)(const void *)xo;
 #pragma GCC unroll 16
-    for (int m = 0; m < ROWS; m++)
-        for (int v = 0; v < PV; v++) {
-            /* the bytes hold w + 128: from -128 sum(x), w x's exactly */
-            const vi32u sums = *(const vi32u *)(c + 16 * m + VL * v) + xoff[m * blocks];
-            acc[m * PV + v] += __builtin_convertvector(sums, vf) *
-                               (*(const vf *)(ws + VL * v) * xs[m * blocks]);
+            for (int m = 0; m < ROWS; m++) {
+                const vi32u sums = *(const vi32u *)(c + 16 * m + VL * v);
+                acc[m * PV + v] += __builtin_convertvector(sums, vf) * (d * xs[m * blocks]) +
+                                   cc * xsum[m * blocks];
+            }
+        } else {
+            const vf ws = *(const vf *)((const float *)scales + VL * v);
+#pragma GCC unroll 16
+            for (int m = 0; m < ROWS; m++) {
+                /* the bytes hold w + 128: from -128 sum(x), w x's exactly */
+                const vi32u sums = *(const vi32u *)(c + 16 * m + VL * v) + xo[m * blocks];
+                acc[m * PV + v] += __builtin_convertvector(sums, vf) * (ws * xs[m * blocks]);
+            }
+        }
+    }
+}
+
+/* A 4-bit block's weights as the 32 x 16 byte tile tdpbsud takes (512 bytes at b). */
+static inline void amx_q4_bytes(const char *block, uint8_t *b)
+{
+    for (int g = 0; g < 4; g++)
+        for (int j = 0; j < 64; j += (int)sizeof(iv)) {
+            const iv raw = IV_LOAD(block + 64 * g + j), lo = IV_LO(raw), hi = IV_HI(raw);
+            memcpy(b + 128 * g + j, &lo, sizeof lo);
+            memcpy(b + 128 * g + 64 + j, &hi, sizeof hi);
         }
 }
 
 /* One tile of ROWS rows (16, or the rest; a constant, so that a whole tile's 16
    accumulators stay in registers) of x from xq (K per row) against one panel. */
 static inline __attribute__((always_inline)) void
-amx_int8_tile(const int ROWS, const int8_t *xq, const float *xs, const int32_t *xoff,
-              int64_t K, const char *panel, const float *bias, float *y, int64_t ldy,
-              int64_t n_left, int accumulate, int32_t *c)
+amx_int_tile(const int ROWS, const int Q4, const int8_t *xq, const float *xs,
+             const int32_t *xo, int64_t K, const char *panel, const float *bias, float *y,
+             int64_t ldy, int64_t n_left, int accumulate, int32_t *c)
 {
     const int64_t blocks = K / RS_INT8_BLOCK;
+    const int64_t block_bytes = Q4 ? Q4_BLOCK_BYTES : Q8_BLOCK_BYTES;
+    uint8_t *bytes = (uint8_t *)(c + 512);
     vf acc[16 * PV], out[16][NP_MAX * PV];   /* acc: small enough to stay in registers */
 #pragma GCC unroll 16
     for (int m = 0; m < 16 * PV; m++)
         acc[m] = (vf){0};
     for (int64_t b = 0; b < blocks; b += 2) {
         const int two = b + 1 < blocks;
-        const char *block = panel + b * Q8_BLOCK_BYTES;
+        const char *block = panel + b * block_bytes;
+        if (Q4) {
+            amx_q4_bytes(block, bytes);
+            if (two)
+                amx_q4_bytes(block + block_bytes, bytes + 512);
+        }
         _tile_zero(0);
         _tile_loadd(4, xq + b * RS_INT8_BLOCK, K);
-        _tile_loadd(6, block, 64);
+        _tile_loadd(6, Q4 ? (const void *)bytes : block, 64);
         _tile_dpbsud(0, 4, 6);
         if (two) {
             _tile_zero(1);
             _tile_loadd(5, xq + (b + 1) * RS_INT8_BLOCK, K);
-            _tile_loadd(7, block + Q8_BLOCK_BYTES, 64);
+            _tile_loadd(7, Q4 ? (const void *)(bytes + 512) : block + block_bytes, 64);
             _tile_dpbsud(1, 5, 7);
         }
         _tile_stored(0, c, 64);
-        amx_int8_scale(ROWS, acc, c, block, xs + b, xoff + b, blocks);
+        amx_int_scale(ROWS, Q4, acc, c, block, xs + b, xo + b, blocks);
         if (two) {   /* its product ran meanwhile */
             _tile_stored(1, c + 256, 64);
-            amx_int8_scale(ROWS, acc, c + 256, block + Q8_BLOCK_BYTES, xs + b + 1,
-                           xoff + b + 1, blocks);
+            amx_int_scale(ROWS, Q4, acc, c + 256, block + block_bytes, xs + b + 1,
+                          xo + b + 1, blocks);
         }
     }
 #pragma GCC unroll 16
@@ -854,11 +889,12 @@ amx_int8_tile(const int ROWS, const int8_t *xq, const float *xs, const int32_t *
     store_tile(ROWS, 1, out, bias, y, ldy, n_left, accumulate);
 }
 
-/* Panels [p_begin, p_end) for all M rows; xq holds whole tiles of 16 rows. */
-static void amx_int8_panels(const int8_t *xq, const float *xs, const int32_t *xoff,
-                            int64_t M, int64_t K, const char *packed, int64_t pb,
-                            int64_t p_begin, int64_t p_end, const float *bias, float *y,
-                            int64_t N, int accumulate, int32_t *c)
+/* Panels [p_begin, p_end) for all M rows, int8 (xo: x's offsets) or 4-bit (xo: x's
+   block sums); xq holds whole tiles of 16 rows. */
+static void amx_int_panels(const int Q4, const int8_t *xq, const float *xs, const void *xo,
+                           int64_t M, int64_t K, const char *packed, int64_t pb,
+                           int64_t p_begin, int64_t p_end, const float *bias, float *y,
+                           int64_t N, int accumulate, int32_t *c)
 {
     const int64_t blocks = K / RS_INT8_BLOCK;
     amx_configure(RS_INT8_BLOCK, RS_INT8_BLOCK / 4);
@@ -866,13 +902,17 @@ static void amx_int8_panels(const int8_t *xq, const float *xs, const int32_t *xo
         for (int64_t m0 = 0; m0 < M; m0 += 16) {
             const int64_t n0 = p * RS_PANEL, at = m0 * blocks;
             const float *bias_n = bias ? bias + n0 : NULL;
-            if (M - m0 >= 16)
-                amx_int8_tile(16, xq + m0 * K, xs + at, xoff + at, K, packed + p * pb,
-                              bias_n, y + m0 * N + n0, N, N - n0, accumulate, c);
+            const int32_t *xo_m = (const int32_t *)xo + at;
+            if (M - m0 >= 16 && Q4)
+                amx_int_tile(16, 1, xq + m0 * K, xs + at, xo_m, K, packed + p * pb, bias_n,
+                             y + m0 * N + n0, N, N - n0, accumulate, c);
+            else if (M - m0 >= 16)
+                amx_int_tile(16, 0, xq + m0 * K, xs + at, xo_m, K, packed + p * pb, bias_n,
+                             y + m0 * N + n0, N, N - n0, accumulate, c);
             else
-                amx_int8_tile((int)(M - m0), xq + m0 * K, xs + at, xoff + at, K,
-                              packed + p * pb, bias_n, y + m0 * N + n0, N, N - n0,
-                              accumulate, c);
+                amx_int_tile((int)(M - m0), Q4, xq + m0 * K, xs + at, xo_m, K,
+                             packed + p * pb, bias_n, y + m0 * N + n0, N, N - n0,
+                             accumulate, c);
         }
     _tile_release();
 }
@@ -887,20 +927,25 @@ static int amx_status = 0;
 
 /* Whether the AMX paths give what the others give on a small layer of 17 rows (a whole
    tile and one row of another; 40 outputs: a partial panel): int8 the same floats,
-   bfloat16 within float32 rounding (its sums go in another order). Run once, at load:
+   4-bit and bfloat16 within float32 rounding (their float sums go in another order). Run once, at load:
    a CPU, kernel or virtual machine that mishandles the tiles costs speed, not answers. */
 static int amx_agrees(void)
 {
     enum { M = 17, N = 40, K = 96 };
     static float x[M * K], w[N * K], want[M * N], got[M * N];
     uint32_t r = 12345;   /* values in [-1, 1) */
-    for (int i = 0; i < M * K; i++)
-        x[i] = (float)((int32_t)((r = r * 1664525u + 1013904223u) >> 8) - (1 << 23)) / (1 << 23);
-    for (int i = 0; i < N * K; i++)
-        w[i] = (float)((int32_t)((r = r * 1664525u + 1013904223u) >> 8) - (1 << 23)) / (1 << 23);
-    const int formats[2] = {AMX_INT8 ? RS_INT8 : -1, AMX_BF16 ? RS_BF16 : -1};
+    for (int i = 0; i < M * K + N * K; i++) {
+        r = r * 1664525u + 1013904223u;
+        const float v = (float)((int32_t)(r >> 8) - (1 << 23)) / (1 << 23);
+        if (i < M * K)
+            x[i] = v;
+        else
+            w[i - M * K] = v;
+    }
+    const int formats[3] = {AMX_INT8 ? RS_INT8 : -1, AMX_INT8 ? RS_Q4 : -1,
+                            AMX_BF16 ? RS_BF16 : -1};
     int agrees = 1;
-    for (int f = 0; f < 2 && agrees; f++) {
+    for (int f = 0; f < 3 && agrees; f++) {
         if (formats[f] < 0)
             continue;
         void *packed = aligned_alloc(64, (rs_packed_bytes(N, K, formats[f]) + 63) / 64 * 64);
@@ -911,7 +956,8 @@ static int amx_agrees(void)
         }
         for (int i = 0; i < M * N && agrees; i++)
             agrees = formats[f] == RS_INT8 ? got[i] == want[i]
-                                           : fabsf(got[i] - want[i]) <= 1e-4f * K;
+                   : formats[f] == RS_Q4 ? fabsf(got[i] - want[i]) <= 1e-5f * (fabsf(want[i]) + 1)
+                   : fabsf(got[i] - want[i]) <= 1e-4f * K;
         free(packed);
     }
     return agrees;
@@ -960,8 +1006,9 @@ int rs_bf16_path(void)
     return BF16_DOT;
 }
 
-/* How int8 weights are multiplied: 2 AMX tiles (from AMX_MIN_ROWS rows; VNNI below),
-   1 VNNI's byte dot products (vpdpbusd), 0 without them (vpmaddubsw, or lane by lane). */
+/* How int8 and 4-bit weights are multiplied: 2 AMX tiles (from AMX_MIN_ROWS rows; VNNI
+   below), 1 VNNI's byte dot products (vpdpbusd), 0 without them (vpmaddubsw, or lane by
+   lane). */
 int rs_int8_path(void)
 {
 #if AMX_INT8
@@ -1156,7 +1203,7 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
     const int amx = 0;
 #endif
 #if AMX_INT8
-    const int amx8 = format == RS_INT8 && amx_usable && M >= AMX_MIN_ROWS;
+    const int amx8 = int8 && amx_usable && M >= AMX_MIN_ROWS;   /* int8 and 4-bit */
 #else
     const int amx8 = 0;
 #endif
@@ -1168,7 +1215,7 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
     if (expand)
         bytes = NP_MAX * K * RS_PANEL * 4;
     else if (int8)   /* xq, xs, and xsum (4-bit) or xoff (int8); AMX's block sums */
-        bytes = Mp * K + M * (K / RS_INT8_BLOCK) * 4 * 2 + (amx8 ? 2 * 256 * 4 : 0);
+        bytes = Mp * K + M * (K / RS_INT8_BLOCK) * 4 * 2 + (amx8 ? 2 * 256 * 4 + 1024 : 0);
     else if (dot || amx)
         bytes = Mp * K * 2 + (amx ? 4 * 256 * 4 : 0);
     void *buf = bytes ? thread_buffer(bytes) : NULL;
@@ -1209,8 +1256,9 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
 #endif
 #if AMX_INT8
         if (amx8 && !failed) {
-            amx_int8_panels(xq, xs, xoff, M, K, packed, pb, p_begin, p_end, bias, y, N,
-                            accumulate, xoff + M * (K / RS_INT8_BLOCK));
+            amx_int_panels(q4, xq, xs, q4 ? (const void *)xsum : xoff, M, K, packed, pb,
+                           p_begin, p_end, bias, y, N, accumulate,
+                           (int32_t *)(xs + 2 * M * (K / RS_INT8_BLOCK)));
             continue;
         }
 #endif
