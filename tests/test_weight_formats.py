@@ -79,7 +79,7 @@ def test_int8_takes_the_best_products_this_cpu_has():
     assert kernels._build_and_load(ISAS["amx-built"]).int8_path == best
     if "amx_int8" not in flags:
         pytest.skip("this CPU has no AMX: its int8 tiles were built and fell back, not run "
-                    "(test_int8_amx_tiles_give_the_vnni_tiles_results_bit_for_bit runs them "
+                    "(test_amx_integer_tiles_give_the_vnni_tiles_results runs them "
                     "emulated)")
 
 
@@ -96,7 +96,7 @@ def amx_and_vnni_builds():
 
 @pytest.mark.parametrize("fmt", ["int8", "q4"])
 @pytest.mark.parametrize("n,k", [(1, 32), (17, 64), (50, 96), (130, 576), (40, 1536)])
-def test_int8_amx_tiles_give_the_vnni_tiles_results_bit_for_bit(n, k, fmt):
+def test_amx_integer_tiles_give_the_vnni_tiles_results(n, k, fmt):
     """From 16 rows int8 and 4-bit products run on AMX tiles (a block of 32 inputs per
     product, odd and even block counts; 4-bit nibbles spread into bytes first), scaled
     as the VNNI tiles scale them: int8 the same floats, 4-bit within a float32 rounding
@@ -148,7 +148,7 @@ def test_amx_tiles_that_disagree_at_load_are_not_used(caplog):
 
 
 @pytest.mark.parametrize("fmt", ["int8", "q4"])
-def test_the_engine_on_amx_int8_tiles_gives_the_vnni_engines_tokens_and_logprobs(
+def test_the_engine_on_amx_integer_tiles_gives_the_vnni_engines_tokens_and_logprobs(
         tiny_llama_dir, fmt):
     """The fused forward with AMX's integer tiles (its threads each configure their own
     tiles), prompts and 16-sequence decode steps: the VNNI engine's tokens, and its
