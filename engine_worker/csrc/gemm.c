@@ -788,16 +788,17 @@ static void amx_panels(const uint16_t *xb, int64_t M, int64_t K, const char *pac
 
 #if AMX_INT8
 /* int8 and 4-bit weights: 16 rows of x (int8, as quantize_rows makes them) times one
-   block of a panel, a 32 x 16 tile of unsigned bytes, into 16 x 16 int32 sums
-   (tdpbsud: signed x times unsigned weights), one block of 32 inputs per product: each
-   block has its own scales. An int8 block's 8 groups of 4 inputs x 16 outputs (512
-   contiguous bytes, w + 128) are that tile as they are stored; a 4-bit block's 4 groups
-   of 8 inputs hold it in nibbles (a group's low nibbles are inputs 0-3 of its 8, its
-   high ones 4-7), spread into bytes first. Two blocks at a time (tiles 0-1), so that
-   the second's product runs while the first's sums are scaled. The sums are scaled into
+   block of a panel, a 32 x 16 tile of unsigned bytes, into 16 x 16 int32 sums (tdpbsud:
+   signed x times unsigned weights), one block of 32 inputs per product: each block has
+   its own scales. An int8 block's 8 groups of 4 inputs x 16 outputs (512 contiguous
+   bytes, w + 128) are that tile as they are stored; a 4-bit block's 4 groups of 8
+   inputs hold it in nibbles (a group's low nibbles are inputs 0-3 of its 8, its high
+   ones 4-7), spread into bytes first. Two blocks at a time (tiles 0-1), so that the
+   second's product runs while the first's sums are scaled. The sums are scaled into
    float32 as tile_int does: int8's results are the VNNI tiles' bit for bit, 4-bit's
-   within a rounding (the compiler orders its two products' sum otherwise here). xq holds whole tiles of 16 rows (the rows after M are never scaled). c: 2 x 256
-   int32, then 2 x 512 bytes of scratch. */
+   within a rounding (the compiler orders its two products' sum otherwise here). xq
+   holds whole tiles of 16 rows (the rows after M are never scaled). c: 2 x 256 int32,
+   then 2 x 512 bytes of scratch. */
 typedef int32_t vi32u __attribute__((vector_size(VL * 4), aligned(4)));
 
 /* acc += a block's int32 sums (c: 16 x 16), scaled: ROWS rows of x (their scales, and
