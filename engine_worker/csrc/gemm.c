@@ -54,6 +54,7 @@
  */
 #include <immintrin.h>
 #include <math.h>
+#include <pthread.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #include <stdint.h>
@@ -933,7 +934,7 @@ static int amx_status = 0;
 static int amx_agrees(void)
 {
     enum { M = 17, N = 40, K = 96 };
-    static float x[M * K], w[N * K], want[M * N], got[M * N];
+    float x[M * K], w[N * K], want[M * N], got[M * N];
     uint32_t r = 12345;   /* values in [-1, 1) */
     for (int i = 0; i < M * K + N * K; i++) {
         r = r * 1664525u + 1013904223u;
@@ -969,9 +970,9 @@ static int amx_agrees(void)
    and checks the tiles. Returns rs_bf16_path(). Call once, before the first linear
    layer. */
 int rs_bf16_path(void);
-int rs_init(void)
-{
 #if AMX_TILES
+static void amx_init(void)
+{
 #ifdef RS_AMX_EMULATE
     amx_usable = 1;
 #else
@@ -982,6 +983,14 @@ int rs_init(void)
     if (amx_usable && (AMX_INT8 || AMX_BF16))
         amx_status = amx_agrees() ? 1 : -1;
     amx_usable = amx_status == 1;
+}
+#endif
+
+int rs_init(void)
+{
+#if AMX_TILES
+    static pthread_once_t once = PTHREAD_ONCE_INIT;   /* loading twice checks once */
+    pthread_once(&once, amx_init);
 #endif
     return rs_bf16_path();
 }
