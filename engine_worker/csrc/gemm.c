@@ -443,10 +443,11 @@ tile(const int MR, const int NP, const int FORMAT, const float *x, int64_t ldx,
 /* Byte dot products, 4 at a time into each int32 lane, for lanes of 4 bytes (x: one
    row's 4 inputs, broadcast): dot4u takes unsigned bytes times signed ones (weights
    as stored, times x: what vpdpbusd and vpmaddubsw multiply); dot4 signed times
-   signed, as |x| times w with x's sign. U8_EXACT: dot4u is exact for any unsigned
-   byte (VNNI, portable); without it (vpmaddubsw's saturating 16-bit pair sums) only
-   for small ones (4-bit weights), and int8 weights are flipped back to signed
-   (IV_SIGNED) for dot4. IV_LO, IV_HI: the low and high nibbles of each byte. */
+   signed, as |x| times w with x's sign. VNNI: dot4u is vpdpbusd. U8_EXACT: dot4u is
+   exact for any unsigned byte (VNNI, portable); without it (vpmaddubsw's saturating
+   16-bit pair sums) only for small ones (4-bit weights), and int8 weights are flipped
+   back to signed (IV_SIGNED) for dot4. IV_LO, IV_HI: the low and high nibbles of each
+   byte. */
 #if defined(__AVX512BW__)
 typedef __m512i iv;
 #define IV_ZERO _mm512_setzero_si512()
@@ -457,10 +458,11 @@ typedef __m512i iv;
 #define IV_HI(w) _mm512_and_si512(_mm512_srli_epi16(w, 4), _mm512_set1_epi8(15))
 #define IV_SIGNED(w) _mm512_xor_si512(w, _mm512_set1_epi8(-128))
 #if defined(__AVX512VNNI__)
-#define U8_EXACT 1
+#define VNNI 1
 #else
-#define U8_EXACT 0
+#define VNNI 0
 #endif
+#define U8_EXACT VNNI
 static inline iv dot4u(iv acc, iv u, iv s)
 {
 #if defined(__AVX512VNNI__)
@@ -485,10 +487,11 @@ typedef __m256i iv;
 #define IV_HI(w) _mm256_and_si256(_mm256_srli_epi16(w, 4), _mm256_set1_epi8(15))
 #define IV_SIGNED(w) _mm256_xor_si256(w, _mm256_set1_epi8(-128))
 #if defined(__AVXVNNI__)
-#define U8_EXACT 1
+#define VNNI 1
 #else
-#define U8_EXACT 0
+#define VNNI 0
 #endif
+#define U8_EXACT VNNI
 static inline iv dot4u(iv acc, iv u, iv s)
 {
 #if defined(__AVXVNNI__)
@@ -518,6 +521,7 @@ static inline iv IV_BROADCAST(const void *p)
 #define IV_LO(w) ((iv)((iv8u)(w) & 15))
 #define IV_HI(w) ((iv)((iv8u)(w) >> 4))
 #define IV_SIGNED(w) ((iv)((iv8u)(w) ^ 0x80))
+#define VNNI 0
 #define U8_EXACT 1
 /* Bytes of a times bytes of b, unsigned or signed as a_unsigned says; b signed. */
 static inline iv dot4_bytes(iv acc, iv a, iv b, int a_unsigned)
@@ -1025,12 +1029,7 @@ int rs_int8_path(void)
     if (amx_usable)
         return 2;
 #endif
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) || \
-    defined(__AVXVNNI__) && defined(__AVX2__) && !defined(__AVX512F__)
-    return 1;
-#else
-    return 0;
-#endif
+    return VNNI;
 }
 
 /* Rows of x quantized as int8 weights are: a scale per 32 inputs (amax / 127); with
