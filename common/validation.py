@@ -38,13 +38,13 @@ def checked_prompt(prompt_token_ids: Sequence[int], params: SamplingParams, voca
     for name, ids in params.token_id_fields():
         check_token_ids(ids, vocab_size, name)
     n = len(prompt)
+    if n >= max_model_len:
+        raise ContextLengthError(
+            f"this model's maximum context length is {max_model_len} tokens, but the prompt "
+            f"has {n} tokens, leaving no room to generate", "prompt")
     if params.max_tokens is not None and n + params.max_tokens > max_model_len:
         raise ContextLengthError(
             f"this model's maximum context length is {max_model_len} tokens, but the prompt "
             f"has {n} tokens and max_tokens is {params.max_tokens} "
             f"({n + params.max_tokens} in total)", "max_tokens")
-    if n >= max_model_len:
-        raise ContextLengthError(
-            f"this model's maximum context length is {max_model_len} tokens, but the prompt "
-            f"has {n} tokens, leaving no room to generate", "prompt")
     return prompt

@@ -51,13 +51,26 @@ class Inputs:
     num_logprobs: Optional[int]
     add_generation_prompt: bool = True
     tools: Optional[list[dict]] = None
+    # max_tokens is the endpoint's default (completions: 16), not the client's: where
+    # the prompt leaves less room in the context, it is that room rather than a 400.
+    default_max_tokens: bool = False
 
     @classmethod
     def of(cls, body) -> "Inputs":
         if isinstance(body, ChatCompletionRequest):
             return cls([], [chat_message(m) for m in body.messages], body.max_new_tokens(),
                        body.num_logprobs(), body.add_generation_prompt, tool_dicts(body.tools))
-        return cls(body.prompts(), None, body.max_tokens, body.logprobs)
+        return cls(body.prompts(), None, body.max_tokens, body.logprobs,
+                   default_max_tokens="max_tokens" not in body.model_fields_set)
+
+    def max_tokens_for(self, prompt_ids: list[int], truncate: Optional[int],
+                       max_model_len: int) -> Optional[int]:
+        """max_tokens for one prompt (as the engine will see it: truncated if asked)."""
+        if not self.default_max_tokens or self.max_tokens is None:
+            return self.max_tokens
+        n = len(prompt_ids) if truncate is None else min(len(prompt_ids), truncate)
+        room = max_model_len - n
+        return room if 0 < room < self.max_tokens else self.max_tokens
 
 
 def chat_message(m: ChatMessageParam) -> ChatMessage:
@@ -140,10 +153,11 @@ class InputProcessor:
         num_logprobs = inputs.num_logprobs
         engine_logprobs = num_logprobs if job.n == body.n else (num_logprobs or 0)
         for p, prompt_ids in enumerate(job.prompts):
+            max_tokens = inputs.max_tokens_for(prompt_ids, body.truncate_prompt_tokens,
+                                               ready.max_model_len)
             for j in range(job.n):
                 index = p * job.n + j
-                params = body.sampling_params(inputs.max_tokens, engine_logprobs, j,
-                                              **constraints)
+                params = body.sampling_params(max_tokens, engine_logprobs, j, **constraints)
                 prompt_ids = self._validate(prompt_ids, params, ready)
                 job.params.append(params)
                 job.choices.append(Choice(

@@ -248,6 +248,17 @@ class ChatMessageParam(BaseModel):
     tool_calls: Optional[list[ToolCallParam]] = None
     tool_call_id: Optional[str] = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value):
+        # Named here: the union's own error would say only that it is not a string.
+        for i, part in enumerate(value if isinstance(value, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(f"content part {i} has type {kind!r}; this model takes "
+                                 f"text only (parts of type 'text')")
+        return value
+
     def text(self) -> str:
         if self.content is None:
             return ""

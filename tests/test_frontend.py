@@ -332,6 +332,30 @@ def test_invalid_requests_get_400_shaped_like_openai(stack, body, param, fragmen
         assert fragment in error["message"]
 
 
+def test_the_default_max_tokens_fits_the_room_a_long_prompt_leaves(stack):
+    # Completions default to 16 tokens; a client that did not ask for 16 gets what
+    # the context holds (here 2 of 512) rather than a 400. One that asked gets the 400.
+    prompt = [5] * 510
+    for stream in (False, True):
+        r = complete(stack["url"], prompt=prompt, stream=stream, ignore_eos=True,
+                     stream_options={"include_usage": True} if stream else None)
+        assert r.status_code == 200, r.text
+        if stream:
+            events = sse_events(r)
+            finish = [e["choices"][0]["finish_reason"] for e in events[:-1] if e["choices"]][-1]
+            usage = events[-2]["usage"]
+        else:
+            finish, usage = r.json()["choices"][0]["finish_reason"], r.json()["usage"]
+        assert finish == "length"
+        assert usage["prompt_tokens"] == 510 and usage["completion_tokens"] == 2
+    r = complete(stack["url"], prompt=[5] * 600, truncate_prompt_tokens=500, ignore_eos=True)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 12
+    r = complete(stack["url"], prompt=prompt, max_tokens=16)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    r = complete(stack["url"], prompt=[5] * 512)
+    assert r.status_code == 400 and "leaving no room" in r.json()["error"]["message"]
+
+
 def test_an_unknown_model_is_404_like_openai(stack):
     for stream in (False, True):
         r = complete(stack["url"], prompt="x", model="gpt-4", stream=stream)
@@ -353,6 +377,13 @@ def test_malformed_json_and_chat_errors(stack):
     r = httpx.post(stack["url"] + "/v1/chat/completions", timeout=30, json={
         "model": "tiny-llama", "messages": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = httpx.post(stack["url"] + "/v1/chat/completions", timeout=30, json={
+        "model": "tiny-llama", "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "what is it?"},
+            {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "messages.0.content"
+    assert "part 1 has type 'image_url'" in error["message"] and "text only" in error["message"]
     r = httpx.get(stack["url"] + "/v1/nowhere", timeout=30)
     assert r.status_code == 404 and "error" in r.json()
 
