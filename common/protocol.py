@@ -270,7 +270,7 @@ class MessageType(enum.IntEnum):
 # two ends of a connection refuse each other when theirs differ (an older peer would
 # silently drop fields a newer one sends). A peer whose messages lack the field is
 # version 0.
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 
 
 def version_mismatch(peer: str, theirs: int) -> Optional[str]:
@@ -453,6 +453,8 @@ class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
     messages: Optional[list[ChatMessage]] = None
     # Chat: end the rendered text with the assistant's turn header.
     add_generation_prompt: bool = True
+    # Chat: leave the last message (an assistant's) open, for the model to go on with.
+    continue_final_message: bool = False
     # Chat: the tools the request offers (OpenAI's shape), for templates that show them.
     tools: Optional[list[dict]] = None
     # Plain text: add the tokenizer's special tokens (e.g. BOS) around it.

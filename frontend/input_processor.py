@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 from common.config import FrontendConfig
@@ -49,7 +49,7 @@ class Inputs:
     messages: Optional[list[ChatMessage]]  # chat
     max_tokens: Optional[int]
     num_logprobs: Optional[int]
-    add_generation_prompt: bool = True
+    template: dict = field(default_factory=dict)  # chat: template_options
     tools: Optional[list[dict]] = None
     # max_tokens is the endpoint's default (completions: 16), not the client's: where
     # the prompt leaves less room in the context, it is that room rather than a 400.
@@ -59,7 +59,7 @@ class Inputs:
     def of(cls, body) -> "Inputs":
         if isinstance(body, ChatCompletionRequest):
             return cls([], [chat_message(m) for m in body.messages], body.max_new_tokens(),
-                       body.num_logprobs(), body.add_generation_prompt, tool_dicts(body.tools))
+                       body.num_logprobs(), template_options(body), tool_dicts(body.tools))
         return cls(body.prompts(), None, body.max_tokens, body.logprobs,
                    default_max_tokens="max_tokens" not in body.model_fields_set)
 
@@ -71,6 +71,24 @@ class Inputs:
         n = len(prompt_ids) if truncate is None else min(len(prompt_ids), truncate)
         room = max_model_len - n
         return room if 0 < room < self.max_tokens else self.max_tokens
+
+
+def template_options(body) -> dict:
+    """How the chat template ends a chat or /tokenize body's messages: with the
+    assistant's turn header (add_generation_prompt), or inside the last message, an
+    assistant's, left open (continue_final_message). Raises APIError (400)."""
+    if not body.continue_final_message:
+        return {"add_generation_prompt": body.add_generation_prompt}
+    if "add_generation_prompt" in body.model_fields_set and body.add_generation_prompt:
+        raise APIError(400, "continue_final_message goes on with the last message; it "
+                            "cannot be combined with add_generation_prompt true",
+                       param="continue_final_message")
+    role = body.messages[-1].role
+    if role != "assistant":
+        raise APIError(400, f"continue_final_message needs the last message to be the "
+                            f"assistant's; it is a {role} message",
+                       param="continue_final_message")
+    return {"add_generation_prompt": False, "continue_final_message": True}
 
 
 def chat_message(m: ChatMessageParam) -> ChatMessage:
@@ -233,7 +251,7 @@ class InputProcessor:
     async def _tokenize_texts(self, inputs: Inputs) -> tuple[list[list[int]], float]:
         if inputs.messages is not None:
             result = await self.call_tokenizer(
-                messages=inputs.messages, add_generation_prompt=inputs.add_generation_prompt,
+                messages=inputs.messages, **inputs.template,
                 tools=inputs.tools)
             return [list(result.prompt_token_ids)], result.tokenize_ms
         texts = [p for p in inputs.prompts if isinstance(p, str)]

@@ -299,6 +299,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
+    # vLLM's: the last message, an assistant's, is left open and the model goes on
+    # with its text (frontend/input_processor.py: template_options).
+    continue_final_message: bool = False
     tools: Optional[list[ToolParam]] = Field(None, max_length=128)
     # Default: "auto" when there are tools, "none" when there are none.
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
@@ -340,6 +343,7 @@ class TokenizeBody(BaseModel):
     # Plain prompts: the tokenizer's special tokens (e.g. BOS), default on.
     add_special_tokens: Optional[bool] = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     tools: Optional[list[ToolParam]] = None
     return_token_strs: bool = False
 

@@ -26,7 +26,7 @@ from common.errors import InvalidRequestError
 from common.validation import check_token_ids
 from common.version import __version__
 from frontend.errors import APIError, from_validation_error
-from frontend.input_processor import chat_message, tool_dicts
+from frontend.input_processor import chat_message, template_options, tool_dicts
 from frontend.job import Job
 from frontend.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeBody,
                                       TokenizeBody)
@@ -217,7 +217,7 @@ async def tokenize(request: Request) -> Response:
     kw: dict[str, Any] = {}
     if body.messages is not None:
         kw["messages"] = [chat_message(m) for m in body.messages]
-        kw["add_generation_prompt"] = body.add_generation_prompt
+        kw.update(template_options(body))
         kw["tools"] = tool_dicts(body.tools)
     else:
         kw["prompt"] = body.prompt

@@ -1,7 +1,7 @@
 """The API fields and endpoints clients of vLLM and OpenAI rely on, end to end on the
 tiny model: logit_bias, allowed_token_ids, bad_words, include_stop_str_in_output,
-echo, best_of, stop_reason, /tokenize, /detokenize, /version, /v1/models/{id} and
-model name aliases."""
+echo, best_of, stop_reason, continue_final_message, /tokenize, /detokenize, /version,
+/v1/models/{id} and model name aliases."""
 
 from __future__ import annotations
 
@@ -124,6 +124,35 @@ def test_tokenize_and_detokenize(url):
             ("/detokenize", {"tokens": "x"}, 400, "tokens")):
         r = httpx.post(url + path, json=body)
         assert (r.status_code, r.json()["error"]["param"]) == (status, param), (path, body)
+
+
+def test_continue_final_message_goes_on_with_the_assistants_text(url):
+    # The tests' chat template: "<|role|>\ncontent\n" per message, then "<|assistant|>\n".
+    messages = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "1, 2,"}]
+    opened = httpx.post(url + "/tokenize", json={"messages": messages,
+                                                 "continue_final_message": True}).json()
+    text = "<|user|>\nCount\n<|assistant|>\n1, 2,"   # the message left open: no "\n"
+    assert opened["tokens"] == httpx.post(url + "/tokenize", json={"prompt": text}).json()["tokens"]
+    closed = httpx.post(url + "/tokenize", json={"messages": messages,
+                                                 "add_generation_prompt": False}).json()
+    assert closed["tokens"] != opened["tokens"]
+    chat = post(url, "/v1/chat/completions", messages=messages, continue_final_message=True,
+                max_tokens=8, temperature=0, ignore_eos=True, return_token_ids=True)
+    assert chat.status_code == 200, chat.text
+    chat = chat.json()
+    assert chat["choices"][0]["prompt_token_ids"] == opened["tokens"]
+    same = greedy(url, prompt=opened["tokens"], n_tokens=8)
+    assert chat["choices"][0]["token_ids"] == same["token_ids"]
+    assert chat["choices"][0]["message"]["content"] == same["text"]
+    for path, extra in (("/v1/chat/completions", {"max_tokens": 2}), ("/tokenize", {})):
+        for body, fragment in (
+                ({"messages": messages[:1]}, "it is a user message"),
+                ({"messages": messages, "add_generation_prompt": True},
+                 "cannot be combined with add_generation_prompt true")):
+            r = post(url, path, continue_final_message=True, **body, **extra)
+            error = r.json()["error"]
+            assert r.status_code == 400 and error["param"] == "continue_final_message", r.text
+            assert fragment in error["message"]
 
 
 def test_version_models_and_aliases(url):

@@ -40,6 +40,7 @@ class TokenizerClient(ServiceClient):
     async def tokenize(self, prompt: Optional[str] = None,
                        messages: Optional[list[ChatMessage]] = None, *,
                        add_generation_prompt: bool = True,
+                       continue_final_message: bool = False,
                        add_special_tokens: bool = True,
                        tools: Optional[list[dict]] = None) -> TokenizeResult:
         """Token ids for a prompt or chat messages. Raises TokenizeFailed (the input's
@@ -52,6 +53,7 @@ class TokenizerClient(ServiceClient):
             self._send(TokenizeRequest(
                 request_id=request_id, prompt=prompt, messages=messages,
                 add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
                 add_special_tokens=add_special_tokens, tools=tools))
             return await future
         finally:

@@ -37,7 +37,8 @@ class PromptTokenizer:
         try:
             return self.tokenizer.apply_chat_template(
                 messages, tools=request.tools, tokenize=False,
-                add_generation_prompt=request.add_generation_prompt)
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message)
         except Exception as e:  # jinja raises for what the template rejects
             raise ValueError(f"the chat template rejected these messages: {e}") from None
 
