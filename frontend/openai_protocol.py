@@ -83,7 +83,8 @@ class _SamplingFields(BaseModel):
     logit_bias: Optional[dict[str, float]] = None
     response_format: Optional[ResponseFormat] = None
     # Extensions.
-    top_k: Optional[Count] = None
+    # vLLM's -1 and 0 (every token), as its clients send them, are no top-k.
+    top_k: Optional[Annotated[int, Field(ge=-1, le=MAX_INT)]] = None
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     min_tokens: int = Field(0, ge=0, le=MAX_INT)
@@ -163,7 +164,7 @@ class _SamplingFields(BaseModel):
             seed -= 2**64  # wraps, still distinct per choice
         return SamplingParams(
             max_tokens=max_tokens, min_tokens=self.min_tokens, temperature=self.temperature,
-            top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+            top_k=self.top_k if self.top_k and self.top_k > 0 else None, top_p=self.top_p, min_p=self.min_p,
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=seed,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,

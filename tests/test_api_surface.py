@@ -41,6 +41,18 @@ def test_logit_bias_forces_and_bans(url):
     assert banned[0] != plain[0] and plain[0] not in banned
 
 
+def test_top_k_minus_one_and_zero_take_every_token_as_in_vllm(url):
+    reference = post(url, prompt="The sky is", max_tokens=6, temperature=1.0, seed=7,
+                     ignore_eos=True).json()["choices"][0]["text"]
+    for top_k in (-1, 0):
+        r = post(url, prompt="The sky is", max_tokens=6, temperature=1.0, seed=7,
+                 ignore_eos=True, top_k=top_k)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == reference
+    r = post(url, prompt="x", top_k=-2)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_k"
+
+
 def test_allowed_token_ids_limit_every_sample(url):
     allowed = [11, 290, 1000, 5000]
     r = post(url, prompt="Hello", max_tokens=30, temperature=1.0, seed=3, ignore_eos=True,
