@@ -250,9 +250,8 @@ class InputProcessor:
 
     async def _tokenize_texts(self, inputs: Inputs) -> tuple[list[list[int]], float]:
         if inputs.messages is not None:
-            result = await self.call_tokenizer(
-                messages=inputs.messages, **inputs.template,
-                tools=inputs.tools)
+            result = await self.call_tokenizer(messages=inputs.messages, tools=inputs.tools,
+                                               **inputs.template)
             return [list(result.prompt_token_ids)], result.tokenize_ms
         texts = [p for p in inputs.prompts if isinstance(p, str)]
         results = await asyncio.gather(*[self.call_tokenizer(prompt=t) for t in texts])

@@ -164,7 +164,8 @@ class _SamplingFields(BaseModel):
             seed -= 2**64  # wraps, still distinct per choice
         return SamplingParams(
             max_tokens=max_tokens, min_tokens=self.min_tokens, temperature=self.temperature,
-            top_k=self.top_k if self.top_k and self.top_k > 0 else None, top_p=self.top_p, min_p=self.min_p,
+            top_k=self.top_k if self.top_k and self.top_k > 0 else None,
+            top_p=self.top_p, min_p=self.min_p,
             repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, seed=seed,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
