@@ -25,6 +25,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #include "kernels.h"
 
@@ -64,8 +67,19 @@ static inline void prefetch_row(const char *row, int64_t bytes)
 static inline vfl kv_vec(const char *row, int64_t i, int kv_type)
 {
     if (kv_type == RS_KV_BF16) {
+        /* One zero-extending load. GCC lowers the generic conversion below to two
+           half-width ones and an insert: decode attention over a bfloat16 cache
+           measured 1.27-1.34x slower with it (AVX-512, Zen 5). */
+#if defined(__AVX512F__)
+        return (vfl)_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)row + i)), 16);
+#elif defined(__AVX2__)
+        return (vfl)_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)row + i)), 16);
+#else
         const rs_vi w = __builtin_convertvector(((const rs_vh *)row)[i], rs_vi) << 16;
         return (vfl)w;
+#endif
     }
     return ((const vfl *)row)[i];
 }
