@@ -53,10 +53,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "--gpu-memory-utilization leaves after the weights, a profiled "
                         "step and the CUDA graphs)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="auto: the dtype the model computes in (float32 on CPU, the model's "
-                        "dtype on CUDA); bfloat16 on the CPU: half the KV bytes to hold and "
-                        "read, keys and values rounded to bfloat16 (as llama.cpp's default "
-                        "f16 cache)")
+                   help="auto: the model's dtype on CUDA; on the CPU float32 with float32 "
+                        "weights, else bfloat16. bfloat16 on the CPU: half the KV bytes to "
+                        "hold and read, keys and values rounded to bfloat16 (as llama.cpp's "
+                        "default f16 cache)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="CUDA: share of the GPU's total memory the engine may use")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],

@@ -77,7 +77,7 @@ class ModelRunner:
             raise ValueError(f"{gguf_path.name} is served as it is: --quantization and "
                              f"--dtype (other than auto or float32) do not apply to it")
         # On the CPU kernels, bfloat16 and int8 are formats of the packed weights;
-        # activations stay float32 (and the KV cache, unless --kv-cache-dtype says).
+        # activations stay float32 (the KV cache: _auto_kv_dtype).
         self.weight_format = str(dtype).removeprefix("torch.")
         if kernels is not None:
             self.weight_format = config.quantization or (
@@ -87,9 +87,9 @@ class ModelRunner:
             raise ValueError(f"{config.quantization} weights need the CPU C kernels (--device "
                              f"cpu, a C compiler, not --no-cpu-kernels)")
         self.dtype = dtype
-        self.kv_dtype = dtype if cache.kv_cache_dtype == "auto" else getattr(
+        self.kv_dtype = None if cache.kv_cache_dtype == "auto" else getattr(
             torch, cache.kv_cache_dtype)
-        if self.kv_dtype != dtype and device.type != "cpu":
+        if self.kv_dtype not in (None, dtype) and device.type != "cpu":
             raise ValueError(f"--kv-cache-dtype {cache.kv_cache_dtype}: on {device.type} the KV "
                              f"cache is kept in the dtype the model computes in "
                              f"({str(dtype).removeprefix('torch.')}); use auto")
@@ -105,6 +105,8 @@ class ModelRunner:
             self.weight_format = Counter(
                 m.fmt for m in self.model.modules() if isinstance(m, PackedLinear)
             ).most_common(1)[0][0]
+        if self.kv_dtype is None:
+            self.kv_dtype = self._auto_kv_dtype(kernels, dtype)
         products = kernels.products(self.weight_format) if kernels is not None else None
         if products is not None:
             logger.info("weights: %s, products: %s", self.weight_format, products)
@@ -141,6 +143,18 @@ class ModelRunner:
         logger.info("KV cache: %d blocks x %d tokens, %s (%.0f MiB)", self.num_blocks,
                     cache.block_size, str(self.kv_dtype).removeprefix("torch."),
                     self.num_blocks * self._bytes_per_block() / 2**20)
+
+    def _auto_kv_dtype(self, kernels, dtype: torch.dtype) -> torch.dtype:
+        """--kv-cache-dtype auto: the dtype the model computes in, but bfloat16 where
+        the CPU kernels hold weights of less precision than float32 (bfloat16, int8,
+        4-bit; a GGUF file by the format most of its layers take), as a bfloat16 model
+        on vLLM and a quantized file on llama.cpp (f16) keep theirs: half the bytes for
+        attention to read, twice the tokens in the same memory, for a perplexity change
+        under the weights' own (docs/performance.md). float32 weights keep float32, so
+        that the default model's greedy output stays Hugging Face's token for token."""
+        if kernels is not None and self.weight_format != "float32":
+            return torch.bfloat16
+        return dtype
 
     def _backend(self, config: EngineConfig, kernels, max_seqs: int
                  ) -> tuple[AttentionBackend, object]:

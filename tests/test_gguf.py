@@ -56,6 +56,7 @@ def test_every_weight_is_what_the_file_holds(gguf_engine):
     model, k = gguf_engine.runner.model, kernels.cpu_kernels()
     cfg = gguf_engine.model_config
     assert gguf_engine.runner.weight_format == "q4" and gguf_engine.runner.fused is not None
+    assert gguf_engine.runner.kv_dtype == torch.bfloat16   # auto, for 4-bit weights
     ref_dir = materialize_default_model()
     with safe_open(str(ref_dir / "model.safetensors"), framework="pt") as ref:
         def take(name):

@@ -191,6 +191,21 @@ def test_a_bfloat16_kv_cache_holds_twice_the_tokens_and_matches_hf_reading_round
     assert f32.runner._bytes_per_block() == 2 * engine.runner._bytes_per_block()
 
 
+@pytest.mark.parametrize("weights, kv", [
+    ({}, torch.float32), ({"dtype": "bfloat16"}, torch.bfloat16),
+    ({"quantization": "int8"}, torch.bfloat16), ({"quantization": "q4"}, torch.bfloat16),
+    ({"quantization": "int8", "kv_cache_dtype": "float32"}, torch.float32),
+    ({"kv_cache_dtype": "bfloat16"}, torch.bfloat16),
+    ({"dtype": "bfloat16", "cpu_kernels": False}, torch.bfloat16),
+    ({"cpu_kernels": False}, torch.float32)], ids=str)
+def test_an_auto_kv_cache_follows_the_weights_precision(tiny_llama_dir, weights, kv):
+    """auto: float32 weights keep a float32 cache (Hugging Face's output token for
+    token); bfloat16, int8 and 4-bit weights a bfloat16 one; a dtype asked for is kept."""
+    engine = make_engine(tiny_llama_dir, **weights)
+    assert engine.runner.kv_dtype == kv
+    assert all(c.dtype == kv for c in engine.runner.kv_caches)
+
+
 def test_the_kv_cache_dtype_is_checked():
     from common.config import CacheConfig
 
