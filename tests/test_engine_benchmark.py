@@ -58,7 +58,8 @@ def test_engine_benchmark_smoke(tiny_llama_dir, tmp_path, extra):
     if "--roofline" in extra:
         cfg = json.loads((tiny_llama_dir / "config.json").read_text())
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        elem = 2 if "--kv-cache-dtype" in extra else 4  # bytes of a bfloat16 or float32
+        # bytes of a bfloat16 or float32 cache: auto keeps bfloat16 for other weights
+        elem = 2 if {"--kv-cache-dtype", "--quantization", "--dtype"} & set(extra) else 4
         assert report["roofline"]["kv_bytes_per_token"] == (
             2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * elem)
     if "--kernel-isa" in extra:
