@@ -124,8 +124,11 @@ class ModelRunner:
         # Set by each forward: (request, first position, logits rows) of prompt
         # positions whose logprobs are wanted.
         self.prompt_logits: list[tuple] = []
+        # CUDA graphs for decode steps and prompt chunks (gpu/graphs.py).
+        graphs = (device.type == "cuda" and not config.enforce_eager
+                  and model_config.family == "llama")
         if device.type == "cuda":
-            self.num_blocks = self._size_gpu_cache(cache, scheduler)
+            self.num_blocks = self._size_gpu_cache(cache, scheduler, graphs)
         else:
             budget = cache.kv_cache_memory_bytes or _DEFAULT_CPU_KV_BYTES
             self.num_blocks = cache.num_blocks or self._blocks_in(budget)
@@ -135,7 +138,7 @@ class ModelRunner:
             self.fused = FusedLlama(kernels, self.model, self.kv_caches, cache.block_size)
         if hasattr(self.attn, "tile_tokens"):  # TritonAttention
             self._compile_kernels(scheduler)
-        if device.type == "cuda" and not config.enforce_eager and model_config.family == "llama":
+        if graphs:
             from engine_worker.gpu.graphs import CudaGraphCapture
 
             self.graphs = self.make_graph_runner(scheduler.decode_batch_size, CudaGraphCapture())
@@ -201,9 +204,9 @@ class ModelRunner:
         return [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                 for _ in range(self.config.num_layers)]
 
-    def _size_gpu_cache(self, cache, scheduler: SchedulerConfig) -> int:
+    def _size_gpu_cache(self, cache, scheduler: SchedulerConfig, graphs: bool) -> int:
         """Blocks for the KV cache on the GPU: given, or what is left after profiling
-        (gpu/memory.py)."""
+        (gpu/memory.py); ``graphs``: room for the CUDA graphs' largest steps too."""
         if cache.num_blocks is not None:
             return cache.num_blocks
         if cache.kv_cache_memory_bytes is not None:
@@ -216,13 +219,13 @@ class ModelRunner:
         seqs = min(scheduler.decode_batch_size, scheduler.token_budget)
         peak = self.profile_peak(scheduler.token_budget, seqs)
         graph_pool = 0
-        if self.config.family == "llama":  # graphs hold their largest step's activations
-            from engine_worker.gpu.graphs import PROMPT_GRAPH_SEQS, prompt_graph_sizes
+        if graphs:  # the graphs hold their largest steps' activations
+            from engine_worker.gpu.graphs import prompt_graph_seqs, prompt_graph_sizes
 
             graph_pool = max(self.profile_peak(scheduler.decode_batch_size,
                                                scheduler.decode_batch_size),
                              self.profile_peak(prompt_graph_sizes(scheduler.token_budget)[-1],
-                                               PROMPT_GRAPH_SEQS))
+                                               prompt_graph_seqs(self.inputs.max_seqs)))
         profile = MemoryProfile(total=total, used_by_others=total - free - torch_held,
                                 weights=weights, activation_peak=peak, graph_pool=graph_pool)
         kv_bytes = profile.kv_cache_bytes(cache.gpu_memory_utilization)

@@ -63,6 +63,12 @@ def prompt_graph_sizes(token_budget: int) -> list[int]:
     return [n for n in (16 << i for i in range(12)) if n < top] + [top]
 
 
+def prompt_graph_seqs(max_seqs: int) -> int:
+    """Sequences a prompt graph's step holds: PROMPT_GRAPH_SEQS, or as many as the
+    step buffers take."""
+    return min(PROMPT_GRAPH_SEQS, max_seqs)
+
+
 class CudaGraphCapture:
     """Captures callables into CUDA graphs that share one memory pool."""
 
@@ -95,7 +101,7 @@ class GraphRunner:
         self.inputs = inputs
         self.sizes = graph_batch_sizes(max_batch)
         self.prompt_sizes = list(prompt_sizes)
-        self.prompt_seqs = min(PROMPT_GRAPH_SEQS, inputs.max_seqs)
+        self.prompt_seqs = prompt_graph_seqs(inputs.max_seqs)
         self.splits = splits
         self.capture = capture
         self.graphs: dict[int, Callable[[], torch.Tensor]] = {}

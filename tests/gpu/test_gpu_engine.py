@@ -62,19 +62,36 @@ def test_triton_path_matches_hf_with_chunks_prefix_hits_and_mixed_steps(tiny_lla
     assert engine.scheduler.prefix_cache_hit_tokens >= 12
 
 
+@pytest.mark.skipif(DEVICE != "cuda", reason="sizes the KV cache from the GPU's memory")
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
+def test_an_engine_of_one_sequence_sizes_its_cache_and_serves(tiny_llama_dir, enforce_eager):
+    """The memory profile at start runs the steps the engine can take: no prompt
+    graph's step when every step is eager, and none of more sequences than the step
+    buffers hold (it profiled 4 with room for 1, and the engine failed to start)."""
+    engine = triton_engine(tiny_llama_dir, max_batch=1, enforce_eager=enforce_eager,
+                           num_blocks=None)
+    assert engine.runner.num_blocks > 0
+    assert (engine.runner.graphs is None) == enforce_eager
+    prompts = random_prompts([5, 9], seed=3)
+    assert_matches(engine.generate(prompts, greedy(4)), hf_greedy(tiny_llama_dir, prompts, 4),
+                   "one sequence")
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_graph_runner_pads_to_buckets_and_matches_eager(tiny_llama_dir, async_scheduling):
     """With run-ahead, each graph step reads the tokens the step before sampled
     straight from the device, into the graph's own input buffer."""
     prompts = random_prompts([5, 9, 3], seed=9)
-    eager = triton_engine(tiny_llama_dir, async_scheduling=False).generate(prompts, greedy(5))
-    engine = triton_engine(tiny_llama_dir, async_scheduling=async_scheduling)
+    # the budget pinned: a GPU's default is larger, and so are its prompt graphs
+    eager = triton_engine(tiny_llama_dir, budget=512, async_scheduling=False).generate(
+        prompts, greedy(5))
+    engine = triton_engine(tiny_llama_dir, budget=512, async_scheduling=async_scheduling)
     replays = Replays()
     runner = engine.runner
     runner.graphs = runner.make_graph_runner(8, replays)
     runner.graphs.capture_all()
     assert runner.graphs.sizes == [1, 2, 4, 8]
-    assert runner.graphs.prompt_sizes == [16, 32, 64, 128, 256, 512]  # the CPU's budget
+    assert runner.graphs.prompt_sizes == [16, 32, 64, 128, 256, 512]
     assert engine.generate(prompts, greedy(5)) == eager
     # The three prompts (17 tokens) ran as the prompt graph of 32 tokens (4 sequences,
     # one padded); then three sequences decode at the bucket of 4 (one padded row)
