@@ -23,6 +23,13 @@ per hash, until ``take_changes()``: the engine worker publishes them to its clie
 
 Each query pairs a cheap check with its action: ``num_blocks_needed`` with
 ``can_allocate``/``allocate``; ``free`` undoes ``allocate``.
+
+The pool is bookkept lazily: a block that was never taken has no Block object and no
+free-list entry, only a place past the ones that have (``blocks`` grows on demand).
+Blocks are still taken in id order, then freed ones oldest first, then evicted ones;
+but start-up and host memory no longer grow with the pool: a small model on a large
+GPU gets tens of millions of blocks (a 2-layer float32 test model with blocks of 4
+tokens on an H200: 60 million, which took minutes and gigabytes to list).
 """
 
 from __future__ import annotations
@@ -60,9 +67,13 @@ class BlockManager:
             raise ValueError("the KV pool needs at least one block")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
-        # Free blocks, taken from the front; block 0 first, for readable tests.
-        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._num_blocks = num_blocks
+        # Blocks taken at least once, by id; the ids from len(blocks) up are untouched,
+        # and taken first, lowest first (block 0 first, for readable tests).
+        self.blocks: list[Block] = []
+        # Freed blocks holding nothing reusable, taken from the front once none is
+        # untouched.
+        self._free: OrderedDict[int, None] = OrderedDict()
         # Cached (ref 0, hashed) blocks, least recently used first.
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._by_hash: dict[bytes, int] = {}
@@ -73,12 +84,12 @@ class BlockManager:
 
     @property
     def num_blocks(self) -> int:
-        return len(self.blocks)
+        return self._num_blocks
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks an allocation may take: free plus cached-evictable."""
-        return len(self._free) + len(self._evictable)
+        """Blocks an allocation may take: untouched, free and cached-evictable."""
+        return self._num_blocks - len(self.blocks) + len(self._free) + len(self._evictable)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -257,6 +268,9 @@ class BlockManager:
         block.ref_count += 1
 
     def _take_fresh(self) -> int:
+        if len(self.blocks) < self._num_blocks:
+            self.blocks.append(Block(len(self.blocks)))
+            return len(self.blocks) - 1
         if self._free:
             block_id, _ = self._free.popitem(last=False)
             return block_id

@@ -7,7 +7,8 @@ from engine_worker.block_manager import BlockManager, BlockTable
 
 
 def refs(bm: BlockManager) -> list[int]:
-    return [b.ref_count for b in bm.blocks]
+    """Every block's reference count (a block never taken has no Block yet)."""
+    return [b.ref_count for b in bm.blocks] + [0] * (bm.num_blocks - len(bm.blocks))
 
 
 def test_allocate_and_free_counts():
@@ -142,3 +143,21 @@ def test_chain_hash_depends_on_the_whole_prefix():
     h1 = chain_hash(None, [1, 2])
     assert chain_hash(h1, [3, 4]) != chain_hash(chain_hash(None, [9, 9]), [3, 4])
     assert chain_hash(None, [1, 2]) == h1  # deterministic across calls (and processes)
+
+
+def test_a_pool_of_a_billion_blocks_costs_only_the_blocks_taken():
+    """A small model on a large GPU: tens of millions of blocks (60 million for the
+    2-layer test model on an H200). Building the pool lists none of them."""
+    bm = BlockManager(num_blocks=10**9, block_size=4, enable_prefix_caching=True)
+    first, second = BlockTable(), BlockTable()
+    assert bm.allocate(first, list(range(10)), 10)
+    assert bm.allocate(second, list(range(100, 106)), 6)
+    assert (first.block_ids, second.block_ids) == ([0, 1, 2], [3, 4])
+    assert (bm.num_free_blocks, bm.num_used_blocks) == (10**9 - 5, 5)
+    bm.free(first)  # blocks 0 and 1 cached, block 2 free
+    assert (bm.num_free_blocks, bm.num_cached_blocks) == (10**9 - 2, 2)
+    # Untouched blocks go first, then freed ones (oldest first), then cached ones.
+    third = BlockTable()
+    assert bm.allocate(third, list(range(200, 204)), 4)
+    assert third.block_ids == [5]
+    assert len(bm.blocks) == 6

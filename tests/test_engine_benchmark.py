@@ -93,6 +93,30 @@ def test_gpu_benchmark_smoke_on_the_cpu(tiny_llama_dir, tmp_path):
     assert report["kernels_compiled_while_serving"] == 0  # the torch path compiles none
 
 
+def test_gpu_attention_benchmark_smoke_through_the_interpreter(tmp_path):
+    """benchmarks/gpu_attention.py, whose tilings docs/performance.md compares on a GPU,
+    runs here through Triton's interpreter at SmolLM2's shape (GQA 3:1): every tiling's
+    output agrees with the engine's, or it exits 1."""
+    import os
+
+    out = tmp_path / "attention.json"
+    args = ["--device", "cpu", "--model-config", "smollm2-135m", "--batches", "1,3",
+            "--context", "40", "--chunk-seqs", "2", "--chunk-len", "24", "--iters", "1",
+            "--repeats", "1", "--decode-tilings", "32x4x2,16x4x2",
+            "--chunk-tilings", "64x32x4x2,128x16x8x3", "--json", str(out)]
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_attention.py", *args],
+                          capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert set(report["decode"]) == {"1", "3"}
+    assert list(report["decode"]["3"]) == ["64x4x3", "32x4x2", "16x4x2"]  # the engine's first
+    assert list(report["chunk"]) == ["64x64x4x3", "64x32x4x2", "128x16x8x3"]
+    errors = [row["rel_l2_vs_engine"] for rows in (*report["decode"].values(), report["chunk"])
+              for row in rows.values()]
+    assert max(errors) < 1e-5 and all(row["us"] > 0 for row in report["chunk"].values())
+
+
 def test_gpu_profile_smoke_on_the_cpu(tiny_llama_dir):
     """benchmarks/gpu_profile.py, which docs/performance.md quotes from a GPU, runs
     here on the CPU with the tiny model (its graph and kernel sections need CUDA)."""

@@ -48,6 +48,7 @@ class Tiling:
     block_n: int  # keys per inner-loop iteration
     rows: int  # query rows per chunk program (query tokens times the group's heads)
     num_warps: int
+    num_stages: int = 3  # K/V tiles in flight (Triton's software pipelining; its default)
 
 
 def tiling(head_dim: int, decode: bool) -> Tiling:
@@ -169,9 +170,10 @@ def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_o
              mask=d < HEAD_DIM)
 
 
-def chunk_block_q(group: int, head_dim: int) -> int:
-    """Query tokens per chunk program: tiling's rows of (token, head in group)."""
-    return max(1, tiling(head_dim, decode=False).rows // triton.next_power_of_2(group))
+def chunk_block_q(group: int, head_dim: int, tiles: Optional[Tiling] = None) -> int:
+    """Query tokens per chunk program: the tiling's rows of (token, head in group)."""
+    rows = (tiles or tiling(head_dim, decode=False)).rows
+    return max(1, rows // triton.next_power_of_2(group))
 
 
 def chunk_tiles(query_lens: Sequence[int], first_seq: int, block_q: int
@@ -218,7 +220,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     query_start: torch.Tensor, num_decode: int,
                     tile_seq: Optional[torch.Tensor], tile_offset: Optional[torch.Tensor],
                     scale: float, splits: int = 1,
-                    split_buffers: Optional[SplitBuffers] = None) -> torch.Tensor:
+                    split_buffers: Optional[SplitBuffers] = None,
+                    tiles: Optional[tuple[Tiling, Tiling]] = None) -> torch.Tensor:
     """Attention of every query in ``q`` (N, Hq, D) over the paged cache (k_cache and
     v_cache (num_blocks, page, Hkv, D)) into ``out`` (N, Hq, D).
 
@@ -226,7 +229,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     chunk tiles are (tile_seq[t], tile_offset[t]): a sequence and its first query
     token of the tile, chunk_block_q(group, D) tokens per tile. block_tables
     (S, W) int32; seq_lens (S,) and query_start (S + 1,) int32 (query_start is read
-    only for chunks)."""
+    only for chunks). ``tiles``: (decode, chunk) tilings other than tiling()'s (for
+    benchmarks/gpu_attention.py)."""
     _, hq, d = q.shape
     _, page, hkv, _ = k_cache.shape
     group = hq // hkv
@@ -242,24 +246,24 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             acc, ml = split_buffers.acc, split_buffers.ml
         else:
             acc = ml = out  # not written
-        tiles = tiling(d, decode=True)
+        t = tiles[0] if tiles else tiling(d, decode=True)
         _attention_kernel[(num_decode, hkv, splits)](
             q, k_cache, v_cache, out, acc, ml, block_tables, seq_lens, query_start,
             seq_lens, seq_lens, scale, *strides, GROUP_PAD=group_pad, BLOCK_Q=1,
-            BLOCK_N=tiles.block_n, SPLITS=splits, DECODE=True, num_warps=tiles.num_warps,
-            **common)
+            BLOCK_N=t.block_n, SPLITS=splits, DECODE=True, num_warps=t.num_warps,
+            num_stages=t.num_stages, **common)
         if splits > 1:
             _merge_splits_kernel[(num_decode, hq)](
                 acc, ml, out, out.stride(0), out.stride(1), SPLITS=splits, HEAD_DIM=d,
                 D_PAD=d_pad)
     if tile_seq is not None and tile_seq.numel():
         assert tile_offset is not None
-        tiles = tiling(d, decode=False)
+        t = tiles[1] if tiles else tiling(d, decode=False)
         _attention_kernel[(tile_seq.numel(), hkv, 1)](
             q, k_cache, v_cache, out, out, out, block_tables, seq_lens, query_start,
             tile_seq, tile_offset, scale, *strides, GROUP_PAD=triton.next_power_of_2(group),
-            BLOCK_Q=chunk_block_q(group, d), BLOCK_N=tiles.block_n, SPLITS=1, DECODE=False,
-            num_warps=tiles.num_warps, **common)
+            BLOCK_Q=chunk_block_q(group, d, t), BLOCK_N=t.block_n, SPLITS=1, DECODE=False,
+            num_warps=t.num_warps, num_stages=t.num_stages, **common)
     return out
 
 

@@ -1,0 +1,201 @@
+"""The paged-attention kernel's tilings, timed on the device at a model's shape: which
+one reads the cache fastest, for decode rows and for prompt chunks.
+
+    python benchmarks/gpu_attention.py --model-config llama-3-8b --batches 1,64,256
+
+Decode: B sequences of --context tokens each, one query token a sequence (B from
+--batches), their contexts split over programs as the engine splits them; their blocks
+scattered over the cache as a busy engine's are. Chunks: --chunk-seqs prompts of
+--chunk-len tokens (no cached prefix). A tiling is BLOCK_N x warps x stages for decode
+and ROWS x BLOCK_N x warps x stages for chunks (engine_worker/gpu/attention.py's
+Tiling); the engine's own (tiling()) comes first, and every other's output is checked
+against it. Each time is the median of --repeats runs of --iters calls; decode as
+bandwidth too (the K/V bytes read over the time, and its fraction of the
+device-to-device copy bandwidth measured in the same run), chunks as TFLOP/s of the
+attention's two matmuls (causal: half the square).
+
+On a CPU (TRITON_INTERPRET=1, a tiny model: CI smoke-tests it) the times mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from benchmarks.engine_gpu import copy_bandwidth, sync  # noqa: E402
+from common.model_files import resolve_model_dir  # noqa: E402
+from engine_worker.gpu import attention  # noqa: E402
+from engine_worker.model_config import load_model_config  # noqa: E402
+
+# Candidates that compile for Hopper without spills at head_dim 128
+# (python -m engine_worker.gpu.compile_check prints the engine's own).
+DECODE_TILINGS = "64x8x2,32x4x3,32x8x2,64x4x2,64x4x3,128x4x3,128x8x2,128x8x3"
+CHUNK_TILINGS = "64x64x8x3,64x64x4x3,128x32x8x3,128x64x8x3,64x128x8x3"
+
+
+def parse_tilings(text: str, decode: bool) -> list[attention.Tiling]:
+    out = []
+    for item in filter(None, text.split(",")):
+        parts = [int(x) for x in item.split("x")]
+        if len(parts) != (3 if decode else 4):
+            raise SystemExit(f"a {'decode' if decode else 'chunk'} tiling is "
+                             f"{'BLOCK_N' if decode else 'ROWS x BLOCK_N'} x warps x stages, "
+                             f"got {item!r}")
+        if decode:
+            out.append(attention.Tiling(parts[0], attention.MIN_ROWS, parts[1], parts[2]))
+        else:
+            out.append(attention.Tiling(parts[1], parts[0], parts[2], parts[3]))
+    return out
+
+
+def label(t: attention.Tiling, decode: bool) -> str:
+    head = f"{t.block_n}" if decode else f"{t.rows}x{t.block_n}"
+    return f"{head}x{t.num_warps}x{t.num_stages}"
+
+
+def timed(fn, device: torch.device, iters: int, repeats: int) -> float:
+    """Median seconds per call."""
+    fn()  # compiles
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        sync(device)
+        times.append((time.perf_counter() - start) / iters)
+    return statistics.median(times)
+
+
+def scattered_cache(num_seqs: int, context: int, page: int, hkv: int, d: int,
+                    dtype: torch.dtype, device: torch.device, gen: torch.Generator):
+    """K and V caches holding num_seqs contexts in blocks taken at random, and the block
+    table: (k_cache, v_cache, block_tables)."""
+    width = math.ceil(context / page)
+    num_blocks = num_seqs * width
+    k = torch.randn(num_blocks, page, hkv, d, generator=gen).to(device, dtype)
+    v = torch.randn(num_blocks, page, hkv, d, generator=gen).to(device, dtype)
+    tables = torch.randperm(num_blocks, generator=gen).view(num_seqs, width)
+    return k, v, tables.to(device, torch.int32)
+
+
+def compare(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--model-config", default="llama-3-8b",
+                   help="a shipped model shape (common/model_configs) or a model directory")
+    p.add_argument("--batches", default="1,64,256")
+    p.add_argument("--context", type=int, default=640,
+                   help="tokens a decode row attends to (512 in, half of 256 out: the "
+                        "engine benchmark's average)")
+    p.add_argument("--chunk-seqs", type=int, default=16)
+    p.add_argument("--chunk-len", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--decode-tilings", default=DECODE_TILINGS)
+    p.add_argument("--chunk-tilings", default=CHUNK_TILINGS)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", dest="json_path", default=None)
+    args = p.parse_args(argv)
+
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32  # the interpreter has no bf16 dot
+    tol = 2e-2 if cuda else 1e-4
+    cfg = load_model_config(resolve_model_dir(args.model_config))
+    hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    page, scale = args.block_size, d ** -0.5
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 1
+    bandwidth = copy_bandwidth(device, 2 << 30 if cuda else 16 << 20)
+    gen = torch.Generator().manual_seed(0)
+    decode_tilings = [attention.tiling(d, decode=True)] + parse_tilings(args.decode_tilings, True)
+    chunk_tilings = [attention.tiling(d, decode=False)] + parse_tilings(args.chunk_tilings, False)
+    elem = torch.empty((), dtype=dtype).element_size()
+    name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    print(f"device: {name}; model: {args.model_config} ({hq} query heads, {hkv} KV heads, "
+          f"head_dim {d}); copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    report = {"device": name, "model": args.model_config, "bandwidth_bytes_per_s": bandwidth,
+              "decode": {}, "chunk": {}}
+    failed = False
+
+    batches = [int(b) for b in args.batches.split(",") if b]
+    k, v, tables = scattered_cache(max(batches), args.context, page, hkv, d, dtype, device, gen)
+    for batch in batches:
+        q = torch.randn(batch, hq, d, generator=gen).to(device, dtype)
+        out = torch.empty_like(q)
+        seq_lens = torch.full((batch,), args.context, dtype=torch.int32, device=device)
+        query_start = torch.arange(batch + 1, dtype=torch.int32, device=device)
+        splits = attention.num_splits(batch, hkv, sms)
+        buffers = attention.SplitBuffers.allocate(batch, hq, d, device)
+        kv_bytes = batch * args.context * hkv * d * 2 * elem
+        print(f"decode, batch {batch}, context {args.context}, {splits} split(s): "
+              f"{kv_bytes / 2**20:.0f} MiB of K/V", flush=True)
+        ref, rows = None, {}
+        for t in decode_tilings:
+            def call(t=t):
+                attention.paged_attention(q, k, v, out, tables[:batch], seq_lens, query_start,
+                                          batch, None, None, scale, splits, buffers,
+                                          tiles=(t, chunk_tilings[0]))
+            seconds = timed(call, device, args.iters, args.repeats)
+            err = 0.0 if ref is None else compare(out, ref)
+            ref = out.clone() if ref is None else ref
+            failed |= err > tol
+            rows[label(t, True)] = {"us": seconds * 1e6, "bytes_per_s": kv_bytes / seconds,
+                                    "fraction_of_copy": kv_bytes / seconds / bandwidth,
+                                    "rel_l2_vs_engine": err}
+            print(f"  {label(t, True):10s} {seconds * 1e6:9.1f} us  "
+                  f"{kv_bytes / seconds / 1e12:6.2f} TB/s  "
+                  f"{kv_bytes / seconds / bandwidth:6.1%} of copy  rel L2 {err:.1e}", flush=True)
+        report["decode"][str(batch)] = rows
+
+    n, length = args.chunk_seqs, args.chunk_len
+    k, v, tables = scattered_cache(n, length, page, hkv, d, dtype, device, gen)
+    q = torch.randn(n * length, hq, d, generator=gen).to(device, dtype)
+    out = torch.empty_like(q)
+    seq_lens = torch.full((n,), length, dtype=torch.int32, device=device)
+    query_start = (torch.arange(n + 1, dtype=torch.int32) * length).to(device)
+    flops = 4 * n * hq * d * length * (length + 1) / 2  # QK^T and PV, causal
+    print(f"chunks: {n} prompts of {length} tokens", flush=True)
+    ref = None
+    for t in chunk_tilings:
+        block_q = attention.chunk_block_q(hq // hkv, d, t)
+        tile_seq, tile_offset = attention.chunk_tiles([length] * n, 0, block_q)
+        tile_seq = torch.from_numpy(tile_seq).to(device)
+        tile_offset = torch.from_numpy(tile_offset).to(device)
+
+        def call(t=t, tile_seq=tile_seq, tile_offset=tile_offset):
+            attention.paged_attention(q, k, v, out, tables, seq_lens, query_start, 0,
+                                      tile_seq, tile_offset, scale,
+                                      tiles=(decode_tilings[0], t))
+        seconds = timed(call, device, args.iters, args.repeats)
+        err = 0.0 if ref is None else compare(out, ref)
+        ref = out.clone() if ref is None else ref
+        failed |= err > tol
+        report["chunk"][label(t, False)] = {"us": seconds * 1e6, "flops_per_s": flops / seconds,
+                                            "rel_l2_vs_engine": err}
+        print(f"  {label(t, False):12s} {seconds * 1e6:9.1f} us  "
+              f"{flops / seconds / 1e12:6.1f} TFLOP/s  rel L2 {err:.1e}", flush=True)
+
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(report, indent=2) + "\n")
+    if failed:
+        print(f"a tiling's output differs from the engine's by more than {tol}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
