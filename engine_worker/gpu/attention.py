@@ -52,13 +52,15 @@ class Tiling:
 
 
 def tiling(head_dim: int, decode: bool) -> Tiling:
-    """The largest tiles that compile without register spills for Hopper (sm_90):
+    """The tiles each launch compiles with. At head_dim 128, the fastest of
+    benchmarks/gpu_attention.py's candidates on an H100 (docs/performance.md): decode
+    rows 64 keys on 4 warps (97% of copy bandwidth at batch 256, 87% at 64; 8 warps
+    gave 93% and 76%), chunks 128 rows of 32 keys on 8 warps (1.7x 64 rows).
     ``python -m engine_worker.gpu.compile_check`` prints each variant's registers, and
-    tests/gpu/test_compile.py fails on a spill. At head_dim 128, 64 keys and 64 rows on
-    4 warps spill up to 1 KiB per thread."""
+    tests/gpu/test_compile.py fails on a spill (128 rows of 64 keys on 4 warps spill)."""
     if head_dim <= 64:
         return Tiling(64, 64, 4)
-    return Tiling(64, MIN_ROWS, 8) if decode else Tiling(32, 64, 8)
+    return Tiling(64, MIN_ROWS, 4) if decode else Tiling(32, 128, 8)
 
 
 @triton.jit
