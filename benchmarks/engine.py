@@ -141,10 +141,14 @@ def run_engine(engine, prompts, output_len: int) -> dict:
 def start_engine_process(args, concurrency: int, address: str):
     import subprocess
 
+    # The same engine as the in-process one: its weight format too (it was left out,
+    # and --zmq --quantization int8 compared int8 in process with float32 over ZeroMQ).
     cmd = [sys.executable, "-m", "engine_worker", "--device", "cpu", "--bind", address,
            "--threads", str(args.threads), "--max-batch-size", str(concurrency),
            "--block-size", str(args.block_size), "--kv-cache-dtype", args.kv_cache_dtype,
-           "--log-level", "WARNING"]
+           "--dtype", args.dtype, "--log-level", "WARNING"]
+    if args.quantization:
+        cmd += ["--quantization", args.quantization]
     if args.model:
         cmd += ["--model", args.model]
     if args.max_num_batched_tokens:
@@ -218,6 +222,9 @@ def main(argv=None) -> int:
 
         return engine_gpu.main(argv)
     args = parse_args(argv)
+    if args.zmq and args.kernel_isa != "native":
+        raise SystemExit("--zmq runs the engine process with its native kernels: "
+                         "--kernel-isa avx2 applies to the in-process engine only")
     torch.set_num_threads(args.threads)
     from engine_worker.engine import LLMEngine
 
