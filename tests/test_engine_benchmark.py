@@ -117,6 +117,20 @@ def test_gpu_attention_benchmark_smoke_through_the_interpreter(tmp_path):
     assert max(errors) < 1e-5 and all(row["us"] > 0 for row in report["chunk"].values())
 
 
+def test_schedule_floor_as_the_docs_quote_it():
+    """benchmarks/schedule_floor.py with the H100's figures (docs/performance.md): pure
+    arithmetic, so its figures are exact."""
+    args = ["--model-config", "llama-3-8b", "--concurrency", "256", "--budgets", "512,8192",
+            "--bandwidth", "2.95e12", "--gemm-rate", "798e12"]
+    proc = subprocess.run([sys.executable, "benchmarks/schedule_floor.py", *args],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert "budget   512: step by step  5.50 s (597 steps,   11917 tokens/s)" in lines[1]
+    assert "budget  8192: step by step  5.70 s (272 steps,   11496 tokens/s)" in lines[2]
+    assert "the benchmark's floor  5.71 s" in lines[2]
+
+
 def test_gpu_profile_smoke_on_the_cpu(tiny_llama_dir):
     """benchmarks/gpu_profile.py, which docs/performance.md quotes from a GPU, runs
     here on the CPU with the tiny model (its graph and kernel sections need CUDA)."""
