@@ -38,6 +38,9 @@ def _positive(name: str, value: Optional[int]) -> None:
 ENGINE_ROLES = ("mixed", "prefill", "decode")
 
 
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8")
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     # Tokens per KV block. 16 balances prefix-cache granularity (a hit reuses whole
@@ -54,7 +57,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # The KV cache's element type: "auto" (the dtype the engine computes in), or on the
     # CPU "bfloat16" (half the bytes to read per step and to hold; keys and values
-    # rounded to bfloat16 as they are written) or "float32".
+    # rounded to bfloat16 as they are written) or "float32"; on CUDA "fp8" (float8
+    # e4m3: half a bfloat16 cache's bytes, values rounded to 3 mantissa bits and held
+    # within +-448).
     kv_cache_dtype: str = "auto"
     # Prefill/decode disaggregation, decode side (engine_worker/kv_transfer.py): a KV
     # transfer not complete by then ends, and the engine computes the rest itself; a
@@ -66,9 +71,9 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
-        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"kv_cache_dtype must be auto, float32 or bfloat16, got "
-                             f"{self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if not self.kv_transfer_timeout_s > 0:
             raise ValueError(f"kv_transfer_timeout_s must be positive, got "
                              f"{self.kv_transfer_timeout_s}")

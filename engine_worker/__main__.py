@@ -13,7 +13,8 @@ from typing import Optional, Sequence
 
 from common import faults
 from common.config import (DEFAULT_ENGINE_ADDRESS, DEFAULT_MAX_FRAME_BYTES, ENGINE_ROLES,
-                           CacheConfig, EngineConfig, EngineServerConfig, SchedulerConfig, env_default)
+                           KV_CACHE_DTYPES, CacheConfig, EngineConfig, EngineServerConfig,
+                           SchedulerConfig, env_default)
 from common.curve import add_curve_args, key_for_bind
 from common.errors import InvalidRequestError, ModelLoadError
 from common.logging_setup import setup_logging
@@ -52,11 +53,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="KV pool size in GiB (default: 2 on CPU; on CUDA, what "
                         "--gpu-memory-utilization leaves after the weights, a profiled "
                         "step and the CUDA graphs)")
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+    g.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                    help="auto: the model's dtype on CUDA; on the CPU float32 with float32 "
                         "weights, else bfloat16. bfloat16 on the CPU: half the KV bytes to "
                         "hold and read, keys and values rounded to bfloat16 (as llama.cpp's "
-                        "default f16 cache)")
+                        "default f16 cache). fp8 on CUDA: float8 e4m3, half the bytes of "
+                        "a bfloat16 cache (twice the tokens, half the reads), values "
+                        "rounded to 3 mantissa bits and held within +-448")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="CUDA: share of the GPU's total memory the engine may use")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],

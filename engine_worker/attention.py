@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from engine_worker.kernels import CpuKernels
+from engine_worker.ops import write_kv
 
 
 @dataclass
@@ -67,14 +68,6 @@ def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
                    head_dim: int) -> tuple[int, ...]:
     """One layer's cache: keys and values, (2, num_blocks, block_size, H_kv, D)."""
     return (2, num_blocks, block_size, num_kv_heads, head_dim)
-
-
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """k and v (N, Hkv, D) into their slots of one layer's cache."""
-    h_kv, d = k.shape[1:]
-    kv_cache[0].view(-1, h_kv, d).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    kv_cache[1].view(-1, h_kv, d).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
 class AttentionBackend:

@@ -39,6 +39,9 @@ from engine_worker.step_inputs import StepBatch, StepInputs, step_layout
 
 logger = logging.getLogger(__name__)
 
+# --kv-cache-dtype: the cache's element type (None: the model's, _auto_kv_dtype).
+_KV_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
+              "fp8": torch.float8_e4m3fn}
 _DEFAULT_CPU_KV_BYTES = 2 << 30
 
 
@@ -87,12 +90,16 @@ class ModelRunner:
             raise ValueError(f"{config.quantization} weights need the CPU C kernels (--device "
                              f"cpu, a C compiler, not --no-cpu-kernels)")
         self.dtype = dtype
-        self.kv_dtype = None if cache.kv_cache_dtype == "auto" else getattr(
-            torch, cache.kv_cache_dtype)
-        if self.kv_dtype not in (None, dtype) and device.type != "cpu":
+        self.kv_dtype = _KV_DTYPES[cache.kv_cache_dtype]
+        if self.kv_dtype == torch.float8_e4m3fn and kernels is not None:
+            raise ValueError("--kv-cache-dtype fp8 is for CUDA: the CPU kernels read a float32 "
+                             "or bfloat16 cache (on the CPU only the torch reference path, "
+                             "--attention-backend torch, reads fp8)")
+        if (self.kv_dtype not in (None, dtype, torch.float8_e4m3fn)
+                and device.type != "cpu"):
             raise ValueError(f"--kv-cache-dtype {cache.kv_cache_dtype}: on {device.type} the KV "
                              f"cache is kept in the dtype the model computes in "
-                             f"({str(dtype).removeprefix('torch.')}); use auto")
+                             f"({str(dtype).removeprefix('torch.')}) or in fp8; use auto or fp8")
         max_seqs = max(scheduler.decode_batch_size, scheduler.prefill_batch_size)
         self.token_budget = scheduler.token_budget
         self.attn, ops = self._backend(config, kernels, max_seqs)

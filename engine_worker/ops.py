@@ -30,6 +30,27 @@ def split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: in
             qkv[:, k_end:].view(n, num_kv_heads, head_dim))
 
 
+FP8 = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8).max  # 448: an fp8 cache holds keys and values within +-448
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x rounded to the cache's dtype; to fp8 saturating at its largest finite value
+    (as the Triton kernels do), not overflowing to NaN."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(dtype) if dtype == FP8 else x.to(dtype)
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k and v (N, Hkv, D) into their slots of one layer's cache."""
+    h_kv, d = k.shape[1:]
+    # torch has no index_copy_ for fp8: the bytes are copied (fp8 is one byte a value).
+    as_stored = (lambda t: t.view(torch.uint8)) if kv_cache.dtype == FP8 else (lambda t: t)
+    for cache, x in zip(kv_cache, (k, v)):
+        as_stored(cache).view(-1, h_kv, d).index_copy_(
+            0, slot_mapping, as_stored(to_cache_dtype(x, kv_cache.dtype)))
+
+
 class TorchOps:
     def add_rms_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor],
                      weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,10 +73,7 @@ class TorchOps:
         qk = apply_rotary(qk, cos.unsqueeze(1), sin.unsqueeze(1))
         q, k = qk[:, :num_heads], qk[:, num_heads:]
         v = qkv[:, k_end:].view(n, num_kv_heads, head_dim)
-        kv_cache[0].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping,
-                                                                 k.to(kv_cache.dtype))
-        kv_cache[1].view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping,
-                                                                 v.to(kv_cache.dtype))
+        write_kv(kv_cache, k, v, slot_mapping)
         return q, k, v
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

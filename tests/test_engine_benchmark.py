@@ -131,6 +131,21 @@ def test_schedule_floor_as_the_docs_quote_it():
     assert "the benchmark's floor  5.71 s" in lines[2]
 
 
+def test_kv_accuracy_benchmark_smoke(tmp_path):
+    """benchmarks/kv_accuracy.py, which docs/performance.md quotes, on the default model
+    and one short window: an fp8 cache moves the logits further than a bfloat16 one."""
+    out = tmp_path / "kv.json"
+    proc = subprocess.run([sys.executable, "benchmarks/kv_accuracy.py", "--windows", "1",
+                           "--window", "48", "--chunk", "16", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["positions"] == 47
+    bf16, fp8 = report["dtypes"]["bfloat16"], report["dtypes"]["fp8"]
+    assert 0 < bf16["rel_l2"] < fp8["rel_l2"] < 0.1
+    assert 0 < bf16["mean_kl"] < fp8["mean_kl"]
+
+
 def test_gpu_profile_smoke_on_the_cpu(tiny_llama_dir):
     """benchmarks/gpu_profile.py, which docs/performance.md quotes from a GPU, runs
     here on the CPU with the tiny model (its graph and kernel sections need CUDA)."""

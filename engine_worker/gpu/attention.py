@@ -23,7 +23,8 @@ at ``block_tables[s, j // page] * page + j % page``, so no block is copied out.
 Padded decode rows (CUDA graphs run a fixed batch) have seq_lens 0: they read no key
 and write zeros. A prompt step's graph runs a fixed number of chunk tiles too: its
 padding tiles start past their chunk's end, so they read no key and write nothing.
-The kernels compute in float32 and store in the cache's dtype.
+The kernels compute in float32 and store in the queries' dtype; a cache of fp8 (float8
+e4m3) is widened to it as it is read.
 """
 
 from __future__ import annotations
@@ -120,7 +121,8 @@ def _attention_kernel(
         page = tl.load(block_tables_ptr + seq * stride_bt + k_pos // PAGE, mask=k_ok, other=0)
         base = page.to(tl.int64) * stride_kb + (k_pos % PAGE) * stride_ks + kv_head * stride_kh
         kv_mask = k_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        # An fp8 cache's keys and values are widened to the queries' dtype for the dots.
+        k = tl.load(k_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         allowed = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
         s = tl.where(allowed, s, float("-inf"))
@@ -131,8 +133,8 @@ def _attention_kernel(
         p = tl.exp(s - shift[:, None])
         alpha = tl.exp(m - shift)
         denom = denom * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        v = tl.load(v_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
         m = m_new
 
     if SPLITS == 1:

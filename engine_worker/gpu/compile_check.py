@@ -79,6 +79,15 @@ def variants(cfg, dtype: str = "bfloat16", block_size: int = 16) -> list[tuple]:
                 dict(common, GROUP_PAD=triton.next_power_of_2(group),
                      BLOCK_Q=attention.chunk_block_q(group, d), BLOCK_N=chunk.block_n,
                      SPLITS=1, DECODE=False), _options(chunk)))
+    fp8 = dict(attn_args, k_ptr="*fp8e4nv", v_ptr="*fp8e4nv")  # --kv-cache-dtype fp8
+    out.append(("attention decode, fp8 cache", attention._attention_kernel, fp8,
+                dict(common, GROUP_PAD=max(attention.MIN_ROWS, triton.next_power_of_2(group)),
+                     BLOCK_Q=1, BLOCK_N=decode.block_n, SPLITS=1, DECODE=True),
+                _options(decode)))
+    out.append(("attention chunk, fp8 cache", attention._attention_kernel, fp8,
+                dict(common, GROUP_PAD=triton.next_power_of_2(group),
+                     BLOCK_Q=attention.chunk_block_q(group, d), BLOCK_N=chunk.block_n,
+                     SPLITS=1, DECODE=False), _options(chunk)))
     out.append(("merge splits", attention._merge_splits_kernel,
                 dict(part_acc_ptr="*fp32", part_ml_ptr="*fp32", out_ptr=t),
                 dict(SPLITS=attention.MAX_SPLITS, HEAD_DIM=d, D_PAD=d_pad), _options()))
@@ -91,12 +100,13 @@ def variants(cfg, dtype: str = "bfloat16", block_size: int = 16) -> list[tuple]:
                      _options(num_warps=ops._warps(c))))
     half = d // 2
     heads_pad = triton.next_power_of_2(cfg.num_heads + 2 * cfg.num_kv_heads)
-    out.append(("rope_write_kv", ops._rope_write_kv_kernel,
-                dict(qkv_ptr=t, cos_ptr=t, sin_ptr=t, k_cache_ptr=t, v_cache_ptr=t,
-                     slot_ptr="*i64"),
-                dict(NUM_HEADS=cfg.num_heads, NUM_KV_HEADS=cfg.num_kv_heads,
-                     HEADS_PAD=heads_pad, HALF=half, HALF_PAD=triton.next_power_of_2(half)),
-                _options(num_warps=ops._rope_warps(heads_pad * half))))
+    for label, cache in (("rope_write_kv", t), ("rope_write_kv, fp8 cache", "*fp8e4nv")):
+        out.append((label, ops._rope_write_kv_kernel,
+                    dict(qkv_ptr=t, cos_ptr=t, sin_ptr=t, k_cache_ptr=cache, v_cache_ptr=cache,
+                         slot_ptr="*i64"),
+                    dict(NUM_HEADS=cfg.num_heads, NUM_KV_HEADS=cfg.num_kv_heads,
+                         HEADS_PAD=heads_pad, HALF=half, HALF_PAD=triton.next_power_of_2(half)),
+                    _options(num_warps=ops._rope_warps(heads_pad * half))))
     i = cfg.intermediate_size
     out.append(("silu_mul", ops._silu_mul_kernel, dict(x_ptr=t, out_ptr=t),
                 dict(WIDTH=i, BLOCK=min(1024, triton.next_power_of_2(i))), _options()))

@@ -39,6 +39,15 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, h_ptr, eps,
 
 
 @triton.jit
+def _to_cache(x, cache_ptr):
+    """x in the cache's dtype. An fp8 cache (float8 e4m3) saturates at +-448, its
+    largest finite value, as the torch path does (engine_worker.ops.to_cache_dtype)."""
+    if cache_ptr.dtype.element_ty.is_fp8():
+        x = tl.clamp(x.to(tl.float32), -448.0, 448.0)
+    return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
 def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                           stride_t, stride_cs, stride_slot, stride_head,
                           NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
@@ -69,10 +78,10 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, s
     # (Folded into a bound, not and-ed as a scalar: the interpreter turns tensor &
     # scalar-bool into integers.)
     write = ok & (i < tl.where(slot >= 0, HALF, 0))
-    tl.store(k_cache_ptr + dst, y1.to(k_cache_ptr.dtype.element_ty), mask=write & is_k)
-    tl.store(k_cache_ptr + dst + HALF, y2.to(k_cache_ptr.dtype.element_ty), mask=write & is_k)
-    tl.store(v_cache_ptr + dst, y1.to(v_cache_ptr.dtype.element_ty), mask=write & is_v)
-    tl.store(v_cache_ptr + dst + HALF, y2.to(v_cache_ptr.dtype.element_ty), mask=write & is_v)
+    tl.store(k_cache_ptr + dst, _to_cache(y1, k_cache_ptr), mask=write & is_k)
+    tl.store(k_cache_ptr + dst + HALF, _to_cache(y2, k_cache_ptr), mask=write & is_k)
+    tl.store(v_cache_ptr + dst, _to_cache(y1, v_cache_ptr), mask=write & is_v)
+    tl.store(v_cache_ptr + dst + HALF, _to_cache(y2, v_cache_ptr), mask=write & is_v)
 
 
 @triton.jit

@@ -28,11 +28,12 @@ class PagedCase:
 
 def make_case(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int,
               page: int = 16, dtype: torch.dtype = torch.float32, device: str = "cpu",
-              extra_width: int = 2, seed: int = 0) -> PagedCase:
+              extra_width: int = 2, seed: int = 0,
+              cache_dtype: torch.dtype | None = None) -> PagedCase:
     """seqs: (context length, query tokens) per sequence, decode rows (1 query
     token) first. A context length of 0 is a padded row. Blocks are shuffled over
     the pool, and every table row is padded with ids of blocks other sequences use,
-    so reading past a context shows."""
+    so reading past a context shows. The cache is in cache_dtype (default: dtype)."""
     gen = torch.Generator().manual_seed(seed)
     need = [-(-ctx // page) for ctx, _ in seqs]
     width = max(need) + extra_width
@@ -46,8 +47,8 @@ def make_case(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, he
     q_lens = [q for _, q in seqs]
     n_tokens = sum(q_lens)
     shape = (num_blocks, page, num_kv_heads, head_dim)
-    k_cache = torch.randn(shape, generator=gen).to(dtype)
-    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    k_cache = torch.randn(shape, generator=gen).to(cache_dtype or dtype)
+    v_cache = torch.randn(shape, generator=gen).to(cache_dtype or dtype)
     q = torch.randn(n_tokens, num_heads, head_dim, generator=gen).to(dtype)
     num_decode = 0
     while num_decode < len(seqs) and q_lens[num_decode] == 1:

@@ -71,6 +71,17 @@ def test_padded_graph_rows_write_zeros_and_change_nothing_else():
     assert rel_l2(out[:2], reference(case)[:2]) < TOL
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+def test_an_fp8_cache_is_read_widened_to_the_queries_dtype(splits):
+    """--kv-cache-dtype fp8: keys and values are float8 e4m3 in the cache; the kernel
+    widens them as it reads, so it computes what float32 attention over those rounded
+    values gives (the reference reads the same fp8 cache)."""
+    case = make_case([(33, 1), (70, 1), (90, 30), (20, 20)], 4, 2, 128, device=DEVICE,
+                     seed=6, cache_dtype=torch.float8_e4m3fn)
+    assert case.k_cache.dtype == torch.float8_e4m3fn
+    assert rel_l2(run(case, splits), reference(case)) < TOL
+
+
 def test_splits_fill_the_gpu_only_when_the_batch_does_not():
     assert num_splits(1, 8, 132) == 16
     assert num_splits(16, 8, 132) == 4  # 128 programs, 512 with 4 splits
@@ -86,6 +97,13 @@ def test_bf16_decode_at_real_shapes(batch, ctx):
     case = make_case([(n, 1) for n in lens], 32, 8, 128, dtype=torch.bfloat16, device="cuda")
     splits = num_splits(batch, 8, torch.cuda.get_device_properties(0).multi_processor_count)
     assert rel_l2(run(case, splits), reference(case)) < 1e-2
+
+
+@pytest.mark.cuda
+def test_bf16_queries_on_an_fp8_cache_at_real_shapes():
+    case = make_case([(n, 1) for n in (8192, 1000, 37)] + [(4096, 2048)], 32, 8, 128,
+                     dtype=torch.bfloat16, device="cuda", cache_dtype=torch.float8_e4m3fn)
+    assert rel_l2(run(case, 4), reference(case)) < 1e-2
 
 
 @pytest.mark.cuda

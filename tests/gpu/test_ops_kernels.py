@@ -47,6 +47,29 @@ def test_rope_write_kv_matches_torch_and_skips_padded_slots(heads):
     torch.testing.assert_close(cache, ref_cache, rtol=1e-5, atol=1e-5)  # 7.0 where unwritten
 
 
+def test_rope_write_kv_into_an_fp8_cache_saturates_as_the_torch_path_does():
+    """--kv-cache-dtype fp8: keys and values become float8 e4m3 as they are written,
+    and values past its largest finite value (448) are held at it, not made NaN. The
+    inputs are fp8 values (and twice them, many past 448) at position 0, where the
+    rotation is exact: Triton's interpreter rounds to fp8 wrongly where the mantissa
+    carries into the exponent (127.65 to 64), which a GPU does not; the GPU tests
+    round real values (test_bf16_ops_match_torch_at_real_shapes)."""
+    hq, hkv, d, n = 4, 2, 16, 5
+    on_grid = (randn(n, (hq + 2 * hkv) * d) * 200).to(torch.float8_e4m3fn).float()
+    qkv = torch.cat([on_grid[:2], 2 * on_grid[2:]])
+    cos = torch.ones(n, d // 2, device=DEVICE)
+    sin = torch.zeros(n, d // 2, device=DEVICE)
+    slots = torch.tensor([3, 4, 5, 6, 7], device=DEVICE)
+    ref_cache = torch.zeros(2, 3, 4, hkv, d, device=DEVICE, dtype=torch.float8_e4m3fn)
+    cache = torch.zeros_like(ref_cache)
+    TorchOps().rope_write_kv(qkv.clone(), cos, sin, hq, hkv, d, ref_cache, slots)
+    TritonOps().rope_write_kv(qkv, cos, sin, hq, hkv, d, cache, slots)
+    written = cache.float()
+    assert not written.isnan().any()
+    assert (qkv.abs() > 448).any() and written.abs().max() == 448
+    assert torch.equal(written, ref_cache.float())
+
+
 def test_silu_mul_matches_torch():
     x = randn(3, 2 * 1500)  # wider than one program's block
     torch.testing.assert_close(TritonOps().silu_mul(x), TorchOps().silu_mul(x),
@@ -63,3 +86,16 @@ def test_bf16_ops_match_torch_at_real_shapes():
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
     gu = randn(256, 2 * 14336).bfloat16()
     torch.testing.assert_close(ops.silu_mul(gu), ref.silu_mul(gu), rtol=2e-2, atol=2e-2)
+    # RoPE into an fp8 cache: values rounded by the GPU (each path rotates in its own
+    # order, so a key may land one fp8 step, an eighth, from the other's)
+    hq, hkv, d = 32, 8, 128
+    qkv = (randn(256, (hq + 2 * hkv) * d) * 64).bfloat16()
+    freqs = torch.arange(256, device=DEVICE).float().unsqueeze(1) * (
+        5e5 ** (-torch.arange(0, d, 2, device=DEVICE) / d))
+    cos, sin = freqs.cos().bfloat16(), freqs.sin().bfloat16()
+    slots = torch.randperm(1024, device=DEVICE)[:256]
+    caches = [torch.zeros(2, 64, 16, hkv, d, device=DEVICE, dtype=torch.float8_e4m3fn)
+              for _ in range(2)]
+    ops.rope_write_kv(qkv.clone(), cos, sin, hq, hkv, d, caches[0], slots)
+    ref.rope_write_kv(qkv.clone(), cos, sin, hq, hkv, d, caches[1], slots)
+    torch.testing.assert_close(caches[0].float(), caches[1].float(), rtol=0.125, atol=2 ** -9)
