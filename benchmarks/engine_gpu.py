@@ -37,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from benchmarks.engine import random_prompts, run_engine  # noqa: E402
-from common.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from common.config import (KV_CACHE_DTYPES, CacheConfig, EngineConfig,  # noqa: E402
+                           SchedulerConfig)
 from common.protocol import SamplingParams  # noqa: E402
 from engine_worker.gpu.compile_check import compiled_kernels  # noqa: E402
 
@@ -65,6 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--kv-cache-memory-gb", type=float, default=None)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_path", default=None)
     return p.parse_args(argv)
@@ -200,17 +202,19 @@ def main(argv=None) -> int:
         attention_backend=args.attention_backend,
         max_model_len=args.input_len + args.output_len + 8,
         cache=CacheConfig(kv_cache_memory_bytes=None if args.kv_cache_memory_gb is None
-                          else int(args.kv_cache_memory_gb * 2**30)),
+                          else int(args.kv_cache_memory_gb * 2**30),
+                          kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_batch_size=max(concurrencies),
                                   max_num_batched_tokens=args.max_num_batched_tokens)))
     device, cfg, runner = engine.device, engine.model_config, engine.runner
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device: {name}; model: {args.model_config} ({cfg.num_params / 1e9:.2f}B params, "
-          f"{str(runner.dtype).removeprefix('torch.')}, {args.load_format} weights); "
+          f"{str(runner.dtype).removeprefix('torch.')}, {args.load_format} weights, "
+          f"KV cache {str(runner.kv_dtype).removeprefix('torch.')}); "
           f"graphs: {runner.graphs is not None}; run-ahead: {engine.async_scheduling}; "
           f"{args.input_len} in / {args.output_len} out", flush=True)
 
-    element = torch.empty((), dtype=runner.dtype).element_size()
+    element = torch.empty((), dtype=runner.kv_dtype).element_size()
     weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
     kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * element
     bandwidth = copy_bandwidth(device, 2 << 30 if device.type == "cuda" else 64 << 20)
@@ -221,6 +225,7 @@ def main(argv=None) -> int:
           f"shapes {rate / 1e12:.1f} TFLOP/s (the compute ceiling used)", flush=True)
 
     report = {"device": name, "model": args.model_config, "dtype": str(runner.dtype),
+              "kv_cache_dtype": str(runner.kv_dtype),
               "load_format": args.load_format, "input_len": args.input_len,
               "output_len": args.output_len, "cuda_graphs": runner.graphs is not None,
               "async_scheduling": engine.async_scheduling,

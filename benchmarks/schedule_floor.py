@@ -73,12 +73,14 @@ def main(argv=None) -> int:
     p.add_argument("--bandwidth", type=float, required=True, help="bytes/s")
     p.add_argument("--gemm-rate", type=float, required=True, help="FLOP/s")
     p.add_argument("--budgets", default="512,1024,2048,4096,8192")
-    p.add_argument("--bytes-per-value", type=int, default=2, help="2: bfloat16")
+    p.add_argument("--bytes-per-value", type=int, default=2, help="weights; 2: bfloat16")
+    p.add_argument("--kv-bytes-per-value", type=int, default=2,
+                   help="the KV cache's; 2: bfloat16, 1: fp8")
     args = p.parse_args(argv)
 
     cfg = load_model_config(resolve_model_dir(args.model_config))
     weight_bytes = cfg.num_params * args.bytes_per_value
-    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * args.bytes_per_value
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * args.kv_bytes_per_value
     print(f"{args.model_config}: {weight_bytes / 1e9:.2f} GB of weights, {kv} bytes of K/V "
           f"a token; {args.bandwidth / 1e12:.2f} TB/s, {args.gemm_rate / 1e12:.0f} TFLOP/s; "
           f"{args.input_len} in / {args.output_len} out")

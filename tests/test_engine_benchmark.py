@@ -74,13 +74,16 @@ def test_engine_benchmark_smoke(tiny_llama_dir, tmp_path, extra):
         assert report["hf"] and report["hf"][0]["output_tokens"] == 16
 
 
-def test_gpu_benchmark_smoke_on_the_cpu(tiny_llama_dir, tmp_path):
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_gpu_benchmark_smoke_on_the_cpu(tiny_llama_dir, tmp_path, kv):
     """benchmarks/engine.py --device cuda hands over to engine_gpu.py; the same code
-    runs here on the CPU (the torch path) with the tiny model."""
+    runs here on the CPU (the torch path) with the tiny model, and so does scripts/
+    gpu-check's run with an fp8 KV cache."""
     out = tmp_path / "gpu.json"
     args = ["--device", "cpu", "--model-config", str(tiny_llama_dir), "--load-format", "auto",
             "--attention-backend", "torch", "--dtype", "float32", "--concurrency", "1,3",
-            "--input-len", "8", "--output-len", "4", "--hf-batches", "1,3", "--json", str(out)]
+            "--input-len", "8", "--output-len", "4", "--hf-batches", "1,3", "--json", str(out),
+            "--kv-cache-dtype", kv]
     proc = subprocess.run([sys.executable, "benchmarks/engine_gpu.py", *args],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -91,6 +94,7 @@ def test_gpu_benchmark_smoke_on_the_cpu(tiny_llama_dir, tmp_path):
     assert all(0 < f for f in report["floor_fraction"].values())
     assert report["ttft_ms_one_stream"] > 0 and report["bandwidth_bytes_per_s"] > 0
     assert report["kernels_compiled_while_serving"] == 0  # the torch path compiles none
+    assert report["kv_cache_dtype"] == ("torch.float8_e4m3fn" if kv == "fp8" else "torch.float32")
 
 
 def test_gpu_attention_benchmark_smoke_through_the_interpreter(tmp_path):
