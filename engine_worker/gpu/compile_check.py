@@ -13,8 +13,8 @@ and integer argument on divisibility by 16, and at every shipped shape the point
 and strides are (sizes multiples of 16), but for the block table's row and the slot
 mapping's stride. Without that, Triton cannot prove a K/V row's 16-byte alignment: it
 loads one element at a time, does not pipeline the loads (no async copies) and needs
-three times the registers (228 against 78 for the decode kernel at head_dim 128), so
-the figures said nothing of the kernels that run.
+two to three times the registers (228 against 64-120 for the decode kernel at head_dim
+128), so the figures said nothing of the kernels that run.
 """
 
 from __future__ import annotations
@@ -68,26 +68,25 @@ def variants(cfg, dtype: str = "bfloat16", block_size: int = 16) -> list[tuple]:
                      part_ml_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i64",
                      query_start_ptr="*i64", tile_seq_ptr="*i64", tile_offset_ptr="*i64",
                      scale="fp32")
-    out = []
-    for splits in (1, attention.MAX_SPLITS):
-        out.append((f"attention decode, {splits} split(s)", attention._attention_kernel,
-                    attn_args, dict(common, GROUP_PAD=max(attention.MIN_ROWS,
-                                                          triton.next_power_of_2(group)),
-                                    BLOCK_Q=1, BLOCK_N=decode.block_n, SPLITS=splits,
-                                    DECODE=True), _options(decode)))
-    out.append(("attention chunk", attention._attention_kernel, attn_args,
-                dict(common, GROUP_PAD=triton.next_power_of_2(group),
-                     BLOCK_Q=attention.chunk_block_q(group, d), BLOCK_N=chunk.block_n,
-                     SPLITS=1, DECODE=False), _options(chunk)))
     fp8 = dict(attn_args, k_ptr="*fp8e4nv", v_ptr="*fp8e4nv")  # --kv-cache-dtype fp8
-    out.append(("attention decode, fp8 cache", attention._attention_kernel, fp8,
+
+    def decode_launch(label: str, args: dict, splits: int) -> tuple:
+        return (label, attention._attention_kernel, args,
                 dict(common, GROUP_PAD=max(attention.MIN_ROWS, triton.next_power_of_2(group)),
-                     BLOCK_Q=1, BLOCK_N=decode.block_n, SPLITS=1, DECODE=True),
-                _options(decode)))
-    out.append(("attention chunk, fp8 cache", attention._attention_kernel, fp8,
+                     BLOCK_Q=1, BLOCK_N=decode.block_n, SPLITS=splits, DECODE=True),
+                _options(decode))
+
+    def chunk_launch(label: str, args: dict) -> tuple:
+        return (label, attention._attention_kernel, args,
                 dict(common, GROUP_PAD=triton.next_power_of_2(group),
                      BLOCK_Q=attention.chunk_block_q(group, d), BLOCK_N=chunk.block_n,
-                     SPLITS=1, DECODE=False), _options(chunk)))
+                     SPLITS=1, DECODE=False), _options(chunk))
+
+    out = [decode_launch(f"attention decode, {splits} split(s)", attn_args, splits)
+           for splits in (1, attention.MAX_SPLITS)]
+    out += [chunk_launch("attention chunk", attn_args),
+            decode_launch("attention decode, fp8 cache", fp8, 1),
+            chunk_launch("attention chunk, fp8 cache", fp8)]
     out.append(("merge splits", attention._merge_splits_kernel,
                 dict(part_acc_ptr="*fp32", part_ml_ptr="*fp32", out_ptr=t),
                 dict(SPLITS=attention.MAX_SPLITS, HEAD_DIM=d, D_PAD=d_pad), _options()))
