@@ -209,6 +209,6 @@ def test_an_auto_kv_cache_follows_the_weights_precision(tiny_llama_dir, weights,
 def test_the_kv_cache_dtype_is_checked():
     from common.config import CacheConfig
 
-    with pytest.raises(ValueError, match="kv_cache_dtype must be auto, float32 or bfloat16, "
-                                         "got 'fp8'"):
-        CacheConfig(kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, "
+                                         "bfloat16, fp8, got 'fp16'"):
+        CacheConfig(kv_cache_dtype="fp16")
