@@ -97,6 +97,23 @@ def test_gpu_benchmark_smoke_on_the_cpu(tiny_llama_dir, tmp_path, kv):
     assert report["kv_cache_dtype"] == ("torch.float8_e4m3fn" if kv == "fp8" else "torch.float32")
 
 
+def test_the_zmq_comparison_runs_the_engine_process_in_the_same_format(monkeypatch):
+    """--zmq compares the in-process engine with an engine process: the same weight
+    format on both sides (it once left --quantization out: int8 against float32)."""
+    import subprocess as sp
+
+    from benchmarks import engine as bench
+
+    launched = []
+    monkeypatch.setattr(sp, "Popen", lambda cmd, **kw: launched.append(cmd))
+    args = bench.parse_args(["--zmq", "--quantization", "int8", "--dtype", "bfloat16"])
+    bench.start_engine_process(args, 4, "ipc:///tmp/x.sock")
+    cmd = " ".join(launched[0])
+    assert "--quantization int8" in cmd and "--dtype bfloat16" in cmd
+    with pytest.raises(SystemExit, match="--kernel-isa avx2 applies to the in-process"):
+        bench.main(["--zmq", "--kernel-isa", "avx2"])
+
+
 def test_gpu_attention_benchmark_smoke_through_the_interpreter(tmp_path):
     """benchmarks/gpu_attention.py, whose tilings docs/performance.md compares on a GPU,
     runs here through Triton's interpreter at SmolLM2's shape (GQA 3:1): every tiling's
