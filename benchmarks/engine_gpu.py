@@ -77,16 +77,18 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed(fn, device: torch.device, repeats: int = 5) -> float:
-    """Median seconds of fn() after a warm-up."""
+def timed(fn, device: torch.device, repeats: int = 5, iters: int = 1) -> float:
+    """Median seconds of a call of fn() after a warm-up, over repeats runs of iters
+    calls."""
     fn()
     times = []
     for _ in range(repeats):
         sync(device)
         start = time.perf_counter()
-        fn()
+        for _ in range(iters):
+            fn()
         sync(device)
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start) / iters)
     return statistics.median(times)
 
 

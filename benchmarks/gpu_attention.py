@@ -22,16 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.engine_gpu import copy_bandwidth, sync  # noqa: E402
+from benchmarks.engine_gpu import copy_bandwidth, timed  # noqa: E402
 from common.model_files import resolve_model_dir  # noqa: E402
 from engine_worker.gpu import attention  # noqa: E402
 from engine_worker.model_config import load_model_config  # noqa: E402
@@ -62,20 +60,6 @@ def label(t: attention.Tiling, decode: bool) -> str:
     return f"{head}x{t.num_warps}x{t.num_stages}"
 
 
-def timed(fn, device: torch.device, iters: int, repeats: int) -> float:
-    """Median seconds per call."""
-    fn()  # compiles
-    sync(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        sync(device)
-        times.append((time.perf_counter() - start) / iters)
-    return statistics.median(times)
-
-
 def scattered_cache(num_seqs: int, context: int, page: int, hkv: int, d: int,
                     dtype: torch.dtype, device: torch.device, gen: torch.Generator):
     """K and V caches holding num_seqs contexts in blocks taken at random, and the block
@@ -88,8 +72,12 @@ def scattered_cache(num_seqs: int, context: int, page: int, hkv: int, d: int,
     return k, v, tables.to(device, torch.int32)
 
 
-def compare(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+def against(out: torch.Tensor, ref: torch.Tensor | None) -> tuple[float, torch.Tensor]:
+    """(relative L2 of out from ref, the reference): the first tiling's output (the
+    engine's own) is the reference of the others."""
+    if ref is None:
+        return 0.0, out.clone()
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item(), ref
 
 
 def main(argv=None) -> int:
@@ -150,9 +138,8 @@ def main(argv=None) -> int:
                 attention.paged_attention(q, k, v, out, tables[:batch], seq_lens, query_start,
                                           batch, None, None, scale, splits, buffers,
                                           tiles=(t, chunk_tilings[0]))
-            seconds = timed(call, device, args.iters, args.repeats)
-            err = 0.0 if ref is None else compare(out, ref)
-            ref = out.clone() if ref is None else ref
+            seconds = timed(call, device, args.repeats, args.iters)
+            err, ref = against(out, ref)
             failed |= err > tol
             rows[label(t, True)] = {"us": seconds * 1e6, "bytes_per_s": kv_bytes / seconds,
                                     "fraction_of_copy": kv_bytes / seconds / bandwidth,
@@ -181,9 +168,8 @@ def main(argv=None) -> int:
             attention.paged_attention(q, k, v, out, tables, seq_lens, query_start, 0,
                                       tile_seq, tile_offset, scale,
                                       tiles=(decode_tilings[0], t))
-        seconds = timed(call, device, args.iters, args.repeats)
-        err = 0.0 if ref is None else compare(out, ref)
-        ref = out.clone() if ref is None else ref
+        seconds = timed(call, device, args.repeats, args.iters)
+        err, ref = against(out, ref)
         failed |= err > tol
         report["chunk"][label(t, False)] = {"us": seconds * 1e6, "flops_per_s": flops / seconds,
                                             "rel_l2_vs_engine": err}

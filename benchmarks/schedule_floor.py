@@ -35,12 +35,10 @@ def scheduled_floor(weight_bytes: float, kv_bytes_per_token: float, flops_per_to
     generated = [0] * concurrency
     seconds, steps = 0.0, 0
     while min(generated) < output_len:
-        room, tokens, kv_tokens = budget, 0, 0
         decoding = [i for i in range(concurrency)
-                    if prefilled[i] == input_len and 0 < generated[i] < output_len][:room]
-        room -= len(decoding)
-        tokens += len(decoding)
-        kv_tokens += sum(input_len + generated[i] for i in decoding)
+                    if prefilled[i] == input_len and 0 < generated[i] < output_len][:budget]
+        room = budget - len(decoding)
+        kv_tokens = sum(input_len + generated[i] for i in decoding)
         chunks = []
         for i in range(concurrency):
             if room == 0:
@@ -49,8 +47,8 @@ def scheduled_floor(weight_bytes: float, kv_bytes_per_token: float, flops_per_to
                 n = min(input_len - prefilled[i], room)
                 chunks.append((i, n))
                 room -= n
-                tokens += n
                 kv_tokens += prefilled[i] + n
+        tokens = budget - room
         seconds += max((weight_bytes + kv_tokens * kv_bytes_per_token) / bandwidth,
                        tokens * flops_per_token / rate)
         steps += 1

@@ -63,18 +63,16 @@ class KvBlockStore:
         # What a peer's block bytes must mean to be usable here.
         self.layout = (f"{name}|{first.dtype}|layers={len(self.kv_caches)}|"
                        f"block={block_size}|kv_heads={heads}|head_dim={head_dim}")
-        # The caches as bytes (torch cannot stack or copy fp8 everywhere; bytes it can).
-        self._bytes = [c.view(torch.uint8) for c in self.kv_caches]
 
     def read(self, block_id: int) -> bytes:
-        one = torch.stack([c[:, block_id] for c in self._bytes])
-        return one.cpu().numpy().tobytes()
+        one = torch.stack([c[:, block_id] for c in self.kv_caches])
+        return one.view(torch.uint8).cpu().numpy().tobytes()
 
     def write(self, block_id: int, data: bytes) -> None:
-        first = self._bytes[0]
+        first = self.kv_caches[0]
         raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        layers = raw.view(len(self._bytes), *first[:, block_id].shape)
-        for cache, layer in zip(self._bytes, layers.to(first.device)):
+        layers = raw.view(first.dtype).view(len(self.kv_caches), *first[:, block_id].shape)
+        for cache, layer in zip(self.kv_caches, layers.to(first.device)):
             cache[:, block_id].copy_(layer)
 
 

@@ -32,7 +32,7 @@ from engine_worker.kernels import cpu_kernels as load_cpu_kernels
 from engine_worker.model_config import ModelConfig
 from engine_worker.gguf import gguf_file
 from engine_worker.models import PackedLinear, load_model
-from engine_worker.ops import TorchOps
+from engine_worker.ops import FP8, TorchOps
 from engine_worker.sampler import Sampler
 from engine_worker.scheduler import ScheduledRequest
 from engine_worker.step_inputs import StepBatch, StepInputs, step_layout
@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 # --kv-cache-dtype: the cache's element type (None: the model's, _auto_kv_dtype).
 _KV_DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16,
-              "fp8": torch.float8_e4m3fn}
+              "fp8": FP8}
 _DEFAULT_CPU_KV_BYTES = 2 << 30
 
 
@@ -91,12 +91,11 @@ class ModelRunner:
                              f"cpu, a C compiler, not --no-cpu-kernels)")
         self.dtype = dtype
         self.kv_dtype = _KV_DTYPES[cache.kv_cache_dtype]
-        if self.kv_dtype == torch.float8_e4m3fn and kernels is not None:
+        if self.kv_dtype == FP8 and kernels is not None:
             raise ValueError("--kv-cache-dtype fp8 is for CUDA: the CPU kernels read a float32 "
                              "or bfloat16 cache (on the CPU only the torch reference path, "
                              "--attention-backend torch, reads fp8)")
-        if (self.kv_dtype not in (None, dtype, torch.float8_e4m3fn)
-                and device.type != "cpu"):
+        if self.kv_dtype not in (None, dtype, FP8) and device.type != "cpu":
             raise ValueError(f"--kv-cache-dtype {cache.kv_cache_dtype}: on {device.type} the KV "
                              f"cache is kept in the dtype the model computes in "
                              f"({str(dtype).removeprefix('torch.')}) or in fp8; use auto or fp8")

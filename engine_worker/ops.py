@@ -44,11 +44,11 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """k and v (N, Hkv, D) into their slots of one layer's cache."""
     h_kv, d = k.shape[1:]
-    # torch has no index_copy_ for fp8: the bytes are copied (fp8 is one byte a value).
-    as_stored = (lambda t: t.view(torch.uint8)) if kv_cache.dtype == FP8 else (lambda t: t)
     for cache, x in zip(kv_cache, (k, v)):
-        as_stored(cache).view(-1, h_kv, d).index_copy_(
-            0, slot_mapping, as_stored(to_cache_dtype(x, kv_cache.dtype)))
+        x = to_cache_dtype(x, kv_cache.dtype)
+        if kv_cache.dtype == FP8:  # torch has no index_copy_ for fp8: copy its bytes
+            cache, x = cache.view(torch.uint8), x.view(torch.uint8)
+        cache.view(-1, h_kv, d).index_copy_(0, slot_mapping, x)
 
 
 class TorchOps:

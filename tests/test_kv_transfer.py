@@ -9,6 +9,7 @@ import time
 
 import msgspec
 import pytest
+import torch
 
 from common.errors import InvalidRequestError
 from common.protocol import KvBlock, KvBlocks, KvSource, SamplingParams
@@ -341,3 +342,21 @@ def test_chunked_prompts_and_decode_side_preemption(tiny_llama_dir):
     assert d.stats().kv_blocks_received == sum(len(q) // 4 for q in prompts)
     assert d.block_manager.num_used_blocks == 0 and p.block_manager.num_used_blocks == 0
     assert p.stats().kv_leases == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_a_block_moves_between_stores_as_its_bytes_in_every_cache_type(dtype):
+    """A block read from one engine's caches and written into another's lands bit for
+    bit, fp8 included (torch stacks and copies it only as bytes)."""
+    from engine_worker.kv_transfer import KvBlockStore
+
+    def caches(seed):
+        gen = torch.Generator().manual_seed(seed)
+        return [torch.randn(2, 6, 4, 2, 8, generator=gen).to(dtype) for _ in range(3)]
+
+    source, target = KvBlockStore(caches(0), "m"), KvBlockStore(caches(1), "m")
+    data = source.read(4)
+    assert len(data) == source.block_bytes
+    target.write(1, data)
+    for src, dst in zip(source.kv_caches, target.kv_caches):
+        assert torch.equal(src[:, 4].view(torch.uint8), dst[:, 1].view(torch.uint8))

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from benchmarks.kv_accuracy import teacher_forced
 from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.protocol import SamplingParams
 from engine_worker.block_manager import BlockTable
@@ -227,16 +228,6 @@ def test_bad_gpu_settings_are_refused_with_a_clear_error(tiny_llama_dir, monkeyp
                                cache=CacheConfig(block_size=4, num_blocks=16)))
 
 
-def teacher_forced_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
-    """Every prompt position's next-token logits (prompt_logprobs keeps them)."""
-    engine.add_request("tf", prompt, SamplingParams(max_tokens=1, prompt_logprobs=0))
-    rows = []
-    while engine.has_unfinished_requests():
-        engine.step()
-        rows += [logits.float().cpu() for _, _, logits in engine.runner.prompt_logits]
-    return torch.cat(rows)
-
-
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_an_fp8_kv_cache_holds_keys_and_values_rounded_to_float8(tiny_llama_dir, backend):
     """--kv-cache-dtype fp8: the cache is float8 e4m3 (a byte a value) and attention
@@ -256,7 +247,7 @@ def test_an_fp8_kv_cache_holds_keys_and_values_rounded_to_float8(tiny_llama_dir,
             enforce_eager=True,
             cache=CacheConfig(block_size=4, num_blocks=64, kv_cache_dtype=kv_cache_dtype),
             scheduler=SchedulerConfig(max_batch_size=4, max_num_batched_tokens=16)))
-        return teacher_forced_logits(engine, prompt), engine
+        return teacher_forced(engine, [prompt]), engine
 
     exact, _ = logits("float32")
     rounded, engine = logits("fp8")
@@ -267,6 +258,16 @@ def test_an_fp8_kv_cache_holds_keys_and_values_rounded_to_float8(tiny_llama_dir,
     # scripts/gpu-check measures a SmolLM2-shaped model against HF.
     rel = float((rounded - exact).norm() / exact.norm())
     assert 1e-2 < rel < 0.1, rel
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="a CUDA engine's refusal")
+def test_a_cuda_kv_cache_is_the_models_dtype_or_fp8(tiny_llama_dir):
+    with pytest.raises(ValueError, match=r"--kv-cache-dtype float32: on cuda the KV cache is "
+                                         r"kept in the dtype the model computes in "
+                                         r"\(bfloat16\) or in fp8; use auto or fp8"):
+        LLMEngine(EngineConfig(model=str(tiny_llama_dir), device="cuda", dtype="bfloat16",
+                               cache=CacheConfig(block_size=4, num_blocks=16,
+                                                 kv_cache_dtype="float32")))
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the CPU kernels' refusal")
