@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from common.errors import InvalidRequestError
 from common.protocol import (MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS, MIN_REPETITION_PENALTY,
@@ -260,6 +260,23 @@ class ChatMessageParam(BaseModel):
                 raise ValueError(f"content part {i} has type {kind!r}; this model takes "
                                  f"text only (parts of type 'text')")
         return value
+
+    @model_validator(mode="after")
+    def _fields_of_its_role(self):
+        # OpenAI's rules: only an assistant's content may be absent, and only when it
+        # calls tools; calls come from assistants, answers to them from tools.
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a message of role {self.role!r} needs content"
+                             + (" or tool_calls" if self.role == "assistant" else ""))
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"a message of role {self.role!r} has tool_calls; only an "
+                             f"assistant's may")
+        if (self.tool_call_id is None) != (self.role != "tool"):
+            raise ValueError("a tool message needs the tool_call_id it answers"
+                             if self.role == "tool" else
+                             f"a message of role {self.role!r} has a tool_call_id; only a "
+                             f"tool's may")
+        return self
 
     def text(self) -> str:
         if self.content is None:

@@ -56,6 +56,14 @@ FUZZ = [
     ("message bad role", CHAT, _chat(messages=[{"role": "wizard", "content": "x"}])),
     ("message content number", CHAT, _chat(messages=[{"role": "user", "content": 5}])),
     ("message bad part", CHAT, _chat(messages=[{"role": "user", "content": [{"type": "image"}]}])),
+    ("message without content", CHAT, _chat(messages=[{"role": "user"}])),
+    ("message content null", CHAT, _chat(messages=[{"role": "system", "content": None}])),
+    ("assistant with no content or calls", CHAT, _chat(messages=[
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": None}])),
+    ("tool_calls on a user message", CHAT, _chat(messages=[{"role": "user", "content": "Hi", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}])),
+    ("tool message without tool_call_id", CHAT, _chat(messages=[
+        {"role": "user", "content": "Hi"}, {"role": "tool", "content": "18 C"}])),
     ("top_logprobs without logprobs", CHAT, _chat(top_logprobs=2)),
     ("unknown field", C, _cmpl(temprature=0.5)), ("stream_options junk", C, _cmpl(stream_options=5)),
     # NaN, Infinity, numbers too big for anything
