@@ -128,7 +128,9 @@ class InputProcessor:
         job.prefill_held = job.prefill is not None
         job.engine_address = job.engine.address
         job.num_logprobs = inputs.num_logprobs
-        job.include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        options = body.stream_options
+        job.include_usage = bool(options and options.include_usage)
+        job.continuous_usage = bool(options and options.continuous_usage_stats)
         job.return_token_ids = body.return_token_ids
         job.keep = body.n if job.n > body.n else None
         job.prompt_logprobs = body.prompt_logprobs is not None

@@ -67,6 +67,7 @@ class Job:
     keep: Optional[int] = None
     tokenize_ms: float = 0.0
     include_usage: bool = False
+    continuous_usage: bool = False  # the usage so far on every chunk
     return_token_ids: bool = False
     num_logprobs: Optional[int] = None
     # echo: each prompt's text, shown before its completions.

@@ -63,6 +63,8 @@ class ResponseFormat(BaseModel):
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False
+    # vLLM's: every chunk carries the usage so far (include_usage adds the last one).
+    continuous_usage_stats: bool = False
 
 
 class _SamplingFields(BaseModel):
@@ -74,6 +76,14 @@ class _SamplingFields(BaseModel):
     n: int = Field(1, ge=1, le=64)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _options_need_a_stream(cls, value, info):
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
+        return value
+
     stop: Optional[Union[str, list[str]]] = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)

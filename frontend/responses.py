@@ -72,13 +72,19 @@ class Formatter:
         body["timing"] = self.job.timing()
         return body
 
+    def _chunk(self, choice: dict) -> dict:
+        body = self._envelope(self.object_chunk)
+        body["choices"] = [choice]
+        if self.job.continuous_usage:
+            body["usage"] = self.job.usage()
+        return body
+
     def chunk(self, delta: Delta, last: bool) -> Optional[dict]:
         """A stream chunk for ``delta``; None when it carries nothing."""
         choice = self.chunk_choice(delta)
         if choice is None:
             return None
-        body = self._envelope(self.object_chunk)
-        body["choices"] = [choice]
+        body = self._chunk(choice)
         if last and not self.job.include_usage:
             body["timing"] = self.job.timing()
         return body
@@ -151,13 +157,9 @@ class CompletionFormatter(Formatter):
     def first_chunks(self) -> list[dict]:
         if self.job.echo is None:
             return []
-        chunks = []
-        for index in range(len(self.job.choices)):
-            body = self._envelope(self.object_chunk)
-            body["choices"] = [{"index": index, "text": self.echo(index), "logprobs": None,
-                                "finish_reason": None}]
-            chunks.append(body)
-        return chunks
+        return [self._chunk({"index": index, "text": self.echo(index), "logprobs": None,
+                             "finish_reason": None})
+                for index in range(len(self.job.choices))]
 
     def full_choice(self, index: int) -> dict:
         c = self.job.choices[index]
@@ -238,13 +240,9 @@ class ChatFormatter(Formatter):
         return out
 
     def first_chunks(self) -> list[dict]:
-        chunks = []
-        for index in range(len(self.job.choices)):
-            body = self._envelope(self.object_chunk)
-            body["choices"] = [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                "logprobs": None, "finish_reason": None}]
-            chunks.append(body)
-        return chunks
+        return [self._chunk({"index": index, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None})
+                for index in range(len(self.job.choices))]
 
     def chunk_choice(self, delta: Delta) -> Optional[dict]:
         text, calls = delta.text, []

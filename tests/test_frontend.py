@@ -517,6 +517,31 @@ def test_many_concurrent_streams_complete_with_correct_usage(stack):
     assert stats.num_blocks_used == 0
 
 
+def test_continuous_usage_counts_the_tokens_so_far_on_every_chunk(stack):
+    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 6, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx.stream("POST", stack["url"] + "/v1/chat/completions", json=body,
+                      timeout=60) as r:
+        assert r.status_code == 200
+        events = sse_events(r)
+    assert events.pop() == "[DONE]"
+    final = events.pop()  # include_usage's own chunk, with no choices
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 6
+    prompt = final["usage"]["prompt_tokens"]
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    assert all(e["usage"]["prompt_tokens"] == prompt for e in events)
+    assert all(e["usage"]["total_tokens"] == prompt + n for e, n in zip(events, counts))
+    # The role chunk comes before any token; then each chunk counts what came so far.
+    assert counts[0] == 0 and events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert counts[1:] == sorted(counts[1:]) and counts[-1] == 6 and counts[1] >= 1
+    # Without a stream there are no chunks for the options to shape: OpenAI refuses them.
+    r = httpx.post(stack["url"] + "/v1/chat/completions", timeout=60,
+                   json={**body, "stream": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
+    assert "only allowed when stream is true" in r.json()["error"]["message"]
+
+
 def test_metrics_and_health(stack):
     assert httpx.get(stack["url"] + "/health", timeout=30).json()["status"] == "ok"
     assert complete(stack["url"], prompt="count me", max_tokens=2).status_code == 200
