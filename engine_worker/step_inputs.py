@@ -45,6 +45,26 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
+class _Packer:
+    """Lays a step's vectors out one after another in the int64 buffer, each on an
+    _ALIGN boundary, so that their offsets depend only on the vectors' sizes."""
+
+    def __init__(self, ints: np.ndarray) -> None:
+        self.ints = ints
+        self.used = 0  # the end of the last vector
+        self._next = 0
+
+    def put(self, size: int, values=(), pad: int = 0) -> slice:
+        """A vector of ``size``: ``values`` first, then ``pad``."""
+        at = self._next
+        n = len(values)
+        if n:
+            self.ints[at:at + n] = values
+        self.ints[at + n:at + size] = pad
+        self.used, self._next = at + size, at + _aligned(size)
+        return slice(at, at + size)
+
+
 @dataclass
 class StepBatch:
     """A step's inputs on the device (views of the persistent buffers)."""
@@ -133,43 +153,77 @@ class StepInputs:
                              count=num_seqs)
         num_tokens = int(q_lens.sum())
         num_decode = int(np.argmax(q_lens > 1)) if (q_lens > 1).any() else num_seqs
-        padded_seqs, padded_tokens = num_seqs, num_tokens
-        if pad_to is not None:
-            assert num_decode == num_seqs and pad_to >= num_seqs
-            padded_seqs = padded_tokens = pad_to
+        t, s = self._padded_sizes(num_tokens, num_seqs, num_decode, pad_to, pad_chunks)
         if pad_chunks is not None:
-            assert num_decode == 0 and num_tokens <= pad_chunks[0] and num_seqs <= pad_chunks[1]
-            padded_tokens, padded_seqs = pad_chunks
-            logits_rows = list(logits_rows) + [0] * (padded_seqs - len(logits_rows))
-        if num_tokens > self.max_tokens or padded_seqs > self.max_seqs:
-            raise ValueError(f"a step of {num_tokens} tokens in {num_seqs} sequences "
-                             f"exceeds the buffers ({self.max_tokens}, {self.max_seqs})")
+            logits_rows = list(logits_rows) + [0] * (s - len(logits_rows))
         ends = starts + q_lens
-        bs = self.block_size
         if self._copied is not None:
             self._copied.synchronize()
-
-        # Offsets of the packed vectors, each aligned (see _ALIGN).
-        t, s = padded_tokens, padded_seqs
-        o_ids, o_pos, o_slot, o_seq = 0, _aligned(t), 2 * _aligned(t), 3 * _aligned(t)
-        o_qs = o_seq + _aligned(s)
-        o_rows = o_qs + _aligned(s + 1)
-        ints = self.ints
-
         self._write_tables(scheduled, ends)
+
+        # The vectors, packed one after another (see _Packer); padded rows past the
+        # real ones: no token (id 0, position 0, slot -1), no context.
+        pack = _Packer(self.ints)
+        ids = pack.put(t)
+        self._write_ids(self.ints[ids][:num_tokens], scheduled, q_lens)
         query_start = np.zeros(s + 1, dtype=np.int64)
         np.cumsum(q_lens, out=query_start[1:num_seqs + 1])
         query_start[num_seqs + 1:] = num_tokens + np.arange(1, s - num_seqs + 1)
-        ints[o_qs:o_qs + s + 1] = query_start
-        ints[o_seq:o_seq + num_seqs] = ends
-        ints[o_seq + num_seqs:o_seq + s] = 0
-        # Per token: which sequence, its position, its slot.
-        seq_of = np.repeat(np.arange(num_seqs), q_lens)
+        seq_of = np.repeat(np.arange(num_seqs), q_lens)  # per token: its sequence
         positions = np.arange(num_tokens) - query_start[seq_of] + starts[seq_of]
-        ints[o_pos:o_pos + num_tokens] = positions
-        ints[o_slot:o_slot + num_tokens] = (
-            self.tables[seq_of, positions // bs].astype(np.int64) * bs + positions % bs)
-        ids = ints[o_ids:o_ids + num_tokens]
+        pos = pack.put(t, positions)
+        bs = self.block_size
+        slot = pack.put(t, self.tables[seq_of, positions // bs].astype(np.int64) * bs
+                        + positions % bs, pad=-1)
+        seq_lens = pack.put(s, ends)
+        qs = pack.put(s + 1, query_start)
+        rows = pack.put(len(logits_rows), logits_rows)
+        tile_seq, tile_offset = self._tiles(q_lens[num_decode:], num_decode, pad_chunks)
+        tiles = pack.put(len(tile_seq), tile_seq)
+        offsets = pack.put(len(tile_offset), tile_offset)
+        fill_rows = pack.put(len(fills), [row for row, _ in fills])
+        fill_sources = pack.put(len(fills), [source for _, source in fills])
+
+        dev = self._device_ints
+        if dev is not self._host_ints:
+            dev[:pack.used].copy_(self._host_ints[:pack.used], non_blocking=True)
+            self.block_tables[:s].copy_(self._host_tables[:s], non_blocking=True)
+            self._copied.record()
+        meta = AttentionMetadata(
+            slot_mapping=dev[slot],
+            num_decode=num_decode if pad_to is None else s,
+            block_tables=self.block_tables[:s],
+            seq_lens=dev[seq_lens],
+            query_start=dev[qs],
+            tile_seq=dev[tiles],
+            tile_offset=dev[offsets],
+            num_splits=num_splits,
+            seq_lens_host=ends.tolist(),
+            query_start_host=query_start[:num_seqs + 1].tolist(),
+        )
+        return StepBatch(dev[ids], dev[pos], meta, dev[rows], num_sampled, num_seqs,
+                         num_tokens, dev[fill_rows], dev[fill_sources])
+
+    def _padded_sizes(self, num_tokens: int, num_seqs: int, num_decode: int,
+                      pad_to: Optional[int], pad_chunks: Optional[tuple[int, int]]
+                      ) -> tuple[int, int]:
+        """The step's (tokens, sequences) with a graph's padding."""
+        tokens, seqs = num_tokens, num_seqs
+        if pad_to is not None:
+            assert num_decode == num_seqs and pad_to >= num_seqs
+            tokens = seqs = pad_to
+        if pad_chunks is not None:
+            assert num_decode == 0 and num_tokens <= pad_chunks[0] and num_seqs <= pad_chunks[1]
+            tokens, seqs = pad_chunks
+        if num_tokens > self.max_tokens or seqs > self.max_seqs:
+            raise ValueError(f"a step of {num_tokens} tokens in {num_seqs} sequences "
+                             f"exceeds the buffers ({self.max_tokens}, {self.max_seqs})")
+        return tokens, seqs
+
+    @staticmethod
+    def _write_ids(ids: np.ndarray, scheduled: Sequence[ScheduledRequest],
+                   q_lens: np.ndarray) -> None:
+        """Each request's scheduled token ids, in the step's layout."""
         at = 0
         for sr, n in zip(scheduled, q_lens.tolist()):
             r, start = sr.request, sr.request.num_computed_tokens
@@ -178,48 +232,6 @@ class StepInputs:
             else:
                 ids[at:at + n] = r.token_ids[start:start + n]
             at += n
-        ints[o_ids + num_tokens:o_ids + t] = 0
-        ints[o_pos + num_tokens:o_pos + t] = 0
-        ints[o_slot + num_tokens:o_slot + t] = -1
-
-        num_rows = len(logits_rows)
-        ints[o_rows:o_rows + num_rows] = logits_rows
-        o_tiles = o_rows + _aligned(num_rows)
-        tile_seq, tile_offset = self._tiles(q_lens[num_decode:], num_decode, pad_chunks)
-        num_tiles = len(tile_seq)
-        o_offsets = o_tiles + _aligned(num_tiles)
-        ints[o_tiles:o_tiles + num_tiles] = tile_seq
-        ints[o_offsets:o_offsets + num_tiles] = tile_offset
-        num_fills = len(fills)
-        o_fill_rows = o_offsets + _aligned(num_tiles)
-        o_fill_sources = o_fill_rows + _aligned(num_fills)
-        if num_fills:
-            rows, sources = zip(*fills)
-            ints[o_fill_rows:o_fill_rows + num_fills] = rows
-            ints[o_fill_sources:o_fill_sources + num_fills] = sources
-        used = o_fill_sources + num_fills
-
-        dev = self._device_ints
-        if dev is not self._host_ints:
-            dev[:used].copy_(self._host_ints[:used], non_blocking=True)
-            self.block_tables[:s].copy_(self._host_tables[:s], non_blocking=True)
-            self._copied.record()
-        meta = AttentionMetadata(
-            slot_mapping=dev[o_slot:o_slot + t],
-            num_decode=num_decode if pad_to is None else s,
-            block_tables=self.block_tables[:s],
-            seq_lens=dev[o_seq:o_seq + s],
-            query_start=dev[o_qs:o_qs + s + 1],
-            tile_seq=dev[o_tiles:o_tiles + num_tiles],
-            tile_offset=dev[o_offsets:o_offsets + num_tiles],
-            num_splits=num_splits,
-            seq_lens_host=ends.tolist(),
-            query_start_host=query_start[:num_seqs + 1].tolist(),
-        )
-        return StepBatch(dev[o_ids:o_ids + t], dev[o_pos:o_pos + t], meta,
-                         dev[o_rows:o_rows + num_rows], num_sampled, num_seqs, num_tokens,
-                         dev[o_fill_rows:o_fill_rows + num_fills],
-                         dev[o_fill_sources:o_fill_sources + num_fills])
 
     def _tiles(self, chunk_lens: np.ndarray, first_seq: int,
                pad_chunks: Optional[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
