@@ -62,6 +62,36 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def _formats(config: EngineConfig, kernels, dtype: torch.dtype, device: torch.device,
+             gguf_path: Optional[Path]) -> tuple[str, torch.dtype, Optional[torch.dtype]]:
+    """The weights' format, the dtype the model computes in and the KV cache's (None:
+    auto, decided once the weights are loaded), each checked against the others."""
+    if gguf_path is not None and (config.quantization or dtype != torch.float32):
+        raise ValueError(f"{gguf_path.name} is served as it is: --quantization and "
+                         f"--dtype (other than auto or float32) do not apply to it")
+    # On the CPU kernels, bfloat16 and int8 are formats of the packed weights;
+    # activations stay float32 (the KV cache: ModelRunner._auto_kv_dtype).
+    weight_format = str(dtype).removeprefix("torch.")
+    if kernels is not None:
+        weight_format = config.quantization or (
+            "bfloat16" if dtype == torch.bfloat16 else "float32")
+        dtype = torch.float32
+    elif config.quantization is not None:
+        raise ValueError(f"{config.quantization} weights need the CPU C kernels (--device "
+                         f"cpu, a C compiler, not --no-cpu-kernels)")
+    name = config.cache.kv_cache_dtype
+    kv_dtype = _KV_DTYPES[name]
+    if kv_dtype == FP8 and kernels is not None:
+        raise ValueError("--kv-cache-dtype fp8 is for CUDA: the CPU kernels read a float32 "
+                         "or bfloat16 cache (on the CPU only the torch reference path, "
+                         "--attention-backend torch, reads fp8)")
+    if kv_dtype not in (None, dtype, FP8) and device.type != "cpu":
+        raise ValueError(f"--kv-cache-dtype {name}: on {device.type} the KV cache is kept in "
+                         f"the dtype the model computes in "
+                         f"({str(dtype).removeprefix('torch.')}) or in fp8; use auto or fp8")
+    return weight_format, dtype, kv_dtype
+
+
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, model_dir: Path, config: EngineConfig,
                  scheduler: SchedulerConfig, device: torch.device, dtype: torch.dtype) -> None:
@@ -76,29 +106,9 @@ class ModelRunner:
                 and dtype in (torch.float32, torch.bfloat16)):
             kernels = load_cpu_kernels()
         gguf_path = gguf_file(model_dir) if config.load_format != "dummy" else None
-        if gguf_path is not None and (config.quantization or dtype != torch.float32):
-            raise ValueError(f"{gguf_path.name} is served as it is: --quantization and "
-                             f"--dtype (other than auto or float32) do not apply to it")
-        # On the CPU kernels, bfloat16 and int8 are formats of the packed weights;
-        # activations stay float32 (the KV cache: _auto_kv_dtype).
-        self.weight_format = str(dtype).removeprefix("torch.")
-        if kernels is not None:
-            self.weight_format = config.quantization or (
-                "bfloat16" if dtype == torch.bfloat16 else "float32")
-            dtype = torch.float32
-        elif config.quantization is not None:
-            raise ValueError(f"{config.quantization} weights need the CPU C kernels (--device "
-                             f"cpu, a C compiler, not --no-cpu-kernels)")
+        self.weight_format, dtype, self.kv_dtype = _formats(config, kernels, dtype, device,
+                                                            gguf_path)
         self.dtype = dtype
-        self.kv_dtype = _KV_DTYPES[cache.kv_cache_dtype]
-        if self.kv_dtype == FP8 and kernels is not None:
-            raise ValueError("--kv-cache-dtype fp8 is for CUDA: the CPU kernels read a float32 "
-                             "or bfloat16 cache (on the CPU only the torch reference path, "
-                             "--attention-backend torch, reads fp8)")
-        if self.kv_dtype not in (None, dtype, FP8) and device.type != "cpu":
-            raise ValueError(f"--kv-cache-dtype {cache.kv_cache_dtype}: on {device.type} the KV "
-                             f"cache is kept in the dtype the model computes in "
-                             f"({str(dtype).removeprefix('torch.')}) or in fp8; use auto or fp8")
         max_seqs = max(scheduler.decode_batch_size, scheduler.prefill_batch_size)
         self.token_budget = scheduler.token_budget
         self.attn, ops = self._backend(config, kernels, max_seqs)
