@@ -278,6 +278,10 @@ class FrontendConfig:
     # A request whose engine refused it (draining) or died before any of its output
     # was read is sent to another engine, at most this many times.
     request_retries: int = 2
+    # A stream's tokens are written to its client this many at a time (its first
+    # token, a choice's last and an error at once): fewer writes and client wake-ups
+    # per token, as vLLM's and SGLang's --stream-interval, for chunkier streams.
+    stream_interval: int = 1
     # /health waits this long for the engine and tokenizer round trips.
     health_timeout_s: float = 5.0
     # Pongs come from the engine's I/O thread, so silence this long means the process
@@ -298,7 +302,7 @@ class FrontendConfig:
         if not 0 < self.port < 65536:
             raise ValueError(f"port must be in 1..65535, got {self.port}")
         for name in ("max_body_bytes", "max_waiting_requests", "max_waiting_tokens",
-                     "max_choices_per_request"):
+                     "max_choices_per_request", "stream_interval"):
             _positive(name, getattr(self, name))
         for name in ("tokenize_timeout_s", "request_timeout_s", "health_timeout_s",
                      "engine_heartbeat_timeout_s", "engine_stall_timeout_s", "dns_refresh_s"):

@@ -58,6 +58,10 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dns-refresh", type=float, default=5.0,
                    help="seconds between lookups of engine addresses given by DNS name "
                         "(tcp://tasks.engine:5557: every address the name resolves to)")
+    g.add_argument("--stream-interval", type=int, default=1,
+                   help="write a stream's tokens to its client this many at a time (its "
+                        "first token and its end at once): fewer writes per token, chunkier "
+                        "streams (default 1)")
     g.add_argument("--request-retries", type=int, default=2,
                    help="times a request is sent to another engine when its engine refused "
                         "it (draining) or failed before any output (default 2; 0: never)")
@@ -92,7 +96,7 @@ def frontend_config_from_args(args: argparse.Namespace, engines: Sequence[str],
         tokenize_timeout_s=args.tokenize_timeout, request_timeout_s=args.request_timeout,
         routing=args.routing, request_retries=args.request_retries,
         dns_refresh_s=args.dns_refresh, disagg_min_prompt_tokens=args.disagg_min_prompt_tokens,
-        kv_lease_s=args.kv_lease,
+        kv_lease_s=args.kv_lease, stream_interval=args.stream_interval,
         curve_key=CurveKey.from_option(getattr(args, "curve_key_file", None)))
 
 

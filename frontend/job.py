@@ -90,6 +90,8 @@ class Job:
     # that the job has ended).
     outbox: list[bytes] = field(default_factory=list)
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    # Tokens in the outbox since the last wake-up (--stream-interval).
+    held: int = 0
     ended: bool = False
     # What ended it, if not every choice finishing.
     error: Optional["APIError"] = None

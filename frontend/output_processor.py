@@ -49,11 +49,14 @@ def sse(body: dict) -> bytes:
 
 
 class OutputProcessor:
-    def __init__(self, router: EngineRouter, retries: int, kv_lease_s: float = 30.0) -> None:
+    def __init__(self, router: EngineRouter, retries: int, kv_lease_s: float = 30.0,
+                 stream_interval: int = 1) -> None:
         self.router = router
         self.retries = retries
         # How long a prefill engine keeps a prompt's blocks for the decode engine.
         self.kv_lease_s = kv_lease_s
+        # A job's waiting events are written once this many tokens are among them.
+        self.stream_interval = stream_interval
         # Jobs sent to another engine since start (each time counts).
         self.num_retries = 0
 
@@ -203,7 +206,11 @@ class OutputProcessor:
                 job.outbox.append(sse(chunk))
         if job.remaining == 0:
             self._end(job)
-        job.wakeup.set()
+        job.held += len(delta.token_ids)
+        if (job.held >= self.stream_interval or not started or job.ended
+                or delta.finish_reason is not None):
+            job.held = 0
+            job.wakeup.set()
 
     def _end(self, job: Job) -> None:
         if job.stream:

@@ -89,7 +89,8 @@ class Pipeline:
         self.inputs = InputProcessor(engines, tokenizer_client, tokenizer, admission, config,
                                      chat_template,
                                      None if grammars is None else CheckedGrammars(grammars))
-        self.outputs = OutputProcessor(engines, config.request_retries, config.kv_lease_s)
+        self.outputs = OutputProcessor(engines, config.request_retries, config.kv_lease_s,
+                                       config.stream_interval)
         # Jobs opened and not closed (HTTP requests being served).
         self.num_jobs = 0
         # Keeps the router's engines equal to what the engine addresses name (set by

@@ -147,7 +147,7 @@ ENGINE_FLAGS = ["device", "dtype", "quantization", "max_model_len", "max_batch_s
 FRONTEND_FLAGS = ["host", "api_key_file", "served_model_name", "max_body_bytes",
                   "max_waiting_requests", "max_waiting_tokens", "max_choices_per_request",
                   "tokenize_timeout", "request_timeout", "routing", "request_retries",
-                  "dns_refresh", "disagg_min_prompt_tokens", "kv_lease"]
+                  "dns_refresh", "disagg_min_prompt_tokens", "kv_lease", "stream_interval"]
 
 
 def engine_roles(args: argparse.Namespace) -> list[str]:

@@ -36,15 +36,16 @@ def stack(tmp_path_factory, tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def strict(tmp_path_factory, tiny_llama_dir, stack):
-    """A second frontend with an API key, a small body limit and an admission limit of
-    one waiting request, before an engine that decodes one request at a time, slowly
-    (20 ms per step, so that requests stay queued long enough to observe)."""
+    """A second frontend with an API key, a small body limit, an admission limit of
+    one waiting request and a stream interval of 3 tokens, before an engine that
+    decodes one request at a time, slowly (20 ms per step, so that requests stay
+    queued long enough to observe)."""
     d = tmp_path_factory.mktemp("strict")
     engine = processes.engine(tiny_llama_dir, f"ipc://{d}/engine.sock", "--max-batch-size", "1",
                               env={"ROSESERVE_FAULT_STEP_DELAY_S": "0.02"})
     front = processes.frontend(tiny_llama_dir, engine.address, stack["pool"].address,
                                "--served-model-name", "tiny-llama", "--api-key", "s3cret", "--max-body-bytes", "4096",
-                               "--max-waiting-requests", "1")
+                               "--max-waiting-requests", "1", "--stream-interval", "3")
     try:
         processes.wait_healthy(front)
         yield {"engine": engine, "frontend": front, "url": front.url,
@@ -397,6 +398,26 @@ def test_api_key_is_required_except_for_health_and_metrics(strict):
     assert complete(url, headers=strict["auth"], prompt="x", max_tokens=1).status_code == 200
     assert httpx.get(url + "/health", timeout=30).status_code == 200
     assert httpx.get(url + "/metrics", timeout=30).status_code == 200
+
+
+def test_a_stream_interval_writes_tokens_a_few_at_a_time_and_loses_none(strict):
+    body = {"model": "tiny-llama", "prompt": "Hi", "max_tokens": 10, "ignore_eos": True,
+            "temperature": 0}
+    full = complete(strict["url"], strict["auth"], **body).json()
+    reads = []  # what arrived at each read of the socket (20 ms apart: one per write)
+    with httpx.stream("POST", strict["url"] + "/v1/completions", headers=strict["auth"],
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}},
+                      timeout=60) as r:
+        assert r.status_code == 200
+        reads = list(r.iter_raw())
+    events = [json.loads(line[6:]) for line in b"".join(reads).decode().splitlines()
+              if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == \
+        full["choices"][0]["text"]
+    assert events[-1]["usage"]["completion_tokens"] == 10
+    # The first token alone, then 3 at a time, the last ones with the end: 5 writes
+    # (a token a write: 10).
+    assert len([d for d in reads if b'"text"' in d]) <= 5, reads
 
 
 def test_body_over_the_limit_gets_413(strict):
