@@ -13,6 +13,7 @@ def test_frontend_benchmark_smoke(tiny_llama_dir, tmp_path):
         [sys.executable, "benchmarks/frontend.py", "--model", str(tiny_llama_dir),
          "--concurrency", "1,3", "--repeats", "2", "--input-len", "8", "--output-len", "6",
          "--serve-flag=--kv-cache-memory-gb=0.05", "--serve-flag=--block-size=4",
+         "--serve-flag=--stream-interval=2",
          "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
