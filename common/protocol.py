@@ -270,7 +270,7 @@ class MessageType(enum.IntEnum):
 # two ends of a connection refuse each other when theirs differ (an older peer would
 # silently drop fields a newer one sends). A peer whose messages lack the field is
 # version 0.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 
 
 def version_mismatch(peer: str, theirs: int) -> Optional[str]:
@@ -314,6 +314,10 @@ class AddRequest(msgspec.Struct, frozen=True, kw_only=True):
     # computing the rest (engine_worker/kv_transfer.py); any block not received and
     # verified is computed here.
     kv_source: Optional[KvSource] = None
+    # Outputs are sent this many tokens at a time (the first output, the last and an
+    # abort at once; the frontend's --stream-interval): fewer frames for the engine to
+    # send and its client to wake for.
+    output_interval: int = 1
 
 
 class AbortRequests(msgspec.Struct, frozen=True, kw_only=True):

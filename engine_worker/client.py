@@ -126,7 +126,7 @@ class EngineClient(ServiceClient):
         them, the last one with a finish_reason, or an exception (the engine
         refused the request, or died) that ends it. Raises the dead error now if the
         engine is known to be gone. ``disaggregation``: AddRequest's output_token_ids,
-        kv_lease_s and kv_source."""
+        kv_lease_s, kv_source and output_interval."""
         self.check_alive()
         if request_id in self._sinks:
             raise ValueError(f"request_id {request_id!r} is already in flight")

@@ -84,6 +84,10 @@ class EngineServer:
         self.clients: dict[bytes, _Client] = {}
         self._next_prune = 0.0
         self.owner: dict[str, bytes] = {}  # request_id -> client identity
+        # Requests with an output interval above 1 -> it; and their outputs held back
+        # until that many tokens are among them (_coalesce).
+        self.intervals: dict[str, int] = {}
+        self.held: dict[str, RequestOutput] = {}
         # Finished requests whose prompt blocks are held for a decode engine (their
         # client may still let go of them with an abort) -> that client's identity.
         self.lease_owner: dict[str, bytes] = {}
@@ -289,6 +293,8 @@ class EngineServer:
             return
         self.owner[add.request_id] = identity
         self.clients[identity].request_ids.add(add.request_id)
+        if add.output_interval > 1:
+            self.intervals[add.request_id] = add.output_interval
 
     def _abort(self, request_ids: list[str], reason: Optional[str],
                requester: Optional[bytes] = None) -> None:
@@ -305,9 +311,13 @@ class EngineServer:
         for request_id in self.engine.abort_requests(request_ids):
             identity = self.owner.pop(request_id)
             self.clients[identity].request_ids.discard(request_id)
-            if reason is not None:
-                by_client.setdefault(identity, []).append(RequestOutput(
-                    request_id=request_id, finish_reason=FinishReason.ABORT, error=reason))
+            self.intervals.pop(request_id, None)
+            held = self.held.pop(request_id, None)
+            if reason is not None:  # with the tokens held back, if any
+                out = RequestOutput(request_id=request_id, finish_reason=FinishReason.ABORT,
+                                    error=reason)
+                by_client.setdefault(identity, []).append(
+                    out if held is None else _merged(held, out))
         for identity, outputs in by_client.items():
             self._send(identity, OutputBatch(outputs=outputs))
 
@@ -315,7 +325,7 @@ class EngineServer:
         by_client: dict[bytes, list[RequestOutput]] = {}
         for out in outputs:
             identity = self.owner.get(out.request_id)
-            if identity is None:
+            if identity is None or (out := self._coalesce(out)) is None:
                 continue
             by_client.setdefault(identity, []).append(out)
             if out.finish_reason is not None:
@@ -329,6 +339,23 @@ class EngineServer:
                     self._send(identity, OutputBatch(outputs=[out]))
             else:
                 self._send(identity, OutputBatch(outputs=batch))
+
+    def _coalesce(self, out: RequestOutput) -> Optional[RequestOutput]:
+        """``out`` with the outputs held back before it, or None to hold it too: a
+        request with an output interval sends its first output (the one with the
+        prompt's figures), its last, and otherwise outputs of that many tokens."""
+        interval = self.intervals.get(out.request_id)
+        if interval is None:
+            return out
+        held = self.held.pop(out.request_id, None)
+        if held is not None:
+            out = _merged(held, out)
+        if out.finish_reason is not None:
+            del self.intervals[out.request_id]
+        elif out.num_cached_tokens is None and len(out.new_token_ids) < interval:
+            self.held[out.request_id] = out
+            return None
+        return out
 
     def _publish_cache_changes(self) -> None:
         if not self.ready.prefix_caching:
@@ -390,3 +417,13 @@ class EngineServer:
     def _broadcast(self, message: msgspec.Struct) -> None:
         for identity in list(self.clients):
             self._send(identity, message)
+
+
+def _merged(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """One output for two consecutive ones of a request (the first not its last)."""
+    logprobs = None
+    if first.logprobs is not None or then.logprobs is not None:
+        logprobs = (first.logprobs or []) + (then.logprobs or [])
+    return msgspec.structs.replace(
+        first, new_token_ids=first.new_token_ids + then.new_token_ids, logprobs=logprobs,
+        finish_reason=then.finish_reason, stop_token_id=then.stop_token_id, error=then.error)

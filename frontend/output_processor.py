@@ -87,6 +87,8 @@ class OutputProcessor:
 
     def _submit(self, job: Job, choice: Choice, params: SamplingParams, **continuation) -> None:
         assert job.engine is not None
+        if self.stream_interval > 1:
+            continuation["output_interval"] = self.stream_interval
         job.engine.submit(choice.request_id, choice.prompt_token_ids, params,
                           functools.partial(self._on_output, job, choice, job.attempt),
                           **continuation)

@@ -27,9 +27,9 @@ async def connect(address: str, **kw) -> EngineClient:
     return client
 
 
-async def collect(client: EngineClient, request_id: str, prompt, params):
+async def collect(client: EngineClient, request_id: str, prompt, params, **extra):
     outs = []
-    async for out in client.generate(request_id, prompt, params):
+    async for out in client.generate(request_id, prompt, params, **extra):
         outs.append(out)
     return outs
 

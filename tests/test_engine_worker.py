@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import msgspec
 import pytest
 import zmq
 
@@ -183,7 +184,10 @@ def test_sigterm_lets_in_flight_requests_complete(engine_factory):
     assert engine.proc.wait(timeout=30) == 0
 
 
-def test_second_signal_aborts_at_once(engine_factory):
+@pytest.mark.parametrize("interval", [1, 1000])
+def test_second_signal_aborts_at_once(engine_factory, tiny_llama_dir, interval):
+    """With an output interval longer than the request ran, every token after the
+    first is still held back when the abort comes: it brings them."""
     # 480 steps of at least 5 ms: still generating when the second signal lands.
     engine = engine_factory("--drain-timeout", "600",
                             env={"ROSESERVE_FAULT_STEP_DELAY_S": "0.005"})
@@ -194,7 +198,8 @@ def test_second_signal_aborts_at_once(engine_factory):
         last = []
 
         async def consume():
-            async for out in client.generate("slow", PROMPTS[2], greedy(480)):
+            async for out in client.generate("slow", PROMPTS[2], greedy(480),
+                                             output_interval=interval):
                 last.append(out)
                 first.set()
 
@@ -205,12 +210,47 @@ def test_second_signal_aborts_at_once(engine_factory):
         engine.proc.send_signal(signal.SIGTERM)
         await task
         await client.close()
-        return last[-1]
+        return last
 
-    final = run(main())
+    outs = run(main())
+    final = outs[-1]
     assert final.finish_reason is FinishReason.ABORT
     assert "shutting down" in final.error
     assert engine.proc.wait(timeout=30) == 0
+    tokens = token_ids(outs)
+    assert tokens == make_engine(tiny_llama_dir).generate([PROMPTS[2]], greedy(len(tokens)))[0]
+    if interval > 1:
+        assert len(outs) == 2 and len(final.new_token_ids) == len(tokens) - 1 > 10
+
+
+def test_an_output_interval_sends_tokens_a_few_at_a_time(shared_engine, tiny_llama_dir):
+    """AddRequest.output_interval 3: the first output at once (with the prompt's
+    figures), then 3 tokens an output, the last one with what is left; the same tokens
+    and logprobs as one token an output."""
+    params = msgspec.structs.replace(greedy(10), logprobs=2)
+    expected = make_engine(tiny_llama_dir).generate(PROMPTS[:2], greedy(10))
+
+    async def main():
+        client = await connect(shared_engine.address)
+        results = []
+        for max_tokens in (10, 9):
+            p = msgspec.structs.replace(params, max_tokens=max_tokens)
+            results.append(await asyncio.gather(
+                collect(client, f"i{max_tokens}", PROMPTS[0], p, output_interval=3),
+                collect(client, f"o{max_tokens}", PROMPTS[1], p)))
+        await client.close()
+        return results
+
+    (ten, plain), (nine, _) = run(main())
+    assert [len(o.new_token_ids) for o in ten] == [1, 3, 3, 3]
+    assert [len(o.new_token_ids) for o in nine] == [1, 3, 3, 2]
+    assert [len(o.new_token_ids) for o in plain] == [1] * 10
+    assert token_ids(ten) == expected[0] and token_ids(nine) == expected[0][:9]
+    assert token_ids(plain) == expected[1]
+    assert all(len(o.logprobs) == len(o.new_token_ids) for o in ten + nine)
+    assert ten[0].queue_ms is not None and ten[0].num_cached_tokens is not None
+    assert ten[-1].finish_reason is FinishReason.LENGTH
+    assert all(o.finish_reason is None for o in ten[:-1])
 
 
 def test_a_vanished_client_has_its_requests_aborted(engine_factory):

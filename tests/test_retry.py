@@ -261,7 +261,7 @@ def test_an_engine_that_died_between_the_pick_and_the_send_is_left_for_another(t
     """The pick and the send are in different turns of the event loop (the request's
     preparation ends in between): the engine may be found dead at the send."""
     class DiesBeforeTheSend(FakeEngine):
-        def submit(self, *args) -> None:
+        def submit(self, *args, **kwargs) -> None:
             raise EngineDeadError("lost the connection")
 
     def scenario():
