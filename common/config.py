@@ -278,9 +278,10 @@ class FrontendConfig:
     # A request whose engine refused it (draining) or died before any of its output
     # was read is sent to another engine, at most this many times.
     request_retries: int = 2
-    # A stream's tokens are written to its client this many at a time (its first
-    # token, a choice's last and an error at once): fewer writes and client wake-ups
-    # per token, as vLLM's and SGLang's --stream-interval, for chunkier streams.
+    # A stream's tokens are sent this many at a time, by the engine (merged outputs)
+    # and to the client (its first token, a choice's last and an error at once): fewer
+    # messages and wake-ups per token, as vLLM's and SGLang's --stream-interval, for
+    # chunkier streams.
     stream_interval: int = 1
     # /health waits this long for the engine and tokenizer round trips.
     health_timeout_s: float = 5.0

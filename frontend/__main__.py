@@ -59,9 +59,9 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds between lookups of engine addresses given by DNS name "
                         "(tcp://tasks.engine:5557: every address the name resolves to)")
     g.add_argument("--stream-interval", type=int, default=1,
-                   help="write a stream's tokens to its client this many at a time (its "
-                        "first token and its end at once): fewer writes per token, chunkier "
-                        "streams (default 1)")
+                   help="send a stream's tokens this many at a time, from the engine and "
+                        "to the client (its first token and its end at once): fewer messages "
+                        "per token, chunkier streams (default 1)")
     g.add_argument("--request-retries", type=int, default=2,
                    help="times a request is sent to another engine when its engine refused "
                         "it (draining) or failed before any output (default 2; 0: never)")

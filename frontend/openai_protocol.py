@@ -76,14 +76,6 @@ class _SamplingFields(BaseModel):
     n: int = Field(1, ge=1, le=64)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-
-    @field_validator("stream_options")
-    @classmethod
-    def _options_need_a_stream(cls, value, info):
-        if value is not None and not info.data.get("stream"):
-            raise ValueError("stream_options is only allowed when stream is true")
-        return value
-
     stop: Optional[Union[str, list[str]]] = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -119,6 +111,13 @@ class _SamplingFields(BaseModel):
     def _refuse_unsupported(cls, value, info):
         if value:
             raise ValueError(f"{info.field_name} is not supported")
+        return value
+
+    @field_validator("stream_options")
+    @classmethod
+    def _options_need_a_stream(cls, value, info):
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("stream_options is only allowed when stream is true")
         return value
 
     @field_validator("logit_bias")
