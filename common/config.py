@@ -283,6 +283,9 @@ class FrontendConfig:
     # messages and wake-ups per token, as vLLM's and SGLang's --stream-interval, for
     # chunkier streams.
     stream_interval: int = 1
+    # On SIGTERM: new connections are refused at once; requests in flight (streams
+    # included) get this long to finish before they are cut.
+    drain_timeout_s: float = 30.0
     # /health waits this long for the engine and tokenizer round trips.
     health_timeout_s: float = 5.0
     # Pongs come from the engine's I/O thread, so silence this long means the process
@@ -306,7 +309,8 @@ class FrontendConfig:
                      "max_choices_per_request", "stream_interval"):
             _positive(name, getattr(self, name))
         for name in ("tokenize_timeout_s", "request_timeout_s", "health_timeout_s",
-                     "engine_heartbeat_timeout_s", "engine_stall_timeout_s", "dns_refresh_s"):
+                     "engine_heartbeat_timeout_s", "engine_stall_timeout_s", "dns_refresh_s",
+                     "drain_timeout_s"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be positive, got {value}")

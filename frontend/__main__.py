@@ -58,6 +58,9 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dns-refresh", type=float, default=5.0,
                    help="seconds between lookups of engine addresses given by DNS name "
                         "(tcp://tasks.engine:5557: every address the name resolves to)")
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds the requests in flight (streams included) get "
+                        "to finish; new connections are refused at once (default 30)")
     g.add_argument("--stream-interval", type=int, default=1,
                    help="send a stream's tokens this many at a time, from the engine and "
                         "to the client (its first token and its end at once): fewer messages "
@@ -97,6 +100,7 @@ def frontend_config_from_args(args: argparse.Namespace, engines: Sequence[str],
         routing=args.routing, request_retries=args.request_retries,
         dns_refresh_s=args.dns_refresh, disagg_min_prompt_tokens=args.disagg_min_prompt_tokens,
         kv_lease_s=args.kv_lease, stream_interval=args.stream_interval,
+        drain_timeout_s=args.drain_timeout,
         curve_key=CurveKey.from_option(getattr(args, "curve_key_file", None)))
 
 
@@ -107,7 +111,7 @@ def serve(config: FrontendConfig, log_level: Optional[str] = None) -> None:
 
     uvicorn.run(create_app(config), host=config.host, port=config.port,
                 log_level=(log_level or "info").lower(), access_log=False,
-                timeout_graceful_shutdown=10)
+                timeout_graceful_shutdown=config.drain_timeout_s)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,8 +14,9 @@ others keep serving meanwhile (the frontend answers 503 with Retry-After while n
 engine is up, and reconnects to a restarted one by itself). A component that fails
 MAX_FAILURES times in a row, each run shorter than STABLE_S, is crash-looping: the
 command gives up, names it and prints its last log lines, stops the rest and exits 1.
-Ctrl-C (or SIGTERM) stops the frontends first, then the tokenizer pool and the engines
-together (the engines finish what is in flight), and exits 0.
+Ctrl-C (or SIGTERM) stops the frontends first (they refuse new connections and let
+the requests in flight finish, up to --drain-timeout), then the tokenizer pool and the
+engines together (the engines finish what is still in flight), and exits 0.
 
 Rolling restart: SIGHUP restarts the engines one at a time (to load new weights or a
 new release). Each is sent SIGTERM and drains: it tells the frontend at once, which
@@ -46,7 +47,8 @@ from common.model_files import resolve_model_dir
 
 
 STARTUP_TIMEOUT_S = 900.0
-STOP_TIMEOUT_S = 40.0
+# A component stopping gets its drain's timeout and this much more before it is killed.
+STOP_MARGIN_S = 10.0
 STARTUP_STOP_TIMEOUT_S = 3.0
 # Restart policy.
 BACKOFF_FIRST_S = 0.5
@@ -72,6 +74,8 @@ class Component:
     address: Optional[str] = None
     # Being restarted on purpose (a rolling restart): the supervisor leaves it alone.
     restarting: bool = False
+    # From SIGTERM to SIGKILL (--drain-timeout and a margin).
+    stop_timeout_s: float = 30.0 + STOP_MARGIN_S
 
     def start(self) -> None:
         # Own process group: Ctrl-C reaches only the launcher, which stops the
@@ -100,16 +104,18 @@ class Component:
     def last_lines(self) -> str:
         return "\n".join(f"  {self.name} | {line}" for line in self.tail)
 
-    def stop(self, timeout_s: float) -> None:
-        stop_all([self], timeout_s)
+    def stop(self) -> None:
+        stop_all([self])
 
 
-def stop_all(stack: list[Component], timeout_s: float) -> None:
-    """SIGTERM every running component at once, wait for them all until one deadline,
-    then kill what is left."""
+def stop_all(stack: list[Component], timeout_s: Optional[float] = None) -> None:
+    """SIGTERM every running component at once, wait for them all until one deadline
+    (``timeout_s``, else the longest of their stop timeouts), then kill what is left."""
     running = [c for c in stack if c.process is not None and c.process.poll() is None]
     for c in running:
         c.process.send_signal(signal.SIGTERM)
+    if timeout_s is None:
+        timeout_s = max((c.stop_timeout_s for c in running), default=0.0)
     deadline = time.monotonic() + timeout_s
     for c in running:
         try:
@@ -141,13 +147,14 @@ ENGINE_FLAGS = ["device", "dtype", "quantization", "max_model_len", "max_batch_s
                 "kv_cache_memory_gb", "kv_cache_dtype", "gpu_memory_utilization", "load_format",
                 "enforce_eager", "attention_backend", "no_prefix_cache", "no_cpu_kernels",
                 "seed", "per_token_output_frames", "kv_transfer_timeout",
-                "kv_transfer_window_bytes"]
+                "kv_transfer_window_bytes", "drain_timeout"]
 # The API key is not among them: a command line is visible to every local user, so
 # the key reaches the frontend through its environment.
 FRONTEND_FLAGS = ["host", "api_key_file", "served_model_name", "max_body_bytes",
                   "max_waiting_requests", "max_waiting_tokens", "max_choices_per_request",
                   "tokenize_timeout", "request_timeout", "routing", "request_retries",
-                  "dns_refresh", "disagg_min_prompt_tokens", "kv_lease", "stream_interval"]
+                  "dns_refresh", "disagg_min_prompt_tokens", "kv_lease", "stream_interval",
+                  "drain_timeout"]
 
 
 def engine_roles(args: argparse.Namespace) -> list[str]:
@@ -197,7 +204,10 @@ def components(args: argparse.Namespace, model_dir: str, run_dir: str) -> list[C
         if args.api_key:
             frontend.env = {**os.environ, "ROSESERVE_API_KEY": args.api_key}
         frontends.append(frontend)
-    return [*engines, tokenizer, *frontends]
+    stack = [*engines, tokenizer, *frontends]
+    for c in stack:
+        c.stop_timeout_s = args.drain_timeout + STOP_MARGIN_S
+    return stack
 
 
 def frontend_urls(args: argparse.Namespace) -> list[str]:
@@ -237,7 +247,7 @@ def serve(args: argparse.Namespace) -> int:
         # not act on SIGTERM until it has started: do not wait long for it.
         # The frontends first, so that nothing new reaches the engines; then the
         # tokenizer pool and the engines together.
-        timeout_s = STOP_TIMEOUT_S if ready else STARTUP_STOP_TIMEOUT_S
+        timeout_s = None if ready else STARTUP_STOP_TIMEOUT_S
         frontends = [c for c in stack if c.name.startswith("frontend")]
         stop_all(frontends, timeout_s)
         stop_all([c for c in stack if c not in frontends], timeout_s)
@@ -335,7 +345,7 @@ def _rolling_restart(engines: list[Component], metrics_urls: list[str],
         c.restarting = True
         try:
             print(f"roseserve: rolling restart: draining {c.name}", file=sys.stderr, flush=True)
-            c.stop(STOP_TIMEOUT_S)
+            c.stop()
             if stop_requested:
                 return
             c.start()

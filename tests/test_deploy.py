@@ -95,6 +95,11 @@ def test_the_kubernetes_commands_and_probes_are_ours_and_drain_within_the_grace_
     (front,) = containers(objects["Deployment/frontend"])
     args = parse(front["command"])
     assert args.engine == ["tcp://engine:5557"] and args.tokenizer == "tcp://tokenizer:5558"
+    # The preStop pause, then the drain, within the grace period.
+    pause = int(front["lifecycle"]["preStop"]["exec"]["command"][-1].split()[-1])
+    grace = objects["Deployment/frontend"]["spec"]["template"]["spec"][
+        "terminationGracePeriodSeconds"]
+    assert pause + args.drain_timeout + 10 <= grace
     assert objects["Deployment/frontend"]["spec"]["replicas"] >= 2
     (tokenizer,) = containers(objects["Deployment/tokenizer"])
     assert parse(tokenizer["command"]).bind == "tcp://0.0.0.0:5558"
@@ -125,8 +130,8 @@ def test_the_swarm_stack_and_the_compose_file_run_our_commands():
     frontend = parse(services["frontend"]["command"])
     assert frontend.engine == ["tcp://tasks.engine:5557"]
     engine = parse(services["engine"]["command"])
-    grace = int(services["engine"]["stop_grace_period"].rstrip("s"))
-    assert engine.drain_timeout + 10 <= grace
+    for name, args in (("engine", engine), ("frontend", frontend)):
+        assert args.drain_timeout + 10 <= int(services[name]["stop_grace_period"].rstrip("s"))
     assert services["engine"]["deploy"]["update_config"]["parallelism"] == 1
     assert int(services["frontend"]["deploy"]["replicas"]) >= 2
     for service in services.values():
@@ -141,7 +146,9 @@ def test_the_swarm_stack_and_the_compose_file_run_our_commands():
     keygen = parse(compose["services"]["keygen"]["command"])
     for name, service in compose["services"].items():
         if "command" in service and name != "keygen":
-            parse(service["command"])
+            drain = getattr(parse(service["command"]), "drain_timeout", None)
+            if drain is not None:  # the frontends' and the engines'
+                assert drain + 10 <= int(service["stop_grace_period"].rstrip("s")), name
             parse(service["healthcheck"]["test"][1:])
             # Each waits for the key the keygen service writes, and reads it.
             assert service["depends_on"]["keygen"]["condition"] == \

@@ -358,6 +358,50 @@ def test_the_frontend_starts_alone_and_serves_once_an_engine_joins(tiny_llama_di
             p.stop()
 
 
+def test_a_stopping_frontend_lets_its_streams_finish_within_its_drain_timeout(
+        tiny_llama_dir, tmp_path):
+    """SIGTERM to two frontends in the middle of a 3-s stream each: the one with
+    --drain-timeout 15 refuses new connections at once and finishes its stream, whole;
+    the one with --drain-timeout 1 cuts its stream at about a second."""
+    engine = processes.engine(tiny_llama_dir, f"ipc://{tmp_path}/engine.sock",
+                              env={"ROSESERVE_FAULT_STEP_DELAY_S": "0.02"})
+    pool = processes.tokenizer_pool(tiny_llama_dir, f"ipc://{tmp_path}/tok.sock", workers=1)
+    fronts = [processes.frontend(tiny_llama_dir, engine.address, pool.address,
+                                 "--served-model-name", "tiny", "--drain-timeout", drain)
+              for drain in ("15", "1")]
+    body = completion_body(max_tokens=150)  # 150 steps of 20 ms or more
+    try:
+        for front in fronts:
+            processes.wait_healthy(front)
+
+        async def run():
+            async with httpx.AsyncClient() as client:
+                outcomes = [Outcome(), Outcome()]
+                tasks = [asyncio.create_task(stream(client, f"{f.url}/v1/completions", body, o))
+                         for f, o in zip(fronts, outcomes)]
+                while not all(o.first_chunk for o in outcomes):
+                    await asyncio.sleep(0.02)
+                stopped = time.monotonic()
+                for front in fronts:
+                    front.proc.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.3)
+                with pytest.raises(httpx.ConnectError):  # no new work once stopping
+                    await client.get(f"{fronts[0].url}/health")
+                await asyncio.wait_for(asyncio.gather(*tasks), 60)
+                return outcomes, stopped
+
+        (whole, cut), stopped = asyncio.run(run())
+        assert whole.finish_reason == "length" and whole.tokens == 150, whole
+        assert whole.ended - stopped > 1.5  # it ran on well past the other's cut
+        assert cut.transport_error is not None and cut.finish_reason is None, cut
+        assert 0.5 < cut.ended - stopped < 5, cut
+        # Exited by themselves (uvicorn re-raises the SIGTERM it handled once it is done).
+        assert all(f.proc.wait(30) in (0, -signal.SIGTERM) for f in fronts)
+    finally:
+        for p in (*fronts, pool, engine):
+            p.stop()
+
+
 # -- clients that go away --------------------------------------------------------------
 
 N_DISCONNECTS = 200
