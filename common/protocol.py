@@ -80,6 +80,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     # Like logprobs, for every prompt token after the first (returned with the first
     # output). The prompt is then computed, not read from the prefix cache.
     prompt_logprobs: Optional[int] = None
+    # vLLM's: lower values are served first (waiting requests are admitted in order
+    # of it, then of arrival), and a request of a higher value is preempted first.
+    priority: int = 0
 
     def validate(self) -> None:
         """Raise InvalidRequestError naming the first invalid field."""
@@ -121,6 +124,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
                 raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}", name)
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise InvalidRequestError("seed must fit in 64 bits", "seed")
+        if not -(2**31) < self.priority < 2**31:
+            raise InvalidRequestError(f"priority must fit in 32 bits, got {self.priority}",
+                                      "priority")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:

@@ -76,6 +76,9 @@ class Request:
         # Prompt tokens served by the prefix cache at first admission.
         self.num_cached_tokens: Optional[int] = None
         self.num_preemptions = 0
+        # Its place among requests of its priority (scheduler.WaitingQueue), from its
+        # first arrival.
+        self.arrival_seq: Optional[int] = None
         # The scheduler's step count when it last ran this request (turn-taking).
         self.last_scheduled_step = 0
         # With a seed, the sampler gives the request a private generator (on the

@@ -7,13 +7,15 @@ what is left of the budget is split over several steps (chunked prefill).
 
 Order of service each step:
   1. running requests that decode (one token each), at most max_batch_size of them,
-     least recently served first; then running requests that are still prefilling, in
-     admission order. When the KV pool cannot give a request its next block, the most
-     recently admitted running request not yet scheduled this step is preempted: its
-     blocks are released (hashed ones stay in the prefix cache) and it goes back to
-     the head of the queue to be recomputed later. Nothing is corrupted and nothing is
-     dropped.
-  2. waiting requests, first come first served, while fewer than
+     by priority (SamplingParams.priority, lower first), then least recently served
+     first; then running requests that are still prefilling, by priority, then in
+     admission order. When the KV pool cannot give a request its next block, the
+     running request not yet scheduled this step with the highest priority value,
+     the most recently admitted of those, is preempted: its blocks are released
+     (hashed ones stay in the prefix cache) and it goes back to the queue, in its
+     place, to be recomputed later. Nothing is corrupted and nothing is dropped.
+  2. waiting requests, in order of priority (SamplingParams.priority, lower first),
+     then of arrival (a preempted request keeps its place), while fewer than
      max(max_batch_size, prefill_max_batch_size) requests run, this step's admissions
      are under prefill_max_batch_size, the budget lasts, and no request was preempted
      this step. An admitted request first attaches the blocks the prefix cache holds
@@ -26,9 +28,11 @@ first token early) and then decodes max_batch_size requests per step, in turns.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import time
-from collections import deque
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from common.config import SchedulerConfig
 from engine_worker.block_manager import BlockManager
@@ -58,13 +62,43 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
 
 
+class WaitingQueue:
+    """Waiting requests, the first to admit first: by priority, then by arrival (a
+    request's first arrival: one preempted and queued again keeps its place)."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, Request]] = []
+        self._arrivals = itertools.count()
+
+    def add(self, request: Request) -> None:
+        if request.arrival_seq is None:
+            request.arrival_seq = next(self._arrivals)
+        heapq.heappush(self._heap, (request.params.priority, request.arrival_seq, request))
+
+    def first(self) -> Request:
+        return self._heap[0][2]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[2]
+
+    def remove(self, request: Request) -> None:
+        self._heap = [entry for entry in self._heap if entry[2] is not request]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (entry[2] for entry in sorted(self._heap))
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         """config: resolved for the device (SchedulerConfig.for_device)."""
         self.config = config
         self.block_manager = block_manager
         self.token_budget = config.token_budget
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.prefix_cache_query_tokens = 0
@@ -73,18 +107,20 @@ class Scheduler:
         self.max_running = max(config.decode_batch_size, config.prefill_batch_size)
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self.num_steps += 1
         budget = self.token_budget
         scheduled_ids: set[str] = set()
-        # Decodes first (a long prefill chunk must not starve them of budget), the
-        # least recently served first, at most a decode batch of them.
+        # Decodes first (a long prefill chunk must not starve them of budget), by
+        # priority, then the least recently served first, at most a decode batch of
+        # them; then prefills by priority, then in admission order.
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        decodes.sort(key=lambda r: r.last_scheduled_step)
+        decodes.sort(key=lambda r: (r.params.priority, r.last_scheduled_step))
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        prefills.sort(key=lambda r: r.params.priority)
         order = decodes[:self.config.decode_batch_size] + prefills
         for request in order:
             if budget == 0:
@@ -120,7 +156,7 @@ class Scheduler:
         while (self.waiting and budget > 0
                and len(self.running) < self.max_running
                and admitted < self.config.prefill_batch_size):
-            request = self.waiting[0]
+            request = self.waiting.first()
             # A request that wants its prompt's logprobs computes the prompt (their
             # logits are not cached) until it has them.
             cached = ([] if request.needs_prompt_logits else
@@ -131,7 +167,7 @@ class Scheduler:
                                                num_cached + num_new, cached,
                                                request.num_tokens - request.num_pending):
                 break  # the pool is full; running requests free blocks as they finish
-            self.waiting.popleft()
+            self.waiting.pop()
             self._release_staged(request)
             if request.num_cached_tokens is None:  # first admission, not a recompute
                 request.num_cached_tokens = num_cached
@@ -147,21 +183,24 @@ class Scheduler:
         return budget
 
     def _pick_victim(self, scheduled_ids: set[str]) -> Request:
-        """The most recently admitted running request not yet scheduled this step."""
-        for request in reversed(self.running):
-            if request.request_id not in scheduled_ids:
-                return request
-        raise AssertionError("no request left to preempt")
+        """Of the running requests not yet scheduled this step, the most recently
+        admitted of the highest priority value."""
+        candidates = [(r.params.priority, i, r) for i, r in enumerate(self.running)
+                      if r.request_id not in scheduled_ids]
+        if not candidates:
+            raise AssertionError("no request left to preempt")
+        return max(candidates, key=lambda c: c[:2])[2]
 
     def preempt(self, request: Request) -> None:
-        """Release a running request's blocks and queue it first, to be recomputed."""
+        """Release a running request's blocks and queue it again (in its place), to be
+        recomputed."""
         self.block_manager.free(request.blocks)
         self.running.remove(request)
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.add(request)
 
     def finish(self, request: Request) -> None:
         """Release a finished or aborted request's blocks and forget it."""

@@ -90,6 +90,8 @@ class _SamplingFields(BaseModel):
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, ge=MIN_REPETITION_PENALTY, le=MAX_REPETITION_PENALTY)
     min_tokens: int = Field(0, ge=0, le=MAX_INT)
+    # vLLM's: lower is served first (the engine admits waiting requests in its order).
+    priority: int = Field(0, ge=-MAX_INT, le=MAX_INT)
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] = []
     return_token_ids: bool = False
@@ -180,7 +182,7 @@ class _SamplingFields(BaseModel):
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
-            allowed_token_ids=self.allowed_token_ids,
+            allowed_token_ids=self.allowed_token_ids, priority=self.priority,
             prompt_logprobs=extra.pop("prompt_logprobs", self.prompt_logprobs), **extra)
 
 

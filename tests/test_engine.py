@@ -38,6 +38,7 @@ def engine(tiny_llama_dir):
     ([1], SamplingParams(presence_penalty=3.0), "presence_penalty", "[-2, 2]"),
     ([1], SamplingParams(frequency_penalty=-2.5), "frequency_penalty", "[-2, 2]"),
     ([1], SamplingParams(logprobs=21), "logprobs", "[0, 20]"),
+    ([1], SamplingParams(priority=2**31), "priority", "32 bits"),
     ([1], SamplingParams(max_tokens=2, min_tokens=3), "min_tokens", "must not exceed"),
     ([1], SamplingParams(truncate_prompt_tokens=0), "truncate_prompt_tokens", "at least 1"),
 ])
@@ -200,6 +201,57 @@ def test_prefill_admission_above_the_decode_batch(tiny_llama_dir):
     alone = make_engine(tiny_llama_dir).generate(prompts, greedy(4))
     engine2 = make_engine(tiny_llama_dir, max_batch=2, prefill_batch=6)
     assert engine2.generate(prompts, greedy(4)) == alone
+
+
+def finish_order(engine) -> list[str]:
+    order = []
+    while engine.has_unfinished_requests():
+        order += [o.request_id for o in engine.step() if o.finish_reason is not None]
+    return order
+
+
+def test_waiting_requests_are_admitted_by_priority_then_arrival(tiny_llama_dir):
+    engine = make_engine(tiny_llama_dir, max_batch=1, prefill_batch=1)  # one at a time
+    prompts = random_prompts([5] * 5, seed=9)
+    for name, priority, prompt in zip("abcde", (0, 5, -1, 0, -1), prompts):
+        engine.add_request(name, prompt, greedy(3, priority=priority))
+    assert finish_order(engine) == ["c", "e", "a", "d", "b"]  # FCFS: a b c d e
+    # Each still gets its own tokens.
+    alone = make_engine(tiny_llama_dir).generate(prompts, greedy(3))
+    engine.add_request("again", prompts[1], greedy(3, priority=5))
+    assert tokens(run_to_end(engine)["again"]) == alone[1]
+
+
+def test_the_decode_batch_goes_to_the_lowest_priority_values_first(tiny_llama_dir):
+    """Three admitted at once, a decode batch of one: b (priority 0) decodes every step
+    until it is done (taking turns, it would get every third), then a and c in turns."""
+    engine = make_engine(tiny_llama_dir, max_batch=1, prefill_batch=3)
+    for name, priority, prompt in zip("abc", (5, 0, 5), random_prompts([5] * 3, seed=10)):
+        engine.add_request(name, prompt, greedy(4, priority=priority))
+    finished, step = {}, 0
+    while engine.has_unfinished_requests():
+        step += 1
+        finished.update((o.request_id, step) for o in engine.step() if o.finish_reason)
+    assert finished == {"b": 4, "a": 9, "c": 10}  # the prefill step, then 3 + 3 + 3
+
+
+def test_the_running_request_of_the_highest_priority_value_is_preempted(tiny_llama_dir):
+    """x (priority 5) is admitted a step before w and z (priority 0), with a prompt a
+    token shorter, so that all three reach their fifth block of 4 tokens in the same
+    step, in a pool of 12: w is served first, and the victim is x, not z (the latest
+    admitted, the rule without priorities). Every request gets its whole output."""
+    engine = make_engine(tiny_llama_dir, num_blocks=12, max_batch=3)
+    x, w, z = random_prompts([7, 8, 8], seed=12)
+    engine.add_request("x", x, greedy(12, priority=5))
+    outputs: dict[str, list] = {"x": engine.step()}
+    engine.add_request("w", w, greedy(12, priority=0))
+    engine.add_request("z", z, greedy(12, priority=0))
+    requests = {name: engine.requests[name] for name in "xwz"}
+    for name, outs in run_to_end(engine).items():
+        outputs.setdefault(name, []).extend(outs)
+    assert {n: r.num_preemptions for n, r in requests.items()} == {"x": 1, "w": 0, "z": 0}
+    alone = make_engine(tiny_llama_dir).generate([x, w, z], greedy(12))
+    assert [tokens(outputs[n]) for n in "xwz"] == alone
 
 
 def test_token_budget_chunks_long_prompts(tiny_llama_dir):

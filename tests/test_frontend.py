@@ -288,6 +288,15 @@ def test_stop_string_spanning_tokens_ends_the_request(stack):
     assert stats.num_running == 0 and stats.num_blocks_used == 0
 
 
+def test_priority_reaches_the_engine_with_every_choice():
+    from frontend.openai_protocol import ChatCompletionRequest, CompletionRequest
+
+    body = CompletionRequest(model="m", prompt="x", priority=-3)
+    assert body.sampling_params(4, None, 1).priority == -3
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "x"}])
+    assert chat.sampling_params(4, None, 0).priority == 0
+
+
 # -- errors -----------------------------------------------------------------------------
 
 
