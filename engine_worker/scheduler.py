@@ -32,7 +32,6 @@ import heapq
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
 
 from common.config import SchedulerConfig
 from engine_worker.block_manager import BlockManager
@@ -87,9 +86,6 @@ class WaitingQueue:
 
     def __len__(self) -> int:
         return len(self._heap)
-
-    def __iter__(self) -> Iterator[Request]:
-        return (entry[2] for entry in sorted(self._heap))
 
 
 class Scheduler:
