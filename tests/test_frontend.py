@@ -429,6 +429,37 @@ def test_a_stream_interval_writes_tokens_a_few_at_a_time_and_loses_none(strict):
     assert len([d for d in reads if b'"text"' in d]) <= 5, reads
 
 
+def test_a_stream_interval_changes_no_choice_of_a_stream(stack, strict):
+    """The same streamed chat (seeded sampling, logprobs, a stop string) through the
+    main stack (interval 1) and the strict one (interval 3, one waiting request
+    admitted: n 1): the text, logprobs and finish reason, and the usage, are the same."""
+    body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 12, "temperature": 0.8, "seed": 1, "logprobs": True,
+            "top_logprobs": 2, "stop": ["ar"], "stream": True,
+            "stream_options": {"include_usage": True}}
+
+    def choices(url, headers=None):
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, headers=headers,
+                          timeout=60) as r:
+            assert r.status_code == 200
+            events = [e for e in sse_events(r) if e != "[DONE]"]
+        out: dict = {}
+        for e in events:
+            for c in e["choices"]:
+                text, logprobs, finish = out.get(c["index"], ("", [], None))
+                out[c["index"]] = (text + (c["delta"].get("content") or ""),
+                                   logprobs + (c["logprobs"] or {}).get("content", []),
+                                   c["finish_reason"] or finish)
+        return out, events[-1]["usage"]
+
+    got = choices(strict["url"], strict["auth"])
+    assert got == choices(stack["url"])
+    # The stop string ends the text in the 10th token: the last of the engine's fourth
+    # output (1 token, then 3 at a time).
+    (text, logprobs, finish), = got[0].values()
+    assert finish == "stop" and len(logprobs) == 10 and not text.endswith("ar")
+
+
 def test_body_over_the_limit_gets_413(strict):
     r = complete(strict["url"], headers=strict["auth"], prompt="x" * 5000, max_tokens=1)
     assert r.status_code == 413 and "4096 bytes" in r.json()["error"]["message"]
