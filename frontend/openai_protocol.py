@@ -20,8 +20,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from common.errors import InvalidRequestError
-from common.protocol import (MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS, MIN_REPETITION_PENALTY,
-                             SamplingParams)
+from common.sampling_params import (MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS,
+                                   MIN_REPETITION_PENALTY, SamplingParams)
 from common.structured import StructuredOutput, json_schema_output
 
 

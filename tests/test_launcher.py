@@ -75,6 +75,8 @@ def test_a_component_that_fails_to_start_is_named_and_the_command_fails(tiny_lla
 @pytest.mark.parametrize("args, message", [
     (["--port", "0"], "port must be in 1..65535"),
     (["--max-batch-size", "0"], "max_batch_size must be a positive integer"),
+    (["--stream-interval", "0"], "stream_interval must be a positive integer"),
+    (["--drain-timeout", "0"], "drain_timeout_s must be positive"),
 ])
 def test_bad_flags_are_refused(args, message, tiny_llama_dir):
     proc = subprocess.run([sys.executable, "-m", "roseserve", "serve", "--model",
@@ -82,6 +84,21 @@ def test_bad_flags_are_refused(args, message, tiny_llama_dir):
                           timeout=120)
     assert proc.returncode != 0
     assert message in proc.stdout + proc.stderr
+
+
+def test_serve_gives_its_drain_timeout_to_every_process_and_waits_past_it(tmp_path):
+    from roseserve.cli import build_parser
+    from roseserve.launcher import STOP_MARGIN_S, components
+
+    args = build_parser().parse_args(["serve", "--engines", "2", "--drain-timeout", "7",
+                                      "--stream-interval", "3"])
+    stack = components(args, "model", str(tmp_path))
+    for c in stack:
+        assert c.stop_timeout_s == 7 + STOP_MARGIN_S, c.name
+        if not c.name.startswith("tokenizer"):
+            assert c.cmd[c.cmd.index("--drain-timeout") + 1] == "7.0", c.name
+    (front,) = [c for c in stack if c.name == "frontend"]
+    assert front.cmd[front.cmd.index("--stream-interval") + 1] == "3"
 
 
 @pytest.mark.parametrize("how", ["flag", "environment", "file"])
