@@ -336,6 +336,41 @@ class ChatCompletionRequest(_SamplingFields):
     # Default: "auto" when there are tools, "none" when there are none.
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: bool = True
+    # OpenAI's fields that change nothing here, taken so that its clients' requests
+    # are served: nothing is stored (store true is refused), metadata is checked to
+    # OpenAI's limits and dropped, there is one service tier, the output is text,
+    # and the router already follows the prompt's cached prefix (prompt_cache_key).
+    store: Optional[bool] = None
+    metadata: Optional[dict[Annotated[str, Field(max_length=64)],
+                            Annotated[str, Field(max_length=512)]]] = Field(None, max_length=16)
+    service_tier: Optional[str] = None
+    modalities: Optional[list[str]] = None
+    prompt_cache_key: Optional[str] = None
+    safety_identifier: Optional[str] = None
+
+    @field_validator("store")
+    @classmethod
+    def _nothing_stored(cls, value):
+        if value:
+            raise ValueError("this server keeps no completions; send store false or leave "
+                             "it out")
+        return value
+
+    @field_validator("service_tier")
+    @classmethod
+    def _one_tier(cls, value):
+        if value not in (None, "auto", "default"):
+            raise ValueError(f"this server has one service tier; {value!r} is not it "
+                             f"(send 'auto' or 'default', or leave it out)")
+        return value
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_out(cls, value):
+        if value is not None and value != ["text"]:
+            raise ValueError(f"this model's output is text only (modalities ['text']), "
+                             f"got {value!r}")
+        return value
 
     @field_validator("top_logprobs")
     @classmethod

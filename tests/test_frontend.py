@@ -68,6 +68,34 @@ def test_openai_client_chat(stack):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_openai_fields_that_change_nothing_are_served_and_the_rest_refused(stack):
+    # OpenAI's clients send store, metadata, service_tier, modalities, prompt_cache_key
+    # and safety_identifier; where they ask for nothing this server lacks, the answer
+    # is the one without them.
+    from openai import BadRequestError, OpenAI
+
+    client = OpenAI(base_url=stack["url"] + "/v1", api_key="unused")
+    ask = dict(model="tiny-llama", messages=[{"role": "user", "content": "Hi!"}],
+               max_tokens=6, temperature=0)
+    plain = client.chat.completions.create(**ask).choices[0].message.content
+    served = client.chat.completions.create(
+        **ask, store=False, metadata={f"k{i}": "v" * 512 for i in range(16)},
+        service_tier="auto", modalities=["text"], prompt_cache_key="session-7",
+        safety_identifier="user-7")
+    assert served.choices[0].message.content == plain
+    for field, value, fragment in [
+            ("store", True, "keeps no completions"),
+            ("service_tier", "flex", "one service tier; 'flex' is not it"),
+            ("modalities", ["text", "audio"], "text only"),
+            ("metadata", {f"k{i}": "v" for i in range(17)}, "at most 16 items"),
+            ("metadata", {"k": "v" * 513}, "at most 512 characters"),
+            ("reasoning_effort", "high", "'reasoning_effort' is not a supported parameter")]:
+        with pytest.raises(BadRequestError) as refused:
+            client.chat.completions.create(**ask, **{field: value})
+        error = refused.value.body
+        assert error["param"].split(".")[0] == field and fragment in error["message"], error
+
+
 def test_n_choices_with_a_seed_differ_and_are_counted(stack):
     r = complete(stack["url"], prompt="Colors:", max_tokens=6, n=3, temperature=1.0, seed=7,
                  return_token_ids=True)

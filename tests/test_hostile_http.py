@@ -128,6 +128,10 @@ FUZZ = [
         {"type": "function", "function": {"name": "f"}}],
         tool_choice={"type": "function", "function": {"name": "g"}})),
     ("tool_choice required without tools", CHAT, _chat(tool_choice="required")),
+    ("store true", CHAT, _chat(store=True)), ("service_tier flex", CHAT, _chat(service_tier="flex")),
+    ("audio out", CHAT, _chat(modalities=["text", "audio"])),
+    ("metadata of 17 pairs", CHAT, _chat(metadata={str(i): "v" for i in range(17)})),
+    ("metadata not strings", CHAT, _chat(metadata={"k": 5})),
 ]
 # At the bounds: each must be served (200).
 AT_BOUNDS = [
@@ -149,6 +153,9 @@ AT_BOUNDS = [
     ("surrogate pair", C, b'{"model":"tiny","prompt":"\\ud83c\\udf39","max_tokens":2}'),
     ("logit_bias at +-100", C, _cmpl(logit_bias={"1": 100, "2": -100})),
     ("a grammar of only the empty string", C, _cmpl(guided_grammar='root ::= ""')),
+    ("OpenAI's no-op fields", CHAT, _chat(store=False, metadata={"k": "v"}, service_tier="default",
+                                          modalities=["text"], prompt_cache_key="k",
+                                          safety_identifier="u")),
 ]
 
 
