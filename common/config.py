@@ -286,6 +286,8 @@ class FrontendConfig:
     # On SIGTERM: new connections are refused at once; requests in flight (streams
     # included) get this long to finish before they are cut.
     drain_timeout_s: float = 30.0
+    # One log line per request (frontend.access): status, time, ids, tokens.
+    access_log: bool = True
     # /health waits this long for the engine and tokenizer round trips.
     health_timeout_s: float = 5.0
     # Pongs come from the engine's I/O thread, so silence this long means the process

@@ -65,6 +65,10 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
                    help="send a stream's tokens this many at a time, from the engine and "
                         "to the client (its first token and its end at once): fewer messages "
                         "per token, chunkier streams (default 1)")
+    g.add_argument("--no-access-log", action="store_true",
+                   help="no log line per request (by default each ends in one: method, "
+                        "path, status, time, X-Request-Id; for a completion its id, tokens, "
+                        "finish reasons, time to first token and engine)")
     g.add_argument("--request-retries", type=int, default=2,
                    help="times a request is sent to another engine when its engine refused "
                         "it (draining) or failed before any output (default 2; 0: never)")
@@ -100,7 +104,7 @@ def frontend_config_from_args(args: argparse.Namespace, engines: Sequence[str],
         routing=args.routing, request_retries=args.request_retries,
         dns_refresh_s=args.dns_refresh, disagg_min_prompt_tokens=args.disagg_min_prompt_tokens,
         kv_lease_s=args.kv_lease, stream_interval=args.stream_interval,
-        drain_timeout_s=args.drain_timeout,
+        drain_timeout_s=args.drain_timeout, access_log=not args.no_access_log,
         curve_key=CurveKey.from_option(getattr(args, "curve_key_file", None)))
 
 

@@ -8,8 +8,11 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import re
 import time
+import uuid
 from contextlib import asynccontextmanager
+from typing import Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -31,39 +34,83 @@ from frontend.serving import Pipeline
 from tokenizer_worker.client import TokenizerClient
 
 logger = logging.getLogger(__name__)
+access_logger = logging.getLogger("frontend.access")
 
 _OPEN_PATHS = ("/health", "/metrics", "/version")
+# What a client's X-Request-Id may be.
+_REQUEST_ID = re.compile(rb"[!-~]{1,128}")
 
 
 class Guard:
-    """ASGI middleware, before any routing: the API key (401) and the body size (413,
-    by header or by count as it arrives). /health, /metrics and /version stay open. Also the
-    last resort for an unexpected error: an OpenAI-shaped 500, never a dropped
-    connection."""
+    """ASGI middleware, before any routing: the API key (401), the body size (413, by
+    header or by count as it arrives) and the request id. /health, /metrics and
+    /version stay open. Also the last resort for an unexpected error: an
+    OpenAI-shaped 500, never a dropped connection.
+
+    Every response carries ``X-Request-Id``: the client's (1-128 visible ASCII
+    characters, else a 400), or the completion's ``id``, or a new one. With the access
+    log on, every request but the open paths' ends in one line naming it, its status
+    and time, and for a completion its id (which the engines' own lines name), tokens,
+    finish reasons and engine."""
 
     def __init__(self, app, config: FrontendConfig, metrics: Metrics) -> None:
         self.app = app
         self.api_key = None if config.api_key is None else config.api_key.encode()
         self.max_bytes = config.max_body_bytes
+        self.access_log = config.access_log
         self.metrics = metrics
+
+    def _refusal(self, scope, headers: dict, request_id: Optional[bytes]) -> Optional[APIError]:
+        if self.api_key is not None and scope["path"] not in _OPEN_PATHS:
+            scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.api_key):
+                return APIError(401, "a valid API key is required (Authorization: Bearer KEY)",
+                                code="invalid_api_key")
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return self._too_big()
+        if request_id is not None and not _REQUEST_ID.fullmatch(request_id):
+            return APIError(400, "X-Request-Id must be 1 to 128 visible ASCII characters",
+                            param="X-Request-Id", code="invalid_request_id")
+        return None
+
+    def _too_big(self) -> APIError:
+        return APIError(413, f"the request body exceeds the limit of {self.max_bytes} bytes",
+                        code="request_too_large")
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        since = time.monotonic()
         headers = dict(scope.get("headers", []))
-        if self.api_key is not None and scope["path"] not in _OPEN_PATHS:
-            scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.api_key):
-                self.metrics.rejected.labels("401").inc()
-                error = APIError(401, "a valid API key is required (Authorization: Bearer KEY)",
-                                 code="invalid_api_key")
-                return await error.response()(scope, receive, send)
-        too_big = APIError(413, f"the request body exceeds the limit of {self.max_bytes} bytes",
-                           code="request_too_large")
-        length = headers.get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.max_bytes:
-            self.metrics.rejected.labels("413").inc()
-            return await too_big.response()(scope, receive, send)
+        given = headers.get(b"x-request-id")
+        state = scope.setdefault("state", {})
+        status = 0
+
+        async def tracked_send(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                job = state.get("job")
+                request_id = (given if given is not None and _REQUEST_ID.fullmatch(given)
+                              else job.request_id.encode() if job is not None
+                              else uuid.uuid4().hex.encode())
+                state["request_id"] = request_id.decode()
+                message = {**message, "headers": [*message.get("headers", ()),
+                                                  (b"x-request-id", request_id)]}
+            await send(message)
+
+        try:
+            await self._serve(scope, receive, tracked_send, headers, given, lambda: status)
+        finally:
+            if self.access_log and scope["path"] not in _OPEN_PATHS:
+                access_logger.info("%s", access_line(scope, status, time.monotonic() - since))
+
+    async def _serve(self, scope, receive, send, headers, given, status) -> None:
+        refusal = self._refusal(scope, headers, given)
+        if refusal is not None:
+            self.metrics.rejected.labels(str(refusal.status)).inc()
+            return await refusal.response()(scope, receive, send)
         seen = 0
 
         async def limited_receive():
@@ -72,18 +119,11 @@ class Guard:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
-                    raise too_big
+                    raise self._too_big()
             return message
 
-        started = False
-
-        async def tracked_send(message):
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
         try:
-            await self.app(scope, limited_receive, tracked_send)
+            await self.app(scope, limited_receive, send)
         except Exception as e:
             # A bug must not cost the connection: answer 500 here (Starlette's own
             # handler would re-raise to the server, which then drops the keep-alive
@@ -94,8 +134,29 @@ class Guard:
                 logger.exception("unexpected error")
                 error = APIError(500, f"internal error: {type(e).__name__}")
             self.metrics.rejected.labels(str(error.status)).inc()
-            if not started:
+            if not status():
                 await error.response()(scope, receive, send)
+
+
+def access_line(scope, status: int, seconds: float) -> str:
+    """One request, for the access log: method, path, status, time, request id; for a
+    completion also its id, tokens, finish reasons (abort: not finished), time to
+    first token, engine, and the error that ended it, if one did."""
+    state = scope.get("state", {})
+    line = (f"{scope['method']} {scope['path']} {status or '-'} {seconds:.3f}s "
+            f"request_id={state.get('request_id', '-')}")
+    job = state.get("job")
+    if job is None:
+        return line
+    finishes = ",".join(c.finish_reason or "abort" for c in job.choices) or "-"
+    ttft = ("-" if job.first_token_time is None
+            else f"{job.first_token_time - job.received:.3f}s")
+    line += (f" id={job.request_id} prompt_tokens={sum(len(p) for p in job.prompts)} "
+             f"completion_tokens={sum(len(c.token_ids) for c in job.choices)} "
+             f"finish={finishes} ttft={ttft} engine={job.engine_address or '-'}")
+    if job.error is not None:
+        line += f" error={job.error.status}: {job.error.message}"
+    return line
 
 
 # How long a starting frontend waits for the tokenizer pool and one engine to answer

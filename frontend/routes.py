@@ -176,7 +176,8 @@ async def completion_response(request: Request, model: type[BaseModel]) -> Respo
     received = time.monotonic()
     body = await parse(request, model)
     pipe = pipeline(request)
-    return JobResponse(pipe, pipe.open(body, received), body)
+    job = request.state.job = pipe.open(body, received)  # the access log's
+    return JobResponse(pipe, job, body)
 
 
 def model_card(request: Request, name: str) -> dict:

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -33,17 +34,29 @@ class Proc:
 
     def __init__(self, args: list[str], env: dict | None = None) -> None:
         self.args = args
-        self.proc = subprocess.Popen([sys.executable, "-m", *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True,
-                                     env=with_faults(env), start_new_session=True)
+        # A file, not a pipe: nothing reads a pipe until stop(), and a full one would
+        # block the process at its next log line (the frontend logs every request).
+        self._out = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([sys.executable, "-m", *args], stdout=self._out,
+                                     stderr=subprocess.STDOUT, env=with_faults(env),
+                                     start_new_session=True)
+
+    def output(self) -> str:
+        """What it has written so far."""
+        self._out.seek(0)
+        return self._out.read().decode(errors="replace")
 
     def stop(self) -> str:
-        """Kill it and whatever it started; its output."""
+        """Kill it and whatever it started; its output (once)."""
+        if self._out.closed:
+            return ""
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        out, _ = self.proc.communicate(timeout=30)
+        self.proc.wait(timeout=30)
+        out = self.output()
+        self._out.close()
         return out
 
 

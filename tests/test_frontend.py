@@ -96,6 +96,39 @@ def test_openai_fields_that_change_nothing_are_served_and_the_rest_refused(stack
         assert error["param"].split(".")[0] == field and fragment in error["message"], error
 
 
+def test_every_response_carries_a_request_id_and_the_access_log_names_it(stack, strict):
+    url = stack["url"]
+    r = complete(url, headers={"X-Request-Id": "trace-42"}, prompt="Hi", max_tokens=3,
+                 ignore_eos=True)
+    assert r.status_code == 200 and r.headers["x-request-id"] == "trace-42"
+    traced = r.json()["id"]
+    # Without one: the completion's id, streamed or not.
+    r = complete(url, prompt="Hi", max_tokens=2)
+    assert r.headers["x-request-id"] == r.json()["id"]
+    r = complete(url, prompt="Hi", max_tokens=2, stream=True)
+    assert r.headers["x-request-id"] == sse_events(r)[0]["id"]
+    # Refused before any completion (here by validation, and by the key): a new id.
+    r = complete(url, prompt="Hi", temperature=5)
+    assert r.status_code == 400 and len(r.headers["x-request-id"]) == 32
+    r = complete(strict["url"], headers={"X-Request-Id": "no-key"}, prompt="Hi")
+    assert r.status_code == 401 and r.headers["x-request-id"] == "no-key"
+    for bad in (b"x" * 129, b"two words", b"\xc3\xa9", b""):
+        r = complete(url, headers={"X-Request-Id": bad}, prompt="Hi", max_tokens=1)
+        assert r.status_code == 400, bad
+        assert r.json()["error"]["code"] == "invalid_request_id"
+        assert r.headers["x-request-id"] != bad.decode(errors="replace")
+    r = httpx.get(url + "/v1/models", headers={"X-Request-Id": "models-1"}, timeout=30)
+    assert r.headers["x-request-id"] == "models-1"
+    # One line a request, naming both ids and what the completion took.
+    deadline = time.monotonic() + 10
+    while "request_id=models-1" not in stack["frontend"].output() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    log = stack["frontend"].output()
+    assert (f"POST /v1/completions 200 " in log and f"request_id=trace-42 id={traced} "
+            f"prompt_tokens=1 completion_tokens=3 finish=length ttft=" in log), log[-3000:]
+    assert "GET /v1/models 200 " in log and "GET /health" not in log
+
+
 def test_n_choices_with_a_seed_differ_and_are_counted(stack):
     r = complete(stack["url"], prompt="Colors:", max_tokens=6, n=3, temperature=1.0, seed=7,
                  return_token_ids=True)

@@ -91,7 +91,7 @@ def test_serve_gives_its_drain_timeout_to_every_process_and_waits_past_it(tmp_pa
     from roseserve.launcher import STOP_MARGIN_S, components
 
     args = build_parser().parse_args(["serve", "--engines", "2", "--drain-timeout", "7",
-                                      "--stream-interval", "3"])
+                                      "--stream-interval", "3", "--no-access-log"])
     stack = components(args, "model", str(tmp_path))
     for c in stack:
         assert c.stop_timeout_s == 7 + STOP_MARGIN_S, c.name
@@ -99,6 +99,10 @@ def test_serve_gives_its_drain_timeout_to_every_process_and_waits_past_it(tmp_pa
             assert c.cmd[c.cmd.index("--drain-timeout") + 1] == "7.0", c.name
     (front,) = [c for c in stack if c.name == "frontend"]
     assert front.cmd[front.cmd.index("--stream-interval") + 1] == "3"
+    assert "--no-access-log" in front.cmd
+    args = build_parser().parse_args(["serve"])
+    assert "--no-access-log" not in [c for c in components(args, "m", str(tmp_path))
+                                     if c.name == "frontend"][0].cmd
 
 
 @pytest.mark.parametrize("how", ["flag", "environment", "file"])
