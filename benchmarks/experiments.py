@@ -23,6 +23,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -92,16 +93,19 @@ def smoke(args: list[str]) -> list[str]:
 class Server:
     def __init__(self, flags: list[str], port: int) -> None:
         self.url = f"http://127.0.0.1:{port}"
+        # Its output goes to a file: a pipe read only until "ready" would fill and
+        # block the server at a later log line.
+        self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "roseserve", "serve", "--port", str(port), "--device", "cpu",
              "--log-level", "WARNING", *flags],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
+            stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT)
         deadline = time.monotonic() + 600
-        for line in self.proc.stdout:
-            if "roseserve is ready" in line:
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            self.log.seek(0)
+            if b"roseserve is ready" in self.log.read():
                 return
-            if time.monotonic() > deadline:
-                break
+            time.sleep(0.3)
         raise RuntimeError(f"server with {flags} did not start")
 
     def stop(self) -> None:
