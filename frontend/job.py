@@ -130,12 +130,13 @@ class Job:
         first = self.choices[0]
         ttft = None if self.first_token_time is None else (
             (self.first_token_time - self.received) * 1e3)
-        timing = {"tokenize_ms": round(self.tokenize_ms, 3), "queue_ms": first.queue_ms,
-                  "prefill_ms": first.prefill_ms, "ttft_ms": ttft, "engine": self.engine_address}
+        timing = {"tokenize_ms": _ms(self.tokenize_ms), "queue_ms": _ms(first.queue_ms),
+                  "prefill_ms": _ms(first.prefill_ms), "ttft_ms": _ms(ttft),
+                  "engine": self.engine_address}
         if first.prefill_engine is not None:
             timing.update(prefill_engine=first.prefill_engine, kv_outcome=first.kv_outcome,
                           kv_blocks_received=first.kv_blocks_received,
-                          kv_transfer_ms=first.kv_transfer_ms)
+                          kv_transfer_ms=_ms(first.kv_transfer_ms))
         return timing
 
     def usage(self) -> dict:
@@ -146,3 +147,8 @@ class Job:
         return {"prompt_tokens": prompt, "completion_tokens": completion,
                 "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _ms(value: Optional[float]) -> Optional[float]:
+    """A duration in milliseconds, to the microsecond."""
+    return None if value is None else round(value, 3)

@@ -36,6 +36,7 @@ def test_openai_client_completions(stack):
     assert set(timing) == {"tokenize_ms", "queue_ms", "prefill_ms", "ttft_ms", "engine"}
     assert timing.pop("engine") == stack["engine"].address
     assert all(v is not None and v >= 0 for v in timing.values())
+    assert all(round(v, 3) == v for v in timing.values())  # milliseconds to the microsecond
     chunks = list(client.completions.create(model="tiny-llama", prompt="Once upon a time",
                                             max_tokens=12, temperature=0, stream=True,
                                             stream_options={"include_usage": True}))
