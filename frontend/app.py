@@ -104,7 +104,10 @@ class Guard:
             await self._serve(scope, receive, tracked_send, headers, given, lambda: status)
         finally:
             if self.access_log and scope["path"] not in _OPEN_PATHS:
-                access_logger.info("%s", access_line(scope, status, time.monotonic() - since))
+                try:
+                    access_logger.info("%s", access_line(scope, status, time.monotonic() - since))
+                except Exception:  # a log line must not cost the response
+                    logger.exception("the access log line failed")
 
     async def _serve(self, scope, receive, send, headers, given, status) -> None:
         refusal = self._refusal(scope, headers, given)
