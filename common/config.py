@@ -8,6 +8,7 @@ their defaults from them, so ``ROSESERVE_MODEL=... python -m engine_worker`` and
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Optional
 
@@ -288,6 +289,9 @@ class FrontendConfig:
     drain_timeout_s: float = 30.0
     # One log line per request (frontend.access): status, time, ids, tokens.
     access_log: bool = True
+    # Web pages from these origins may call the API from a browser (CORS; "*": any);
+    # empty: none, as a page from anywhere could otherwise reach a local server.
+    allowed_origins: tuple[str, ...] = ()
     # /health waits this long for the engine and tokenizer round trips.
     health_timeout_s: float = 5.0
     # Pongs come from the engine's I/O thread, so silence this long means the process
@@ -316,6 +320,10 @@ class FrontendConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be positive, got {value}")
+        for origin in self.allowed_origins:
+            if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+                raise ValueError(f"an allowed origin is * or scheme://host[:port], without a "
+                                 f"path (as a browser sends it), got {origin!r}")
         if self.disagg_min_prompt_tokens < 0:
             raise ValueError(f"disagg_min_prompt_tokens must be 0 or more, got "
                              f"{self.disagg_min_prompt_tokens}")

@@ -65,6 +65,10 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
                    help="send a stream's tokens this many at a time, from the engine and "
                         "to the client (its first token and its end at once): fewer messages "
                         "per token, chunkier streams (default 1)")
+    g.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                   help="web pages from these origins (https://ui.example.com; * for any) "
+                        "may call the API from a browser: CORS, preflights answered "
+                        "before the API key is asked for (default: none)")
     g.add_argument("--no-access-log", action="store_true",
                    help="no log line per request (by default each ends in one: method, "
                         "path, status, time, X-Request-Id; for a completion its id, tokens, "
@@ -105,6 +109,7 @@ def frontend_config_from_args(args: argparse.Namespace, engines: Sequence[str],
         dns_refresh_s=args.dns_refresh, disagg_min_prompt_tokens=args.disagg_min_prompt_tokens,
         kv_lease_s=args.kv_lease, stream_interval=args.stream_interval,
         drain_timeout_s=args.drain_timeout, access_log=not args.no_access_log,
+        allowed_origins=tuple(args.allowed_origins or ()),
         curve_key=CurveKey.from_option(getattr(args, "curve_key_file", None)))
 
 

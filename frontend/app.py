@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from typing import Optional
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -227,6 +228,11 @@ def create_app(config: FrontendConfig) -> FastAPI:
     app = FastAPI(title="roseserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.config, app.state.metrics, app.state.created = config, metrics, int(time.time())
     app.add_middleware(Guard, config=config, metrics=metrics)
+    if config.allowed_origins:
+        # Outside the Guard: a browser's preflight carries no API key.
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.allowed_origins),
+                           allow_methods=["GET", "POST"], allow_headers=["*"],
+                           expose_headers=["X-Request-Id"], max_age=600)
 
     @app.exception_handler(APIError)
     async def on_api_error(_request: Request, error: APIError) -> Response:

@@ -154,7 +154,7 @@ FRONTEND_FLAGS = ["host", "api_key_file", "served_model_name", "max_body_bytes",
                   "max_waiting_requests", "max_waiting_tokens", "max_choices_per_request",
                   "tokenize_timeout", "request_timeout", "routing", "request_retries",
                   "dns_refresh", "disagg_min_prompt_tokens", "kv_lease", "stream_interval",
-                  "drain_timeout", "no_access_log"]
+                  "drain_timeout", "no_access_log", "allowed_origins"]
 
 
 def engine_roles(args: argparse.Namespace) -> list[str]:

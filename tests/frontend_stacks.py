@@ -37,7 +37,7 @@ def stack(tmp_path_factory, tiny_llama_dir):
 @pytest.fixture(scope="module")
 def strict(tmp_path_factory, tiny_llama_dir, stack):
     """A second frontend with an API key, a small body limit, an admission limit of
-    one waiting request and a stream interval of 3 tokens, before an engine that
+    one waiting request, a stream interval of 3 tokens and one allowed web origin, before an engine that
     decodes one request at a time, slowly (20 ms per step, so that requests stay
     queued long enough to observe)."""
     d = tmp_path_factory.mktemp("strict")
@@ -45,7 +45,8 @@ def strict(tmp_path_factory, tiny_llama_dir, stack):
                               env={"ROSESERVE_FAULT_STEP_DELAY_S": "0.02"})
     front = processes.frontend(tiny_llama_dir, engine.address, stack["pool"].address,
                                "--served-model-name", "tiny-llama", "--api-key", "s3cret", "--max-body-bytes", "4096",
-                               "--max-waiting-requests", "1", "--stream-interval", "3")
+                               "--max-waiting-requests", "1", "--stream-interval", "3",
+                               "--allowed-origins", "https://ui.example")
     try:
         processes.wait_healthy(front)
         yield {"engine": engine, "frontend": front, "url": front.url,

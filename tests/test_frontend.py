@@ -359,6 +359,31 @@ def test_api_key_is_required_except_for_health_and_metrics(strict):
     assert httpx.get(url + "/metrics", timeout=30).status_code == 200
 
 
+def test_browsers_of_allowed_origins_only_and_their_preflight_needs_no_key(stack, strict):
+    preflight = {"Origin": "https://ui.example", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization, content-type"}
+    r = httpx.options(strict["url"] + "/v1/completions", headers=preflight, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.headers["access-control-allow-origin"] == "https://ui.example"
+    assert "POST" in r.headers["access-control-allow-methods"]
+    r = complete(strict["url"], headers={**strict["auth"], "Origin": "https://ui.example"},
+                 prompt="x", max_tokens=1)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://ui.example"
+    assert "x-request-id" in r.headers["access-control-expose-headers"].lower()
+    # Without the key the page is refused as any client is, and can read why.
+    r = complete(strict["url"], headers={"Origin": "https://ui.example"}, prompt="x")
+    assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "https://ui.example"
+    # Another origin, or a frontend that allows none: no CORS headers, so the browser
+    # keeps the answer from the page.
+    r = httpx.options(strict["url"] + "/v1/completions",
+                      headers={**preflight, "Origin": "https://evil.example"}, timeout=30)
+    assert r.status_code == 400 and "access-control-allow-origin" not in r.headers
+    r = httpx.options(stack["url"] + "/v1/completions", headers=preflight, timeout=30)
+    assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
+    r = complete(stack["url"], headers={"Origin": "https://ui.example"}, prompt="x", max_tokens=1)
+    assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+
+
 def test_body_over_the_limit_gets_413(strict):
     r = complete(strict["url"], headers=strict["auth"], prompt="x" * 5000, max_tokens=1)
     assert r.status_code == 413 and "4096 bytes" in r.json()["error"]["message"]

@@ -77,6 +77,7 @@ def test_a_component_that_fails_to_start_is_named_and_the_command_fails(tiny_lla
     (["--max-batch-size", "0"], "max_batch_size must be a positive integer"),
     (["--stream-interval", "0"], "stream_interval must be a positive integer"),
     (["--drain-timeout", "0"], "drain_timeout_s must be positive"),
+    (["--allowed-origins", "https://ui.example/app"], "an allowed origin is * or scheme://host"),
 ])
 def test_bad_flags_are_refused(args, message, tiny_llama_dir):
     proc = subprocess.run([sys.executable, "-m", "roseserve", "serve", "--model",
@@ -91,7 +92,8 @@ def test_serve_gives_its_drain_timeout_to_every_process_and_waits_past_it(tmp_pa
     from roseserve.launcher import STOP_MARGIN_S, components
 
     args = build_parser().parse_args(["serve", "--engines", "2", "--drain-timeout", "7",
-                                      "--stream-interval", "3", "--no-access-log"])
+                                      "--stream-interval", "3", "--no-access-log",
+                                      "--allowed-origins", "https://a.example", "*"])
     stack = components(args, "model", str(tmp_path))
     for c in stack:
         assert c.stop_timeout_s == 7 + STOP_MARGIN_S, c.name
@@ -100,6 +102,8 @@ def test_serve_gives_its_drain_timeout_to_every_process_and_waits_past_it(tmp_pa
     (front,) = [c for c in stack if c.name == "frontend"]
     assert front.cmd[front.cmd.index("--stream-interval") + 1] == "3"
     assert "--no-access-log" in front.cmd
+    at = front.cmd.index("--allowed-origins")
+    assert front.cmd[at + 1:at + 3] == ["https://a.example", "*"]
     args = build_parser().parse_args(["serve"])
     assert "--no-access-log" not in [c for c in components(args, "m", str(tmp_path))
                                      if c.name == "frontend"][0].cmd
