@@ -31,6 +31,11 @@ Count = Annotated[int, Field(ge=1, le=MAX_INT)]
 # Token ids are checked against the vocabulary later, with a message saying so.
 TokenId = Annotated[int, Field(ge=-MAX_INT, le=MAX_INT)]
 _STRICT = ConfigDict(extra="forbid", strict=True)
+Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+# OpenAI's metadata: up to 16 pairs of strings (checked, then dropped: nothing is stored).
+Metadata = Annotated[dict[Annotated[str, Field(max_length=64)],
+                          Annotated[str, Field(max_length=512)]], Field(max_length=16)]
 # At most this many bad words per request (each is banned as it is and after a space).
 MAX_BAD_WORDS = 100
 
@@ -71,8 +76,8 @@ class _SamplingFields(BaseModel):
     model_config = _STRICT
 
     model: str
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
     n: int = Field(1, ge=1, le=64)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
@@ -341,8 +346,7 @@ class ChatCompletionRequest(_SamplingFields):
     # OpenAI's limits and dropped, there is one service tier, the output is text,
     # and the router already follows the prompt's cached prefix (prompt_cache_key).
     store: Optional[bool] = None
-    metadata: Optional[dict[Annotated[str, Field(max_length=64)],
-                            Annotated[str, Field(max_length=512)]]] = Field(None, max_length=16)
+    metadata: Optional[Metadata] = None
     service_tier: Optional[str] = None
     modalities: Optional[list[str]] = None
     prompt_cache_key: Optional[str] = None

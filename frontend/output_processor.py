@@ -40,14 +40,6 @@ from frontend.router import EngineRouter
 
 logger = logging.getLogger(__name__)
 
-_encode = msgspec.json.encode
-DONE = b"data: [DONE]\n\n"
-
-
-def sse(body: dict) -> bytes:
-    return b"data: " + _encode(body) + b"\n\n"
-
-
 class OutputProcessor:
     def __init__(self, router: EngineRouter, retries: int, kv_lease_s: float = 30.0,
                  stream_interval: int = 1) -> None:
@@ -66,7 +58,7 @@ class OutputProcessor:
         assert job.formatter is not None
         job.remaining = len(job.choices)
         if job.stream:
-            job.outbox.extend(sse(chunk) for chunk in job.formatter.first_chunks())
+            job.outbox.extend(map(job.formatter.event, job.formatter.first_chunks()))
         self._send(job)
         if job.deadline is not None:
             job.timer = asyncio.get_running_loop().call_at(
@@ -205,7 +197,7 @@ class OutputProcessor:
             assert job.formatter is not None
             chunk = job.formatter.chunk(delta, last=job.remaining == 0)
             if chunk is not None:
-                job.outbox.append(sse(chunk))
+                job.outbox.append(job.formatter.event(chunk))
         if job.remaining == 0:
             self._end(job)
         job.held += len(delta.token_ids)
@@ -216,10 +208,8 @@ class OutputProcessor:
 
     def _end(self, job: Job) -> None:
         if job.stream:
-            if job.include_usage:
-                assert job.formatter is not None
-                job.outbox.append(sse(job.formatter.usage_chunk()))
-            job.outbox.append(DONE)
+            assert job.formatter is not None
+            job.outbox.extend(job.formatter.stream_end())
         job.ended = True
 
     def _retry_or_fail(self, job: Job, error: BaseException) -> None:
@@ -252,8 +242,8 @@ class OutputProcessor:
     def _fail(self, job: Job, error: BaseException) -> None:
         job.error = as_api_error(error)
         if job.stream:  # the stream has started: the error is its last event
-            job.outbox.append(sse(job.error.body()))
-            job.outbox.append(DONE)
+            assert job.formatter is not None
+            job.outbox.extend(job.formatter.stream_error(job.error))
         job.ended = True
         job.wakeup.set()
 

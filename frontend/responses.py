@@ -7,14 +7,21 @@ server saw it), on the non-streaming response and on the last chunk of a stream.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
+
+import msgspec
 
 from common.protocol import TokenLogprobs
 from frontend.choice import Delta
 from frontend.job import Job
+
+if TYPE_CHECKING:
+    from frontend.errors import APIError
 from frontend.tools import ToolCallParser
 
 TokenText = Callable[[int], str]
+_encode = msgspec.json.encode
+DONE = b"data: [DONE]\n\n"
 
 
 def completion_logprobs(entries: list[tuple[int, TokenLogprobs]], token_text: TokenText,
@@ -98,6 +105,21 @@ class Formatter:
 
     def first_chunks(self) -> list[dict]:
         return []
+
+    # -- a stream's bytes ------------------------------------------------------------
+
+    def event(self, body: dict) -> bytes:
+        """One server-sent event."""
+        return b"data: " + _encode(body) + b"\n\n"
+
+    def stream_end(self) -> list[bytes]:
+        """The events after every choice's last chunk."""
+        usage = [self.event(self.usage_chunk())] if self.job.include_usage else []
+        return usage + [DONE]
+
+    def stream_error(self, error: "APIError") -> list[bytes]:
+        """The events that end a stream an error cut."""
+        return [self.event(error.body()), DONE]
 
     def shown(self) -> list[int]:
         """The choices a full response returns, in order: all of them, or with best_of

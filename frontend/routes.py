@@ -31,6 +31,8 @@ from frontend.job import Job
 from frontend.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeBody,
                                       TokenizeBody)
 from frontend.output_processor import events
+from frontend.responses import Formatter
+from frontend.responses_api import ResponsesFormatter, ResponsesRequest
 from frontend.serving import Pipeline
 
 T = TypeVar("T")
@@ -48,9 +50,12 @@ class JobResponse(Response):
     response starts propagate to the app's handlers as their HTTP status; a streamed
     response's later errors are its last event (the output processor's)."""
 
-    def __init__(self, pipe: Pipeline, job: Job, body) -> None:
+    def __init__(self, pipe: Pipeline, job: Job, body,
+                 formatter: Optional[Callable[[Job], Formatter]] = None) -> None:
+        """``formatter``: the job's, when not its endpoint's own (/v1/responses)."""
         super().__init__()
         self.pipe, self.job, self.body = pipe, job, body
+        self.formatter = formatter
         self.watcher: Optional[asyncio.Future] = None
 
     async def __call__(self, scope, receive, send) -> None:
@@ -68,6 +73,8 @@ class JobResponse(Response):
     async def _run(self, receive) -> Union[Response, EventStream]:
         job = self.job
         await until_disconnected(receive, self.pipe.inputs.prepare(job, self.body))
+        if self.formatter is not None:
+            job.formatter = self.formatter(job)
         self.pipe.outputs.submit(job)
         if job.stream:
             # A stream ends when its client leaves, even while nothing is being sent
@@ -178,6 +185,20 @@ async def completion_response(request: Request, model: type[BaseModel]) -> Respo
     pipe = pipeline(request)
     job = request.state.job = pipe.open(body, received)  # the access log's
     return JobResponse(pipe, job, body)
+
+
+@router.post("/v1/responses")
+async def responses(request: Request) -> Response:
+    """OpenAI's Responses API: a chat job written as a response (frontend/responses_api.py)."""
+    received = time.monotonic()
+    body = await parse(request, ResponsesRequest)
+    try:
+        chat = body.to_chat()
+    except ValidationError as e:
+        raise from_validation_error(e)
+    pipe = pipeline(request)
+    job = request.state.job = pipe.open(chat, received, prefix="resp_")
+    return JobResponse(pipe, job, chat, lambda job: ResponsesFormatter(job, pipe.token_text, body))
 
 
 def model_card(request: Request, name: str) -> dict:

@@ -120,13 +120,14 @@ class Pipeline:
             raise APIError(404, f"the model '{model}' does not exist; this server serves "
                                 f"{served}", param="model", code="model_not_found")
 
-    def open(self, body, received: float) -> Job:
-        """A Job for a parsed completion or chat request (it holds nothing yet)."""
+    def open(self, body, received: float, prefix: Optional[str] = None) -> Job:
+        """A Job for a parsed completion or chat request (it holds nothing yet); its id
+        is ``prefix`` then hex digits, by default the endpoint's (chatcmpl-, cmpl-)."""
         self.check_model(body.model)
-        prefix = "chatcmpl" if isinstance(body, ChatCompletionRequest) else "cmpl"
+        prefix = prefix or ("chatcmpl-" if isinstance(body, ChatCompletionRequest) else "cmpl-")
         timeout = self.config.request_timeout_s
         self.num_jobs += 1
-        return Job(request_id=f"{prefix}-{uuid.uuid4().hex}", created=int(time.time()),
+        return Job(request_id=prefix + uuid.uuid4().hex, created=int(time.time()),
                    model=body.model, received=received, stream=bool(body.stream),
                    on_close=self._closed,
                    deadline=None if timeout is None else received + timeout)

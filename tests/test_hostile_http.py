@@ -33,7 +33,11 @@ def _chat(**kw) -> bytes:
                        "max_tokens": 2, **kw}).encode()
 
 
-C, CHAT = "/v1/completions", "/v1/chat/completions"
+def _resp(**kw) -> bytes:
+    return json.dumps({"model": "tiny", "input": "Hi", "max_output_tokens": 2, **kw}).encode()
+
+
+C, CHAT, RESP = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 # (name, path, body): each must get an OpenAI-shaped 4xx.
 FUZZ = [
     # malformed JSON
@@ -132,6 +136,14 @@ FUZZ = [
     ("audio out", CHAT, _chat(modalities=["text", "audio"])),
     ("metadata of 17 pairs", CHAT, _chat(metadata={str(i): "v" for i in range(17)})),
     ("metadata not strings", CHAT, _chat(metadata={"k": 5})),
+    ("response input a number", RESP, _resp(input=5)), ("response input null", RESP, _resp(input=None)),
+    ("response of an image", RESP, _resp(input=[{"role": "user", "content": [
+        {"type": "input_image", "image_url": "http://x/y.png"}]}])),
+    ("response item of a bad role", RESP, _resp(input=[{"role": "tool", "content": "x"}])),
+    ("response stored", RESP, _resp(store=True)),
+    ("response continuing another", RESP, _resp(previous_response_id="resp_1")),
+    ("response past the context", RESP, _resp(max_output_tokens=BIG)),
+    ("response in the background", RESP, _resp(background=True)),
 ]
 # At the bounds: each must be served (200).
 AT_BOUNDS = [
@@ -153,6 +165,7 @@ AT_BOUNDS = [
     ("surrogate pair", C, b'{"model":"tiny","prompt":"\\ud83c\\udf39","max_tokens":2}'),
     ("logit_bias at +-100", C, _cmpl(logit_bias={"1": 100, "2": -100})),
     ("a grammar of only the empty string", C, _cmpl(guided_grammar='root ::= ""')),
+    ("a response", RESP, _resp(instructions="Be brief", temperature=0, store=False)),
     ("OpenAI's no-op fields", CHAT, _chat(store=False, metadata={"k": "v"}, service_tier="default",
                                           modalities=["text"], prompt_cache_key="k",
                                           safety_identifier="u")),
