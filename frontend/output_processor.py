@@ -195,9 +195,7 @@ class OutputProcessor:
                 job.engine.cancel([choice.request_id])
         if job.stream:
             assert job.formatter is not None
-            chunk = job.formatter.chunk(delta, last=job.remaining == 0)
-            if chunk is not None:
-                job.outbox.append(job.formatter.event(chunk))
+            job.outbox.extend(job.formatter.stream_delta(delta, last=job.remaining == 0))
         if job.remaining == 0:
             self._end(job)
         job.held += len(delta.token_ids)

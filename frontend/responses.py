@@ -112,6 +112,11 @@ class Formatter:
         """One server-sent event."""
         return b"data: " + _encode(body) + b"\n\n"
 
+    def stream_delta(self, delta: Delta, last: bool) -> list[bytes]:
+        """The events for one choice's delta (none when it carries nothing)."""
+        chunk = self.chunk(delta, last)
+        return [] if chunk is None else [self.event(chunk)]
+
     def stream_end(self) -> list[bytes]:
         """The events after every choice's last chunk."""
         usage = [self.event(self.usage_chunk())] if self.job.include_usage else []

@@ -1,18 +1,20 @@
 """OpenAI's Responses API (POST /v1/responses), served by the chat pipeline.
 
 A Responses request is turned into a chat completion request (``ResponsesRequest.
-to_chat``: ``instructions`` first as a system message, then ``input``, a text or a list
-of messages), run as any chat job, and its output written in the Responses shapes by
-``ResponsesFormatter``: a ``response`` object whose ``output`` holds one assistant
-message of ``output_text``, with ``status`` ``completed``, or ``incomplete`` when
-``max_output_tokens`` ran out; streamed as OpenAI's typed events (``event:`` and
-``data:`` lines: response.created ... response.output_text.delta ...
-response.completed), without a ``[DONE]``.
+to_chat``): ``instructions`` first as a system message, then ``input``, a text or a
+list of items: messages, the function calls an assistant made (``function_call``)
+and their results (``function_call_output``), as chat's assistant ``tool_calls`` and
+``tool`` messages. It runs as any chat job, and ``ResponsesFormatter`` writes its
+output in the Responses shapes: a ``response`` whose ``output`` holds the assistant's
+text as a ``message`` of ``output_text`` and each call it made as a ``function_call``
+item, with ``status`` ``completed``, or ``incomplete`` when ``max_output_tokens`` ran
+out; streamed as OpenAI's typed events (``event:`` and ``data:`` lines, numbered), an
+item added when its first text or call arrives and done when the next one starts or
+the response ends; no ``[DONE]``.
 
-Served: text in and out, ``instructions``, ``max_output_tokens``, ``temperature``,
-``top_p``, structured output (``text.format``), ``stream``. Nothing is stored, so
-``store`` true, ``previous_response_id`` and ``background`` are refused, as are tools,
-reasoning and ``include``: each a 400 naming its field. The chat endpoint serves tools.
+Function tools are chat's, with the same ``tool_choice`` values (frontend/tools.py).
+Nothing is stored, so ``store`` true, ``previous_response_id`` and ``background`` are
+refused, as are built-in tools, reasoning and ``include``: each a 400 naming its field.
 """
 
 from __future__ import annotations
@@ -24,29 +26,36 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, Va
                       field_validator)
 
 from common.structured import StructuredOutput, json_schema_output
+from frontend.choice import Delta
 from frontend.errors import APIError
 from frontend.job import Job
 from frontend.openai_protocol import (ChatCompletionRequest, Count, Metadata, Temperature,
                                       TopP)
 from frontend.responses import Formatter, TokenText
+from frontend.tools import ToolCallParser
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 _encode = msgspec.json.encode
 
 
-class InputText(BaseModel):
+class TextPart(BaseModel):
     model_config = _STRICT
     # input_text in the client's turns, output_text in the assistant's earlier ones.
     type: Literal["input_text", "output_text"]
     text: str
     annotations: Optional[list] = None
+    logprobs: Optional[list] = None
 
 
-class InputMessage(BaseModel):
+def _text(content: Union[str, list[TextPart]]) -> str:
+    return content if isinstance(content, str) else "".join(p.text for p in content)
+
+
+class MessageItem(BaseModel):
     model_config = _STRICT
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: Union[str, list[InputText]]
+    content: Union[str, list[TextPart]]
     id: Optional[str] = None
     status: Optional[str] = None
 
@@ -61,13 +70,46 @@ class InputMessage(BaseModel):
                                  f"assistant's turn)")
         return value
 
-    def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+
+class FunctionCallItem(BaseModel):
+    """A call the assistant made earlier (as this server's output gave it)."""
+    model_config = _STRICT
+    type: Literal["function_call"]
+    call_id: str
+    name: str
+    arguments: str
+    id: Optional[str] = None
+    status: Optional[str] = None
 
 
-_MESSAGES = TypeAdapter(list[InputMessage])
+class FunctionCallOutputItem(BaseModel):
+    """The result of one of those calls."""
+    model_config = _STRICT
+    type: Literal["function_call_output"]
+    call_id: str
+    output: Union[str, list[TextPart]]
+    id: Optional[str] = None
+    status: Optional[str] = None
+
+
+_ITEMS = {"message": TypeAdapter(MessageItem), "function_call": TypeAdapter(FunctionCallItem),
+          "function_call_output": TypeAdapter(FunctionCallOutputItem)}
+Item = Union[MessageItem, FunctionCallItem, FunctionCallOutputItem]
+
+
+class FunctionTool(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class FunctionChoice(BaseModel):
+    model_config = _STRICT
+    type: Literal["function"]
+    name: str
 
 
 class TextFormat(BaseModel):
@@ -93,7 +135,7 @@ class ResponsesStreamOptions(BaseModel):
 class ResponsesRequest(BaseModel):
     model_config = _STRICT
     model: str
-    input: Union[str, list[InputMessage]]
+    input: Union[str, list[Item]]
     instructions: Optional[str] = None
     max_output_tokens: Optional[Count] = None
     temperature: Temperature = 1.0
@@ -101,6 +143,9 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     stream_options: Optional[ResponsesStreamOptions] = None
     text: TextOptions = TextOptions()
+    tools: Optional[list[FunctionTool]] = Field(None, max_length=128)
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], FunctionChoice]] = None
+    parallel_tool_calls: bool = True
     # Nothing is stored: false, or absent (then the response says store false).
     store: Optional[bool] = None
     metadata: Optional[Metadata] = None
@@ -109,34 +154,45 @@ class ResponsesRequest(BaseModel):
     prompt_cache_key: Optional[str] = None
     service_tier: Optional[Literal["auto", "default"]] = None
     truncation: Optional[Literal["disabled"]] = None
-    parallel_tool_calls: Optional[bool] = None
-    # What needs storage, tools or a reasoning model: refused unless empty.
+    # What needs storage or a reasoning model: refused unless empty.
     previous_response_id: Optional[str] = None
     background: Optional[bool] = None
-    tools: Optional[list] = None
-    tool_choice: Optional[Any] = None
     reasoning: Optional[dict] = None
     include: Optional[list] = None
 
-    _format: Optional[StructuredOutput] = PrivateAttr(None)
-
     @field_validator("input", mode="before")
     @classmethod
-    def _text_or_messages(cls, value):
+    def _text_or_items(cls, value):
         # Here rather than by the union, whose first error would be "not a string".
         if not value or not isinstance(value, (str, list)):
             raise ValueError("input is empty; give a text or at least one message"
                              if value in ("", []) else
-                             "input must be a text or a list of messages")
+                             "input must be a text or a list of items")
         if isinstance(value, str):
             return value
-        try:
-            return _MESSAGES.validate_python(value)
-        except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            raise ValueError(f"message {where}: "
-                             f"{first['msg'].removeprefix('Value error, ')}") from None
+        items = []
+        for i, item in enumerate(value):
+            kind = item.get("type", "message") if isinstance(item, dict) else None
+            if kind not in _ITEMS:
+                raise ValueError(f"item {i} has type {kind!r}; the items served are "
+                                 f"{', '.join(_ITEMS)}")
+            try:
+                items.append(_ITEMS[kind].validate_python(item))
+            except ValidationError as e:
+                first = e.errors()[0]
+                where = ".".join(str(p) for p in (i, *first["loc"]))
+                raise ValueError(f"item {where}: "
+                                 f"{first['msg'].removeprefix('Value error, ')}") from None
+        return items
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _function_tools_only(cls, value):
+        for i, tool in enumerate(value if isinstance(value, list) else []):
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            if isinstance(kind, str) and kind != "function":
+                raise ValueError(f"tool {i} has type {kind!r}; only function tools are served")
+        return value
 
     @field_validator("store")
     @classmethod
@@ -145,34 +201,51 @@ class ResponsesRequest(BaseModel):
             raise ValueError("this server keeps no responses; send store false or leave it out")
         return value
 
-    @field_validator("previous_response_id", "background", "reasoning")
+    @field_validator("previous_response_id", "background", "reasoning", "include")
     @classmethod
     def _needs_what_is_not_here(cls, value, info):
         why = {"previous_response_id": "no response is stored; send the conversation as input",
                "background": "responses are not run in the background",
-               "reasoning": "this model does not reason"}[info.field_name]
+               "reasoning": "this model does not reason",
+               "include": "there is nothing more to include"}[info.field_name]
         if value:
             raise ValueError(f"not served: {why}")
         return value
 
-    @field_validator("tools", "tool_choice", "include")
-    @classmethod
-    def _not_on_this_endpoint(cls, value):
-        if value and value not in ("none", "auto"):  # no tools: either choice is none
-            raise ValueError("not served on /v1/responses (/v1/chat/completions serves "
-                             "tools)")
-        return value
-
     def to_chat(self) -> "ResponsesChat":
-        """The chat completion request that computes this response. Raises APIError."""
-        messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
-        items = [InputMessage(role="user", content=self.input)] if isinstance(self.input, str) \
+        """The chat completion request that computes this response. Raises APIError,
+        or ValidationError for messages chat refuses."""
+        messages: list[dict] = []
+        if self.instructions:
+            messages.append({"role": "system", "content": self.instructions})
+        items = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) \
             else self.input
-        messages += [{"role": m.role, "content": m.text()} for m in items]
-        chat = ResponsesChat(model=self.model, messages=messages,
-                             max_completion_tokens=self.max_output_tokens,
-                             temperature=self.temperature, top_p=self.top_p,
-                             stream=self.stream, user=self.user)
+        for item in items:
+            if isinstance(item, MessageItem):
+                messages.append({"role": item.role, "content": _text(item.content)})
+            elif isinstance(item, FunctionCallItem):
+                call = {"id": item.call_id, "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments}}
+                last = messages[-1] if messages else None
+                if last is not None and last["role"] == "assistant":  # one turn, several calls
+                    last.setdefault("tool_calls", []).append(call)
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            else:
+                messages.append({"role": "tool", "tool_call_id": item.call_id,
+                                 "content": _text(item.output)})
+        choice = self.tool_choice
+        if not self.tools and choice in ("auto", "none"):
+            choice = None  # no tools: nothing to choose (chat would ask for tools)
+        if isinstance(choice, FunctionChoice):
+            choice = {"type": "function", "function": {"name": choice.name}}
+        chat = ResponsesChat(
+            model=self.model, messages=messages, max_completion_tokens=self.max_output_tokens,
+            temperature=self.temperature, top_p=self.top_p, stream=self.stream, user=self.user,
+            tools=None if not self.tools else [
+                {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
+                for t in self.tools],
+            tool_choice=choice, parallel_tool_calls=self.parallel_tool_calls)
         chat._format = self.structured_output()
         return chat
 
@@ -199,49 +272,133 @@ class ResponsesChat(ChatCompletionRequest):
 
 
 class ResponsesFormatter(Formatter):
-    """The response object, and its stream of typed events, for one chat choice."""
+    """The response object, and its stream of typed events, for one chat choice. The
+    same steps build both: the choice's text goes through the tool-call parser (when
+    calls can be made) into output items, each opened, grown and closed, with an
+    event for each step (a full response keeps only the items)."""
 
     def __init__(self, job: Job, token_text: TokenText, request: ResponsesRequest) -> None:
         super().__init__(job, token_text)
         self.request = request
-        self.item_id = "msg_" + job.request_id.removeprefix("resp_")
+        self.hex = job.request_id.removeprefix("resp_")
+        self.parser = None if job.tool_plan is None else ToolCallParser(job.tool_plan)
         self.sequence = 0
+        self.output: list[dict] = []
+        self.open: Optional[dict] = None  # the item still growing, the last of output
 
     def event(self, body: dict) -> bytes:
         body["sequence_number"] = self.sequence
         self.sequence += 1
         return b"event: " + body["type"].encode() + b"\ndata: " + _encode(body) + b"\n\n"
 
-    def _text(self) -> str:
-        return "".join(self.job.choices[0].text)
+    # -- output items ---------------------------------------------------------------
+
+    def _new_item(self, kind: str, item: dict) -> list[bytes]:
+        out = self._close("completed")
+        index = len(self.output)
+        item = {"id": f"{kind}_{self.hex}" + (f"_{index}" if index else ""), **item}
+        self.output.append(item)
+        self.open = item
+        out.append(self.event({"type": "response.output_item.added", "output_index": index,
+                               "item": {**item, "content": []} if "content" in item
+                               else {**item, "arguments": ""}}))
+        return out
+
+    def _where(self) -> dict:
+        assert self.open is not None
+        return {"item_id": self.open["id"], "output_index": len(self.output) - 1}
+
+    def _on_text(self, text: str) -> list[bytes]:
+        out: list[bytes] = []
+        if self.open is None or self.open["type"] != "message":
+            out += self._new_item("msg", {"type": "message", "status": "in_progress",
+                                          "role": "assistant", "content": [_part("")]})
+            out.append(self.event({"type": "response.content_part.added", **self._where(),
+                                   "content_index": 0, "part": _part("")}))
+        assert self.open is not None
+        self.open["content"][0]["text"] += text
+        out.append(self.event({"type": "response.output_text.delta", **self._where(),
+                               "content_index": 0, "delta": text, "logprobs": []}))
+        return out
+
+    def _on_call(self, call: dict) -> list[bytes]:
+        out: list[bytes] = []
+        if "id" in call:  # a new call (later pieces of a named call carry only arguments)
+            out += self._new_item("fc", {"type": "function_call", "status": "in_progress",
+                                         "call_id": call["id"],
+                                         "name": call["function"]["name"], "arguments": ""})
+        arguments = call["function"].get("arguments", "")
+        if arguments:
+            assert self.open is not None
+            self.open["arguments"] += arguments
+            out.append(self.event({"type": "response.function_call_arguments.delta",
+                                   **self._where(), "delta": arguments}))
+        return out
+
+    def _close(self, status: str) -> list[bytes]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        where = {"item_id": item["id"], "output_index": self.output.index(item)}
+        item["status"] = status
+        if item["type"] == "message":
+            part = item["content"][0]
+            out = [self.event({"type": "response.output_text.done", **where,
+                               "content_index": 0, "text": part["text"], "logprobs": []}),
+                   self.event({"type": "response.content_part.done", **where,
+                               "content_index": 0, "part": part})]
+        else:
+            out = [self.event({"type": "response.function_call_arguments.done", **where,
+                               "name": item["name"], "arguments": item["arguments"]})]
+        return out + [self.event({"type": "response.output_item.done",
+                                  "output_index": where["output_index"], "item": item})]
+
+    def _consume(self, text: str, final: bool) -> list[bytes]:
+        """Events for more of the choice's text (and, when ``final``, its end)."""
+        calls: list[dict] = []
+        if self.parser is not None:
+            text, calls = self.parser.push(text)
+            if final:
+                rest, more = self.parser.finish()
+                text, calls = text + rest, calls + more
+        out = self._on_text(text) if text else []
+        for call in calls:
+            out += self._on_call(call)
+        if final:
+            status = self._status()
+            if not self.output:  # nothing at all: an empty message, as OpenAI shows it
+                out += self._on_text("")
+            out += self._close("incomplete" if status == "incomplete" else "completed")
+        return out
+
+    # -- the response ---------------------------------------------------------------
 
     def _status(self) -> str:
         return "incomplete" if self.job.choices[0].finish_reason == "length" else "completed"
 
-    def _part(self, text: str) -> dict:
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-    def _item(self, status: str, content: list) -> dict:
-        return {"type": "message", "id": self.item_id, "status": status, "role": "assistant",
-                "content": content}
-
-    def response(self, status: str, output: list, usage: Optional[dict] = None,
+    def response(self, status: str, usage: Optional[dict] = None,
                  error: Optional[APIError] = None) -> dict:
         r, job = self.request, self.job
-        return {
+        body = {
             "id": job.request_id, "object": "response", "created_at": job.created,
-            "status": status, "model": job.model, "output": output,
+            "status": status, "model": job.model, "output": self.output,
             "error": None if error is None else {"code": error.code or "server_error",
                                                  "message": error.message},
             "incomplete_details": ({"reason": "max_output_tokens"}
                                    if status == "incomplete" else None),
             "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
-            "temperature": r.temperature, "top_p": r.top_p, "parallel_tool_calls": False,
-            "tool_choice": "none", "tools": [], "previous_response_id": None,
-            "reasoning": None, "store": False, "truncation": "disabled",
+            "temperature": r.temperature, "top_p": r.top_p,
+            "parallel_tool_calls": r.parallel_tool_calls,
+            "tool_choice": (r.tool_choice.model_dump() if isinstance(r.tool_choice, BaseModel)
+                            else r.tool_choice or ("auto" if r.tools else "none")),
+            "tools": [t.model_dump(exclude_none=True) for t in r.tools or []],
+            "previous_response_id": None, "reasoning": None, "store": False,
+            "truncation": "disabled",
             "text": {"format": r.text.format.model_dump(by_alias=True, exclude_none=True)},
-            "metadata": r.metadata or {}, "user": r.user, "usage": usage,
-            **({"timing": job.timing()} if usage is not None else {})}
+            "metadata": r.metadata or {}, "user": r.user, "usage": usage}
+        if usage is not None:
+            body["timing"] = job.timing()
+        return body
 
     def _usage(self) -> dict:
         u = self.job.usage()
@@ -252,38 +409,32 @@ class ResponsesFormatter(Formatter):
                 "total_tokens": u["total_tokens"]}
 
     def full(self) -> dict:
-        status = self._status()
-        return self.response(status, [self._item(status, [self._part(self._text())])],
-                             self._usage())
+        self._consume("".join(self.job.choices[0].text), final=True)
+        return self.response(self._status(), self._usage())
+
+    # -- a stream -------------------------------------------------------------------
 
     def first_chunks(self) -> list[dict]:
-        created = self.response("in_progress", [])
+        created = self.response("in_progress")
         return [{"type": "response.created", "response": created},
-                {"type": "response.in_progress", "response": created},
-                {"type": "response.output_item.added", "output_index": 0,
-                 "item": self._item("in_progress", [])},
-                {"type": "response.content_part.added", "item_id": self.item_id,
-                 "output_index": 0, "content_index": 0, "part": self._part("")}]
+                {"type": "response.in_progress", "response": created}]
 
-    def chunk(self, delta, last: bool) -> Optional[dict]:
-        if not delta.text:
-            return None
-        return {"type": "response.output_text.delta", "item_id": self.item_id,
-                "output_index": 0, "content_index": 0, "delta": delta.text, "logprobs": []}
+    def stream_delta(self, delta: Delta, last: bool) -> list[bytes]:
+        # The end is stream_end's: this is the text before it.
+        return self._consume(delta.text, final=False) if delta.text else []
 
     def stream_end(self) -> list[bytes]:
-        text, status = self._text(), self._status()
-        item = self._item(status, [self._part(text)])
-        where = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
-        return [self.event(body) for body in (
-            {"type": "response.output_text.done", **where, "text": text, "logprobs": []},
-            {"type": "response.content_part.done", **where, "part": self._part(text)},
-            {"type": "response.output_item.done", "output_index": 0, "item": item},
-            {"type": f"response.{status}",
-             "response": self.response(status, [item], self._usage())})]
+        out = self._consume("", final=True)
+        status = self._status()
+        return out + [self.event({"type": f"response.{status}",
+                                  "response": self.response(status, self._usage())})]
 
     def stream_error(self, error: APIError) -> list[bytes]:
         return [self.event({"type": "error", "code": error.code, "message": error.message,
                             "param": error.param}),
                 self.event({"type": "response.failed",
-                            "response": self.response("failed", [], error=error)})]
+                            "response": self.response("failed", error=error)})]
+
+
+def _part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}

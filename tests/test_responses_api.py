@@ -106,14 +106,20 @@ def test_structured_output_through_text_format(client):
     ({"previous_response_id": "resp_1"}, "previous_response_id", "no response is stored"),
     ({"background": True}, "background", "not served"),
     ({"reasoning": {"effort": "high"}}, "reasoning", "does not reason"),
-    ({"tools": [{"type": "function", "name": "f"}]}, "tools", "/v1/chat/completions"),
+    ({"tools": [{"type": "web_search"}]}, "tools", "tool 0 has type 'web_search'; only function"),
+    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": "auto"}, "tool_choice",
+     "needs a model whose chat template writes tool calls"),
+    ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input", "item 0 has type 'reasoning'"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input",
+     "item 0.call_id: Field required"),
     ({"include": ["message.output_text.logprobs"]}, "include", "not served"),
     ({"input": ""}, "input", "input is empty"),
     ({"input": []}, "input", "input is empty"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-     "input", "message 0.content: content part 0 has type 'input_image'"),
-    ({"input": [{"role": "wizard", "content": "x"}]}, "input", "message 0.role"),
-    ({"input": {"role": "user"}}, "input", "a text or a list of messages"),
+     "input", "item 0.content: content part 0 has type 'input_image'"),
+    ({"input": [{"role": "wizard", "content": "x"}]}, "input", "item 0.role"),
+    ({"input": {"role": "user"}}, "input", "a text or a list of items"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format", "needs a name"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": 5}}}},
      "text.format.schema", ""),
@@ -162,3 +168,4 @@ def test_a_response_stream_the_timeout_cuts_ends_failed(slow):
     assert [d["sequence_number"] for d in data] == list(range(len(data)))
     stats = wait_engine_idle(slow["engine"].address)
     assert stats.num_running == 0 and stats.num_blocks_used == 0
+

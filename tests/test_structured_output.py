@@ -196,3 +196,62 @@ def test_tool_choice_none_and_auto_and_the_conversation_back(client, smol):
     text = httpx.post(smol + "/detokenize", json={"model": MODEL,
                                                   "tokens": tokens["tokens"]}).json()["prompt"]
     assert '"name": "get_weather"' in text and "18 C" in text
+
+
+# -- the Responses API's function tools (frontend/responses_api.py) -------------------
+
+RESP_WEATHER = {"type": "function", **WEATHER["function"]}
+
+
+def test_responses_function_calls_are_output_items_as_on_chat(client):
+    kw = dict(model=MODEL, temperature=0, max_output_tokens=80, tools=[RESP_WEATHER],
+              tool_choice="required", parallel_tool_calls=False)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=ASK_WEATHER, temperature=0, max_tokens=80, tools=[WEATHER],
+        tool_choice="required", parallel_tool_calls=False)
+    (expected,) = chat.choices[0].message.tool_calls
+    r = client.responses.create(input=ASK_WEATHER[0]["content"], **kw)
+    assert r.status == "completed" and r.tool_choice == "required"
+    (call,) = r.output
+    assert call.type == "function_call" and call.status == "completed"
+    assert call.id == "fc_" + r.id.removeprefix("resp_") and call.call_id.startswith("call_")
+    assert (call.name, call.arguments) == (expected.function.name, expected.function.arguments)
+    jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
+    # Streamed: the item added, its arguments, done; the same call.
+    events = list(client.responses.create(input=ASK_WEATHER[0]["content"], stream=True, **kw))
+    assert [e.type for e in events] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        "response.output_item.done", "response.completed"]
+    added, delta, done, item_done, completed = events[2:]
+    assert added.item.arguments == "" and added.item.status == "in_progress"
+    assert delta.delta == done.arguments == call.arguments == item_done.item.arguments
+    assert completed.response.output[0].call_id == added.item.call_id
+    # A named function: its arguments stream as they are generated.
+    events = list(client.responses.create(
+        model=MODEL, input=ASK_WEATHER[0]["content"], temperature=0, max_output_tokens=80,
+        tools=[RESP_WEATHER], tool_choice={"type": "function", "name": "get_weather"},
+        stream=True))
+    pieces = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    final = events[-1].response.output[0]
+    assert len(pieces) > 1 and "".join(pieces) == final.arguments
+    jsonschema.validate(json.loads(final.arguments), WEATHER["function"]["parameters"])
+
+
+def test_responses_take_calls_and_their_outputs_as_chats_tool_messages(client):
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    chat = client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=8, tools=[WEATHER], tool_choice="none",
+        messages=ASK_WEATHER + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                                {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}])
+    r = client.responses.create(
+        model=MODEL, temperature=0, max_output_tokens=8, tools=[RESP_WEATHER],
+        tool_choice="none",
+        input=ASK_WEATHER + [{"type": "function_call", "call_id": "call_1", "name": "get_weather",
+                              "arguments": '{"city": "Paris"}'},
+                             {"type": "function_call_output", "call_id": "call_1",
+                              "output": "18 C"}])
+    assert r.output_text == chat.choices[0].message.content
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+
