@@ -36,8 +36,8 @@ import httpx  # noqa: E402
 
 from benchmarks.stack import Stack, cpu_model, metric  # noqa: E402
 
-KINDS = ("stream", "shared-prefix", "chat", "n2", "abandon", "drop", "invalid")
-WEIGHTS = (30, 15, 15, 10, 15, 10, 5)
+KINDS = ("stream", "shared-prefix", "chat", "n2", "abandon", "drop", "invalid", "responses")
+WEIGHTS = (30, 15, 15, 10, 15, 10, 5, 10)
 SHARED = "You are a careful assistant. Answer briefly and cite nothing. " * 4
 
 
@@ -98,6 +98,8 @@ async def one_request(client: httpx.AsyncClient, url: str, kind: str, rng: rando
             return f"lost: chat {r.status_code} {r.text[:100]}"
         got = r.json()["usage"]["completion_tokens"]
         return "ok" if got == max_tokens else f"lost: chat gave {got}/{max_tokens} tokens"
+    if kind == "responses":
+        return await one_response(client, url, max_tokens, base["temperature"], rng, args)
     prompt = (SHARED + f"Question {rng.randint(0, 1000)}?" if kind == "shared-prefix"
               else " ".join(rng.choice(["alpha", "beta", "gamma", "delta"])
                             for _ in range(rng.randint(1, 120))))
@@ -123,6 +125,31 @@ async def one_request(client: httpx.AsyncClient, url: str, kind: str, rng: rando
                 return "abandoned"
     got = usage["completion_tokens"] if usage else 0
     return "ok" if got == n * max_tokens else f"lost: {kind} gave {got}/{n * max_tokens} tokens"
+
+
+async def one_response(client: httpx.AsyncClient, url: str, max_tokens: int,
+                       temperature: float, rng: random.Random, args: argparse.Namespace) -> str:
+    """A streamed /v1/responses request. It has no ignore_eos: a response may end
+    early, but only as completed, and one that ran out must have every token."""
+    body = {"model": "soak", "input": f"Tell {rng.random()}", "max_output_tokens": max_tokens,
+            "temperature": temperature, "stream": True}
+    final = None
+    async with client.stream("POST", f"{url}/v1/responses", json=body,
+                             timeout=args.timeout) as r:
+        if r.status_code != 200:
+            return f"lost: responses {r.status_code} {(await r.aread())[:100]!r}"
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                if event["type"] in ("error", "response.failed"):
+                    return f"lost: responses {event['type']} {line[:100]}"
+                final = event.get("response") or final
+    if final is None or final["status"] not in ("completed", "incomplete"):
+        return f"lost: responses ended {final and final['status']}"
+    got = final["usage"]["output_tokens"]
+    if final["status"] == "incomplete" and got != max_tokens or got > max_tokens:
+        return f"lost: responses {final['status']} with {got}/{max_tokens} tokens"
+    return "ok"
 
 
 async def load(url: str, args: argparse.Namespace, until: float) -> tuple[Counter, Counter]:

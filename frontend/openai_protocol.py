@@ -257,6 +257,17 @@ class ToolCallParam(BaseModel):
     function: ToolCallFunction
 
 
+def text_parts_only(content, kinds: tuple[str, ...]):
+    """A message's content, checked before its union is: a part of a kind other than
+    ``kinds`` is named (the union's own error would say only that it is not a string)."""
+    for i, part in enumerate(content if isinstance(content, list) else []):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if isinstance(kind, str) and kind not in kinds:
+            raise ValueError(f"content part {i} has type {kind!r}; this model takes text "
+                             f"only (parts of type {' or '.join(map(repr, kinds))})")
+    return content
+
+
 class ChatMessageParam(BaseModel):
     model_config = _STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -269,13 +280,7 @@ class ChatMessageParam(BaseModel):
     @field_validator("content", mode="before")
     @classmethod
     def _text_parts_only(cls, value):
-        # Named here: the union's own error would say only that it is not a string.
-        for i, part in enumerate(value if isinstance(value, list) else []):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if isinstance(kind, str) and kind != "text":
-                raise ValueError(f"content part {i} has type {kind!r}; this model takes "
-                                 f"text only (parts of type 'text')")
-        return value
+        return text_parts_only(value, ("text",))
 
     @model_validator(mode="after")
     def _fields_of_its_role(self):

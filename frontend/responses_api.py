@@ -29,8 +29,8 @@ from common.structured import StructuredOutput, json_schema_output
 from frontend.choice import Delta
 from frontend.errors import APIError
 from frontend.job import Job
-from frontend.openai_protocol import (ChatCompletionRequest, Count, Metadata, Temperature,
-                                      TopP)
+from frontend.openai_protocol import (ChatCompletionRequest, Count, FunctionDefinition,
+                                      Metadata, Temperature, TopP, text_parts_only)
 from frontend.responses import Formatter, TokenText
 from frontend.tools import ToolCallParser
 
@@ -62,13 +62,7 @@ class MessageItem(BaseModel):
     @field_validator("content", mode="before")
     @classmethod
     def _text_parts_only(cls, value):
-        for i, part in enumerate(value if isinstance(value, list) else []):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if isinstance(kind, str) and kind not in ("input_text", "output_text"):
-                raise ValueError(f"content part {i} has type {kind!r}; this model takes "
-                                 f"text only (input_text, and output_text in an "
-                                 f"assistant's turn)")
-        return value
+        return text_parts_only(value, ("input_text", "output_text"))
 
 
 class FunctionCallItem(BaseModel):
@@ -97,13 +91,9 @@ _ITEMS = {"message": TypeAdapter(MessageItem), "function_call": TypeAdapter(Func
 Item = Union[MessageItem, FunctionCallItem, FunctionCallOutputItem]
 
 
-class FunctionTool(BaseModel):
-    model_config = _STRICT
+class FunctionTool(FunctionDefinition):
+    """Chat's function, with its type beside it (not around it)."""
     type: Literal["function"]
-    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    description: Optional[str] = None
-    parameters: Optional[dict[str, Any]] = None
-    strict: Optional[bool] = None
 
 
 class FunctionChoice(BaseModel):

@@ -19,7 +19,7 @@ def test_soak_smoke(tiny_llama_dir, tmp_path):
     assert report["lost"] == 0 and report["requests"] >= 20, report
     assert not any(report["held_after"].values()), report["held_after"]
     kinds = {key.split()[0] for key in report["outcomes"]}
-    assert kinds >= {"stream", "chat", "abandon", "drop", "invalid"}, kinds
+    assert kinds >= {"stream", "chat", "abandon", "drop", "invalid", "responses"}, kinds
     for name in ("engine_worker", "tokenizer_worker", "frontend", "tokenizer worker"):
         assert report["resources_end"][name]["rss_mb"] > 0
         assert report["resources_start"][name]["fds"] > 0
