@@ -7,11 +7,16 @@ and turning the generated text into OpenAI ``tool_calls``, whole or streamed.
   arguments alone. Both work with any model: the grammar, not the model's training,
   guarantees the shape, and the arguments always match the function's schema.
 - "auto" lets the model choose between text and calls, so it needs a model trained
-  to write calls in a known format. roseserve parses the Hermes format
-  (``<tool_call>{"name": ..., "arguments": ...}</tool_call>``, used by Qwen 2.5/3,
-  Hermes and others) for models whose chat template renders it; for any other
-  template "auto" is refused with a 400 that says to use "required" or a named
-  function. The default model's template has no tool support.
+  to write calls in a known format, which its chat template shows. roseserve parses
+  two: Hermes (``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` within the
+  text, used by Qwen 2.5/3, Hermes and others; the template names ``<tool_call>``)
+  and Llama 3's JSON (the whole reply one or more ``{"name": ..., "parameters": ...}``
+  objects, separated by ``;``, maybe after ``<|python_tag|>``; Llama 3.1-3.3, whose
+  templates ask for "the format {"name": function name, "parameters": ...}"). A reply
+  that starts as anything else is text, and released as it comes; one that starts
+  with ``{`` is held until it ends, then is calls if it parses as them, else text.
+  For any other template "auto" is refused with a 400 that says to use "required"
+  or a named function. The default model's template has no tool support.
 - "none" (the default without tools) generates text; the tools still reach the
   template, as in OpenAI's API.
 """
@@ -29,6 +34,9 @@ from frontend.detokenizer import partial_suffix
 from frontend.openai_protocol import ChatCompletionRequest
 
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
+# What Llama 3.1-3.3's templates ask a model with tools to answer in.
+LLAMA3_FORMAT = '"parameters": dictionary of argument name and its value'
+PYTHON_TAG = "<|python_tag|>"
 
 
 @dataclass(frozen=True)
@@ -36,6 +44,7 @@ class ToolPlan:
     mode: str  # "required", "named" or "auto"
     structured: Optional[StructuredOutput]
     name: Optional[str] = None  # the named function
+    syntax: str = "hermes"  # auto: how the model writes calls ("hermes", "llama3_json")
 
 
 def plan_tools(body: ChatCompletionRequest, chat_template: Optional[str]) -> Optional[ToolPlan]:
@@ -49,13 +58,16 @@ def plan_tools(body: ChatCompletionRequest, chat_template: Optional[str]) -> Opt
     if not tools:
         raise InvalidRequestError(f"tool_choice {_describe(choice)} needs tools", "tool_choice")
     if choice == "auto":
-        if HERMES_START not in (chat_template or ""):
-            raise InvalidRequestError(
-                "tool_choice 'auto' needs a model whose chat template writes tool calls in "
-                "a format roseserve parses (Hermes <tool_call>); this model's template does "
-                "not. Use tool_choice 'required' or a named function: the output is then "
-                "forced to a valid call", "tool_choice")
-        return ToolPlan("auto", None)
+        template = chat_template or ""
+        if HERMES_START in template:
+            return ToolPlan("auto", None)
+        if LLAMA3_FORMAT in template:
+            return ToolPlan("auto", None, syntax="llama3_json")
+        raise InvalidRequestError(
+            "tool_choice 'auto' needs a model whose chat template writes tool calls in a "
+            "format roseserve parses (Hermes <tool_call>, or Llama 3's JSON); this model's "
+            "template does not. Use tool_choice 'required' or a named function: the "
+            "output is then forced to a valid call", "tool_choice")
     if choice == "required":
         calls = {"type": "array", "minItems": 1,
                  "items": {"anyOf": [_call_schema(t.function.name, t.function.parameters)
@@ -106,6 +118,8 @@ class ToolCallParser:
     started: bool = False
     # required: where the next array item starts in ``buffer``.
     scan_pos: int = 0
+    # auto, llama3_json: the reply is text (it did not start with a call).
+    is_text: bool = False
 
     def push(self, text: str) -> tuple[str, list[dict]]:
         if self.plan.mode == "named":
@@ -113,11 +127,11 @@ class ToolCallParser:
         self.buffer += text
         if self.plan.mode == "required":
             return "", self._complete_array_items()
-        return self._hermes(final=False)
+        return self._auto(final=False)
 
     def finish(self) -> tuple[str, list[dict]]:
         if self.plan.mode == "auto":
-            return self._hermes(final=True)
+            return self._auto(final=True)
         if self.plan.mode == "required" and not self.calls:
             return self.buffer, []  # a forced call that did not complete (max_tokens)
         return "", []
@@ -151,6 +165,24 @@ class ToolCallParser:
         self.scan_pos = pos
         return out
 
+    def _auto(self, final: bool) -> tuple[str, list[dict]]:
+        return (self._hermes(final) if self.plan.syntax == "hermes"
+                else self._llama3_json(final))
+
+    def _llama3_json(self, final: bool) -> tuple[str, list[dict]]:
+        head = self.buffer.lstrip().removeprefix(PYTHON_TAG).lstrip()
+        if not self.is_text and (head.startswith("{") or PYTHON_TAG.startswith(head)):
+            if not final:
+                return "", []  # a call may be coming: held until the reply ends
+            calls = _parse_llama3(head, len(self.calls))
+            if calls is not None:
+                self.buffer = ""
+                self.calls += calls
+                return "", calls
+        self.is_text = True
+        text, self.buffer = self.buffer, ""
+        return text, []
+
     def _hermes(self, final: bool) -> tuple[str, list[dict]]:
         content, calls = [], []
         while True:
@@ -180,13 +212,37 @@ class ToolCallParser:
         return "".join(content), calls
 
 
-def _parse_hermes(body: str, index: int) -> Optional[dict]:
-    try:
-        item = json.loads(body)
-    except json.JSONDecodeError:
-        return None
+def _parse_llama3(text: str, index: int) -> Optional[list[dict]]:
+    """Llama 3's calls: JSON objects, separated by ';' or spaces; None unless the text
+    is only calls."""
+    decoder = json.JSONDecoder()
+    calls, pos = [], 0
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n;":
+            pos += 1
+        if pos == len(text):
+            return calls or None
+        try:
+            item, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return None
+        call = _call(item, index + len(calls))
+        if call is None:
+            return None
+        calls.append(call)
+
+
+def _call(item, index: int) -> Optional[dict]:
+    """A parsed {"name", "arguments" or "parameters"} object as a call, or None."""
     if not isinstance(item, dict) or not isinstance(item.get("name"), str):
         return None
     arguments = item.get("arguments", item.get("parameters", {}))
     return new_call(index, item["name"],
                     arguments if isinstance(arguments, str) else json.dumps(arguments))
+
+
+def _parse_hermes(body: str, index: int) -> Optional[dict]:
+    try:
+        return _call(json.loads(body), index)
+    except json.JSONDecodeError:
+        return None

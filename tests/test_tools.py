@@ -15,6 +15,9 @@ from frontend.tools import ToolCallParser, ToolPlan, plan_tools
 HERMES_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
                    "{% if tools %}tools: {{ tools | tojson }}\n{% endif %}"
                    "Answer with <tool_call>{...}</tool_call> to call one.")
+LLAMA3_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                   'Respond in the format {"name": function name, "parameters": dictionary of '
+                   'argument name and its value}. Do not use variables.')
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "required": ["city"],
                                           "properties": {"city": {"type": "string"}}}}}
@@ -48,6 +51,8 @@ def test_plans():
     assert named.name == "get_weather"
     assert json.loads(named.structured.spec) == WEATHER["function"]["parameters"]
     assert plan_tools(request(tools=[WEATHER]), HERMES_TEMPLATE).mode == "auto"
+    assert plan_tools(request(tools=[WEATHER]), HERMES_TEMPLATE).syntax == "hermes"
+    assert plan_tools(request(tools=[WEATHER]), LLAMA3_TEMPLATE).syntax == "llama3_json"
     for kw, template, fragment in (
             ({"tools": [WEATHER]}, "no tools here", "'required' or a named function"),
             ({"tool_choice": "required"}, None, "needs tools"),
@@ -105,6 +110,35 @@ def test_hermes_calls_are_cut_out_of_the_text(size):
     content, calls = pieces(ToolCallParser(ToolPlan("auto", None)), text, size)
     assert content == "Let me check.  and <tool_call>not json</tool_call> done <tool"
     assert len(calls) == 1 and json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+
+
+LLAMA3 = ToolPlan("auto", None, syntax="llama3_json")
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+@pytest.mark.parametrize("prefix", ["", "<|python_tag|>", " \n"])
+def test_llama3_replies_of_calls_become_calls(size, prefix):
+    text = (prefix + '{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+            '{"name": "get_weather", "arguments": {"city": "Oslo"}}\n')
+    content, calls = pieces(ToolCallParser(LLAMA3), text, size)
+    assert content == ""
+    assert [c["function"]["name"] for c in calls] == ["get_weather"] * 2
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [
+        {"city": "Paris"}, {"city": "Oslo"}]
+    assert [c["index"] for c in calls] == [0, 1]
+
+
+def test_llama3_text_flows_and_what_is_not_calls_stays_text():
+    parser = ToolCallParser(LLAMA3)
+    assert parser.push(" It is") == (" It is", [])  # not a call: released at once
+    assert parser.push(' {"name": "x"}') == (' {"name": "x"}', [])
+    assert parser.finish() == ("", []) and parser.calls == []
+    for reply in ('{"name": "get_weather", "parameters": {"ci',  # cut by max_tokens
+                  '{"city": "Paris"}',  # JSON, but not a call
+                  '{"name": "f", "parameters": {}} and some words', "<|py"):
+        parser = ToolCallParser(LLAMA3)
+        assert parser.push(reply) == ("", [])  # it may be a call until it ends
+        assert parser.finish() == (reply, []), reply
 
 
 def test_hermes_holds_back_only_what_may_begin_a_call():
