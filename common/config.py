@@ -200,6 +200,22 @@ DEFAULT_TOKENIZER_ADDRESS = "tcp://127.0.0.1:5558"
 DEFAULT_MAX_FRAME_BYTES = 16 << 20
 
 
+def _check_tls(certfile: Optional[str], keyfile: Optional[str]) -> None:
+    """Both files or neither, and they load as a certificate and its key (at start,
+    not at the first client's handshake)."""
+    if (certfile is None) != (keyfile is None):
+        raise ValueError("HTTPS needs both --ssl-certfile and --ssl-keyfile")
+    if certfile is not None:
+        import ssl
+
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile,
+                                                                                keyfile)
+        except (OSError, ssl.SSLError) as e:
+            raise ValueError(f"cannot load the TLS certificate {certfile} with the key "
+                             f"{keyfile}: {e}") from None
+
+
 def _check_address(name: str, address: str) -> None:
     if not address.startswith(("tcp://", "ipc://", "inproc://")):
         raise ValueError(f"{name} must be a tcp://, ipc:// or inproc:// address, got {address!r}")
@@ -292,6 +308,9 @@ class FrontendConfig:
     # Web pages from these origins may call the API from a browser (CORS; "*": any);
     # empty: none, as a page from anywhere could otherwise reach a local server.
     allowed_origins: tuple[str, ...] = ()
+    # HTTPS: the certificate (chain) and its private key, PEM files; None: plain HTTP.
+    ssl_certfile: Optional[str] = None
+    ssl_keyfile: Optional[str] = None
     # /health waits this long for the engine and tokenizer round trips.
     health_timeout_s: float = 5.0
     # Pongs come from the engine's I/O thread, so silence this long means the process
@@ -320,6 +339,7 @@ class FrontendConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be positive, got {value}")
+        _check_tls(self.ssl_certfile, self.ssl_keyfile)
         for origin in self.allowed_origins:
             if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
                 raise ValueError(f"an allowed origin is * or scheme://host[:port], without a "

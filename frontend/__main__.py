@@ -69,6 +69,9 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
                    help="web pages from these origins (https://ui.example.com; * for any) "
                         "may call the API from a browser: CORS, preflights answered "
                         "before the API key is asked for (default: none)")
+    g.add_argument("--ssl-certfile", default=None,
+                   help="serve HTTPS with this certificate (PEM, the chain after it)")
+    g.add_argument("--ssl-keyfile", default=None, help="its private key (PEM)")
     g.add_argument("--no-access-log", action="store_true",
                    help="no log line per request (by default each ends in one: method, "
                         "path, status, time, X-Request-Id; for a completion its id, tokens, "
@@ -110,6 +113,7 @@ def frontend_config_from_args(args: argparse.Namespace, engines: Sequence[str],
         kv_lease_s=args.kv_lease, stream_interval=args.stream_interval,
         drain_timeout_s=args.drain_timeout, access_log=not args.no_access_log,
         allowed_origins=tuple(args.allowed_origins or ()),
+        ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
         curve_key=CurveKey.from_option(getattr(args, "curve_key_file", None)))
 
 
@@ -120,7 +124,8 @@ def serve(config: FrontendConfig, log_level: Optional[str] = None) -> None:
 
     uvicorn.run(create_app(config), host=config.host, port=config.port,
                 log_level=(log_level or "info").lower(), access_log=False,
-                timeout_graceful_shutdown=config.drain_timeout_s)
+                timeout_graceful_shutdown=config.drain_timeout_s,
+                ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile)
 
 
 def build_parser() -> argparse.ArgumentParser:

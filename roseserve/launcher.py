@@ -38,12 +38,11 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from typing import Optional
 
 from common.model_files import resolve_model_dir
+from roseserve.healthcheck import open_local
 
 
 STARTUP_TIMEOUT_S = 900.0
@@ -154,7 +153,8 @@ FRONTEND_FLAGS = ["host", "api_key_file", "served_model_name", "max_body_bytes",
                   "max_waiting_requests", "max_waiting_tokens", "max_choices_per_request",
                   "tokenize_timeout", "request_timeout", "routing", "request_retries",
                   "dns_refresh", "disagg_min_prompt_tokens", "kv_lease", "stream_interval",
-                  "drain_timeout", "no_access_log", "allowed_origins"]
+                  "drain_timeout", "no_access_log", "allowed_origins", "ssl_certfile",
+                  "ssl_keyfile"]
 
 
 def engine_roles(args: argparse.Namespace) -> list[str]:
@@ -212,7 +212,8 @@ def components(args: argparse.Namespace, model_dir: str, run_dir: str) -> list[C
 
 def frontend_urls(args: argparse.Namespace) -> list[str]:
     host = "localhost" if args.host in ("127.0.0.1", "::1") else args.host
-    return [f"http://{host}:{args.port + i}" for i in range(args.frontends)]
+    scheme = "https" if args.ssl_certfile else "http"
+    return [f"{scheme}://{host}:{args.port + i}" for i in range(args.frontends)]
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -279,9 +280,9 @@ def _wait_ready(stack: list[Component], frontend_urls: list[str],
             ready = all(_engine_healthy(waiting[0], address) for address in engines)
         else:
             try:
-                with urllib.request.urlopen(waiting[0], timeout=2) as response:
+                with open_local(waiting[0], timeout=2) as response:
                     ready = response.status == 200
-            except (urllib.error.URLError, OSError):
+            except OSError:
                 ready = False
         if ready:
             waiting.pop(0)
@@ -366,8 +367,8 @@ def _engine_healthy(metrics_url: str, address: Optional[str]) -> bool:
     """Whether the frontend reports the engine at ``address`` healthy (its
     roseserve_engine_healthy gauge)."""
     try:
-        with urllib.request.urlopen(metrics_url, timeout=5) as response:
+        with open_local(metrics_url, timeout=5) as response:
             text = response.read().decode()
-    except (urllib.error.URLError, OSError):
+    except OSError:
         return False
     return f'roseserve_engine_healthy{{engine="{address}"}} 1.0' in text

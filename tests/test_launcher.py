@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import time
@@ -15,6 +16,8 @@ import psutil
 import pytest
 
 import processes
+
+TLS = os.path.join(processes.TESTS, "tls")  # a self-signed pair for localhost, 127.0.0.1
 
 
 def serve(*args: str) -> subprocess.Popen:
@@ -57,6 +60,29 @@ def test_serve_starts_everything_answers_and_stops_cleanly(tiny_llama_dir):
             proc.kill()
 
 
+def test_serve_over_https(tiny_llama_dir):
+    cert, key = os.path.join(TLS, "cert.pem"), os.path.join(TLS, "key.pem")
+    port = processes.free_port()
+    proc = serve("--model", str(tiny_llama_dir), "--port", str(port), "--device", "cpu",
+                 "--kv-cache-memory-gb", "0.02", "--tokenizer-workers", "1",
+                 "--served-model-name", "tiny", "--ssl-certfile", cert, "--ssl-keyfile", key)
+    try:
+        lines = read_until(proc, "roseserve is ready")  # its probes went over HTTPS
+        assert f"https://localhost:{port}/v1" in lines[-1]
+        trusted = ssl.create_default_context(cafile=cert)
+        r = httpx.post(f"https://localhost:{port}/v1/completions", timeout=60, verify=trusted,
+                       json={"model": "tiny", "prompt": "Hi", "max_tokens": 3})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+        with pytest.raises(httpx.HTTPError):  # no plain HTTP on that port
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
+        check = subprocess.run([sys.executable, "-m", "roseserve.healthcheck", "http",
+                                f"https://127.0.0.1:{port}/metrics"], capture_output=True)
+        assert check.returncode == 0, check.stdout + check.stderr
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+
+
 def test_a_component_that_fails_to_start_is_named_and_the_command_fails(tiny_llama_dir,
                                                                         tmp_path):
     model = tmp_path / "model"
@@ -78,6 +104,9 @@ def test_a_component_that_fails_to_start_is_named_and_the_command_fails(tiny_lla
     (["--stream-interval", "0"], "stream_interval must be a positive integer"),
     (["--drain-timeout", "0"], "drain_timeout_s must be positive"),
     (["--allowed-origins", "https://ui.example/app"], "an allowed origin is * or scheme://host"),
+    (["--ssl-certfile", "cert.pem"], "HTTPS needs both --ssl-certfile and --ssl-keyfile"),
+    (["--ssl-certfile", os.path.join(TLS, "key.pem"), "--ssl-keyfile",
+      os.path.join(TLS, "key.pem")], "cannot load the TLS certificate"),
 ])
 def test_bad_flags_are_refused(args, message, tiny_llama_dir):
     proc = subprocess.run([sys.executable, "-m", "roseserve", "serve", "--model",
