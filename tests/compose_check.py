@@ -146,7 +146,10 @@ def main() -> int:
             text += chunk.choices[0].delta.content or ""
         usage = chunk.usage or usage
     assert text and usage is not None and usage.completion_tokens >= 1, (text, usage)
-    phases.done(f"completion and streamed chat served ({model})")
+    response = client.responses.create(model=model, input="Say hello.", max_output_tokens=8,
+                                       temperature=0)
+    assert response.output_text and response.usage.output_tokens >= 1, response
+    phases.done(f"completion, streamed chat and a response served ({model})")
 
     # Streams on both engines (distinct short prompts spread by load), then a crash.
     results: list[dict] = [{} for _ in range(8)]
