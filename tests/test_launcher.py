@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 import signal
 import ssl
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -26,16 +28,32 @@ def serve(*args: str) -> subprocess.Popen:
 
 
 def read_until(proc: subprocess.Popen, needle: str, timeout_s: float = 180) -> list[str]:
+    """Its output's lines up to the first holding ``needle``. A thread reads the pipe
+    (from the first call on, to the end): a silent process fails the test at the
+    deadline instead of blocking it, and one that goes on writing never fills it."""
+    if not hasattr(proc, "lines"):
+        proc.lines = queue.Queue()
+
+        def pump():
+            for line in proc.stdout:
+                proc.lines.put(line)
+            proc.lines.put(None)  # it ended
+
+        threading.Thread(target=pump, daemon=True).start()
     lines = []
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            line = proc.lines.get(timeout=left)
+        except queue.Empty:
+            break
+        if line is None:
+            proc.lines.put(None)
             break
         lines.append(line)
         if needle in line:
             return lines
-    raise AssertionError(f"{needle!r} not seen:\n{''.join(lines)}")
+    raise AssertionError(f"{needle!r} not seen in {timeout_s} s:\n{''.join(lines)}")
 
 
 def test_serve_starts_everything_answers_and_stops_cleanly(tiny_llama_dir):
