@@ -14,7 +14,8 @@ the response ends; no ``[DONE]``.
 
 Function tools are chat's, with the same ``tool_choice`` values (frontend/tools.py).
 Nothing is stored, so ``store`` true, ``previous_response_id`` and ``background`` are
-refused, as are built-in tools, reasoning and ``include``: each a 400 naming its field.
+refused, as are built-in tools and reasoning: each a 400 naming its field. ``include``
+takes the output text's logprobs (``top_logprobs`` alternatives each).
 """
 
 from __future__ import annotations
@@ -25,17 +26,19 @@ import msgspec
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError,
                       field_validator)
 
+from common.sampling_params import MAX_TOP_LOGPROBS
 from common.structured import StructuredOutput, json_schema_output
 from frontend.choice import Delta
 from frontend.errors import APIError
 from frontend.job import Job
 from frontend.openai_protocol import (ChatCompletionRequest, Count, FunctionDefinition,
                                       Metadata, Temperature, TopP, text_parts_only)
-from frontend.responses import Formatter, TokenText
+from frontend.responses import Formatter, TokenText, chat_logprobs
 from frontend.tools import ToolCallParser
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 _encode = msgspec.json.encode
+LOGPROBS = "message.output_text.logprobs"
 
 
 class TextPart(BaseModel):
@@ -148,7 +151,9 @@ class ResponsesRequest(BaseModel):
     previous_response_id: Optional[str] = None
     background: Optional[bool] = None
     reasoning: Optional[dict] = None
-    include: Optional[list] = None
+    # The one extra served: the output text's logprobs (with top_logprobs alternatives).
+    include: Optional[list[str]] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @field_validator("input", mode="before")
     @classmethod
@@ -191,13 +196,20 @@ class ResponsesRequest(BaseModel):
             raise ValueError("this server keeps no responses; send store false or leave it out")
         return value
 
-    @field_validator("previous_response_id", "background", "reasoning", "include")
+    @field_validator("include")
+    @classmethod
+    def _logprobs_only(cls, value):
+        for kind in value or []:
+            if kind != LOGPROBS:
+                raise ValueError(f"{kind!r} is not served; only {LOGPROBS!r} may be included")
+        return value
+
+    @field_validator("previous_response_id", "background", "reasoning")
     @classmethod
     def _needs_what_is_not_here(cls, value, info):
         why = {"previous_response_id": "no response is stored; send the conversation as input",
                "background": "responses are not run in the background",
-               "reasoning": "this model does not reason",
-               "include": "there is nothing more to include"}[info.field_name]
+               "reasoning": "this model does not reason"}[info.field_name]
         if value:
             raise ValueError(f"not served: {why}")
         return value
@@ -229,7 +241,9 @@ class ResponsesRequest(BaseModel):
             choice = None  # no tools: nothing to choose (chat would ask for tools)
         if isinstance(choice, FunctionChoice):
             choice = {"type": "function", "function": {"name": choice.name}}
+        logprobs = LOGPROBS in (self.include or [])
         chat = ResponsesChat(
+            logprobs=logprobs, top_logprobs=(self.top_logprobs or 0) if logprobs else None,
             model=self.model, messages=messages, max_completion_tokens=self.max_output_tokens,
             temperature=self.temperature, top_p=self.top_p, stream=self.stream, user=self.user,
             tools=None if not self.tools else [
@@ -275,6 +289,12 @@ class ResponsesFormatter(Formatter):
         self.sequence = 0
         self.output: list[dict] = []
         self.open: Optional[dict] = None  # the item still growing, the last of output
+        # include logprobs: those of tokens whose text has not gone out yet.
+        self.logprobs: list[dict] = []
+
+    def _take_logprobs(self, entries) -> None:
+        if self.job.num_logprobs is not None:
+            self.logprobs += chat_logprobs(entries, self.token_text)["content"]
 
     def event(self, body: dict) -> bytes:
         body["sequence_number"] = self.sequence
@@ -306,9 +326,12 @@ class ResponsesFormatter(Formatter):
             out.append(self.event({"type": "response.content_part.added", **self._where(),
                                    "content_index": 0, "part": _part("")}))
         assert self.open is not None
-        self.open["content"][0]["text"] += text
+        part = self.open["content"][0]
+        part["text"] += text
+        part["logprobs"] += self.logprobs
         out.append(self.event({"type": "response.output_text.delta", **self._where(),
-                               "content_index": 0, "delta": text, "logprobs": []}))
+                               "content_index": 0, "delta": text, "logprobs": self.logprobs}))
+        self.logprobs = []
         return out
 
     def _on_call(self, call: dict) -> list[bytes]:
@@ -333,8 +356,11 @@ class ResponsesFormatter(Formatter):
         item["status"] = status
         if item["type"] == "message":
             part = item["content"][0]
+            part["logprobs"] += self.logprobs  # of tokens held back, then no text
+            self.logprobs = []
             out = [self.event({"type": "response.output_text.done", **where,
-                               "content_index": 0, "text": part["text"], "logprobs": []}),
+                               "content_index": 0, "text": part["text"],
+                               "logprobs": part["logprobs"]}),
                    self.event({"type": "response.content_part.done", **where,
                                "content_index": 0, "part": part})]
         else:
@@ -399,6 +425,7 @@ class ResponsesFormatter(Formatter):
                 "total_tokens": u["total_tokens"]}
 
     def full(self) -> dict:
+        self._take_logprobs(self.job.choices[0].logprobs)
         self._consume("".join(self.job.choices[0].text), final=True)
         return self.response(self._status(), self._usage())
 
@@ -411,6 +438,7 @@ class ResponsesFormatter(Formatter):
 
     def stream_delta(self, delta: Delta, last: bool) -> list[bytes]:
         # The end is stream_end's: this is the text before it.
+        self._take_logprobs(delta.logprobs)
         return self._consume(delta.text, final=False) if delta.text else []
 
     def stream_end(self) -> list[bytes]:

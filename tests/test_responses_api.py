@@ -91,6 +91,29 @@ def test_a_streamed_response_is_openais_event_sequence(client):
     assert final.usage.output_tokens == 6 or final.status == "completed"
 
 
+def test_logprobs_when_included_are_chats(client):
+    chat = client.chat.completions.create(
+        model="tiny-llama", max_tokens=6, temperature=0, logprobs=True, top_logprobs=2,
+        messages=[{"role": "system", "content": INSTRUCTIONS},
+                  {"role": "user", "content": QUESTION}])
+    expected = [t.model_dump() for t in chat.choices[0].logprobs.content]
+    ask = dict(model="tiny-llama", instructions=INSTRUCTIONS, input=QUESTION,
+               max_output_tokens=6, temperature=0, top_logprobs=2,
+               include=["message.output_text.logprobs"])
+    r = client.responses.create(**ask)
+    part = r.output[0].content[0]
+    assert [t.model_dump() for t in part.logprobs] == expected
+    assert all(len(t["top_logprobs"]) == 2 for t in expected) and len(expected) == 6
+    events = list(client.responses.create(stream=True, **ask))
+    streamed = [t.model_dump() for e in events if e.type == "response.output_text.delta"
+                for t in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert streamed == [t.model_dump() for t in done.logprobs] == expected
+    # Not asked for: none.
+    plain = client.responses.create(**{k: v for k, v in ask.items() if k != "include"})
+    assert plain.output[0].content[0].logprobs == []
+
+
 def test_structured_output_through_text_format(client):
     schema = {"type": "object", "properties": {"c": {"enum": ["red", "blue"]}},
               "required": ["c"]}
@@ -113,7 +136,9 @@ def test_structured_output_through_text_format(client):
     ({"input": [{"type": "reasoning", "summary": []}]}, "input", "item 0 has type 'reasoning'"),
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input",
      "item 0.call_id: Field required"),
-    ({"include": ["message.output_text.logprobs"]}, "include", "not served"),
+    ({"include": ["reasoning.encrypted_content"]}, "include",
+     "only 'message.output_text.logprobs' may be included"),
+    ({"top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
     ({"input": ""}, "input", "input is empty"),
     ({"input": []}, "input", "input is empty"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
