@@ -125,7 +125,7 @@ def test_every_response_carries_a_request_id_and_the_access_log_names_it(stack, 
     while "request_id=models-1" not in stack["frontend"].output() and time.monotonic() < deadline:
         time.sleep(0.05)
     log = stack["frontend"].output()
-    assert (f"POST /v1/completions 200 " in log and f"request_id=trace-42 id={traced} "
+    assert ("POST /v1/completions 200 " in log and f"request_id=trace-42 id={traced} "
             f"prompt_tokens=1 completion_tokens=3 finish=length ttft=" in log), log[-3000:]
     assert "GET /v1/models 200 " in log and "GET /health" not in log
 
