@@ -33,7 +33,7 @@ from frontend.errors import APIError
 from frontend.grammar_cache import CheckedGrammars
 from frontend.job import Job
 from frontend.openai_protocol import ChatCompletionRequest, ChatMessageParam, ToolParam
-from frontend.responses import ChatFormatter, CompletionFormatter
+from frontend.formatters import ChatFormatter, CompletionFormatter
 from frontend.router import EngineRouter
 from frontend.tools import ToolPlan, plan_tools
 from tokenizer_worker.client import TokenizeFailed, TokenizerClient, TokenizerDeadError

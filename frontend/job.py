@@ -26,7 +26,7 @@ from frontend.tools import ToolPlan
 if TYPE_CHECKING:
     from engine_worker.client import EngineClient
     from frontend.errors import APIError
-    from frontend.responses import Formatter
+    from frontend.formatters import Formatter
 
 
 @dataclass

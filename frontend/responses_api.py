@@ -33,7 +33,7 @@ from frontend.errors import APIError
 from frontend.job import Job
 from frontend.openai_protocol import (ChatCompletionRequest, Count, FunctionDefinition,
                                       Metadata, Temperature, TopP, text_parts_only)
-from frontend.responses import Formatter, TokenText, chat_logprobs
+from frontend.formatters import Formatter, TokenText, chat_logprobs
 from frontend.tools import ToolCallParser
 
 _STRICT = ConfigDict(extra="forbid", strict=True)

@@ -31,7 +31,7 @@ from frontend.job import Job
 from frontend.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeBody,
                                       TokenizeBody)
 from frontend.output_processor import events
-from frontend.responses import Formatter
+from frontend.formatters import Formatter
 from frontend.responses_api import ResponsesFormatter, ResponsesRequest
 from frontend.serving import Pipeline
 

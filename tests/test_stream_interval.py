@@ -15,7 +15,7 @@ from frontend.choice import Choice
 from frontend.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from frontend.job import Job
 from frontend.output_processor import OutputProcessor
-from frontend.responses import CompletionFormatter
+from frontend.formatters import CompletionFormatter
 from frontend.router import EngineRouter
 from test_retry import PROMPT, FakeEngine
 

@@ -1,4 +1,6 @@
-"""OpenAI response bodies and stream chunks, as plain dicts (encoded with msgspec).
+"""Formatters: a job's OpenAI response body and stream events, built as plain dicts
+(encoded with msgspec), one class per endpoint (completions and chat here; the
+Responses API's in frontend/responses_api.py).
 
 The per-request timing breakdown rides in an extension field, ``timing``:
 tokenize_ms, queue_ms and prefill_ms (engine-side durations) and ttft_ms (as the
