@@ -61,7 +61,7 @@ class Guard:
         self.access_log = config.access_log
         self.metrics = metrics
 
-    def _refusal(self, scope, headers: dict, request_id: Optional[bytes]) -> Optional[APIError]:
+    def _refusal(self, scope, headers: dict, bad_request_id: bool) -> Optional[APIError]:
         if self.api_key is not None and scope["path"] not in _OPEN_PATHS:
             scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.api_key):
@@ -70,7 +70,7 @@ class Guard:
         length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_bytes:
             return self._too_big()
-        if request_id is not None and not _REQUEST_ID.fullmatch(request_id):
+        if bad_request_id:
             return APIError(400, "X-Request-Id must be 1 to 128 visible ASCII characters",
                             param="X-Request-Id", code="invalid_request_id")
         return None
@@ -85,6 +85,9 @@ class Guard:
         since = time.monotonic()
         headers = dict(scope.get("headers", []))
         given = headers.get(b"x-request-id")
+        bad_id = given is not None and not _REQUEST_ID.fullmatch(given)
+        if bad_id:
+            given = None  # refused below; the answer gets an id of its own
         state = scope.setdefault("state", {})
         status = 0
 
@@ -93,7 +96,7 @@ class Guard:
             if message["type"] == "http.response.start":
                 status = message["status"]
                 job = state.get("job")
-                request_id = (given if given is not None and _REQUEST_ID.fullmatch(given)
+                request_id = (given if given is not None
                               else job.request_id.encode() if job is not None
                               else uuid.uuid4().hex.encode())
                 state["request_id"] = request_id.decode()
@@ -102,7 +105,7 @@ class Guard:
             await send(message)
 
         try:
-            await self._serve(scope, receive, tracked_send, headers, given, lambda: status)
+            await self._serve(scope, receive, tracked_send, headers, bad_id, lambda: status)
         finally:
             if self.access_log and scope["path"] not in _OPEN_PATHS:
                 try:
@@ -110,8 +113,8 @@ class Guard:
                 except Exception:  # a log line must not cost the response
                     logger.exception("the access log line failed")
 
-    async def _serve(self, scope, receive, send, headers, given, status) -> None:
-        refusal = self._refusal(scope, headers, given)
+    async def _serve(self, scope, receive, send, headers, bad_id: bool, status) -> None:
+        refusal = self._refusal(scope, headers, bad_id)
         if refusal is not None:
             self.metrics.rejected.labels(str(refusal.status)).inc()
             return await refusal.response()(scope, receive, send)

@@ -16,10 +16,10 @@ import msgspec
 from common.protocol import TokenLogprobs
 from frontend.choice import Delta
 from frontend.job import Job
+from frontend.tools import ToolCallParser
 
 if TYPE_CHECKING:
     from frontend.errors import APIError
-from frontend.tools import ToolCallParser
 
 TokenText = Callable[[int], str]
 _encode = msgspec.json.encode

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 from common.config import FrontendConfig
 from common.errors import InvalidRequestError
@@ -30,10 +30,10 @@ from frontend.admission import Admission, Ticket, estimate_tokens
 from frontend.choice import Choice
 from frontend.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from frontend.errors import APIError
+from frontend.formatters import ChatFormatter, CompletionFormatter, Formatter, TokenText
 from frontend.grammar_cache import CheckedGrammars
 from frontend.job import Job
 from frontend.openai_protocol import ChatCompletionRequest, ChatMessageParam, ToolParam
-from frontend.formatters import ChatFormatter, CompletionFormatter
 from frontend.router import EngineRouter
 from frontend.tools import ToolPlan, plan_tools
 from tokenizer_worker.client import TokenizeFailed, TokenizerClient, TokenizerDeadError
@@ -115,9 +115,11 @@ class InputProcessor:
         self.chat_template = chat_template
         self.grammars = grammars
 
-    async def prepare(self, job: Job, body) -> None:
+    async def prepare(self, job: Job, body,
+                      formatter: Optional[Callable[[Job, TokenText], Formatter]] = None) -> None:
         """Fill ``job`` with its engine requests, admitted, tokenized, routed and
-        validated; its formatter is chosen. Raises APIError."""
+        validated; its formatter is chosen (``formatter``'s, else the endpoint's).
+        Raises APIError."""
         inputs = Inputs.of(body)
         constraints, job.tool_plan = await self._constraints(body)
         job.n = body.num_generated()
@@ -139,9 +141,9 @@ class InputProcessor:
             job.echo = [p if isinstance(p, str) and body.truncate_prompt_tokens is None
                         else self.tokenizer.decode(ids, skip_special_tokens=False)
                         for p, ids in zip(inputs.prompts, job.prompts)]
-        token_text = self.token_text
-        job.formatter = (ChatFormatter(job, token_text) if inputs.messages is not None
-                         else CompletionFormatter(job, token_text))
+        if formatter is None:
+            formatter = ChatFormatter if inputs.messages is not None else CompletionFormatter
+        job.formatter = formatter(job, self.token_text)
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -15,7 +15,7 @@ integers are 64-bit).
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -332,7 +332,39 @@ class NamedToolChoice(BaseModel):
     function: FunctionName
 
 
-class ChatCompletionRequest(_SamplingFields):
+class OpenAINoOpFields(BaseModel):
+    """OpenAI's fields that change nothing here (chat and /v1/responses), taken so
+    that its clients' requests are served: nothing is stored (store true is refused),
+    metadata is checked to OpenAI's limits and dropped, there is one service tier, and
+    the router already follows the prompt's cached prefix (prompt_cache_key)."""
+
+    model_config = _STRICT
+    # What this endpoint would have stored, for store true's refusal.
+    stored: ClassVar[str] = "completions"
+    store: Optional[bool] = None
+    metadata: Optional[Metadata] = None
+    service_tier: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    safety_identifier: Optional[str] = None
+
+    @field_validator("store")
+    @classmethod
+    def _nothing_stored(cls, value):
+        if value:
+            raise ValueError(f"this server keeps no {cls.stored}; send store false or "
+                             f"leave it out")
+        return value
+
+    @field_validator("service_tier")
+    @classmethod
+    def _one_tier(cls, value):
+        if value not in (None, "auto", "default"):
+            raise ValueError(f"this server has one service tier; {value!r} is not it "
+                             f"(send 'auto' or 'default', or leave it out)")
+        return value
+
+
+class ChatCompletionRequest(_SamplingFields, OpenAINoOpFields):
     messages: list[ChatMessageParam] = Field(min_length=1)
     max_tokens: Optional[Count] = None
     max_completion_tokens: Optional[Count] = None
@@ -346,32 +378,8 @@ class ChatCompletionRequest(_SamplingFields):
     # Default: "auto" when there are tools, "none" when there are none.
     tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: bool = True
-    # OpenAI's fields that change nothing here, taken so that its clients' requests
-    # are served: nothing is stored (store true is refused), metadata is checked to
-    # OpenAI's limits and dropped, there is one service tier, the output is text,
-    # and the router already follows the prompt's cached prefix (prompt_cache_key).
-    store: Optional[bool] = None
-    metadata: Optional[Metadata] = None
-    service_tier: Optional[str] = None
+    # The output is text.
     modalities: Optional[list[str]] = None
-    prompt_cache_key: Optional[str] = None
-    safety_identifier: Optional[str] = None
-
-    @field_validator("store")
-    @classmethod
-    def _nothing_stored(cls, value):
-        if value:
-            raise ValueError("this server keeps no completions; send store false or leave "
-                             "it out")
-        return value
-
-    @field_validator("service_tier")
-    @classmethod
-    def _one_tier(cls, value):
-        if value not in (None, "auto", "default"):
-            raise ValueError(f"this server has one service tier; {value!r} is not it "
-                             f"(send 'auto' or 'default', or leave it out)")
-        return value
 
     @field_validator("modalities")
     @classmethod

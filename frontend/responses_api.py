@@ -20,7 +20,7 @@ takes the output text's logprobs (``top_logprobs`` alternatives each).
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 import msgspec
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, ValidationError,
@@ -32,7 +32,7 @@ from frontend.choice import Delta
 from frontend.errors import APIError
 from frontend.job import Job
 from frontend.openai_protocol import (ChatCompletionRequest, Count, FunctionDefinition,
-                                      Metadata, Temperature, TopP, text_parts_only)
+                                      OpenAINoOpFields, Temperature, TopP, text_parts_only)
 from frontend.formatters import Formatter, TokenText, chat_logprobs
 from frontend.tools import ToolCallParser
 
@@ -125,8 +125,8 @@ class ResponsesStreamOptions(BaseModel):
     include_obfuscation: Optional[bool] = None  # no obfuscation is added either way
 
 
-class ResponsesRequest(BaseModel):
-    model_config = _STRICT
+class ResponsesRequest(OpenAINoOpFields):
+    stored: ClassVar[str] = "responses"
     model: str
     input: Union[str, list[Item]]
     instructions: Optional[str] = None
@@ -139,13 +139,7 @@ class ResponsesRequest(BaseModel):
     tools: Optional[list[FunctionTool]] = Field(None, max_length=128)
     tool_choice: Optional[Union[Literal["none", "auto", "required"], FunctionChoice]] = None
     parallel_tool_calls: bool = True
-    # Nothing is stored: false, or absent (then the response says store false).
-    store: Optional[bool] = None
-    metadata: Optional[Metadata] = None
     user: Optional[str] = None
-    safety_identifier: Optional[str] = None
-    prompt_cache_key: Optional[str] = None
-    service_tier: Optional[Literal["auto", "default"]] = None
     truncation: Optional[Literal["disabled"]] = None
     # What needs storage or a reasoning model: refused unless empty.
     previous_response_id: Optional[str] = None
@@ -187,13 +181,6 @@ class ResponsesRequest(BaseModel):
             kind = tool.get("type") if isinstance(tool, dict) else None
             if isinstance(kind, str) and kind != "function":
                 raise ValueError(f"tool {i} has type {kind!r}; only function tools are served")
-        return value
-
-    @field_validator("store")
-    @classmethod
-    def _nothing_stored(cls, value):
-        if value:
-            raise ValueError("this server keeps no responses; send store false or leave it out")
         return value
 
     @field_validator("include")
@@ -304,14 +291,14 @@ class ResponsesFormatter(Formatter):
     # -- output items ---------------------------------------------------------------
 
     def _new_item(self, kind: str, item: dict) -> list[bytes]:
+        """Close the open item, open this one (empty): the events."""
         out = self._close("completed")
         index = len(self.output)
         item = {"id": f"{kind}_{self.hex}" + (f"_{index}" if index else ""), **item}
         self.output.append(item)
         self.open = item
         out.append(self.event({"type": "response.output_item.added", "output_index": index,
-                               "item": {**item, "content": []} if "content" in item
-                               else {**item, "arguments": ""}}))
+                               "item": item}))
         return out
 
     def _where(self) -> dict:
@@ -322,10 +309,12 @@ class ResponsesFormatter(Formatter):
         out: list[bytes] = []
         if self.open is None or self.open["type"] != "message":
             out += self._new_item("msg", {"type": "message", "status": "in_progress",
-                                          "role": "assistant", "content": [_part("")]})
+                                          "role": "assistant", "content": []})
             out.append(self.event({"type": "response.content_part.added", **self._where(),
                                    "content_index": 0, "part": _part("")}))
         assert self.open is not None
+        if not self.open["content"]:
+            self.open["content"].append(_part(""))
         part = self.open["content"][0]
         part["text"] += text
         part["logprobs"] += self.logprobs
@@ -349,10 +338,10 @@ class ResponsesFormatter(Formatter):
         return out
 
     def _close(self, status: str) -> list[bytes]:
-        item, self.open = self.open, None
-        if item is None:
+        """Close the open item, if any: the events."""
+        if self.open is None:
             return []
-        where = {"item_id": item["id"], "output_index": self.output.index(item)}
+        item, where, self.open = self.open, self._where(), None
         item["status"] = status
         if item["type"] == "message":
             part = item["content"][0]
@@ -381,10 +370,9 @@ class ResponsesFormatter(Formatter):
         for call in calls:
             out += self._on_call(call)
         if final:
-            status = self._status()
             if not self.output:  # nothing at all: an empty message, as OpenAI shows it
                 out += self._on_text("")
-            out += self._close("incomplete" if status == "incomplete" else "completed")
+            out += self._close(self._status())
         return out
 
     # -- the response ---------------------------------------------------------------

@@ -26,12 +26,12 @@ from common.errors import InvalidRequestError
 from common.validation import check_token_ids
 from common.version import __version__
 from frontend.errors import APIError, from_validation_error
+from frontend.formatters import Formatter, TokenText
 from frontend.input_processor import chat_message, template_options, tool_dicts
 from frontend.job import Job
 from frontend.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeBody,
                                       TokenizeBody)
 from frontend.output_processor import events
-from frontend.formatters import Formatter
 from frontend.responses_api import ResponsesFormatter, ResponsesRequest
 from frontend.serving import Pipeline
 
@@ -51,7 +51,7 @@ class JobResponse(Response):
     response's later errors are its last event (the output processor's)."""
 
     def __init__(self, pipe: Pipeline, job: Job, body,
-                 formatter: Optional[Callable[[Job], Formatter]] = None) -> None:
+                 formatter: Optional[Callable[[Job, TokenText], Formatter]] = None) -> None:
         """``formatter``: the job's, when not its endpoint's own (/v1/responses)."""
         super().__init__()
         self.pipe, self.job, self.body = pipe, job, body
@@ -72,9 +72,8 @@ class JobResponse(Response):
 
     async def _run(self, receive) -> Union[Response, EventStream]:
         job = self.job
-        await until_disconnected(receive, self.pipe.inputs.prepare(job, self.body))
-        if self.formatter is not None:
-            job.formatter = self.formatter(job)
+        await until_disconnected(receive, self.pipe.inputs.prepare(job, self.body,
+                                                                   self.formatter))
         self.pipe.outputs.submit(job)
         if job.stream:
             # A stream ends when its client leaves, even while nothing is being sent
@@ -198,7 +197,8 @@ async def responses(request: Request) -> Response:
         raise from_validation_error(e)
     pipe = pipeline(request)
     job = request.state.job = pipe.open(chat, received, prefix="resp_")
-    return JobResponse(pipe, job, chat, lambda job: ResponsesFormatter(job, pipe.token_text, body))
+    return JobResponse(pipe, job, chat,
+                       lambda job, token_text: ResponsesFormatter(job, token_text, body))
 
 
 def model_card(request: Request, name: str) -> dict:

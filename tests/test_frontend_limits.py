@@ -195,7 +195,7 @@ def test_a_job_left_mid_setup_gives_back_what_it_took_even_if_the_setup_finished
     admission, never = Admission(max_requests=8, max_tokens=1000), asyncio.Event()
     closed: list = []
 
-    async def prepare(job, body) -> None:
+    async def prepare(job, body, formatter=None) -> None:
         job.ticket = admission.admit(2, 100)
         try:
             await never.wait()
