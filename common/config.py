@@ -305,6 +305,9 @@ class FrontendConfig:
     drain_timeout_s: float = 30.0
     # One log line per request (frontend.access): status, time, ids, tokens.
     access_log: bool = True
+    # A reasoning model's thinking split from its answer in chat replies
+    # (frontend/reasoning.py: "deepseek_r1" or "qwen3"); None: the reply is all content.
+    reasoning_parser: Optional[str] = None
     # Web pages from these origins may call the API from a browser (CORS; "*": any);
     # empty: none, as a page from anywhere could otherwise reach a local server.
     allowed_origins: tuple[str, ...] = ()

@@ -10,7 +10,7 @@ common/sampling_params.py.
 from __future__ import annotations
 
 import enum
-from typing import Optional
+from typing import Any, Optional
 
 import msgspec
 
@@ -135,7 +135,7 @@ class MessageType(enum.IntEnum):
 # two ends of a connection refuse each other when theirs differ (an older peer would
 # silently drop fields a newer one sends). A peer whose messages lack the field is
 # version 0.
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 
 
 def version_mismatch(peer: str, theirs: int) -> Optional[str]:
@@ -313,6 +313,8 @@ class ChatMessage(msgspec.Struct, frozen=True, kw_only=True):
     # An assistant's tool calls (OpenAI's shape), and a tool message's call id.
     tool_calls: Optional[list[dict]] = None
     tool_call_id: Optional[str] = None
+    # An assistant's earlier thinking, for templates that show it.
+    reasoning_content: Optional[str] = None
 
 
 class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -326,6 +328,8 @@ class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
     continue_final_message: bool = False
     # Chat: the tools the request offers (OpenAI's shape), for templates that show them.
     tools: Optional[list[dict]] = None
+    # Chat: the request's extra template variables (chat_template_kwargs).
+    template_kwargs: dict[str, Any] = {}
     # Plain text: add the tokenizer's special tokens (e.g. BOS) around it.
     add_special_tokens: bool = True
 

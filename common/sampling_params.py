@@ -66,6 +66,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     bad_words_ids: list[list[int]] = []
     # Constrain the output to a JSON schema, regex, choice or grammar.
     structured: Optional[StructuredOutput] = None
+    # With structured: the grammar applies only once this token id has been generated
+    # (a reasoning model's end of thinking, frontend/reasoning.py); it and the tokens
+    # before it are free.
+    structured_after: Optional[int] = None
     # Like logprobs, for every prompt token after the first (returned with the first
     # output). The prompt is then computed, not read from the prefix cache.
     prompt_logprobs: Optional[int] = None
@@ -133,6 +137,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
                     f"got {bias} for token {token_id}", "logit_bias")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise InvalidRequestError("allowed_token_ids must not be empty", "allowed_token_ids")
+        if self.structured_after is not None and self.structured is None:
+            raise InvalidRequestError("structured_after needs a structured output",
+                                      "structured_after")
         if any(not word for word in self.bad_words_ids):
             raise InvalidRequestError("bad_words must not hold an empty word", "bad_words")
 
@@ -141,7 +148,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
         return [("stop_token_ids", self.stop_token_ids),
                 ("logit_bias", list(self.logit_bias)),
                 ("allowed_token_ids", self.allowed_token_ids or []),
-                ("bad_words", [t for word in self.bad_words_ids for t in word])]
+                ("bad_words", [t for word in self.bad_words_ids for t in word]),
+                ("structured_after", [] if self.structured_after is None
+                 else [self.structured_after])]
 
     @property
     def greedy(self) -> bool:

@@ -48,8 +48,12 @@ class Request:
         # Extra per-request logits processing, each called as f(row (V,), request) and
         # allowed to modify the row in place (see sampler.py).
         self.logits_processors: list[Callable[[torch.Tensor, "Request"], None]] = []
-        # The output's grammar (structured output): it masks every sample.
+        # The output's grammar (structured output): it masks every sample. With
+        # structured_after it waits (``dormant``) until that token is generated.
         self.grammar = grammar
+        self.dormant: Optional[GrammarMatcher] = None
+        if grammar is not None and params.structured_after is not None:
+            self.grammar, self.dormant = None, grammar
         self._constrained = (params.repetition_penalty != 1.0 or bool(params.presence_penalty)
                              or bool(params.frequency_penalty) or bool(params.logit_bias)
                              or params.allowed_token_ids is not None
@@ -121,9 +125,11 @@ class Request:
     def runs_ahead(self) -> bool:
         """Whether its next step may be scheduled before its newest token is known:
         nothing that samples it reads its tokens (penalties, bad words, a grammar,
-        extra logits processors), and no KV lease holds its blocks once it ends."""
+        or one waiting for its token, extra logits processors), and no KV lease holds
+        its blocks once it ends."""
         p = self.params
-        return (self.grammar is None and not self.logits_processors and not p.bad_words_ids
+        return (self.grammar is None and self.dormant is None and not self.logits_processors
+                and not p.bad_words_ids
                 and p.repetition_penalty == 1.0 and not p.presence_penalty
                 and not p.frequency_penalty and not self.kv_lease_s)
 
@@ -147,6 +153,8 @@ class Request:
             self.token_ids.append(token_id)
         if self.grammar is not None:
             self.grammar.consume(token_id)
+        elif self.dormant is not None and token_id == self.params.structured_after:
+            self.grammar, self.dormant = self.dormant, None  # from the next token on
 
     def check_stop(self, max_model_len: int) -> Optional[FinishReason]:
         """Why generation ends after the newest token, if it does."""

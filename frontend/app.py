@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common import faults
 from common.config import FrontendConfig
+from common.errors import ModelLoadError
 from common.model_files import resolve_model_dir
 from common.structured import GrammarCompiler
 from common.tokenizer import chat_template_text, load_decoder
@@ -29,6 +30,7 @@ from frontend.admission import Admission
 from frontend.errors import APIError
 from frontend.membership import Membership
 from frontend.metrics import Metrics
+from frontend.reasoning import Reasoning
 from frontend.router import EngineRouter
 from frontend.routes import router
 from frontend.serving import Pipeline
@@ -182,13 +184,19 @@ async def start_pipeline(config: FrontendConfig, metrics: Metrics) -> Pipeline:
     except Exception as e:  # a tokenizer llguidance cannot read
         logger.warning("structured output is unavailable: %s", e)
         grammars = None
+    reasoning = None
+    if config.reasoning_parser is not None:
+        try:
+            reasoning = Reasoning.resolve(config.reasoning_parser, tokenizer)
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from None
     model_names = list(config.served_model_names) or [model_dir.resolve().name]
     tok_client = TokenizerClient(config.tokenizer_address, curve_key=config.curve_key)
     await tok_client.connect()
     engines = EngineRouter([], config.routing, config.disagg_min_prompt_tokens)
     pipe = Pipeline(engines, tok_client, tokenizer, metrics,
                     Admission(config.max_waiting_requests, config.max_waiting_tokens),
-                    model_names, config, chat_template_text(model_dir), grammars)
+                    model_names, config, chat_template_text(model_dir), grammars, reasoning)
     pipe.membership = Membership(
         config.engine_addresses, engines,
         lambda address: EngineClient(address, heartbeat_timeout_s=config.engine_heartbeat_timeout_s,

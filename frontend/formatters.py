@@ -242,6 +242,21 @@ class ChatFormatter(Formatter):
         super().__init__(job, token_text)
         plan = job.tool_plan
         self.parsers = None if plan is None else [ToolCallParser(plan) for _ in job.choices]
+        # --reasoning-parser: each choice's thinking told apart from its answer, which
+        # alone goes on to the tool-call parser.
+        self.thinkers = None if job.reasoning is None else [
+            job.reasoning.parser(c.prompt_token_ids) for c in job.choices]
+
+    def split(self, index: int, text: str, final: bool) -> tuple[str, str]:
+        """A choice's new text as (thinking, answer); ``final``: its last."""
+        if self.thinkers is None:
+            return "", text
+        thinker = self.thinkers[index]
+        reasoning, content = thinker.push(text)
+        if final:
+            more, rest = thinker.finish()
+            reasoning, content = reasoning + more, content + rest
+        return (reasoning if self.job.include_reasoning else ""), content
 
     def _finish_reason(self, index: int, reason: Optional[str]) -> Optional[str]:
         if reason == "stop" and self.parsers is not None and self.parsers[index].calls:
@@ -250,10 +265,14 @@ class ChatFormatter(Formatter):
 
     def full_choice(self, index: int) -> dict:
         c = self.job.choices[index]
-        message: dict = {"role": "assistant", "content": "".join(c.text)}
+        reasoning, content = self.split(index, "".join(c.text), final=True)
+        message: dict = {"role": "assistant", "content": content}
+        if self.thinkers is not None:
+            message["content"] = content or None
+            message["reasoning_content"] = reasoning or None
         if self.parsers is not None:
             parser = self.parsers[index]
-            content, _ = parser.push(message["content"])
+            content, _ = parser.push(content)
             rest, _ = parser.finish()
             message["content"] = content + rest or None
             if parser.calls:
@@ -274,8 +293,9 @@ class ChatFormatter(Formatter):
                 for index in range(len(self.job.choices))]
 
     def chunk_choice(self, delta: Delta) -> Optional[dict]:
-        text, calls = delta.text, []
         finish_reason = delta.finish_reason
+        reasoning, text = self.split(delta.index, delta.text, finish_reason is not None)
+        calls: list[dict] = []
         if self.parsers is not None:
             parser = self.parsers[delta.index]
             text, calls = parser.push(text)
@@ -283,10 +303,12 @@ class ChatFormatter(Formatter):
                 rest, more = parser.finish()
                 text, calls = text + rest, calls + more
             finish_reason = self._finish_reason(delta.index, finish_reason)
-        if not text and not calls and finish_reason is None and not (
+        if not text and not reasoning and not calls and finish_reason is None and not (
                 self.job.return_token_ids or delta.logprobs):
             return None
-        out_delta: dict = {"content": text} if text else {}
+        out_delta: dict = {"reasoning_content": reasoning} if reasoning else {}
+        if text:
+            out_delta["content"] = text
         if calls:
             out_delta["tool_calls"] = calls
         out = {"index": delta.index, "delta": out_delta, "logprobs": None,

@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, Union
 
+import msgspec
+
 from common.config import FrontendConfig
 from common.errors import InvalidRequestError
 from common.protocol import ChatMessage, Ready, SamplingParams
@@ -34,6 +36,7 @@ from frontend.formatters import ChatFormatter, CompletionFormatter, Formatter, T
 from frontend.grammar_cache import CheckedGrammars
 from frontend.job import Job
 from frontend.openai_protocol import ChatCompletionRequest, ChatMessageParam, ToolParam
+from frontend.reasoning import Reasoning
 from frontend.router import EngineRouter
 from frontend.tools import ToolPlan, plan_tools
 from tokenizer_worker.client import TokenizeFailed, TokenizerClient, TokenizerDeadError
@@ -76,9 +79,11 @@ class Inputs:
 def template_options(body) -> dict:
     """How the chat template ends a chat or /tokenize body's messages: with the
     assistant's turn header (add_generation_prompt), or inside the last message, an
-    assistant's, left open (continue_final_message). Raises APIError (400)."""
+    assistant's, left open (continue_final_message); and the request's own template
+    variables (chat_template_kwargs). Raises APIError (400)."""
+    kwargs = body.chat_template_kwargs
     if not body.continue_final_message:
-        return {"add_generation_prompt": body.add_generation_prompt}
+        return {"add_generation_prompt": body.add_generation_prompt, "template_kwargs": kwargs}
     if "add_generation_prompt" in body.model_fields_set and body.add_generation_prompt:
         raise APIError(400, "continue_final_message goes on with the last message; it "
                             "cannot be combined with add_generation_prompt true",
@@ -88,11 +93,13 @@ def template_options(body) -> dict:
         raise APIError(400, f"continue_final_message needs the last message to be the "
                             f"assistant's; it is a {role} message",
                        param="continue_final_message")
-    return {"add_generation_prompt": False, "continue_final_message": True}
+    return {"add_generation_prompt": False, "continue_final_message": True,
+            "template_kwargs": kwargs}
 
 
 def chat_message(m: ChatMessageParam) -> ChatMessage:
     return ChatMessage(role=m.role, content=m.text(), name=m.name, tool_call_id=m.tool_call_id,
+                       reasoning_content=m.thinking(),
                        tool_calls=None if m.tool_calls is None else
                        [c.model_dump() for c in m.tool_calls])
 
@@ -104,9 +111,11 @@ def tool_dicts(tools: Optional[list[ToolParam]]) -> Optional[list[dict]]:
 class InputProcessor:
     def __init__(self, engines: EngineRouter, tokenizer_client: TokenizerClient, tokenizer,
                  admission: Admission, config: FrontendConfig,
-                 chat_template: Optional[str], grammars: Optional[CheckedGrammars]) -> None:
+                 chat_template: Optional[str], grammars: Optional[CheckedGrammars],
+                 reasoning: Optional[Reasoning] = None) -> None:
         """``tokenizer``: the model's Rust tokenizer (bad words, echo, detokenizers);
-        ``grammars``: None when structured output is unavailable."""
+        ``grammars``: None when structured output is unavailable; ``reasoning``: the
+        --reasoning-parser's tags, for chat."""
         self.engines = engines
         self.tokenizer_client = tokenizer_client
         self.tokenizer = tokenizer
@@ -114,6 +123,7 @@ class InputProcessor:
         self.config = config
         self.chat_template = chat_template
         self.grammars = grammars
+        self.reasoning = reasoning
 
     async def prepare(self, job: Job, body,
                       formatter: Optional[Callable[[Job, TokenText], Formatter]] = None) -> None:
@@ -136,6 +146,8 @@ class InputProcessor:
         job.return_token_ids = body.return_token_ids
         job.keep = body.n if job.n > body.n else None
         job.prompt_logprobs = body.prompt_logprobs is not None
+        if inputs.messages is not None and self.reasoning is not None:
+            job.reasoning, job.include_reasoning = self.reasoning, body.include_reasoning
         self._add_choices(job, body, inputs, constraints)
         if getattr(body, "echo", False):
             job.echo = [p if isinstance(p, str) and body.truncate_prompt_tokens is None
@@ -180,6 +192,11 @@ class InputProcessor:
             for j in range(job.n):
                 index = p * job.n + j
                 params = body.sampling_params(max_tokens, engine_logprobs, j, **constraints)
+                if (job.reasoning is not None and params.structured is not None
+                        and job.reasoning.thinking_at_start(prompt_ids)):
+                    # The model thinks first: its grammar starts with the answer.
+                    params = msgspec.structs.replace(params,
+                                                     structured_after=job.reasoning.end_id)
                 prompt_ids = self._validate(prompt_ids, params, ready)
                 job.params.append(params)
                 job.choices.append(Choice(

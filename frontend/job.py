@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 from common.protocol import SamplingParams
 from frontend.admission import Ticket
 from frontend.choice import Choice
+from frontend.reasoning import Reasoning
 from frontend.tools import ToolPlan
 
 if TYPE_CHECKING:
@@ -74,6 +75,10 @@ class Job:
     echo: Optional[list[str]] = None
     # Chat with tool calls possible: how they are made.
     tool_plan: Optional[ToolPlan] = None
+    # Chat with --reasoning-parser: how its replies' thinking is told apart, and
+    # whether it is shown (the request's include_reasoning).
+    reasoning: Optional[Reasoning] = None
+    include_reasoning: bool = True
     # prompt_logprobs asked for: shown with each choice.
     prompt_logprobs: bool = False
     # The engine that served it (its address), kept for the timing breakdown.
@@ -144,9 +149,14 @@ class Job:
                      for i in range(len(self.prompts)))
         prompt = sum(len(p) for p in self.prompts)
         completion = sum(len(c.token_ids) for c in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        usage = {"prompt_tokens": prompt, "completion_tokens": completion,
+                 "total_tokens": prompt + completion,
+                 "prompt_tokens_details": {"cached_tokens": cached}}
+        if self.reasoning is not None:
+            thought = sum(self.reasoning.num_tokens(c.prompt_token_ids, c.token_ids)
+                          for c in self.choices)
+            usage["completion_tokens_details"] = {"reasoning_tokens": thought}
+        return usage
 
 
 def _ms(value: Optional[float]) -> Optional[float]:

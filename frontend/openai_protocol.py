@@ -15,9 +15,10 @@ integers are 64-bit).
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from common.errors import InvalidRequestError
 from common.sampling_params import (MAX_REPETITION_PENALTY, MAX_TOP_LOGPROBS,
@@ -34,6 +35,32 @@ _STRICT = ConfigDict(extra="forbid", strict=True)
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 # OpenAI's metadata: up to 16 pairs of strings (checked, then dropped: nothing is stored).
+# Names a request's chat_template_kwargs may not use: apply_chat_template's own
+# parameters (chat_template among them: a request brings no template of its own) and
+# what the renderer itself puts in a template's context.
+RESERVED_TEMPLATE_NAMES = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "tokenize",
+    "add_generation_prompt", "continue_final_message", "padding", "truncation",
+    "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "processor_kwargs", "bos_token", "eos_token", "unk_token",
+    "pad_token", "sep_token", "cls_token", "mask_token", "additional_special_tokens",
+    "raise_exception", "strftime_now"})
+
+
+def _template_names(value: dict) -> dict:
+    for name in value:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,63}", name):
+            raise ValueError(f"chat_template_kwargs: {name!r} is not a template variable "
+                             f"name (letters, digits and _, up to 64)")
+        if name in RESERVED_TEMPLATE_NAMES:
+            raise ValueError(f"chat_template_kwargs: {name!r} is set by the server, not "
+                             f"by a request")
+    return value
+
+
+# Extra variables for the chat template (e.g. Qwen3's enable_thinking), vLLM's field.
+TemplateKwargs = Annotated[dict[str, Any], Field(max_length=32),
+                           AfterValidator(_template_names)]
 Metadata = Annotated[dict[Annotated[str, Field(max_length=64)],
                           Annotated[str, Field(max_length=512)]], Field(max_length=16)]
 # At most this many bad words per request (each is banned as it is and after a space).
@@ -276,6 +303,10 @@ class ChatMessageParam(BaseModel):
     # An assistant's earlier calls, and a tool message's answer to one of them.
     tool_calls: Optional[list[ToolCallParam]] = None
     tool_call_id: Optional[str] = None
+    # An assistant's earlier thinking, as a reasoning model's reply gave it
+    # (reasoning_content; vLLM's newer name, reasoning): for templates that show it.
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -292,12 +323,19 @@ class ChatMessageParam(BaseModel):
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError(f"a message of role {self.role!r} has tool_calls; only an "
                              f"assistant's may")
+        if (self.reasoning_content is not None or self.reasoning is not None) \
+                and self.role != "assistant":
+            raise ValueError(f"a message of role {self.role!r} has reasoning; only an "
+                             f"assistant's may")
         if (self.tool_call_id is None) != (self.role != "tool"):
             raise ValueError("a tool message needs the tool_call_id it answers"
                              if self.role == "tool" else
                              f"a message of role {self.role!r} has a tool_call_id; only a "
                              f"tool's may")
         return self
+
+    def thinking(self) -> Optional[str]:
+        return self.reasoning_content if self.reasoning_content is not None else self.reasoning
 
     def text(self) -> str:
         if self.content is None:
@@ -380,6 +418,9 @@ class ChatCompletionRequest(_SamplingFields, OpenAINoOpFields):
     parallel_tool_calls: bool = True
     # The output is text.
     modalities: Optional[list[str]] = None
+    # vLLM's: with --reasoning-parser, whether the reply's thinking is returned.
+    include_reasoning: bool = True
+    chat_template_kwargs: Optional[TemplateKwargs] = None
 
     @field_validator("modalities")
     @classmethod
@@ -427,6 +468,7 @@ class TokenizeBody(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     tools: Optional[list[ToolParam]] = None
+    chat_template_kwargs: Optional[TemplateKwargs] = None
     return_token_strs: bool = False
 
 

@@ -14,8 +14,11 @@ the response ends; no ``[DONE]``.
 
 Function tools are chat's, with the same ``tool_choice`` values (frontend/tools.py).
 Nothing is stored, so ``store`` true, ``previous_response_id`` and ``background`` are
-refused, as are built-in tools and reasoning: each a 400 naming its field. ``include``
-takes the output text's logprobs (``top_logprobs`` alternatives each).
+refused, as are built-in tools and reasoning settings: each a 400 naming its field.
+``include`` takes the output text's logprobs (``top_logprobs`` alternatives each).
+With ``--reasoning-parser`` a reasoning model's thinking comes first, as a
+``reasoning`` item of ``reasoning_text`` (frontend/reasoning.py); reasoning items in
+``input`` go to the template with the assistant's turn after them.
 """
 
 from __future__ import annotations
@@ -89,9 +92,31 @@ class FunctionCallOutputItem(BaseModel):
     status: Optional[str] = None
 
 
+class ReasoningText(BaseModel):
+    model_config = _STRICT
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(BaseModel):
+    """A reasoning model's earlier thinking (as this server's output gave it): shown to
+    the template with the assistant's turn that follows it."""
+    model_config = _STRICT
+    type: Literal["reasoning"]
+    summary: list[ReasoningText] = []
+    content: Optional[list[ReasoningText]] = None
+    encrypted_content: Optional[None] = None
+    id: Optional[str] = None
+    status: Optional[str] = None
+
+    def text(self) -> str:
+        return "".join(part.text for part in self.content or self.summary)
+
+
 _ITEMS = {"message": TypeAdapter(MessageItem), "function_call": TypeAdapter(FunctionCallItem),
-          "function_call_output": TypeAdapter(FunctionCallOutputItem)}
-Item = Union[MessageItem, FunctionCallItem, FunctionCallOutputItem]
+          "function_call_output": TypeAdapter(FunctionCallOutputItem),
+          "reasoning": TypeAdapter(ReasoningItem)}
+Item = Union[MessageItem, FunctionCallItem, FunctionCallOutputItem, ReasoningItem]
 
 
 class FunctionTool(FunctionDefinition):
@@ -196,7 +221,9 @@ class ResponsesRequest(OpenAINoOpFields):
     def _needs_what_is_not_here(cls, value, info):
         why = {"previous_response_id": "no response is stored; send the conversation as input",
                "background": "responses are not run in the background",
-               "reasoning": "this model does not reason"}[info.field_name]
+               "reasoning": "its effort and summaries are not set here (with a "
+                            "--reasoning-parser, a model's thinking comes as a reasoning "
+                            "item)"}[info.field_name]
         if value:
             raise ValueError(f"not served: {why}")
         return value
@@ -209,20 +236,27 @@ class ResponsesRequest(OpenAINoOpFields):
             messages.append({"role": "system", "content": self.instructions})
         items = [MessageItem(role="user", content=self.input)] if isinstance(self.input, str) \
             else self.input
+        thinking = None  # a reasoning item's, for the assistant's turn after it
         for item in items:
+            if isinstance(item, ReasoningItem):
+                thinking = (thinking or "") + item.text()
+                continue
             if isinstance(item, MessageItem):
                 messages.append({"role": item.role, "content": _text(item.content)})
             elif isinstance(item, FunctionCallItem):
                 call = {"id": item.call_id, "type": "function",
                         "function": {"name": item.name, "arguments": item.arguments}}
                 last = messages[-1] if messages else None
-                if last is not None and last["role"] == "assistant":  # one turn, several calls
-                    last.setdefault("tool_calls", []).append(call)
+                if last is not None and last["role"] == "assistant" and thinking is None:
+                    last.setdefault("tool_calls", []).append(call)  # one turn, several calls
                 else:
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
             else:
                 messages.append({"role": "tool", "tool_call_id": item.call_id,
                                  "content": _text(item.output)})
+            if messages[-1]["role"] == "assistant" and thinking is not None:
+                messages[-1]["reasoning_content"] = thinking
+            thinking = None  # thinking before anything but the assistant's turn: dropped
         choice = self.tool_choice
         if not self.tools and choice in ("auto", "none"):
             choice = None  # no tools: nothing to choose (chat would ask for tools)
@@ -273,6 +307,8 @@ class ResponsesFormatter(Formatter):
         self.request = request
         self.hex = job.request_id.removeprefix("resp_")
         self.parser = None if job.tool_plan is None else ToolCallParser(job.tool_plan)
+        self.thinker = None if job.reasoning is None else job.reasoning.parser(
+            job.choices[0].prompt_token_ids)
         self.sequence = 0
         self.output: list[dict] = []
         self.open: Optional[dict] = None  # the item still growing, the last of output
@@ -323,6 +359,22 @@ class ResponsesFormatter(Formatter):
         self.logprobs = []
         return out
 
+    def _on_thinking(self, text: str) -> list[bytes]:
+        out: list[bytes] = []
+        if self.open is None or self.open["type"] != "reasoning":
+            out += self._new_item("rs", {"type": "reasoning", "status": "in_progress",
+                                         "summary": [], "content": []})
+            out.append(self.event({"type": "response.content_part.added", **self._where(),
+                                   "content_index": 0, "part": _thinking("")}))
+        assert self.open is not None
+        if not self.open["content"]:
+            self.open["content"].append(_thinking(""))
+        self.open["content"][0]["text"] += text
+        self.logprobs = []  # include's logprobs are the output text's
+        out.append(self.event({"type": "response.reasoning_text.delta", **self._where(),
+                               "content_index": 0, "delta": text}))
+        return out
+
     def _on_call(self, call: dict) -> list[bytes]:
         out: list[bytes] = []
         if "id" in call:  # a new call (later pieces of a named call carry only arguments)
@@ -352,6 +404,12 @@ class ResponsesFormatter(Formatter):
                                "logprobs": part["logprobs"]}),
                    self.event({"type": "response.content_part.done", **where,
                                "content_index": 0, "part": part})]
+        elif item["type"] == "reasoning":
+            part = item["content"][0]
+            out = [self.event({"type": "response.reasoning_text.done", **where,
+                               "content_index": 0, "text": part["text"]}),
+                   self.event({"type": "response.content_part.done", **where,
+                               "content_index": 0, "part": part})]
         else:
             out = [self.event({"type": "response.function_call_arguments.done", **where,
                                "name": item["name"], "arguments": item["arguments"]})]
@@ -361,16 +419,26 @@ class ResponsesFormatter(Formatter):
     def _consume(self, text: str, final: bool) -> list[bytes]:
         """Events for more of the choice's text (and, when ``final``, its end)."""
         calls: list[dict] = []
+        out: list[bytes] = []
+        if self.thinker is not None:
+            thinking, text = self.thinker.push(text)
+            if final:
+                more, rest = self.thinker.finish()
+                thinking, text = thinking + more, text + rest
+            if thinking and self.job.include_reasoning:
+                out += self._on_thinking(thinking)
         if self.parser is not None:
             text, calls = self.parser.push(text)
             if final:
                 rest, more = self.parser.finish()
                 text, calls = text + rest, calls + more
-        out = self._on_text(text) if text else []
+        if text:
+            out += self._on_text(text)
         for call in calls:
             out += self._on_call(call)
         if final:
-            if not self.output:  # nothing at all: an empty message, as OpenAI shows it
+            if not self.output or self.output[-1]["type"] == "reasoning":
+                # no answer: an empty message, as OpenAI shows it
                 out += self._on_text("")
             out += self._close(self._status())
         return out
@@ -409,7 +477,8 @@ class ResponsesFormatter(Formatter):
         return {"input_tokens": u["prompt_tokens"],
                 "input_tokens_details": u["prompt_tokens_details"],
                 "output_tokens": u["completion_tokens"],
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": u.get("completion_tokens_details",
+                                               {"reasoning_tokens": 0}),
                 "total_tokens": u["total_tokens"]}
 
     def full(self) -> dict:
@@ -440,6 +509,10 @@ class ResponsesFormatter(Formatter):
                             "param": error.param}),
                 self.event({"type": "response.failed",
                             "response": self.response("failed", error=error)})]
+
+
+def _thinking(text: str) -> dict:
+    return {"type": "reasoning_text", "text": text}
 
 
 def _part(text: str) -> dict:

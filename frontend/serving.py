@@ -30,6 +30,7 @@ from frontend.membership import Membership
 from frontend.metrics import Metrics
 from frontend.openai_protocol import ChatCompletionRequest
 from frontend.output_processor import OutputProcessor
+from frontend.reasoning import Reasoning
 from frontend.router import EngineRouter
 from tokenizer_worker.client import TokenizerClient
 
@@ -72,10 +73,11 @@ class Pipeline:
     def __init__(self, engines: EngineRouter, tokenizer_client: TokenizerClient, tokenizer,
                  metrics: Metrics, admission: Admission, model_names: Sequence[str],
                  config: FrontendConfig, chat_template: Optional[str] = None,
-                 grammars: Optional[GrammarCompiler] = None) -> None:
+                 grammars: Optional[GrammarCompiler] = None,
+                 reasoning: Optional[Reasoning] = None) -> None:
         """``tokenizer``: the model's Rust tokenizer; ``grammars``: for checking
         structured output before it reaches an engine (None: structured output is
-        unavailable)."""
+        unavailable); ``reasoning``: how chat replies' thinking is told apart."""
         self.engines = engines
         self.tokenizer_client = tokenizer_client
         self.tokenizer = tokenizer
@@ -88,7 +90,8 @@ class Pipeline:
         # Constraints compiled off the event loop, each distinct one once.
         self.inputs = InputProcessor(engines, tokenizer_client, tokenizer, admission, config,
                                      chat_template,
-                                     None if grammars is None else CheckedGrammars(grammars))
+                                     None if grammars is None else CheckedGrammars(grammars),
+                                     reasoning)
         self.outputs = OutputProcessor(engines, config.request_retries, config.kv_lease_s,
                                        config.stream_interval)
         # Jobs opened and not closed (HTTP requests being served).

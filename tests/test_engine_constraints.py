@@ -14,6 +14,7 @@ from common.structured import StructuredOutput
 from helpers import greedy, make_engine, random_prompts, run_to_end, tokens
 
 PROMPTS = random_prompts([7, 12, 5], seed=5)
+NEVER = 50255  # a token id the tiny model's greedy outputs here do not hold
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["fused", "layers"])
@@ -66,6 +67,31 @@ def test_a_grammar_constrains_only_its_own_request(engine):
 
     tok = Tokenizer.from_file(str(engine.model_dir / "tokenizer.json"))
     assert re.fullmatch(pattern, tok.decode(tokens(outs["g"])))
+
+
+def test_a_grammar_after_a_token_starts_once_that_token_is_generated(engine):
+    """structured_after (a reasoning model's end of thinking): the tokens up to that
+    token are the free output's, the rest match the grammar; a token never generated
+    leaves the output free."""
+    plain = engine.generate([PROMPTS[2]], greedy(12))[0]
+    k = next(i for i in range(2, 12) if plain[i] not in plain[:i])
+    pattern = r" (cat|dog|bird) [0-9]{2}\."
+    regex = StructuredOutput(kind="regex", spec=pattern)
+    engine.add_request("late", PROMPTS[2], greedy(40, structured=regex,
+                                                  structured_after=plain[k]))
+    engine.add_request("never", PROMPTS[2], greedy(12, structured=regex,
+                                                   structured_after=NEVER))
+    outs = run_to_end(engine)
+    late = tokens(outs["late"])
+    assert late[:k + 1] == plain[:k + 1]
+    assert outs["late"][-1].finish_reason is FinishReason.STOP
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(engine.model_dir / "tokenizer.json"))
+    assert re.fullmatch(pattern, tok.decode(late[k + 1:]))
+    assert NEVER not in plain and tokens(outs["never"]) == plain
+    with pytest.raises(InvalidRequestError, match="needs a structured output"):
+        engine.add_request("bad", PROMPTS[0], greedy(4, structured_after=3))
 
 
 def test_invalid_grammar_is_refused_at_add_request(engine):

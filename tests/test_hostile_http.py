@@ -144,6 +144,14 @@ FUZZ = [
     ("response continuing another", RESP, _resp(previous_response_id="resp_1")),
     ("response past the context", RESP, _resp(max_output_tokens=BIG)),
     ("response in the background", RESP, _resp(background=True)),
+    ("template kwargs naming the template", CHAT, _chat(
+        chat_template_kwargs={"chat_template": "{{ raise_exception('x') }}"})),
+    ("template kwargs of 33 names", CHAT, _chat(chat_template_kwargs={f"k{i}": 1 for i in range(33)})),
+    ("template kwargs a list", CHAT, _chat(chat_template_kwargs=[1])),
+    ("thinking on a user message", CHAT, _chat(messages=[
+        {"role": "user", "content": "Hi", "reasoning_content": "x"}])),
+    ("response reasoning encrypted", RESP, _resp(input=[
+        {"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}])),
 ]
 # At the bounds: each must be served (200).
 AT_BOUNDS = [
@@ -169,6 +177,14 @@ AT_BOUNDS = [
     ("OpenAI's no-op fields", CHAT, _chat(store=False, metadata={"k": "v"}, service_tier="default",
                                           modalities=["text"], prompt_cache_key="k",
                                           safety_identifier="u")),
+    ("template kwargs", CHAT, _chat(chat_template_kwargs={"enable_thinking": False, "x": {"y": [1]}})),
+    ("earlier thinking", CHAT, _chat(messages=[
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo", "reasoning": "t"},
+        {"role": "user", "content": "Hi"}])),
+    ("a response after its reasoning item", RESP, _resp(input=[
+        {"role": "user", "content": "Hi"},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "t"}]},
+        {"role": "assistant", "content": "Yo"}, {"role": "user", "content": "Hi"}])),
 ]
 
 

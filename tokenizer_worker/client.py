@@ -42,7 +42,8 @@ class TokenizerClient(ServiceClient):
                        add_generation_prompt: bool = True,
                        continue_final_message: bool = False,
                        add_special_tokens: bool = True,
-                       tools: Optional[list[dict]] = None) -> TokenizeResult:
+                       tools: Optional[list[dict]] = None,
+                       template_kwargs: Optional[dict] = None) -> TokenizeResult:
         """Token ids for a prompt or chat messages. Raises TokenizeFailed (the input's
         fault, or a crash) or TokenizerDeadError."""
         self.check_alive()
@@ -54,7 +55,8 @@ class TokenizerClient(ServiceClient):
                 request_id=request_id, prompt=prompt, messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
-                add_special_tokens=add_special_tokens, tools=tools))
+                add_special_tokens=add_special_tokens, tools=tools,
+                template_kwargs=template_kwargs or {}))
             return await future
         finally:
             self._waiting.pop(request_id, None)

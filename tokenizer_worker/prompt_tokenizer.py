@@ -38,7 +38,8 @@ class PromptTokenizer:
             return self.tokenizer.apply_chat_template(
                 messages, tools=request.tools, tokenize=False,
                 add_generation_prompt=request.add_generation_prompt,
-                continue_final_message=request.continue_final_message)
+                continue_final_message=request.continue_final_message,
+                **request.template_kwargs)
         except Exception as e:  # jinja raises for what the template rejects
             raise ValueError(f"the chat template rejected these messages: {e}") from None
 
@@ -81,7 +82,8 @@ def _template_message(message: ChatMessage, template_shows_calls: bool) -> dict:
     templates read them); a template that does not render them sees them as JSON
     text in the message's content, so that no call is silently dropped."""
     out = {k: v for k, v in (("role", message.role), ("content", message.content),
-                             ("name", message.name), ("tool_call_id", message.tool_call_id))
+                             ("name", message.name), ("tool_call_id", message.tool_call_id),
+                             ("reasoning_content", message.reasoning_content))
            if v is not None}
     if not message.tool_calls:
         return out
