@@ -186,6 +186,8 @@ class InputProcessor:
         # best_of ranks choices by their log probability: the engine must report it.
         num_logprobs = inputs.num_logprobs
         engine_logprobs = num_logprobs if job.n == body.n else (num_logprobs or 0)
+        skip_special = body.skip_special_tokens and not (
+            job.tool_plan is not None and job.tool_plan.keeps_special_tokens)
         for p, prompt_ids in enumerate(job.prompts):
             max_tokens = inputs.max_tokens_for(prompt_ids, body.truncate_prompt_tokens,
                                                ready.max_model_len)
@@ -203,7 +205,7 @@ class InputProcessor:
                     index=index, request_id=f"{job.request_id}-{index}",
                     prompt_token_ids=prompt_ids,
                     detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids,
-                                                       body.skip_special_tokens),
+                                                       skip_special),
                     stops=StopStringMatcher(body.stop_strings(), body.include_stop_str_in_output),
                     eos_token_ids=frozenset(ready.eos_token_ids)))
                 job.prompts[p] = prompt_ids

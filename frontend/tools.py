@@ -8,15 +8,19 @@ and turning the generated text into OpenAI ``tool_calls``, whole or streamed.
   guarantees the shape, and the arguments always match the function's schema.
 - "auto" lets the model choose between text and calls, so it needs a model trained
   to write calls in a known format, which its chat template shows. roseserve parses
-  two: Hermes (``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` within the
-  text, used by Qwen 2.5/3, Hermes and others; the template names ``<tool_call>``)
-  and Llama 3's JSON (the whole reply one or more ``{"name": ..., "parameters": ...}``
-  objects, separated by ``;``, maybe after ``<|python_tag|>``; Llama 3.1-3.3, whose
-  templates ask for "the format {"name": function name, "parameters": ...}"). A reply
-  that starts as anything else is text, and released as it comes; one that starts
-  with ``{`` is held until it ends, then is calls if it parses as them, else text.
-  For any other template "auto" is refused with a 400 that says to use "required"
-  or a named function. The default model's template has no tool support.
+  three. Hermes: ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` within
+  the text (Qwen 2.5/3, Hermes and others; the template names ``<tool_call>``).
+  Mistral's: ``[TOOL_CALLS]`` then a JSON list of calls, or ``name[ARGS]{...}`` per
+  call with its newer tokenizers (the template names ``[TOOL_CALLS]``); these are
+  special tokens, which the text of such a request keeps; text before the tag flows,
+  and from it on the reply is held until it ends. Llama 3's JSON: the whole reply
+  one or more ``{"name": ..., "parameters": ...}`` objects, separated by ``;``, maybe
+  after ``<|python_tag|>`` (Llama 3.1-3.3, whose templates ask for "the format
+  {"name": function name, "parameters": ...}"); a reply that starts as anything
+  else is text, released as it comes, and one that starts with ``{`` is held until
+  it ends. Held text is calls if it parses as nothing but calls, else text. For any
+  other template "auto" is refused with a 400 that says to use "required" or a
+  named function. The default model's template has no tool support.
 - "none" (the default without tools) generates text; the tools still reach the
   template, as in OpenAI's API.
 """
@@ -34,6 +38,8 @@ from frontend.detokenizer import partial_suffix
 from frontend.openai_protocol import ChatCompletionRequest
 
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
+# Mistral's: special tokens, kept in the text of a request that may make calls.
+MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
 # What Llama 3.1-3.3's templates ask a model with tools to answer in.
 LLAMA3_FORMAT = '"parameters": dictionary of argument name and its value'
 PYTHON_TAG = "<|python_tag|>"
@@ -44,7 +50,13 @@ class ToolPlan:
     mode: str  # "required", "named" or "auto"
     structured: Optional[StructuredOutput]
     name: Optional[str] = None  # the named function
-    syntax: str = "hermes"  # auto: how the model writes calls ("hermes", "llama3_json")
+    # auto: how the model writes calls ("hermes", "mistral", "llama3_json").
+    syntax: str = "hermes"
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether the reply's text must keep special tokens (Mistral's calls are)."""
+        return self.mode == "auto" and self.syntax == "mistral"
 
 
 def plan_tools(body: ChatCompletionRequest, chat_template: Optional[str]) -> Optional[ToolPlan]:
@@ -61,11 +73,14 @@ def plan_tools(body: ChatCompletionRequest, chat_template: Optional[str]) -> Opt
         template = chat_template or ""
         if HERMES_START in template:
             return ToolPlan("auto", None)
+        if MISTRAL_CALLS in template:
+            return ToolPlan("auto", None, syntax="mistral")
         if LLAMA3_FORMAT in template:
             return ToolPlan("auto", None, syntax="llama3_json")
         raise InvalidRequestError(
             "tool_choice 'auto' needs a model whose chat template writes tool calls in a "
-            "format roseserve parses (Hermes <tool_call>, or Llama 3's JSON); this model's "
+            "format roseserve parses (Hermes <tool_call>, Mistral's [TOOL_CALLS], or Llama "
+            "3's JSON); this model's "
             "template does not. Use tool_choice 'required' or a named function: the "
             "output is then forced to a valid call", "tool_choice")
     if choice == "required":
@@ -166,8 +181,28 @@ class ToolCallParser:
         return out
 
     def _auto(self, final: bool) -> tuple[str, list[dict]]:
-        return (self._hermes(final) if self.plan.syntax == "hermes"
-                else self._llama3_json(final))
+        syntax = self.plan.syntax
+        return (self._hermes(final) if syntax == "hermes" else
+                self._mistral(final) if syntax == "mistral" else self._llama3_json(final))
+
+    def _mistral(self, final: bool) -> tuple[str, list[dict]]:
+        """Text before [TOOL_CALLS] flows; from it on, held until the reply ends, then
+        calls if it parses as nothing but calls, else text."""
+        start = self.buffer.find(MISTRAL_CALLS)
+        if start == -1:
+            keep = 0 if final else partial_suffix(self.buffer, [MISTRAL_CALLS])
+            cut = len(self.buffer) - keep
+            text, self.buffer = self.buffer[:cut], self.buffer[cut:]
+            return text, []
+        text, self.buffer = self.buffer[:start], self.buffer[start:]
+        if not final:
+            return text, []
+        calls = _parse_mistral(self.buffer, len(self.calls))
+        if calls is None:
+            text += self.buffer
+        self.buffer = ""
+        self.calls += calls or []
+        return text, calls or []
 
     def _llama3_json(self, final: bool) -> tuple[str, list[dict]]:
         head = self.buffer.lstrip().removeprefix(PYTHON_TAG).lstrip()
@@ -230,6 +265,31 @@ def _parse_llama3(text: str, index: int) -> Optional[list[dict]]:
         if call is None:
             return None
         calls.append(call)
+
+
+def _parse_mistral(text: str, index: int) -> Optional[list[dict]]:
+    """Mistral's calls, after each [TOOL_CALLS]: a JSON list (or object) of
+    {"name", "arguments"} (v3 tokenizers), or ``name[ARGS]{arguments}`` (v11 on);
+    None unless the text is only calls. Their ids are 9 letters and digits, which
+    Mistral's templates require of the calls a conversation gives back."""
+    calls: list[dict] = []
+    for piece in text.split(MISTRAL_CALLS)[1:]:
+        name, args, arguments = piece.partition(MISTRAL_ARGS)
+        try:
+            if args:
+                items = [{"name": name.strip(), "arguments": json.loads(arguments)}]
+            else:
+                parsed = json.loads(piece)
+                items = parsed if isinstance(parsed, list) else [parsed]
+        except json.JSONDecodeError:
+            return None
+        for item in items:
+            call = _call(item, index + len(calls))
+            if call is None or not call["function"]["name"]:
+                return None
+            call["id"] = uuid.uuid4().hex[:9]
+            calls.append(call)
+    return calls or None
 
 
 def _call(item, index: int) -> Optional[dict]:

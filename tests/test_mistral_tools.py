@@ -1,0 +1,83 @@
+"""Mistral's tool calls end to end: a tiny model whose tokenizer has Mistral's special
+[TOOL_CALLS] and [ARGS] tokens and a template of its kind (tests/conftest.py), real
+processes. The model's reply is forced by a grammar that names the special tokens by
+id, as a model trained for Mistral's format would write it."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+import processes
+from conftest import ARGS, TOOL_CALLS
+from frontend_stacks import sse_events
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "required": ["city"],
+                                          "properties": {"city": {"type": "string"}}}}}
+QUESTION = [{"role": "user", "content": "Weather in Paris and Oslo?"}]
+# Replies as Mistral's v3 and v11 tokenizers' models write calls.
+REPLIES = {
+    "v3": f'start: "Sure." <[{TOOL_CALLS}]> " [" CALL ", " CALL2 "]"\n'
+          'CALL: "{\\"name\\": \\"get_weather\\", \\"arguments\\": {\\"city\\": \\"Paris\\"}}"\n'
+          'CALL2: "{\\"name\\": \\"get_weather\\", \\"arguments\\": {\\"city\\": \\"Oslo\\"}}"\n',
+    "v11": f'start: "Sure." <[{TOOL_CALLS}]> "get_weather" <[{ARGS}]> "{{\\"city\\": \\"Paris\\"}}" '
+           f'<[{TOOL_CALLS}]> "get_weather" <[{ARGS}]> "{{\\"city\\": \\"Oslo\\"}}"\n',
+}
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory, tiny_mistral_dir):
+    run = tmp_path_factory.mktemp("mistral")
+    with processes.local_stack(tiny_mistral_dir, run, "--served-model-name", "m") as front:
+        yield front.url
+
+
+def chat(url: str, **body) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", timeout=60,
+                      json={"model": "m", "messages": QUESTION, "max_tokens": 80,
+                            "temperature": 0, **body})
+
+
+@pytest.mark.parametrize("version", REPLIES)
+def test_mistral_calls_come_back_as_tool_calls(url, version):
+    r = chat(url, tools=[WEATHER], guided_grammar=REPLIES[version])
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    message = choice["message"]
+    assert message["content"] == "Sure."
+    calls = message["tool_calls"]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] \
+        == [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]
+    assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls)
+    # Streamed: the text first, then the calls once the reply ends.
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=60, json={
+            "model": "m", "messages": QUESTION, "tools": [WEATHER], "max_tokens": 80,
+            "temperature": 0, "guided_grammar": REPLIES[version], "stream": True}) as s:
+        events = sse_events(s)
+    deltas = [e["choices"][0]["delta"] for e in events[:-1]]
+    assert "".join(d.get("content", "") for d in deltas) == "Sure."
+    streamed = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert [c["function"]["arguments"] for c in streamed] == \
+        [c["function"]["arguments"] for c in calls]
+    assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
+    # The calls given back, with their results, pass the template's check of their ids.
+    history = QUESTION + [message, {"role": "tool", "tool_call_id": calls[0]["id"],
+                                    "content": "sunny"}]
+    r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
+        "model": "m", "messages": history, "tools": [WEATHER], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+def test_a_reply_without_calls_is_text_and_keeps_no_special_token(url):
+    """Text is text; only a request that may make calls keeps special tokens."""
+    grammar = f'start: "Hello" <[{ARGS}]> " there"\n'
+    for tools in ({"tools": [WEATHER]}, {"tool_choice": "none", "tools": [WEATHER]}, {}):
+        r = chat(url, guided_grammar=grammar, **tools)
+        message = r.json()["choices"][0]["message"]
+        assert message.get("tool_calls") in (None, [])
+        auto = tools.get("tool_choice", "auto" if tools else None) == "auto"
+        assert message["content"] == ("Hello[ARGS] there" if auto else "Hello there")
