@@ -305,6 +305,9 @@ class FrontendConfig:
     drain_timeout_s: float = 30.0
     # One log line per request (frontend.access): status, time, ids, tokens.
     access_log: bool = True
+    # A chat template file to use instead of the model's (the tokenizer pool's
+    # --chat-template too): the frontend reads from it how the model writes tool calls.
+    chat_template: Optional[str] = None
     # A reasoning model's thinking split from its answer in chat replies
     # (frontend/reasoning.py: "deepseek_r1" or "qwen3"); None: the reply is all content.
     reasoning_parser: Optional[str] = None

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Optional
 
+from common.config import env_default
 from common.errors import ModelLoadError
 
 # Text longer than this many characters per token of context cannot fit, whatever it
@@ -63,6 +64,33 @@ def chat_template_text(model_dir: Path) -> Optional[str]:
             texts.extend(t["template"] for t in template
                          if isinstance(t, dict) and isinstance(t.get("template"), str))
     return "\n".join(texts) if texts else None
+
+
+def add_chat_template_arg(parser) -> None:
+    """--chat-template, for the tokenizer pool (which renders chats) and the frontend
+    (which reads how the template writes tool calls): give both the same file."""
+    parser.add_argument("--chat-template", default=env_default("CHAT_TEMPLATE"),
+                        metavar="FILE",
+                        help="a Jinja chat template to use instead of the model's (for a "
+                             "model without one, or to fix one); the tokenizer pool and "
+                             "the frontend must be given the same file")
+
+
+def read_chat_template(path: str) -> str:
+    """A chat template from a file (--chat-template), checked to parse as Jinja.
+    Raises ModelLoadError naming the file and, for bad syntax, the line."""
+    import jinja2
+
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelLoadError(f"cannot read the chat template {path}: {e}") from None
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ModelLoadError(f"the chat template {path} is not a valid Jinja template: "
+                             f"line {e.lineno}: {e.message}") from None
+    return text
 
 
 def context_length(model_dir: Path) -> int:

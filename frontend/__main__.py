@@ -15,6 +15,7 @@ from common.config import (DEFAULT_ENGINE_ADDRESS, DEFAULT_TOKENIZER_ADDRESS, Fr
                            env_default)
 from common.curve import CurveKey, add_curve_args
 from common.logging_setup import setup_logging
+from common.tokenizer import add_chat_template_arg
 from frontend.reasoning import PARSERS
 
 logger = logging.getLogger("frontend")
@@ -66,6 +67,7 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
                    help="send a stream's tokens this many at a time, from the engine and "
                         "to the client (its first token and its end at once): fewer messages "
                         "per token, chunkier streams (default 1)")
+    add_chat_template_arg(g)
     g.add_argument("--reasoning-parser", choices=sorted(PARSERS), default=None,
                    help="a reasoning model's thinking (between <think> and </think>) goes to "
                         "reasoning_content, its answer to content: deepseek_r1 (DeepSeek-R1 "
@@ -117,7 +119,7 @@ def frontend_config_from_args(args: argparse.Namespace, engines: Sequence[str],
         dns_refresh_s=args.dns_refresh, disagg_min_prompt_tokens=args.disagg_min_prompt_tokens,
         kv_lease_s=args.kv_lease, stream_interval=args.stream_interval,
         drain_timeout_s=args.drain_timeout, access_log=not args.no_access_log,
-        reasoning_parser=args.reasoning_parser,
+        reasoning_parser=args.reasoning_parser, chat_template=args.chat_template,
         allowed_origins=tuple(args.allowed_origins or ()),
         ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
         curve_key=CurveKey.from_option(getattr(args, "curve_key_file", None)))

@@ -24,7 +24,7 @@ from common.config import FrontendConfig
 from common.errors import ModelLoadError
 from common.model_files import resolve_model_dir
 from common.structured import GrammarCompiler
-from common.tokenizer import chat_template_text, load_decoder
+from common.tokenizer import chat_template_text, load_decoder, read_chat_template
 from engine_worker.client import EngineClient
 from frontend.admission import Admission
 from frontend.errors import APIError
@@ -184,6 +184,8 @@ async def start_pipeline(config: FrontendConfig, metrics: Metrics) -> Pipeline:
     except Exception as e:  # a tokenizer llguidance cannot read
         logger.warning("structured output is unavailable: %s", e)
         grammars = None
+    template = (read_chat_template(config.chat_template) if config.chat_template
+                else chat_template_text(model_dir))
     reasoning = None
     if config.reasoning_parser is not None:
         try:
@@ -196,7 +198,7 @@ async def start_pipeline(config: FrontendConfig, metrics: Metrics) -> Pipeline:
     engines = EngineRouter([], config.routing, config.disagg_min_prompt_tokens)
     pipe = Pipeline(engines, tok_client, tokenizer, metrics,
                     Admission(config.max_waiting_requests, config.max_waiting_tokens),
-                    model_names, config, chat_template_text(model_dir), grammars, reasoning)
+                    model_names, config, template, grammars, reasoning)
     pipe.membership = Membership(
         config.engine_addresses, engines,
         lambda address: EngineClient(address, heartbeat_timeout_s=config.engine_heartbeat_timeout_s,

@@ -154,7 +154,7 @@ FRONTEND_FLAGS = ["host", "api_key_file", "served_model_name", "max_body_bytes",
                   "tokenize_timeout", "request_timeout", "routing", "request_retries",
                   "dns_refresh", "disagg_min_prompt_tokens", "kv_lease", "stream_interval",
                   "drain_timeout", "no_access_log", "allowed_origins", "ssl_certfile",
-                  "ssl_keyfile", "reasoning_parser"]
+                  "ssl_keyfile", "reasoning_parser", "chat_template"]
 
 
 def engine_roles(args: argparse.Namespace) -> list[str]:
@@ -194,7 +194,8 @@ def components(args: argparse.Namespace, model_dir: str, run_dir: str) -> list[C
     tokenizer_addr = f"ipc://{run_dir}/tokenizer.sock"
     tokenizer = Component("tokenizer", py + [
         "tokenizer_worker", "--model", model_dir, "--bind", tokenizer_addr,
-        *(["--workers", str(args.tokenizer_workers)] if args.tokenizer_workers else []), *log])
+        *(["--workers", str(args.tokenizer_workers)] if args.tokenizer_workers else []),
+        *_forward(args, ["chat_template"]), *log])
     frontends = []
     for i in range(args.frontends):
         frontend = Component("frontend" if args.frontends == 1 else f"frontend-{i}", py + [

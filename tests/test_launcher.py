@@ -151,6 +151,14 @@ def test_serve_gives_its_drain_timeout_to_every_process_and_waits_past_it(tmp_pa
     assert "--no-access-log" in front.cmd
     at = front.cmd.index("--allowed-origins")
     assert front.cmd[at + 1:at + 3] == ["https://a.example", "*"]
+    # A chat template reaches both the pool (which renders chats) and the frontend.
+    args = build_parser().parse_args(["serve", "--chat-template", "t.jinja",
+                                      "--reasoning-parser", "qwen3"])
+    stack = components(args, "model", str(tmp_path))
+    for name in ("tokenizer", "frontend"):
+        (c,) = [c for c in stack if c.name == name]
+        assert c.cmd[c.cmd.index("--chat-template") + 1] == "t.jinja", name
+    assert "--reasoning-parser" in [c for c in stack if c.name == "frontend"][0].cmd
     args = build_parser().parse_args(["serve"])
     assert "--no-access-log" not in [c for c in components(args, "m", str(tmp_path))
                                      if c.name == "frontend"][0].cmd

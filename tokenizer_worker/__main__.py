@@ -17,7 +17,8 @@ from common.errors import ModelLoadError
 from common.logging_setup import setup_logging
 from common.model_files import resolve_model_dir
 from common.sockets import is_loopback
-from common.tokenizer import MAX_CHARS_PER_TOKEN, context_length, load_tokenizer
+from common.tokenizer import (MAX_CHARS_PER_TOKEN, add_chat_template_arg, context_length,
+                              load_tokenizer, read_chat_template)
 from tokenizer_worker.pool import DEFAULT_JOB_TIMEOUT_S, TokenizerPool, default_num_workers
 
 logger = logging.getLogger("tokenizer_worker")
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--job-timeout", type=float, default=DEFAULT_JOB_TIMEOUT_S,
                         help="a worker holding a job this many seconds is presumed hung and "
                              "replaced")
+    add_chat_template_arg(parser)
     parser.add_argument("--max-frame-bytes", type=int, default=DEFAULT_MAX_FRAME_BYTES,
                         help="a client sending a larger frame is disconnected")
     add_curve_args(parser, binds=True)
@@ -64,6 +66,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         model_dir = resolve_model_dir(args.model)
         load_tokenizer(model_dir)  # fail here, clearly, rather than in every worker
+        chat_template = read_chat_template(args.chat_template) if args.chat_template else None
         max_chars = args.max_prompt_chars or MAX_CHARS_PER_TOKEN * context_length(model_dir)
     except ModelLoadError as e:
         logger.error("cannot start the tokenizer pool: %s", e)
@@ -72,7 +75,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         pool = TokenizerPool(model_dir, args.workers, args.bind, max_chars,
                              logging.getLevelName(logging.getLogger().level),
                              job_timeout_s=args.job_timeout, max_frame_bytes=args.max_frame_bytes,
-                             curve_key=curve_key)
+                             curve_key=curve_key, chat_template=chat_template)
     except ValueError as e:
         parser.error(str(e))
     except Exception as e:  # zmq.ZMQError: address in use, bad address

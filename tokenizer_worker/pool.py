@@ -75,7 +75,9 @@ class TokenizerPool:
     def __init__(self, model_dir: Path, num_workers: int, bind: str, max_chars: int,
                  log_level: str = "INFO", job_timeout_s: float = DEFAULT_JOB_TIMEOUT_S,
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-                 curve_key: Optional[CurveKey] = None) -> None:
+                 curve_key: Optional[CurveKey] = None,
+                 chat_template: Optional[str] = None) -> None:
+        """``chat_template``: the workers render chats with it instead of the model's."""
         if num_workers < 1:
             raise ValueError(f"the pool needs at least one worker, got {num_workers}")
         if job_timeout_s <= 0:
@@ -83,6 +85,7 @@ class TokenizerPool:
         self.model_dir = model_dir
         self.num_workers = num_workers
         self.max_chars = max_chars
+        self.chat_template = chat_template
         self.log_level = log_level
         self.job_timeout_s = job_timeout_s
         self.pool_id = uuid.uuid4().hex[:12]
@@ -169,7 +172,7 @@ class TokenizerPool:
         process = self.mp.Process(
             target=worker_main, name=f"tokenizer-{slot}", daemon=True,
             args=(str(self.model_dir), self.back_address, slot, identity, self.max_chars,
-                  self.log_level))
+                  self.log_level, self.chat_template))
         process.start()
         self.workers[identity.encode()] = Worker(slot, identity.encode(), process,
                                                  time.monotonic())

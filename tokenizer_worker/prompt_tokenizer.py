@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 from common.protocol import ChatMessage, TokenizeError, TokenizeRequest, TokenizeResult
 from common.tokenizer import load_tokenizer
@@ -19,8 +19,12 @@ Reply = Union[TokenizeResult, TokenizeError]
 
 
 class PromptTokenizer:
-    def __init__(self, model_dir: Path, max_chars: int) -> None:
+    def __init__(self, model_dir: Path, max_chars: int,
+                 chat_template: Optional[str] = None) -> None:
+        """``chat_template``: one to use instead of the model's (--chat-template)."""
         self.tokenizer = load_tokenizer(model_dir)
+        if chat_template is not None:
+            self.tokenizer.chat_template = chat_template
         self.backend = self.tokenizer.backend_tokenizer
         self.max_chars = max_chars
 

@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Optional
 
 import zmq
 
@@ -30,7 +31,7 @@ MAX_BATCH = 64
 
 
 def worker_main(model_dir: str, address: str, slot: int, identity: str, max_chars: int,
-                log_level: str) -> None:
+                log_level: str, chat_template: Optional[str] = None) -> None:
     setup_logging(f"tokenizer[{slot}]", log_level)
     # Ctrl-C reaches the whole process group; the supervisor decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -38,7 +39,7 @@ def worker_main(model_dir: str, address: str, slot: int, identity: str, max_char
     _die_with_parent()
     if os.getppid() != parent:  # it exited before the request took effect
         return
-    tokenizer = PromptTokenizer(Path(model_dir), max_chars)
+    tokenizer = PromptTokenizer(Path(model_dir), max_chars, chat_template)
     faults.install("tokenizer_worker", tokenizer, slot=slot)
     ctx = zmq.Context()
     sock = make_socket(ctx, address, zmq.DEALER, bind=False, identity=identity.encode())
