@@ -17,9 +17,14 @@ Order of service each step:
   2. waiting requests, in order of priority (SamplingParams.priority, lower first),
      then of arrival (a preempted request keeps its place), while fewer than
      max(max_batch_size, prefill_max_batch_size) requests run, this step's admissions
-     are under prefill_max_batch_size, the budget lasts, and no request was preempted
-     this step. An admitted request first attaches the blocks the prefix cache holds
-     for its prompt and computes only the rest.
+     are under prefill_max_batch_size, the budget lasts, and no running request was
+     preempted for blocks this step. An admitted request first attaches the blocks the
+     prefix cache holds for its prompt and computes only the rest.
+
+Before both, priority preempts: a waiting request that finds no room (the running
+set full, or too few blocks for its first chunk) while running requests have higher
+priority values is given theirs, the highest values first (vLLM's priority
+scheduling); requests of its own value or lower are never preempted for it.
 
 The two knobs are decoupled (seed 004): with prefill_max_batch_size above
 max_batch_size, a burst is admitted and prefilled at once (every request gets its
@@ -110,6 +115,8 @@ class Scheduler:
         self.num_steps += 1
         budget = self.token_budget
         scheduled_ids: set[str] = set()
+        self._make_room_by_priority(out)
+        preempted_before = len(out.preempted)
         # Decodes first (a long prefill chunk must not starve them of budget), by
         # priority, then the least recently served first, at most a decode batch of
         # them; then prefills by priority, then in admission order.
@@ -138,7 +145,7 @@ class Scheduler:
                 scheduled_ids.add(request.request_id)
                 budget -= num_new
 
-        if not out.preempted:
+        if len(out.preempted) == preempted_before:  # the pool is not short
             budget = self._admit(out, budget)
         now = time.monotonic()
         for s in out.scheduled:
@@ -177,6 +184,39 @@ class Scheduler:
             budget -= num_new
             admitted += 1
         return budget
+
+    def _make_room_by_priority(self, out: SchedulerOutput) -> None:
+        """The first waiting request, when it cannot be admitted for lack of room (a
+        full running set or KV pool) and running requests have higher priority values
+        than its own, takes their room: they are preempted, the highest value and the
+        most recently admitted first, as many as its first chunk needs, and only when
+        that is enough. Done before anything is scheduled, so nothing of this step is
+        undone."""
+        if not self.waiting or not self.running:
+            return
+        first = self.waiting.first()
+        victims = [r for _, _, r in sorted(
+            ((r.params.priority, i, r) for i, r in enumerate(self.running)
+             if r.params.priority > first.params.priority), reverse=True)]
+        if not victims:
+            return
+        cached = ([] if first.needs_prompt_logits else
+                  self.block_manager.find_cached_prefix(first.blocks, first.token_ids))
+        target = min(first.num_tokens,
+                     len(cached) * self.block_manager.block_size + self.token_budget)
+        needed = self.block_manager.num_blocks_needed(first.blocks, target, cached)
+        free, running = self.block_manager.num_free_blocks, len(self.running)
+        taken = 0
+        while running > self.max_running - 1 or needed > free:
+            if taken == len(victims):
+                return  # not enough room even then: nothing is preempted for it
+            free += sum(1 for b in victims[taken].blocks.block_ids
+                        if self.block_manager.blocks[b].ref_count == 1)
+            running -= 1
+            taken += 1
+        for victim in victims[:taken]:
+            self.preempt(victim)
+            out.preempted.append(victim)
 
     def _pick_victim(self, scheduled_ids: set[str]) -> Request:
         """Of the running requests not yet scheduled this step, the most recently

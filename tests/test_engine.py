@@ -254,6 +254,77 @@ def test_the_running_request_of_the_highest_priority_value_is_preempted(tiny_lla
     assert [tokens(outputs[n]) for n in "xwz"] == alone
 
 
+def run_collecting(engine, outputs: dict) -> dict:
+    for name, outs in run_to_end(engine).items():
+        outputs.setdefault(name, []).extend(outs)
+    return outputs
+
+
+def test_a_waiting_request_preempts_a_running_one_of_a_higher_priority_value(tiny_llama_dir):
+    """One request runs at a time. low (priority 5) is decoding when high (0) and same
+    (5) arrive: high takes low's place at once and finishes first; same, of low's
+    value, waits, and low resumes before it (its place in the queue). Everyone gets
+    its whole output."""
+    engine = make_engine(tiny_llama_dir, max_batch=1, prefill_batch=1)
+    low, high, same = random_prompts([6, 6, 6], seed=13)
+    engine.add_request("low", low, greedy(8, priority=5))
+    outputs = run_collecting_steps(engine, 2)
+    engine.add_request("same", same, greedy(4, priority=5))
+    engine.add_request("high", high, greedy(4, priority=0))
+    low_request = engine.requests["low"]
+    finished = []
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outputs.setdefault(o.request_id, []).append(o)
+            if o.finish_reason is not None:
+                finished.append(o.request_id)
+    assert finished == ["high", "low", "same"]
+    assert low_request.num_preemptions == 1
+    alone = make_engine(tiny_llama_dir)
+    assert [tokens(outputs[n]) for n in ("low", "high", "same")] == [
+        alone.generate([p], greedy(n))[0] for p, n in ((low, 8), (high, 4), (same, 4))]
+
+
+def run_collecting_steps(engine, n: int) -> dict:
+    outputs: dict = {}
+    for _ in range(n):
+        for o in engine.step():
+            outputs.setdefault(o.request_id, []).append(o)
+    return outputs
+
+
+def test_a_waiting_request_takes_the_blocks_of_higher_priority_values(tiny_llama_dir):
+    """A pool of 10 blocks of 4: low (priority 3, 20-token prompt) holds 6 of them;
+    high (priority 1) needs 5 for its 18-token prompt: low is preempted for it, and
+    mid (priority 1, like high) is not, though it holds blocks too."""
+    engine = make_engine(tiny_llama_dir, num_blocks=10, max_batch=4)
+    mid, low, high = random_prompts([6, 20, 18], seed=14)
+    engine.add_request("mid", mid, greedy(3, priority=1))
+    engine.add_request("low", low, greedy(3, priority=3))
+    outputs = run_collecting_steps(engine, 1)
+    engine.add_request("high", high, greedy(3, priority=1))
+    requests = {n: engine.requests[n] for n in ("mid", "low", "high")}
+    run_collecting(engine, outputs)
+    assert {n: r.num_preemptions for n, r in requests.items()} == {
+        "mid": 0, "low": 1, "high": 0}
+    alone = make_engine(tiny_llama_dir).generate([mid, low, high], greedy(3))
+    assert [tokens(outputs[n]) for n in ("mid", "low", "high")] == alone
+
+
+def test_no_request_is_preempted_for_one_that_would_still_not_fit(tiny_llama_dir):
+    """high (0) needs 9 blocks of a pool of 10 while equal (0) holds 2 of them: taking
+    low's (5) would not be enough, so low keeps running."""
+    engine = make_engine(tiny_llama_dir, num_blocks=10, max_batch=4, budget=64)
+    equal, low, high = random_prompts([6, 6, 34], seed=15)
+    engine.add_request("equal", equal, greedy(6, priority=0))
+    engine.add_request("low", low, greedy(6, priority=5))
+    run_collecting_steps(engine, 1)
+    engine.add_request("high", high, greedy(2, priority=0))
+    low_request = engine.requests["low"]
+    run_to_end(engine)
+    assert low_request.num_preemptions == 0
+
+
 def test_token_budget_chunks_long_prompts(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir, budget=16)
     engine.add_request("long", random_prompts([50], seed=1)[0], greedy(2))
