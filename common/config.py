@@ -174,6 +174,10 @@ class EngineConfig:
     # (engine.py's run-ahead), so the device does not wait for the host between
     # steps. None: on with CUDA, off on the CPU (whose forward pass is the host's work).
     async_scheduling: Optional[bool] = None
+    # N-gram speculation (engine_worker/speculation.py): a greedy decoding request
+    # proposes up to this many tokens from its own text a step, checked in the step;
+    # 0: off. The CPU engine, without run-ahead.
+    speculative_tokens: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -193,6 +197,15 @@ class EngineConfig:
             raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
         _positive("num_threads", self.num_threads)
         _positive("max_model_len", self.max_model_len)
+        if not 0 <= self.speculative_tokens <= 16:
+            raise ValueError(f"speculative_tokens must be in 0..16, got "
+                             f"{self.speculative_tokens}")
+        if self.speculative_tokens and self.device.startswith("cuda"):
+            raise ValueError("speculative tokens run on the CPU engine; a GPU's decode "
+                             "steps are CUDA graphs of one token a request")
+        if self.speculative_tokens and self.async_scheduling:
+            raise ValueError("speculative tokens need the step's tokens before the next "
+                             "step is scheduled: not with async scheduling")
 
 
 DEFAULT_ENGINE_ADDRESS = "tcp://127.0.0.1:5557"

@@ -81,6 +81,9 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     num_preemptions: int
     num_prompt_tokens_computed: int
     num_generated_tokens: int
+    # Speculation: tokens proposed, and of those kept (generated as the model would).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     # Frames that did not decode (malformed, truncated, unknown type): dropped.
     num_frames_dropped: int = 0
     # Client connections that ended, including peers cut off for sending a frame

@@ -71,6 +71,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="schedule and queue each step before the previous step's tokens "
                         "reach the host, so the device never waits for the scheduler "
                         "(default: on with CUDA, off on the CPU)")
+    g.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                   help="CPU: n-gram speculation, a greedy request proposing up to K "
+                        "tokens a step copied from its own prompt and output, checked in "
+                        "the step (the output is the same; faster where replies repeat "
+                        "their input). Default 0: off")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: Triton on CUDA, C kernels or torch on the CPU; torch: the "
                         "reference path")
@@ -100,6 +105,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len, seed=args.seed, cpu_kernels=not args.no_cpu_kernels,
         load_format=args.load_format, attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+        speculative_tokens=args.speculative_tokens,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=memory,
                           kv_cache_dtype=args.kv_cache_dtype,
                           gpu_memory_utilization=args.gpu_memory_utilization,

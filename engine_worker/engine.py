@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -27,6 +27,7 @@ from engine_worker.model_runner import ModelRunner, resolve_device, resolve_dtyp
 from engine_worker.request import Request, RequestStatus
 from engine_worker.sampler import PendingSamples, Samples, token_logprobs
 from engine_worker.scheduler import ScheduledRequest, Scheduler
+from engine_worker.speculation import max_step_rows, propose
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,14 @@ class LLMEngine:
         # how many steps were queued while the one before was in flight.
         self._inflight: Optional[_Step] = None
         self.num_steps_ahead = 0
+        # Speculation (speculation.py): tokens proposed, and kept.
+        self.num_draft_tokens = self.num_accepted_tokens = 0
+        if config.speculative_tokens:
+            if self.device.type == "cuda" or self.async_scheduling:
+                raise ValueError("speculative tokens run on the CPU engine, without async "
+                                 "scheduling")
+            self.scheduler.drafter = self._propose
+            self.scheduler.max_step_rows = max_step_rows(self.runner.weight_format)
         logger.info("engine ready: %s (%s, %s, %s weights), context %d, %d KV blocks",
                     self.model_config.name, self.model_config.family, self.device,
                     self.runner.weight_format,
@@ -286,6 +295,7 @@ class LLMEngine:
             else:
                 logits = self.runner.forward(scheduled, after.tokens())
             self._record_prompt_logprobs()
+            self._record_drafts()
         except Exception as e:
             raise_if_fatal(e)
             logger.exception("the forward pass failed for %d request(s); running them one "
@@ -319,6 +329,9 @@ class LLMEngine:
                 outputs.append(self._fail(request, samples.errors[i]))
                 continue
             try:
+                if request.num_draft:
+                    outputs.append(self._advance_checked(request, samples.token_ids[i], now))
+                    continue
                 outputs.append(self._advance(request, samples.token_ids[i],
                                              samples.logprobs[i], now))
             except Exception as e:  # a bug this request hit: its failure alone
@@ -326,21 +339,66 @@ class LLMEngine:
                 outputs.append(self._fail(request, f"internal error: {type(e).__name__}: {e}"))
         return outputs
 
-    def _advance(self, request: Request, token_id: int, logprobs: Optional[TokenLogprobs],
-                 now: float) -> RequestOutput:
-        """Append a sampled token; finish the request if it ends here."""
-        request.append_token(token_id)
-        self.num_generated_tokens += 1
-        if request.first_token_time is None:
-            request.first_token_time = now
-        reason = request.check_stop(self.max_model_len)
-        if reason is not None:
-            request.finish_reason = reason
-            if request.kv_lease_s:
-                self.kv_leases.hold(request, request.kv_lease_s, now)
-            self.scheduler.finish(request)
-            del self.requests[request.request_id]
-        return self._output(request, [token_id], None if logprobs is None else [logprobs])
+    def _advance(self, request: Request, token_ids: Union[int, list[int]],
+                 logprobs: Optional[TokenLogprobs], now: float) -> RequestOutput:
+        """Append a sampled token (or kept proposals and the token after them, each
+        but the last computed); finish the request if it ends on one of them."""
+        new = [token_ids] if isinstance(token_ids, int) else token_ids
+        added: list[int] = []
+        for token_id in new:
+            if added:
+                request.num_computed_tokens += 1
+            request.append_token(token_id)
+            added.append(token_id)
+            self.num_generated_tokens += 1
+            if request.first_token_time is None:
+                request.first_token_time = now
+            reason = request.check_stop(self.max_model_len)
+            if reason is not None:
+                request.finish_reason = reason
+                if request.kv_lease_s:
+                    self.kv_leases.hold(request, request.kv_lease_s, now)
+                self.scheduler.finish(request)
+                del self.requests[request.request_id]
+                break
+        return self._output(request, added, None if logprobs is None else [logprobs])
+
+    def _propose(self, request: Request, most: int) -> list[int]:
+        k = self.config.speculative_tokens
+        return propose(request.token_ids, min(request.draft_limit or k, most,
+                                              request.draft_room(self.max_model_len)))
+
+    def _record_drafts(self) -> None:
+        """What the model generates after each position of the last forward's proposed
+        tokens (greedy: the most likely token; -1 where the logits are not finite)."""
+        drafts = self.runner.draft_logits
+        if not drafts:
+            return
+        logits = torch.cat([rows for _, rows in drafts])  # one pass for the step
+        check = logits.argmax(dim=-1)
+        check[~torch.isfinite(logits).all(dim=-1)] = -1
+        ids, at = check.tolist(), 0
+        for request, rows in drafts:
+            request.draft_check = ids[at:at + len(rows)]
+            at += len(rows)
+
+    def _advance_checked(self, request: Request, sampled: int, now: float) -> RequestOutput:
+        """A request that proposed tokens: those the model would have generated are
+        kept, then the model's own next token (the one sampled after them all, when
+        every proposal is kept); the rest is dropped, and its KV with it."""
+        check = request.draft_check
+        draft = request.drop_draft()
+        request.num_computed_tokens -= len(draft)
+        kept = 0
+        while kept < len(draft) and check is not None and check[kept] == draft[kept]:
+            kept += 1
+        following = sampled if kept == len(draft) else (-1 if check is None else check[kept])
+        self.num_draft_tokens += len(draft)
+        self.num_accepted_tokens += kept
+        request.draft_limit = min(self.config.speculative_tokens, kept + 1)
+        if following < 0:
+            return self._fail(request, "sampling failed: the logits are not finite")
+        return self._advance(request, draft[:kept] + [following], None, now)
 
     def _record_prompt_logprobs(self) -> None:
         """The logprobs of prompt tokens whose logits the last forward computed."""
@@ -418,6 +476,7 @@ class LLMEngine:
                 continue
             ran.append(s)
             self._record_prompt_logprobs()
+            self._record_drafts()
             if logits is not None:
                 rows.append(logits)
         return ran, (torch.cat(rows) if rows else None), outputs
@@ -472,6 +531,8 @@ class LLMEngine:
             num_preemptions=sched.num_preemptions,
             num_prompt_tokens_computed=self.num_prompt_tokens_computed,
             num_generated_tokens=self.num_generated_tokens,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
             kv_transfers=kv.num_transfers,
             kv_blocks_received=kv.num_blocks_received,
             kv_bytes_received=kv.num_bytes_received,

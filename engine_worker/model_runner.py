@@ -140,6 +140,8 @@ class ModelRunner:
         # Set by each forward: (request, first position, logits rows) of prompt
         # positions whose logprobs are wanted.
         self.prompt_logits: list[tuple] = []
+        # And (request, logits rows) of the positions before its proposed tokens.
+        self.draft_logits: list[tuple] = []
         # CUDA graphs for decode steps and prompt chunks (gpu/graphs.py).
         graphs = (device.type == "cuda" and not config.enforce_eager
                   and model_config.family == "llama")
@@ -330,7 +332,7 @@ class ModelRunner:
         ``pending``: the previous step's sampled tokens (a device tensor) and, by
         ``id(request)``, where each request's token is in it: a request whose newest
         token is a placeholder (``num_pending``) reads its id from there."""
-        self.prompt_logits = []
+        self.prompt_logits, self.draft_logits = [], []
         fills = self._fills(scheduled, pending)
         if self.fused is not None:
             return self._forward_fused(scheduled, fills, pending)
@@ -339,7 +341,7 @@ class ModelRunner:
         tokens = pending[0] if pending is not None else None
         sampled = [first_rows[i] + s.num_tokens - 1 for i, s in enumerate(scheduled)
                    if s.samples]
-        extra = self._prompt_rows(scheduled, first_rows)
+        extra = self._extra_rows(scheduled, first_rows)
         layout = [scheduled[i] for i in order]
         bucket = prompt_bucket = None
         if self.graphs is not None and not extra:
@@ -385,12 +387,14 @@ class ModelRunner:
         if not batch.logits_rows.numel():
             return None
         logits = self.model.compute_logits(hidden.index_select(0, batch.logits_rows))
-        return self._split_prompt_logits(logits, batch.num_sampled)
+        return self._split_extra_logits(logits, batch.num_sampled)
 
-    def _prompt_rows(self, scheduled: list[ScheduledRequest], first_rows: list[int]
-                     ) -> list[int]:
-        """The rows of this step's prompt positions whose logits requests want
-        (prompt_logprobs), noted in ``prompt_logits`` (filled by _split_prompt_logits)."""
+    def _extra_rows(self, scheduled: list[ScheduledRequest], first_rows: list[int]
+                    ) -> list[int]:
+        """The rows of this step whose logits are wanted besides the samples: prompt
+        positions whose logprobs requests want (prompt_logprobs), noted in
+        ``prompt_logits``, then those before each proposed token (speculation), noted
+        in ``draft_logits``; filled by _split_extra_logits."""
         rows: list[int] = []
         for s, first_row in zip(scheduled, first_rows):
             r = s.request
@@ -403,13 +407,22 @@ class ModelRunner:
             if lo < hi:
                 self.prompt_logits.append((r, lo, hi - lo))
                 rows.extend(range(first_row + lo - start, first_row + hi - start))
+        for s, first_row in zip(scheduled, first_rows):
+            r = s.request
+            if r.num_draft and s.samples:
+                last = first_row + s.num_tokens - 1  # the sample's row, after them all
+                self.draft_logits.append((r, r.num_draft))
+                rows.extend(range(last - r.num_draft, last))
         return rows
 
-    def _split_prompt_logits(self, logits: torch.Tensor, num_samples: int
-                             ) -> Optional[torch.Tensor]:
+    def _split_extra_logits(self, logits: torch.Tensor, num_samples: int
+                            ) -> Optional[torch.Tensor]:
         at = num_samples
         for i, (request, first, count) in enumerate(self.prompt_logits):
             self.prompt_logits[i] = (request, first, logits[at:at + count])
+            at += count
+        for i, (request, count) in enumerate(self.draft_logits):
+            self.draft_logits[i] = (request, logits[at:at + count])
             at += count
         return logits[:num_samples] if num_samples else None
 
@@ -435,11 +448,19 @@ class ModelRunner:
             input_ids.extend(r.token_ids[start:end])
             positions.extend(range(start, end))
             slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
-            seq.extend([i] * s.num_tokens)
-            tables.append(block_ids[:-(-end // bs)])
+            table = block_ids[:-(-end // bs)]
+            if r.num_draft:
+                # A request checking proposed tokens: each of its rows a sequence of its
+                # own, so that it attends as a decode row does (the same sums, in the
+                # same order: the tokens are the ones decoding one at a time gives).
+                seq.extend(range(len(tables), len(tables) + s.num_tokens))
+                tables.extend([table] * s.num_tokens)
+            else:
+                seq.extend([len(tables)] * s.num_tokens)
+                tables.append(table)
             if s.samples:
                 sample_rows.append(len(input_ids) - 1)
-        extra = self._prompt_rows(scheduled, first_rows)
+        extra = self._extra_rows(scheduled, first_rows)
         width = max(len(t) for t in tables)
         n = len(input_ids)
         # Every int64 array of the step in one tensor (one host copy), viewed in parts.
@@ -454,4 +475,4 @@ class ModelRunner:
         logits = self.fused.forward(
             ids, cos, sin, slots_t, seq_t, ctx_lens, block_tables,
             flat[5 * n + len(tables) * width:], max(positions) + 1, torch.get_num_threads())
-        return self._split_prompt_logits(logits, len(sample_rows))
+        return self._split_extra_logits(logits, len(sample_rows))

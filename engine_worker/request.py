@@ -36,6 +36,15 @@ class Request:
         # Prompt then generated tokens: the sequence whose KV the cache holds.
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
+        # Speculation (speculation.py): proposed tokens at the end of token_ids, which
+        # the step computing them checks (not yet known: never in the prefix cache),
+        # and what the model generates after the known tokens and each proposed one,
+        # from that step's logits.
+        self.num_draft = 0
+        self.draft_check: Optional[list[int]] = None
+        # Most tokens it proposes next: one more than its last check kept (None: the
+        # engine's K), so that a reply that stops following its text wastes little.
+        self.draft_limit: Optional[int] = None
         # 1 while the newest token is a placeholder (PENDING_TOKEN): sampled on the
         # device, its id not yet on the host. The engine appends it to schedule the
         # request's next step before this one's tokens are read (engine.py, run-ahead).
@@ -132,6 +141,24 @@ class Request:
                 and not p.bad_words_ids
                 and p.repetition_penalty == 1.0 and not p.presence_penalty
                 and not p.frequency_penalty and not self.kv_lease_s)
+
+    def draft_room(self, max_model_len: int) -> int:
+        """How many tokens it may propose this step: none unless it decodes greedily
+        with nothing that reads its tokens while sampling, and no logprobs; no more
+        than its output and the context have room for after the next token."""
+        p = self.params
+        if (not p.greedy or self.needs_logits_processing or p.logprobs is not None
+                or self.num_pending or self.kv_lease_s or self.dormant is not None):
+            return 0
+        return max(0, min(self.max_tokens - self.num_output_tokens,
+                          max_model_len - self.num_tokens) - 1)
+
+    def drop_draft(self) -> list[int]:
+        """Take its proposed tokens off (checked, or never computed); returns them."""
+        draft = self.token_ids[len(self.token_ids) - self.num_draft:]
+        del self.token_ids[len(self.token_ids) - self.num_draft:]
+        self.num_draft, self.draft_check = 0, None
+        return draft
 
     def ends_after_next_token(self, max_model_len: int) -> bool:
         """Whether the token being sampled ends it by length, whatever it is."""

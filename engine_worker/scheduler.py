@@ -37,6 +37,7 @@ import heapq
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 from common.config import SchedulerConfig
 from engine_worker.block_manager import BlockManager
@@ -106,6 +107,10 @@ class Scheduler:
         self.prefix_cache_hit_tokens = 0
         self.num_steps = 0
         self.max_running = max(config.decode_batch_size, config.prefill_batch_size)
+        # Speculation: (request, most tokens) -> the tokens it proposes this step.
+        self.drafter: Optional[Callable[[Request, int], list[int]]] = None
+        # ... while a step's decodes and proposals stay within this many rows.
+        self.max_step_rows = 0
 
     def add(self, request: Request) -> None:
         self.waiting.add(request)
@@ -124,17 +129,27 @@ class Scheduler:
         decodes.sort(key=lambda r: (r.params.priority, r.last_scheduled_step))
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         prefills.sort(key=lambda r: r.params.priority)
-        order = decodes[:self.config.decode_batch_size] + prefills
-        for request in order:
+        decodes = decodes[:self.config.decode_batch_size]
+        order = decodes + prefills
+        # Speculation: the proposals a step may still take (see speculation.py).
+        draft_rows = max(0, self.max_step_rows - len(decodes))
+        for position, request in enumerate(order):
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if position < len(decodes) and self.drafter is not None:
+                # proposals take no budget the decodes after it need
+                most = min(budget - (len(decodes) - position), draft_rows)
+                if most > 0:
+                    drafted = self._draft(request, most)
+                    num_new += drafted
+                    draft_rows -= drafted
             target = request.num_computed_tokens + num_new
             while not self.block_manager.allocate(request.blocks, request.token_ids, target,
                                                   num_known=request.num_tokens
-                                                  - request.num_pending):
+                                                  - request.num_pending - request.num_draft):
                 victim = self._pick_victim(scheduled_ids)
                 self.preempt(victim)
                 out.preempted.append(victim)
@@ -185,6 +200,22 @@ class Scheduler:
             admitted += 1
         return budget
 
+    def _draft(self, request: Request, most: int) -> int:
+        """A decoding request's proposed tokens, appended to it when the blocks they
+        need are free (they never cost another request its place): how many."""
+        assert self.drafter is not None
+        draft = self.drafter(request, most)
+        if not draft:
+            return 0
+        known = request.num_tokens - request.num_pending
+        request.token_ids.extend(draft)
+        if not self.block_manager.allocate(request.blocks, request.token_ids,
+                                           request.num_tokens, num_known=known):
+            del request.token_ids[known:]
+            return 0
+        request.num_draft = len(draft)
+        return len(draft)
+
     def _make_room_by_priority(self, out: SchedulerOutput) -> None:
         """The first waiting request, when it cannot be admitted for lack of room (a
         full running set or KV pool) and running requests have higher priority values
@@ -232,6 +263,7 @@ class Scheduler:
         recomputed."""
         self.block_manager.free(request.blocks)
         self.running.remove(request)
+        request.drop_draft()
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1

@@ -167,6 +167,10 @@ def _engine_families(snap: "PipelineSnapshot", model: str, index: Callable[[str]
     hits = family(CounterMetricFamily, "vllm:prefix_cache_hits", "Of those, tokens served from it")
     preemptions = family(CounterMetricFamily, "vllm:num_preemptions",
                          "Requests the engine preempted (recomputed later)")
+    drafted = family(CounterMetricFamily, "vllm:spec_decode_num_draft_tokens",
+                     "Tokens proposed by the engine's n-gram speculation")
+    accepted = family(CounterMetricFamily, "vllm:spec_decode_num_accepted_tokens",
+                      "Of those, tokens kept (the model generated them)")
     healthy = GaugeMetricFamily("roseserve_engine_healthy",
                                 "1 when the engine is ready and answering", labels=["engine"])
     draining = GaugeMetricFamily("roseserve_engine_draining",
@@ -205,11 +209,13 @@ def _engine_families(snap: "PipelineSnapshot", model: str, index: Callable[[str]
         queries.add_metric(labels, s.prefix_cache_query_tokens)
         hits.add_metric(labels, s.prefix_cache_hit_tokens)
         preemptions.add_metric(labels, s.num_preemptions)
+        drafted.add_metric(labels, s.num_draft_tokens)
+        accepted.add_metric(labels, s.num_accepted_tokens)
         blocks.add_metric([e.address, "used"], s.num_blocks_used)
         blocks.add_metric([e.address, "cached"], s.num_blocks_cached)
         blocks.add_metric([e.address, "free"], s.num_blocks_free)
-    return [running, waiting, kv, queries, hits, preemptions, healthy, draining, load, routed,
-            blocks, known, resyncs]
+    return [running, waiting, kv, queries, hits, preemptions, drafted, accepted, healthy,
+            draining, load, routed, blocks, known, resyncs]
 
 
 def _kv_transfer_families(snap: "PipelineSnapshot") -> list:

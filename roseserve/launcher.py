@@ -144,8 +144,8 @@ def _forward(args: argparse.Namespace, names: list[str]) -> list[str]:
 ENGINE_FLAGS = ["device", "dtype", "quantization", "max_model_len", "max_batch_size",
                 "prefill_max_batch_size", "max_num_batched_tokens", "block_size",
                 "kv_cache_memory_gb", "kv_cache_dtype", "gpu_memory_utilization", "load_format",
-                "enforce_eager", "attention_backend", "no_prefix_cache", "no_cpu_kernels",
-                "seed", "per_token_output_frames", "kv_transfer_timeout",
+                "enforce_eager", "speculative_tokens", "attention_backend", "no_prefix_cache",
+                "no_cpu_kernels", "seed", "per_token_output_frames", "kv_transfer_timeout",
                 "kv_transfer_window_bytes", "drain_timeout"]
 # The API key is not among them: a command line is visible to every local user, so
 # the key reaches the frontend through its environment.

@@ -1,0 +1,182 @@
+"""N-gram speculation (--speculative-tokens): proposals from a request's own text,
+checked in one step; the output is exactly what decoding token by token gives, in
+fewer steps where the text repeats itself (a tiny random model's greedy output falls
+into loops, which it copies)."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.protocol import FinishReason, SamplingParams
+from common.structured import StructuredOutput
+from engine_worker.speculation import propose
+from helpers import greedy, make_engine, random_prompts, run_to_end, tokens
+
+# Prompts that repeat themselves, and random ones.
+LOOPS = [[11, 22, 33, 44] * 5, [7, 8, 9] * 6 + [7]]
+PROMPTS = LOOPS + random_prompts([9, 14], seed=21)
+
+
+def test_proposals_follow_the_latest_earlier_occurrence():
+    assert propose([1, 2, 3, 4, 1, 2], 3) == [3, 4, 1]
+    assert propose([1, 2, 3, 9, 2, 3, 8, 2, 3], 2) == [8, 2]  # the latest one
+    assert propose([5, 1, 2, 3, 6, 0, 2, 3, 7, 1, 2, 3], 1) == [6]  # the longest n first
+    assert propose([1, 2, 3, 4], 3) == [] and propose([1, 2, 1, 2], 0) == []
+    # ids whose bytes match across two ids are not matches
+    assert propose([256, 1, 0, 0, 1, 5, 0, 1], 2) == [5, 0]
+
+
+def speculating(model_dir, k=4, **kw):
+    from common.config import CacheConfig, EngineConfig, SchedulerConfig
+    from engine_worker.engine import LLMEngine
+
+    return LLMEngine(EngineConfig(
+        model=str(model_dir), device="cpu", speculative_tokens=k,
+        cpu_kernels=kw.get("cpu_kernels", True),
+        cache=CacheConfig(block_size=4, num_blocks=kw.get("num_blocks", 512)),
+        scheduler=SchedulerConfig(max_batch_size=kw.get("max_batch", 64),
+                                  max_num_batched_tokens=kw.get("budget"))))
+
+
+def assert_cache_holds_only_known_tokens(engine, request):
+    """Every block of the request in the prefix cache holds the request's own tokens
+    (a rejected proposal's block, overwritten since, must not be there)."""
+    bs = engine.block_manager.block_size
+    for i, block_id in enumerate(request.blocks.block_ids):
+        block = engine.block_manager.blocks[block_id]
+        if block.block_hash is not None:
+            assert block.token_ids == tuple(request.token_ids[i * bs:(i + 1) * bs])
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_the_output_is_token_by_tokens_in_fewer_steps(tiny_llama_dir, k):
+    plain = make_engine(tiny_llama_dir)
+    expected = plain.generate(PROMPTS, greedy(40))
+    engine = speculating(tiny_llama_dir, k)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", prompt, greedy(40))
+    steps = 0
+    outs: dict = {}
+    while engine.has_unfinished_requests():
+        steps += 1
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+        for request in engine.scheduler.running:
+            assert_cache_holds_only_known_tokens(engine, request)
+    assert [tokens(outs[f"r{i}"]) for i in range(len(PROMPTS))] == expected
+    stats = engine.stats()
+    assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens >= stats.num_accepted_tokens
+    assert stats.num_generated_tokens == 40 * len(PROMPTS)
+    # Each step yields one token per request, plus those it kept.
+    assert steps < 41 and any(len(o.new_token_ids) > 1 for out in outs.values() for o in out)
+    assert stats.num_blocks_used == 0  # everything given back
+
+
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_gpt2_dir"])
+def test_the_torch_path_too(request, model):
+    """Without the C kernels (and for GPT-2, which never takes them) the step runs
+    through torch's layers: the same tokens as decoding one at a time."""
+    model_dir = request.getfixturevalue(model)
+    expected = make_engine(model_dir, cpu_kernels=False).generate(PROMPTS[:2], greedy(30))
+    engine = speculating(model_dir, 4, cpu_kernels=False)
+    assert engine.generate(PROMPTS[:2], greedy(30)) == expected
+    assert engine.stats().num_accepted_tokens > 0
+
+
+def test_stops_lengths_and_requests_that_do_not_speculate_in_one_batch(tiny_llama_dir):
+    """A stop token inside kept proposals ends the request there; max_tokens is never
+    passed; sampled, constrained and logprob-wanting requests decode as usual beside
+    them; the same outputs as without speculation."""
+    plain = make_engine(tiny_llama_dir)
+    loop = plain.generate([LOOPS[0]], greedy(30))[0]
+    # a token it generates first after a run of repeats (kept proposals)
+    at = next(i for i in range(12, 30) if loop[i] not in loop[:i])
+    stop = loop[at]
+    cases = {
+        "stop": (LOOPS[0], greedy(30, stop_token_ids=[stop])),
+        "free": (LOOPS[1], greedy(30)),
+        "short": (LOOPS[1], greedy(7)),
+        "seeded": (PROMPTS[2], SamplingParams(max_tokens=20, temperature=0.8, seed=3,
+                                              ignore_eos=True)),
+        "regex": (PROMPTS[3], greedy(30, structured=StructuredOutput(
+            kind="regex", spec=r" (cat|dog) [0-9]{3}\."))),
+        "logprobs": (LOOPS[1], greedy(20, logprobs=2)),
+        "penalty": (LOOPS[0], greedy(20, repetition_penalty=1.3)),
+    }
+    expected = {}
+    for name, (prompt, params) in cases.items():
+        plain.add_request(name, prompt, params)
+    expected = run_to_end(plain)
+    engine = speculating(tiny_llama_dir, 4)
+    for name, (prompt, params) in cases.items():
+        engine.add_request(name, prompt, params)
+    got = run_to_end(engine)
+    for name in cases:
+        assert tokens(got[name]) == tokens(expected[name]), name
+        assert got[name][-1].finish_reason == expected[name][-1].finish_reason, name
+    assert got["stop"][-1].finish_reason is FinishReason.STOP
+    assert tokens(got["stop"]) == loop[:at + 1]
+    assert len(tokens(got["short"])) == 7
+    assert [o.logprobs for o in got["logprobs"]] == [o.logprobs for o in expected["logprobs"]]
+    assert engine.stats().num_accepted_tokens > 0
+
+
+def test_proposals_never_cost_a_place_and_their_blocks_stay_out_of_the_cache(tiny_llama_dir):
+    """A pool too small for every request's proposals, a small token budget, and the
+    same prompts twice (the second time from the prefix cache): outputs as without
+    speculation, and no proposal caused a preemption."""
+    expected = make_engine(tiny_llama_dir).generate(PROMPTS, greedy(24))
+    engine = speculating(tiny_llama_dir, 6, num_blocks=36, budget=12)
+    for attempt in range(2):
+        assert engine.generate(PROMPTS, greedy(24)) == expected, attempt
+    without = make_engine(tiny_llama_dir, num_blocks=36, budget=12)
+    without.generate(PROMPTS, greedy(24))
+    without.generate(PROMPTS, greedy(24))
+    assert engine.stats().num_preemptions == without.stats().num_preemptions > 0
+    assert engine.stats().num_accepted_tokens > 0
+
+
+def test_proposals_stop_where_rows_stop_being_free(tiny_llama_dir):
+    """A step's decodes and proposals stay within MAX_STEP_ROWS (8): eight decoding
+    requests propose nothing, seven one token a step between them."""
+    from engine_worker.speculation import MAX_STEP_ROWS
+
+    engine = speculating(tiny_llama_dir, 4)
+    engine.generate([LOOPS[0]] * MAX_STEP_ROWS, greedy(30))
+    assert engine.stats().num_draft_tokens == 0
+    for i in range(MAX_STEP_ROWS - 1):
+        engine.add_request(f"r{i}", LOOPS[0], greedy(30))
+    per_step = []
+    while engine.has_unfinished_requests():
+        before = engine.stats().num_draft_tokens
+        engine.step()
+        per_step.append(engine.stats().num_draft_tokens - before)
+    assert max(per_step) == 1 and engine.stats().num_accepted_tokens > 0
+
+
+def test_the_benchmark_runs(tiny_llama_dir, tmp_path):
+    """benchmarks/speculation.py as docs/performance.md runs it, on the tiny model."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "speculation.json"
+    proc = subprocess.run([sys.executable, "benchmarks/speculation.py", "--model",
+                           str(tiny_llama_dir), "--max-tokens", "12", "--repeats", "1",
+                           "--concurrency", "1,2", "--speculative-tokens", "2,4",
+                           "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2 * 3 * 2 and all(r["same_output"] for r in rows)
+    assert all(r["output_tokens"] == 12 * r["concurrency"] for r in rows)
+
+
+def test_speculation_is_refused_where_it_cannot_run():
+    from common.config import EngineConfig
+
+    for kw, message in (({"speculative_tokens": 17}, "must be in 0..16"),
+                        ({"speculative_tokens": 2, "device": "cuda"}, "CPU engine"),
+                        ({"speculative_tokens": 2, "async_scheduling": True},
+                         "not with async scheduling")):
+        with pytest.raises(ValueError, match=message):
+            EngineConfig(**kw)
