@@ -14,6 +14,9 @@ Order of service each step:
      the most recently admitted of those, is preempted: its blocks are released
      (hashed ones stay in the prefix cache) and it goes back to the queue, in its
      place, to be recomputed later. Nothing is corrupted and nothing is dropped.
+     With speculation a decoding request may compute tokens it proposes (engine's
+     drafter, speculation.py) after its own, within the step's row limit, from the
+     budget the decodes after it do not need, and only where free blocks hold them.
   2. waiting requests, in order of priority (SamplingParams.priority, lower first),
      then of arrival (a preempted request keeps its place), while fewer than
      max(max_batch_size, prefill_max_batch_size) requests run, this step's admissions

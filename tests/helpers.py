@@ -58,3 +58,9 @@ def run_staggered(engine: LLMEngine, prompts, params, every=2) -> list[list[int]
             results[out.request_id].extend(out.new_token_ids)
         steps += 1
     return [results[f"s{i}"] for i in range(len(prompts))]
+
+
+# A function tool of the tool-call tests.
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "required": ["city"],
+                                          "properties": {"city": {"type": "string"}}}}}

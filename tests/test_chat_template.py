@@ -12,14 +12,12 @@ import pytest
 import processes
 from common.errors import ModelLoadError
 from common.tokenizer import read_chat_template
+from helpers import WEATHER
 
 # Hermes-style: it names <tool_call>, so tool_choice auto is served with it.
 HERMES = ("{% for m in messages %}<<{{ m['role'] }}>> {{ m['content'] }}\n{% endfor %}"
           "{% if tools %}Call a tool as <tool_call>{...}</tool_call>.\n{% endif %}"
           "{% if add_generation_prompt %}<<assistant>> {% endif %}")
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "parameters": {"type": "object", "required": ["city"],
-                                          "properties": {"city": {"type": "string"}}}}}
 
 
 def test_a_template_file_is_read_and_checked(tmp_path):

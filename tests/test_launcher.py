@@ -153,8 +153,11 @@ def test_serve_gives_its_drain_timeout_to_every_process_and_waits_past_it(tmp_pa
     assert front.cmd[at + 1:at + 3] == ["https://a.example", "*"]
     # A chat template reaches both the pool (which renders chats) and the frontend.
     args = build_parser().parse_args(["serve", "--chat-template", "t.jinja",
-                                      "--reasoning-parser", "qwen3"])
+                                      "--reasoning-parser", "qwen3",
+                                      "--speculative-tokens", "4"])
     stack = components(args, "model", str(tmp_path))
+    engine = [c for c in stack if c.name == "engine-0"][0]
+    assert engine.cmd[engine.cmd.index("--speculative-tokens") + 1] == "4"
     for name in ("tokenizer", "frontend"):
         (c,) = [c for c in stack if c.name == name]
         assert c.cmd[c.cmd.index("--chat-template") + 1] == "t.jinja", name

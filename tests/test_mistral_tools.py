@@ -13,10 +13,8 @@ import pytest
 import processes
 from conftest import ARGS, TOOL_CALLS
 from frontend_stacks import sse_events
+from helpers import WEATHER
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "parameters": {"type": "object", "required": ["city"],
-                                          "properties": {"city": {"type": "string"}}}}}
 QUESTION = [{"role": "user", "content": "Weather in Paris and Oslo?"}]
 # Replies as Mistral's v3 and v11 tokenizers' models write calls.
 REPLIES = {

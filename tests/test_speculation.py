@@ -5,6 +5,8 @@ into loops, which it copies)."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from common.protocol import FinishReason, SamplingParams
@@ -169,6 +171,27 @@ def test_the_benchmark_runs(tiny_llama_dir, tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 2 * 3 * 2 and all(r["same_output"] for r in rows)
     assert all(r["output_tokens"] == 12 * r["concurrency"] for r in rows)
+
+
+def test_through_the_engine_process_and_http(tiny_llama_dir, tmp_path):
+    """--speculative-tokens on the engine worker: the same tokens over HTTP as the
+    in-process engine without it, and the frontend's metrics count what was kept."""
+    import httpx
+
+    import processes
+
+    expected = make_engine(tiny_llama_dir).generate([LOOPS[0]], greedy(30))[0]
+    with processes.local_stack(tiny_llama_dir, tmp_path, "--served-model-name", "t",
+                               engine_args=("--speculative-tokens", "4")) as front:
+        r = httpx.post(front.url + "/v1/completions", timeout=60, json={
+            "model": "t", "prompt": LOOPS[0], "max_tokens": 30, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True})
+        assert r.json()["choices"][0]["token_ids"] == expected
+        deadline = time.monotonic() + 10  # the engine's next heartbeat carries them
+        while processes.metric(front.url, "vllm:spec_decode_num_accepted_tokens_total") == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert processes.metric(front.url, "vllm:spec_decode_num_draft_tokens_total") > 0
 
 
 def test_speculation_is_refused_where_it_cannot_run():

@@ -11,6 +11,7 @@ from common.errors import InvalidRequestError
 from common.protocol import ChatMessage, TokenizeRequest
 from frontend.openai_protocol import ChatCompletionRequest
 from frontend.tools import ToolCallParser, ToolPlan, plan_tools
+from helpers import WEATHER
 
 HERMES_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
                    "{% if tools %}tools: {{ tools | tojson }}\n{% endif %}"
@@ -18,9 +19,6 @@ HERMES_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% end
 LLAMA3_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
                    'Respond in the format {"name": function name, "parameters": dictionary of '
                    'argument name and its value}. Do not use variables.')
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "parameters": {"type": "object", "required": ["city"],
-                                          "properties": {"city": {"type": "string"}}}}}
 
 
 def request(**kw) -> ChatCompletionRequest:
