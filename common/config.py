@@ -174,9 +174,9 @@ class EngineConfig:
     # (engine.py's run-ahead), so the device does not wait for the host between
     # steps. None: on with CUDA, off on the CPU (whose forward pass is the host's work).
     async_scheduling: Optional[bool] = None
-    # N-gram speculation (engine_worker/speculation.py): a greedy decoding request
-    # proposes up to this many tokens from its own text a step, checked in the step;
-    # 0: off. The CPU engine, without run-ahead.
+    # N-gram speculation (engine_worker/speculation.py): a decoding request proposes
+    # up to this many tokens from its own text a step, checked in the step; 0: off.
+    # The CPU engine, without run-ahead.
     speculative_tokens: int = 0
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -25,9 +25,9 @@ from engine_worker.kv_transfer import KvBlockStore, KvLeases, KvReceiver, KvTran
 from engine_worker.model_config import load_model_config
 from engine_worker.model_runner import ModelRunner, resolve_device, resolve_dtype
 from engine_worker.request import Request, RequestStatus
-from engine_worker.sampler import PendingSamples, Samples, token_logprobs
+from engine_worker.sampler import PendingSamples, Samples, distribution, token_logprobs
 from engine_worker.scheduler import ScheduledRequest, Scheduler
-from engine_worker.speculation import max_step_rows, propose
+from engine_worker.speculation import check_sampled, max_step_rows, propose
 
 logger = logging.getLogger(__name__)
 
@@ -369,13 +369,24 @@ class LLMEngine:
                                               request.draft_room(self.max_model_len)))
 
     def _record_drafts(self) -> None:
-        """What the model generates after each position of the last forward's proposed
-        tokens (greedy: the most likely token; -1 where the logits are not finite)."""
+        """What the model generates at each of the last forward's proposed tokens: the
+        most likely token for a greedy request; for a sampled one, the proposal where
+        it is kept, else a draw without it (speculation.check_sampled); -1 where the
+        logits are not finite. One pass for the step's rows."""
         drafts = self.runner.draft_logits
         if not drafts:
             return
-        logits = torch.cat([rows for _, rows in drafts])  # one pass for the step
+        logits = torch.cat([rows for _, rows in drafts])
         check = logits.argmax(dim=-1)
+        sampled = [(r, len(rows)) for r, rows in drafts if not r.params.greedy]
+        if sampled:
+            where = torch.tensor([not r.params.greedy for r, rows in drafts
+                                  for _ in range(len(rows))])
+            proposed = torch.tensor([t for r, n in sampled for t in r.token_ids[-n:]])
+            probs, codes = distribution(logits[where], [r.params for r, n in sampled
+                                                        for _ in range(n)])
+            drawn = check_sampled(probs, proposed, self.runner.sampler.generator)
+            check[where] = torch.where(codes == 0, drawn, -1)
         check[~torch.isfinite(logits).all(dim=-1)] = -1
         ids, at = check.tolist(), 0
         for request, rows in drafts:

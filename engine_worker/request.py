@@ -143,12 +143,13 @@ class Request:
                 and not p.frequency_penalty and not self.kv_lease_s)
 
     def draft_room(self, max_model_len: int) -> int:
-        """How many tokens it may propose this step: none unless it decodes greedily
-        with nothing that reads its tokens while sampling, and no logprobs; no more
-        than its output and the context have room for after the next token."""
+        """How many tokens it may propose this step: none when it is seeded and
+        sampled, has sampling that reads its tokens, or wants logprobs; no more than
+        its output and the context have room for after the next token."""
         p = self.params
-        if (not p.greedy or self.needs_logits_processing or p.logprobs is not None
-                or self.num_pending or self.kv_lease_s or self.dormant is not None):
+        if ((p.seed is not None and not p.greedy) or self.needs_logits_processing
+                or p.logprobs is not None or self.num_pending or self.kv_lease_s
+                or self.dormant is not None):
             return 0
         return max(0, min(self.max_tokens - self.num_output_tokens,
                           max_model_len - self.num_tokens) - 1)

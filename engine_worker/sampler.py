@@ -39,7 +39,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from common.protocol import TokenLogprobs
+from common.protocol import SamplingParams, TokenLogprobs
 from engine_worker.kernels import CpuKernels
 from engine_worker.request import Request
 
@@ -243,17 +243,7 @@ class Sampler:
         """(S', V) logits of sampled rows -> (S',) token ids and validity codes (the
         cut-offs cannot empty a row that had a finite maximum: each keeps the most
         likely token)."""
-        params = [r.params for r in requests]
-        temps = to_device([p.temperature for p in params], logits.device, torch.float32)
-        logits = logits / temps.unsqueeze(1)
-        if any(p.top_k is not None for p in params):
-            logits = apply_top_k(logits, [p.top_k for p in params])
-        if any(p.top_p < 1.0 for p in params):
-            logits = apply_top_p(logits, [p.top_p for p in params])
-        codes = _row_codes(logits)  # a temperature can overflow a finite logit to inf
-        probs = torch.softmax(logits, dim=-1)
-        if any(p.min_p > 0.0 for p in params):
-            probs = apply_min_p(probs, [p.min_p for p in params])
+        probs, codes = distribution(logits, [r.params for r in requests])
         return exponential_race(probs, requests, self.generator), codes
 
     @torch.inference_mode()
@@ -269,6 +259,23 @@ class Sampler:
         cut = apply_top_p(apply_top_k(logits, [logits.shape[1] // 2] * rows), [0.9] * rows)
         probs = apply_min_p(torch.softmax(cut, dim=-1), [0.05] * rows)
         (probs / torch.empty_like(probs).exponential_(generator=self.generator)).argmax(-1)
+
+
+def distribution(logits: torch.Tensor, params: Sequence[SamplingParams]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sampled rows' logits (S, V) -> the distributions they are drawn from (divided by
+    the temperature, cut by top_k, top_p and min_p) and each row's validity code."""
+    temps = to_device([p.temperature for p in params], logits.device, torch.float32)
+    logits = logits / temps.unsqueeze(1)
+    if any(p.top_k is not None for p in params):
+        logits = apply_top_k(logits, [p.top_k for p in params])
+    if any(p.top_p < 1.0 for p in params):
+        logits = apply_top_p(logits, [p.top_p for p in params])
+    codes = _row_codes(logits)  # a temperature can overflow a finite logit to inf
+    probs = torch.softmax(logits, dim=-1)
+    if any(p.min_p > 0.0 for p in params):
+        probs = apply_min_p(probs, [p.min_p for p in params])
+    return probs, codes
 
 
 def to_device(values: Sequence, device: torch.device, dtype: torch.dtype = torch.int64

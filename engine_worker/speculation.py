@@ -8,17 +8,24 @@ structured data) continue their own text often. The step then computes the reque
 last token and the K proposed ones together (their KV written, as a prompt chunk's),
 and their logits say, position by position, what the model would have generated: the
 proposals are kept up to the first that differs, and the model's own token follows
-them. Greedy decoding only, so the output is the one decoding token by token gives;
-a step reads the weights once for up to K + 1 tokens, which is nearly free where
+them. A step reads the weights once for up to K + 1 tokens, which is nearly free where
 decoding is bound by memory (a CPU at small batches).
 
-Requests that read their tokens while sampling (penalties, grammars, logit bias,
-allowed or banned tokens, min_tokens not reached) or want logprobs decode as usual.
+Greedy requests keep a proposal where it is the most likely token, so their output is
+the one decoding token by token gives. Sampled ones keep it with the probability the
+request's distribution gives it (after temperature, top-k, top-p, min-p), and where
+one is not kept, draw from that distribution without it (``check_sampled``): each
+token is distributed as in decoding one at a time. Seeded requests decode as usual
+(their draws would depend on what else shares the step), as do requests that read
+their tokens while sampling (penalties, grammars, logit bias, allowed or banned
+tokens, min_tokens not reached) or want logprobs.
 """
 
 from __future__ import annotations
 
 from array import array
+
+import torch
 
 NGRAM_MAX, NGRAM_MIN = 4, 2
 # Proposals are made while a step's decode rows and proposed tokens stay within this
@@ -35,6 +42,20 @@ MAX_STEP_ROWS_Q4 = 5
 
 def max_step_rows(weight_format: str) -> int:
     return MAX_STEP_ROWS_Q4 if weight_format.startswith("q4") else MAX_STEP_ROWS
+
+
+def check_sampled(probs: torch.Tensor, draft: torch.Tensor,
+                  generator: torch.Generator) -> torch.Tensor:
+    """Per row of ``probs`` (R, V), a sampled request's distribution at a proposed
+    token ``draft`` (R,): the proposal where it is kept (with probability p(draft)),
+    else a draw from p without it. A token comes out of it with probability p: the
+    proposal with p(x) x 1, any other y with (1 - p(x)) x p(y) / (1 - p(x))."""
+    kept = torch.rand(draft.shape[0], generator=generator, device=probs.device) \
+        < probs.gather(1, draft.unsqueeze(1)).squeeze(1)
+    rest = probs.scatter(1, draft.unsqueeze(1), 0.0)
+    noise = torch.empty_like(rest).exponential_(generator=generator)
+    drawn = (rest / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+    return torch.where(kept, draft, drawn)
 
 
 def propose(token_ids: list[int], k: int) -> list[int]:

@@ -194,6 +194,49 @@ def test_through_the_engine_process_and_http(tiny_llama_dir, tmp_path):
         assert processes.metric(front.url, "vllm:spec_decode_num_draft_tokens_total") > 0
 
 
+def test_a_sampled_check_draws_each_token_with_its_probability():
+    """check_sampled over 200,000 rows of one distribution: whatever the proposal (a
+    likely token, an unlikely one, one the distribution excludes), each token comes
+    out with its probability."""
+    import torch
+
+    from engine_worker.speculation import check_sampled
+
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0])
+    generator = torch.Generator().manual_seed(0)
+    n = 200_000
+    for proposal in range(4):
+        out = check_sampled(p.expand(n, 4), torch.full((n,), proposal), generator)
+        share = torch.bincount(out, minlength=4).float() / n
+        assert torch.allclose(share, p, atol=0.006), (proposal, share)
+
+
+def test_sampled_requests_speculate_too(tiny_llama_dir):
+    """Sampled, unseeded requests propose and keep tokens: at a temperature that leaves
+    the most likely token all the probability, the greedy output; at 1.0 with top_k 3
+    every token is one of each step's three most likely (a request seeded decodes as
+    usual, see the test above)."""
+    expected = make_engine(tiny_llama_dir).generate(PROMPTS, greedy(30))
+    engine = speculating(tiny_llama_dir, 4)
+    cold = SamplingParams(max_tokens=30, temperature=1e-3, ignore_eos=True)
+    assert engine.generate(PROMPTS, cold) == expected
+    assert engine.stats().num_accepted_tokens > 0
+    warm = SamplingParams(max_tokens=30, temperature=1.0, top_k=3, ignore_eos=True)
+    before = engine.stats().num_draft_tokens
+    outputs = engine.generate([LOOPS[0]] * 2, warm)
+    assert [len(o) for o in outputs] == [30, 30]
+    assert engine.stats().num_draft_tokens > before
+    from transformers import AutoModelForCausalLM
+    import torch
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32)
+    for out in outputs:
+        with torch.no_grad():
+            logits = hf(torch.tensor([LOOPS[0] + out])).logits[0]
+        top3 = logits[len(LOOPS[0]) - 1:-1].topk(3).indices
+        assert all(t in row for t, row in zip(out, top3.tolist()))
+
+
 def test_speculation_is_refused_where_it_cannot_run():
     from common.config import EngineConfig
 
