@@ -251,11 +251,7 @@ class ChatFormatter(Formatter):
         """A choice's new text as (thinking, answer); ``final``: its last."""
         if self.thinkers is None:
             return "", text
-        thinker = self.thinkers[index]
-        reasoning, content = thinker.push(text)
-        if final:
-            more, rest = thinker.finish()
-            reasoning, content = reasoning + more, content + rest
+        reasoning, content = self.thinkers[index].take(text, final)
         return (reasoning if self.job.include_reasoning else ""), content
 
     def _finish_reason(self, index: int, reason: Optional[str]) -> Optional[str]:
@@ -272,9 +268,7 @@ class ChatFormatter(Formatter):
             message["reasoning_content"] = reasoning or None
         if self.parsers is not None:
             parser = self.parsers[index]
-            content, _ = parser.push(content)
-            rest, _ = parser.finish()
-            message["content"] = content + rest or None
+            message["content"] = parser.take(content, final=True)[0] or None
             if parser.calls:
                 message["tool_calls"] = [{k: v for k, v in call.items() if k != "index"}
                                          for call in parser.calls]
@@ -297,11 +291,7 @@ class ChatFormatter(Formatter):
         reasoning, text = self.split(delta.index, delta.text, finish_reason is not None)
         calls: list[dict] = []
         if self.parsers is not None:
-            parser = self.parsers[delta.index]
-            text, calls = parser.push(text)
-            if finish_reason is not None:
-                rest, more = parser.finish()
-                text, calls = text + rest, calls + more
+            text, calls = self.parsers[delta.index].take(text, finish_reason is not None)
             finish_reason = self._finish_reason(delta.index, finish_reason)
         if not text and not reasoning and not calls and finish_reason is None and not (
                 self.job.return_token_ids or delta.logprobs):

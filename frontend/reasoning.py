@@ -128,6 +128,14 @@ class ReasoningParser:
             break
         return reasoning, content
 
+    def take(self, text: str, final: bool) -> tuple[str, str]:
+        """``push``, and when the text is the reply's last, ``finish`` too."""
+        reasoning, content = self.push(text)
+        if final:
+            more, rest = self.finish()
+            reasoning, content = reasoning + more, content + rest
+        return reasoning, content
+
     def finish(self) -> tuple[str, str]:
         text, self.held = self.held, ""
         if self.thinking:

@@ -341,38 +341,32 @@ class ResponsesFormatter(Formatter):
         assert self.open is not None
         return {"item_id": self.open["id"], "output_index": len(self.output) - 1}
 
-    def _on_text(self, text: str) -> list[bytes]:
+    def _grow(self, kind: str, text: str) -> list[bytes]:
+        """More text for the open "message" (its output_text) or "reasoning" item (its
+        reasoning_text), opened with its part when another item is open: the events."""
+        message = kind == "message"
+        new_part = _part if message else _thinking
         out: list[bytes] = []
-        if self.open is None or self.open["type"] != "message":
+        if self.open is None or self.open["type"] != kind:
             out += self._new_item("msg", {"type": "message", "status": "in_progress",
-                                          "role": "assistant", "content": []})
+                                          "role": "assistant", "content": []}) if message \
+                else self._new_item("rs", {"type": "reasoning", "status": "in_progress",
+                                           "summary": [], "content": []})
             out.append(self.event({"type": "response.content_part.added", **self._where(),
-                                   "content_index": 0, "part": _part("")}))
+                                   "content_index": 0, "part": new_part("")}))
         assert self.open is not None
         if not self.open["content"]:
-            self.open["content"].append(_part(""))
+            self.open["content"].append(new_part(""))
         part = self.open["content"][0]
         part["text"] += text
-        part["logprobs"] += self.logprobs
-        out.append(self.event({"type": "response.output_text.delta", **self._where(),
-                               "content_index": 0, "delta": text, "logprobs": self.logprobs}))
+        delta = {"type": "response.output_text.delta" if message else
+                 "response.reasoning_text.delta", **self._where(), "content_index": 0,
+                 "delta": text}
+        if message:  # include's logprobs are the output text's
+            part["logprobs"] += self.logprobs
+            delta["logprobs"] = self.logprobs
         self.logprobs = []
-        return out
-
-    def _on_thinking(self, text: str) -> list[bytes]:
-        out: list[bytes] = []
-        if self.open is None or self.open["type"] != "reasoning":
-            out += self._new_item("rs", {"type": "reasoning", "status": "in_progress",
-                                         "summary": [], "content": []})
-            out.append(self.event({"type": "response.content_part.added", **self._where(),
-                                   "content_index": 0, "part": _thinking("")}))
-        assert self.open is not None
-        if not self.open["content"]:
-            self.open["content"].append(_thinking(""))
-        self.open["content"][0]["text"] += text
-        self.logprobs = []  # include's logprobs are the output text's
-        out.append(self.event({"type": "response.reasoning_text.delta", **self._where(),
-                               "content_index": 0, "delta": text}))
+        out.append(self.event(delta))
         return out
 
     def _on_call(self, call: dict) -> list[bytes]:
@@ -421,25 +415,19 @@ class ResponsesFormatter(Formatter):
         calls: list[dict] = []
         out: list[bytes] = []
         if self.thinker is not None:
-            thinking, text = self.thinker.push(text)
-            if final:
-                more, rest = self.thinker.finish()
-                thinking, text = thinking + more, text + rest
-            if thinking and self.job.include_reasoning:
-                out += self._on_thinking(thinking)
+            thinking, text = self.thinker.take(text, final)
+            if thinking:
+                out += self._grow("reasoning", thinking)
         if self.parser is not None:
-            text, calls = self.parser.push(text)
-            if final:
-                rest, more = self.parser.finish()
-                text, calls = text + rest, calls + more
+            text, calls = self.parser.take(text, final)
         if text:
-            out += self._on_text(text)
+            out += self._grow("message", text)
         for call in calls:
             out += self._on_call(call)
         if final:
             if not self.output or self.output[-1]["type"] == "reasoning":
                 # no answer: an empty message, as OpenAI shows it
-                out += self._on_text("")
+                out += self._grow("message", "")
             out += self._close(self._status())
         return out
 

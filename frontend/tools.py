@@ -144,6 +144,14 @@ class ToolCallParser:
             return "", self._complete_array_items()
         return self._auto(final=False)
 
+    def take(self, text: str, final: bool) -> tuple[str, list[dict]]:
+        """``push``, and when the text is the reply's last, ``finish`` too."""
+        content, calls = self.push(text)
+        if final:
+            rest, more = self.finish()
+            content, calls = content + rest, calls + more
+        return content, calls
+
     def finish(self) -> tuple[str, list[dict]]:
         if self.plan.mode == "auto":
             return self._auto(final=True)
