@@ -71,11 +71,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="schedule and queue each step before the previous step's tokens "
                         "reach the host, so the device never waits for the scheduler "
                         "(default: on with CUDA, off on the CPU)")
-    g.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+    g.add_argument("--speculative-tokens", type=int,
+                   default=env_default("SPECULATIVE_TOKENS", "0"), metavar="K",
                    help="CPU: n-gram speculation, a request proposing up to K tokens a "
                         "step copied from its own prompt and output, checked in the step "
                         "(greedy outputs are the same, sampled ones distributed the same; "
-                        "faster where replies repeat their input). Default 0: off")
+                        "faster where replies repeat their input). Default 0: off "
+                        "(ROSESERVE_SPECULATIVE_TOKENS)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: Triton on CUDA, C kernels or torch on the CPU; torch: the "
                         "reference path")

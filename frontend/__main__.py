@@ -68,10 +68,12 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
                         "to the client (its first token and its end at once): fewer messages "
                         "per token, chunkier streams (default 1)")
     add_chat_template_arg(g)
-    g.add_argument("--reasoning-parser", choices=sorted(PARSERS), default=None,
+    g.add_argument("--reasoning-parser", choices=sorted(PARSERS),
+                   default=env_default("REASONING_PARSER"),
                    help="a reasoning model's thinking (between <think> and </think>) goes to "
                         "reasoning_content, its answer to content: deepseek_r1 (DeepSeek-R1 "
-                        "and its distillations, QwQ) or qwen3 (default: none, all content)")
+                        "and its distillations, QwQ) or qwen3 (default: none, all content; "
+                        "ROSESERVE_REASONING_PARSER)")
     g.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                    help="web pages from these origins (https://ui.example.com; * for any) "
                         "may call the API from a browser: CORS, preflights answered "

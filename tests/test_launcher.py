@@ -167,6 +167,25 @@ def test_serve_gives_its_drain_timeout_to_every_process_and_waits_past_it(tmp_pa
                                      if c.name == "frontend"][0].cmd
 
 
+def test_a_cluster_sets_the_new_knobs_from_its_environment(monkeypatch):
+    """What compose and swarm pass in the environment reaches each process's flags."""
+    from engine_worker.__main__ import build_parser as engine_parser
+    from frontend.__main__ import build_parser as frontend_parser
+    from tokenizer_worker.__main__ import build_parser as pool_parser
+
+    monkeypatch.setenv("ROSESERVE_SPECULATIVE_TOKENS", "3")
+    monkeypatch.setenv("ROSESERVE_REASONING_PARSER", "qwen3")
+    monkeypatch.setenv("ROSESERVE_CHAT_TEMPLATE", "/models/t.jinja")
+    assert engine_parser().parse_args([]).speculative_tokens == 3
+    front = frontend_parser().parse_args([])
+    assert (front.reasoning_parser, front.chat_template) == ("qwen3", "/models/t.jinja")
+    assert pool_parser().parse_args([]).chat_template == "/models/t.jinja"
+    for name in ("ROSESERVE_SPECULATIVE_TOKENS", "ROSESERVE_REASONING_PARSER"):
+        monkeypatch.setenv(name, "")  # compose's ${VAR:-}: unset
+    assert engine_parser().parse_args([]).speculative_tokens == 0
+    assert frontend_parser().parse_args([]).reasoning_parser is None
+
+
 @pytest.mark.parametrize("how", ["flag", "environment", "file"])
 def test_the_api_key_is_on_no_child_command_line(tiny_llama_dir, tmp_path, how):
     port = processes.free_port()
