@@ -156,9 +156,8 @@ class Request:
 
     def drop_draft(self) -> list[int]:
         """Take its proposed tokens off (checked, or never computed); returns them."""
-        cut = len(self.token_ids) - self.num_draft
-        draft = self.token_ids[cut:]
-        del self.token_ids[cut:]
+        draft = self.token_ids[len(self.token_ids) - self.num_draft:]
+        del self.token_ids[len(self.token_ids) - self.num_draft:]
         self.num_draft, self.draft_check = 0, None
         return draft
 
