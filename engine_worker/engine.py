@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from typing import Iterable, Optional, Sequence, Union
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -25,9 +25,9 @@ from engine_worker.kv_transfer import KvBlockStore, KvLeases, KvReceiver, KvTran
 from engine_worker.model_config import load_model_config
 from engine_worker.model_runner import ModelRunner, resolve_device, resolve_dtype
 from engine_worker.request import Request, RequestStatus
-from engine_worker.sampler import PendingSamples, Samples, distribution, token_logprobs
+from engine_worker.sampler import PendingSamples, Samples, token_logprobs
 from engine_worker.scheduler import ScheduledRequest, Scheduler
-from engine_worker.speculation import check_sampled, max_step_rows, propose
+from engine_worker.speculation import Speculator, max_step_rows
 
 logger = logging.getLogger(__name__)
 
@@ -94,13 +94,15 @@ class LLMEngine:
         # how many steps were queued while the one before was in flight.
         self._inflight: Optional[_Step] = None
         self.num_steps_ahead = 0
-        # Speculation (speculation.py): tokens proposed, and kept.
-        self.num_draft_tokens = self.num_accepted_tokens = 0
+        # N-gram speculation (speculation.py), when asked for.
+        self.speculator: Optional[Speculator] = None
         if config.speculative_tokens:
             if self.device.type == "cuda" or self.async_scheduling:
                 raise ValueError("speculative tokens run on the CPU engine, without async "
                                  "scheduling")
-            self.scheduler.drafter = self._propose
+            self.speculator = Speculator(config.speculative_tokens, self.max_model_len,
+                                         self.runner.sampler.generator)
+            self.scheduler.drafter = self.speculator.propose
             self.scheduler.max_step_rows = max_step_rows(self.runner.weight_format)
         logger.info("engine ready: %s (%s, %s, %s weights), context %d, %d KV blocks",
                     self.model_config.name, self.model_config.family, self.device,
@@ -294,8 +296,7 @@ class LLMEngine:
                 logits = self.runner.forward(scheduled)
             else:
                 logits = self.runner.forward(scheduled, after.tokens())
-            self._record_prompt_logprobs()
-            self._record_drafts()
+            self._record_logits()
         except Exception as e:
             raise_if_fatal(e)
             logger.exception("the forward pass failed for %d request(s); running them one "
@@ -330,22 +331,25 @@ class LLMEngine:
                 continue
             try:
                 if request.num_draft:
-                    outputs.append(self._advance_checked(request, samples.token_ids[i], now))
+                    assert self.speculator is not None
+                    tokens = self.speculator.checked(request, samples.token_ids[i])
+                    outputs.append(self._advance(request, tokens, None, now) if tokens
+                                   else self._fail(request, "sampling failed: the logits "
+                                                            "are not finite"))
                     continue
-                outputs.append(self._advance(request, samples.token_ids[i],
+                outputs.append(self._advance(request, [samples.token_ids[i]],
                                              samples.logprobs[i], now))
             except Exception as e:  # a bug this request hit: its failure alone
                 logger.exception("finishing the step failed for %s", request.request_id)
                 outputs.append(self._fail(request, f"internal error: {type(e).__name__}: {e}"))
         return outputs
 
-    def _advance(self, request: Request, token_ids: Union[int, list[int]],
+    def _advance(self, request: Request, token_ids: list[int],
                  logprobs: Optional[TokenLogprobs], now: float) -> RequestOutput:
         """Append a sampled token (or kept proposals and the token after them, each
         but the last computed); finish the request if it ends on one of them."""
-        new = [token_ids] if isinstance(token_ids, int) else token_ids
         added: list[int] = []
-        for token_id in new:
+        for token_id in token_ids:
             if added:
                 request.num_computed_tokens += 1
             request.append_token(token_id)
@@ -363,56 +367,11 @@ class LLMEngine:
                 break
         return self._output(request, added, None if logprobs is None else [logprobs])
 
-    def _propose(self, request: Request, most: int) -> list[int]:
-        k = self.config.speculative_tokens
-        return propose(request.token_ids, min(request.draft_limit or k, most,
-                                              request.draft_room(self.max_model_len)))
-
-    def _record_drafts(self) -> None:
-        """What the model generates at each of the last forward's proposed tokens: the
-        most likely token for a greedy request; for a sampled one, the proposal where
-        it is kept, else a draw without it (speculation.check_sampled); -1 where the
-        logits are not finite. One pass for the step's rows."""
-        drafts = self.runner.draft_logits
-        if not drafts:
-            return
-        logits = torch.cat([rows for _, rows in drafts])
-        check = logits.argmax(dim=-1)
-        sampled = [(r, len(rows)) for r, rows in drafts if not r.params.greedy]
-        if sampled:
-            where = torch.tensor([not r.params.greedy for r, rows in drafts
-                                  for _ in range(len(rows))])
-            proposed = torch.tensor([t for r, n in sampled for t in r.token_ids[-n:]])
-            probs, codes = distribution(logits[where], [r.params for r, n in sampled
-                                                        for _ in range(n)])
-            drawn = check_sampled(probs, proposed, self.runner.sampler.generator)
-            check[where] = torch.where(codes == 0, drawn, -1)
-        check[~torch.isfinite(logits).all(dim=-1)] = -1
-        ids, at = check.tolist(), 0
-        for request, rows in drafts:
-            request.draft_check = ids[at:at + len(rows)]
-            at += len(rows)
-
-    def _advance_checked(self, request: Request, sampled: int, now: float) -> RequestOutput:
-        """A request that proposed tokens: those the model would have generated are
-        kept, then the model's own next token (the one sampled after them all, when
-        every proposal is kept); the rest is dropped, and its KV with it."""
-        check = request.draft_check
-        draft = request.drop_draft()
-        request.num_computed_tokens -= len(draft)
-        kept = 0
-        while kept < len(draft) and check is not None and check[kept] == draft[kept]:
-            kept += 1
-        following = sampled if kept == len(draft) else (-1 if check is None else check[kept])
-        self.num_draft_tokens += len(draft)
-        self.num_accepted_tokens += kept
-        request.draft_limit = min(self.config.speculative_tokens, kept + 1)
-        if following < 0:
-            return self._fail(request, "sampling failed: the logits are not finite")
-        return self._advance(request, draft[:kept] + [following], None, now)
-
-    def _record_prompt_logprobs(self) -> None:
-        """The logprobs of prompt tokens whose logits the last forward computed."""
+    def _record_logits(self) -> None:
+        """What the last forward computed besides the samples: the logprobs of prompt
+        tokens, and the check of proposed tokens (speculation)."""
+        if self.speculator is not None:
+            self.speculator.record(self.runner.draft_logits)
         for request, first, logits in self.runner.prompt_logits:
             request.prompt_logprobs.extend(token_logprobs(
                 torch.log_softmax(logits.float(), dim=-1),
@@ -486,8 +445,7 @@ class LLMEngine:
                                                    f"{e}"))
                 continue
             ran.append(s)
-            self._record_prompt_logprobs()
-            self._record_drafts()
+            self._record_logits()
             if logits is not None:
                 rows.append(logits)
         return ran, (torch.cat(rows) if rows else None), outputs
@@ -542,8 +500,8 @@ class LLMEngine:
             num_preemptions=sched.num_preemptions,
             num_prompt_tokens_computed=self.num_prompt_tokens_computed,
             num_generated_tokens=self.num_generated_tokens,
-            num_draft_tokens=self.num_draft_tokens,
-            num_accepted_tokens=self.num_accepted_tokens,
+            num_draft_tokens=self.speculator.num_draft_tokens if self.speculator else 0,
+            num_accepted_tokens=self.speculator.num_accepted_tokens if self.speculator else 0,
             kv_transfers=kv.num_transfers,
             kv_blocks_received=kv.num_blocks_received,
             kv_bytes_received=kv.num_bytes_received,

@@ -156,8 +156,9 @@ class Request:
 
     def drop_draft(self) -> list[int]:
         """Take its proposed tokens off (checked, or never computed); returns them."""
-        draft = self.token_ids[len(self.token_ids) - self.num_draft:]
-        del self.token_ids[len(self.token_ids) - self.num_draft:]
+        cut = len(self.token_ids) - self.num_draft
+        draft = self.token_ids[cut:]
+        del self.token_ids[cut:]
         self.num_draft, self.draft_check = 0, None
         return draft
 

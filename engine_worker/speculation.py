@@ -24,8 +24,12 @@ tokens, min_tokens not reached) or want logprobs.
 from __future__ import annotations
 
 from array import array
+from typing import Optional
 
 import torch
+
+from engine_worker.request import Request
+from engine_worker.sampler import distribution
 
 NGRAM_MAX, NGRAM_MIN = 4, 2
 # Proposals are made while a step's decode rows and proposed tokens stay within this
@@ -77,3 +81,61 @@ def propose(token_ids: list[int], k: int) -> list[int]:
                 return token_ids[start:start + k]
             end = at + 4 * n - 1  # misaligned: look further back
     return []
+
+
+class Speculator:
+    """The engine's part: each request's proposals (the scheduler's drafter), the check
+    of a step's proposed tokens against its logits, and the counts of both."""
+
+    def __init__(self, k: int, max_model_len: int, generator: torch.Generator) -> None:
+        self.k = k
+        self.max_model_len = max_model_len
+        # The sampler's: a sampled check draws from the engine's stream of draws.
+        self.generator = generator
+        self.num_draft_tokens = self.num_accepted_tokens = 0
+
+    def propose(self, request: Request, most: int) -> list[int]:
+        return propose(request.token_ids, min(request.draft_limit or self.k, most,
+                                              request.draft_room(self.max_model_len)))
+
+    def record(self, draft_logits: list[tuple[Request, torch.Tensor]]) -> None:
+        """What the model generates at each of a forward's proposed tokens: the most
+        likely token for a greedy request; for a sampled one, the proposal where it is
+        kept, else a draw without it (check_sampled); -1 where the logits are not
+        finite. One pass for the step's rows."""
+        if not draft_logits:
+            return
+        logits = torch.cat([rows for _, rows in draft_logits])
+        check = logits.argmax(dim=-1)
+        sampled = [(r, len(rows)) for r, rows in draft_logits if not r.params.greedy]
+        if sampled:
+            where = torch.tensor([not r.params.greedy for r, rows in draft_logits
+                                  for _ in range(len(rows))])
+            proposed = torch.tensor([t for r, n in sampled for t in r.token_ids[-n:]])
+            probs, codes = distribution(logits[where], [r.params for r, n in sampled
+                                                        for _ in range(n)])
+            drawn = check_sampled(probs, proposed, self.generator)
+            check[where] = torch.where(codes == 0, drawn, -1)
+        check[~torch.isfinite(logits).all(dim=-1)] = -1
+        ids, at = check.tolist(), 0
+        for request, rows in draft_logits:
+            request.draft_check = ids[at:at + len(rows)]
+            at += len(rows)
+
+    def checked(self, request: Request, sampled: int) -> Optional[list[int]]:
+        """A request that proposed tokens, after its step: those the model would have
+        generated are kept, then the model's own next token (``sampled``, after them
+        all, when every proposal is kept); the rest is taken off, and its KV with it.
+        The tokens to append (each but the last computed), or None where the logits
+        were not finite."""
+        check = request.draft_check
+        draft = request.drop_draft()
+        request.num_computed_tokens -= len(draft)
+        kept = 0
+        while kept < len(draft) and check is not None and check[kept] == draft[kept]:
+            kept += 1
+        following = sampled if kept == len(draft) else (-1 if check is None else check[kept])
+        self.num_draft_tokens += len(draft)
+        self.num_accepted_tokens += kept
+        request.draft_limit = min(self.k, kept + 1)
+        return None if following < 0 else draft[:kept] + [following]

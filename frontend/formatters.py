@@ -245,7 +245,7 @@ class ChatFormatter(Formatter):
         # --reasoning-parser: each choice's thinking told apart from its answer, which
         # alone goes on to the tool-call parser.
         self.thinkers = None if job.reasoning is None else [
-            job.reasoning.parser(c.prompt_token_ids) for c in job.choices]
+            job.reasoning.parser(thinking) for thinking in job.thinks_first]
 
     def split(self, index: int, text: str, final: bool) -> tuple[str, str]:
         """A choice's new text as (thinking, answer); ``final``: its last."""

@@ -194,11 +194,12 @@ class InputProcessor:
             for j in range(job.n):
                 index = p * job.n + j
                 params = body.sampling_params(max_tokens, engine_logprobs, j, **constraints)
-                if (job.reasoning is not None and params.structured is not None
-                        and job.reasoning.thinking_at_start(prompt_ids)):
-                    # The model thinks first: its grammar starts with the answer.
-                    params = msgspec.structs.replace(params,
-                                                     structured_after=job.reasoning.end_id)
+                if job.reasoning is not None:
+                    job.thinks_first.append(job.reasoning.thinking_at_start(prompt_ids))
+                    if params.structured is not None and job.thinks_first[-1]:
+                        # The model thinks first: its grammar starts with the answer.
+                        params = msgspec.structs.replace(
+                            params, structured_after=job.reasoning.end_id)
                 prompt_ids = self._validate(prompt_ids, params, ready)
                 job.params.append(params)
                 job.choices.append(Choice(

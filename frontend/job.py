@@ -79,6 +79,8 @@ class Job:
     # whether it is shown (the request's include_reasoning).
     reasoning: Optional[Reasoning] = None
     include_reasoning: bool = True
+    # ... and whether each choice starts in its thinking (read from its prompt once).
+    thinks_first: list[bool] = field(default_factory=list)
     # prompt_logprobs asked for: shown with each choice.
     prompt_logprobs: bool = False
     # The engine that served it (its address), kept for the timing breakdown.
@@ -153,8 +155,8 @@ class Job:
                  "total_tokens": prompt + completion,
                  "prompt_tokens_details": {"cached_tokens": cached}}
         if self.reasoning is not None:
-            thought = sum(self.reasoning.num_tokens(c.prompt_token_ids, c.token_ids)
-                          for c in self.choices)
+            thought = sum(self.reasoning.num_thought(thinking, c.token_ids)
+                          for thinking, c in zip(self.thinks_first, self.choices))
             usage["completion_tokens_details"] = {"reasoning_tokens": thought}
         return usage
 

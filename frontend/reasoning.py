@@ -65,13 +65,19 @@ class Reasoning:
             return self.thinks_first
         return start > end
 
-    def parser(self, prompt_ids: list[int]) -> "ReasoningParser":
-        thinking = self.thinking_at_start(prompt_ids)
+    @staticmethod
+    def parser(thinking: bool) -> "ReasoningParser":
+        """A parser for a reply that starts in its thinking or not (thinking_at_start
+        of its prompt, worked out once per choice: Job.thinks_first)."""
         return ReasoningParser(thinking=thinking, fresh=not thinking, strip=thinking)
 
     def num_tokens(self, prompt_ids: list[int], output_ids: list[int]) -> int:
         """How many of a reply's tokens are its thinking (the tags included)."""
-        if self.thinking_at_start(prompt_ids):
+        return self.num_thought(self.thinking_at_start(prompt_ids), output_ids)
+
+    def num_thought(self, thinking: bool, output_ids: list[int]) -> int:
+        """num_tokens, for a reply known to start in its thinking or not."""
+        if thinking:
             begin = 0
         elif self.start_id in output_ids[:8]:  # a reply that opens its thinking
             begin = output_ids.index(self.start_id)

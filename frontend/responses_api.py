@@ -308,7 +308,7 @@ class ResponsesFormatter(Formatter):
         self.hex = job.request_id.removeprefix("resp_")
         self.parser = None if job.tool_plan is None else ToolCallParser(job.tool_plan)
         self.thinker = None if job.reasoning is None else job.reasoning.parser(
-            job.choices[0].prompt_token_ids)
+            job.thinks_first[0])
         self.sequence = 0
         self.output: list[dict] = []
         self.open: Optional[dict] = None  # the item still growing, the last of output

@@ -34,7 +34,7 @@ def speculating(model_dir, k=4, **kw):
 
     return LLMEngine(EngineConfig(
         model=str(model_dir), device="cpu", speculative_tokens=k,
-        cpu_kernels=kw.get("cpu_kernels", True),
+        cpu_kernels=kw.get("cpu_kernels", True), quantization=kw.get("quantization"),
         cache=CacheConfig(block_size=4, num_blocks=kw.get("num_blocks", 512)),
         scheduler=SchedulerConfig(max_batch_size=kw.get("max_batch", 64),
                                   max_num_batched_tokens=kw.get("budget"))))
@@ -154,6 +154,48 @@ def test_proposals_stop_where_rows_stop_being_free(tiny_llama_dir):
         engine.step()
         per_step.append(engine.stats().num_draft_tokens - before)
     assert max(per_step) == 1 and engine.stats().num_accepted_tokens > 0
+
+
+def test_4_bit_weights_take_fewer_rows(tiny_llama_dir):
+    """With 4-bit weights a step's decodes and proposals stay within 5 rows: four
+    decoding requests propose one token a step between them."""
+    from engine_worker.speculation import MAX_STEP_ROWS_Q4
+
+    engine = speculating(tiny_llama_dir, 4, quantization="q4")
+    for i in range(MAX_STEP_ROWS_Q4 - 1):
+        engine.add_request(f"r{i}", LOOPS[0], greedy(30))
+    per_step = []
+    while engine.has_unfinished_requests():
+        before = engine.stats().num_draft_tokens
+        engine.step()
+        per_step.append(engine.stats().num_draft_tokens - before)
+    assert max(per_step) == 1
+
+
+def test_a_check_on_logits_that_are_not_finite_fails_its_request_alone(tiny_llama_dir):
+    """The logits of one request's proposed tokens turned NaN: it ends with an error
+    naming them, the other request gets its whole output."""
+    import torch
+
+    expected = make_engine(tiny_llama_dir).generate([LOOPS[1]], greedy(30))[0]
+    engine = speculating(tiny_llama_dir, 4)
+    forward = engine.runner.forward
+
+    def poisoned(*args, **kw):
+        logits = forward(*args, **kw)
+        engine.runner.draft_logits = [
+            (r, torch.full_like(rows, float("nan")) if r.request_id == "bad" else rows)
+            for r, rows in engine.runner.draft_logits]
+        return logits
+
+    engine.runner.forward = poisoned
+    engine.add_request("bad", LOOPS[0], greedy(30))
+    engine.add_request("good", LOOPS[1], greedy(30))
+    outs = run_to_end(engine)
+    assert outs["bad"][-1].finish_reason is FinishReason.ERROR
+    assert "the logits are not finite" in outs["bad"][-1].error
+    assert tokens(outs["good"]) == expected
+    assert engine.stats().num_blocks_used == 0
 
 
 def test_the_benchmark_runs(tiny_llama_dir, tmp_path):
