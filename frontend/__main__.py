@@ -131,11 +131,16 @@ def serve(config: FrontendConfig, log_level: Optional[str] = None) -> None:
     import uvicorn
 
     from frontend.app import create_app
+    from frontend.http_server import Server
 
-    uvicorn.run(create_app(config), host=config.host, port=config.port,
-                log_level=(log_level or "info").lower(), access_log=False,
-                timeout_graceful_shutdown=config.drain_timeout_s,
-                ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile)
+    server = Server(uvicorn.Config(
+        create_app(config), host=config.host, port=config.port,
+        log_level=(log_level or "info").lower(), access_log=False,
+        timeout_graceful_shutdown=config.drain_timeout_s,
+        ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile))
+    server.run()
+    if not server.started:
+        sys.exit(3)  # uvicorn's exit status when it cannot start (the port taken, say)
 
 
 def build_parser() -> argparse.ArgumentParser:

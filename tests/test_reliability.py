@@ -402,6 +402,69 @@ def test_a_stopping_frontend_lets_its_streams_finish_within_its_drain_timeout(
             p.stop()
 
 
+async def connect_and_ask(port: int, request: bytes) -> Optional[bytes]:
+    """One request on a new connection, read to its end: the response, or None when
+    the connection was never made (refused, or no handshake within 3 s). A reset or a
+    close before the response ends raises."""
+    try:
+        reader, writer = await asyncio.wait_for(
+            asyncio.open_connection("127.0.0.1", port), 3)
+    except (ConnectionRefusedError, asyncio.TimeoutError):
+        return None
+    try:
+        writer.write(request)
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                          if line.lower().startswith(b"content-length:")))
+        return head + await reader.readexactly(length)
+    finally:
+        writer.close()
+
+
+def test_a_stopping_frontend_answers_every_connection_it_took(tiny_llama_dir, tmp_path):
+    """Clients opening a new connection for each request, as fast as they can, while
+    the frontend gets SIGTERM: a connection is refused (never taken: a balancer tries
+    another frontend) or answered in full; none is reset or closed unanswered. Closing
+    a listening socket resets every connection still in its accept queue, whose clients
+    had seen their connect() succeed; the frontend stops new handshakes first and takes
+    in what the kernel had queued before it closes."""
+    engine = processes.engine(tiny_llama_dir, f"ipc://{tmp_path}/engine.sock")
+    pool = processes.tokenizer_pool(tiny_llama_dir, f"ipc://{tmp_path}/tok.sock", workers=1)
+    front = processes.frontend(tiny_llama_dir, engine.address, pool.address,
+                               "--served-model-name", "tiny", "--no-access-log")
+    port = int(front.url.rsplit(":", 1)[1])
+    request = b"GET /v1/models HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
+    try:
+        processes.wait_healthy(front)
+
+        async def client(answers: list, failures: list) -> None:
+            while True:
+                try:
+                    response = await connect_and_ask(port, request)
+                except (OSError, asyncio.IncompleteReadError) as e:
+                    failures.append(repr(e))
+                    continue
+                if response is None:
+                    return  # the frontend takes no more connections
+                answers.append(response.split(b"\r\n", 1)[0])
+
+        async def run():
+            answers, failures = [], []
+            clients = [asyncio.create_task(client(answers, failures)) for _ in range(32)]
+            await asyncio.sleep(1.0)
+            front.proc.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(asyncio.gather(*clients), 30)
+            return answers, failures
+
+        answers, failures = asyncio.run(run())
+        assert failures == [], f"{len(failures)} of {len(answers) + len(failures)}"
+        assert len(answers) > 100 and set(answers) == {b"HTTP/1.1 200 OK"}, set(answers)
+        assert front.proc.wait(30) in (0, -signal.SIGTERM)
+    finally:
+        for p in (front, pool, engine):
+            p.stop()
+
+
 # -- clients that go away --------------------------------------------------------------
 
 N_DISCONNECTS = 200

@@ -1,0 +1,62 @@
+"""The HTTP server: uvicorn's, stopping without resetting a connection it took."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import socket
+import struct
+import sys
+import time
+
+import uvicorn
+
+# A classic BPF program of one instruction (BPF_RET | BPF_K, k = 0): keep no packet.
+_DROP_ALL = struct.pack("@HBBI", 0x06, 0, 0, 0)
+_SO_ATTACH_FILTER = getattr(socket, "SO_ATTACH_FILTER", 26)
+# struct tcp_info: on a listening socket, tcpi_unacked is its accept queue's length.
+_TCPI_UNACKED_OFFSET = 24
+
+
+def stop_handshakes(sock) -> bool:
+    """Make a listening socket drop the handshakes of new connections (their clients
+    retry the SYN, and are refused once the socket is closed), keeping those the kernel
+    already completed in its accept queue. False where it cannot (not Linux)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    program = ctypes.create_string_buffer(_DROP_ALL, len(_DROP_ALL))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER,
+                        struct.pack("@HP", 1, ctypes.addressof(program)))
+    except OSError:
+        return False
+    return True
+
+
+def accept_queue_length(sock) -> int:
+    """Connections a listening socket's kernel queue holds, not yet accepted (0 where
+    it cannot be read)."""
+    try:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+    except (OSError, AttributeError):
+        return 0
+    return struct.unpack_from("I", info, _TCPI_UNACKED_OFFSET)[0]
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, stopping without resetting a connection: closing a listening
+    socket resets every connection still in its accept queue, though each of their
+    clients saw its connect() succeed and sent its request. So on SIGTERM new
+    handshakes stop first, the queued connections are accepted and their requests
+    read (up to a second), and then uvicorn's graceful shutdown closes the listeners
+    and lets what it took finish."""
+
+    async def shutdown(self, sockets=None) -> None:
+        listeners = [s for server in self.servers for s in server.sockets]
+        if any([stop_handshakes(s) for s in listeners]):
+            deadline = time.monotonic() + 1.0
+            while (time.monotonic() < deadline
+                   and any(accept_queue_length(s) for s in listeners)):
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)  # the requests of the connections just accepted
+        await super().shutdown(sockets)
