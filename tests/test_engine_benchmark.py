@@ -46,6 +46,9 @@ def test_engine_benchmark_smoke(tiny_llama_dir, tmp_path, extra):
         for b in rl["batches"]:
             assert b["steps"] > 0 and 0 < b["floor_s"] and 0 < b["fraction_of_floor"]
             assert b["linear"] > 0 and b["attention"] > 0
+            # the memory floor reads the step's bytes at the faster of the two rates
+            fastest = 1e9 * max(b["read_bandwidth_gbs"], b["step_bytes_read_gbs"])
+            assert b["floor_memory_s"] == pytest.approx(b["step_bytes"] / fastest)
     if "--quantization" in extra:
         fmt = extra[extra.index("--quantization") + 1]
         assert report["weights"] == report["roofline"]["weights"] == fmt
