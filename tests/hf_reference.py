@@ -46,12 +46,16 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int,
               ) -> list[Reference]:
     """round_inputs: every linear layer's input goes through it first, as the engine's
     kernels take it (quantize_blocks: int8 with a scale per 32 inputs, as in llama.cpp's
-    Q8_0; or rounded to bfloat16 for bf16 products)."""
+    Q8_0; or rounded to bfloat16 for bf16 products). Each step then recomputes the whole
+    sequence (no KV cache): HF's cached attention sums in another order, and an
+    activation an ulp away can round to the next int8 step, so the cached path drifted
+    from HF's own full forward by 4e-3 in a logit gap (a q4 run on an Intel Xeon) where
+    the engine agreed with the full forward to 2e-6."""
     model = hf_model(model_dir)
     hooks = [m.register_forward_pre_hook(lambda _m, args: (round_inputs(args[0]),))
              for m in model.modules() if round_inputs and isinstance(m, torch.nn.Linear)]
     try:
-        return _greedy(model, prompts, max_new_tokens)
+        return _greedy(model, prompts, max_new_tokens, use_cache=round_inputs is None)
     finally:
         for hook in hooks:
             hook.remove()
@@ -65,12 +69,13 @@ def quantize_blocks(x: torch.Tensor, block: int = 32) -> torch.Tensor:
     return (torch.round(blocks * inv) * (amax / 127)).reshape(x.shape)
 
 
-def _greedy(model, prompts: list[list[int]], max_new_tokens: int) -> list[Reference]:
+def _greedy(model, prompts: list[list[int]], max_new_tokens: int,
+            use_cache: bool = True) -> list[Reference]:
     refs = []
     for prompt in prompts:
         out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
                              do_sample=False, output_logits=True, return_dict_in_generate=True,
-                             pad_token_id=0)
+                             pad_token_id=0, use_cache=use_cache)
         tokens = out.sequences[0, len(prompt):].tolist()
         gaps = []
         for step_logits in out.logits:
