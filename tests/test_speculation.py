@@ -138,6 +138,16 @@ def test_proposals_never_cost_a_place_and_their_blocks_stay_out_of_the_cache(tin
     assert engine.stats().num_accepted_tokens > 0
 
 
+def drafts_per_step(engine) -> list[int]:
+    """Step until idle: the tokens proposed in each step."""
+    per_step = []
+    while engine.has_unfinished_requests():
+        before = engine.stats().num_draft_tokens
+        engine.step()
+        per_step.append(engine.stats().num_draft_tokens - before)
+    return per_step
+
+
 def test_proposals_stop_where_rows_stop_being_free(tiny_llama_dir):
     """A step's decodes and proposals stay within MAX_STEP_ROWS (8): eight decoding
     requests propose nothing, seven one token a step between them."""
@@ -148,12 +158,7 @@ def test_proposals_stop_where_rows_stop_being_free(tiny_llama_dir):
     assert engine.stats().num_draft_tokens == 0
     for i in range(MAX_STEP_ROWS - 1):
         engine.add_request(f"r{i}", LOOPS[0], greedy(30))
-    per_step = []
-    while engine.has_unfinished_requests():
-        before = engine.stats().num_draft_tokens
-        engine.step()
-        per_step.append(engine.stats().num_draft_tokens - before)
-    assert max(per_step) == 1 and engine.stats().num_accepted_tokens > 0
+    assert max(drafts_per_step(engine)) == 1 and engine.stats().num_accepted_tokens > 0
 
 
 def test_4_bit_weights_take_fewer_rows(tiny_llama_dir):
@@ -164,12 +169,7 @@ def test_4_bit_weights_take_fewer_rows(tiny_llama_dir):
     engine = speculating(tiny_llama_dir, 4, quantization="q4")
     for i in range(MAX_STEP_ROWS_Q4 - 1):
         engine.add_request(f"r{i}", LOOPS[0], greedy(30))
-    per_step = []
-    while engine.has_unfinished_requests():
-        before = engine.stats().num_draft_tokens
-        engine.step()
-        per_step.append(engine.stats().num_draft_tokens - before)
-    assert max(per_step) == 1
+    assert max(drafts_per_step(engine)) == 1
 
 
 def test_a_check_on_logits_that_are_not_finite_fails_its_request_alone(tiny_llama_dir):
