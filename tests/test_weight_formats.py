@@ -341,3 +341,21 @@ def test_an_unknown_quantization_is_refused_by_name():
 
     with pytest.raises(ValueError, match="quantization must be int8, q4 or unset, got 'int4'"):
         EngineConfig(quantization="int4")
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "avx512-no-bf16"])
+def test_intel_and_other_builds_compute_the_same_floats(isa):
+    """The kernels for Intel CPUs (RS_INTEL, which kernels.py sets from the vendor)
+    fetch float tiles' next panels into L2 instead of L1: a cache hint, so float32
+    and widened bfloat16 layers give the same floats either way, at 1-64 rows."""
+    intel = kernels._build_and_load([*ISAS[isa], "-DRS_INTEL"])
+    other = kernels._build_and_load([*ISAS[isa], "-URS_INTEL"])   # after the vendor's -D
+    assert intel is not None and other is not None
+    torch.manual_seed(0)
+    for fmt in ("float32", "bfloat16"):
+        w = torch.randn(100, 96)
+        packed = other.pack(w, fmt)
+        for m in (1, 5, 8, 17, 64):
+            x = torch.randn(m, 96)
+            assert torch.equal(intel.linear(x, packed, 100, None, fmt),
+                               other.linear(x, packed, 100, None, fmt)), (fmt, m)
