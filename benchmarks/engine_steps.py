@@ -59,14 +59,15 @@ def compute_rates(model, kernels, fmt: str, n: int = 1024) -> dict[str, float]:
     return rates
 
 
-def last_level_cache_bytes() -> int:
-    """The largest CPU cache's size, as Linux reports it (0 where it does not)."""
-    sizes = []
-    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        text = f.read_text().strip()
-        units = {"K": 2**10, "M": 2**20, "G": 2**30}
-        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
-    return max(sizes, default=0)
+_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
+
+
+def last_level_cache_bytes(caches: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
+    """The largest CPU cache's size, as Linux reports it ("48K", "260M"; 0 where it
+    reports none)."""
+    sizes = [f.read_text().strip() for f in caches.glob("index*/size")]
+    return max((int(t[:-1]) * _UNITS[t[-1]] if t[-1] in _UNITS else int(t)
+                for t in sizes if t), default=0)
 
 
 def read_bandwidth(kernels, nbytes: int = 0, repeats: int = 5) -> float:

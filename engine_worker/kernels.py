@@ -22,6 +22,7 @@ llama.c runs a whole Llama-family forward pass in one call on top of it.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -395,10 +396,16 @@ def _cpu_signature() -> str:
     return platform.machine() + _cpuinfo("flags")
 
 
-def _vendor_flags() -> list[str]:
+@functools.lru_cache(maxsize=None)
+def _vendor_flags() -> tuple[str, ...]:
     """-DRS_INTEL on Intel CPUs: their float tiles fetch the next panel into L2, not
     L1 (gemm.c)."""
-    return ["-DRS_INTEL"] if "GenuineIntel" in _cpuinfo("vendor_id") else []
+    return ("-DRS_INTEL",) if "GenuineIntel" in _cpuinfo("vendor_id") else ()
+
+
+def _build_flags(extra_flags: Sequence[str]) -> list[str]:
+    """The compiler's flags: the standard ones, the vendor's, then ``extra_flags``."""
+    return [*_FLAGS, *_vendor_flags(), *extra_flags]
 
 
 def _find_compiler() -> Optional[str]:
@@ -426,7 +433,7 @@ def cached_path(extra_flags: Sequence[str] = ()) -> Path:
     """Where the kernels built from this source, with the standard flags plus
     ``extra_flags``, for this CPU are cached."""
     source = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
-    flags = _FLAGS + _vendor_flags() + list(extra_flags)
+    flags = _build_flags(extra_flags)
     key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_signature().encode())
     return Path(cache_dir()) / "kernels" / f"roseserve-kernels-{key.hexdigest()[:16]}.so"
 
@@ -438,7 +445,7 @@ def _build_and_load(extra_flags: Sequence[str] = ()) -> Optional[CpuKernels]:
     if compiler is None:
         logger.warning("no C compiler found: CPU attention uses the slower torch path")
         return None
-    flags = _FLAGS + _vendor_flags() + list(extra_flags)
+    flags = _build_flags(extra_flags)
     target = cached_path(extra_flags)
     out_dir = target.parent
     if not target.is_file():

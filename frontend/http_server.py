@@ -14,8 +14,9 @@ import uvicorn
 # A classic BPF program of one instruction (BPF_RET | BPF_K, k = 0): keep no packet.
 _DROP_ALL = struct.pack("@HBBI", 0x06, 0, 0, 0)
 _SO_ATTACH_FILTER = getattr(socket, "SO_ATTACH_FILTER", 26)
-# struct tcp_info: on a listening socket, tcpi_unacked is its accept queue's length.
-_TCPI_UNACKED_OFFSET = 24
+# struct tcp_info (its first 104 bytes, Linux's since 2.6): on a listening socket,
+# tcpi_unacked is its accept queue's length.
+_TCP_INFO_BYTES, _TCPI_UNACKED_OFFSET = 104, 24
 
 
 def stop_handshakes(sock) -> bool:
@@ -37,7 +38,7 @@ def accept_queue_length(sock) -> int:
     """Connections a listening socket's kernel queue holds, not yet accepted (0 where
     it cannot be read)."""
     try:
-        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104)
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_BYTES)
     except (OSError, AttributeError):
         return 0
     return struct.unpack_from("I", info, _TCPI_UNACKED_OFFSET)[0]

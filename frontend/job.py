@@ -155,7 +155,7 @@ class Job:
                  "total_tokens": prompt + completion,
                  "prompt_tokens_details": {"cached_tokens": cached}}
         if self.reasoning is not None:
-            thought = sum(self.reasoning.num_thought(thinking, c.token_ids)
+            thought = sum(self.reasoning.num_tokens(thinking, c.token_ids)
                           for thinking, c in zip(self.thinks_first, self.choices))
             usage["completion_tokens_details"] = {"reasoning_tokens": thought}
         return usage

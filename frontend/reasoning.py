@@ -71,12 +71,9 @@ class Reasoning:
         of its prompt, worked out once per choice: Job.thinks_first)."""
         return ReasoningParser(thinking=thinking, fresh=not thinking, strip=thinking)
 
-    def num_tokens(self, prompt_ids: list[int], output_ids: list[int]) -> int:
-        """How many of a reply's tokens are its thinking (the tags included)."""
-        return self.num_thought(self.thinking_at_start(prompt_ids), output_ids)
-
-    def num_thought(self, thinking: bool, output_ids: list[int]) -> int:
-        """num_tokens, for a reply known to start in its thinking or not."""
+    def num_tokens(self, thinking: bool, output_ids: list[int]) -> int:
+        """How many of a reply's tokens are its thinking (the tags included), for a
+        reply that starts in its thinking or not (Job.thinks_first)."""
         if thinking:
             begin = 0
         elif self.start_id in output_ids[:8]:  # a reply that opens its thinking

@@ -200,3 +200,15 @@ def test_engine_benchmark_smoke_on_a_gguf_file(tmp_path):
     assert report["engine"]["output_tokens"] == 8
     assert report["weights"] == report["roofline"]["weights"] == "q4"
     assert [b["batch"] for b in report["roofline"]["batches"]] == [1, 2]
+
+
+def test_the_last_level_cache_is_read_from_linux(tmp_path):
+    """The largest cache Linux reports (a Xeon's 260 MiB L3), which sizes the memory
+    rate's buffer (4 times it, where that is more than 256 MiB)."""
+    from benchmarks.engine_steps import last_level_cache_bytes
+
+    for index, size in (("index0", "48K"), ("index2", "2048K"), ("index3", "260M")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size + "\n")
+    assert last_level_cache_bytes(tmp_path) == 260 * 2**20
+    assert last_level_cache_bytes(tmp_path / "none") == 0

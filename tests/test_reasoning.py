@@ -56,11 +56,14 @@ def test_where_a_reply_starts_is_read_from_its_prompt():
         assert reasoning.thinking_at_start([END_THINK, 3, THINK, 7])
     assert R1.thinking_at_start([1, 2]) and not QWEN3.thinking_at_start([1, 2])
     # Tokens of thinking, the tags included: all of an unfinished one.
-    assert R1.num_tokens([THINK], [1, 2, END_THINK, 3]) == 3
-    assert R1.num_tokens([THINK], [1, 2]) == 2
-    assert QWEN3.num_tokens([1], [THINK, 2, END_THINK, 4]) == 3
-    assert QWEN3.num_tokens([1], [2, 3]) == 0
-    assert QWEN3.num_tokens([THINK, END_THINK], [1, END_THINK]) == 0
+    def thought(reasoning, prompt_ids, output_ids):
+        return reasoning.num_tokens(reasoning.thinking_at_start(prompt_ids), output_ids)
+
+    assert thought(R1, [THINK], [1, 2, END_THINK, 3]) == 3
+    assert thought(R1, [THINK], [1, 2]) == 2
+    assert thought(QWEN3, [1], [THINK, 2, END_THINK, 4]) == 3
+    assert thought(QWEN3, [1], [2, 3]) == 0
+    assert thought(QWEN3, [THINK, END_THINK], [1, END_THINK]) == 0
 
 
 def test_the_tags_must_be_tokens(tiny_llama_dir, tiny_reasoner_dir):

@@ -359,3 +359,13 @@ def test_intel_and_other_builds_compute_the_same_floats(isa):
             x = torch.randn(m, 96)
             assert torch.equal(intel.linear(x, packed, 100, None, fmt),
                                other.linear(x, packed, 100, None, fmt)), (fmt, m)
+
+
+def test_only_intel_cpus_build_with_the_intel_flag(monkeypatch):
+    for vendor, flags in (("vendor_id\t: GenuineIntel\n", ("-DRS_INTEL",)),
+                          ("vendor_id\t: AuthenticAMD\n", ()), ("", ())):
+        monkeypatch.setattr(kernels, "_cpuinfo", lambda field, v=vendor: v)
+        kernels._vendor_flags.cache_clear()
+        assert kernels._vendor_flags() == flags
+        assert kernels._build_flags(["-DX"])[-len(flags) - 1:] == [*flags, "-DX"]
+    kernels._vendor_flags.cache_clear()
