@@ -65,6 +65,9 @@ class Choice:
     kv_outcome: Optional[str] = None
     kv_blocks_received: Optional[int] = None
     kv_transfer_ms: Optional[float] = None
+    # False for echo's scoring (max_tokens 0): the engine is asked for one token, for
+    # the prompt's logprobs, and the token is dropped; the choice ends on "length".
+    generates: bool = True
 
     def consume(self, out: RequestOutput) -> Delta:
         now = time.monotonic()
@@ -80,6 +83,10 @@ class Choice:
         if out.finish_reason in (FinishReason.ABORT, FinishReason.ERROR):
             raise ChoiceFailed(out.error or f"the engine ended the request "
                                             f"({out.finish_reason.value})", out.finish_reason)
+        if not self.generates:
+            if out.finish_reason is not None:
+                self.finish_reason = "length"
+            return Delta(self.index, "", [], [], self.finish_reason)
         new = out.new_token_ids
         if new:
             if self.first_token_time is None:

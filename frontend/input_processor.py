@@ -193,7 +193,8 @@ class InputProcessor:
                                                ready.max_model_len)
             for j in range(job.n):
                 index = p * job.n + j
-                params = body.sampling_params(max_tokens, engine_logprobs, j, **constraints)
+                params = body.sampling_params(1 if max_tokens == 0 else max_tokens,
+                                              engine_logprobs, j, **constraints)
                 if job.reasoning is not None:
                     job.thinks_first.append(job.reasoning.thinking_at_start(prompt_ids))
                     if params.structured is not None and job.thinks_first[-1]:
@@ -208,7 +209,7 @@ class InputProcessor:
                     detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_ids,
                                                        skip_special),
                     stops=StopStringMatcher(body.stop_strings(), body.include_stop_str_in_output),
-                    eos_token_ids=frozenset(ready.eos_token_ids)))
+                    eos_token_ids=frozenset(ready.eos_token_ids), generates=max_tokens != 0))
                 job.prompts[p] = prompt_ids
 
     async def _constraints(self, body) -> tuple[dict, Optional[ToolPlan]]:

@@ -220,10 +220,12 @@ class _SamplingFields(BaseModel):
 
 class CompletionRequest(_SamplingFields):
     prompt: Union[str, list[str], list[TokenId], list[list[TokenId]]]
-    max_tokens: Optional[Count] = 16
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     # The prompt's text before the completion's.
     echo: bool = False
+    # 0 with echo: the prompt alone, scored (its logprobs with logprobs), as OpenAI's
+    # completions took it; declared after echo, which its check reads.
+    max_tokens: Optional[Annotated[int, Field(ge=0, le=MAX_INT)]] = 16
     # Generate best_of choices per prompt, return the n with the highest log
     # probability (not with stream).
     best_of: Optional[int] = Field(None, ge=1, le=64)
@@ -239,6 +241,17 @@ class CompletionRequest(_SamplingFields):
         if value is not None and value > n and info.data.get("stream"):
             raise ValueError("best_of greater than n cannot be streamed (the best choices "
                              "are known only at the end)")
+        return value
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _nothing_generated_only_with_echo(cls, value, info):
+        if value == 0 and not info.data.get("echo"):
+            raise ValueError("max_tokens must be at least 1; 0 is taken only with echo "
+                             "(the prompt returned, scored with logprobs, nothing generated)")
+        if value == 0 and info.data.get("min_tokens"):
+            raise ValueError(f"min_tokens ({info.data['min_tokens']}) must not exceed "
+                             f"max_tokens (0)")
         return value
 
     @field_validator("echo")

@@ -208,6 +208,32 @@ def test_prompt_logprobs_and_echo_with_logprobs(url):
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_and_generates_nothing(url):
+    # What evaluation clients send to score a text (OpenAI's completions took it).
+    with_tokens = post(url, prompt="Hello world again", max_tokens=2, temperature=0,
+                       echo=True, logprobs=1).json()["choices"][0]["logprobs"]
+    r = post(url, prompt="Hello world again", max_tokens=0, echo=True, logprobs=1)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    scored = body["choices"][0]
+    assert scored["text"] == "Hello world again" and scored["finish_reason"] == "length"
+    assert scored["logprobs"] == {key: value[:3] for key, value in with_tokens.items()}
+    assert body["usage"]["completion_tokens"] == 0 and body["usage"]["prompt_tokens"] == 3
+    # Several prompts, by token ids, n of each; streamed: the echo, then the end.
+    many = post(url, prompt=[[15496, 995], [15496]], max_tokens=0, echo=True, n=2).json()
+    assert [c["text"] for c in many["choices"]] == ["Hello world"] * 2 + ["Hello"] * 2
+    with httpx.stream("POST", url + "/v1/completions", json={
+            "model": "tiny-llama", "prompt": "Hello world", "max_tokens": 0, "echo": True,
+            "stream": True}, timeout=60) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    assert [(e["choices"][0]["text"], e["choices"][0]["finish_reason"]) for e in events] == [
+        ("Hello world", None), ("", "length")]
+    for extra, param in (({}, "max_tokens"), ({"echo": True, "min_tokens": 1}, "max_tokens")):
+        r = post(url, prompt="x", max_tokens=0, **extra)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_a_forced_tool_call_and_another_constraint_are_refused(url):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"type": "integer"}}}}}]

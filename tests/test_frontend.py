@@ -253,7 +253,7 @@ def test_priority_reaches_the_engine_with_every_choice():
 @pytest.mark.parametrize("body, param, fragment", [
     ({"prompt": "x", "temperature": 3}, "temperature", "less than or equal to 2"),
     ({"prompt": "x", "n": 0}, "n", "greater than or equal to 1"),
-    ({"prompt": "x", "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens", "0 is taken only with echo"),
     ({"prompt": "x", "logprobs": 21}, "logprobs", "less than or equal to 20"),
     ({"prompt": "x", "suffix": "y"}, "suffix", "suffix is not supported"),
     ({"prompt": "x", "best_of": 1, "n": 2}, "best_of", "must be at least n"),
