@@ -119,20 +119,79 @@ def new_call(index: int, name: str, arguments: str) -> dict:
 
 
 @dataclass
+class _ArrayCall:
+    """One call of a "required" reply's array, ``{"name": ..., "arguments": ...}``,
+    read as its text arrives: its name once that string is whole, and where the text
+    of its arguments starts and (once it has) ends."""
+
+    pos: int                   # the next character of the reply to read
+    depth: int = 0
+    string_start: int = -1     # inside a string: where it began
+    escaped: bool = False
+    key: Optional[str] = None  # the key whose value is being read, at the top level
+    in_value: bool = False
+    name: Optional[str] = None
+    args_start: int = -1
+    args_end: int = -1
+    end: int = -1              # just after its closing brace
+    call: Optional[dict] = None   # once its name is whole
+    sent: int = 0              # how far its arguments' text has been sent
+
+    def read(self, text: str) -> None:
+        i = self.pos
+        while i < len(text) and self.end < 0:
+            c, top = text[i], self.depth == 1
+            if self.string_start >= 0:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    if top and not self.in_value:
+                        self.key = json.loads(text[self.string_start:i + 1])
+                    elif top and self.key == "name":
+                        self.name = json.loads(text[self.string_start:i + 1])
+                    elif top and self.key == "arguments":
+                        self.args_end = i + 1
+                    self.string_start = -1
+            elif c == '"' or c in "{[":
+                if top and self.in_value and self.key == "arguments":
+                    self.args_start = i
+                if c == '"':
+                    self.string_start = i
+                else:
+                    self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    self.end = i + 1
+                elif self.depth == 1 and self.in_value and self.key == "arguments":
+                    self.args_end = i + 1
+            elif top and c in ":,":
+                self.in_value = c == ":"
+            i += 1
+        self.pos = i
+
+
+@dataclass
 class ToolCallParser:
     """One choice's text turned into content and tool calls, as it streams.
 
-    ``push(text)`` returns (content released now, calls completed now); ``finish()``
-    returns the same for what is left at the end (with "required", the raw text when
-    no call completed). Calls carry their stream index."""
+    ``push(text)`` returns (content released now, calls or pieces of calls now: a
+    call's first carries its id and name); ``finish()`` returns the same for what is
+    left at the end (with "required", the raw text when no call began). Calls carry
+    their stream index. A named function's arguments, and each call of a "required"
+    array once its name is whole, stream as they are generated, as the model wrote
+    them; a call cut short (max_tokens) keeps the arguments it got."""
 
     plan: ToolPlan
     buffer: str = ""
     calls: list[dict] = field(default_factory=list)
     # named: the call's arguments stream as they come, after a first delta with the name.
     started: bool = False
-    # required: where the next array item starts in ``buffer``.
+    # required: where the next array item starts in ``buffer``, and the one being read.
     scan_pos: int = 0
+    item: Optional[_ArrayCall] = None
     # auto, llama3_json: the reply is text (it did not start with a call).
     is_text: bool = False
 
@@ -141,7 +200,7 @@ class ToolCallParser:
             return "", self._named(text)
         self.buffer += text
         if self.plan.mode == "required":
-            return "", self._complete_array_items()
+            return "", self._array_calls()
         return self._auto(final=False)
 
     def take(self, text: str, final: bool) -> tuple[str, list[dict]]:
@@ -168,25 +227,42 @@ class ToolCallParser:
         self.calls[0]["function"]["arguments"] += text
         return [{"index": 0, "function": {"arguments": text}}] if text else []
 
-    def _complete_array_items(self) -> list[dict]:
-        """Calls whose JSON object is complete in the array text so far."""
-        decoder = json.JSONDecoder()
-        out = []
+    def _array_calls(self) -> list[dict]:
+        """What the array text so far adds to its calls: a call once its name is whole
+        (the grammar writes it first), then its arguments' text as it comes."""
+        out: list[dict] = []
         text = self.buffer
-        pos = self.scan_pos
         while True:
-            while pos < len(text) and text[pos] in " \t\r\n[,":
-                pos += 1
-            try:
-                item, end = decoder.raw_decode(text, pos)
-            except json.JSONDecodeError:
-                break
-            call = new_call(len(self.calls), item["name"], json.dumps(item["arguments"]))
-            self.calls.append(call)
-            out.append(call)
-            pos = end
-        self.scan_pos = pos
-        return out
+            if self.item is None:
+                pos = self.scan_pos
+                while pos < len(text) and text[pos] in " \t\r\n[,":
+                    pos += 1
+                self.scan_pos = pos
+                if pos == len(text) or text[pos] != "{":
+                    return out
+                self.item = _ArrayCall(pos)
+            item = self.item
+            item.read(text)
+            if item.name is None:
+                return out
+            if item.call is None:   # its name is whole: the call begins
+                item.call = new_call(len(self.calls), item.name, "")
+                self.calls.append(item.call)
+                out.append({**item.call, "function": dict(item.call["function"])})
+            if item.args_start >= 0:
+                upto = item.args_end if item.args_end >= 0 else len(text)
+                piece = text[max(item.sent, item.args_start):upto]
+                item.sent = upto
+                if piece:
+                    item.call["function"]["arguments"] += piece
+                    if out and out[-1]["index"] == len(self.calls) - 1:
+                        out[-1]["function"]["arguments"] += piece
+                    else:
+                        out.append({"index": len(self.calls) - 1,
+                                    "function": {"arguments": piece}})
+            if item.end < 0:
+                return out
+            self.scan_pos, self.item = item.end, None
 
     def _auto(self, final: bool) -> tuple[str, list[dict]]:
         syntax = self.plan.syntax

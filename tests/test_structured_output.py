@@ -146,8 +146,14 @@ def test_required_tool_calls_validate(client, stream):
             _check_calls(choice.message.tool_calls, tools)
             continue
         chunks = list(client.chat.completions.create(stream=True, **kw))
-        calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-        assert [tc.index for tc in calls] == list(range(len(calls)))
+        deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+        # Each call: a first delta with its id and name, then its arguments in pieces.
+        starts = [d for d in deltas if d.id is not None]
+        assert [d.index for d in starts] == list(range(len(starts)))
+        assert len(deltas) > len(starts)
+        calls = [start.model_copy(update={"function": start.function.model_copy(update={
+            "arguments": "".join(d.function.arguments or "" for d in deltas
+                                 if d.index == start.index)})}) for start in starts]
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
         _check_calls(calls, tools)
 
@@ -217,15 +223,17 @@ def test_responses_function_calls_are_output_items_as_on_chat(client):
     assert call.id == "fc_" + r.id.removeprefix("resp_") and call.call_id.startswith("call_")
     assert (call.name, call.arguments) == (expected.function.name, expected.function.arguments)
     jsonschema.validate(json.loads(call.arguments), WEATHER["function"]["parameters"])
-    # Streamed: the item added, its arguments, done; the same call.
+    # Streamed: the item added, its arguments as they are generated, done; the same call.
     events = list(client.responses.create(input=ASK_WEATHER[0]["content"], stream=True, **kw))
-    assert [e.type for e in events] == [
+    deltas = [e for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(deltas) > 1 and [e.type for e in events] == [
         "response.created", "response.in_progress", "response.output_item.added",
-        "response.function_call_arguments.delta", "response.function_call_arguments.done",
+        *[d.type for d in deltas], "response.function_call_arguments.done",
         "response.output_item.done", "response.completed"]
-    added, delta, done, item_done, completed = events[2:]
+    added, (done, item_done, completed) = events[2], events[-3:]
     assert added.item.arguments == "" and added.item.status == "in_progress"
-    assert delta.delta == done.arguments == call.arguments == item_done.item.arguments
+    assert "".join(d.delta for d in deltas) == done.arguments == call.arguments
+    assert item_done.item.arguments == call.arguments
     assert completed.response.output[0].call_id == added.item.call_id
     # A named function: its arguments stream as they are generated.
     events = list(client.responses.create(

@@ -64,28 +64,45 @@ def test_plans():
         request(tools=[WEATHER, WEATHER])
 
 
+def streamed_calls(parser: ToolCallParser, text: str, size: int) -> list[list[dict]]:
+    """The call pieces of each push of ``text`` in pieces of ``size``, then finish's."""
+    pieces = [parser.push(text[i:i + size])[1] for i in range(0, len(text), size)]
+    return pieces + [parser.finish()[1]]
+
+
 @pytest.mark.parametrize("size", [1, 3, 1000])
-def test_required_calls_arrive_as_their_objects_complete(size):
-    text = ('[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
-            '{"name": "get_weather", "arguments": {"city": "Oslo"}}]')
+def test_required_calls_stream_as_they_are_generated(size):
+    first_args = '{"city": "Pa\\"ris}", "days": [1, {"a": "]"}]}'
+    text = (f'[{{"name": "get_weather", "arguments": {first_args}}}, '
+            '{"name": "get_time", "arguments": {}}]')
     parser = ToolCallParser(ToolPlan("required", None))
-    seen = []
-    for i in range(0, len(text), size):
-        _, calls = parser.push(text[i:i + size])
-        seen.append(len(calls))
-        if size == 1 and i == text.index("}}") + 1:
-            assert len(parser.calls) == 1  # the first call, before the second starts
-    assert [c["function"]["name"] for c in parser.calls] == ["get_weather"] * 2
-    assert [json.loads(c["function"]["arguments"]) for c in parser.calls] == [
-        {"city": "Paris"}, {"city": "Oslo"}]
-    assert [c["index"] for c in parser.calls] == [0, 1] and sum(seen) == 2
+    pieces = streamed_calls(parser, text, size)
+    flat = [call for piece in pieces for call in piece]
+    starts = [c for c in flat if "id" in c]
+    assert [(c["index"], c["function"]["name"]) for c in starts] == [
+        (0, "get_weather"), (1, "get_time")]
+    sent = ["".join(c["function"]["arguments"] for c in flat if c["index"] == i)
+            for i in (0, 1)]
+    assert sent == [first_args, "{}"]  # as the model wrote them, whole
+    assert [c["function"]["arguments"] for c in parser.calls] == sent
+    if size == 1:  # the first call began with its name and grew with each character
+        began = next(i for i, piece in enumerate(pieces) if piece)
+        assert text[:began + 1].endswith('"get_weather"')
+        assert sum(1 for piece in pieces if any(c["index"] == 0 for c in piece)) > 40
+        assert all(len(piece) == 1 for piece in pieces if piece)  # one entry per chunk
 
 
-def test_a_required_call_cut_short_comes_back_as_text():
-    cut = '[{"name": "get_weather", "arguments": {"ci'
+def test_a_required_call_cut_short():
+    # max_tokens ended it before a name was whole: the raw text, no calls
+    cut = '[{"name": "get_wea'
     parser = ToolCallParser(ToolPlan("required", None))
     assert parser.push(cut) == ("", [])
-    assert parser.finish() == (cut, [])  # max_tokens ended it: the raw text, no calls
+    assert parser.finish() == (cut, [])
+    # after it: the call, with the arguments it got (the finish reason says "length")
+    parser = ToolCallParser(ToolPlan("required", None))
+    _, calls = parser.push('[{"name": "get_weather", "arguments": {"ci')
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"ci'}
+    assert parser.finish() == ("", []) and len(parser.calls) == 1
     whole = ToolCallParser(ToolPlan("required", None))
     _, calls = whole.push('[{"name": "f", "arguments": {}}]')
     assert len(calls) == 1 and whole.finish() == ("", [])
