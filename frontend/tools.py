@@ -9,7 +9,8 @@ and turning the generated text into OpenAI ``tool_calls``, whole or streamed.
 - "auto" lets the model choose between text and calls, so it needs a model trained
   to write calls in a known format, which its chat template shows. roseserve parses
   three. Hermes: ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` within
-  the text (Qwen 2.5/3, Hermes and others; the template names ``<tool_call>``).
+  the text (Qwen 2.5/3, Hermes and others; the template names ``<tool_call>``), a
+  call streamed once its name is whole.
   Mistral's: ``[TOOL_CALLS]`` then a JSON list of calls, or ``name[ARGS]{...}`` per
   call with its newer tokenizers (the template names ``[TOOL_CALLS]``); these are
   special tokens, which the text of such a request keeps; text before the tag flows,
@@ -118,11 +119,15 @@ def new_call(index: int, name: str, arguments: str) -> dict:
             "function": {"name": name, "arguments": arguments}}
 
 
+ARGUMENT_KEYS = ("arguments", "parameters")
+
+
 @dataclass
-class _ArrayCall:
-    """One call of a "required" reply's array, ``{"name": ..., "arguments": ...}``,
-    read as its text arrives: its name once that string is whole, and where the text
-    of its arguments starts and (once it has) ends."""
+class _CallReader:
+    """One call's JSON object, ``{"name": ..., "arguments": ...}`` (or "parameters"),
+    read as its text arrives (an item of a "required" array, a Hermes call's body):
+    its name once that string is whole, and where the text of its arguments starts and
+    (once it has) ends."""
 
     pos: int                   # the next character of the reply to read
     depth: int = 0
@@ -151,11 +156,11 @@ class _ArrayCall:
                         self.key = json.loads(text[self.string_start:i + 1])
                     elif top and self.key == "name":
                         self.name = json.loads(text[self.string_start:i + 1])
-                    elif top and self.key == "arguments":
+                    elif top and self.key in ARGUMENT_KEYS:
                         self.args_end = i + 1
                     self.string_start = -1
             elif c == '"' or c in "{[":
-                if top and self.in_value and self.key == "arguments":
+                if top and self.in_value and self.key in ARGUMENT_KEYS:
                     self.args_start = i
                 if c == '"':
                     self.string_start = i
@@ -165,7 +170,7 @@ class _ArrayCall:
                 self.depth -= 1
                 if self.depth == 0:
                     self.end = i + 1
-                elif self.depth == 1 and self.in_value and self.key == "arguments":
+                elif self.depth == 1 and self.in_value and self.key in ARGUMENT_KEYS:
                     self.args_end = i + 1
             elif top and c in ":,":
                 self.in_value = c == ":"
@@ -181,17 +186,18 @@ class ToolCallParser:
     call's first carries its id and name); ``finish()`` returns the same for what is
     left at the end (with "required", the raw text when no call began). Calls carry
     their stream index. A named function's arguments, and each call of a "required"
-    array once its name is whole, stream as they are generated, as the model wrote
-    them; a call cut short (max_tokens) keeps the arguments it got."""
+    array or a Hermes reply once its name is whole, stream as they are generated, as
+    the model wrote them; a call cut short (max_tokens) keeps the arguments it got."""
 
     plan: ToolPlan
     buffer: str = ""
     calls: list[dict] = field(default_factory=list)
     # named: the call's arguments stream as they come, after a first delta with the name.
     started: bool = False
-    # required: where the next array item starts in ``buffer``, and the one being read.
+    # required: where the next array item starts in ``buffer``; required and Hermes:
+    # the call being read.
     scan_pos: int = 0
-    item: Optional[_ArrayCall] = None
+    item: Optional[_CallReader] = None
     # auto, llama3_json: the reply is text (it did not start with a call).
     is_text: bool = False
 
@@ -240,26 +246,10 @@ class ToolCallParser:
                 self.scan_pos = pos
                 if pos == len(text) or text[pos] != "{":
                     return out
-                self.item = _ArrayCall(pos)
+                self.item = _CallReader(pos)
             item = self.item
             item.read(text)
-            if item.name is None:
-                return out
-            if item.call is None:   # its name is whole: the call begins
-                item.call = new_call(len(self.calls), item.name, "")
-                self.calls.append(item.call)
-                out.append({**item.call, "function": dict(item.call["function"])})
-            if item.args_start >= 0:
-                upto = item.args_end if item.args_end >= 0 else len(text)
-                piece = text[max(item.sent, item.args_start):upto]
-                item.sent = upto
-                if piece:
-                    item.call["function"]["arguments"] += piece
-                    if out and out[-1]["index"] == len(self.calls) - 1:
-                        out[-1]["function"]["arguments"] += piece
-                    else:
-                        out.append({"index": len(self.calls) - 1,
-                                    "function": {"arguments": piece}})
+            self._grow(item, text, out)
             if item.end < 0:
                 return out
             self.scan_pos, self.item = item.end, None
@@ -302,33 +292,97 @@ class ToolCallParser:
         text, self.buffer = self.buffer, ""
         return text, []
 
+    def _grow(self, item: _CallReader, text: str, out: list[dict]) -> None:
+        """Into ``out``, what ``item`` adds now: its call, once its name is whole (the
+        models and the grammar write it first; arguments before it wait for it), then
+        its arguments' new text (arguments given as a JSON string: its value, once
+        whole)."""
+        if item.name is None:
+            return
+        if item.call is None:
+            item.call = new_call(len(self.calls), item.name, "")
+            self.calls.append(item.call)
+            out.append({**item.call, "function": dict(item.call["function"])})
+        if item.args_start < 0:
+            return
+        if text[item.args_start] == '"':
+            if item.args_end < 0 or item.sent:
+                return
+            piece, item.sent = json.loads(text[item.args_start:item.args_end]), item.args_end
+        else:
+            upto = item.args_end if item.args_end >= 0 else len(text)
+            piece = text[max(item.sent, item.args_start):upto]
+            item.sent = upto
+        if not piece:
+            return
+        item.call["function"]["arguments"] += piece
+        if out and out[-1]["index"] == item.call["index"]:
+            out[-1]["function"]["arguments"] += piece
+        else:
+            out.append({"index": item.call["index"], "function": {"arguments": piece}})
+
     def _hermes(self, final: bool) -> tuple[str, list[dict]]:
-        content, calls = [], []
+        """Text flows but what may begin <tool_call>; from it on, a JSON object's call
+        streams once its name is whole. A body that is not such an object is held to
+        </tool_call> and is a call if it parses as one, else text."""
+        content: list[str] = []
+        calls: list[dict] = []
         while True:
-            start = self.buffer.find(HERMES_START)
-            if start == -1:
-                keep = 0 if final else partial_suffix(self.buffer, [HERMES_START])
-                content.append(self.buffer[:len(self.buffer) - keep])
-                self.buffer = self.buffer[len(self.buffer) - keep:]
-                break
-            content.append(self.buffer[:start])
-            end = self.buffer.find(HERMES_END, start)
-            if end == -1:
-                if final:  # an unterminated call: shown as text
-                    content.append(self.buffer[start:])
-                    self.buffer = ""
-                else:
-                    self.buffer = self.buffer[start:]
-                break
-            body = self.buffer[start + len(HERMES_START):end]
-            self.buffer = self.buffer[end + len(HERMES_END):]
-            call = _parse_hermes(body, len(self.calls))
-            if call is None:
-                content.append(HERMES_START + body + HERMES_END)
+            if self.item is None:
+                start = self.buffer.find(HERMES_START)
+                if start == -1:
+                    keep = 0 if final else partial_suffix(self.buffer, [HERMES_START])
+                    content.append(self.buffer[:len(self.buffer) - keep])
+                    self.buffer = self.buffer[len(self.buffer) - keep:]
+                    return "".join(content), calls
+                content.append(self.buffer[:start])
+                self.buffer = self.buffer[start:]
+                body = len(self.buffer) - len(self.buffer[len(HERMES_START):].lstrip())
+                if body < len(self.buffer) and self.buffer[body] == "{":
+                    self.item = _CallReader(body)
+                elif body == len(self.buffer) and not final:
+                    return "".join(content), calls  # its body has not begun
+                elif not self._hermes_whole(final, content, calls):
+                    return "".join(content), calls
+                continue
+            item = self.item
+            item.read(self.buffer)
+            self._grow(item, self.buffer, calls)
+            if item.call is None and (item.end >= 0 or final):
+                self.item = None  # no name: held to its end, as any other body
+                if not self._hermes_whole(final, content, calls):
+                    return "".join(content), calls
+                continue
+            end = self.buffer.find(HERMES_END, item.end) if item.end >= 0 else -1
+            if end == -1 and not final:
+                return "".join(content), calls
+            if end == -1:  # cut short: the call keeps what it got
+                after = self.buffer[item.end:] if item.end >= 0 else ""
+                end = len(self.buffer) - len(HERMES_END)
             else:
-                self.calls.append(call)
-                calls.append(call)
-        return "".join(content), calls
+                after = self.buffer[item.end:end]
+            content.append(after.strip())
+            self.buffer, self.item = self.buffer[end + len(HERMES_END):], None
+
+    def _hermes_whole(self, final: bool, content: list[str], calls: list[dict]) -> bool:
+        """A Hermes call at the start of the buffer, read whole: a call if its body
+        parses as one, else text (so is an unterminated one at the end). False while
+        its end has not come."""
+        end = self.buffer.find(HERMES_END)
+        if end == -1:
+            if final:
+                content.append(self.buffer)
+                self.buffer = ""
+            return False
+        body = self.buffer[len(HERMES_START):end]
+        self.buffer = self.buffer[end + len(HERMES_END):]
+        call = _parse_hermes(body, len(self.calls))
+        if call is None:
+            content.append(HERMES_START + body + HERMES_END)
+        else:
+            self.calls.append(call)
+            calls.append(call)
+        return True
 
 
 def _parse_llama3(text: str, index: int) -> Optional[list[dict]]:

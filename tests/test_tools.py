@@ -118,13 +118,47 @@ def test_named_call_streams_its_arguments():
     assert parser.calls[0]["function"]["arguments"] == '{"a": 1}'
 
 
+def merged(deltas: list[dict]) -> list[dict]:
+    """Streamed call pieces as whole calls: a first piece with id and name, the rest
+    arguments, by index."""
+    calls: list[dict] = []
+    for d in deltas:
+        if "id" in d:
+            calls.append({**d, "function": dict(d["function"])})
+        else:
+            calls[d["index"]]["function"]["arguments"] += d["function"]["arguments"]
+    return calls
+
+
 @pytest.mark.parametrize("size", [1, 2, 7, 1000])
 def test_hermes_calls_are_cut_out_of_the_text(size):
     text = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": '
-            '{"city": "Paris"}}\n</tool_call> and <tool_call>not json</tool_call> done <tool')
-    content, calls = pieces(ToolCallParser(ToolPlan("auto", None)), text, size)
+            '{"city": "Paris"}}\n</tool_call> and <tool_call>not json</tool_call> done '
+            '<tool_call>{"arguments": {"x": "</tool_call>"}, "name": "f"} </tool_call>'
+            '<tool_call> {"name": "g", "parameters": "{\\"y\\": 1}"}</tool_call><tool')
+    content, deltas = pieces(ToolCallParser(ToolPlan("auto", None)), text, size)
     assert content == "Let me check.  and <tool_call>not json</tool_call> done <tool"
-    assert len(calls) == 1 and json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    calls = merged(deltas)
+    assert [(c["index"], c["function"]["name"]) for c in calls] == [
+        (0, "get_weather"), (1, "f"), (2, "g")]
+    assert [c["function"]["arguments"] for c in calls] == [
+        '{"city": "Paris"}', '{"x": "</tool_call>"}', '{"y": 1}']
+    if size == 1:  # the first call's arguments streamed, a piece a character
+        assert sum(1 for d in deltas if d["index"] == 0) == len('{"city": "Paris"}') + 1
+
+
+def test_a_hermes_call_cut_short():
+    for text, content, calls in [
+            # its name whole: the call, with the arguments it got
+            ('Hi <tool_call>{"name": "f", "arguments": {"a": [1, ', "Hi ", [("f", '{"a": [1, ')]),
+            # before that: text, as any unterminated call
+            ('Hi <tool_call>{"name": "f', 'Hi <tool_call>{"name": "f', []),
+            ('Hi <tool_call> ', "Hi <tool_call> ", [])]:
+        parser = ToolCallParser(ToolPlan("auto", None))
+        got, deltas = pieces(parser, text, 3)
+        assert got == content
+        assert [(c["function"]["name"], c["function"]["arguments"])
+                for c in merged(deltas)] == calls
 
 
 LLAMA3 = ToolPlan("auto", None, syntax="llama3_json")
