@@ -271,7 +271,8 @@ INT8_BLOCK = 32
 GGUF_FORMATS = {8: "int8", 2: "q4", 3: "q4"}  # Q8_0, Q4_0, Q4_1
 # How bfloat16 weights are multiplied here (rs_bf16_path in gemm.c): AMX tiles (Intel
 # Xeon, 4th generation on; vdpbf16ps below 16 rows), AVX-512-BF16's vdpbf16ps (AMD Zen
-# 4/5), both taking x rounded to bfloat16, or widened to float32 (x stays float32).
+# 4/5; without AMX, Intel's cores widen, which is faster there), both taking x rounded
+# to bfloat16, or widened to float32 (x stays float32).
 BF16_PATHS = {2: "amx", 1: "avx512-bf16", 0: "widened"}
 # And int8 and 4-bit weights (rs_int8_path): AMX tiles (from 16 rows; VNNI below), VNNI's
 # byte dot products (vpdpbusd: AVX-512 VNNI or AVX-VNNI), or without them (vpmaddubsw,
@@ -399,7 +400,8 @@ def _cpu_signature() -> str:
 @functools.lru_cache(maxsize=None)
 def _vendor_flags() -> tuple[str, ...]:
     """-DRS_INTEL on Intel CPUs: their float tiles fetch the next panel into L2, not
-    L1 (gemm.c)."""
+    L1, and without AMX their bfloat16 weights are widened, not multiplied with
+    vdpbf16ps (gemm.c)."""
     return ("-DRS_INTEL",) if "GenuineIntel" in _cpuinfo("vendor_id") else ()
 
 

@@ -18,7 +18,8 @@
  * layout the bf16 dot-product instructions take: with AMX (Intel Xeon, 4th generation
  * on) rows of x are rounded to bfloat16 and multiplied in 16 x 32 tiles (tdpbf16ps,
  * float32 accumulation); with AVX-512-BF16 alone (AMD Zen 4/5) each vdpbf16ps adds two
- * products per lane, twice the float32 FMA rate; elsewhere the pairs are widened to
+ * products per lane, twice the float32 FMA rate (Intel's cores without AMX widen
+ * instead, which is faster there: BF16_DOT_TILES); elsewhere the pairs are widened to
  * float32 in registers at up to DIRECT_MAX_ROWS rows, and above that expanded, NP
  * panels at a time, into a per-thread float32 buffer that stays in L2, on which the
  * float32 tiles run (x stays float32 on that path). rs_bf16_path says which one runs.
@@ -686,6 +687,26 @@ tile_bf16(const int MR, const int NP, const uint16_t *xb, int64_t K, const char 
 #define BF16_DOT 0
 #endif
 
+/* Whether bfloat16 tiles use vdpbf16ps where the CPU has it. Not on Intel: its cores
+   (Xeon, family 6 model 207, 2026-11-27) run vdpbf16ps at the rate of float32 FMAs for
+   the same products, and the weights widened to float32 (in registers, or expanded in
+   L2 above DIRECT_MAX_ROWS rows) were faster at every batch: the default model's layers
+   alone, builds alternating, 1.08 / 1.02 / 1.01 / 1.18 / 1.24 / 1.09 / 1.24x at 1 / 2 /
+   4 / 8 / 16 / 32 / 64 rows. Where AMX runs (from AMX_MIN_ROWS rows), the rows below
+   keep vdpbf16ps: x is rounded to bfloat16 at every batch size then, as AMX's tiles
+   round it, and a sequence's numbers do not depend on its batch's size.
+   -DBF16_DOT_TILES=1 builds the vdpbf16ps tiles on Intel too (the tests check them on
+   every CPU that has the instruction). */
+#ifndef BF16_DOT_TILES
+#ifdef RS_INTEL
+#define BF16_DOT_TILES 0
+#else
+#define BF16_DOT_TILES BF16_DOT
+#endif
+#endif
+/* The same, set once AMX is known usable (amx_init). */
+static int bf16_dot_tiles = BF16_DOT_TILES;
+
 /* AMX: tile registers of up to 16 rows x 64 bytes, multiplied by the tile matrix unit.
    Linux hands a process the tile registers only once it asks (arch_prctl
    ARCH_REQ_XCOMP_PERM): rs_init does. Built with -DRS_AMX_EMULATE (tests), the tile
@@ -968,6 +989,7 @@ static int amx_agrees(void)
             continue;
         void *packed = aligned_alloc(64, (rs_packed_bytes(N, K, formats[f]) + 63) / 64 * 64);
         agrees = packed != NULL && rs_pack_weight(w, N, K, formats[f], packed) == 0;
+        bf16_dot_tiles = 1;   /* AMX's bfloat16 tiles give what vdpbf16ps' give */
         for (int amx = 0; amx < 2 && agrees; amx++) {
             amx_usable = amx;
             agrees = rs_linear(x, M, K, packed, N, NULL, amx ? got : want, 0, formats[f]) == 0;
@@ -999,6 +1021,7 @@ static void amx_init(void)
     if (amx_usable && (AMX_INT8 || AMX_BF16))
         amx_status = amx_agrees() ? 1 : -1;
     amx_usable = amx_status == 1;
+    bf16_dot_tiles = amx_usable || BF16_DOT_TILES;
 }
 #endif
 
@@ -1029,7 +1052,7 @@ int rs_bf16_path(void)
     if (amx_usable)
         return 2;
 #endif
-    return BF16_DOT;
+    return BF16_DOT && bf16_dot_tiles;
 }
 
 /* How int8 and 4-bit weights are multiplied: 2 AMX tiles (from AMX_MIN_ROWS rows; VNNI
@@ -1228,7 +1251,8 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
 #else
     const int amx8 = 0;
 #endif
-    const int dot = bf16 && BF16_DOT && !amx, expand = bf16 && !BF16_DOT && M > DIRECT_MAX_ROWS;
+    const int dot = bf16 && BF16_DOT && bf16_dot_tiles && !amx;
+    const int expand = bf16 && !dot && !amx && M > DIRECT_MAX_ROWS;
     const int64_t Mp = amx || amx8 ? (M + 15) / 16 * 16 : M;   /* AMX: whole tiles of rows */
     /* Scratch, by every thread for itself: expanded panels, or x as int8 (with its
        scales) or as bfloat16 (and AMX's result tiles). */
