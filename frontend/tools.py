@@ -353,16 +353,20 @@ class ToolCallParser:
                 if not self._hermes_whole(final, content, calls):
                     return "".join(content), calls
                 continue
-            end = self.buffer.find(HERMES_END, item.end) if item.end >= 0 else -1
-            if end == -1 and not final:
-                return "".join(content), calls
-            if end == -1:  # cut short: the call keeps what it got
-                after = self.buffer[item.end:] if item.end >= 0 else ""
-                end = len(self.buffer) - len(HERMES_END)
+            # Its object read (or cut short: the call keeps what it got), it ends at
+            # </tool_call>, or at the next <tool_call> of a model that left it open.
+            rest = self.buffer[item.end:] if item.end >= 0 else ""
+            close, reopen = rest.find(HERMES_END), rest.find(HERMES_START)
+            if reopen != -1 and (close == -1 or reopen < close):
+                cut, skip = reopen, 0
+            elif close != -1:
+                cut, skip = close, len(HERMES_END)
+            elif final:
+                cut, skip = len(rest), 0
             else:
-                after = self.buffer[item.end:end]
-            content.append(after.strip())
-            self.buffer, self.item = self.buffer[end + len(HERMES_END):], None
+                return "".join(content), calls
+            content.append(rest[:cut].strip())
+            self.buffer, self.item = rest[cut + skip:], None
 
     def _hermes_whole(self, final: bool, content: list[str], calls: list[dict]) -> bool:
         """A Hermes call at the start of the buffer, read whole: a call if its body

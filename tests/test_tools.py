@@ -135,14 +135,15 @@ def test_hermes_calls_are_cut_out_of_the_text(size):
     text = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": '
             '{"city": "Paris"}}\n</tool_call> and <tool_call>not json</tool_call> done '
             '<tool_call>{"arguments": {"x": "</tool_call>"}, "name": "f"} </tool_call>'
-            '<tool_call> {"name": "g", "parameters": "{\\"y\\": 1}"}</tool_call><tool')
+            '<tool_call> {"name": "g", "parameters": "{\\"y\\": 1}"}'  # left open
+            '<tool_call>{"name": "h", "arguments": {}}</tool_call><tool')
     content, deltas = pieces(ToolCallParser(ToolPlan("auto", None)), text, size)
     assert content == "Let me check.  and <tool_call>not json</tool_call> done <tool"
     calls = merged(deltas)
     assert [(c["index"], c["function"]["name"]) for c in calls] == [
-        (0, "get_weather"), (1, "f"), (2, "g")]
+        (0, "get_weather"), (1, "f"), (2, "g"), (3, "h")]
     assert [c["function"]["arguments"] for c in calls] == [
-        '{"city": "Paris"}', '{"x": "</tool_call>"}', '{"y": 1}']
+        '{"city": "Paris"}', '{"x": "</tool_call>"}', '{"y": 1}', "{}"]
     if size == 1:  # the first call's arguments streamed, a piece a character
         assert sum(1 for d in deltas if d["index"] == 0) == len('{"city": "Paris"}') + 1
 
