@@ -14,7 +14,7 @@ and turning the generated text into OpenAI ``tool_calls``, whole or streamed.
   Mistral's: ``[TOOL_CALLS]`` then a JSON list of calls, or ``name[ARGS]{...}`` per
   call with its newer tokenizers (the template names ``[TOOL_CALLS]``); these are
   special tokens, which the text of such a request keeps; text before the tag flows,
-  and from it on the reply is held until it ends. Llama 3's JSON: the whole reply
+  and from it on the calls stream. Llama 3's JSON: the whole reply
   one or more ``{"name": ..., "parameters": ...}`` objects, separated by ``;``, maybe
   after ``<|python_tag|>`` (Llama 3.1-3.3, whose templates ask for "the format
   {"name": function name, "parameters": ...}"); a reply that starts as anything
@@ -141,11 +141,13 @@ class _CallReader:
     end: int = -1              # just after its closing brace
     call: Optional[dict] = None   # once its name is whole
     sent: int = 0              # how far its arguments' text has been sent
+    # Mistral's name[ARGS]{...}: the object is the arguments, named by the caller.
+    arguments_only: bool = False
 
     def read(self, text: str) -> None:
         i = self.pos
         while i < len(text) and self.end < 0:
-            c, top = text[i], self.depth == 1
+            c, top = text[i], self.depth == 1 and not self.arguments_only
             if self.string_start >= 0:
                 if self.escaped:
                     self.escaped = False
@@ -170,6 +172,8 @@ class _CallReader:
                 self.depth -= 1
                 if self.depth == 0:
                     self.end = i + 1
+                    if self.arguments_only:
+                        self.args_end = self.end
                 elif self.depth == 1 and self.in_value and self.key in ARGUMENT_KEYS:
                     self.args_end = i + 1
             elif top and c in ":,":
@@ -194,10 +198,13 @@ class ToolCallParser:
     calls: list[dict] = field(default_factory=list)
     # named: the call's arguments stream as they come, after a first delta with the name.
     started: bool = False
-    # required: where the next array item starts in ``buffer``; required and Hermes:
-    # the call being read.
+    # required: where the next array item starts in ``buffer``; required, Hermes and
+    # Mistral: the call being read.
     scan_pos: int = 0
     item: Optional[_CallReader] = None
+    # Mistral: past the first [TOOL_CALLS]; its calls a JSON list (v3) or not (v11).
+    in_calls: bool = False
+    listed: Optional[bool] = None
     # auto, llama3_json: the reply is text (it did not start with a call).
     is_text: bool = False
 
@@ -260,23 +267,62 @@ class ToolCallParser:
                 self._mistral(final) if syntax == "mistral" else self._llama3_json(final))
 
     def _mistral(self, final: bool) -> tuple[str, list[dict]]:
-        """Text before [TOOL_CALLS] flows; from it on, held until the reply ends, then
-        calls if it parses as nothing but calls, else text."""
-        start = self.buffer.find(MISTRAL_CALLS)
-        if start == -1:
-            keep = 0 if final else partial_suffix(self.buffer, [MISTRAL_CALLS])
-            cut = len(self.buffer) - keep
-            text, self.buffer = self.buffer[:cut], self.buffer[cut:]
-            return text, []
-        text, self.buffer = self.buffer[:start], self.buffer[start:]
-        if not final:
-            return text, []
-        calls = _parse_mistral(self.buffer, len(self.calls))
-        if calls is None:
-            text += self.buffer
-        self.buffer = ""
-        self.calls += calls or []
-        return text, calls or []
+        """Text before [TOOL_CALLS] flows; from it on the reply is calls, each streamed
+        once its name is whole: a JSON list of {"name", "arguments"} after the tag (v3
+        tokenizers; read as "required"'s), or name[ARGS]{arguments} after each tag (v11
+        on). A reply none of whose calls began is text, at its end."""
+        text = ""
+        if not self.in_calls:
+            start = self.buffer.find(MISTRAL_CALLS)
+            if start == -1:
+                keep = 0 if final else partial_suffix(self.buffer, [MISTRAL_CALLS])
+                cut = len(self.buffer) - keep
+                text, self.buffer = self.buffer[:cut], self.buffer[cut:]
+                return text, []
+            text, self.buffer, self.in_calls = self.buffer[:start], self.buffer[start:], True
+        out: list[dict] = []
+        if self.listed:
+            out = self._array_calls()
+        else:
+            self._mistral_named_calls(out)
+        if final:
+            if not self.calls:
+                text += self.buffer
+            self.buffer, self.item = "", None
+        return text, out
+
+    def _mistral_named_calls(self, out: list[dict]) -> None:
+        """Mistral's calls from ``scan_pos`` on: each [TOOL_CALLS] then name[ARGS] and
+        its arguments' object (or, after the first tag, a JSON list: self.listed)."""
+        text = self.buffer
+        while True:
+            item = self.item
+            if item is not None:
+                item.read(text)
+                self._grow(item, text, out)
+                if item.end < 0:
+                    return
+                self.scan_pos, self.item = item.end, None
+            pos = _skip_space(text, self.scan_pos)
+            if not text.startswith(MISTRAL_CALLS, pos):
+                return  # the next tag has not come (or what follows the calls: dropped)
+            pos = _skip_space(text, pos + len(MISTRAL_CALLS))
+            if pos == len(text):
+                return
+            if self.listed is None:
+                self.listed = text[pos] in "[{"
+                if self.listed:
+                    self.scan_pos = pos
+                    out += self._array_calls()
+                    return
+            args = text.find(MISTRAL_ARGS, pos)
+            value = _skip_space(text, args + len(MISTRAL_ARGS)) if args != -1 else -1
+            if args == -1 or value == len(text) or not text[pos:args].strip():
+                return  # the name or the arguments have not begun (or no name: text)
+            if text[value] != "{":
+                return
+            self.item = _CallReader(value, name=text[pos:args].strip(), args_start=value,
+                                    arguments_only=True)
 
     def _llama3_json(self, final: bool) -> tuple[str, list[dict]]:
         head = self.buffer.lstrip().removeprefix(PYTHON_TAG).lstrip()
@@ -301,6 +347,8 @@ class ToolCallParser:
             return
         if item.call is None:
             item.call = new_call(len(self.calls), item.name, "")
+            if self.plan.syntax == "mistral":   # the only ids its templates take back
+                item.call["id"] = uuid.uuid4().hex[:9]
             self.calls.append(item.call)
             out.append({**item.call, "function": dict(item.call["function"])})
         if item.args_start < 0:
@@ -389,6 +437,12 @@ class ToolCallParser:
         return True
 
 
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos].isspace():
+        pos += 1
+    return pos
+
+
 def _parse_llama3(text: str, index: int) -> Optional[list[dict]]:
     """Llama 3's calls: JSON objects, separated by ';' or spaces; None unless the text
     is only calls."""
@@ -407,31 +461,6 @@ def _parse_llama3(text: str, index: int) -> Optional[list[dict]]:
         if call is None:
             return None
         calls.append(call)
-
-
-def _parse_mistral(text: str, index: int) -> Optional[list[dict]]:
-    """Mistral's calls, after each [TOOL_CALLS]: a JSON list (or object) of
-    {"name", "arguments"} (v3 tokenizers), or ``name[ARGS]{arguments}`` (v11 on);
-    None unless the text is only calls. Their ids are 9 letters and digits, which
-    Mistral's templates require of the calls a conversation gives back."""
-    calls: list[dict] = []
-    for piece in text.split(MISTRAL_CALLS)[1:]:
-        name, args, arguments = piece.partition(MISTRAL_ARGS)
-        try:
-            if args:
-                items = [{"name": name.strip(), "arguments": json.loads(arguments)}]
-            else:
-                parsed = json.loads(piece)
-                items = parsed if isinstance(parsed, list) else [parsed]
-        except json.JSONDecodeError:
-            return None
-        for item in items:
-            call = _call(item, index + len(calls))
-            if call is None or not call["function"]["name"]:
-                return None
-            call["id"] = uuid.uuid4().hex[:9]
-            calls.append(call)
-    return calls or None
 
 
 def _call(item, index: int) -> Optional[dict]:

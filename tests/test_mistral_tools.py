@@ -51,7 +51,7 @@ def test_mistral_calls_come_back_as_tool_calls(url, version):
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] \
         == [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]
     assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls)
-    # Streamed: the text first, then the calls once the reply ends.
+    # Streamed: the text, then each call as it is generated (its arguments in pieces).
     with httpx.stream("POST", url + "/v1/chat/completions", timeout=60, json={
             "model": "m", "messages": QUESTION, "tools": [WEATHER], "max_tokens": 80,
             "temperature": 0, "guided_grammar": REPLIES[version], "stream": True}) as s:
@@ -59,8 +59,10 @@ def test_mistral_calls_come_back_as_tool_calls(url, version):
     deltas = [e["choices"][0]["delta"] for e in events[:-1]]
     assert "".join(d.get("content", "") for d in deltas) == "Sure."
     streamed = [c for d in deltas for c in d.get("tool_calls", [])]
-    assert [c["function"]["arguments"] for c in streamed] == \
-        [c["function"]["arguments"] for c in calls]
+    assert len(streamed) > len(calls)
+    assert ["".join(c["function"]["arguments"] for c in streamed if c["index"] == i)
+            for i in range(len(calls))] == [c["function"]["arguments"] for c in calls]
+    assert [c["function"]["name"] for c in streamed if "id" in c] == ["get_weather"] * 2
     assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
     # The calls given back, with their results, pass the template's check of their ids.
     history = QUESTION + [message, {"role": "tool", "tool_call_id": calls[0]["id"],

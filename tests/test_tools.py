@@ -201,25 +201,34 @@ MISTRAL = ToolPlan("auto", None, syntax="mistral")
     '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_weather[ARGS]'
     '{"city": "Oslo"}'])  # v11 on
 def test_mistral_calls_become_calls(size, reply):
-    content, calls = pieces(ToolCallParser(MISTRAL), "Checking. " + reply, size)
+    content, deltas = pieces(ToolCallParser(MISTRAL), "Checking. " + reply, size)
     assert content == "Checking. "
+    calls = merged(deltas)
     assert [json.loads(c["function"]["arguments"]) for c in calls] == [
         {"city": "Paris"}, {"city": "Oslo"}]
     assert [c["index"] for c in calls] == [0, 1]
     # Mistral's templates take back only ids of 9 letters and digits.
     assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls)
+    if size == 1:  # streamed: each call's arguments a character at a time
+        assert sum(1 for d in deltas if d["index"] == 0) >= len('{"city": "Paris"}')
 
 
 def test_mistral_text_flows_and_what_is_not_calls_stays_text():
     parser = ToolCallParser(MISTRAL)
     assert parser.push("It is [TOOL") == ("It is ", [])  # may begin the tag
     assert parser.push("S] sunny") == ("[TOOLS] sunny", [])
-    for reply in ('[TOOL_CALLS] [{"name": "get_weather", "argu',  # cut by max_tokens
-                  "[TOOL_CALLS]get_weather[ARGS]{not json}", '[TOOL_CALLS] [{"city": "x"}]',
-                  "[TOOL_CALLS]"):
+    for reply in ('[TOOL_CALLS] [{"name": "get_wea',  # cut by max_tokens before a name
+                  '[TOOL_CALLS] [{"city": "x"}]', "[TOOL_CALLS]", "[TOOL_CALLS]f[ARGS] 7",
+                  "[TOOL_CALLS][ARGS]{}"):
         parser = ToolCallParser(MISTRAL)
         assert parser.push(reply) == ("", [])
         assert parser.finish() == (reply, []), reply
+    # Once a name is whole the call is made, and keeps the arguments it got.
+    for reply, arguments in (('[TOOL_CALLS] [{"name": "f", "arguments": {"a', '{"a'),
+                             ('[TOOL_CALLS]f[ARGS]{"a": [1', '{"a": [1')):
+        content, deltas = pieces(ToolCallParser(MISTRAL), reply, 4)
+        assert content == "" and [(c["function"]["name"], c["function"]["arguments"])
+                                  for c in merged(deltas)] == [("f", arguments)]
     assert plan_tools(request(tools=[WEATHER]), "... [TOOL_CALLS] ...") == MISTRAL
     assert MISTRAL.keeps_special_tokens and not LLAMA3.keeps_special_tokens
 
