@@ -374,6 +374,23 @@ def test_intel_and_other_builds_compute_the_same_floats(isa):
                                reference.linear(x, packed, 100, None, fmt)), (fmt, m)
 
 
+@pytest.mark.parametrize("isa", ["avx512-bf16", "avx2", "portable"])
+def test_unpacked_4bit_panels_give_the_packed_tiles_floats(isa):
+    """From Q4X_MIN_ROWS rows a thread unpacks each group of 4-bit panels into bytes
+    once (gemm.c) instead of each row block unpacking the nibbles: the same products
+    summed in the same order, so the same floats."""
+    unpacking = kernels._build_and_load(ISAS[isa])   # without AMX, whose tiles take over
+    packed_only = kernels._build_and_load([*ISAS[isa], "-DQ4X_MIN_ROWS=1000000"])
+    assert unpacking is not None and packed_only is not None
+    torch.manual_seed(0)
+    w = torch.randn(100, 160)   # a partial panel; 5 blocks of 32 inputs
+    weight = unpacking.pack(w, "q4")
+    for m in (33, 40, 64, 97):
+        x = torch.randn(m, 160)
+        assert torch.equal(unpacking.linear(x, weight, 100, None, "q4"),
+                           packed_only.linear(x, weight, 100, None, "q4")), m
+
+
 def test_only_intel_cpus_build_with_the_intel_flag(monkeypatch):
     for vendor, flags in (("vendor_id\t: GenuineIntel\n", ("-DRS_INTEL",)),
                           ("vendor_id\t: AuthenticAMD\n", ()), ("", ())):
