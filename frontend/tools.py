@@ -125,9 +125,9 @@ ARGUMENT_KEYS = ("arguments", "parameters")
 @dataclass
 class _CallReader:
     """One call's JSON object, ``{"name": ..., "arguments": ...}`` (or "parameters"),
-    read as its text arrives (an item of a "required" array, a Hermes call's body):
-    its name once that string is whole, and where the text of its arguments starts and
-    (once it has) ends."""
+    read as its text arrives (an item of a "required" array or of Mistral's list, a
+    Hermes call's body): its name once that string is whole, and where the text of its
+    arguments starts and (once it has) ends."""
 
     pos: int                   # the next character of the reply to read
     depth: int = 0
@@ -190,8 +190,9 @@ class ToolCallParser:
     call's first carries its id and name); ``finish()`` returns the same for what is
     left at the end (with "required", the raw text when no call began). Calls carry
     their stream index. A named function's arguments, and each call of a "required"
-    array or a Hermes reply once its name is whole, stream as they are generated, as
-    the model wrote them; a call cut short (max_tokens) keeps the arguments it got."""
+    array or of a Hermes or Mistral reply once its name is whole, stream as they are
+    generated, as the model wrote them; a call cut short (max_tokens) keeps the
+    arguments it got. Llama 3's are whole, once its reply ends."""
 
     plan: ToolPlan
     buffer: str = ""
