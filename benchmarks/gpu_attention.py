@@ -33,6 +33,7 @@ from benchmarks.engine_gpu import copy_bandwidth, timed  # noqa: E402
 from common.model_files import resolve_model_dir  # noqa: E402
 from engine_worker.gpu import attention  # noqa: E402
 from engine_worker.model_config import load_model_config  # noqa: E402
+from engine_worker.ops import FP8, to_cache_dtype  # noqa: E402
 
 # Candidates that compile for Hopper without spills at head_dim 128
 # (python -m engine_worker.gpu.compile_check prints the engine's own).
@@ -66,8 +67,8 @@ def scattered_cache(num_seqs: int, context: int, page: int, hkv: int, d: int,
     table: (k_cache, v_cache, block_tables)."""
     width = math.ceil(context / page)
     num_blocks = num_seqs * width
-    k = torch.randn(num_blocks, page, hkv, d, generator=gen).to(device, dtype)
-    v = torch.randn(num_blocks, page, hkv, d, generator=gen).to(device, dtype)
+    k, v = (to_cache_dtype(torch.randn(num_blocks, page, hkv, d, generator=gen).to(device),
+                           dtype) for _ in range(2))
     tables = torch.randperm(num_blocks, generator=gen).view(num_seqs, width)
     return k, v, tables.to(device, torch.int32)
 
@@ -93,6 +94,8 @@ def main(argv=None) -> int:
     p.add_argument("--chunk-seqs", type=int, default=16)
     p.add_argument("--chunk-len", type=int, default=512)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                   help="the cache's keys and values: the queries' dtype, or float8 e4m3")
     p.add_argument("--decode-tilings", default=DECODE_TILINGS)
     p.add_argument("--chunk-tilings", default=CHUNK_TILINGS)
     p.add_argument("--iters", type=int, default=20)
@@ -103,25 +106,31 @@ def main(argv=None) -> int:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32  # the interpreter has no bf16 dot
-    tol = 2e-2 if cuda else 1e-4
     cfg = load_model_config(resolve_model_dir(args.model_config))
     hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     page, scale = args.block_size, d ** -0.5
     sms = torch.cuda.get_device_properties(device).multi_processor_count if cuda else 1
     bandwidth = copy_bandwidth(device, 2 << 30 if cuda else 16 << 20)
     gen = torch.Generator().manual_seed(0)
-    decode_tilings = [attention.tiling(d, decode=True)] + parse_tilings(args.decode_tilings, True)
-    chunk_tilings = [attention.tiling(d, decode=False)] + parse_tilings(args.chunk_tilings, False)
-    elem = torch.empty((), dtype=dtype).element_size()
+    engine_tiles = attention.tilings(d, fp8=args.kv_cache_dtype == "fp8")
+    decode_tilings = [engine_tiles[0]] + parse_tilings(args.decode_tilings, True)
+    chunk_tilings = [engine_tiles[1]] + parse_tilings(args.chunk_tilings, False)
+    cache_dtype = FP8 if args.kv_cache_dtype == "fp8" else dtype
+    # (an fp8 cache's dots run in float16: tilings round the probabilities differently)
+    tol = 2e-2 if cuda else 1e-3 if cache_dtype == FP8 else 1e-4
+    elem = torch.empty((), dtype=cache_dtype).element_size()
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     print(f"device: {name}; model: {args.model_config} ({hq} query heads, {hkv} KV heads, "
-          f"head_dim {d}); copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+          f"head_dim {d}); KV cache {str(cache_dtype).removeprefix('torch.')}; "
+          f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
     report = {"device": name, "model": args.model_config, "bandwidth_bytes_per_s": bandwidth,
+              "kv_cache_dtype": str(cache_dtype).removeprefix("torch."),
               "decode": {}, "chunk": {}}
     failed = False
 
     batches = [int(b) for b in args.batches.split(",") if b]
-    k, v, tables = scattered_cache(max(batches), args.context, page, hkv, d, dtype, device, gen)
+    k, v, tables = scattered_cache(max(batches), args.context, page, hkv, d, cache_dtype, device,
+                               gen)
     for batch in batches:
         q = torch.randn(batch, hq, d, generator=gen).to(device, dtype)
         out = torch.empty_like(q)
@@ -150,7 +159,7 @@ def main(argv=None) -> int:
         report["decode"][str(batch)] = rows
 
     n, length = args.chunk_seqs, args.chunk_len
-    k, v, tables = scattered_cache(n, length, page, hkv, d, dtype, device, gen)
+    k, v, tables = scattered_cache(n, length, page, hkv, d, cache_dtype, device, gen)
     q = torch.randn(n * length, hq, d, generator=gen).to(device, dtype)
     out = torch.empty_like(q)
     seq_lens = torch.full((n,), length, dtype=torch.int32, device=device)
@@ -159,7 +168,7 @@ def main(argv=None) -> int:
     print(f"chunks: {n} prompts of {length} tokens", flush=True)
     ref = None
     for t in chunk_tilings:
-        block_q = attention.chunk_block_q(hq // hkv, d, t)
+        block_q = attention.chunk_block_q(hq // hkv, t)
         tile_seq, tile_offset = attention.chunk_tiles([length] * n, 0, block_q)
         tile_seq = torch.from_numpy(tile_seq).to(device)
         tile_offset = torch.from_numpy(tile_offset).to(device)

@@ -35,7 +35,8 @@ import torch  # noqa: E402
 
 from benchmarks.engine import random_prompts  # noqa: E402
 from benchmarks.engine_gpu import add_model_args  # noqa: E402
-from common.config import EngineConfig, SchedulerConfig  # noqa: E402
+from common.config import (KV_CACHE_DTYPES, CacheConfig, EngineConfig,  # noqa: E402
+                           SchedulerConfig)
 from common.model_files import resolve_model_dir  # noqa: E402
 from common.protocol import SamplingParams  # noqa: E402
 
@@ -47,6 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batches", default="1,64,256")
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--decode-steps", type=int, default=20)
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     return p.parse_args(argv)
 
 
@@ -217,10 +219,12 @@ def main(argv=None) -> int:
     engine = LLMEngine(EngineConfig(
         model=str(resolve_model_dir(args.model_config)), device=args.device,
         load_format=args.load_format, max_model_len=args.input_len + 2 * args.decode_steps + 64,
+        cache=CacheConfig(kv_cache_dtype=args.kv_cache_dtype),
         scheduler=SchedulerConfig(max_batch_size=max(batches))))
     device = engine.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"device: {name}; model: {args.model_config}; engine built in "
+    print(f"device: {name}; model: {args.model_config}; KV cache "
+          f"{str(engine.runner.kv_dtype).removeprefix('torch.')}; engine built in "
           f"{time.perf_counter() - start:.1f} s; graphs: {engine.runner.graphs is not None}")
     clock = Clock(device)
     for batch in batches:

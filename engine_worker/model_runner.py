@@ -193,7 +193,8 @@ class ModelRunner:
             from engine_worker.gpu.attention import TritonAttention
             from engine_worker.gpu.ops import TritonOps
 
-            return TritonAttention(*args, max_seqs, self.device), TritonOps()
+            return (TritonAttention(*args, max_seqs, self.device, self.kv_dtype == FP8),
+                    TritonOps())
         if kernels is None:
             return TorchAttention(*args), TorchOps()
         if not kernels.supports_head_dim(cfg.head_dim):

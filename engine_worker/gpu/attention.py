@@ -24,7 +24,7 @@ Padded decode rows (CUDA graphs run a fixed batch) have seq_lens 0: they read no
 and write zeros. A prompt step's graph runs a fixed number of chunk tiles too: its
 padding tiles start past their chunk's end, so they read no key and write nothing.
 The kernels compute in float32 and store in the queries' dtype; a cache of fp8 (float8
-e4m3) is widened to it as it is read.
+e4m3) is widened to float16 as it is read, and its dots run in float16.
 """
 
 from __future__ import annotations
@@ -52,16 +52,25 @@ class Tiling:
     num_stages: int = 3  # K/V tiles in flight (Triton's software pipelining; its default)
 
 
-def tiling(head_dim: int, decode: bool) -> Tiling:
-    """The tiles each launch compiles with. At head_dim 128, the fastest of
-    benchmarks/gpu_attention.py's candidates on an H100 (docs/performance.md): decode
-    rows 64 keys on 4 warps (97% of copy bandwidth at batch 256, 87% at 64; 8 warps
-    gave 93% and 76%), chunks 128 rows of 32 keys on 8 warps (1.7x 64 rows).
+def tiling(head_dim: int, decode: bool, fp8: bool = False) -> Tiling:
+    """The tiles a launch compiles with. At head_dim 128, the fastest of
+    benchmarks/gpu_attention.py's candidates (docs/performance.md): decode rows 64 keys
+    on 4 warps (97% of copy bandwidth at batch 256 on an H100, 87% at 64; 8 warps gave
+    93% and 76%), chunks 128 rows of 32 keys on 8 warps (1.7x 64 rows). An fp8 cache
+    (H200, ``--kv-cache-dtype fp8``): decode 128 keys on 4 warps (1.07-1.13x 64 keys at
+    batch 256), chunks 64 rows of 64 keys on 4 warps (1.3-1.4x 128 rows of 32).
     ``python -m engine_worker.gpu.compile_check`` prints each variant's registers, and
     tests/gpu/test_compile.py fails on a spill (128 rows of 64 keys on 4 warps spill)."""
     if head_dim <= 64:
         return Tiling(64, 64, 4)
+    if fp8:
+        return Tiling(128, MIN_ROWS, 4) if decode else Tiling(64, 64, 4)
     return Tiling(64, MIN_ROWS, 4) if decode else Tiling(32, 128, 8)
+
+
+def tilings(head_dim: int, fp8: bool = False) -> tuple[Tiling, Tiling]:
+    """(decode, chunk) tilings of a cache of fp8 or of the queries' dtype."""
+    return tiling(head_dim, True, fp8), tiling(head_dim, False, fp8)
 
 
 @triton.jit
@@ -102,6 +111,11 @@ def _attention_kernel(
     d_ok = d < HEAD_DIM
     q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh
                 + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if k_ptr.dtype.element_ty.is_fp8():
+        # The dots of an fp8 cache run in float16, which holds e4m3 exactly and widens
+        # it in one instruction a pair (bfloat16 takes three); queries held within its
+        # range.
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
     # Keys this tile may see: up to its last query's position (causal).
     last_tok = tl.minimum(q_off + BLOCK_Q, q_len) - 1
@@ -121,7 +135,7 @@ def _attention_kernel(
         page = tl.load(block_tables_ptr + seq * stride_bt + k_pos // PAGE, mask=k_ok, other=0)
         base = page.to(tl.int64) * stride_kb + (k_pos % PAGE) * stride_ks + kv_head * stride_kh
         kv_mask = k_ok[:, None] & d_ok[None, :]
-        # An fp8 cache's keys and values are widened to the queries' dtype for the dots.
+        # An fp8 cache's keys and values are widened to the dots' dtype (the queries').
         k = tl.load(k_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         allowed = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
@@ -174,10 +188,9 @@ def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_o
              mask=d < HEAD_DIM)
 
 
-def chunk_block_q(group: int, head_dim: int, tiles: Optional[Tiling] = None) -> int:
-    """Query tokens per chunk program: the tiling's rows of (token, head in group)."""
-    rows = (tiles or tiling(head_dim, decode=False)).rows
-    return max(1, rows // triton.next_power_of_2(group))
+def chunk_block_q(group: int, tiles: Tiling) -> int:
+    """Query tokens per chunk program: the chunk tiling's rows of (token, head in group)."""
+    return max(1, tiles.rows // triton.next_power_of_2(group))
 
 
 def chunk_tiles(query_lens: Sequence[int], first_seq: int, block_q: int
@@ -231,12 +244,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     Sequences 0..num_decode-1 are decode rows (query token i is sequence i); the
     chunk tiles are (tile_seq[t], tile_offset[t]): a sequence and its first query
-    token of the tile, chunk_block_q(group, D) tokens per tile. block_tables
+    token of the tile, chunk_block_q(group, tiles[1]) tokens per tile. block_tables
     (S, W) int32; seq_lens (S,) and query_start (S + 1,) int32 (query_start is read
-    only for chunks). ``tiles``: (decode, chunk) tilings other than tiling()'s (for
-    benchmarks/gpu_attention.py)."""
+    only for chunks). ``tiles``: the (decode, chunk) tilings; by default tilings()'s
+    for the cache's dtype."""
     _, hq, d = q.shape
     _, page, hkv, _ = k_cache.shape
+    tiles = tiles or tilings(d, fp8=k_cache.element_size() == 1)
     group = hq // hkv
     d_pad = triton.next_power_of_2(d)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
@@ -250,7 +264,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             acc, ml = split_buffers.acc, split_buffers.ml
         else:
             acc = ml = out  # not written
-        t = tiles[0] if tiles else tiling(d, decode=True)
+        t = tiles[0]
         _attention_kernel[(num_decode, hkv, splits)](
             q, k_cache, v_cache, out, acc, ml, block_tables, seq_lens, query_start,
             seq_lens, seq_lens, scale, *strides, GROUP_PAD=group_pad, BLOCK_Q=1,
@@ -262,11 +276,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                 D_PAD=d_pad)
     if tile_seq is not None and tile_seq.numel():
         assert tile_offset is not None
-        t = tiles[1] if tiles else tiling(d, decode=False)
+        t = tiles[1]
         _attention_kernel[(tile_seq.numel(), hkv, 1)](
             q, k_cache, v_cache, out, out, out, block_tables, seq_lens, query_start,
             tile_seq, tile_offset, scale, *strides, GROUP_PAD=triton.next_power_of_2(group),
-            BLOCK_Q=chunk_block_q(group, d, t), BLOCK_N=t.block_n, SPLITS=1, DECODE=False,
+            BLOCK_Q=chunk_block_q(group, t), BLOCK_N=t.block_n, SPLITS=1, DECODE=False,
             num_warps=t.num_warps, num_stages=t.num_stages, **common)
     return out
 
@@ -276,13 +290,14 @@ class TritonAttention(AttentionBackend):
     the step."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 max_decode_rows: int, device: torch.device) -> None:
+                 max_decode_rows: int, device: torch.device, fp8_cache: bool = False) -> None:
         super().__init__(num_heads, num_kv_heads, head_dim, scale)
         self.split_buffers = SplitBuffers.allocate(max_decode_rows, num_heads, head_dim, device)
+        self.tiles = tilings(head_dim, fp8_cache)
 
     @property
     def tile_tokens(self) -> int:
-        return chunk_block_q(self.num_heads // self.num_kv_heads, self.head_dim)
+        return chunk_block_q(self.num_heads // self.num_kv_heads, self.tiles[1])
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -291,5 +306,5 @@ class TritonAttention(AttentionBackend):
         out = q.new_empty(n, self.num_heads, self.head_dim)
         paged_attention(q, kv_cache[0], kv_cache[1], out, meta.block_tables, meta.seq_lens,
                         meta.query_start, meta.num_decode, meta.tile_seq, meta.tile_offset,
-                        self.scale, meta.num_splits, self.split_buffers)
+                        self.scale, meta.num_splits, self.split_buffers, self.tiles)
         return out.view(n, self.num_heads * self.head_dim)

@@ -63,7 +63,6 @@ def variants(cfg, dtype: str = "bfloat16", block_size: int = 16) -> list[tuple]:
     d, d_pad = cfg.head_dim, triton.next_power_of_2(cfg.head_dim)
     common = dict(GROUP=group, PAGE=block_size, HEAD_DIM=d, D_PAD=d_pad,
                   PRECISION="ieee" if dtype == "float32" else "tf32")
-    decode, chunk = attention.tiling(d, decode=True), attention.tiling(d, decode=False)
     attn_args = dict(q_ptr=t, k_ptr=t, v_ptr=t, out_ptr=t, part_acc_ptr="*fp32",
                      part_ml_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i64",
                      query_start_ptr="*i64", tile_seq_ptr="*i64", tile_offset_ptr="*i64",
@@ -71,15 +70,17 @@ def variants(cfg, dtype: str = "bfloat16", block_size: int = 16) -> list[tuple]:
     fp8 = dict(attn_args, k_ptr="*fp8e4nv", v_ptr="*fp8e4nv")  # --kv-cache-dtype fp8
 
     def decode_launch(label: str, args: dict, splits: int) -> tuple:
+        decode = attention.tiling(d, decode=True, fp8=args is fp8)
         return (label, attention._attention_kernel, args,
                 dict(common, GROUP_PAD=max(attention.MIN_ROWS, triton.next_power_of_2(group)),
                      BLOCK_Q=1, BLOCK_N=decode.block_n, SPLITS=splits, DECODE=True),
                 _options(decode))
 
     def chunk_launch(label: str, args: dict) -> tuple:
+        chunk = attention.tiling(d, decode=False, fp8=args is fp8)
         return (label, attention._attention_kernel, args,
                 dict(common, GROUP_PAD=triton.next_power_of_2(group),
-                     BLOCK_Q=attention.chunk_block_q(group, d), BLOCK_N=chunk.block_n,
+                     BLOCK_Q=attention.chunk_block_q(group, chunk), BLOCK_N=chunk.block_n,
                      SPLITS=1, DECODE=False), _options(chunk))
 
     out = [decode_launch(f"attention decode, {splits} split(s)", attn_args, splits)

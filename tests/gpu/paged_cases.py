@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from engine_worker.gpu.attention import chunk_block_q, chunk_tiles
+from engine_worker.gpu.attention import chunk_block_q, chunk_tiles, tiling
 
 
 @dataclass
@@ -54,8 +54,9 @@ def make_case(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, he
     while num_decode < len(seqs) and q_lens[num_decode] == 1:
         num_decode += 1
     query_start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    chunk = tiling(head_dim, decode=False, fp8=cache_dtype == torch.float8_e4m3fn)
     tile_seq, tile_offset = chunk_tiles(q_lens[num_decode:], num_decode,
-                                        chunk_block_q(num_heads // num_kv_heads, head_dim))
+                                        chunk_block_q(num_heads // num_kv_heads, chunk))
     to = dict(device=device)
     return PagedCase(q.to(**to), k_cache.to(**to), v_cache.to(**to), tables.to(**to),
                      torch.tensor([c for c, _ in seqs], dtype=torch.int32, **to),
