@@ -13,9 +13,10 @@ panels of 16 output features, register-tiled for the CPU's vector width (AVX-512
 AVX2, whichever -march=native finds on the machine that compiles). At 1-8 rows a layer
 is bound by streaming its weight, at 64 by FMA throughput; the same kernel serves
 both, and nothing depends on a vendor BLAS. bfloat16 weights are multiplied as bf16
-products where the CPU has them (AMX tiles, or AVX-512-BF16's vdpbf16ps; see
-BF16_PATHS), and int8 and 4-bit weights as AMX tiles from 16 rows where it has them
-(INT8_PATHS); the OS must first allow AMX: loading the kernels asks it (rs_init).
+products where the CPU has them and they are faster (AMX tiles, or AVX-512-BF16's
+vdpbf16ps, which Intel's cores run no faster than widening; see BF16_PATHS), and int8
+and 4-bit weights as AMX tiles from 16 rows where it has them (INT8_PATHS); the OS must
+first allow AMX: loading the kernels asks it (rs_init).
 llama.c runs a whole Llama-family forward pass in one call on top of it.
 """
 

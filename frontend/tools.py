@@ -386,7 +386,7 @@ class ToolCallParser:
                     return "".join(content), calls
                 content.append(self.buffer[:start])
                 self.buffer = self.buffer[start:]
-                body = len(self.buffer) - len(self.buffer[len(HERMES_START):].lstrip())
+                body = _skip_space(self.buffer, len(HERMES_START))
                 if body < len(self.buffer) and self.buffer[body] == "{":
                     self.item = _CallReader(body)
                 elif body == len(self.buffer) and not final:

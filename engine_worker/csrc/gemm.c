@@ -600,9 +600,9 @@ static void expand_q4(const char *packed, int64_t pb, int64_t p, int np, int64_t
 /* One integer tile: rows [0..MR) of the quantized x (xq: int8, K per row; xs: a scale
    per block of 32; for 4-bit weights xsum: xs times the block's sum of int8 values,
    for int8 ones xoff: -128 times that sum, as an int32) against the NP panels at
-   panel0, int8 (FORMAT RS_INT8) or 4-bit (RS_Q4, or unpacked: RS_Q4X). Block sums in int32 lanes, scaled
-   into float32 once per block of 32. The blocks of inputs [ahead_lo, ahead_hi) of the
-   next NP panels are fetched as it goes. */
+   panel0, int8 (FORMAT RS_INT8) or 4-bit (RS_Q4, or unpacked: RS_Q4X). Block sums
+   in int32 lanes, scaled into float32 once per block of 32. The blocks of inputs
+   [ahead_lo, ahead_hi) of the next NP panels are fetched as it goes. */
 static inline __attribute__((always_inline)) void
 tile_int(const int MR, const int NP, const int FORMAT, const int8_t *xq, const float *xs,
          const float *xsum, const int32_t *xoff, const char *panel0, int64_t pb, int64_t K,
@@ -1301,6 +1301,7 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
         bytes = Mp * K * 2 + (amx ? 4 * 256 * 4 : 0);
     const int q4x = q4 && !amx8 && M >= Q4X_MIN_ROWS;   /* and a group unpacked */
     const int int_tiles = q4x ? 2 : q4;   /* TILES_INT's first index */
+    const int staged = expand || q4x;   /* tiles read panels from this thread's buffer */
     const int64_t q4x_at = (bytes + 63) / 64 * 64;
     if (q4x)
         bytes = q4x_at + NP_MAX * (K / RS_INT8_BLOCK) * Q8_BLOCK_BYTES;
@@ -1376,7 +1377,7 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
                 float *y_n = y + m * N + n0;
                 /* Of a float tile of 4 panels, the first row block fetches the next
                    panels while the others compute from cache: memory and FMAs
-                   overlap (an expanded group is not where the next one is). Tiles of
+                   overlap (a staged group is not where the next one is). Tiles of
                    one panel fetch in every row block, and so do int8 tiles (10-16%
                    faster at 1-8 rows): with one fetching block, memory sat idle
                    while the others computed (AVX2 float32: 1.10x at 8 rows, 1.20x
@@ -1384,8 +1385,7 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
                    SHARED_AHEAD_BLOCKS blocks on, int8 and vdpbf16ps row blocks each
                    fetch their own stretch of K instead. */
                 int64_t ahead_lo = 0, ahead_hi =
-                    !expand && !q4x &&
-                    (int8 || !wide || AHEAD_ONE_BLOCK || (b == 0 && blocks > 1)) ? K : 0;
+                    !staged && (int8 || !wide || AHEAD_ONE_BLOCK || (b == 0 && blocks > 1)) ? K : 0;
                 if ((format == RS_INT8 || dot) && blocks >= SHARED_AHEAD_BLOCKS) {
                     /* this block's share, in whole blocks of 32 inputs */
                     const int64_t kb = K / RS_INT8_BLOCK;
