@@ -33,7 +33,7 @@ from benchmarks.engine_gpu import copy_bandwidth, timed  # noqa: E402
 from common.model_files import resolve_model_dir  # noqa: E402
 from engine_worker.gpu import attention  # noqa: E402
 from engine_worker.model_config import load_model_config  # noqa: E402
-from engine_worker.ops import FP8, to_cache_dtype  # noqa: E402
+from engine_worker.ops import FP8, to_cache_dtype, to_value_blocks  # noqa: E402
 
 # Candidates that compile for Hopper without spills at head_dim 128
 # (python -m engine_worker.gpu.compile_check prints the engine's own).
@@ -69,6 +69,7 @@ def scattered_cache(num_seqs: int, context: int, page: int, hkv: int, d: int,
     num_blocks = num_seqs * width
     k, v = (to_cache_dtype(torch.randn(num_blocks, page, hkv, d, generator=gen).to(device),
                            dtype) for _ in range(2))
+    v = to_value_blocks(v)  # as the engine's cache holds them
     tables = torch.randperm(num_blocks, generator=gen).view(num_seqs, width)
     return k, v, tables.to(device, torch.int32)
 

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from engine_worker.kernels import CpuKernels
-from engine_worker.ops import write_kv
+from engine_worker.ops import FP8, from_value_blocks, value_blocks, write_kv
 
 
 @dataclass
@@ -66,7 +66,8 @@ class AttentionMetadata:
 
 def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,
                    head_dim: int) -> tuple[int, ...]:
-    """One layer's cache: keys and values, (2, num_blocks, block_size, H_kv, D)."""
+    """One layer's cache: keys and values, (2, num_blocks, block_size, H_kv, D) (an fp8
+    cache's values lie otherwise within each block: engine_worker.ops.value_blocks)."""
     return (2, num_blocks, block_size, num_kv_heads, head_dim)
 
 
@@ -120,7 +121,13 @@ class TorchAttention(AttentionBackend):
                 dtype: torch.dtype) -> torch.Tensor:
         """(2, num_blocks, bs, Hkv, D) cache, (...) ids -> (2, ..., bs, Hkv, D) in
         ``dtype`` (the queries')."""
-        gathered = torch.index_select(kv_cache, 1, block_ids.reshape(-1)).to(dtype)
+        ids = block_ids.reshape(-1)
+        if kv_cache.dtype == FP8:  # its values' blocks are laid out otherwise
+            values = value_blocks(kv_cache).index_select(0, ids)
+            gathered = torch.stack((kv_cache[0].index_select(0, ids).to(dtype),
+                                    from_value_blocks(values).to(dtype)))
+        else:
+            gathered = torch.index_select(kv_cache, 1, ids).to(dtype)
         return gathered.view(2, *block_ids.shape, *kv_cache.shape[2:])
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor,

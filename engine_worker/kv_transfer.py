@@ -41,6 +41,7 @@ import torch
 
 from common.protocol import KvBlock, KvBlocks, KvPull, KvSource
 from engine_worker.block_manager import BlockManager, BlockTable
+from engine_worker.ops import value_blocks
 from engine_worker.request import Request
 
 
@@ -62,7 +63,8 @@ class KvBlockStore:
                             * first.element_size())
         # What a peer's block bytes must mean to be usable here.
         self.layout = (f"{name}|{first.dtype}|layers={len(self.kv_caches)}|"
-                       f"block={block_size}|kv_heads={heads}|head_dim={head_dim}")
+                       f"block={block_size}|kv_heads={heads}|head_dim={head_dim}|"
+                       f"values={tuple(value_blocks(first).shape[1:])}")
 
     def read(self, block_id: int) -> bytes:
         one = torch.stack([c[:, block_id] for c in self.kv_caches])

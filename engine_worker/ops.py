@@ -40,15 +40,43 @@ def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.clamp(-FP8_MAX, FP8_MAX).to(dtype) if dtype == FP8 else x.to(dtype)
 
 
+def value_blocks(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The values of one layer's cache (2, num_blocks, bs, Hkv, D) as its blocks hold
+    them: (num_blocks, bs, Hkv, D) like the keys, but in an fp8 cache (num_blocks, Hkv,
+    D, bs), each block's tokens innermost. The attention kernel's second product reads
+    values along the tokens, and Hopper's tensor cores take 8-bit operands only laid
+    out along the axis they sum over (docs/performance.md, "An fp8 KV cache")."""
+    if kv_cache.dtype != FP8:
+        return kv_cache[1]
+    _, num_blocks, bs, h_kv, d = kv_cache.shape
+    return kv_cache[1].view(num_blocks, h_kv, d, bs)
+
+
+def to_value_blocks(v: torch.Tensor) -> torch.Tensor:
+    """Values (num_blocks, bs, Hkv, D) laid out as value_blocks holds them."""
+    return v.permute(0, 2, 3, 1).contiguous() if v.dtype == FP8 else v
+
+
+def from_value_blocks(v: torch.Tensor) -> torch.Tensor:
+    """value_blocks' values as (num_blocks, bs, Hkv, D), a view."""
+    return v.permute(0, 3, 1, 2) if v.dtype == FP8 else v
+
+
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """k and v (N, Hkv, D) into their slots of one layer's cache."""
     h_kv, d = k.shape[1:]
-    for cache, x in zip(kv_cache, (k, v)):
-        x = to_cache_dtype(x, kv_cache.dtype)
-        if kv_cache.dtype == FP8:  # torch has no index_copy_ for fp8: copy its bytes
-            cache, x = cache.view(torch.uint8), x.view(torch.uint8)
-        cache.view(-1, h_kv, d).index_copy_(0, slot_mapping, x)
+    k, v = to_cache_dtype(k, kv_cache.dtype), to_cache_dtype(v, kv_cache.dtype)
+    if kv_cache.dtype != FP8:
+        for cache, x in zip(kv_cache, (k, v)):
+            cache.view(-1, h_kv, d).index_copy_(0, slot_mapping, x)
+        return
+    # torch has no index_copy_ for fp8: copy its bytes
+    kv_cache[0].view(torch.uint8).view(-1, h_kv, d).index_copy_(0, slot_mapping,
+                                                                  k.view(torch.uint8))
+    bs = kv_cache.shape[2]
+    value_blocks(kv_cache).view(torch.uint8)[slot_mapping // bs, :, :, slot_mapping % bs] = (
+        v.view(torch.uint8))
 
 
 class TorchOps:

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from engine_worker.attention import AttentionBackend, AttentionMetadata
+from engine_worker.ops import value_blocks
 
 # tl.dot needs at least 16 rows.
 MIN_ROWS = 16
@@ -71,6 +72,26 @@ def tiling(head_dim: int, decode: bool, fp8: bool = False) -> Tiling:
 def tilings(head_dim: int, fp8: bool = False) -> tuple[Tiling, Tiling]:
     """(decode, chunk) tilings of a cache of fp8 or of the queries' dtype."""
     return tiling(head_dim, True, fp8), tiling(head_dim, False, fp8)
+
+
+@triton.jit
+def _fp8_values(v_ptr, table_ptr, start, hi, kv_head, stride_block,
+                BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                D_PAD: tl.constexpr):
+    """Values of keys start..start + BLOCK_N as (BLOCK_N, D_PAD) from an fp8 cache,
+    whose blocks hold them (Hkv, D, PAGE). Read whole pages, unmasked (every address
+    is in the cache; the caller masks what lies past the context), so that each row
+    of PAGE bytes is one contiguous load and the tile reaches the tensor cores laid out
+    along the keys. (Where a block is larger than the tile, the tile's span of it.)"""
+    PAGES: tl.constexpr = BLOCK_N // PAGE if BLOCK_N >= PAGE else 1
+    SPAN: tl.constexpr = PAGE if BLOCK_N >= PAGE else BLOCK_N
+    first = start + tl.arange(0, PAGES) * SPAN  # each page's first key in the tile
+    page = tl.load(table_ptr + first // PAGE, mask=first < hi, other=0)
+    d = tl.minimum(tl.arange(0, D_PAD), HEAD_DIM - 1)  # in the head, even where padded
+    at = (page.to(tl.int64)[:, None, None] * stride_block
+          + kv_head * (HEAD_DIM * PAGE) + d[None, :, None] * PAGE
+          + (first % PAGE)[:, None, None] + tl.arange(0, SPAN)[None, None, :])
+    return tl.reshape(tl.permute(tl.load(v_ptr + at), (0, 2, 1)), (BLOCK_N, D_PAD))
 
 
 @triton.jit
@@ -147,7 +168,12 @@ def _attention_kernel(
         p = tl.exp(s - shift[:, None])
         alpha = tl.exp(m - shift)
         denom = denom * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
+        if k_ptr.dtype.element_ty.is_fp8():
+            v = _fp8_values(v_ptr, block_tables_ptr + seq * stride_bt, start, hi, kv_head,
+                            stride_kb, BLOCK_N, PAGE, HEAD_DIM, D_PAD)
+            v = tl.where(kv_mask, v.to(q.dtype), 0.0)
+        else:
+            v = tl.load(v_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
         m = m_new
 
@@ -239,8 +265,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     scale: float, splits: int = 1,
                     split_buffers: Optional[SplitBuffers] = None,
                     tiles: Optional[tuple[Tiling, Tiling]] = None) -> torch.Tensor:
-    """Attention of every query in ``q`` (N, Hq, D) over the paged cache (k_cache and
-    v_cache (num_blocks, page, Hkv, D)) into ``out`` (N, Hq, D).
+    """Attention of every query in ``q`` (N, Hq, D) over the paged cache (k_cache
+    (num_blocks, page, Hkv, D), v_cache as engine_worker.ops.value_blocks lays it out:
+    so too, or for fp8 (num_blocks, Hkv, D, page)) into ``out`` (N, Hq, D).
 
     Sequences 0..num_decode-1 are decode rows (query token i is sequence i); the
     chunk tiles are (tile_seq[t], tile_offset[t]): a sequence and its first query
@@ -250,6 +277,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     for the cache's dtype."""
     _, hq, d = q.shape
     _, page, hkv, _ = k_cache.shape
+    assert v_cache.is_contiguous() and v_cache.numel() == k_cache.numel()
     tiles = tiles or tilings(d, fp8=k_cache.element_size() == 1)
     group = hq // hkv
     d_pad = triton.next_power_of_2(d)
@@ -304,7 +332,8 @@ class TritonAttention(AttentionBackend):
         """q (N, Hq, D) -> (N, Hq * D); k and v are already in the cache."""
         n = q.shape[0]
         out = q.new_empty(n, self.num_heads, self.head_dim)
-        paged_attention(q, kv_cache[0], kv_cache[1], out, meta.block_tables, meta.seq_lens,
-                        meta.query_start, meta.num_decode, meta.tile_seq, meta.tile_offset,
-                        self.scale, meta.num_splits, self.split_buffers, self.tiles)
+        paged_attention(q, kv_cache[0], value_blocks(kv_cache), out, meta.block_tables,
+                        meta.seq_lens, meta.query_start, meta.num_decode, meta.tile_seq,
+                        meta.tile_offset, self.scale, meta.num_splits, self.split_buffers,
+                        self.tiles)
         return out.view(n, self.num_heads * self.head_dim)

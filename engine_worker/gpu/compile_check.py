@@ -105,7 +105,8 @@ def variants(cfg, dtype: str = "bfloat16", block_size: int = 16) -> list[tuple]:
                     dict(qkv_ptr=t, cos_ptr=t, sin_ptr=t, k_cache_ptr=cache, v_cache_ptr=cache,
                          slot_ptr="*i64"),
                     dict(NUM_HEADS=cfg.num_heads, NUM_KV_HEADS=cfg.num_kv_heads,
-                         HEADS_PAD=heads_pad, HALF=half, HALF_PAD=triton.next_power_of_2(half)),
+                         HEADS_PAD=heads_pad, HALF=half, HALF_PAD=triton.next_power_of_2(half),
+                         PAGE=block_size),
                     _options(num_warps=ops._rope_warps(heads_pad * half))))
     i = cfg.intermediate_size
     out.append(("silu_mul", ops._silu_mul_kernel, dict(x_ptr=t, out_ptr=t),
@@ -153,6 +154,19 @@ def resources(cubin: bytes) -> tuple[int, int]:
     return registers, stack + local
 
 
+def shared_byte_loads(cubin: bytes) -> int:
+    """Loads of single bytes from shared memory in the kernel's machine code (nvdisasm,
+    shipped beside ptxas). An 8-bit tensor-core operand laid out across the axis a
+    product sums over is read so, a byte at a time (the fp8 cache's values were, 16x
+    slower than vector loads); docs/performance.md, "An fp8 KV cache"."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp, "k.cubin")
+        path.write_bytes(cubin)
+        sass = subprocess.run([str(_CUOBJDUMP.parent / "nvdisasm"), str(path)],
+                              capture_output=True, text=True, check=True).stdout
+    return len(re.findall(r"\bLDS\.(?:U|S)8\b", sass))
+
+
 def check(model: str, arch: int, dtype: str) -> list[dict]:
     from common.model_files import resolve_model_dir
     from engine_worker.model_config import load_model_config
@@ -164,6 +178,7 @@ def check(model: str, arch: int, dtype: str) -> list[dict]:
         try:
             compiled = compile_variant(kernel, arg_types, constexprs, options, arch)
             row["registers"], row["spill_bytes"] = resources(compiled.asm["cubin"])
+            row["shared_byte_loads"] = shared_byte_loads(compiled.asm["cubin"])
             row["shared_bytes"] = compiled.metadata.shared
             # Loads copied asynchronously into shared memory: the loop is pipelined.
             row["async_copies"] = compiled.asm["ttgir"].count("async_copy_global_to_local")
@@ -193,7 +208,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             status = row["error"] or (f"{row['registers']:3d} registers, "
                                       f"{row['spill_bytes']} bytes spilled, "
                                       f"{row['shared_bytes']} bytes shared, "
-                                      f"{row['async_copies']} async copies")
+                                      f"{row['async_copies']} async copies, "
+                                      f"{row['shared_byte_loads']} byte loads from shared")
             print(f"{model:14s} {row['kernel']:32s} {status}", flush=True)
     return 1 if failed else 0
 

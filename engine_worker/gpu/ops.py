@@ -51,8 +51,11 @@ def _to_cache(x, cache_ptr):
 def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                           stride_t, stride_cs, stride_slot, stride_head,
                           NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                          HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr):
-    """One program per token, all its heads at once (rows: q heads, then k, then v)."""
+                          HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
+                          PAGE: tl.constexpr):
+    """One program per token, all its heads at once (rows: q heads, then k, then v).
+    The caches are contiguous; an fp8 cache's values lie (Hkv, D, PAGE) in each block
+    (engine_worker.ops.value_blocks)."""
     t = tl.program_id(0)
     head = tl.arange(0, HEADS_PAD)[:, None]
     i = tl.arange(0, HALF_PAD)[None, :]
@@ -80,8 +83,15 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, s
     write = ok & (i < tl.where(slot >= 0, HALF, 0))
     tl.store(k_cache_ptr + dst, _to_cache(y1, k_cache_ptr), mask=write & is_k)
     tl.store(k_cache_ptr + dst + HALF, _to_cache(y2, k_cache_ptr), mask=write & is_k)
+    if v_cache_ptr.dtype.element_ty.is_fp8():
+        at = slot.to(tl.int64)
+        dst = ((at // PAGE) * (stride_slot * PAGE) + kv_head * (stride_head * PAGE)
+               + i * PAGE + at % PAGE)
+        second = HALF * PAGE
+    else:
+        second = HALF
     tl.store(v_cache_ptr + dst, _to_cache(y1, v_cache_ptr), mask=write & is_v)
-    tl.store(v_cache_ptr + dst + HALF, _to_cache(y2, v_cache_ptr), mask=write & is_v)
+    tl.store(v_cache_ptr + dst + second, _to_cache(y2, v_cache_ptr), mask=write & is_v)
 
 
 @triton.jit
@@ -132,7 +142,8 @@ class TritonOps:
                 qkv, cos, sin, k_cache, v_cache, slot_mapping, qkv.stride(0), cos.stride(0),
                 k_cache.stride(0), k_cache.stride(1), NUM_HEADS=num_heads,
                 NUM_KV_HEADS=num_kv_heads, HEADS_PAD=heads_pad, HALF=half,
-                HALF_PAD=triton.next_power_of_2(half), num_warps=_rope_warps(heads_pad * half))
+                HALF_PAD=triton.next_power_of_2(half), PAGE=kv_cache.shape[2],
+                num_warps=_rope_warps(heads_pad * half))
         return split_qkv(qkv, num_heads, num_kv_heads, head_dim)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -10,13 +10,14 @@ import numpy as np
 import torch
 
 from engine_worker.gpu.attention import chunk_block_q, chunk_tiles, tiling
+from engine_worker.ops import from_value_blocks, to_value_blocks
 
 
 @dataclass
 class PagedCase:
     q: torch.Tensor  # (N, Hq, D)
     k_cache: torch.Tensor  # (num_blocks, page, Hkv, D)
-    v_cache: torch.Tensor
+    v_cache: torch.Tensor  # laid out as engine_worker.ops.value_blocks
     block_tables: torch.Tensor  # (S, W) int32, padded with stray block ids
     seq_lens: torch.Tensor  # (S,) int32
     query_start: torch.Tensor  # (S + 1,) int32
@@ -48,7 +49,7 @@ def make_case(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, he
     n_tokens = sum(q_lens)
     shape = (num_blocks, page, num_kv_heads, head_dim)
     k_cache = torch.randn(shape, generator=gen).to(cache_dtype or dtype)
-    v_cache = torch.randn(shape, generator=gen).to(cache_dtype or dtype)
+    v_cache = to_value_blocks(torch.randn(shape, generator=gen).to(cache_dtype or dtype))
     q = torch.randn(n_tokens, num_heads, head_dim, generator=gen).to(dtype)
     num_decode = 0
     while num_decode < len(seqs) and q_lens[num_decode] == 1:
@@ -68,7 +69,8 @@ def make_case(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, he
 def reference(case: PagedCase) -> torch.Tensor:
     """(N, Hq, D) float64; padded rows (context 0) are zeros."""
     q = case.q.double().cpu()
-    k_cache, v_cache = case.k_cache.double().cpu(), case.v_cache.double().cpu()
+    k_cache = case.k_cache.double().cpu()
+    v_cache = from_value_blocks(case.v_cache.cpu()).double()
     page = k_cache.shape[1]
     hq, hkv = q.shape[1], k_cache.shape[2]
     out = torch.zeros_like(q)

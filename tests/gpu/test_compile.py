@@ -24,3 +24,6 @@ def test_every_kernel_variant_compiles_for_sm90_without_spills():
     attention = [line for line in lines if "attention" in line]
     assert len(attention) == 3 * 5
     assert all(" 0 async copies" not in line for line in attention), proc.stdout
+    # Shared memory read in vectors: an fp8 cache's values, laid out along the keys
+    # (engine_worker.ops.value_blocks), reach the tensor cores without byte loads.
+    assert all(line.endswith(" 0 byte loads from shared") for line in attention), proc.stdout

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from engine_worker.gpu.ops import TritonOps
-from engine_worker.ops import FP8, TorchOps, apply_rotary, split_qkv, to_cache_dtype
+from engine_worker.ops import (FP8, TorchOps, apply_rotary, from_value_blocks, split_qkv,
+                               to_cache_dtype, value_blocks)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -69,6 +70,17 @@ def test_rope_write_kv_into_an_fp8_cache_saturates_as_the_torch_path_does():
     assert not written.isnan().any()
     assert (qkv.abs() > 448).any() and written.abs().max() == 448
     assert torch.equal(written, ref_cache.float())
+    # each key and value in its slot, the values' blocks laid out (Hkv, D, page)
+    _, k, v = split_qkv(qkv, hq, hkv, d)
+    for got, want in zip(slot_contents(cache, slots), (k, v)):
+        assert torch.equal(got.float(), want.clamp(-448, 448))
+
+
+def slot_contents(cache: torch.Tensor, slots: torch.Tensor) -> list[torch.Tensor]:
+    """The keys and the values (N, Hkv, D) that one layer's cache holds at slots."""
+    _, _, _, hkv, d = cache.shape
+    return [cache[0].reshape(-1, hkv, d)[slots],
+            from_value_blocks(value_blocks(cache)).reshape(-1, hkv, d)[slots]]
 
 
 def test_silu_mul_matches_torch():
@@ -104,7 +116,6 @@ def test_bf16_ops_match_torch_at_real_shapes():
     exact = apply_rotary(k_in.double(), cos.double().unsqueeze(1), sin.double().unsqueeze(1))
     torch.testing.assert_close(k.double(), exact, rtol=2 ** -8, atol=1e-4)
     assert torch.equal(v, v_in)
-    for written, want in zip(cache, (k, v)):
-        got = written.view(-1, hkv, d)[slots]
+    for got, want in zip(slot_contents(cache, slots), (k, v)):
         assert torch.equal(got.view(torch.uint8), to_cache_dtype(want, FP8).view(torch.uint8))
 
