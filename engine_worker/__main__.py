@@ -59,7 +59,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "hold and read, keys and values rounded to bfloat16 (as llama.cpp's "
                         "default f16 cache). fp8 on CUDA: float8 e4m3, half the bytes of "
                         "a bfloat16 cache (twice the tokens, half the reads), values "
-                        "rounded to 3 mantissa bits and held within +-448")
+                        "rounded to 3 mantissa bits and held within +-448 (a power-of-two "
+                        "--block-size)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="CUDA: share of the GPU's total memory the engine may use")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],

@@ -190,6 +190,11 @@ class ModelRunner:
                 raise ValueError("the triton attention backend needs a CUDA device (on a CPU "
                                  "it runs only through Triton's interpreter, "
                                  "TRITON_INTERPRET=1: for tests)")
+            bs = self.block_size
+            if self.kv_dtype == FP8 and bs & (bs - 1):
+                raise ValueError(f"--kv-cache-dtype fp8 needs a --block-size that is a power "
+                                 f"of two (its attention kernel reads values a block's row "
+                                 f"at a time), got {bs}")
             from engine_worker.gpu.attention import TritonAttention
             from engine_worker.gpu.ops import TritonOps
 

@@ -270,6 +270,15 @@ def test_a_cuda_kv_cache_is_the_models_dtype_or_fp8(tiny_llama_dir):
                                                  kv_cache_dtype="float32")))
 
 
+def test_an_fp8_kv_cache_needs_blocks_of_a_power_of_two_on_the_triton_path(tiny_llama_dir):
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8 needs a --block-size that is a "
+                                         "power of two .*, got 24"):
+        LLMEngine(EngineConfig(model=str(tiny_llama_dir), device=DEVICE,
+                               attention_backend="triton",
+                               cache=CacheConfig(block_size=24, num_blocks=16,
+                                                 kv_cache_dtype="fp8")))
+
+
 @pytest.mark.skipif(DEVICE == "cuda", reason="the CPU kernels' refusal")
 def test_an_fp8_kv_cache_is_refused_by_the_cpu_kernels(tiny_llama_dir):
     with pytest.raises(ValueError, match="--kv-cache-dtype fp8 is for CUDA: the CPU kernels "
