@@ -188,7 +188,9 @@ def test_sigterm_lets_in_flight_requests_complete(engine_factory):
 def test_second_signal_aborts_at_once(engine_factory, tiny_llama_dir, interval):
     """With an output interval longer than the request ran, every token after the
     first is still held back when the abort comes: it brings them."""
-    # 480 steps of at least 5 ms: still generating when the second signal lands.
+    # 480 steps of at least 5 ms: still generating when the second signal lands, a
+    # second after the first (long enough for more than 10 steps on a machine whose
+    # cores are shared: 0.2 s gave 4 there).
     engine = engine_factory("--drain-timeout", "600",
                             env={"ROSESERVE_FAULT_STEP_DELAY_S": "0.005"})
 
@@ -206,7 +208,7 @@ def test_second_signal_aborts_at_once(engine_factory, tiny_llama_dir, interval):
         task = asyncio.create_task(consume())
         await first.wait()
         engine.proc.send_signal(signal.SIGTERM)
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(1.0)
         engine.proc.send_signal(signal.SIGTERM)
         await task
         await client.close()
