@@ -18,8 +18,10 @@ and turning the generated text into OpenAI ``tool_calls``, whole or streamed.
   one or more ``{"name": ..., "parameters": ...}`` objects, separated by ``;``, maybe
   after ``<|python_tag|>`` (Llama 3.1-3.3, whose templates ask for "the format
   {"name": function name, "parameters": ...}"); a reply that starts as anything
-  else is text, released as it comes, and one that starts with ``{`` is held until
-  it ends. Held text is calls if it parses as nothing but calls, else text. For any
+  else is text, released as it comes. One that starts with ``{`` is calls, streamed,
+  once its first name is one of the request's tools (text after the calls is
+  content); else it is held until it ends, and is calls if it parses as nothing but
+  calls, else text. For any
   other template "auto" is refused with a 400 that says to use "required" or a
   named function. The default model's template has no tool support.
 - "none" (the default without tools) generates text; the tools still reach the
@@ -53,6 +55,9 @@ class ToolPlan:
     name: Optional[str] = None  # the named function
     # auto: how the model writes calls ("hermes", "mistral", "llama3_json").
     syntax: str = "hermes"
+    # llama3_json: the request's tools, whose names make a reply that starts with "{"
+    # calls as soon as its first name is whole.
+    tool_names: tuple[str, ...] = ()
 
     @property
     def keeps_special_tokens(self) -> bool:
@@ -77,7 +82,8 @@ def plan_tools(body: ChatCompletionRequest, chat_template: Optional[str]) -> Opt
         if MISTRAL_CALLS in template:
             return ToolPlan("auto", None, syntax="mistral")
         if LLAMA3_FORMAT in template:
-            return ToolPlan("auto", None, syntax="llama3_json")
+            return ToolPlan("auto", None, syntax="llama3_json",
+                            tool_names=tuple(t.function.name for t in tools))
         raise InvalidRequestError(
             "tool_choice 'auto' needs a model whose chat template writes tool calls in a "
             "format roseserve parses (Hermes <tool_call>, Mistral's [TOOL_CALLS], or Llama "
@@ -192,7 +198,8 @@ class ToolCallParser:
     their stream index. A named function's arguments, and each call of a "required"
     array or of a Hermes or Mistral reply once its name is whole, stream as they are
     generated, as the model wrote them; a call cut short (max_tokens) keeps the
-    arguments it got. Llama 3's are whole, once its reply ends."""
+    arguments it got. So do Llama 3's once the reply's first name is one of the
+    tools; else they come whole, once its reply ends."""
 
     plan: ToolPlan
     buffer: str = ""
@@ -203,11 +210,14 @@ class ToolCallParser:
     # Mistral: the call being read.
     scan_pos: int = 0
     item: Optional[_CallReader] = None
-    # Mistral: past the first [TOOL_CALLS]; its calls a JSON list (v3) or not (v11).
+    # Mistral: past the first [TOOL_CALLS]; Llama 3: the reply is calls, streamed.
     in_calls: bool = False
+    # Mistral: its calls a JSON list (v3) or not (v11).
     listed: Optional[bool] = None
-    # auto, llama3_json: the reply is text (it did not start with a call).
+    # auto, llama3_json: the reply is text (it did not start with a call), or held to
+    # its end (its first name is none of the tools).
     is_text: bool = False
+    held: bool = False
 
     def push(self, text: str) -> tuple[str, list[dict]]:
         if self.plan.mode == "named":
@@ -241,15 +251,16 @@ class ToolCallParser:
         self.calls[0]["function"]["arguments"] += text
         return [{"index": 0, "function": {"arguments": text}}] if text else []
 
-    def _array_calls(self) -> list[dict]:
+    def _array_calls(self, between: str = " \t\r\n[,") -> list[dict]:
         """What the array text so far adds to its calls: a call once its name is whole
-        (the grammar writes it first), then its arguments' text as it comes."""
+        (the grammar writes it first), then its arguments' text as it comes. (Llama 3's
+        calls, separated by ``between`` ";", are read so too.)"""
         out: list[dict] = []
         text = self.buffer
         while True:
             if self.item is None:
                 pos = self.scan_pos
-                while pos < len(text) and text[pos] in " \t\r\n[,":
+                while pos < len(text) and text[pos] in between:
                     pos += 1
                 self.scan_pos = pos
                 if pos == len(text) or text[pos] != "{":
@@ -326,6 +337,15 @@ class ToolCallParser:
                                     arguments_only=True)
 
     def _llama3_json(self, final: bool) -> tuple[str, list[dict]]:
+        if not (self.in_calls or self.is_text or self.held):
+            self._llama3_named()
+        if self.in_calls:
+            out = self._array_calls(between=" \t\r\n;")
+            text = ""
+            if final:  # what follows the calls (or a call cut short keeps what it got)
+                text = "" if self.item is not None else self.buffer[self.scan_pos:].strip()
+                self.buffer, self.item = "", None
+            return text, out
         head = self.buffer.lstrip().removeprefix(PYTHON_TAG).lstrip()
         if not self.is_text and (head.startswith("{") or PYTHON_TAG.startswith(head)):
             if not final:
@@ -338,6 +358,26 @@ class ToolCallParser:
         self.is_text = True
         text, self.buffer = self.buffer, ""
         return text, []
+
+    def _llama3_named(self) -> None:
+        """Whether a reply that starts with "{" is calls: yes (in_calls) once its first
+        name is whole and one of the tools; held to its end once it is another, or the
+        object ended without one."""
+        if self.item is None:
+            start = _skip_space(self.buffer, 0)
+            if self.buffer.startswith(PYTHON_TAG, start):
+                start = _skip_space(self.buffer, start + len(PYTHON_TAG))
+            if not self.buffer.startswith("{", start):
+                return
+            if not self.plan.tool_names:
+                self.held = True
+                return
+            self.item = _CallReader(start)
+        self.item.read(self.buffer)
+        if self.item.name in self.plan.tool_names:
+            self.in_calls = True
+        elif self.item.name is not None or self.item.end >= 0:
+            self.held, self.item = True, None
 
     def _grow(self, item: _CallReader, text: str, out: list[dict]) -> None:
         """Into ``out``, what ``item`` adds now: its call, once its name is whole (the

@@ -191,6 +191,55 @@ def test_llama3_text_flows_and_what_is_not_calls_stays_text():
         assert parser.finish() == (reply, []), reply
 
 
+LLAMA3_TOOLS = ToolPlan("auto", None, syntax="llama3_json",
+                        tool_names=("get_weather", "get_time"))
+
+
+def test_a_llama3_plan_knows_the_tools_names():
+    plan = plan_tools(request(tools=[WEATHER]), LLAMA3_TEMPLATE)
+    assert plan.tool_names == ("get_weather",)
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+@pytest.mark.parametrize("prefix", ["", "<|python_tag|>", " \n"])
+def test_llama3_calls_stream_once_a_name_is_a_tools(size, prefix):
+    first_args = '{"city": "Pa\\"ris}", "days": [1, 2]}'
+    text = (prefix + f'{{"name": "get_weather", "parameters": {first_args}}}; '
+            '{"name": "get_time", "arguments": {}}\n')
+    parser = ToolCallParser(LLAMA3_TOOLS)
+    content, deltas = pieces(parser, text, size)
+    assert content == ""
+    calls = merged(deltas)
+    assert [(c["index"], c["function"]["name"]) for c in calls] == [
+        (0, "get_weather"), (1, "get_time")]
+    assert [c["function"]["arguments"] for c in calls] == [first_args, "{}"]
+    if size == 1:  # the call began once its name was whole, then grew with the text
+        parser = ToolCallParser(LLAMA3_TOOLS)
+        got = streamed_calls(parser, text, 1)
+        began = next(i for i, piece in enumerate(got) if piece)
+        assert text[:began + 1].endswith('"get_weather"')
+        assert sum(1 for piece in got if any(c["index"] == 0 for c in piece)) > 20
+
+
+def test_llama3_calls_of_the_tools_keep_what_they_got_and_what_follows():
+    for reply, content, calls in [
+            # cut short by max_tokens: the call, with the arguments it got
+            ('{"name": "get_weather", "parameters": {"ci', "", [("get_weather", '{"ci')]),
+            # words after the calls are content
+            ('{"name": "get_time", "parameters": {}} and some words', "and some words",
+             [("get_time", "{}")]),
+            # a first name that is none of the tools: held, then whole calls or text
+            ('{"name": "other", "parameters": {"a": 1}}', "", [("other", '{"a": 1}')]),
+            ('{"name": "other", "parameters": {}} and words',
+             '{"name": "other", "parameters": {}} and words', []),
+            ('{"city": "Paris"}', '{"city": "Paris"}', [])]:
+        parser = ToolCallParser(LLAMA3_TOOLS)
+        got, deltas = pieces(parser, reply, 2)
+        assert got == content, reply
+        assert [(c["function"]["name"], c["function"]["arguments"])
+                for c in merged(deltas)] == calls, reply
+
+
 MISTRAL = ToolPlan("auto", None, syntax="mistral")
 
 
