@@ -130,8 +130,8 @@ def main(argv=None) -> int:
     failed = False
 
     batches = [int(b) for b in args.batches.split(",") if b]
-    k, v, tables = scattered_cache(max(batches), args.context, page, hkv, d, cache_dtype, device,
-                               gen)
+    k, v, tables = scattered_cache(max(batches), args.context, page, hkv, d, cache_dtype,
+                                   device, gen)
     for batch in batches:
         q = torch.randn(batch, hq, d, generator=gen).to(device, dtype)
         out = torch.empty_like(q)

@@ -337,6 +337,8 @@ class ToolCallParser:
                                     arguments_only=True)
 
     def _llama3_json(self, final: bool) -> tuple[str, list[dict]]:
+        if self.held and not final:
+            return "", []  # its first name is none of the tools: held until it ends
         if not (self.in_calls or self.is_text or self.held):
             self._llama3_named()
         if self.in_calls:
@@ -346,7 +348,7 @@ class ToolCallParser:
                 text = "" if self.item is not None else self.buffer[self.scan_pos:].strip()
                 self.buffer, self.item = "", None
             return text, out
-        head = self.buffer.lstrip().removeprefix(PYTHON_TAG).lstrip()
+        head = self.buffer[_llama3_start(self.buffer):]
         if not self.is_text and (head.startswith("{") or PYTHON_TAG.startswith(head)):
             if not final:
                 return "", []  # a call may be coming: held until the reply ends
@@ -364,9 +366,7 @@ class ToolCallParser:
         name is whole and one of the tools; held to its end once it is another, or the
         object ended without one."""
         if self.item is None:
-            start = _skip_space(self.buffer, 0)
-            if self.buffer.startswith(PYTHON_TAG, start):
-                start = _skip_space(self.buffer, start + len(PYTHON_TAG))
+            start = _llama3_start(self.buffer)
             if not self.buffer.startswith("{", start):
                 return
             if not self.plan.tool_names:
@@ -482,6 +482,14 @@ def _skip_space(text: str, pos: int) -> int:
     while pos < len(text) and text[pos].isspace():
         pos += 1
     return pos
+
+
+def _llama3_start(text: str) -> int:
+    """Where a Llama 3 reply's own text starts: past spaces and <|python_tag|>."""
+    start = _skip_space(text, 0)
+    if text.startswith(PYTHON_TAG, start):
+        start = _skip_space(text, start + len(PYTHON_TAG))
+    return start
 
 
 def _parse_llama3(text: str, index: int) -> Optional[list[dict]]:

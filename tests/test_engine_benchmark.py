@@ -189,6 +189,18 @@ def test_gpu_profile_smoke_on_the_cpu(tiny_llama_dir):
     assert out.count("ncalls  tottime") == 2  # cProfile's table of the host functions
 
 
+def test_gpu_profile_hands_its_kv_cache_dtype_to_the_engine(tiny_llama_dir):
+    """--kv-cache-dtype fp8, as docs/performance.md runs it on a GPU, reaches the engine:
+    on the CPU its kernels refuse that cache, with the engine's own message."""
+    args = ["--device", "cpu", "--model-config", str(tiny_llama_dir), "--load-format", "auto",
+            "--batches", "1", "--input-len", "8", "--decode-steps", "1",
+            "--kv-cache-dtype", "fp8"]
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_profile.py", *args],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    assert "--kv-cache-dtype fp8 is for CUDA: the CPU kernels read a float32" in proc.stderr
+
+
 def test_engine_benchmark_smoke_on_a_gguf_file(tmp_path):
     """--model FILE.gguf, as docs/performance.md's roofline of the default model's own
     file runs it (the shipped file: no tiny GGUF exists)."""

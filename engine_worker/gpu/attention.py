@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from engine_worker.attention import AttentionBackend, AttentionMetadata
-from engine_worker.ops import value_blocks
+from engine_worker.ops import FP8, value_blocks
 
 # tl.dot needs at least 16 rows.
 MIN_ROWS = 16
@@ -278,7 +278,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _, hq, d = q.shape
     _, page, hkv, _ = k_cache.shape
     assert v_cache.is_contiguous() and v_cache.numel() == k_cache.numel()
-    tiles = tiles or tilings(d, fp8=k_cache.element_size() == 1)
+    tiles = tiles or tilings(d, fp8=k_cache.dtype == FP8)
     group = hq // hkv
     d_pad = triton.next_power_of_2(d)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"

@@ -136,17 +136,22 @@ def compile_variant(kernel, arg_types: dict, constexprs: dict, options: dict, ar
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
+def _on_cubin(cubin: bytes, tool: Path, *args: str) -> str:
+    """What one of the CUDA binary tools shipped beside ptxas prints for the cubin."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp, "k.cubin")
+        path.write_bytes(cubin)
+        return subprocess.run([str(tool), *args, str(path)], capture_output=True, text=True,
+                              check=True).stdout
+
+
 def resources(cubin: bytes) -> tuple[int, int]:
     """(registers, local-memory bytes per thread) of the kernel in Triton's own cubin,
     from cuobjdump (shipped beside ptxas). Triton kernels keep no arrays in local
     memory, so any local memory is spilled registers. Reading the cubin Triton built
     (rather than assembling its PTX again) checks exactly what it would load, with the
     ptxas it chose: Triton 3.9 emits PTX that only its newer bundled ptxas accepts."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp, "k.cubin")
-        path.write_bytes(cubin)
-        report = subprocess.run([str(_CUOBJDUMP), "--dump-resource-usage", str(path)],
-                                capture_output=True, text=True, check=True).stdout
+    report = _on_cubin(cubin, _CUOBJDUMP, "--dump-resource-usage")
     usage = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", report)
     if usage is None:
         raise RuntimeError(f"no resource usage in cuobjdump's report: {report!r}")
@@ -157,13 +162,9 @@ def resources(cubin: bytes) -> tuple[int, int]:
 def shared_byte_loads(cubin: bytes) -> int:
     """Loads of single bytes from shared memory in the kernel's machine code (nvdisasm,
     shipped beside ptxas). An 8-bit tensor-core operand laid out across the axis a
-    product sums over is read so, a byte at a time (the fp8 cache's values were, 16x
-    slower than vector loads); docs/performance.md, "An fp8 KV cache"."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp, "k.cubin")
-        path.write_bytes(cubin)
-        sass = subprocess.run([str(_CUOBJDUMP.parent / "nvdisasm"), str(path)],
-                              capture_output=True, text=True, check=True).stdout
+    product sums over is read so, a byte at a time, where a vector load takes 16 (the
+    fp8 cache's values were); docs/performance.md, "An fp8 KV cache"."""
+    sass = _on_cubin(cubin, _CUOBJDUMP.parent / "nvdisasm")
     return len(re.findall(r"\bLDS\.(?:U|S)8\b", sass))
 
 
