@@ -355,8 +355,11 @@ def test_an_unknown_quantization_is_refused_by_name():
 @pytest.mark.parametrize("isa", ["native", "avx2", "avx512-no-bf16"])
 def test_intel_and_other_builds_compute_the_same_floats(isa):
     """The kernels for Intel CPUs (RS_INTEL, which kernels.py sets from the vendor)
-    fetch float tiles' next panels into L2 instead of L1: a cache hint, so float32
-    layers give the same floats either way, at 1-64 rows. Their bfloat16 weights are
+    fetch float tiles' next panels into L2 instead of L1 and take 4 panels at every row
+    count (FLOAT_WIDE_TILES): a cache hint and another grouping of the same products,
+    each output summed in the same order, so float32 layers give the same floats either
+    way, at 1-64 rows (row blocks of 6, the last partial; 4 panels, then 3 alone). Their
+    bfloat16 weights are
     widened, where other builds may multiply with vdpbf16ps: the floats of a build that
     widens (one without AVX-512-BF16)."""
     intel = kernels._build_and_load([*ISAS[isa], "-DRS_INTEL"])

@@ -87,7 +87,27 @@ typedef float vfu __attribute__((vector_size(VL * 4), aligned(4)));   /* unalign
 #ifndef MR_MAX
 #define MR_MAX 8
 #endif
+/* On Intel cores (RS_INTEL) float tiles take 4 panels at every row count instead, in
+   blocks of up to 6 rows (24 accumulators, 4 weight vectors and a broadcast fill the 32
+   registers): one panel of 8 rows loads 9 vectors for every 8 FMAs, and Intel's two
+   vector load ports then bound the FMAs' two; 6 x 4 loads 10 for 24. The default model's
+   layers alone (a loop over its 121 weights, both builds, alternating rounds, medians;
+   Intel Xeon, family 6 model 207): float32 0.97-1.05x at 6-8 rows (the same, within
+   this machine's noise: bound by memory), 1.12x at 12, 1.20x at 24,
+   1.22x at 64 (6 x 4 against 4 x 4: 1.08x), 1.30x at 256; bfloat16 widened into
+   float32 panels 1.19x at 64. FLOAT_WIDE_TILES=0 or 1 builds either way. */
+#ifndef FLOAT_WIDE_TILES
+#ifdef RS_INTEL
+#define FLOAT_WIDE_TILES 1
 #else
+#define FLOAT_WIDE_TILES 0
+#endif
+#endif
+#define FLOAT_WIDE_MR 6
+#else
+#undef FLOAT_WIDE_TILES
+#define FLOAT_WIDE_TILES 0   /* AVX2's 16 registers hold 3 rows x 2 panels at most */
+#define FLOAT_WIDE_MR 0
 #ifndef NP_MAX
 #define NP_MAX 2
 #endif
@@ -1327,8 +1347,9 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
     const int64_t pb = panel_bytes(K, format);
     const int narrow = int8 ? M <= (q4 ? Q4_NARROW_MAX_ROWS : Q8_NARROW_MAX_ROWS)
                      : dot && M <= BF16_NARROW_MAX_ROWS;
+    const int fwide = FLOAT_WIDE_TILES && !int8 && !dot && !amx;   /* 4 panels, any M */
     const int64_t mr_max = narrow ? NARROW_MR_MAX : int8 ? Q8_MR_MAX
-                         : dot ? BF16_MR_MAX : MR_MAX;
+                         : dot ? BF16_MR_MAX : fwide ? FLOAT_WIDE_MR : MR_MAX;
     const int64_t blocks = (M + mr_max - 1) / mr_max;
     /* Contiguous panel ranges, one per thread, balanced to a panel. */
 #pragma omp for schedule(static, 1)
@@ -1351,9 +1372,10 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
 #endif
         for (int64_t p = p_begin; p < p_end && !failed;) {
             /* bf16 products take NP_MAX panels at every row count (measured: 1.13x
-               at 64 rows; float32 panels do better one at a time there). */
+               at 64 rows; float32 panels did better one at a time there on Zen 5),
+               and so do float tiles on Intel (FLOAT_WIDE_TILES). */
             const int wide = !narrow &&
-                             (dot || M <= (int8 ? Q8_WIDE_MAX_ROWS : WIDE_MAX_ROWS)) &&
+                             (dot || fwide || M <= (int8 ? Q8_WIDE_MAX_ROWS : WIDE_MAX_ROWS)) &&
                              p_end - p >= NP_MAX;
             const char *w = (const char *)packed + p * pb;
             int64_t w_pb = pb;
