@@ -358,9 +358,9 @@ def test_intel_and_other_builds_compute_the_same_floats(isa):
     fetch float tiles' next panels into L2 instead of L1 and take 4 panels at every row
     count (FLOAT_WIDE_TILES): a cache hint and another grouping of the same products,
     each output summed in the same order, so float32 layers give the same floats either
-    way, at 1-64 rows (row blocks of 6, the last partial; 4 panels, then 3 alone). Their
-    bfloat16 weights are
-    widened, where other builds may multiply with vdpbf16ps: the floats of a build that
+    way, at 1-64 rows (row blocks of 6, the last partial; 4 panels, then 3 alone).
+    Their bfloat16 weights are widened (in registers up to 16 rows, into float32 panels
+    above), where other builds may multiply with vdpbf16ps: the floats of a build that
     widens (one without AVX-512-BF16)."""
     intel = kernels._build_and_load([*ISAS[isa], "-DRS_INTEL"])
     other = kernels._build_and_load([*ISAS[isa], "-URS_INTEL"])   # after the vendor's -D
@@ -371,7 +371,7 @@ def test_intel_and_other_builds_compute_the_same_floats(isa):
     for fmt, reference in (("float32", other), ("bfloat16", widened)):
         w = torch.randn(100, 96)
         packed = other.pack(w, fmt)
-        for m in (1, 5, 8, 17, 64):
+        for m in (1, 5, 8, 12, 17, 64):
             x = torch.randn(m, 96)
             assert torch.equal(intel.linear(x, packed, 100, None, fmt),
                                reference.linear(x, packed, 100, None, fmt)), (fmt, m)

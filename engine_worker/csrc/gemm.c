@@ -94,8 +94,10 @@ typedef float vfu __attribute__((vector_size(VL * 4), aligned(4)));   /* unalign
    layers alone (a loop over its 121 weights, both builds, alternating rounds, medians;
    Intel Xeon, family 6 model 207): float32 0.97-1.05x at 6-8 rows (the same, within
    this machine's noise: bound by memory), 1.12x at 12, 1.20x at 24,
-   1.22x at 64 (6 x 4 against 4 x 4: 1.08x), 1.30x at 256; bfloat16 widened into
-   float32 panels 1.19x at 64. FLOAT_WIDE_TILES=0 or 1 builds either way. */
+   1.22x at 64 (6 x 4 against 4 x 4: 1.08x), 1.30x at 256; bfloat16 1.26x at 12 rows
+   (widened in registers), 1.19x at 64 (widened into float32 panels), but 0.85x at 8,
+   where two blocks of 4 rows widen each weight twice: up to 8 rows it keeps one panel.
+   FLOAT_WIDE_TILES=0 or 1 builds either way. */
 #ifndef FLOAT_WIDE_TILES
 #ifdef RS_INTEL
 #define FLOAT_WIDE_TILES 1
@@ -1347,7 +1349,10 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
     const int64_t pb = panel_bytes(K, format);
     const int narrow = int8 ? M <= (q4 ? Q4_NARROW_MAX_ROWS : Q8_NARROW_MAX_ROWS)
                      : dot && M <= BF16_NARROW_MAX_ROWS;
-    const int fwide = FLOAT_WIDE_TILES && !int8 && !dot && !amx;   /* 4 panels, any M */
+    /* 4 panels at any M in float32; bfloat16 widened in registers keeps one block of
+       one panel up to MR_MAX rows, which widens each weight once */
+    const int fwide = FLOAT_WIDE_TILES && !int8 && !dot && !amx &&
+                      (format == RS_F32 || M > MR_MAX);
     const int64_t mr_max = narrow ? NARROW_MR_MAX : int8 ? Q8_MR_MAX
                          : dot ? BF16_MR_MAX : fwide ? FLOAT_WIDE_MR : MR_MAX;
     const int64_t blocks = (M + mr_max - 1) / mr_max;
