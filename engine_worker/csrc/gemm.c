@@ -93,10 +93,10 @@ typedef float vfu __attribute__((vector_size(VL * 4), aligned(4)));   /* unalign
    vector load ports then bound the FMAs' two; 6 x 4 loads 10 for 24. The default model's
    layers alone (a loop over its 121 weights, both builds, alternating rounds, medians;
    Intel Xeon, family 6 model 207): float32 0.97-1.05x at 6-8 rows (the same, within
-   this machine's noise: bound by memory), 1.12x at 12, 1.20x at 24,
-   1.22x at 64 (6 x 4 against 4 x 4: 1.08x), 1.30x at 256; bfloat16 1.26x at 12 rows
-   (widened in registers), 1.19x at 64 (widened into float32 panels), but 0.85x at 8,
-   where two blocks of 4 rows widen each weight twice: up to 8 rows it keeps one panel.
+   this machine's noise: bound by memory), 1.12x at 12, 1.20x at 24, 1.22x at 64 (6 x 4
+   against 4 x 4: 1.08x), 1.30x at 256; bfloat16 1.26x at 12 rows (widened in
+   registers), 1.19x at 64 (widened into float32 panels), but 0.85x at 8, where two
+   blocks of 4 rows widen each weight twice: up to 8 rows it keeps one panel.
    FLOAT_WIDE_TILES=0 or 1 builds either way. */
 #ifndef FLOAT_WIDE_TILES
 #ifdef RS_INTEL
@@ -105,11 +105,9 @@ typedef float vfu __attribute__((vector_size(VL * 4), aligned(4)));   /* unalign
 #define FLOAT_WIDE_TILES 0
 #endif
 #endif
-#define FLOAT_WIDE_MR 6
 #else
 #undef FLOAT_WIDE_TILES
 #define FLOAT_WIDE_TILES 0   /* AVX2's 16 registers hold 3 rows x 2 panels at most */
-#define FLOAT_WIDE_MR 0
 #ifndef NP_MAX
 #define NP_MAX 2
 #endif
@@ -120,6 +118,7 @@ typedef float vfu __attribute__((vector_size(VL * 4), aligned(4)));   /* unalign
 #ifndef MR_MAX
 #define MR_MAX 6
 #endif
+#define FLOAT_WIDE_MR 6   /* FLOAT_WIDE_TILES' rows: 6 x 4 panels, 24 accumulators */
 #define BF16_MR_MAX 6   /* vdpbf16ps tiles: 6 rows x 4 panels at most */
 
 typedef uint32_t vu32 __attribute__((vector_size(VL * 4), aligned(4)));
