@@ -17,6 +17,7 @@ from typing import Optional
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from common import faults
@@ -252,10 +253,27 @@ def create_app(config: FrontendConfig) -> FastAPI:
         metrics.rejected.labels(str(error.status)).inc()
         return error.response()
 
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(_request: Request, error: StarletteHTTPException) -> Response:
-        return APIError(error.status_code, str(error.detail)).response()
-
     app.include_router(router)
+    served = "; ".join(f"{', '.join(sorted(r.methods - {'HEAD'}))} {r.path}"
+                       for r in router.routes if isinstance(r, APIRoute))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, error: StarletteHTTPException) -> Response:
+        return APIError(error.status_code, _http_error_message(request, error, served),
+                        headers=error.headers).response()
+
     faults.install("frontend", app)
     return app
+
+
+def _http_error_message(request: Request, error: StarletteHTTPException, served: str) -> str:
+    """A route that does not exist, or a method a route does not take, named with what
+    the server does serve (the router's own words are "Not Found" and "Method Not
+    Allowed")."""
+    path = request.url.path if len(request.url.path) <= 200 else request.url.path[:200] + "..."
+    if error.status_code == 404 and error.detail == "Not Found":
+        return f"there is no route {path}; this server serves {served}"
+    if error.status_code == 405:
+        allowed = (error.headers or {}).get("Allow", "")
+        return f"{path} does not take {request.method}; it takes {allowed}"
+    return str(error.detail)

@@ -180,6 +180,16 @@ def test_version_models_and_aliases(url):
     assert by_alias.status_code == 200 and by_alias.json()["model"] == "tiny"
 
 
+def test_an_unknown_route_or_method_is_told_what_is_served(url):
+    r = httpx.post(url + "/v1/embeddings", json={"model": "tiny-llama", "input": "x"})
+    message = r.json()["error"]["message"]
+    assert r.status_code == 404 and message.startswith("there is no route /v1/embeddings;")
+    assert "POST /v1/chat/completions" in message and "GET /v1/models;" in message
+    r = httpx.get(url + "/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST"
+    assert r.json()["error"]["message"] == "/v1/completions does not take GET; it takes POST"
+
+
 def test_prompt_logprobs_and_echo_with_logprobs(url):
     body = post(url, prompt="Hello world again", max_tokens=2, temperature=0,
                 prompt_logprobs=1).json()["choices"][0]
