@@ -97,3 +97,12 @@ def sse_events(response: httpx.Response) -> list:
 def complete(url, headers=None, **body):
     body.setdefault("model", "tiny-llama")
     return httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=60)
+
+
+def chat_after_calls(url, question: list[dict], message: dict, tools: list[dict]):
+    """The conversation sent on: the assistant's message with its tool calls given
+    back, and a result for the first call (a template may check the calls' ids)."""
+    history = question + [message, {"role": "tool", "content": "sunny",
+                                    "tool_call_id": message["tool_calls"][0]["id"]}]
+    return httpx.post(url + "/v1/chat/completions", timeout=60, json={
+        "model": "m", "messages": history, "tools": tools, "max_tokens": 2})

@@ -12,7 +12,7 @@ import pytest
 
 import processes
 from conftest import PYTHON_TAG
-from frontend_stacks import sse_events
+from frontend_stacks import chat_after_calls, sse_events
 from helpers import WEATHER
 
 QUESTION = [{"role": "user", "content": "Weather in Paris and Oslo?"}]
@@ -69,10 +69,7 @@ def test_llama3_calls_come_back_as_tool_calls_and_stream(url, reply):
     assert [e for e in events[:-1] if e["choices"]][-1]["choices"][0]["finish_reason"] \
         == "tool_calls"
     # The calls given back, with a result, render through the template.
-    history = QUESTION + [message, {"role": "tool", "tool_call_id": calls[0]["id"],
-                                    "content": "sunny"}]
-    r = httpx.post(url + "/v1/chat/completions", timeout=60, json={
-        "model": "m", "messages": history, "tools": [WEATHER], "max_tokens": 2})
+    r = chat_after_calls(url, QUESTION, message, [WEATHER])
     assert r.status_code == 200, r.text
 
 
