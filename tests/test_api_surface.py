@@ -188,6 +188,10 @@ def test_an_unknown_route_or_method_is_told_what_is_served(url):
     r = httpx.get(url + "/v1/completions")
     assert r.status_code == 405 and r.headers["allow"] == "POST"
     assert r.json()["error"]["message"] == "/v1/completions does not take GET; it takes POST"
+    # A long path is cut at 200 characters in the message.
+    r = httpx.get(url + "/" + "x" * 5000)
+    message = r.json()["error"]["message"]
+    assert r.status_code == 404 and message.startswith(f"there is no route /{'x' * 199}...;")
 
 
 def test_prompt_logprobs_and_echo_with_logprobs(url):
