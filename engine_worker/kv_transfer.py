@@ -41,7 +41,7 @@ import torch
 
 from common.protocol import KvBlock, KvBlocks, KvPull, KvSource
 from engine_worker.block_manager import BlockManager, BlockTable
-from engine_worker.ops import value_blocks
+from engine_worker.ops import FP8, value_blocks
 from engine_worker.request import Request
 
 
@@ -73,6 +73,8 @@ class KvBlockStore:
     def write(self, block_id: int, data: bytes) -> None:
         first = self.kv_caches[0]
         raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if first.dtype == FP8:  # an fp8 cache holds no NaN (ops.to_cache_dtype): made 0
+            raw[(raw & 0x7F) == 0x7F] = 0
         layers = raw.view(first.dtype).view(len(self.kv_caches), *first[:, block_id].shape)
         for cache, layer in zip(self.kv_caches, layers.to(first.device)):
             cache[:, block_id].copy_(layer)

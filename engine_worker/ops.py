@@ -36,8 +36,13 @@ FP8_MAX = torch.finfo(FP8).max  # 448: an fp8 cache holds keys and values within
 
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x rounded to the cache's dtype; to fp8 saturating at its largest finite value
-    (as the Triton kernels do), not overflowing to NaN."""
-    return x.clamp(-FP8_MAX, FP8_MAX).to(dtype) if dtype == FP8 else x.to(dtype)
+    (as the Triton kernels do), not overflowing to NaN, and a NaN written as 0: an fp8
+    cache holds no NaN, so that the attention kernel reads the values of a tile's keys
+    past a context unmasked (their probability is 0, and 0 times a finite value is 0;
+    the blocks start zeroed)."""
+    if dtype != FP8:
+        return x.to(dtype)
+    return torch.nan_to_num(x, nan=0.0).clamp(-FP8_MAX, FP8_MAX).to(dtype)
 
 
 def value_blocks(kv_cache: torch.Tensor) -> torch.Tensor:

@@ -360,3 +360,13 @@ def test_a_block_moves_between_stores_as_its_bytes_in_every_cache_type(dtype):
     target.write(1, data)
     for src, dst in zip(source.kv_caches, target.kv_caches):
         assert torch.equal(src[:, 4].view(torch.uint8), dst[:, 1].view(torch.uint8))
+    if dtype == torch.float8_e4m3fn:
+        # A NaN (0x7F or 0xFF in e4m3) from a peer lands as 0: the attention kernel
+        # relies on an fp8 cache holding none (engine_worker.ops.to_cache_dtype).
+        nan = bytearray(data)
+        nan[0], nan[5], nan[-1] = 0x7F, 0xFF, 0x7F
+        target.write(2, bytes(nan))
+        got = torch.stack([c[:, 2] for c in target.kv_caches]).view(torch.uint8).flatten()
+        assert not got.view(dtype).float().isnan().any()
+        assert got[0] == got[5] == got[-1] == 0 and torch.equal(got[6:-1], torch.frombuffer(
+            bytearray(data[6:-1]), dtype=torch.uint8))

@@ -1,6 +1,7 @@
 """Compiles every Triton kernel variant the CUDA engine launches for a model, for a
 GPU architecture, without a GPU: Triton's front end, LLVM and ptxas (shipped in
-Triton's wheel) all run on a CPU. Prints each variant's registers and spills.
+Triton's wheel) all run on a CPU. Prints each variant's registers and spills, and for
+the attention kernels the instructions a pass of their loop takes (a tile of keys).
 
     python -m engine_worker.gpu.compile_check --model llama-3-8b --arch 90
 
@@ -159,13 +160,32 @@ def resources(cubin: bytes) -> tuple[int, int]:
     return registers, stack + local
 
 
-def shared_byte_loads(cubin: bytes) -> int:
-    """Loads of single bytes from shared memory in the kernel's machine code (nvdisasm,
+def shared_byte_loads(sass: str) -> int:
+    """Loads of single bytes from shared memory in the kernel's machine code (nvdisasm's,
     shipped beside ptxas). An 8-bit tensor-core operand laid out across the axis a
     product sums over is read so, a byte at a time, where a vector load takes 16 (the
     fp8 cache's values were); docs/performance.md, "An fp8 KV cache"."""
-    sass = _on_cubin(cubin, _CUOBJDUMP.parent / "nvdisasm")
     return len(re.findall(r"\bLDS\.(?:U|S)8\b", sass))
+
+
+def loop_instructions(sass: str) -> int:
+    """Instructions in one pass of the kernel's longest loop (0 if it has none): from
+    the label a backward branch goes to, to that branch. An attention kernel's loop
+    takes a tile of keys a pass; where it reads memory at its bandwidth, the
+    instructions it issues for each byte bound it (an fp8 cache's decode loop issued
+    2.4 times a bfloat16 cache's for each byte and read at half the bandwidth)."""
+    at, longest = {}, 0
+    count = 0
+    for line in sass.splitlines():
+        label = re.match(r"\s*\.(L_x_\d+):", line)
+        if label:
+            at[label.group(1)] = count
+        elif re.match(r"\s+/\*[0-9a-f]+\*/\s+\S", line):
+            count += 1
+            target = re.search(r"\bBRA\b.*`\(\.(L_x_\d+)\)", line)
+            if target and target.group(1) in at:
+                longest = max(longest, count - at[target.group(1)])
+    return longest
 
 
 def check(model: str, arch: int, dtype: str) -> list[dict]:
@@ -179,7 +199,10 @@ def check(model: str, arch: int, dtype: str) -> list[dict]:
         try:
             compiled = compile_variant(kernel, arg_types, constexprs, options, arch)
             row["registers"], row["spill_bytes"] = resources(compiled.asm["cubin"])
-            row["shared_byte_loads"] = shared_byte_loads(compiled.asm["cubin"])
+            sass = _on_cubin(compiled.asm["cubin"], _CUOBJDUMP.parent / "nvdisasm")
+            row["shared_byte_loads"] = shared_byte_loads(sass)
+            row["loop_instructions"] = loop_instructions(sass)
+            row["loop_keys"] = constexprs.get("BLOCK_N")
             row["shared_bytes"] = compiled.metadata.shared
             # Loads copied asynchronously into shared memory: the loop is pipelined.
             row["async_copies"] = compiled.asm["ttgir"].count("async_copy_global_to_local")
@@ -210,7 +233,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                                       f"{row['spill_bytes']} bytes spilled, "
                                       f"{row['shared_bytes']} bytes shared, "
                                       f"{row['async_copies']} async copies, "
-                                      f"{row['shared_byte_loads']} byte loads from shared")
+                                      + (f"{row['loop_instructions']} instructions a pass "
+                                         f"of {row['loop_keys']} keys, "
+                                         if row["loop_keys"] else "")
+                                      + f"{row['shared_byte_loads']} byte loads from shared")
             print(f"{model:14s} {row['kernel']:32s} {status}", flush=True)
     return 1 if failed else 0
 

@@ -41,9 +41,11 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, h_ptr, eps,
 @triton.jit
 def _to_cache(x, cache_ptr):
     """x in the cache's dtype. An fp8 cache (float8 e4m3) saturates at +-448, its
-    largest finite value, as the torch path does (engine_worker.ops.to_cache_dtype)."""
+    largest finite value, and holds a NaN as 0, as the torch path does
+    (engine_worker.ops.to_cache_dtype)."""
     if cache_ptr.dtype.element_ty.is_fp8():
-        x = tl.clamp(x.to(tl.float32), -448.0, 448.0)
+        x = x.to(tl.float32)
+        x = tl.where(x == x, tl.clamp(x, -448.0, 448.0), 0.0)
     return x.to(cache_ptr.dtype.element_ty)
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine_worker.gpu.attention import SplitBuffers, num_splits, paged_attention
+from engine_worker.ops import FP8, from_value_blocks, to_value_blocks
 from paged_cases import make_case, reference, rel_l2
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -81,6 +82,23 @@ def test_an_fp8_cache_is_read_widened_to_float16(splits):
                      seed=6, cache_dtype=torch.float8_e4m3fn)
     assert case.k_cache.dtype == torch.float8_e4m3fn
     assert rel_l2(run(case, splits), reference(case)) < 1e-3
+    # The values past a context are read unmasked (an fp8 cache holds no NaN, and
+    # those keys' probabilities are 0): the largest finite value there changes nothing.
+    outside = ~covered_slots(case)
+    k, v = case.k_cache.float(), from_value_blocks(case.v_cache).float()
+    k[outside], v[outside] = -448.0, 448.0
+    case.k_cache, case.v_cache = k.to(FP8), to_value_blocks(v.to(FP8))
+    assert outside.sum() > 0 and rel_l2(run(case, splits), reference(case)) < 1e-3
+
+
+def covered_slots(case) -> torch.Tensor:
+    """(num_blocks, page) bool: the cache slots some sequence's context holds."""
+    page = case.k_cache.shape[1]
+    covered = torch.zeros(case.k_cache.shape[:2], dtype=torch.bool, device=case.k_cache.device)
+    for s, ctx in enumerate(case.seq_lens.tolist()):
+        for j in range(ctx):
+            covered[case.block_tables[s, j // page], j % page] = True
+    return covered
 
 
 def test_splits_fill_the_gpu_only_when_the_batch_does_not():

@@ -76,6 +76,30 @@ def test_rope_write_kv_into_an_fp8_cache_saturates_as_the_torch_path_does():
         assert torch.equal(got.float(), want.clamp(-448, 448))
 
 
+def test_an_fp8_cache_is_written_no_nan():
+    """A NaN key or value is written to an fp8 cache as 0 and an infinite one as +-448,
+    by both paths: the attention kernel reads the values of keys past a context
+    unmasked (their probability is 0), which holds only while the cache has no NaN."""
+    hq, hkv, d, n = 2, 1, 8, 3
+    qkv = randn(n, (hq + 2 * hkv) * d)
+    v_at, k_at = (hq + hkv) * d, hq * d
+    qkv[0, v_at:v_at + 3] = torch.tensor([float("nan"), float("inf"), -float("inf")])
+    qkv[1, k_at:k_at + d] = float("nan")  # a whole key, both halves of each pair
+    cos = torch.ones(n, d // 2, device=DEVICE)
+    sin = torch.zeros(n, d // 2, device=DEVICE)
+    slots = torch.tensor([1, 2, 5], device=DEVICE)
+    ref_cache = torch.full((2, 2, 4, hkv, d), 1.0, device=DEVICE).to(FP8)
+    cache = ref_cache.clone()
+    TorchOps().rope_write_kv(qkv.clone(), cos, sin, hq, hkv, d, ref_cache, slots)
+    TritonOps().rope_write_kv(qkv.clone(), cos, sin, hq, hkv, d, cache, slots)
+    for written in (ref_cache, cache):
+        assert not written.float().isnan().any()
+        k, v = slot_contents(written, slots)
+        assert v[0, 0, :3].float().tolist() == [0.0, 448.0, -448.0]
+        assert k[1].float().eq(0).all()
+    assert torch.equal(cache.view(torch.uint8), ref_cache.view(torch.uint8))
+
+
 def slot_contents(cache: torch.Tensor, slots: torch.Tensor) -> list[torch.Tensor]:
     """The keys and the values (N, Hkv, D) that one layer's cache holds at slots."""
     _, _, _, hkv, d = cache.shape
