@@ -60,8 +60,9 @@ def tiling(head_dim: int, decode: bool, fp8: bool = False) -> Tiling:
     93% and 76%), chunks 128 rows of 32 keys on 8 warps (1.7x 64 rows). An fp8 cache
     (H200, ``--kv-cache-dtype fp8``, values laid out along the keys): decode 128 keys
     on 4 warps, chunks 128 rows of 64 keys on 8 warps (1.10x 64 rows on 4 warps). (64
-    keys, 2 tiles in flight, decoded 1.13-1.18x faster there under Triton 3.6, but
-    Triton 3.9 compiles it to 128 registers and a stack: left out.)
+    keys with 2 tiles in flight decoded 1.13-1.18x faster there, timed while the
+    values past a context were still masked, when Triton 3.9 compiled it to a stack;
+    it compiles clean since: to be timed again.)
     ``python -m engine_worker.gpu.compile_check`` prints each variant's registers, and
     tests/gpu/test_compile.py fails on a spill (128 rows of 64 keys on 4 warps spill)."""
     if head_dim <= 64:
