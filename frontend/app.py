@@ -270,7 +270,9 @@ def _http_error_message(request: Request, error: StarletteHTTPException, served:
     """A route that does not exist, or a method a route does not take, named with what
     the server does serve (the router's own words are "Not Found" and "Method Not
     Allowed")."""
-    path = request.url.path if len(request.url.path) <= 200 else request.url.path[:200] + "..."
+    path = request.url.path
+    if len(path) > 200:
+        path = path[:200] + "..."
     if error.status_code == 404 and error.detail == "Not Found":
         return f"there is no route {path}; this server serves {served}"
     if error.status_code == 405:

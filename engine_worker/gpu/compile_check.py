@@ -174,8 +174,7 @@ def loop_instructions(sass: str) -> int:
     takes a tile of keys a pass; where it reads memory at its bandwidth, the
     instructions it issues for each byte bound it (an fp8 cache's decode loop issued
     2.4 times a bfloat16 cache's for each byte and read at half the bandwidth)."""
-    at, longest = {}, 0
-    count = 0
+    at, count, longest = {}, 0, 0   # label -> instructions before it; so far; longest
     for line in sass.splitlines():
         label = re.match(r"\s*\.(L_x_\d+):", line)
         if label:
