@@ -58,17 +58,16 @@ def tiling(head_dim: int, decode: bool, fp8: bool = False) -> Tiling:
     benchmarks/gpu_attention.py's candidates (docs/performance.md): decode rows 64 keys
     on 4 warps (97% of copy bandwidth at batch 256 on an H100, 87% at 64; 8 warps gave
     93% and 76%), chunks 128 rows of 32 keys on 8 warps (1.7x 64 rows). An fp8 cache
-    (H200, ``--kv-cache-dtype fp8``, values laid out along the keys): decode 128 keys
-    on 4 warps, chunks 128 rows of 64 keys on 8 warps (1.10x 64 rows on 4 warps). (64
-    keys with 2 tiles in flight decoded 1.13-1.18x faster there, timed while the
-    values past a context were still masked, when Triton 3.9 compiled it to a stack;
-    it compiles clean since: to be timed again.)
+    (H200, ``--kv-cache-dtype fp8``, values laid out along the keys): decode 64 keys
+    on 4 warps with 2 tiles in flight (1.03x 128 keys with 3 in the engine at 64
+    streams, 1.01x at 256), chunks 128 rows of 64 keys on 8 warps (1.10x 64 rows on 4
+    warps).
     ``python -m engine_worker.gpu.compile_check`` prints each variant's registers, and
     tests/gpu/test_compile.py fails on a spill (128 rows of 64 keys on 4 warps spill)."""
     if head_dim <= 64:
         return Tiling(64, 64, 4)
     if fp8:
-        return Tiling(128, MIN_ROWS, 4) if decode else Tiling(64, 128, 8)
+        return Tiling(64, MIN_ROWS, 4, 2) if decode else Tiling(64, 128, 8)
     return Tiling(64, MIN_ROWS, 4) if decode else Tiling(32, 128, 8)
 
 
