@@ -9,14 +9,16 @@ are already in the cache (rope_write_kv writes them before attention), so every 
 reads only the cache: a chunk with a cached prefix and one without are the same case,
 and a query at position p attends to keys 0..p (causal with an offset).
 
-One kernel, two launches:
-  * decode rows: a program per (sequence, KV head, split). Its rows are the query
-    heads of the KV head's group, so each K/V block is loaded once for all of them
-    (GQA). When the batch is too small to fill the GPU, a long context is split over
-    several programs, each of which leaves its unnormalized partial result, maximum
-    and sum; a second kernel merges them (flash-decoding).
-  * chunks: a program per (tile of BLOCK_Q query tokens of one chunk, KV head). Its
-    rows are the tile's tokens times the group's heads.
+Two kernels:
+  * decode rows (_decode_kernel): a program per (sequence, KV head, split). It holds
+    the query heads of the KV head's group, so each K/V block is loaded once for all
+    of them (GQA), and computes transposed: the keys (then the head's dimensions) are
+    the matrix products' rows and the group's heads their columns, which tl.dot pads
+    to 8 where rows pad to 16. When the batch is too small to fill the GPU, a long
+    context is split over several programs, each of which leaves its unnormalized
+    partial result, maximum and sum; a second kernel merges them (flash-decoding).
+  * chunks (_chunk_kernel): a program per (tile of BLOCK_Q query tokens of one chunk,
+    KV head). Its rows are the tile's tokens times the group's heads.
 The inner loop is online softmax over BLOCK_N keys at a time; key j of sequence s lives
 at ``block_tables[s, j // page] * page + j % page``, so no block is copied out.
 
@@ -40,17 +42,18 @@ import triton.language as tl
 from engine_worker.attention import AttentionBackend, AttentionMetadata
 from engine_worker.ops import FP8, value_blocks
 
-# tl.dot needs at least 16 rows.
-MIN_ROWS = 16
+# Columns of a decode program's products: the group's query heads, padded to tl.dot's
+# least.
+MIN_HEADS = 8
 MAX_SPLITS = 16
 
 
 @dataclass(frozen=True)
 class Tiling:
     block_n: int  # keys per inner-loop iteration
-    rows: int  # query rows per chunk program (query tokens times the group's heads)
     num_warps: int
     num_stages: int = 3  # K/V tiles in flight (Triton's software pipelining; its default)
+    rows: int = 0  # query rows per chunk program (query tokens times the group's heads)
 
 
 def tiling(head_dim: int, decode: bool, fp8: bool = False) -> Tiling:
@@ -59,16 +62,17 @@ def tiling(head_dim: int, decode: bool, fp8: bool = False) -> Tiling:
     on 4 warps (97% of copy bandwidth at batch 256 on an H100, 87% at 64; 8 warps gave
     93% and 76%), chunks 128 rows of 32 keys on 8 warps (1.7x 64 rows). An fp8 cache
     (H200, ``--kv-cache-dtype fp8``, values laid out along the keys): decode 64 keys
-    on 4 warps with 2 tiles in flight (1.03x 128 keys with 3 in the engine at 64
-    streams, 1.01x at 256), chunks 128 rows of 64 keys on 8 warps (1.10x 64 rows on 4
-    warps).
+    on 2 warps with 2 tiles in flight (1.29x 4 warps at batch 256, 1.10x at 64), chunks
+    128 rows of 64 keys on 8 warps (1.10x 64 rows on 4 warps). (The decode figures of
+    a bfloat16 cache are the row form's, which the transposed one matched on an H200
+    under Triton 3.6; Triton 3.9 gives it twice the shared memory, 67 KiB: to be timed.)
     ``python -m engine_worker.gpu.compile_check`` prints each variant's registers, and
     tests/gpu/test_compile.py fails on a spill (128 rows of 64 keys on 4 warps spill)."""
     if head_dim <= 64:
-        return Tiling(64, 64, 4)
+        return Tiling(64, 4, rows=64)
     if fp8:
-        return Tiling(64, MIN_ROWS, 4, 2) if decode else Tiling(64, 128, 8)
-    return Tiling(64, MIN_ROWS, 4) if decode else Tiling(32, 128, 8)
+        return Tiling(64, 2, 2) if decode else Tiling(64, 8, rows=128)
+    return Tiling(64, 4) if decode else Tiling(32, 8, rows=128)
 
 
 def tilings(head_dim: int, fp8: bool = False) -> tuple[Tiling, Tiling]:
@@ -79,123 +83,196 @@ def tilings(head_dim: int, fp8: bool = False) -> tuple[Tiling, Tiling]:
 @triton.jit
 def _fp8_values(v_ptr, table_ptr, start, hi, kv_head, stride_block,
                 BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                D_PAD: tl.constexpr):
-    """Values of keys start..start + BLOCK_N as (BLOCK_N, D_PAD) from an fp8 cache,
-    whose blocks hold them (Hkv, D, PAGE). Read whole pages, unmasked (every address
-    is in the cache), so that each row of PAGE bytes is one contiguous load and the
-    tile reaches the tensor cores laid out along the keys. (Where a block is larger
-    than the tile, the tile's span of it.) What lies past the context is left as it
-    is: those keys' probabilities are 0, and an fp8 cache holds no NaN (its writes
-    make one 0, engine_worker.ops.to_cache_dtype; its blocks start zeroed), so their
-    products are 0. Masking it made the decode loop half as long again or more: 1,820
-    instructions a pass of 128 keys for 963 (sm_90, Triton 3.9; 3.6: 1,585 for 1,061),
-    the select after the widening taking byte permutes with it."""
+                D_PAD: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Values of keys start..start + BLOCK_N as (BLOCK_N, D_PAD), or (D_PAD, BLOCK_N)
+    if TRANSPOSED, from an fp8 cache, whose blocks hold them (Hkv, D, PAGE). Read whole
+    pages, unmasked (every address is in the cache), so that each row of PAGE bytes is
+    one contiguous load and the tile reaches the tensor cores laid out along the keys.
+    (Where a block is larger than the tile, the tile's span of it.) What lies past the
+    context is left as it is: those keys' probabilities are 0, and an fp8 cache holds
+    no NaN (its writes make one 0, engine_worker.ops.to_cache_dtype; its blocks start
+    zeroed), so their products are 0. Masking it made the decode loop half as long
+    again or more: 1,820 instructions a pass of 128 keys for 963 (sm_90, Triton 3.9;
+    3.6: 1,585 for 1,061), the select after the widening taking byte permutes with it.
+    (The chunks' (BLOCK_N, D_PAD) tile is loaded as such: transposing the other took
+    9% more instructions a pass under Triton 3.6.)"""
     PAGES: tl.constexpr = BLOCK_N // PAGE if BLOCK_N >= PAGE else 1
     SPAN: tl.constexpr = PAGE if BLOCK_N >= PAGE else BLOCK_N
     first = start + tl.arange(0, PAGES) * SPAN  # each page's first key in the tile
     page = tl.load(table_ptr + first // PAGE, mask=first < hi, other=0)
     d = tl.minimum(tl.arange(0, D_PAD), HEAD_DIM - 1)  # in the head, even where padded
-    at = (page.to(tl.int64)[:, None, None] * stride_block
-          + kv_head * (HEAD_DIM * PAGE) + d[None, :, None] * PAGE
-          + (first % PAGE)[:, None, None] + tl.arange(0, SPAN)[None, None, :])
-    return tl.reshape(tl.permute(tl.load(v_ptr + at), (0, 2, 1)), (BLOCK_N, D_PAD))
+    span = tl.arange(0, SPAN)
+    head = kv_head * (HEAD_DIM * PAGE)
+    if TRANSPOSED:  # (D_PAD, PAGES, SPAN)
+        at = (page.to(tl.int64)[None, :, None] * stride_block + head + d[:, None, None] * PAGE
+              + (first % PAGE)[None, :, None] + span[None, None, :])
+        tile = tl.reshape(tl.load(v_ptr + at), (D_PAD, BLOCK_N))
+    else:  # (PAGES, D_PAD, SPAN)
+        at = (page.to(tl.int64)[:, None, None] * stride_block + head + d[None, :, None] * PAGE
+              + (first % PAGE)[:, None, None] + span[None, None, :])
+        tile = tl.reshape(tl.permute(tl.load(v_ptr + at), (0, 2, 1)), (BLOCK_N, D_PAD))
+    return tile
 
 
 @triton.jit
-def _attention_kernel(
+def _online_softmax(s, m, denom, AXIS: tl.constexpr):
+    """One tile's scores s into the running maximum m and denominator of each query
+    (reduced along AXIS, the keys): (p, m_new, alpha, denom_new), alpha rescaling what
+    the earlier tiles added up."""
+    m_new = tl.maximum(m, tl.max(s, AXIS))
+    # A query that has seen no allowed key keeps m = -inf; shift by 0 there, not by
+    # -inf (which would give NaN).
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - tl.expand_dims(shift, AXIS))
+    alpha = tl.exp(m - shift)
+    return p, m_new, alpha, denom * alpha + tl.sum(p, AXIS)
+
+
+@triton.jit
+def _key_rows(table_ptr, start, hi, kv_head, stride_kb, stride_ks, stride_kh,
+              BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
+    """Keys start..start + BLOCK_N of a sequence (table_ptr: its block table row):
+    (their rows' offsets in the cache, which of them are below hi)."""
+    k_pos = start + tl.arange(0, BLOCK_N)
+    k_ok = k_pos < hi
+    page = tl.load(table_ptr + k_pos // PAGE, mask=k_ok, other=0)
+    return page.to(tl.int64) * stride_kb + (k_pos % PAGE) * stride_ks + kv_head * stride_kh, k_ok
+
+
+@triton.jit
+def _for_dots(q, k_ptr):
+    """The queries in the dots' dtype: theirs, or for an fp8 cache float16, which holds
+    e4m3 exactly and widens it in one instruction a pair (bfloat16 takes three), the
+    queries held within its range."""
+    if k_ptr.dtype.element_ty.is_fp8():
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    return q
+
+
+@triton.jit
+def _decode_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-        block_tables_ptr, seq_lens_ptr, query_start_ptr, tile_seq_ptr, tile_offset_ptr,
-        scale,
+        block_tables_ptr, seq_lens_ptr, scale,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kb, stride_ks, stride_kh, stride_bt,
+        GROUP: tl.constexpr, HEADS: tl.constexpr, BLOCK_N: tl.constexpr,
+        PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+        SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+    """Decode row ``seq`` (one query token), KV head, split of its context; computed
+    transposed: the scores s^T = K q^T are (BLOCK_N, HEADS) and the output acc^T = V^T
+    p^T (D_PAD, HEADS), HEADS the group's query heads padded to 8 where rows pad to 16.
+    (The row form took 1.8 times the instructions a key on an fp8 cache, its warps'
+    together, and 1.29x the time at batch 256 on an H200; as fast on a bfloat16 one;
+    docs/performance.md.)"""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(seq_lens_ptr + seq).to(tl.int32)  # (the engine's are int64)
+    cols = tl.arange(0, HEADS)
+    head = kv_head * GROUP + cols
+    col_ok = cols < GROUP  # (a padded row, context 0, reads no key and writes zeros)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    qt = _for_dots(tl.load(q_ptr + seq * stride_qt + head[None, :] * stride_qh + d[:, None],
+                           mask=d_ok[:, None] & col_ok[None, :], other=0.0), k_ptr)
+
+    per_split = tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, ctx)
+    table = block_tables_ptr + seq * stride_bt
+    m = tl.full([HEADS], float("-inf"), tl.float32)
+    denom = tl.zeros([HEADS], tl.float32)
+    acc = tl.zeros([D_PAD, HEADS], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        base, k_ok = _key_rows(table, start, hi, kv_head, stride_kb, stride_ks, stride_kh,
+                               BLOCK_N, PAGE)
+        kv_mask = k_ok[:, None] & d_ok[None, :]
+        # An fp8 cache's keys and values are widened to the dots' dtype (the queries').
+        k = tl.load(k_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(qt.dtype)
+        s = tl.dot(k, qt, input_precision=PRECISION) * scale
+        s = tl.where(k_ok[:, None], s, float("-inf"))
+        p, m, alpha, denom = _online_softmax(s, m, denom, 0)
+        if k_ptr.dtype.element_ty.is_fp8():
+            vt = _fp8_values(v_ptr, table, start, hi, kv_head, stride_kb, BLOCK_N, PAGE,
+                             HEAD_DIM, D_PAD, True)
+        else:
+            vt = tl.trans(tl.load(v_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0))
+        acc = acc * alpha[None, :] + tl.dot(vt.to(qt.dtype), p.to(qt.dtype),
+                                            input_precision=PRECISION)
+
+    ok = cols < GROUP
+    if SPLITS == 1:
+        out = acc / tl.where(denom > 0, denom, 1.0)[None, :]
+        tl.store(out_ptr + seq * stride_ot + head[None, :] * stride_oh + d[:, None],
+                 out.to(out_ptr.dtype.element_ty), mask=d_ok[:, None] & ok[None, :])
+    else:
+        # Partials of decode row `seq`: acc (B, Hq, SPLITS, D_PAD); the maximum and the
+        # softmax denominator (B, Hq, SPLITS, 2).
+        cell = (seq * (GROUP * tl.num_programs(1)) + head) * SPLITS + split
+        tl.store(part_acc_ptr + cell[None, :] * D_PAD + d[:, None], acc, mask=ok[None, :])
+        tl.store(part_ml_ptr + cell * 2, m, mask=ok)
+        tl.store(part_ml_ptr + cell * 2 + 1, denom, mask=ok)
+
+
+@triton.jit
+def _chunk_kernel(
+        q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
+        tile_seq_ptr, tile_offset_ptr, scale,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_bt,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-        D_PAD: tl.constexpr, SPLITS: tl.constexpr, DECODE: tl.constexpr,
-        PRECISION: tl.constexpr):
+        D_PAD: tl.constexpr, PRECISION: tl.constexpr):
+    """Query tokens q_off..q_off + BLOCK_Q of the chunk of sequence ``seq`` (tile
+    ``tile``), KV head; rows (token, head in the group), causal."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    if DECODE:  # sequence i is decode row i, one query token
-        seq = tile
-        q_off = 0
-        q_start = tile
-        q_len = 1
-    else:
-        seq = tl.load(tile_seq_ptr + tile)
-        q_off = tl.load(tile_offset_ptr + tile)
-        q_start = tl.load(query_start_ptr + seq)
-        q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    seq = tl.load(tile_seq_ptr + tile)
+    q_off = tl.load(tile_offset_ptr + tile)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
     ctx = tl.load(seq_lens_ptr + seq)
 
     rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
     tok = q_off + rows // GROUP_PAD  # query token within the sequence's chunk
     in_group = rows % GROUP_PAD
     head = kv_head * GROUP + in_group
-    # A padded row (context 0) has no query tokens. Folded into the bound, not and-ed
-    # as a scalar: Triton 3.9's interpreter turns tensor & scalar-bool into integers.
-    row_ok = (tok < tl.where(ctx > 0, q_len, 0)) & (in_group < GROUP)
+    row_ok = (tok < q_len) & (in_group < GROUP)
     q_pos = ctx - q_len + tok  # the query's position in its sequence
     d = tl.arange(0, D_PAD)
     d_ok = d < HEAD_DIM
-    q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh
-                + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    if k_ptr.dtype.element_ty.is_fp8():
-        # The dots of an fp8 cache run in float16, which holds e4m3 exactly and widens
-        # it in one instruction a pair (bfloat16 takes three); queries held within its
-        # range.
-        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    q = _for_dots(tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt
+                          + head[:, None] * stride_qh + d[None, :],
+                          mask=row_ok[:, None] & d_ok[None, :], other=0.0), k_ptr)
 
-    # Keys this tile may see: up to its last query's position (causal).
+    # Keys this tile may see: up to its last query's position (causal). A padding tile
+    # (a CUDA graph's fixed grid: its first query past the chunk's end) reads no key.
     last_tok = tl.minimum(q_off + BLOCK_Q, q_len) - 1
-    # A padding tile (a CUDA graph's fixed grid: its first query past the chunk's end)
-    # reads no key.
-    kv_end = tl.where(q_off < q_len, tl.maximum(ctx - q_len + last_tok + 1, 0), 0)
-    per_split = tl.cdiv(tl.cdiv(kv_end, SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * per_split
-    hi = tl.minimum(lo + per_split, kv_end)
-
+    hi = tl.where(q_off < q_len, tl.maximum(ctx - q_len + last_tok + 1, 0), 0)
+    table = block_tables_ptr + seq * stride_bt
     m = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, D_PAD], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        k_pos = start + tl.arange(0, BLOCK_N)
-        k_ok = k_pos < hi
-        page = tl.load(block_tables_ptr + seq * stride_bt + k_pos // PAGE, mask=k_ok, other=0)
-        base = page.to(tl.int64) * stride_kb + (k_pos % PAGE) * stride_ks + kv_head * stride_kh
+    for start in range(0, hi, BLOCK_N):
+        base, k_ok = _key_rows(table, start, hi, kv_head, stride_kb, stride_ks, stride_kh,
+                               BLOCK_N, PAGE)
         kv_mask = k_ok[:, None] & d_ok[None, :]
-        # An fp8 cache's keys and values are widened to the dots' dtype (the queries').
         k = tl.load(k_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-        allowed = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        # A row that has seen no allowed key keeps m = -inf; shift by 0 there, not by
-        # -inf (which would give NaN).
-        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - shift[:, None])
-        alpha = tl.exp(m - shift)
-        denom = denom * alpha + tl.sum(p, 1)
+        causal = start + tl.arange(0, BLOCK_N)[None, :] <= q_pos[:, None]
+        s = tl.where(k_ok[None, :] & causal, s, float("-inf"))
+        p, m, alpha, denom = _online_softmax(s, m, denom, 1)
         if k_ptr.dtype.element_ty.is_fp8():
-            v = _fp8_values(v_ptr, block_tables_ptr + seq * stride_bt, start, hi, kv_head,
-                            stride_kb, BLOCK_N, PAGE, HEAD_DIM, D_PAD).to(q.dtype)
+            v = _fp8_values(v_ptr, table, start, hi, kv_head, stride_kb, BLOCK_N, PAGE,
+                            HEAD_DIM, D_PAD, False)
         else:
-            v = tl.load(v_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v, input_precision=PRECISION)
-        m = m_new
+            v = tl.load(v_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+                                            input_precision=PRECISION)
 
-    if SPLITS == 1:
-        out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
-        tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh
-                 + d[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=(tok < q_len)[:, None] & (in_group < GROUP)[:, None] & d_ok[None, :])
-    else:
-        # Partials of decode row `seq`: acc (B, Hq, SPLITS, D_PAD); the maximum and the
-        # softmax denominator (B, Hq, SPLITS, 2).
-        ok = in_group < GROUP
-        cell = (seq * (GROUP * tl.num_programs(1)) + head) * SPLITS + split
-        tl.store(part_acc_ptr + cell[:, None] * D_PAD + d[None, :], acc, mask=ok[:, None])
-        tl.store(part_ml_ptr + cell * 2, m, mask=ok)
-        tl.store(part_ml_ptr + cell * 2 + 1, denom, mask=ok)
+    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+    tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh
+             + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
@@ -278,7 +355,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     Sequences 0..num_decode-1 are decode rows (query token i is sequence i); the
     chunk tiles are (tile_seq[t], tile_offset[t]): a sequence and its first query
     token of the tile, chunk_block_q(group, tiles[1]) tokens per tile. block_tables
-    (S, W) int32; seq_lens (S,) and query_start (S + 1,) int32 (query_start is read
+    (S, W) int32; seq_lens (S,) and query_start (S + 1,) integers (query_start is read
     only for chunks). ``tiles``: the (decode, chunk) tilings; by default tilings()'s
     for the cache's dtype."""
     _, hq, d = q.shape
@@ -292,18 +369,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
     if num_decode:
-        group_pad = max(MIN_ROWS, triton.next_power_of_2(group))
         if splits > 1:
             assert split_buffers is not None and splits <= MAX_SPLITS
             acc, ml = split_buffers.acc, split_buffers.ml
         else:
             acc = ml = out  # not written
         t = tiles[0]
-        _attention_kernel[(num_decode, hkv, splits)](
-            q, k_cache, v_cache, out, acc, ml, block_tables, seq_lens, query_start,
-            seq_lens, seq_lens, scale, *strides, GROUP_PAD=group_pad, BLOCK_Q=1,
-            BLOCK_N=t.block_n, SPLITS=splits, DECODE=True, num_warps=t.num_warps,
-            num_stages=t.num_stages, **common)
+        _decode_kernel[(num_decode, hkv, splits)](
+            q, k_cache, v_cache, out, acc, ml, block_tables, seq_lens, scale, *strides,
+            HEADS=max(MIN_HEADS, triton.next_power_of_2(group)), BLOCK_N=t.block_n,
+            SPLITS=splits, num_warps=t.num_warps, num_stages=t.num_stages, **common)
         if splits > 1:
             _merge_splits_kernel[(num_decode, hq)](
                 acc, ml, out, out.stride(0), out.stride(1), SPLITS=splits, HEAD_DIM=d,
@@ -311,11 +386,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if tile_seq is not None and tile_seq.numel():
         assert tile_offset is not None
         t = tiles[1]
-        _attention_kernel[(tile_seq.numel(), hkv, 1)](
-            q, k_cache, v_cache, out, out, out, block_tables, seq_lens, query_start,
-            tile_seq, tile_offset, scale, *strides, GROUP_PAD=triton.next_power_of_2(group),
-            BLOCK_Q=chunk_block_q(group, t), BLOCK_N=t.block_n, SPLITS=1, DECODE=False,
-            num_warps=t.num_warps, num_stages=t.num_stages, **common)
+        _chunk_kernel[(tile_seq.numel(), hkv)](
+            q, k_cache, v_cache, out, block_tables, seq_lens, query_start, tile_seq,
+            tile_offset, scale, *strides, GROUP_PAD=triton.next_power_of_2(group),
+            BLOCK_Q=chunk_block_q(group, t), BLOCK_N=t.block_n, num_warps=t.num_warps,
+            num_stages=t.num_stages, **common)
     return out
 
 

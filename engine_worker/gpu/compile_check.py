@@ -39,7 +39,7 @@ _CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuo
 
 
 # Every Triton kernel the CUDA engine launches.
-KERNELS = (attention._attention_kernel, attention._merge_splits_kernel,
+KERNELS = (attention._decode_kernel, attention._chunk_kernel, attention._merge_splits_kernel,
            ops._add_rms_norm_kernel, ops._rope_write_kv_kernel, ops._silu_mul_kernel)
 
 
@@ -64,29 +64,30 @@ def variants(cfg, dtype: str = "bfloat16", block_size: int = 16) -> list[tuple]:
     d, d_pad = cfg.head_dim, triton.next_power_of_2(cfg.head_dim)
     common = dict(GROUP=group, PAGE=block_size, HEAD_DIM=d, D_PAD=d_pad,
                   PRECISION="ieee" if dtype == "float32" else "tf32")
-    attn_args = dict(q_ptr=t, k_ptr=t, v_ptr=t, out_ptr=t, part_acc_ptr="*fp32",
-                     part_ml_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i64",
-                     query_start_ptr="*i64", tile_seq_ptr="*i64", tile_offset_ptr="*i64",
-                     scale="fp32")
-    fp8 = dict(attn_args, k_ptr="*fp8e4nv", v_ptr="*fp8e4nv")  # --kv-cache-dtype fp8
+    decode_args = dict(q_ptr=t, k_ptr=t, v_ptr=t, out_ptr=t, part_acc_ptr="*fp32",
+                       part_ml_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i64",
+                       scale="fp32")
+    chunk_args = dict(q_ptr=t, k_ptr=t, v_ptr=t, out_ptr=t, block_tables_ptr="*i32",
+                      seq_lens_ptr="*i64", query_start_ptr="*i64", tile_seq_ptr="*i64",
+                      tile_offset_ptr="*i64", scale="fp32")
+    fp8 = dict(k_ptr="*fp8e4nv", v_ptr="*fp8e4nv")  # --kv-cache-dtype fp8
 
-    def decode_launch(label: str, args: dict, splits: int) -> tuple:
-        decode = attention.tiling(d, decode=True, fp8=args is fp8)
-        return (label, attention._attention_kernel, args,
-                dict(common, GROUP_PAD=max(attention.MIN_ROWS, triton.next_power_of_2(group)),
-                     BLOCK_Q=1, BLOCK_N=decode.block_n, SPLITS=splits, DECODE=True),
-                _options(decode))
+    def decode_launch(label: str, cache: dict, splits: int) -> tuple:
+        decode = attention.tiling(d, decode=True, fp8=bool(cache))
+        return (label, attention._decode_kernel, dict(decode_args, **cache),
+                dict(common, HEADS=max(attention.MIN_HEADS, triton.next_power_of_2(group)),
+                     BLOCK_N=decode.block_n, SPLITS=splits), _options(decode))
 
-    def chunk_launch(label: str, args: dict) -> tuple:
-        chunk = attention.tiling(d, decode=False, fp8=args is fp8)
-        return (label, attention._attention_kernel, args,
+    def chunk_launch(label: str, cache: dict) -> tuple:
+        chunk = attention.tiling(d, decode=False, fp8=bool(cache))
+        return (label, attention._chunk_kernel, dict(chunk_args, **cache),
                 dict(common, GROUP_PAD=triton.next_power_of_2(group),
-                     BLOCK_Q=attention.chunk_block_q(group, chunk), BLOCK_N=chunk.block_n,
-                     SPLITS=1, DECODE=False), _options(chunk))
+                     BLOCK_Q=attention.chunk_block_q(group, chunk), BLOCK_N=chunk.block_n),
+                _options(chunk))
 
-    out = [decode_launch(f"attention decode, {splits} split(s)", attn_args, splits)
+    out = [decode_launch(f"attention decode, {splits} split(s)", {}, splits)
            for splits in (1, attention.MAX_SPLITS)]
-    out += [chunk_launch("attention chunk", attn_args),
+    out += [chunk_launch("attention chunk", {}),
             decode_launch("attention decode, fp8 cache", fp8, 1),
             chunk_launch("attention chunk, fp8 cache", fp8)]
     out.append(("merge splits", attention._merge_splits_kernel,
@@ -202,6 +203,7 @@ def check(model: str, arch: int, dtype: str) -> list[dict]:
             row["shared_byte_loads"] = shared_byte_loads(sass)
             row["loop_instructions"] = loop_instructions(sass)
             row["loop_keys"] = constexprs.get("BLOCK_N")
+            row["warps"] = options["num_warps"]
             row["shared_bytes"] = compiled.metadata.shared
             # Loads copied asynchronously into shared memory: the loop is pipelined.
             row["async_copies"] = compiled.asm["ttgir"].count("async_copy_global_to_local")
@@ -233,7 +235,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                       f"{row['shared_bytes']} bytes shared, "
                                       f"{row['async_copies']} async copies, "
                                       + (f"{row['loop_instructions']} instructions a pass "
-                                         f"of {row['loop_keys']} keys, "
+                                         f"of {row['loop_keys']} keys on {row['warps']} warps, "
                                          if row["loop_keys"] else "")
                                       + f"{row['shared_byte_loads']} byte loads from shared")
             print(f"{model:14s} {row['kernel']:32s} {status}", flush=True)

@@ -28,15 +28,16 @@ def test_every_kernel_variant_compiles_for_sm90_without_spills():
     # Shared memory read in vectors: an fp8 cache's values, laid out along the keys
     # (engine_worker.ops.value_blocks), reach the tensor cores without byte loads.
     assert all(line.endswith(" 0 byte loads from shared") for line in attention), proc.stdout
-    # An fp8 cache's decode loop issues at most a quarter more instructions a key than
-    # a bfloat16 cache's, for half the bytes a key: it read at half the bandwidth while
-    # it issued 1.6-1.9 times as many a key (a select of its values past the context,
-    # since dropped, took as many as the rest of the loop: 1,820 a pass of 128 keys at
-    # the 8B shape, now 963; Triton 3.9).
+    # An fp8 cache's decode loop issues at most a quarter more instructions a key (its
+    # warps' together) than a bfloat16 cache's, for half the bytes a key: it read at
+    # half the bandwidth while it issued 1.6-1.9 times as many a key (a select of its
+    # values past the context, since dropped, took as many as the rest of the loop:
+    # 1,820 a pass of 128 keys at the 8B shape, then 963; Triton 3.9).
     def per_key(model: str, kernel: str) -> float:
         line = next(line for line in lines if line.startswith(model) and f" {kernel} " in line)
-        found = re.search(r"(\d+) instructions a pass of (\d+) keys", line)
-        return int(found.group(1)) / int(found.group(2))
+        found = re.search(r"(\d+) instructions a pass of (\d+) keys on (\d+) warps", line)
+        instructions, keys, warps = map(int, found.groups())
+        return instructions * warps / keys
 
     for model in ("llama-3-8b", "qwen2.5-7b", "smollm2-135m"):
         assert (per_key(model, "attention decode, fp8 cache")
