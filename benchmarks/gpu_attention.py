@@ -4,12 +4,15 @@ one reads the cache fastest, for decode rows and for prompt chunks.
     python benchmarks/gpu_attention.py --model-config llama-3-8b --batches 1,64,256
 
 Decode: B sequences of --context tokens each, one query token a sequence (B from
---batches), their contexts split over programs as the engine splits them; their blocks
-scattered over the cache as a busy engine's are. Chunks: --chunk-seqs prompts of
+--batches), their contexts split over programs as the engine splits them (and the
+engine's tiling with twice the splits too, where it may); their blocks scattered over
+the cache as a busy engine's are. Chunks: --chunk-seqs prompts of
 --chunk-len tokens (no cached prefix). A tiling is BLOCK_N x warps x stages for decode
 and ROWS x BLOCK_N x warps x stages for chunks (engine_worker/gpu/attention.py's
 Tiling); the engine's own (tiling()) comes first, and every other's output is checked
-against it. Each time is the median of --repeats runs of --iters calls; decode as
+against it. Each time is the median of --repeats replays of a CUDA graph of --iters
+calls, as the engine replays its steps (launched from the host, a decode kernel at
+batch 64 took the launch's time, not its own); decode as
 bandwidth too (the K/V bytes read over the time, and its fraction of the
 device-to-device copy bandwidth measured in the same run), chunks as TFLOP/s of the
 attention's two matmuls (causal: half the square).
@@ -29,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.engine_gpu import copy_bandwidth, timed  # noqa: E402
+from benchmarks.engine_gpu import copy_bandwidth, graph_timed  # noqa: E402
 from common.model_files import resolve_model_dir  # noqa: E402
 from engine_worker.gpu import attention  # noqa: E402
 from engine_worker.model_config import load_model_config  # noqa: E402
@@ -143,18 +146,23 @@ def main(argv=None) -> int:
         print(f"decode, batch {batch}, context {args.context}, {splits} split(s): "
               f"{kv_bytes / 2**20:.0f} MiB of K/V", flush=True)
         ref, rows = None, {}
-        for t in decode_tilings:
-            def call(t=t):
+        # Every tiling with the engine's splits; the engine's tiling with twice as many too.
+        runs = [(t, splits, label(t, True)) for t in decode_tilings]
+        if 2 * splits <= attention.MAX_SPLITS:
+            runs.append((decode_tilings[0], 2 * splits,
+                         f"{label(decode_tilings[0], True)}, {2 * splits} splits"))
+        for t, n, name in runs:
+            def call(t=t, n=n):
                 attention.paged_attention(q, k, v, out, tables[:batch], seq_lens, query_start,
-                                          batch, None, None, scale, splits, buffers,
+                                          batch, None, None, scale, n, buffers,
                                           tiles=(t, chunk_tilings[0]))
-            seconds = timed(call, device, args.repeats, args.iters)
+            seconds = graph_timed(call, device, args.repeats, args.iters)
             err, ref = against(out, ref)
             failed |= err > tol
-            rows[label(t, True)] = {"us": seconds * 1e6, "bytes_per_s": kv_bytes / seconds,
+            rows[name] = {"us": seconds * 1e6, "bytes_per_s": kv_bytes / seconds,
                                     "fraction_of_copy": kv_bytes / seconds / bandwidth,
                                     "rel_l2_vs_engine": err}
-            print(f"  {label(t, True):10s} {seconds * 1e6:9.1f} us  "
+            print(f"  {name:10s} {seconds * 1e6:9.1f} us  "
                   f"{kv_bytes / seconds / 1e12:6.2f} TB/s  "
                   f"{kv_bytes / seconds / bandwidth:6.1%} of copy  rel L2 {err:.1e}", flush=True)
         report["decode"][str(batch)] = rows
@@ -178,7 +186,7 @@ def main(argv=None) -> int:
             attention.paged_attention(q, k, v, out, tables, seq_lens, query_start, 0,
                                       tile_seq, tile_offset, scale,
                                       tiles=(decode_tilings[0], t))
-        seconds = timed(call, device, args.repeats, args.iters)
+        seconds = graph_timed(call, device, args.repeats, args.iters)
         err, ref = against(out, ref)
         failed |= err > tol
         report["chunk"][label(t, False)] = {"us": seconds * 1e6, "flops_per_s": flops / seconds,
