@@ -39,6 +39,9 @@ def test_every_kernel_variant_compiles_for_sm90_without_spills():
         instructions, keys, warps = map(int, found.groups())
         return instructions * warps / keys
 
-    for model in ("llama-3-8b", "qwen2.5-7b", "smollm2-135m"):
+    # At head_dim 128 the decode kernel, transposed, on 2 warps, issues 0.6 of them
+    # (the heads pad to 8 columns, not 16 rows: 1.29x the row form at batch 256, H200).
+    bounds = {"llama-3-8b": 0.75, "qwen2.5-7b": 0.75, "smollm2-135m": 1.25}
+    for model, bound in bounds.items():
         assert (per_key(model, "attention decode, fp8 cache")
-                <= 1.25 * per_key(model, "attention decode, 1 split(s)")), proc.stdout
+                <= bound * per_key(model, "attention decode, 1 split(s)")), proc.stdout
