@@ -160,8 +160,8 @@ def main(argv=None) -> int:
             err, ref = against(out, ref)
             failed |= err > tol
             rows[name] = {"us": seconds * 1e6, "bytes_per_s": kv_bytes / seconds,
-                                    "fraction_of_copy": kv_bytes / seconds / bandwidth,
-                                    "rel_l2_vs_engine": err}
+                          "fraction_of_copy": kv_bytes / seconds / bandwidth,
+                          "rel_l2_vs_engine": err}
             print(f"  {name:10s} {seconds * 1e6:9.1f} us  "
                   f"{kv_bytes / seconds / 1e12:6.2f} TB/s  "
                   f"{kv_bytes / seconds / bandwidth:6.1%} of copy  rel L2 {err:.1e}", flush=True)
