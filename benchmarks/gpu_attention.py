@@ -40,7 +40,7 @@ from engine_worker.ops import FP8, to_cache_dtype, to_value_blocks  # noqa: E402
 
 # Candidates that compile for Hopper without spills at head_dim 128
 # (python -m engine_worker.gpu.compile_check prints the engine's own).
-DECODE_TILINGS = "64x8x3,64x4x2,64x2x2,64x2x3,32x4x3,32x2x2,128x4x3,128x2x2"
+DECODE_TILINGS = "64x8x3,64x4x2,64x2x2,64x2x3,32x4x3,32x2x2,128x4x3"
 CHUNK_TILINGS = "64x32x8x3,64x64x8x3,64x64x4x3,128x32x8x3,128x64x8x3,64x128x8x3"
 
 

@@ -42,9 +42,6 @@ import triton.language as tl
 from engine_worker.attention import AttentionBackend, AttentionMetadata
 from engine_worker.ops import FP8, value_blocks
 
-# Columns of a decode program's products: the group's query heads, padded to tl.dot's
-# least.
-MIN_HEADS = 8
 MAX_SPLITS = 16
 
 
@@ -73,6 +70,12 @@ def tiling(head_dim: int, decode: bool, fp8: bool = False) -> Tiling:
     if fp8:
         return Tiling(64, 2, 2) if decode else Tiling(64, 8, rows=128)
     return Tiling(64, 4) if decode else Tiling(32, 8, rows=128)
+
+
+def decode_heads(group: int) -> int:
+    """Columns of a decode program's products: the group's query heads, padded to a
+    power of two and to tl.dot's least, 8."""
+    return max(8, triton.next_power_of_2(group))
 
 
 def tilings(head_dim: int, fp8: bool = False) -> tuple[Tiling, Tiling]:
@@ -377,7 +380,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         t = tiles[0]
         _decode_kernel[(num_decode, hkv, splits)](
             q, k_cache, v_cache, out, acc, ml, block_tables, seq_lens, scale, *strides,
-            HEADS=max(MIN_HEADS, triton.next_power_of_2(group)), BLOCK_N=t.block_n,
+            HEADS=decode_heads(group), BLOCK_N=t.block_n,
             SPLITS=splits, num_warps=t.num_warps, num_stages=t.num_stages, **common)
         if splits > 1:
             _merge_splits_kernel[(num_decode, hq)](

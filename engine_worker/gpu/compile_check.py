@@ -75,7 +75,7 @@ def variants(cfg, dtype: str = "bfloat16", block_size: int = 16) -> list[tuple]:
     def decode_launch(label: str, cache: dict, splits: int) -> tuple:
         decode = attention.tiling(d, decode=True, fp8=bool(cache))
         return (label, attention._decode_kernel, dict(decode_args, **cache),
-                dict(common, HEADS=max(attention.MIN_HEADS, triton.next_power_of_2(group)),
+                dict(common, HEADS=attention.decode_heads(group),
                      BLOCK_N=decode.block_n, SPLITS=splits), _options(decode))
 
     def chunk_launch(label: str, cache: dict) -> tuple:
