@@ -571,6 +571,18 @@ static inline iv dot4u(iv acc, iv u, iv s) { return dot4_bytes(acc, u, s, 1); }
 static inline iv dot4(iv acc, iv x, iv w) { return dot4_bytes(acc, x, w, 0); }
 #endif
 
+/* a b + c, one rounding where the CPU has FMA */
+static inline vf vf_fma(vf a, vf b, vf c)
+{
+#if defined(__AVX512F__)
+    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+    return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
+
 static inline vf halves_to_float(const uint16_t *h)
 {
 #if defined(__AVX512F__)
@@ -686,9 +698,13 @@ tile_int(const int MR, const int NP, const int FORMAT, const int8_t *xq, const f
             if (q4) {
                 const uint16_t *dc = (const uint16_t *)scales + (v % PV) * VL;
                 const vf d = halves_to_float(dc), c = halves_to_float(dc + RS_PANEL);
+                /* two FMAs: written as one sum, -ffast-math made it two products, an
+                   FMA and an add (4-bit layers alone 1.03x at 8-16 rows, 1.06x at 64;
+                   Intel Xeon) */
                 for (int m = 0; m < MR; m++)
-                    acc[m][v] += IV_TO_FLOAT(sums[m][v]) * (d * xs[m * blocks + b]) +
-                                 c * xsum[m * blocks + b];
+                    acc[m][v] = vf_fma(c, (vf){0} + xsum[m * blocks + b],
+                                       vf_fma(IV_TO_FLOAT(sums[m][v]),
+                                              d * xs[m * blocks + b], acc[m][v]));
             } else {
                 const vf ws = *(const vf *)((const float *)scales + (v % PV) * VL);
                 for (int m = 0; m < MR; m++)
