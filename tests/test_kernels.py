@@ -82,16 +82,19 @@ def softmax_attention(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor,
 
 
 @pytest.mark.parametrize("isa", [[], ["-mno-avx512f"]], ids=["native", "avx2"])
-@pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 16), (4, 4, 128, 16), (8, 2, 64, 8)])
+@pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 16), (4, 4, 128, 16), (8, 2, 64, 8),
+                                         (14, 2, 128, 16)])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_the_paged_decode_attention_kernel_matches_softmax_over_the_context(isa, hq, hkv, d,
                                                                             bs, kv_dtype):
-    """Every context length around the 16-token groups the AVX-512 kernel sums together
-    (and the block size), read through a shuffled block table, against softmax(q k^T) v
-    over each sequence's gathered keys and values (a bfloat16 cache's widened exactly)."""
+    """Every context length around the 4-token groups of keys the kernel scores together,
+    the 16-token groups the AVX-512 kernel sums together and the block size, read through
+    a shuffled block table, against softmax(q k^T) v over each sequence's gathered keys
+    and values (a bfloat16 cache's widened exactly). 7 query heads a KV head are scored
+    4 and 3 at a time, and their values summed 2 at a time with 128-float heads."""
     k = kernels._build_and_load(isa)
     torch.manual_seed(hq * d + bs)
-    lens = [1, 2, 15, 16, 17, 31, 33, 48, 50]
+    lens = [1, 2, 3, 4, 5, 7, 15, 16, 17, 31, 33, 48, 50]
     cache, tables = paged_cache(len(lens), max(lens), bs, hkv, d, kv_dtype)
     q = torch.randn(len(lens), hq, d)
     scale = d ** -0.5

@@ -4,10 +4,11 @@
  * block table (no gather copy). Query head i uses KV head i / (Hq / Hkv) (grouped-
  * query attention). A step's tokens are split into tiles (rs_attention_tiles):
  *
- * - A token alone (a decode row): attend_one, two passes. 1. scores: each key row (all
- *   heads: one contiguous row) is loaded once and dotted with every query head;
- *   2. softmax over the scores, then per head the probability-weighted sum of value
- *   rows, a block at a time (the block stays in L1 across heads).
+ * - A token alone (a decode row): attend_one, two passes. 1. scores, 4 tokens at a
+ *   time: each KV head's keys are widened once for its query heads, and each head's
+ *   4 dot products summed across their vectors together; 2. softmax over the scores,
+ *   then the probability-weighted sum of value rows, a block at a time, each KV head's
+ *   values widened once for up to 4 of its query heads.
  * - A run of a sequence's consecutive tokens (a prompt chunk): attend_tile, up to
  *   TILE_ROWS (token, head) rows of a KV head at once, below.
  *
@@ -84,6 +85,72 @@ static inline vfl kv_vec(const char *row, int64_t i, int kv_type)
     return ((const vfl *)row)[i];
 }
 
+#if defined(__AVX2__)
+/* The sums of the lanes of a, b, c and d, in that order. */
+static inline __m128 sum4(vfl a, vfl b, vfl c, vfl d)
+{
+#if defined(__AVX512F__)
+#define HALVES(x) _mm256_add_ps(_mm512_castps512_ps256((__m512)(x)), _mm256_castpd_ps( \
+                      _mm512_extractf64x4_pd(_mm512_castps_pd((__m512)(x)), 1)))
+    const __m256 a8 = HALVES(a), b8 = HALVES(b), c8 = HALVES(c), d8 = HALVES(d);
+#undef HALVES
+#else
+    const __m256 a8 = (__m256)a, b8 = (__m256)b, c8 = (__m256)c, d8 = (__m256)d;
+#endif
+    /* each 128-bit half: a's, b's, c's and d's sums of its 4 lanes */
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a8, b8), _mm256_hadd_ps(c8, d8));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* Scores of NG query heads (q: the first, D floats apart) against 4 tokens' keys of
+   their KV head (k[j]: token j's), times scale, into s[g * T + j]: each key vector
+   widened once for the NG heads, and each head's 4 sums taken together (sum4), not
+   one across a vector at a time. */
+static inline __attribute__((always_inline)) void
+scores_of_4(const int NG, const float *q, const char *const k[4], int kv_type, int64_t D,
+            float scale, float *s, int64_t T)
+{
+    vfl acc[4][4];
+    for (int g = 0; g < NG; g++)
+        for (int j = 0; j < 4; j++)
+            acc[g][j] = (vfl){0};
+    for (int64_t v = 0; v < D / LANES; v++)
+        for (int j = 0; j < 4; j++) {
+            const vfl kv = kv_vec(k[j], v, kv_type);
+            for (int g = 0; g < NG; g++)
+                acc[g][j] += ((const vfl *)(q + g * D))[v] * kv;
+        }
+    for (int g = 0; g < NG; g++)
+        _mm_storeu_ps(s + g * T, _mm_mul_ps(sum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]),
+                                            _mm_set1_ps(scale)));
+}
+#endif
+
+/* out[g * D ...] (+)= sum_j p[g * T + j] v_j for NG query heads of one KV head over
+   n tokens' value rows (v_j at vh + j row_bytes), each value vector widened once for
+   the NG heads; each head's sum taken in the order of j, as one head at a time would. */
+static inline __attribute__((always_inline)) void
+values_of(const int NG, float *out, const float *p, int64_t T, const char *vh,
+          int64_t row_bytes, int64_t n, int kv_type, int64_t D, int first)
+{
+    const int64_t nv = D / LANES;
+    vfl acc[4][MAX_DIM / LANES];
+    for (int g = 0; g < NG; g++)
+        for (int64_t v = 0; v < nv; v++)
+            acc[g][v] = first ? (vfl){0} : ((const vfl *)(out + g * D))[v];
+    for (int64_t j = 0; j < n; j++) {
+        const char *vt = vh + j * row_bytes;
+        for (int64_t v = 0; v < nv; v++) {
+            const vfl vv = kv_vec(vt, v, kv_type);
+            for (int g = 0; g < NG; g++)
+                acc[g][v] += p[g * T + j] * vv;
+        }
+    }
+    for (int g = 0; g < NG; g++)
+        for (int64_t v = 0; v < nv; v++)
+            ((vfl *)(out + g * D))[v] = acc[g][v];
+}
+
 /* One query row: the query heads of KV heads [g0, g1) against its sequence's tokens
    [t0, t1) (t0 a multiple of bs). ml NULL: out is the attention over them; else out
    is the unnormalized sum and ml[2 i], ml[2 i + 1] head i's largest score and sum of
@@ -108,13 +175,44 @@ attend_one(const float *q, const void *k_cache, const void *v_cache, int kv_type
 #define ROW(cache, t) ((const char *)(cache) + (table[(t) / bs] * bs + (t) % bs) * row_bytes)
     for (int64_t t = 0; fetch && t < T && t < ahead; t++)
         prefetch_row(ROW(k_cache, t0 + t) + g0 * head_bytes, used_bytes);
-    for (int64_t t = 0; t < T; t++) {
-        const char *kt = ROW(k_cache, t0 + t);
-        if (fetch) {
-            if (t + ahead < T)
-                prefetch_row(ROW(k_cache, t0 + t + ahead) + g0 * head_bytes, used_bytes);
-            prefetch_row(ROW(v_cache, t0 + t) + g0 * head_bytes, used_bytes);
+#define FETCH(t) do { \
+        if (fetch) { \
+            if ((t) + ahead < T) \
+                prefetch_row(ROW(k_cache, t0 + (t) + ahead) + g0 * head_bytes, used_bytes); \
+            prefetch_row(ROW(v_cache, t0 + (t)) + g0 * head_bytes, used_bytes); \
+        } \
+    } while (0)
+    int64_t t = 0;
+#if defined(__AVX2__)
+    for (; t + 4 <= T; t += 4) {
+        const char *rows[4];
+        for (int j = 0; j < 4; j++) {
+            rows[j] = ROW(k_cache, t0 + t + j);
+            FETCH(t + j);
         }
+        for (int64_t h = g0; h < g1; h++) {
+            const char *k[4];
+            for (int j = 0; j < 4; j++)
+                k[j] = rows[j] + h * head_bytes;
+            for (int64_t i = h * G; i < (h + 1) * G; i += 4) {
+                const int64_t ng = (h + 1) * G - i < 4 ? (h + 1) * G - i : 4;
+                const float *qi = q + i * D;
+                float *s = scores + i * T + t;
+                if (ng == 4)
+                    scores_of_4(4, qi, k, kv_type, D, scale, s, T);
+                else if (ng == 3)
+                    scores_of_4(3, qi, k, kv_type, D, scale, s, T);
+                else if (ng == 2)
+                    scores_of_4(2, qi, k, kv_type, D, scale, s, T);
+                else
+                    scores_of_4(1, qi, k, kv_type, D, scale, s, T);
+            }
+        }
+    }
+#endif
+    for (; t < T; t++) {   /* one token at a time: the last few */
+        const char *kt = ROW(k_cache, t0 + t);
+        FETCH(t);
         for (int64_t i = i0; i < i1; i++) {
             const vfl *qi = (const vfl *)(q + i * D);
             const char *ki = kt + (i / G) * head_bytes;
@@ -127,6 +225,7 @@ attend_one(const float *q, const void *k_cache, const void *v_cache, int kv_type
             scores[i * T + t] = dot * scale;
         }
     }
+#undef FETCH
 #undef ROW
     /* Softmax over t, per query head. */
     for (int64_t i = i0; i < i1; i++) {
@@ -154,22 +253,24 @@ attend_one(const float *q, const void *k_cache, const void *v_cache, int kv_type
     for (int64_t start = 0; start < T; start += bs) {
         const int64_t n = T - start < bs ? T - start : bs;
         const char *vb = (const char *)v_cache + table[(t0 + start) / bs] * bs * row_bytes;
-        for (int64_t i = i0; i < i1; i++) {
-            vfl *oi = (vfl *)(out + i * D);
-            vfl acc[MAX_DIM / LANES];
-            for (int64_t v = 0; v < nv; v++)
-                acc[v] = start == 0 ? (vfl){0} : oi[v];
-            const float *p = scores + i * T + start;
-            const char *vi = vb + (i / G) * head_bytes;
-            for (int64_t j = 0; j < n; j++) {
-                const char *vt = vi + j * row_bytes;
-                const float pj = p[j];
-                for (int64_t v = 0; v < nv; v++)
-                    acc[v] += pj * kv_vec(vt, v, kv_type);
+        /* a KV head's value vectors widened once for up to 4 of its query heads (as
+           many as 16 accumulators hold) */
+        const int64_t most = nv <= 4 ? 4 : nv <= 8 ? 2 : 1;
+        for (int64_t h = g0; h < g1; h++)
+            for (int64_t i = h * G; i < (h + 1) * G; i += most) {
+                const int64_t ng = (h + 1) * G - i < most ? (h + 1) * G - i : most;
+                const float *p = scores + i * T + start;
+                const char *vh = vb + h * head_bytes;
+                float *o = out + i * D;
+                if (ng == 4)
+                    values_of(4, o, p, T, vh, row_bytes, n, kv_type, D, start == 0);
+                else if (ng == 3)
+                    values_of(3, o, p, T, vh, row_bytes, n, kv_type, D, start == 0);
+                else if (ng == 2)
+                    values_of(2, o, p, T, vh, row_bytes, n, kv_type, D, start == 0);
+                else
+                    values_of(1, o, p, T, vh, row_bytes, n, kv_type, D, start == 0);
             }
-            for (int64_t v = 0; v < nv; v++)
-                oi[v] = acc[v];
-        }
     }
 }
 
