@@ -124,24 +124,29 @@ class _Timed:
             self.seconds += time.perf_counter() - start
 
 
-def decode_steps(engine, batch: int, input_len: int, output_len: int, seed: int) -> dict:
-    """Runs ``batch`` requests and times the steps that are pure decodes of all of them:
-    median step time and where it goes (seconds per step, medians)."""
+def decode_steps(engine, batch: int, input_len: int, seed: int, wanted: int = 32) -> dict:
+    """Runs ``batch`` requests until ``wanted`` steps were pure decodes of all of them
+    (however many steps their prompts take first), then aborts them: median step time
+    and where it goes (seconds per step, medians), and the mean context they read."""
     runner = engine.runner
     rng = random.Random(seed)
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    for i in range(batch):
+    # as many tokens as the context allows: the run stops after the steps it wants
+    params = SamplingParams(max_tokens=engine.max_model_len - input_len, temperature=0.0,
+                            ignore_eos=True)
+    ids = [f"roofline-{batch}-{time.monotonic_ns()}-{i}" for i in range(batch)]
+    for request_id in ids:
         prompt = [rng.randrange(100, engine.model_config.vocab_size) for _ in range(input_len)]
-        engine.add_request(f"roofline-{batch}-{time.monotonic_ns()}-{i}", prompt, params)
+        engine.add_request(request_id, prompt, params)
     forward, sampler = _Timed(runner.forward), _Timed(runner.sampler.launch)
     runner.forward, runner.sampler.launch = forward, sampler  # (on the CPU it samples)
     runner.fused.profile = profile = torch.zeros(3, dtype=torch.float64)
     rows = []
     try:
-        while engine.has_unfinished_requests():
+        while engine.has_unfinished_requests() and len(rows) < wanted:
             running = engine.scheduler.running
             decoding = (len(running) == batch and not engine.scheduler.waiting
                         and all(r.num_tokens - r.num_computed_tokens == 1 for r in running))
+            context = sum(r.num_tokens for r in running) / batch
             marks = (forward.seconds, sampler.seconds, *profile.tolist())
             start = time.perf_counter()
             engine.step()
@@ -151,13 +156,18 @@ def decode_steps(engine, batch: int, input_len: int, output_len: int, seed: int)
                     marks, (forward.seconds, sampler.seconds, *profile.tolist())))
                 rows.append({"step": step, "linear": lin, "attention": att, "c_other": oth,
                              "forward_python": f - lin - att - oth, "sampling": smp,
-                             "engine_rest": step - f - smp})
+                             "engine_rest": step - f - smp, "context": context})
     finally:
         runner.forward, runner.fused.profile = forward.fn, None
         del runner.sampler.launch  # the class's again
+        engine.abort_requests(ids)
     engine.block_manager.reset_prefix_cache()
     if not rows:
-        raise RuntimeError(f"no pure decode step of batch {batch} was seen")
+        bm = engine.block_manager
+        raise RuntimeError(
+            f"no step decoded all {batch} requests of {input_len} prompt tokens at once "
+            f"(a KV cache of {bm.num_blocks * bm.block_size} tokens, a context of "
+            f"{engine.max_model_len}); a smaller batch or --input-len may fit")
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]} | {"steps": len(rows)}
 
 
@@ -179,7 +189,6 @@ def roofline(engine, args) -> dict:
     kernels = runner.model.lm_head.kernels
     rates = compute_rates(runner.model, kernels, runner.weight_format)
     rate_from, rate = max(rates.items(), key=lambda item: item[1])
-    output_len = 32
     out = {"gemm_gflops": rate / 1e9,
            "gemm_from": rate_from, "gemm_rates_gflops": {k: v / 1e9 for k, v in rates.items()},
            "weights": runner.weight_format, "products": kernels.products(runner.weight_format),
@@ -190,11 +199,10 @@ def roofline(engine, args) -> dict:
         # neighbours): measured right before and right after the batch's steps, the
         # better of the two is what the machine could give them.
         before = read_bandwidth(kernels)
-        steps = decode_steps(engine, batch, args.input_len, output_len, args.seed)
+        steps = decode_steps(engine, batch, args.input_len, args.seed)
         bandwidth = max(before, read_bandwidth(kernels))
-        # Keys and values read per step: each sequence's context, on average mid-run.
-        context = args.input_len + output_len / 2
-        step_bytes = int(weight_bytes + batch * context * kv_bytes_per_token)
+        # Keys and values read per step: each sequence's context (the median step's)
+        step_bytes = int(weight_bytes + batch * steps["context"] * kv_bytes_per_token)
         # A step's bytes read again and again: from memory, or from a last-level cache
         # that holds them (int8 and 4-bit weights in a Xeon's 260 MiB), if faster.
         again = read_bandwidth(kernels, step_bytes)

@@ -230,3 +230,24 @@ def test_the_last_level_cache_is_read_from_linux(tmp_path):
         (tmp_path / index / "size").write_text(size + "\n")
     assert last_level_cache_bytes(tmp_path) == 260 * 2**20
     assert last_level_cache_bytes(tmp_path / "none") == 0
+
+
+def test_the_roofline_waits_out_prompts_that_take_many_steps(tiny_llama_dir, tmp_path):
+    """16 prompts of 40 tokens under a budget of 16 tokens a step, which the decoding
+    rows share, take more than 32 steps to fill: the batch is timed over 32 steps that
+    decode all 16 however long its prompts took (with 32 output tokens a request the
+    first finished before the last prompt was in, and no step decoded all 16), and its
+    memory floor reads the contexts those steps had."""
+    out = tmp_path / "engine.json"
+    args = ["--model", str(tiny_llama_dir), "--num-requests", "1", "--input-len", "40",
+            "--output-len", "2", "--repeats", "1", "--skip-hf", "--roofline",
+            "--roofline-batches", "16", "--max-num-batched-tokens", "16", "--json", str(out)]
+    proc = subprocess.run([sys.executable, "benchmarks/engine.py", *args],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rl = json.loads(out.read_text())["roofline"]
+    (b,) = rl["batches"]
+    assert b["steps"] == 32
+    assert 40 + 32 < b["context"] < 40 + 32 + 200
+    assert b["step_bytes"] == int(rl["weight_bytes"] + 16 * b["context"]
+                                  * rl["kv_bytes_per_token"])
