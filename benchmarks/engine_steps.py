@@ -127,7 +127,8 @@ class _Timed:
 def decode_steps(engine, batch: int, input_len: int, seed: int, wanted: int = 32) -> dict:
     """Runs ``batch`` requests until ``wanted`` steps were pure decodes of all of them
     (however many steps their prompts take first), then aborts them: median step time
-    and where it goes (seconds per step, medians), and the mean context they read."""
+    and where it goes (seconds per step, medians), and the requests' mean context in
+    those steps (the median over them)."""
     runner = engine.runner
     rng = random.Random(seed)
     # as many tokens as the context allows: the run stops after the steps it wants
