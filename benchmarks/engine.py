@@ -27,7 +27,8 @@ kernel on the model's own layers at 256 rows and on a 1024^3 weight, and torch's
 AVX-512-BF16 where present; int8 x int8 for int8 and 4-bit); it prints which one set the
 floor. A decode step at batch B must read every weight and its sequences' keys and
 values, and do 2 x weights x B FLOPs, so its floor is the larger of bytes / bandwidth
-and FLOPs / GEMM rate. For batch 1, 8 and 64 it runs decode steps, prints the fraction
+and FLOPs / GEMM rate. For batch 1, 8 and 64 (--roofline-batches) it times 32 steps
+that decode the whole batch, after its prompts are in, prints the fraction
 of the floor they reach and where a step's time goes (linear layers, attention and the
 other C work inside the fused forward, the Python that prepares it, sampling, and the
 rest of the engine step).

@@ -129,11 +129,19 @@ def decode_steps(engine, batch: int, input_len: int, seed: int, wanted: int = 32
     (however many steps their prompts take first), then aborts them: median step time
     and where it goes (seconds per step, medians), and the requests' mean context in
     those steps (the median over them)."""
+    budget = engine.scheduler.token_budget
+    if batch > budget:
+        raise SystemExit(f"--roofline-batches {batch}: a step computes at most "
+                         f"{budget} tokens (--max-num-batched-tokens), so no step can "
+                         f"decode {batch} requests")
     runner = engine.runner
     rng = random.Random(seed)
-    # as many tokens as the context allows: the run stops after the steps it wants
-    params = SamplingParams(max_tokens=engine.max_model_len - input_len, temperature=0.0,
-                            ignore_eos=True)
+    # The run stops after the steps it wants. Until every prompt is in, each step
+    # computes at least one prompt token (the decoding rows leave the budget one), so
+    # a request needs at most batch x input_len tokens besides them.
+    params = SamplingParams(max_tokens=min(engine.max_model_len - input_len,
+                                           batch * input_len + wanted),
+                            temperature=0.0, ignore_eos=True)
     ids = [f"roofline-{batch}-{time.monotonic_ns()}-{i}" for i in range(batch)]
     for request_id in ids:
         prompt = [rng.randrange(100, engine.model_config.vocab_size) for _ in range(input_len)]

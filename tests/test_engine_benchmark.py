@@ -9,6 +9,15 @@ import sys
 import pytest
 
 
+def engine_benchmark(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """benchmarks/engine.py with these arguments; check: it must exit 0."""
+    proc = subprocess.run([sys.executable, "benchmarks/engine.py", *args],
+                          capture_output=True, text=True, timeout=600)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
 @pytest.mark.parametrize("extra", [
     ["--hf-batch-sizes", "4,same"],                            # against Hugging Face
     ["--shared-prefix", "8", "--input-len", "10", "--block-size", "4", "--skip-hf"],  # prefix cache
@@ -26,9 +35,7 @@ def test_engine_benchmark_smoke(tiny_llama_dir, tmp_path, extra):
     out = tmp_path / "engine.json"
     args = ["--model", str(tiny_llama_dir), "--num-requests", "4", "--input-len", "8",
             "--output-len", "4", "--repeats", "1", "--json", str(out)]
-    proc = subprocess.run([sys.executable, "benchmarks/engine.py", *args, *extra],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    engine_benchmark(*args, *extra)
     report = json.loads(out.read_text())
     assert report["engine"]["output_tokens"] == 16
     if "--zmq" in extra:
@@ -211,9 +218,7 @@ def test_engine_benchmark_smoke_on_a_gguf_file(tmp_path):
     args = ["--model", str(_find_gguf()), "--num-requests", "2", "--input-len", "8",
             "--output-len", "4", "--repeats", "1", "--skip-hf", "--roofline",
             "--roofline-batches", "1,2", "--json", str(out)]
-    proc = subprocess.run([sys.executable, "benchmarks/engine.py", *args],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    engine_benchmark(*args)
     report = json.loads(out.read_text())
     assert report["engine"]["output_tokens"] == 8
     assert report["weights"] == report["roofline"]["weights"] == "q4"
@@ -242,12 +247,23 @@ def test_the_roofline_waits_out_prompts_that_take_many_steps(tiny_llama_dir, tmp
     args = ["--model", str(tiny_llama_dir), "--num-requests", "1", "--input-len", "40",
             "--output-len", "2", "--repeats", "1", "--skip-hf", "--roofline",
             "--roofline-batches", "16", "--max-num-batched-tokens", "16", "--json", str(out)]
-    proc = subprocess.run([sys.executable, "benchmarks/engine.py", *args],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    engine_benchmark(*args)
     rl = json.loads(out.read_text())["roofline"]
     (b,) = rl["batches"]
     assert b["steps"] == 32
     assert 40 + 32 < b["context"] < 40 + 32 + 200
     assert b["step_bytes"] == int(rl["weight_bytes"] + 16 * b["context"]
                                   * rl["kv_bytes_per_token"])
+
+
+def test_a_roofline_batch_above_the_token_budget_is_refused_at_once(tiny_llama_dir):
+    """No step can decode more requests than it computes tokens: the batch is refused,
+    naming the budget, before any request runs (it would run to its token limit and
+    fail after)."""
+    proc = engine_benchmark("--model", str(tiny_llama_dir), "--num-requests", "1",
+                            "--input-len", "8", "--output-len", "2", "--repeats", "1",
+                            "--skip-hf", "--roofline", "--roofline-batches", "16",
+                            "--max-num-batched-tokens", "8", check=False)
+    assert proc.returncode == 1
+    assert ("--roofline-batches 16: a step computes at most 8 tokens "
+            "(--max-num-batched-tokens), so no step can decode 16 requests") in proc.stderr

@@ -85,6 +85,12 @@ static inline vfl kv_vec(const char *row, int64_t i, int kv_type)
     return ((const vfl *)row)[i];
 }
 
+/* f(NG, ...) for NG = ng (1 to 4), a constant in each call, so that f's accumulators
+   stay in registers. */
+#define FOR_HEADS(ng, f, ...) \
+    ((ng) == 4 ? f(4, __VA_ARGS__) : (ng) == 3 ? f(3, __VA_ARGS__) \
+                                   : (ng) == 2 ? f(2, __VA_ARGS__) : f(1, __VA_ARGS__))
+
 #if defined(__AVX2__)
 /* The sums of the lanes of a, b, c and d, in that order. */
 static inline __m128 sum4(vfl a, vfl b, vfl c, vfl d)
@@ -196,16 +202,8 @@ attend_one(const float *q, const void *k_cache, const void *v_cache, int kv_type
                 k[j] = rows[j] + h * head_bytes;
             for (int64_t i = h * G; i < (h + 1) * G; i += 4) {
                 const int64_t ng = (h + 1) * G - i < 4 ? (h + 1) * G - i : 4;
-                const float *qi = q + i * D;
-                float *s = scores + i * T + t;
-                if (ng == 4)
-                    scores_of_4(4, qi, k, kv_type, D, scale, s, T);
-                else if (ng == 3)
-                    scores_of_4(3, qi, k, kv_type, D, scale, s, T);
-                else if (ng == 2)
-                    scores_of_4(2, qi, k, kv_type, D, scale, s, T);
-                else
-                    scores_of_4(1, qi, k, kv_type, D, scale, s, T);
+                FOR_HEADS(ng, scores_of_4, q + i * D, k, kv_type, D, scale,
+                          scores + i * T + t, T);
             }
         }
     }
@@ -259,17 +257,8 @@ attend_one(const float *q, const void *k_cache, const void *v_cache, int kv_type
         for (int64_t h = g0; h < g1; h++)
             for (int64_t i = h * G; i < (h + 1) * G; i += most) {
                 const int64_t ng = (h + 1) * G - i < most ? (h + 1) * G - i : most;
-                const float *p = scores + i * T + start;
-                const char *vh = vb + h * head_bytes;
-                float *o = out + i * D;
-                if (ng == 4)
-                    values_of(4, o, p, T, vh, row_bytes, n, kv_type, D, start == 0);
-                else if (ng == 3)
-                    values_of(3, o, p, T, vh, row_bytes, n, kv_type, D, start == 0);
-                else if (ng == 2)
-                    values_of(2, o, p, T, vh, row_bytes, n, kv_type, D, start == 0);
-                else
-                    values_of(1, o, p, T, vh, row_bytes, n, kv_type, D, start == 0);
+                FOR_HEADS(ng, values_of, out + i * D, scores + i * T + start, T,
+                          vb + h * head_bytes, row_bytes, n, kv_type, D, start == 0);
             }
     }
 }
