@@ -9,17 +9,19 @@ file); the weights stay in the file and are read from it here, at start:
   is what the file's own dequantization gives;
 - F32 and BF16 linear layers are packed as float32 and bfloat16; F16 ones are widened
   to float32 (exactly: every half is a float);
-- the other types of llama.cpp's "K-quant" files, which most users download (its
-  Q4_K_M of the default model holds Q5_0, Q4_K, Q6_K and Q8_0 tensors), are
-  re-stored at start as one of those: Q5_0 as Q8_0 blocks, exactly (its 5-bit values
-  less 16 are int8 values of the same scale); Q4_K as Q4_1 blocks, the 4-bit values
-  unchanged and each 32-weight sub-block's scale and offset (its super-block's
-  half-precision factor times a 6-bit one) rounded to half precision; Q5_1, Q2_K,
-  Q3_K, Q5_K and Q6_K as Q8_0 blocks, requantized from their values (an error of at
-  most half a step of 127 per block of 32: 1/254 of its largest weight; 1.06 bytes a
-  weight, more than the file's);
+- the other types of llama.cpp's files, which most users download (its Q4_K_M of the
+  default model holds Q5_0, Q4_K, Q6_K and Q8_0 tensors, its IQ4_XS mostly IQ4_NL), are
+  re-stored at start as one of those: Q5_0 and IQ4_NL as Q8_0 blocks, exactly (Q5_0's
+  5-bit values less 16, and IQ4_NL's 16 levels, are int8 values of the same scale);
+  IQ4_XS as Q8_0 blocks, its levels unchanged and each 32-weight sub-block's scale
+  (its super-block's half-precision factor times a 6-bit one) rounded to half
+  precision; Q4_K as Q4_1 blocks, the 4-bit values unchanged and each sub-block's scale
+  and offset rounded so; every other block type the gguf package dequantizes (Q5_1,
+  Q2_K to Q6_K, the other IQ and TQ types...) as Q8_0 blocks, requantized from its
+  values (an error of at most half a step of 127 per block of 32: 1/254 of its
+  largest weight; 1.06 bytes a weight, more than the file's);
 - norms and the embedding rows are read as float32 (the embedding dequantized);
-- a tensor of any other type (IQ4_XS, TQ1_0...) is refused at start, by name, as is
+- a tensor of any other type (Q8_K, integers...) is refused at start, by name, as is
   a tensor the architecture does not use, or q/k/v (gate/up) whose types become
   different ones, which one packed weight cannot hold.
 
@@ -30,6 +32,7 @@ llama.cpp's converter stores the rows of attn_q and attn_k permuted for its RoPE
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections import Counter
@@ -47,9 +50,10 @@ logger = logging.getLogger(__name__)
 
 # Dense GGUF types (ggml's ids) and the packed format each becomes.
 DENSE_FORMATS = {0: "float32", 1: "float32", 30: "bfloat16"}  # F32, F16 (widened), BF16
-Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 3, 6, 7, 8, 10, 11, 12, 13, 14
-SERVED = ("F32, F16, BF16, Q8_0, Q4_0 and Q4_1 as they are, and Q5_0, Q5_1, Q2_K, Q3_K, "
-          "Q4_K, Q5_K and Q6_K re-stored")
+Q4_1, Q5_0, Q8_0, Q4_K, IQ4_NL, IQ4_XS = 3, 6, 8, 12, 20, 23
+# the levels of IQ4_NL and IQ4_XS (ggml's kvalues_iq4nl)
+IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
+                       113], dtype=np.int8)
 
 
 def _halves(blocks: np.ndarray, at: int) -> np.ndarray:
@@ -68,6 +72,36 @@ def q5_0_as_q8_0(rows: np.ndarray) -> np.ndarray:
     out = np.empty((len(blocks), 34), dtype=np.uint8)
     out[:, :2] = blocks[:, :2]
     out[:, 2:] = (q - 16).astype(np.int8).view(np.uint8)
+    return out.reshape(len(rows), -1)
+
+
+def _iq4_as_q8_0(d: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """Q8_0 blocks of scales d (float32, one a block) and IQ4 nibbles qs (16 bytes a
+    block: weights 0-15 the low nibbles, 16-31 the high ones): the levels as int8."""
+    out = np.empty((len(d), 34), dtype=np.uint8)
+    out[:, :2] = d.astype(np.float16)[:, None].view(np.uint8)
+    out[:, 2:] = IQ4_LEVELS[np.concatenate([qs & 15, qs >> 4], axis=1)].view(np.uint8)
+    return out
+
+
+def iq4_nl_as_q8_0(rows: np.ndarray) -> np.ndarray:
+    """IQ4_NL blocks (a half scale d, 16 bytes of nibbles; weight d IQ4_LEVELS[q]) as
+    Q8_0 blocks: the same weights exactly."""
+    blocks = rows.reshape(-1, 18)
+    return _iq4_as_q8_0(_halves(blocks, 0), blocks[:, 2:]).reshape(len(rows), -1)
+
+
+def iq4_xs_as_q8_0(rows: np.ndarray) -> np.ndarray:
+    """IQ4_XS super-blocks of 256 (half d, 8 6-bit scales s in a uint16 of high bits and
+    4 bytes of low ones, 128 bytes of nibbles; weight d (s - 32) IQ4_LEVELS[q]) as eight
+    Q8_0 blocks: the levels as they are, d (s - 32) rounded to half precision."""
+    blocks = rows.reshape(-1, 136)
+    high = blocks[:, 2:4].copy().view("<u2").astype(np.int32)           # (n, 1)
+    low = blocks[:, 4:8].astype(np.int32)
+    low = np.stack([low & 15, low >> 4], axis=2).reshape(-1, 8)          # sub-blocks 0..7
+    s = low | (((high >> (2 * np.arange(8))) & 3) << 4)
+    d = _halves(blocks, 0)[:, None] * (s - 32)
+    out = _iq4_as_q8_0(d.reshape(-1), blocks[:, 8:].reshape(-1, 16))
     return out.reshape(len(rows), -1)
 
 
@@ -107,15 +141,48 @@ def requantized_as_q8_0(rows: np.ndarray, ggml_type: int) -> np.ndarray:
     return out.reshape(len(rows), -1)
 
 
-# Types re-stored at load: ggml id -> (the type they become, how, in words).
-RESTORED = {Q5_0: (Q8_0, q5_0_as_q8_0, "Q8_0, exactly"),
-            Q4_K: (Q4_1, q4_k_as_q4_1, "Q4_1, sub-block scales rounded to half precision"),
-            **{t: (Q8_0, lambda rows, t=t: requantized_as_q8_0(rows, t), "Q8_0, requantized")
-               for t in (Q5_1, Q2_K, Q3_K, Q5_K, Q6_K)}}
+def _dequantizable(ggml_type) -> bool:
+    """Whether the gguf package dequantizes blocks of this type (its versions add
+    types)."""
+    from gguf import GGML_QUANT_SIZES, quants
+
+    try:
+        quants.dequantize(np.zeros((1, GGML_QUANT_SIZES[ggml_type][1]), np.uint8), ggml_type)
+    except (NotImplementedError, KeyError, ValueError):
+        return False
+    return True
 
 
-# Bytes of blocks re-stored at a time: at most ~3 weights a byte (Q2_K), so the
-# temporary float32 values stay near 50 MiB whatever the tensor's size (an 8B model's
+@functools.cache
+def restored_types() -> dict:
+    """Types re-stored at load: ggml id -> (the type they become, how, in words): four
+    of our own, then every other block type (more than one weight a block) that the
+    gguf package dequantizes, requantized."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    rounded = "scales rounded to half precision"
+    restored = {Q5_0: (Q8_0, q5_0_as_q8_0, "Q8_0, exactly"),
+                IQ4_NL: (Q8_0, iq4_nl_as_q8_0, "Q8_0, exactly"),
+                IQ4_XS: (Q8_0, iq4_xs_as_q8_0, f"Q8_0, {rounded}"),
+                Q4_K: (Q4_1, q4_k_as_q4_1, f"Q4_1, {rounded}")}
+    for t in GGMLQuantizationType:
+        if (GGML_QUANT_SIZES[t][0] > 1 and int(t) not in restored
+                and int(t) not in GGUF_FORMATS and _dequantizable(t)):
+            restored[int(t)] = (Q8_0, functools.partial(requantized_as_q8_0, ggml_type=t),
+                                "Q8_0, requantized")
+    return restored
+
+
+def served() -> str:
+    """The types a GGUF file's tensors may have, in words."""
+    from gguf import GGMLQuantizationType
+
+    names = ", ".join(GGMLQuantizationType(t).name for t in restored_types())
+    return f"F32, F16, BF16, Q8_0, Q4_0 and Q4_1 as they are, and {names} re-stored"
+
+
+# Bytes of blocks re-stored at a time: at most ~5 weights a byte (IQ1_S), so the
+# temporary float32 values stay under 100 MiB whatever the tensor's size (an 8B model's
 # embedding holds half a billion weights).
 RESTORE_CHUNK_BYTES = 1 << 22
 
@@ -158,13 +225,14 @@ class GgufWeights:
         if arch != "llama":
             raise ModelLoadError(f"{path.name}: roseserve serves GGUF files of the llama "
                                  f"architecture (Llama, SmolLM, Mistral...), not {arch!r}")
+        self.restored = restored_types()
+        known = {*GGUF_FORMATS, *DENSE_FORMATS, *self.restored}
         bad = [f"{t.name} ({t.tensor_type.name})" for t in self.reader.tensors
-               if int(t.tensor_type) not in GGUF_FORMATS and
-               int(t.tensor_type) not in DENSE_FORMATS and int(t.tensor_type) not in RESTORED]
+               if int(t.tensor_type) not in known]
         if bad:
             more = f" and {len(bad) - 6} more" if len(bad) > 6 else ""
             raise ModelLoadError(f"{path.name} has tensors in types roseserve cannot serve as "
-                                 f"they are: {', '.join(bad[:6])}{more}; it serves {SERVED}")
+                                 f"they are: {', '.join(bad[:6])}{more}; it serves {served()}")
 
     def field(self, key: str):
         f = self.reader.fields.get(key)
@@ -200,7 +268,8 @@ class GgufWeights:
         from engine_worker.models import PackedLinear
 
         tensors = [self._take(n) for n in names]
-        types = {RESTORED.get(int(t.tensor_type), (int(t.tensor_type),))[0] for t in tensors}
+        types = {self.restored.get(int(t.tensor_type), (int(t.tensor_type),))[0]
+                 for t in tensors}
         if len(types) > 1:
             listed = ", ".join(f"{t.name} ({t.tensor_type.name})" for t in tensors)
             raise ModelLoadError(f"{self.path.name}: {listed} are computed as one weight and "
@@ -212,8 +281,8 @@ class GgufWeights:
                 raise ModelLoadError(f"{self.path.name}: tensor {t.name!r} has "
                                      f"{int(t.shape[0])} inputs, expected {in_features}")
             rows = np.asarray(t.data).reshape(int(t.shape[1]), -1)
-            if int(t.tensor_type) in RESTORED:
-                rows = _restored(rows, RESTORED[int(t.tensor_type)][1])
+            if int(t.tensor_type) in self.restored:
+                rows = _restored(rows, self.restored[int(t.tensor_type)][1])
             parts.append(rows[unpermute_rows(len(rows), h)] if h else rows)
         rows = np.ascontiguousarray(np.concatenate(parts))
         out_features = rows.shape[0]
@@ -237,7 +306,7 @@ class GgufWeights:
 @torch.no_grad()
 def load_gguf(model, path: Path, kernels: CpuKernels) -> None:
     """Fill a LlamaModel (built with empty weights) from a GGUF file: every linear
-    layer packed from the file's blocks, as they are or re-stored (RESTORED)."""
+    layer packed from the file's blocks, as they are or re-stored (restored_types)."""
     from gguf import GGMLQuantizationType
 
     w = GgufWeights(path, kernels)
@@ -263,7 +332,7 @@ def load_gguf(model, path: Path, kernels: CpuKernels) -> None:
     w.finish()
     counts = Counter(int(t.tensor_type) for t in w.reader.tensors)
     name = lambda ggml_type: GGMLQuantizationType(ggml_type).name  # noqa: E731
-    kept = ", ".join(f"{n} {name(k)}" for k, n in counts.most_common() if k not in RESTORED)
-    restored = "".join(f"; {n} {name(k)} re-stored as {RESTORED[k][2]}"
-                       for k, n in counts.most_common() if k in RESTORED)
+    kept = ", ".join(f"{n} {name(k)}" for k, n in counts.most_common() if k not in w.restored)
+    restored = "".join(f"; {n} {name(k)} re-stored as {w.restored[k][2]}"
+                       for k, n in counts.most_common() if k in w.restored)
     logger.info("weights: %s, as they are: %s%s", path.name, kept, restored)

@@ -129,12 +129,13 @@ def test_tensor_types_it_cannot_serve_are_refused_by_name(tmp_path):
 
     from engine_worker.gguf import GgufWeights
 
-    iq4 = np.zeros((64, 136), dtype=np.uint8)  # 64 rows of 256 IQ4_XS weights
+    q8_k = np.zeros((64, 292), dtype=np.uint8)  # 64 rows of 256 Q8_K weights (activations')
     ok = np.zeros((64, 256), dtype=np.float32)
-    write_gguf(tmp_path / "k.gguf", tensors=[("blk.0.attn_v.weight", iq4, T.IQ4_XS),
+    write_gguf(tmp_path / "k.gguf", tensors=[("blk.0.attn_v.weight", q8_k, T.Q8_K),
                                              ("blk.0.attn_q.weight", ok, T.F32)])
     with pytest.raises(ModelLoadError, match=r"k\.gguf has tensors in types roseserve cannot "
-                       r"serve as they are: blk\.0\.attn_v\.weight \(IQ4_XS\); it serves F32"):
+                       r"serve as they are: blk\.0\.attn_v\.weight \(Q8_K\); it serves F32.*"
+                       r"IQ4_NL, IQ4_XS"):
         GgufWeights(tmp_path / "k.gguf", kernels.cpu_kernels())
     write_gguf(tmp_path / "q.gguf", arch="qwen2", tensors=[("blk.0.attn_q.weight", ok, T.F32)])
     with pytest.raises(ModelLoadError, match="llama architecture .* not 'qwen2'"):
@@ -221,16 +222,47 @@ def test_k_quant_files_tensors_are_re_stored_as_types_the_kernels_compute(tmp_pa
         weights.linear(["blk.0.ffn_gate.weight", "blk.0.attn_v.weight"], 256)
 
 
+def test_iq4_files_tensors_are_re_stored_as_int8_with_their_levels(tmp_path, monkeypatch):
+    """llama.cpp's IQ4_XS files (of the default model: IQ4_NL where a row's 576 weights
+    are not whole super-blocks of 256, IQ4_XS elsewhere): IQ4_NL becomes Q8_0 exactly,
+    its 16 levels int8 values of the same scale; IQ4_XS too, each sub-block's scale d (s -
+    32) rounded to half precision. Both are one int8 weight, re-stored a few rows at a
+    time."""
+    from gguf import GGMLQuantizationType as T, quants
+
+    from engine_worker import gguf as gguf_module
+    from engine_worker.gguf import GgufWeights
+
+    monkeypatch.setattr(gguf_module, "RESTORE_CHUNK_BYTES", 500)   # 3 rows of either
+    rng = np.random.default_rng(1)
+    tensors = {"blk.0.attn_q.weight": (random_blocks(rng, 24, 8, 18, (0,)), T.IQ4_NL),
+               "blk.0.attn_k.weight": (random_blocks(rng, 40, 1, 136, (0,)), T.IQ4_XS)}
+    write_gguf(tmp_path / "iq4.gguf", tensors=[(n, a, t) for n, (a, t) in tensors.items()])
+    lin = GgufWeights(tmp_path / "iq4.gguf", kernels.cpu_kernels()).linear(
+        ["blk.0.attn_q.weight", "blk.0.attn_k.weight"], 256)
+    assert (lin.fmt, lin.out_features) == ("int8", 64)
+    got = kernels.cpu_kernels().unpack(lin.packed, 64, 256, "int8")
+    nl, xs = (torch.from_numpy(quants.dequantize(*tensors[n])).view(-1, 256) for n in tensors)
+    assert torch.equal(got[:24], nl)
+    # a weight d (s - 32) level: d (s - 32) off by at most half an ulp of half precision
+    # (2^-11 of it), |level| at most 127
+    d = torch.from_numpy(tensors["blk.0.attn_k.weight"][0][:, :2].copy().view(np.float16)
+                         .astype(np.float32)).abs()
+    err = (got[24:] - xs).abs()
+    assert (err <= 32 * 127 * d * 2.0 ** -11 + 1e-12).all() and err.max() > 0
+
+
 # Bytes per block and where its half-precision scales are, for the types requantized.
 REQUANTIZED = {"Q5_1": (24, (0, 2)), "Q2_K": (84, (80, 82)), "Q3_K": (110, (108,)),
-               "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}
+               "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,)), "IQ2_XXS": (66, (0,)),
+               "IQ3_S": (110, (0,)), "TQ2_0": (66, (64,))}
 
 
 @pytest.mark.parametrize("type_name", list(REQUANTIZED))
 def test_other_k_quant_types_are_requantized_as_q8_0(tmp_path, monkeypatch, type_name):
-    """Q5_1, Q2_K, Q3_K, Q5_K and Q6_K become int8 weights (Q8_0 blocks) within half a
-    step of 127 of gguf's dequantization, per block of 32, requantized a few rows at a
-    time (the 48 rows in 10 chunks)."""
+    """Q5_1, Q2_K to Q6_K and the other types gguf dequantizes (some of them here) become
+    int8 weights (Q8_0 blocks) within half a step of 127 of gguf's dequantization, per
+    block of 32, requantized a few rows at a time (the 48 rows in 10 chunks)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
     from engine_worker import gguf as gguf_module
@@ -248,7 +280,10 @@ def test_other_k_quant_types_are_requantized_as_q8_0(tmp_path, monkeypatch, type
     want = torch.from_numpy(quants.dequantize(raw, t)).view(-1, 32)
     got = kernels.cpu_kernels().unpack(lin.packed, 48, 256, "int8").view(-1, 32)
     err = (got - want).abs().amax(-1)
-    assert (err <= want.abs().amax(-1) / 250).all() and (err > 0).any()
+    # half a step, and where the block's scale is below half precision's normal range
+    # (2^-14: a largest weight under 0.002, as some of TQ2_0's random ones), 127 times
+    # the scale's own rounding (half of 2^-24)
+    assert (err <= want.abs().amax(-1) / 250 + 127 * 2.0 ** -25).all() and (err > 0).any()
 
 
 def test_a_gguf_file_is_not_requantized(gguf_path):
