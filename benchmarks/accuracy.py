@@ -52,7 +52,7 @@ PROMPTS = [
 ]
 
 FORMATS = {"float32": {}, "bfloat16": {"dtype": "bfloat16"}, "int8": {"quantization": "int8"},
-           "q4": {"quantization": "q4"}, "gguf": {}}
+           "q4": {"quantization": "q4"}, "iq4": {"quantization": "iq4"}, "gguf": {}}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -101,6 +101,7 @@ def window_nll(engine, token_ids: list[int]) -> float:
 def measure(fmt: str, args, prompts: list[list[int]], text_ids: list[int],
             kv_dtype: str) -> dict:
     from engine_worker.engine import LLMEngine
+    from engine_worker.kernels import WEIGHT_FORMATS
 
     model = args.model
     if fmt == "gguf":
@@ -111,7 +112,7 @@ def measure(fmt: str, args, prompts: list[list[int]], text_ids: list[int],
         model=model, device="cpu", num_threads=args.threads, **FORMATS[fmt],
         cache=CacheConfig(kv_cache_memory_bytes=256 << 20, kv_cache_dtype=kv_dtype)))
     # a GGUF file's layers take the format their type packs as
-    expected = ("float32", "bfloat16", "int8", "q4") if fmt == "gguf" else (fmt,)
+    expected = tuple(WEIGHT_FORMATS) if fmt == "gguf" else (fmt,)
     if engine.runner.fused is None or engine.runner.weight_format not in expected:
         raise SystemExit(f"{fmt}: needs the fused CPU forward (Llama family, C kernels)")
     start = time.perf_counter()

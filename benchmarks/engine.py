@@ -86,7 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also run the workload through an engine worker process")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto", help="engine --dtype (bfloat16: bf16 weights)")
-    p.add_argument("--quantization", default=None, choices=["int8", "q4"])
+    p.add_argument("--quantization", default=None, choices=["int8", "q4", "iq4"])
     p.add_argument("--roofline", action="store_true",
                    help="also measure decode steps at --roofline-batches against their floor")
     p.add_argument("--roofline-batches", default="1,8,64")

@@ -184,8 +184,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
-        if self.quantization not in (None, "int8", "q4"):
-            raise ValueError(f"quantization must be int8, q4 or unset, got "
+        if self.quantization not in (None, "int8", "q4", "iq4"):
+            raise ValueError(f"quantization must be int8, q4, iq4 or unset, got "
                              f"{self.quantization!r}")
         if self.load_format not in _LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(_LOAD_FORMATS)}, got "

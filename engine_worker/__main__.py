@@ -35,10 +35,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="auto: float32 on CPU, bfloat16 on CUDA; on the CPU kernels, "
                         "bfloat16 means bfloat16 weights, multiplied as bf16 products "
                         "(AMX or AVX-512-BF16, where the CPU has them) or in float32")
-    g.add_argument("--quantization", default=None, choices=["int8", "q4"],
+    g.add_argument("--quantization", default=None, choices=["int8", "q4", "iq4"],
                    help="int8: 8-bit weights and layer inputs, a scale per 32 values, "
                         "integer dot products (CPU kernels; as llama.cpp's Q8_0); q4: "
-                        "4-bit weights, a scale and a minimum per 32 (as Q4_1)")
+                        "4-bit weights, a scale and a minimum per 32 (as Q4_1); iq4: "
+                        "4-bit indices into 16 fixed levels, a scale per 32 (as IQ4_NL)")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for the model")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-batch-size", type=int, default=None,

@@ -4,26 +4,28 @@
 (common/model_files.py: config, tokenizer, chat template, and gguf.json naming the
 file); the weights stay in the file and are read from it here, at start:
 
-- Q8_0 tensors are packed as the int8 format, Q4_0 and Q4_1 as the 4-bit one, their
+- Q8_0 tensors are packed as the int8 format, Q4_0 and Q4_1 as the 4-bit one, IQ4_NL
+  and IQ4_XS as the IQ4 one (nibbles indexing 16 fixed levels, a float scale per 32
+  weights: IQ4_XS's super-block factor times its sub-block's 6-bit one, exactly), their
   blocks copied unchanged (engine_worker/csrc/gemm.c: rs_pack_gguf), so every weight
   is what the file's own dequantization gives;
 - F32 and BF16 linear layers are packed as float32 and bfloat16; F16 ones are widened
   to float32 (exactly: every half is a float);
 - the other types of llama.cpp's files, which most users download (its Q4_K_M of the
-  default model holds Q5_0, Q4_K, Q6_K and Q8_0 tensors, its IQ4_XS mostly IQ4_NL), are
-  re-stored at start as one of those: Q5_0 and IQ4_NL as Q8_0 blocks, exactly (Q5_0's
-  5-bit values less 16, and IQ4_NL's 16 levels, are int8 values of the same scale);
-  IQ4_XS as Q8_0 blocks, its levels unchanged and each 32-weight sub-block's scale
-  (its super-block's half-precision factor times a 6-bit one) rounded to half
-  precision; Q4_K as Q4_1 blocks, the 4-bit values unchanged and each sub-block's scale
-  and offset rounded so; every other block type the gguf package dequantizes (Q5_1,
-  Q2_K to Q6_K, the other IQ and TQ types...) as Q8_0 blocks, requantized from its
-  values (an error of at most half a step of 127 per block of 32: 1/254 of its
-  largest weight; 1.06 bytes a weight, more than the file's);
+  default model holds Q5_0, Q4_K, Q6_K and Q8_0 tensors), are re-stored at start as
+  one of those: Q5_0 as Q8_0 blocks, exactly (its 5-bit values less 16 are int8 values
+  of the same scale); Q4_K as Q4_1 blocks, the 4-bit values unchanged and each
+  32-weight sub-block's scale and offset (its super-block's half-precision factor times
+  a 6-bit one) rounded to half precision; every other block type the gguf package
+  dequantizes (Q5_1, Q2_K, Q3_K, Q5_K, Q6_K, the other IQ and TQ types...) as Q8_0
+  blocks, requantized from its values (an error of at most half a step of 127 per
+  block of 32: 1/254 of its largest weight; 1.06 bytes a weight, more than the file's);
 - norms and the embedding rows are read as float32 (the embedding dequantized);
+- q, k and v (gate and up), one packed weight, whose types pack as different formats
+  (llama.cpp's mixes give v more bits) are all made Q8_0: exactly where each block's
+  values are int8 values of its scale (Q4_0, IQ4_NL, Q5_0), else requantized;
 - a tensor of any other type (Q8_K, integers...) is refused at start, by name, as is
-  a tensor the architecture does not use, or q/k/v (gate/up) whose types become
-  different ones, which one packed weight cannot hold.
+  a tensor the architecture does not use, or q/k/v mixing dense and block types.
 
 llama.cpp's converter stores the rows of attn_q and attn_k permuted for its RoPE
 (pairs of rotated dimensions interleaved); they are put back in Hugging Face's order
@@ -50,10 +52,11 @@ logger = logging.getLogger(__name__)
 
 # Dense GGUF types (ggml's ids) and the packed format each becomes.
 DENSE_FORMATS = {0: "float32", 1: "float32", 30: "bfloat16"}  # F32, F16 (widened), BF16
-Q4_1, Q5_0, Q8_0, Q4_K, IQ4_NL, IQ4_XS = 3, 6, 8, 12, 20, 23
-# the levels of IQ4_NL and IQ4_XS (ggml's kvalues_iq4nl)
+Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, IQ4_NL = 2, 3, 6, 8, 12, 20
+# the weights an IQ4 nibble stands for, times its block's scale (ggml's kvalues_iq4nl)
 IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
                        113], dtype=np.int8)
+PANEL = 16   # output rows of a packed panel (gemm.c)
 
 
 def _halves(blocks: np.ndarray, at: int) -> np.ndarray:
@@ -72,36 +75,6 @@ def q5_0_as_q8_0(rows: np.ndarray) -> np.ndarray:
     out = np.empty((len(blocks), 34), dtype=np.uint8)
     out[:, :2] = blocks[:, :2]
     out[:, 2:] = (q - 16).astype(np.int8).view(np.uint8)
-    return out.reshape(len(rows), -1)
-
-
-def _iq4_as_q8_0(d: np.ndarray, qs: np.ndarray) -> np.ndarray:
-    """Q8_0 blocks of scales d (float32, one a block) and IQ4 nibbles qs (16 bytes a
-    block: weights 0-15 the low nibbles, 16-31 the high ones): the levels as int8."""
-    out = np.empty((len(d), 34), dtype=np.uint8)
-    out[:, :2] = d.astype(np.float16)[:, None].view(np.uint8)
-    out[:, 2:] = IQ4_LEVELS[np.concatenate([qs & 15, qs >> 4], axis=1)].view(np.uint8)
-    return out
-
-
-def iq4_nl_as_q8_0(rows: np.ndarray) -> np.ndarray:
-    """IQ4_NL blocks (a half scale d, 16 bytes of nibbles; weight d IQ4_LEVELS[q]) as
-    Q8_0 blocks: the same weights exactly."""
-    blocks = rows.reshape(-1, 18)
-    return _iq4_as_q8_0(_halves(blocks, 0), blocks[:, 2:]).reshape(len(rows), -1)
-
-
-def iq4_xs_as_q8_0(rows: np.ndarray) -> np.ndarray:
-    """IQ4_XS super-blocks of 256 (half d, 8 6-bit scales s in a uint16 of high bits and
-    4 bytes of low ones, 128 bytes of nibbles; weight d (s - 32) IQ4_LEVELS[q]) as eight
-    Q8_0 blocks: the levels as they are, d (s - 32) rounded to half precision."""
-    blocks = rows.reshape(-1, 136)
-    high = blocks[:, 2:4].copy().view("<u2").astype(np.int32)           # (n, 1)
-    low = blocks[:, 4:8].astype(np.int32)
-    low = np.stack([low & 15, low >> 4], axis=2).reshape(-1, 8)          # sub-blocks 0..7
-    s = low | (((high >> (2 * np.arange(8))) & 3) << 4)
-    d = _halves(blocks, 0)[:, None] * (s - 32)
-    out = _iq4_as_q8_0(d.reshape(-1), blocks[:, 8:].reshape(-1, 16))
     return out.reshape(len(rows), -1)
 
 
@@ -155,16 +128,13 @@ def _dequantizable(ggml_type) -> bool:
 
 @functools.cache
 def restored_types() -> dict:
-    """Types re-stored at load: ggml id -> (the type they become, how, in words): four
+    """Types re-stored at load: ggml id -> (the type they become, how, in words): two
     of our own, then every other block type (more than one weight a block) that the
     gguf package dequantizes, requantized."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    rounded = "scales rounded to half precision"
     restored = {Q5_0: (Q8_0, q5_0_as_q8_0, "Q8_0, exactly"),
-                IQ4_NL: (Q8_0, iq4_nl_as_q8_0, "Q8_0, exactly"),
-                IQ4_XS: (Q8_0, iq4_xs_as_q8_0, f"Q8_0, {rounded}"),
-                Q4_K: (Q4_1, q4_k_as_q4_1, f"Q4_1, {rounded}")}
+                Q4_K: (Q4_1, q4_k_as_q4_1, "Q4_1, sub-block scales rounded to half precision")}
     for t in GGMLQuantizationType:
         if (GGML_QUANT_SIZES[t][0] > 1 and int(t) not in restored
                 and int(t) not in GGUF_FORMATS and _dequantizable(t)):
@@ -178,7 +148,8 @@ def served() -> str:
     from gguf import GGMLQuantizationType
 
     names = ", ".join(GGMLQuantizationType(t).name for t in restored_types())
-    return f"F32, F16, BF16, Q8_0, Q4_0 and Q4_1 as they are, and {names} re-stored"
+    return (f"F32, F16, BF16, Q8_0, Q4_0, Q4_1, IQ4_NL and IQ4_XS as they are, and {names} "
+            f"re-stored")
 
 
 # Bytes of blocks re-stored at a time: at most ~5 weights a byte (IQ1_S), so the
@@ -262,39 +233,75 @@ class GgufWeights:
                heads: Optional[list[Optional[int]]] = None):
         """The tensors ``names``, rows stacked in that order (q, k, v; gate, up), as
         one PackedLinear in the format their type packs as. ``heads``: per tensor, its
-        head count if its rows are in llama.cpp's RoPE order."""
+        head count if its rows are in llama.cpp's RoPE order. Tensors of types that
+        pack as different formats (llama.cpp's mixes give v more bits than q and k), or
+        as one format but not in whole panels each, are all made Q8_0 (int8): as_q8_0."""
         from gguf import quants
 
         from engine_worker.models import PackedLinear
 
         tensors = [self._take(n) for n in names]
-        types = {self.restored.get(int(t.tensor_type), (int(t.tensor_type),))[0]
-                 for t in tensors}
-        if len(types) > 1:
-            listed = ", ".join(f"{t.name} ({t.tensor_type.name})" for t in tensors)
-            raise ModelLoadError(f"{self.path.name}: {listed} are computed as one weight and "
-                                 f"must share a type")
-        ggml_type = types.pop()
-        parts = []
+        parts, types = [], []
         for t, h in zip(tensors, heads or [None] * len(tensors)):
             if int(t.shape[0]) != in_features:
                 raise ModelLoadError(f"{self.path.name}: tensor {t.name!r} has "
                                      f"{int(t.shape[0])} inputs, expected {in_features}")
             rows = np.asarray(t.data).reshape(int(t.shape[1]), -1)
-            if int(t.tensor_type) in self.restored:
-                rows = _restored(rows, self.restored[int(t.tensor_type)][1])
             parts.append(rows[unpermute_rows(len(rows), h)] if h else rows)
-        rows = np.ascontiguousarray(np.concatenate(parts))
-        out_features = rows.shape[0]
-        if ggml_type in GGUF_FORMATS:
-            packed, fmt = self.kernels.pack_gguf(torch.from_numpy(rows), ggml_type,
-                                                 out_features, in_features)
+            types.append(int(t.tensor_type))
+        packs_as = [self.restored.get(g, (g,))[0] for g in types]
+        formats = {GGUF_FORMATS.get(g) or DENSE_FORMATS[g] for g in packs_as}
+        dense = formats & set(DENSE_FORMATS.values())
+        if dense and dense != formats:
+            listed = ", ".join(f"{t.name} ({t.tensor_type.name})" for t in tensors)
+            raise ModelLoadError(f"{self.path.name}: {listed} are computed as one weight "
+                                 f"and must all be dense or all in blocks")
+        if len(dense) > 1:   # BF16 beside F32 or F16: all widened to float32
+            formats = {"float32"}
+        # types of one format packed apart need rows in whole panels (but the last)
+        apart = len(set(packs_as)) > 1 and not any(len(rows) % PANEL for rows in parts[:-1])
+        if len(formats) > 1 or (len(set(packs_as)) > 1 and not apart and not dense):
+            parts = [_restored(rows, functools.partial(self.as_q8_0, ggml_type=g))
+                     for rows, g in zip(parts, types)]
+            packs_as, formats = [Q8_0] * len(types), {"int8"}
+            logger.info("%s: %s are one int8 weight (Q8_0)", self.path.name,
+                        ", ".join(f"{t.name} ({t.tensor_type.name})" for t in tensors))
         else:
-            fmt = DENSE_FORMATS[ggml_type]
-            weight = torch.from_numpy(np.ascontiguousarray(
-                quants.dequantize(rows, tensors[0].tensor_type), dtype=np.float32))
-            packed = self.kernels.pack(weight.reshape(out_features, in_features), fmt)
+            parts = [_restored(rows, self.restored[g][1]) if g in self.restored else rows
+                     for rows, g in zip(parts, types)]
+        out_features, fmt = sum(len(rows) for rows in parts), formats.pop()
+        if dense:
+            weight = np.concatenate([quants.dequantize(rows, t.tensor_type)
+                                     for rows, t in zip(parts, tensors)]).astype(np.float32)
+            packed = self.kernels.pack(torch.from_numpy(weight).reshape(out_features,
+                                                                        in_features), fmt)
+        elif len(set(packs_as)) == 1:
+            packed, _ = self.kernels.pack_gguf(torch.from_numpy(np.concatenate(parts)),
+                                               packs_as[0], out_features, in_features)
+        else:   # one format from types of its own (Q4_0 and Q4_1, IQ4_NL and IQ4_XS)
+            packed = torch.cat([self.kernels.pack_gguf(torch.from_numpy(rows), g, len(rows),
+                                                       in_features)[0]
+                                for rows, g in zip(parts, packs_as)])
         return PackedLinear.from_packed(self.kernels, packed, fmt, out_features, in_features)
+
+    def as_q8_0(self, rows: np.ndarray, ggml_type: int) -> np.ndarray:
+        """Rows of blocks of ``ggml_type`` as Q8_0 blocks: as they are (Q8_0), exactly
+        where each block's values are int8 values of its scale (Q4_0: q - 8; IQ4_NL: its
+        levels; Q5_0: re-stored so anyway), else requantized from the file's values."""
+        if ggml_type == Q8_0:
+            return rows
+        if self.restored.get(ggml_type, (None,))[0] == Q8_0:
+            return self.restored[ggml_type][1](rows)
+        if ggml_type not in (Q4_0, IQ4_NL):
+            return requantized_as_q8_0(rows, ggml_type)
+        blocks = rows.reshape(-1, 18)   # a half scale d, then 16 bytes of nibbles
+        qs = blocks[:, 2:]
+        q = np.concatenate([qs & 15, qs >> 4], axis=1)   # weights 0-15, then 16-31
+        out = np.empty((len(blocks), 34), dtype=np.uint8)
+        out[:, :2] = blocks[:, :2]
+        out[:, 2:] = (IQ4_LEVELS[q] if ggml_type == IQ4_NL else q.astype(np.int8) - 8) \
+            .view(np.uint8)
+        return out.reshape(len(rows), -1)
 
     def finish(self) -> None:
         left = sorted(set(self.tensors) - self.taken - {"rope_freqs.weight"})

@@ -15,8 +15,9 @@ is bound by streaming its weight, at 64 by FMA throughput; the same kernel serve
 both, and nothing depends on a vendor BLAS. bfloat16 weights are multiplied as bf16
 products where the CPU has them and they are faster (AMX tiles, or AVX-512-BF16's
 vdpbf16ps, which Intel's cores run no faster than widening; see BF16_PATHS), and int8
-and 4-bit weights as AMX tiles from 16 rows where it has them (INT8_PATHS); the OS must
-first allow AMX: loading the kernels asks it (rs_init).
+and 4-bit weights as AMX tiles from 16 rows where it has them (INT8_PATHS; IQ4 weights
+take the VNNI tiles at every row count); the OS must first allow AMX: loading the
+kernels asks it (rs_init).
 llama.c runs a whole Llama-family forward pass in one call on top of it.
 """
 
@@ -108,7 +109,7 @@ class CpuKernels:
         """How products with weights in ``fmt`` are computed here (BF16_PATHS,
         INT8_PATHS), for the formats that have a choice."""
         return {"bfloat16": self.bf16_path, "int8": self.int8_path,
-                "q4": self.int8_path}.get(fmt)
+                "q4": self.int8_path, "iq4": self.int8_path}.get(fmt)
 
     # Linear layers (gemm.c).
 
@@ -129,15 +130,16 @@ class CpuKernels:
                   in_features: int) -> tuple[torch.Tensor, str]:
         """A GGUF tensor's raw blocks (uint8, out_features rows of in_features / 32
         blocks) of a type in GGUF_FORMATS -> (its packed form, the format), unchanged:
-        Q8_0 as int8, Q4_0 and Q4_1 as q4."""
+        Q8_0 as int8, Q4_0 and Q4_1 as q4, IQ4_NL and IQ4_XS as iq4."""
         fmt = GGUF_FORMATS[ggml_type]
         blocks = blocks.contiguous()
         packed = torch.empty(self._packed_bytes(out_features, in_features, WEIGHT_FORMATS[fmt]),
                              dtype=torch.uint8)
         if self._pack_gguf(blocks.data_ptr(), out_features, in_features, ggml_type,
                            packed.data_ptr()) != 0:
+            step = 256 if ggml_type == 23 else INT8_BLOCK   # IQ4_XS: super-blocks of 256
             raise ValueError(f"GGUF blocks need input sizes that are multiples of "
-                             f"{INT8_BLOCK}; a tensor has {in_features}")
+                             f"{step}; a tensor has {in_features}")
         return packed, fmt
 
     def unpack(self, packed: torch.Tensor, out_features: int, in_features: int,
@@ -264,12 +266,14 @@ def kv_type(dtype: torch.dtype) -> int:
     return KV_TYPES[dtype]
 
 
-# Packed weight formats (RS_F32, RS_BF16, RS_INT8 in kernels.h). int8 keeps one float
-# scale per INT8_BLOCK inputs of each output feature.
-WEIGHT_FORMATS = {"float32": 0, "bfloat16": 1, "int8": 2, "q4": 3}
+# Packed weight formats (RS_F32 ... RS_IQ4 in kernels.h). int8, q4 and iq4 keep a float
+# (q4: a half scale and offset) per INT8_BLOCK inputs of each output feature; iq4's
+# nibbles index 16 fixed levels (ggml's IQ4_NL and IQ4_XS).
+WEIGHT_FORMATS = {"float32": 0, "bfloat16": 1, "int8": 2, "q4": 3, "iq4": 4}
 INT8_BLOCK = 32
 # GGUF tensor types (ggml's ids) packed as they are, and the format each becomes.
-GGUF_FORMATS = {8: "int8", 2: "q4", 3: "q4"}  # Q8_0, Q4_0, Q4_1
+# Q8_0, Q4_0, Q4_1, IQ4_NL, IQ4_XS
+GGUF_FORMATS = {8: "int8", 2: "q4", 3: "q4", 20: "iq4", 23: "iq4"}
 # How bfloat16 weights are multiplied here (rs_bf16_path in gemm.c): AMX tiles (Intel
 # Xeon, 4th generation on; vdpbf16ps below 16 rows), AVX-512-BF16's vdpbf16ps (AMD Zen
 # 4/5; without AMX, Intel's cores widen, which is faster there), both taking x rounded

@@ -135,26 +135,35 @@ def test_tensor_types_it_cannot_serve_are_refused_by_name(tmp_path):
                                              ("blk.0.attn_q.weight", ok, T.F32)])
     with pytest.raises(ModelLoadError, match=r"k\.gguf has tensors in types roseserve cannot "
                        r"serve as they are: blk\.0\.attn_v\.weight \(Q8_K\); it serves F32.*"
-                       r"IQ4_NL, IQ4_XS"):
+                       r"IQ4_NL and IQ4_XS as they are, and Q5_0, Q4_K.* re-stored"):
         GgufWeights(tmp_path / "k.gguf", kernels.cpu_kernels())
     write_gguf(tmp_path / "q.gguf", arch="qwen2", tensors=[("blk.0.attn_q.weight", ok, T.F32)])
     with pytest.raises(ModelLoadError, match="llama architecture .* not 'qwen2'"):
         GgufWeights(tmp_path / "q.gguf", kernels.cpu_kernels())
 
 
-def test_q_k_v_of_different_types_are_refused_by_name(tmp_path):
+def test_q_k_v_of_types_of_other_formats_become_one_int8_weight(tmp_path):
+    """q Q4_0 (4-bit) beside k Q8_0 (int8): one weight of int8, Q4_0's values exactly
+    (q - 8 are int8 values of its scale); a dense tensor beside a block one is refused."""
     from gguf import GGMLQuantizationType as T, quants
 
     from engine_worker.gguf import GgufWeights
 
     w = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
-    write_gguf(tmp_path / "mix.gguf", tensors=[
-        ("blk.0.attn_q.weight", quants.quantize(w, T.Q4_0), T.Q4_0),
-        ("blk.0.attn_k.weight", quants.quantize(w, T.Q8_0), T.Q8_0)])
+    tensors = [("blk.0.attn_q.weight", quants.quantize(w, T.Q4_0), T.Q4_0),
+               ("blk.0.attn_k.weight", quants.quantize(w, T.Q8_0), T.Q8_0),
+               ("blk.0.attn_v.weight", w, T.F32)]
+    write_gguf(tmp_path / "mix.gguf", tensors=tensors)
     weights = GgufWeights(tmp_path / "mix.gguf", kernels.cpu_kernels())
-    with pytest.raises(ModelLoadError, match=r"blk\.0\.attn_q\.weight \(Q4_0\), "
-                       r"blk\.0\.attn_k\.weight \(Q8_0\) are computed as one weight"):
-        weights.linear(["blk.0.attn_q.weight", "blk.0.attn_k.weight"], 64)
+    lin = weights.linear(["blk.0.attn_q.weight", "blk.0.attn_k.weight"], 64)
+    assert lin.fmt == "int8"
+    want = np.concatenate([quants.dequantize(a, t) for _, a, t in tensors[:2]])
+    assert torch.equal(kernels.cpu_kernels().unpack(lin.packed, 128, 64, "int8"),
+                       torch.from_numpy(want))
+    with pytest.raises(ModelLoadError, match=r"blk\.0\.attn_k\.weight \(Q8_0\), "
+                       r"blk\.0\.attn_v\.weight \(F32\) are computed as one weight and "
+                       r"must all be dense or all in blocks"):
+        weights.linear(["blk.0.attn_k.weight", "blk.0.attn_v.weight"], 64)
 
 
 def random_blocks(rng, rows: int, blocks: int, size: int, halves: tuple[int, ...]):
@@ -173,8 +182,8 @@ def test_k_quant_files_tensors_are_re_stored_as_types_the_kernels_compute(tmp_pa
     Q4_K, Q6_K and Q8_0 tensors, q and k Q5_0 beside a Q8_0 v): Q5_0 becomes Q8_0
     exactly, so q, k and v make one int8 weight equal to gguf's dequantization; Q4_K
     becomes Q4_1 with each sub-block's scale and offset rounded to half precision (Q6_K:
-    the next test). Q4_K beside Q8_0 (4-bit and int8) cannot be one weight. Tensors are
-    re-stored a few rows at a time here (RESTORE_CHUNK_BYTES), as large ones are."""
+    the next test); beside Q8_0 it becomes int8. Tensors are re-stored a few rows at a
+    time here (RESTORE_CHUNK_BYTES), as large ones are."""
     from gguf import GGMLQuantizationType as T, quants
 
     from engine_worker import gguf as gguf_module
@@ -217,39 +226,36 @@ def test_k_quant_files_tensors_are_re_stored_as_types_the_kernels_compute(tmp_pa
     bound = (15 * 63 * d + 63 * dmin) * 2.0 ** -11
     err = (unpacked(gate_up) - want).abs().flatten()
     assert (err <= bound + 1e-12).all() and err.max() > 0  # rounded, not exact
-    with pytest.raises(ModelLoadError, match=r"blk\.0\.ffn_gate\.weight \(Q4_K\), "
-                       r"blk\.0\.attn_v\.weight \(Q8_0\) are computed as one weight"):
-        weights.linear(["blk.0.ffn_gate.weight", "blk.0.attn_v.weight"], 256)
+    # Q4_K (4-bit) beside Q8_0 (int8), as llama.cpp's mixes give v more bits than q and
+    # k: one int8 weight, Q4_K's values requantized within half a step of 127 a block
+    mixed = weights.linear(["blk.0.ffn_up.weight", "blk.0.attn_v.weight"], 256)
+    assert (mixed.fmt, mixed.out_features) == ("int8", 48)
+    want = dequantized("blk.0.ffn_up.weight", "blk.0.attn_v.weight").view(-1, 32)
+    err = (unpacked(mixed).view(-1, 32) - want).abs().amax(-1)
+    assert (err <= want.abs().amax(-1) / 250).all() and err[:128].max() > 0
+    assert torch.equal(unpacked(mixed)[16:], dequantized("blk.0.attn_v.weight"))
 
 
-def test_iq4_files_tensors_are_re_stored_as_int8_with_their_levels(tmp_path, monkeypatch):
+def test_iq4_files_tensors_are_packed_as_they_are(tmp_path):
     """llama.cpp's IQ4_XS files (of the default model: IQ4_NL where a row's 576 weights
-    are not whole super-blocks of 256, IQ4_XS elsewhere): IQ4_NL becomes Q8_0 exactly,
-    its 16 levels int8 values of the same scale; IQ4_XS too, each sub-block's scale d (s -
-    32) rounded to half precision. Both are one int8 weight, re-stored a few rows at a
-    time."""
+    are not whole super-blocks of 256, IQ4_XS elsewhere): both pack as the IQ4 format,
+    exactly what gguf's dequantization gives (IQ4_XS's scales are floats there), and q
+    and k of the two types are one weight, each packed apart (their rows whole
+    panels)."""
     from gguf import GGMLQuantizationType as T, quants
 
-    from engine_worker import gguf as gguf_module
     from engine_worker.gguf import GgufWeights
 
-    monkeypatch.setattr(gguf_module, "RESTORE_CHUNK_BYTES", 500)   # 3 rows of either
     rng = np.random.default_rng(1)
-    tensors = {"blk.0.attn_q.weight": (random_blocks(rng, 24, 8, 18, (0,)), T.IQ4_NL),
-               "blk.0.attn_k.weight": (random_blocks(rng, 40, 1, 136, (0,)), T.IQ4_XS)}
+    tensors = {"blk.0.attn_q.weight": (random_blocks(rng, 32, 8, 18, (0,)), T.IQ4_NL),
+               "blk.0.attn_k.weight": (random_blocks(rng, 16, 1, 136, (0,)), T.IQ4_XS)}
     write_gguf(tmp_path / "iq4.gguf", tensors=[(n, a, t) for n, (a, t) in tensors.items()])
     lin = GgufWeights(tmp_path / "iq4.gguf", kernels.cpu_kernels()).linear(
         ["blk.0.attn_q.weight", "blk.0.attn_k.weight"], 256)
-    assert (lin.fmt, lin.out_features) == ("int8", 64)
-    got = kernels.cpu_kernels().unpack(lin.packed, 64, 256, "int8")
-    nl, xs = (torch.from_numpy(quants.dequantize(*tensors[n])).view(-1, 256) for n in tensors)
-    assert torch.equal(got[:24], nl)
-    # a weight d (s - 32) level: d (s - 32) off by at most half an ulp of half precision
-    # (2^-11 of it), |level| at most 127
-    d = torch.from_numpy(tensors["blk.0.attn_k.weight"][0][:, :2].copy().view(np.float16)
-                         .astype(np.float32)).abs()
-    err = (got[24:] - xs).abs()
-    assert (err <= 32 * 127 * d * 2.0 ** -11 + 1e-12).all() and err.max() > 0
+    assert (lin.fmt, lin.out_features) == ("iq4", 48)
+    want = np.concatenate([quants.dequantize(*tensors[n]) for n in tensors])
+    assert torch.equal(kernels.cpu_kernels().unpack(lin.packed, 48, 256, "iq4"),
+                       torch.from_numpy(want))
 
 
 # Bytes per block and where its half-precision scales are, for the types requantized.

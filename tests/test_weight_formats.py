@@ -10,6 +10,7 @@ import json
 import logging
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -18,7 +19,7 @@ from engine_worker import kernels
 from helpers import greedy, make_engine, random_prompts, run_to_end
 from hf_reference import NEAR_TIE, assert_matches, hf_greedy, quantize_blocks
 
-FORMATS = ["float32", "bfloat16", "int8", "q4"]
+FORMATS = ["float32", "bfloat16", "int8", "q4", "iq4"]
 
 
 NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
@@ -196,7 +197,7 @@ def test_bfloat16_weights_need_an_even_number_of_inputs(cpu):
 def rounded_inputs(cpu, fmt: str, x: torch.Tensor) -> torch.Tensor:
     """x as the kernels multiply it: int8 with a scale per block of 32, bfloat16 where
     the CPU multiplies bf16 products, else as it is."""
-    if fmt in ("int8", "q4"):
+    if fmt in ("int8", "q4", "iq4"):
         return quantize_blocks(x)
     if fmt == "bfloat16" and cpu.bf16_path != "widened":
         return x.to(torch.bfloat16).float()
@@ -226,12 +227,19 @@ def test_a_packed_weight_is_as_close_as_its_format_allows(cpu, fmt):
         err = (got.view(50, 3, 32) - blocks).abs()
         assert (err <= step * 0.51 + lo.abs() * 1e-3 + 1e-7).all()
         assert torch.equal(got[3], torch.zeros(96))
+    if fmt == "iq4":  # as ggml's IQ4_NL: the largest weight of a block its level -127
+        blocks = w.view(50, 3, 32)
+        d = blocks.abs().amax(-1, keepdim=True) / 127
+        err = (got.view(50, 3, 32) - blocks).abs()
+        # at most half the widest gap (24 levels), or past the far end (113 against 127)
+        assert (err <= d * 14.0001 + 1e-12).all()
+        assert torch.equal(got[3], torch.zeros(96))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("n,k", [(1, 32), (17, 64), (50, 96), (130, 576), (40, 130)])
 def test_linear_computes_with_the_unpacked_weight(cpu, fmt, n, k):
-    if fmt in ("int8", "q4") and k % 32:
+    if fmt in ("int8", "q4", "iq4") and k % 32:
         return  # refused: test_int8_refuses_inputs_that_are_not_whole_blocks
     torch.manual_seed(n * k)
     w, bias = torch.randn(n, k), torch.randn(n)
@@ -248,7 +256,21 @@ def test_linear_computes_with_the_unpacked_weight(cpu, fmt, n, k):
                                    rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1"])
+def iq4_blocks(ggml_type: str, n: int, k: int) -> np.ndarray:
+    """n rows of k weights in random IQ4_NL blocks (a half scale, 16 bytes of nibbles)
+    or IQ4_XS super-blocks of 256 (a half scale, then random 6-bit sub-block scales and
+    nibbles): gguf cannot quantize these types; any such bytes are valid blocks."""
+    size, weights = (18, 32) if ggml_type == "IQ4_NL" else (136, 256)
+    rng = np.random.default_rng(n * k)
+    raw = rng.integers(0, 256, (n, k // weights, size), dtype=np.uint8)
+    scale = 0.01 if ggml_type == "IQ4_NL" else 0.0005   # IQ4_XS's times up to 32
+    raw[:, :, :2] = (rng.standard_normal((n, k // weights, 1)) * scale).astype(np.float16) \
+        .view(np.uint8)
+    raw[n // 2, :, :2] = 0   # an all-zero row
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1", "IQ4_NL", "IQ4_XS"])
 def test_gguf_blocks_are_packed_as_they_are_and_computed_with(cpu, ggml_type):
     """A GGUF tensor's blocks unpack to exactly what gguf's own dequantization gives
     (nothing requantized), and the kernels compute with them, x quantized per 32."""
@@ -256,12 +278,15 @@ def test_gguf_blocks_are_packed_as_they_are_and_computed_with(cpu, ggml_type):
 
     t = GGMLQuantizationType[ggml_type]
     torch.manual_seed(int(t))
-    for n, k in [(1, 32), (17, 64), (50, 96), (130, 576)]:
+    shapes = [(17, 256), (50, 512)] if ggml_type == "IQ4_XS" else \
+        [(1, 32), (17, 64), (50, 96), (130, 576)]
+    for n, k in shapes:
         w = torch.randn(n, k) * torch.logspace(-3, 1, k)
         w[n // 2] = 0.0  # an all-zero row
-        raw = quants.quantize(w.numpy(), t)
+        raw = iq4_blocks(ggml_type, n, k) if ggml_type.startswith("IQ4") else \
+            quants.quantize(w.numpy(), t)
         packed, fmt = cpu.pack_gguf(torch.from_numpy(raw), int(t), n, k)
-        assert fmt == ("int8" if ggml_type == "Q8_0" else "q4")
+        assert fmt == {"Q8_0": "int8", "IQ4_NL": "iq4", "IQ4_XS": "iq4"}.get(ggml_type, "q4")
         deq = cpu.unpack(packed, n, k, fmt)
         assert torch.equal(deq, torch.from_numpy(quants.dequantize(raw, t)))
         bias = torch.randn(n)
@@ -314,7 +339,7 @@ def cpu_kernels():
     return kernels.cpu_kernels()
 
 
-@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "q4"])
+@pytest.mark.parametrize("fmt", ["bfloat16", "int8", "q4", "iq4"])
 def test_the_engine_on_packed_weights_matches_hf_on_the_same_weights(tiny_llama_dir,
                                                                      tmp_path, fmt):
     engine = make_engine(tiny_llama_dir, kv_cache_dtype="float32",   # HF's float32 keys
@@ -329,7 +354,7 @@ def test_the_engine_on_packed_weights_matches_hf_on_the_same_weights(tiny_llama_
     # can round to the next int8 step (1/127 of its block's amax), which moved a logit
     # of 3.2 by 5e-4 in a q4 run: for the formats that quantize inputs, a near-tie is a
     # top-2 gap under 2e-3.
-    near_tie = 2e-3 if fmt in ("int8", "q4") else NEAR_TIE
+    near_tie = 2e-3 if fmt in ("int8", "q4", "iq4") else NEAR_TIE
     assert_matches(out, hf_greedy(tmp_path / fmt, prompts, 10,
                                   round_inputs=lambda x: rounded_inputs(kernels_used, fmt, x)),
                    fmt, near_tie)
@@ -348,7 +373,7 @@ def test_int8_without_the_c_kernels_is_refused(tiny_llama_dir):
 def test_an_unknown_quantization_is_refused_by_name():
     from common.config import EngineConfig
 
-    with pytest.raises(ValueError, match="quantization must be int8, q4 or unset, got 'int4'"):
+    with pytest.raises(ValueError, match="quantization must be int8, q4, iq4 or unset, got 'int4'"):
         EngineConfig(quantization="int4")
 
 
@@ -377,21 +402,23 @@ def test_intel_and_other_builds_compute_the_same_floats(isa):
                                reference.linear(x, packed, 100, None, fmt)), (fmt, m)
 
 
-@pytest.mark.parametrize("isa", ["avx512-bf16", "avx2", "portable"])
-def test_unpacked_4bit_panels_give_the_packed_tiles_floats(isa):
-    """From Q4X_MIN_ROWS rows a thread unpacks each group of 4-bit panels into bytes
-    once (gemm.c) instead of each row block unpacking the nibbles: the same products
-    summed in the same order, so the same floats."""
+@pytest.mark.parametrize("fmt", ["q4", "iq4"])
+@pytest.mark.parametrize("isa", ["avx512-bf16", "avx2", "avx2-no-vnni", "portable"])
+def test_unpacked_4bit_panels_give_the_packed_tiles_floats(isa, fmt):
+    """From Q4X_MIN_ROWS rows a thread unpacks each group of 4-bit (or IQ4) panels into
+    bytes once (gemm.c; IQ4's into int8 panels, for the int8 tiles) instead of each row
+    block unpacking the nibbles: the same products summed in the same order, so the same
+    floats."""
     unpacking = kernels._build_and_load(ISAS[isa])   # without AMX, whose tiles take over
     packed_only = kernels._build_and_load([*ISAS[isa], "-DQ4X_MIN_ROWS=1000000"])
     assert unpacking is not None and packed_only is not None
     torch.manual_seed(0)
     w = torch.randn(100, 160)   # a partial panel; 5 blocks of 32 inputs
-    weight = unpacking.pack(w, "q4")
+    weight = unpacking.pack(w, fmt)
     for m in (33, 40, 64, 97):
         x = torch.randn(m, 160)
-        assert torch.equal(unpacking.linear(x, weight, 100, None, "q4"),
-                           packed_only.linear(x, weight, 100, None, "q4")), m
+        assert torch.equal(unpacking.linear(x, weight, 100, None, fmt),
+                           packed_only.linear(x, weight, 100, None, fmt)), m
 
 
 def test_only_intel_cpus_build_with_the_intel_flag(monkeypatch):

@@ -48,6 +48,10 @@
  * 320 bytes a block, 0.625 bytes per weight. x is quantized as for int8; unsigned
  * nibbles times signed x are what vpdpbusd and vpmaddubsw take, and the offset adds c
  * times x's block sum.
+ * IQ4 panels (GGUF IQ4_NL and IQ4_XS, packed from the file's blocks) hold nibbles in
+ * the 4-bit layout, each an index into 16 fixed int8 levels (IQ4_LEVELS), then the
+ * block's 16 float scales (exactly IQ4_XS's d times a 6-bit factor): the tiles look the
+ * levels up with one byte shuffle (vpshufb) and go on as int8's, the levels stored + 128.
  *
  * The work-sharing loops are orphaned `omp for`s: called inside a parallel region
  * (the fused forward, llama.c) they share that region's threads; called outside one
@@ -136,7 +140,8 @@ static int64_t panel_bytes(int64_t K, int format)
     switch (format) {
     case RS_BF16: return K * RS_PANEL * 2;
     case RS_INT8: return K / RS_INT8_BLOCK * Q8_BLOCK_BYTES;
-    case RS_Q4: return K / RS_INT8_BLOCK * Q4_BLOCK_BYTES;
+    case RS_Q4:
+    case RS_IQ4: return K / RS_INT8_BLOCK * Q4_BLOCK_BYTES;
     default: return K * RS_PANEL * 4;
     }
 }
@@ -200,23 +205,67 @@ static uint16_t float_to_half(float f)   /* round to nearest even */
 #define GGML_Q4_0 2
 #define GGML_Q4_1 3
 #define GGML_Q8_0 8
+#define GGML_IQ4_NL 20
+#define GGML_IQ4_XS 23
 
-/* Bytes of one GGUF block of 32 weights of `type` (0: not one of ours). */
-int64_t rs_gguf_block_bytes(int type)
+/* The weights an IQ4 nibble stands for, times its block's scale (ggml's kvalues_iq4nl). */
+static const int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                      1, 13, 25, 38, 53, 69, 89, 113};
+/* The levels as the integer tiles take them: signed, and + 128 (for unsigned bytes
+   times signed x, U8_EXACT). */
+static const uint8_t IQ4_BYTES[2][16] = {
+    {129, 152, 173, 191, 207, 221, 234, 246, 1, 13, 25, 38, 53, 69, 89, 113},
+    {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241}};
+
+/* Block g's 16 float scales of an IQ4 panel. */
+static inline float *iq4_scales(char *panel, int64_t g)
 {
-    return type == GGML_Q4_0 ? 18 : type == GGML_Q4_1 ? 20 : type == GGML_Q8_0 ? 34 : 0;
+    return (float *)(panel + g * Q4_BLOCK_BYTES + Q4_WEIGHT_BYTES);
 }
 
-/* N rows of K weights in GGUF blocks of `type` (each row K / 32 blocks) -> packed
-   panels: Q8_0 as RS_INT8, Q4_0 and Q4_1 as RS_Q4. Nothing is requantized: every
-   weight unpacks to what the file's dequantization gives. Returns -1 for another
-   type or K not a multiple of 32. */
+/* Nibble q of input k of output j of a 4-bit or IQ4 panel, over what it held. */
+static inline void put_nibble(char *panel, int64_t k, int64_t j, int q)
+{
+    uint8_t *b = (uint8_t *)panel + q4_index(k, j);
+    *b = k & 4 ? (uint8_t)((*b & 15) | q << 4) : (uint8_t)((*b & 0xf0) | q);
+}
+
+/* Bytes of one GGUF block of `type` (0: not one of ours), and its weights. */
+int64_t rs_gguf_block_bytes(int type)
+{
+    return type == GGML_Q4_0 ? 18 : type == GGML_Q4_1 ? 20 : type == GGML_Q8_0 ? 34
+         : type == GGML_IQ4_NL ? 18 : type == GGML_IQ4_XS ? 136 : 0;
+}
+
+static int64_t gguf_block_weights(int type)
+{
+    return type == GGML_IQ4_XS ? 256 : 32;
+}
+
+/* IQ4_XS super-block `sb`'s sub-block i (of 8) as its scale and nibbles: d (s - 32),
+   s 6 bits, its low 4 in byte 4 + i / 2, its high 2 in the uint16 at byte 2. */
+static float iq4_xs_scale(const uint8_t *sb, int i, const uint8_t **qs)
+{
+    uint16_t d, high;
+    memcpy(&d, sb, 2);
+    memcpy(&high, sb + 2, 2);
+    const int s = ((sb[4 + i / 2] >> 4 * (i % 2)) & 15) | (((high >> 2 * i) & 3) << 4);
+    *qs = sb + 8 + 16 * i;
+    return half_to_float(d) * (float)(s - 32);
+}
+
+/* N rows of K weights in GGUF blocks of `type` (each row K / its block's weights
+   blocks) -> packed panels: Q8_0 as RS_INT8, Q4_0 and Q4_1 as RS_Q4, IQ4_NL and
+   IQ4_XS as RS_IQ4. Nothing is requantized: every weight unpacks to what the file's
+   dequantization gives. Returns -1 for another type or K not a multiple of its
+   blocks. */
 int rs_pack_gguf(const uint8_t *raw, int64_t N, int64_t K, int type, void *packed)
 {
     const int64_t bb = rs_gguf_block_bytes(type), blocks = K / RS_INT8_BLOCK;
-    if (bb == 0 || K % RS_INT8_BLOCK != 0)
+    if (bb == 0 || K % gguf_block_weights(type) != 0)
         return -1;
-    const int format = type == GGML_Q8_0 ? RS_INT8 : RS_Q4;
+    const int iq4 = type == GGML_IQ4_NL || type == GGML_IQ4_XS;
+    const int format = type == GGML_Q8_0 ? RS_INT8 : iq4 ? RS_IQ4 : RS_Q4;
     const int64_t panels = (N + RS_PANEL - 1) / RS_PANEL, pb = panel_bytes(K, format);
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < panels; p++) {
@@ -225,11 +274,19 @@ int rs_pack_gguf(const uint8_t *raw, int64_t N, int64_t K, int type, void *packe
         for (int64_t g = 0; format == RS_INT8 && g < blocks; g++)
             memset(dst + g * Q8_BLOCK_BYTES, 128, Q8_WEIGHT_BYTES);
         for (int64_t j = 0; j < RS_PANEL && p * RS_PANEL + j < N; j++) {
-            const uint8_t *row = raw + (p * RS_PANEL + j) * blocks * bb;
+            const uint8_t *row = raw + (p * RS_PANEL + j) * (K / gguf_block_weights(type)) * bb;
             for (int64_t g = 0; g < blocks; g++) {
-                const uint8_t *blk = row + g * bb;
+                const uint8_t *blk = row + (type == GGML_IQ4_XS ? g / 8 : g) * bb;
                 uint16_t d;
                 memcpy(&d, blk, 2);
+                if (iq4) {   /* ggml: byte i holds weights i (low) and i + 16 */
+                    const uint8_t *qs = blk + 2;
+                    iq4_scales(dst, g)[j] = type == GGML_IQ4_XS
+                        ? iq4_xs_scale(blk, (int)(g % 8), &qs) : half_to_float(d);
+                    for (int t = 0; t < 32; t++)
+                        put_nibble(dst, g * 32 + t, j, t < 16 ? qs[t] & 15 : qs[t - 16] >> 4);
+                    continue;
+                }
                 if (format == RS_INT8) {
                     int8_scales(dst, g)[j] = half_to_float(d);
                     for (int t = 0; t < 32; t++)
@@ -244,24 +301,62 @@ int rs_pack_gguf(const uint8_t *raw, int64_t N, int64_t K, int type, void *packe
                 q4_scales(dst, g)[j] = d;
                 q4_scales(dst, g)[RS_PANEL + j] = c;
                 const uint8_t *qs = blk + (type == GGML_Q4_1 ? 4 : 2);
-                for (int t = 0; t < 32; t++) {   /* ggml: byte i holds i (low), i + 16 */
-                    const int q = t < 16 ? qs[t] & 15 : qs[t - 16] >> 4;
-                    const int64_t k = g * 32 + t;
-                    uint8_t *b = (uint8_t *)dst + q4_index(k, j);
-                    *b |= (uint8_t)(k & 4 ? q << 4 : q);
-                }
+                for (int t = 0; t < 32; t++)   /* ggml: byte i holds i (low), i + 16 */
+                    put_nibble(dst, g * 32 + t, j, t < 16 ? qs[t] & 15 : qs[t - 16] >> 4);
             }
         }
     }
     return 0;
 }
 
+/* The IQ4 level nearest w / d (0 for d 0). */
+static int iq4_nearest(float w, float d)
+{
+    int best = 0;
+    for (int q = 1; d != 0.0f && q < 16; q++)
+        best = fabsf(w - d * IQ4_LEVELS[q]) < fabsf(w - d * IQ4_LEVELS[best]) ? q : best;
+    return best;
+}
+
+/* A block of 32 weights' IQ4 scale, as ggml chooses IQ4_NL's: its largest weight put
+   at each of 15 places around the outermost level, each weight given its nearest level,
+   and the least-squares scale of the try with the smallest squared error. */
+static float iq4_scale(const float *w)
+{
+    float top = 0.0f;
+    for (int t = 0; t < RS_INT8_BLOCK; t++)
+        top = fabsf(w[t]) > fabsf(top) ? w[t] : top;
+    if (top == 0.0f)
+        return 0.0f;
+    float best = top / IQ4_LEVELS[0], least = INFINITY;
+    for (int step = -7; step <= 7; step++) {
+        const float d0 = top / (IQ4_LEVELS[0] + step);
+        float wl = 0.0f, ll = 0.0f;
+        for (int t = 0; t < RS_INT8_BLOCK; t++) {
+            const float l = IQ4_LEVELS[iq4_nearest(w[t], d0)];
+            wl += w[t] * l;
+            ll += l * l;
+        }
+        const float d = wl / ll;
+        float err = 0.0f;
+        for (int t = 0; t < RS_INT8_BLOCK; t++) {
+            const float e = w[t] - d * IQ4_LEVELS[iq4_nearest(w[t], d0)];
+            err += e * e;
+        }
+        if (err < least) {
+            least = err;
+            best = d;
+        }
+    }
+    return best;
+}
+
 /* w [N, K] float32 -> packed panels in `format`. Returns -1 if int8 is asked for
    with K not a multiple of its block, or bfloat16 with K odd. */
 int rs_pack_weight(const float *w, int64_t N, int64_t K, int format, void *packed)
 {
-    if (((format == RS_INT8 || format == RS_Q4) && K % RS_INT8_BLOCK != 0) ||
-        (format == RS_BF16 && K % 2 != 0))
+    if (((format == RS_INT8 || format == RS_Q4 || format == RS_IQ4) && K % RS_INT8_BLOCK != 0)
+        || (format == RS_BF16 && K % 2 != 0))
         return -1;
     const int64_t panels = (N + RS_PANEL - 1) / RS_PANEL;
     const int64_t pb = panel_bytes(K, format);
@@ -281,6 +376,17 @@ int rs_pack_weight(const float *w, int64_t N, int64_t K, int format, void *packe
                 }
                 continue;
             }
+            if (format == RS_IQ4) {   /* as ggml's IQ4_NL, its scale chosen by iq4_scale */
+                for (int64_t g = 0; g < K / RS_INT8_BLOCK; g++) {
+                    const float *blk = row ? row + g * RS_INT8_BLOCK : NULL;
+                    const float d = blk ? iq4_scale(blk) : 0.0f;
+                    iq4_scales(dst, g)[j] = d;
+                    for (int t = 0; t < RS_INT8_BLOCK; t++)
+                        put_nibble(dst, g * RS_INT8_BLOCK + t, j,
+                                        blk ? iq4_nearest(blk[t], d) : 0);
+                }
+                continue;
+            }
             if (format == RS_Q4) {   /* as GGUF's Q4_1: q * d + min, q in 0..15 */
                 for (int64_t g = 0; g < K / RS_INT8_BLOCK; g++) {
                     float lo = 0.0f, hi = 0.0f;
@@ -294,10 +400,7 @@ int rs_pack_weight(const float *w, int64_t N, int64_t K, int format, void *packe
                     q4_scales(dst, g)[RS_PANEL + j] = mh;
                     for (int64_t k = g * RS_INT8_BLOCK; k < (g + 1) * RS_INT8_BLOCK; k++) {
                         const long q = row && d > 0.0f ? lrintf((row[k] - m) / d) : 0;
-                        const uint8_t q4 = (uint8_t)(q < 0 ? 0 : q > 15 ? 15 : q);
-                        uint8_t *byte = (uint8_t *)dst + q4_index(k, j);
-                        *byte = k & 4 ? (uint8_t)((*byte & 15) | q4 << 4)
-                                      : (uint8_t)((*byte & 0xf0) | q4);
+                        put_nibble(dst, k, j, (int)(q < 0 ? 0 : q > 15 ? 15 : q));
                     }
                 }
                 continue;
@@ -356,6 +459,10 @@ int rs_unpack_weight(const void *packed, int64_t N, int64_t K, int format, float
             } else if (format == RS_BF16) {
                 const uint32_t bits = (uint32_t)((const uint16_t *)panel)[bf16_index(k, j)] << 16;
                 memcpy(&v, &bits, 4);
+            } else if (format == RS_IQ4) {
+                const uint8_t byte = ((const uint8_t *)panel)[q4_index(k, j)];
+                v = IQ4_LEVELS[k & 4 ? byte >> 4 : byte & 15] *
+                    iq4_scales((char *)panel, k / RS_INT8_BLOCK)[j];
             } else if (format == RS_Q4) {
                 const uint8_t byte = ((const uint8_t *)panel)[q4_index(k, j)];
                 const uint16_t *dc = q4_scales((char *)panel, k / RS_INT8_BLOCK);
@@ -481,7 +588,8 @@ tile(const int MR, const int NP, const int FORMAT, const float *x, int64_t ldx,
    exact for any unsigned byte (VNNI, portable); without it (vpmaddubsw's saturating
    16-bit pair sums) only for small ones (4-bit weights), and int8 weights are flipped
    back to signed (IV_SIGNED) for dot4. IV_LO, IV_HI: the low and high nibbles of each
-   byte. */
+   byte; IV_LOOKUP: each byte (0..15) replaced by that byte of a table of 16 (IV_TABLE,
+   the same 16 in every 128 bits). */
 #if defined(__AVX512BW__)
 typedef __m512i iv;
 #define IV_ZERO _mm512_setzero_si512()
@@ -491,6 +599,8 @@ typedef __m512i iv;
 #define IV_LO(w) _mm512_and_si512(w, _mm512_set1_epi8(15))
 #define IV_HI(w) _mm512_and_si512(_mm512_srli_epi16(w, 4), _mm512_set1_epi8(15))
 #define IV_SIGNED(w) _mm512_xor_si512(w, _mm512_set1_epi8(-128))
+#define IV_TABLE(p) _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(p)))
+#define IV_LOOKUP(table, w) _mm512_shuffle_epi8(table, w)
 #if defined(__AVX512VNNI__)
 #define VNNI 1
 #else
@@ -520,6 +630,8 @@ typedef __m256i iv;
 #define IV_LO(w) _mm256_and_si256(w, _mm256_set1_epi8(15))
 #define IV_HI(w) _mm256_and_si256(_mm256_srli_epi16(w, 4), _mm256_set1_epi8(15))
 #define IV_SIGNED(w) _mm256_xor_si256(w, _mm256_set1_epi8(-128))
+#define IV_TABLE(p) _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(p)))
+#define IV_LOOKUP(table, w) _mm256_shuffle_epi8(table, w)
 #if defined(__AVXVNNI__)
 #define VNNI 1
 #else
@@ -555,6 +667,14 @@ static inline iv IV_BROADCAST(const void *p)
 #define IV_LO(w) ((iv)((iv8u)(w) & 15))
 #define IV_HI(w) ((iv)((iv8u)(w) >> 4))
 #define IV_SIGNED(w) ((iv)((iv8u)(w) ^ 0x80))
+#define IV_TABLE(p) IV_LOAD(p)   /* its first 16 bytes */
+static inline iv IV_LOOKUP(iv table, iv w)
+{
+    iv8u b = (iv8u)w;
+    for (unsigned i = 0; i < sizeof b; i++)
+        b[i] = ((iv8u)table)[b[i]];
+    return (iv)b;
+}
 #define VNNI 0
 #define U8_EXACT 1
 /* Bytes of a times bytes of b, unsigned or signed as a_unsigned says; b signed. */
@@ -604,7 +724,7 @@ static inline vf halves_to_float(const uint16_t *h)
    alone (AVX-512, Intel Xeon, builds alternating) 1.06 / 1.12 / 1.07x at 40 / 64 / 128
    rows, and 1.13x at 64 on AVX2; at 8-32 rows 0.6-0.97x, the tiles then no longer
    fetching the next panels while they compute. */
-#define RS_Q4X 4
+#define RS_Q4X 5
 #ifndef Q4X_MIN_ROWS
 #define Q4X_MIN_ROWS 33
 #endif
@@ -630,6 +750,28 @@ static void expand_q4(const char *packed, int64_t pb, int64_t p, int np, int64_t
         }
 }
 
+/* Panels [p, p + np) of an IQ4 weight (pb bytes each) into out as int8 panels (RS_INT8:
+   each level + 128, the float scales as they are), on which the int8 tiles run: from
+   Q4X_MIN_ROWS rows, as 4-bit panels are unpacked. */
+static void expand_iq4(const char *packed, int64_t pb, int64_t p, int np, int64_t K, char *out)
+{
+    const int64_t blocks = K / RS_INT8_BLOCK;
+    const iv table = IV_TABLE(IQ4_BYTES[1]);
+    for (int q = 0; q < np; q++)
+        for (int64_t b = 0; b < blocks; b++) {
+            const char *src = packed + (p + q) * pb + b * Q4_BLOCK_BYTES;
+            char *dst = out + (q * blocks + b) * Q8_BLOCK_BYTES;
+            for (int g = 0; g < RS_INT8_BLOCK / 8; g++)   /* as expand_q4 */
+                for (int h = 0; h < RS_PANEL * 4; h += VL * 4) {
+                    const iv raw = IV_LOAD(src + g * RS_PANEL * 4 + h);
+                    const iv lo = IV_LOOKUP(table, IV_LO(raw)), hi = IV_LOOKUP(table, IV_HI(raw));
+                    memcpy(dst + 2 * g * RS_PANEL * 4 + h, &lo, sizeof lo);
+                    memcpy(dst + (2 * g + 1) * RS_PANEL * 4 + h, &hi, sizeof hi);
+                }
+            memcpy(dst + Q8_WEIGHT_BYTES, src + Q4_WEIGHT_BYTES, RS_PANEL * 4);
+        }
+}
+
 /* One integer tile: rows [0..MR) of the quantized x (xq: int8, K per row; xs: a scale
    per block of 32; for 4-bit weights xsum: xs times the block's sum of int8 values,
    for int8 ones xoff: -128 times that sum, as an int32) against the NP panels at
@@ -643,11 +785,16 @@ tile_int(const int MR, const int NP, const int FORMAT, const int8_t *xq, const f
          int64_t ahead_lo, int64_t ahead_hi)
 {
     const int64_t blocks = K / RS_INT8_BLOCK;
-    const int nibbles = FORMAT == RS_Q4, q4 = nibbles || FORMAT == RS_Q4X;
+    /* nibbles: packed two a byte (4-bit, IQ4); q4: weights q d + c (4-bit, unpacked or
+       not); levels: nibbles that index IQ4's levels */
+    const int levels = FORMAT == RS_IQ4, nibbles = FORMAT == RS_Q4 || levels,
+              q4 = FORMAT == RS_Q4 || FORMAT == RS_Q4X;
     const int step = nibbles ? 8 : 4;   /* inputs per 64-byte load */
     const int64_t block_bytes = nibbles ? Q4_BLOCK_BYTES : Q8_BLOCK_BYTES,
                   weight_bytes = nibbles ? Q4_WEIGHT_BYTES : Q8_WEIGHT_BYTES;   /* then scales */
     const int unsigned_w = q4 || U8_EXACT;   /* dot4u on the bytes as stored */
+    /* IQ4's levels as int8's bytes hold them: + 128 for dot4u, else signed */
+    const iv table = levels ? IV_TABLE(IQ4_BYTES[U8_EXACT]) : IV_ZERO;
     vf acc[8][NP_MAX * PV];
     for (int m = 0; m < MR; m++)
         for (int v = 0; v < NP * PV; v++)
@@ -671,7 +818,8 @@ tile_int(const int MR, const int NP, const int FORMAT, const int8_t *xq, const f
             iv raw[NP_MAX * PV], w[NP_MAX * PV];
             for (int v = 0; v < NP * PV; v++) {
                 raw[v] = IV_LOAD(block + (v / PV) * pb + at + (v % PV) * VL * 4);
-                w[v] = nibbles ? IV_LO(raw[v]) : unsigned_w ? raw[v] : IV_SIGNED(raw[v]);
+                w[v] = levels ? IV_LOOKUP(table, IV_LO(raw[v])) : nibbles ? IV_LO(raw[v])
+                     : unsigned_w ? raw[v] : IV_SIGNED(raw[v]);
             }
             /* as in tile(); the scales' line, right after, is left to the hardware
                (fetching it too measured 0.87x at one row, AVX2 Zen 3) */
@@ -686,11 +834,12 @@ tile_int(const int MR, const int NP, const int FORMAT, const int8_t *xq, const f
             if (!nibbles)
                 continue;
             for (int v = 0; v < NP * PV; v++)
-                w[v] = IV_HI(raw[v]);
+                w[v] = levels ? IV_LOOKUP(table, IV_HI(raw[v])) : IV_HI(raw[v]);
             for (int m = 0; m < MR; m++) {
                 const iv x = IV_BROADCAST(xq + m * K + k + 4);
                 for (int v = 0; v < NP * PV; v++)
-                    sums[m][v] = dot4u(sums[m][v], w[v], x);
+                    sums[m][v] = unsigned_w ? dot4u(sums[m][v], w[v], x)
+                                            : dot4(sums[m][v], x, w[v]);
             }
         }
         for (int v = 0; v < NP * PV; v++) {
@@ -1228,6 +1377,7 @@ static const tile_bf_fn TILES_BF[2][9] = {
 TILES_INT_ROWS8(1, RS_INT8, q8_one) TILES_INT_ROWS(NP_MAX, RS_INT8, q8_wide)
 TILES_INT_ROWS8(1, RS_Q4, q4_one) TILES_INT_ROWS(NP_MAX, RS_Q4, q4_wide)
 TILES_INT_ROWS8(1, RS_Q4X, q4x_one) TILES_INT_ROWS(NP_MAX, RS_Q4X, q4x_wide)
+TILES_INT_ROWS8(1, RS_IQ4, iq4_one) TILES_INT_ROWS(NP_MAX, RS_IQ4, iq4_wide)
 typedef void (*tile_int_fn)(const int8_t *, const float *, const float *, const int32_t *,
                             const char *, int64_t, int64_t, const float *, float *, int64_t,
                             int64_t, int, int64_t, int64_t);
@@ -1235,10 +1385,11 @@ typedef void (*tile_int_fn)(const int8_t *, const float *, const float *, const 
 #define INT_ROW8(name) {NULL, tile_int_1_##name, tile_int_2_##name, tile_int_3_##name, \
                         tile_int_4_##name, tile_int_5_##name, tile_int_6_##name, \
                         tile_int_7_##name, tile_int_8_##name}
-/* TILES_INT[int8, 4-bit, unpacked 4-bit][wide][rows] */
-static const tile_int_fn TILES_INT[3][2][9] = {{INT_ROW8(q8_one), INT_ROW(q8_wide)},
+/* TILES_INT[int8, 4-bit, unpacked 4-bit, IQ4][wide][rows] */
+static const tile_int_fn TILES_INT[4][2][9] = {{INT_ROW8(q8_one), INT_ROW(q8_wide)},
                                                {INT_ROW8(q4_one), INT_ROW(q4_wide)},
-                                               {INT_ROW8(q4x_one), INT_ROW(q4x_wide)}};
+                                               {INT_ROW8(q4x_one), INT_ROW(q4x_wide)},
+                                               {INT_ROW8(iq4_one), INT_ROW(iq4_wide)}};
 
 /* Rows per integer tile: two sets of accumulators (int32 block sums, float totals) must
    fit the registers. On AVX-512, a batch of up to Q8_NARROW_MAX_ROWS rows
@@ -1313,14 +1464,15 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
 {
     const int64_t panels = (N + RS_PANEL - 1) / RS_PANEL;
     const int nthreads = rs_num_threads();
-    const int bf16 = format == RS_BF16, q4 = format == RS_Q4, int8 = format == RS_INT8 || q4;
+    const int bf16 = format == RS_BF16, q4 = format == RS_Q4, iq4 = format == RS_IQ4;
+    const int int8 = format == RS_INT8 || q4 || iq4;   /* x quantized: integer tiles */
 #if AMX_BF16
     const int amx = bf16 && amx_usable && M >= AMX_MIN_ROWS && K % 32 == 0;
 #else
     const int amx = 0;
 #endif
 #if AMX_INT8
-    const int amx8 = int8 && amx_usable && M >= AMX_MIN_ROWS;   /* int8 and 4-bit */
+    const int amx8 = int8 && !iq4 && amx_usable && M >= AMX_MIN_ROWS;   /* int8 and 4-bit */
 #else
     const int amx8 = 0;
 #endif
@@ -1336,8 +1488,9 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
         bytes = Mp * K + M * (K / RS_INT8_BLOCK) * 4 * 2 + (amx8 ? 2 * 256 * 4 + 1024 : 0);
     else if (dot || amx)
         bytes = Mp * K * 2 + (amx ? 4 * 256 * 4 : 0);
-    const int q4x = q4 && !amx8 && M >= Q4X_MIN_ROWS;   /* and a group unpacked */
-    const int int_tiles = q4x ? 2 : q4;   /* TILES_INT's first index */
+    const int q4x = (q4 || iq4) && !amx8 && M >= Q4X_MIN_ROWS;   /* and a group unpacked */
+    /* TILES_INT's first index: IQ4 unpacked is int8 */
+    const int int_tiles = q4x ? (iq4 ? 0 : 2) : iq4 ? 3 : q4;
     const int staged = expand || q4x;   /* tiles read panels from this thread's buffer */
     const int64_t q4x_at = (bytes + 63) / 64 * 64;
     if (q4x)
@@ -1362,7 +1515,7 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
     }
 #endif
     const int64_t pb = panel_bytes(K, format);
-    const int narrow = int8 ? M <= (q4 ? Q4_NARROW_MAX_ROWS : Q8_NARROW_MAX_ROWS)
+    const int narrow = int8 ? M <= (q4 || iq4 ? Q4_NARROW_MAX_ROWS : Q8_NARROW_MAX_ROWS)
                      : dot && M <= BF16_NARROW_MAX_ROWS;
     /* 4 panels at any M in float32; bfloat16 widened in registers keeps one block of
        one panel up to MR_MAX rows, which widens each weight once */
@@ -1406,7 +1559,8 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
                 w_pb = K * RS_PANEL * 4;
                 w_format = RS_F32;
             } else if (q4x) {
-                expand_q4(packed, pb, p, wide ? NP_MAX : 1, K, (char *)buf + q4x_at);
+                (iq4 ? expand_iq4 : expand_q4)(packed, pb, p, wide ? NP_MAX : 1, K,
+                                               (char *)buf + q4x_at);
                 w = (const char *)buf + q4x_at;
                 w_pb = K / RS_INT8_BLOCK * Q8_BLOCK_BYTES;
             }
