@@ -121,7 +121,7 @@ class CpuKernels:
         code = WEIGHT_FORMATS[fmt]
         packed = torch.empty(self._packed_bytes(n, k, code), dtype=torch.uint8)
         if self._pack(weight.data_ptr(), n, k, code, packed.data_ptr()) != 0:
-            step = INT8_BLOCK if fmt == "int8" else 2
+            step = 2 if fmt == "bfloat16" else INT8_BLOCK
             raise ValueError(f"{fmt} weights need input sizes that are multiples of "
                              f"{step}; a layer has {k}")
         return packed

@@ -75,6 +75,24 @@ def test_accuracy_benchmark_smoke_on_the_default_models_gguf_file(tmp_path):
     assert abs(gguf["perplexity_ratio"] - 1) < 0.05
 
 
+def test_accuracy_benchmark_on_iq4_weights(tiny_llama_dir, tmp_path):
+    """--formats float32,iq4, as docs/performance.md runs it: the iq4 engine's figures,
+    its weights not float32's (perplexity moves)."""
+    out = tmp_path / "accuracy.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/accuracy.py", "--model", str(tiny_llama_dir),
+         "--formats", "float32,iq4", "--max-tokens", "4", "--num-prompts", "2",
+         "--text-tokens", "64", "--window", "32", "--json", str(out)],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert [f["format"] for f in report["formats"]] == ["float32", "iq4"]
+    iq4 = report["formats"][1]
+    assert len(iq4["outputs"]) == 2 and all(len(o) == 4 for o in iq4["outputs"])
+    assert math.isfinite(iq4["perplexity"]) and iq4["perplexity"] != report["formats"][0][
+        "perplexity"]
+
+
 def test_accuracy_benchmark_with_a_bfloat16_kv_cache(tiny_llama_dir, tmp_path):
     """--kv-cache-dtype bfloat16, as docs/performance.md runs it: the formats' caches
     hold bfloat16 (their perplexity moves), the float32 reference's stays float32."""

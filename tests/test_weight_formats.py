@@ -299,8 +299,10 @@ def test_gguf_blocks_are_packed_as_they_are_and_computed_with(cpu, ggml_type):
 
 
 def test_int8_refuses_inputs_that_are_not_whole_blocks(cpu):
-    with pytest.raises(ValueError, match="multiples of 32"):
-        cpu.pack(torch.randn(16, 40), "int8")
+    for fmt in ("int8", "q4", "iq4"):
+        with pytest.raises(ValueError, match=f"{fmt} weights need input sizes that are "
+                                             f"multiples of 32; a layer has 40"):
+            cpu.pack(torch.randn(16, 40), fmt)
 
 
 def unpacked_checkpoint(engine, src_dir, dst_dir) -> None:
