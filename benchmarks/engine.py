@@ -53,7 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from common.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from common.config import (CacheConfig, EngineConfig, QUANTIZATIONS,  # noqa: E402
+                           SchedulerConfig)
 from common.protocol import SamplingParams  # noqa: E402
 from benchmarks.engine_steps import (long_context, matmul_flops, print_long_context,  # noqa: E402
                                       print_roofline, roofline, roofline_batches)
@@ -86,7 +87,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also run the workload through an engine worker process")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", default="auto", help="engine --dtype (bfloat16: bf16 weights)")
-    p.add_argument("--quantization", default=None, choices=["int8", "q4", "iq4"])
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
     p.add_argument("--roofline", action="store_true",
                    help="also measure decode steps at --roofline-batches against their floor")
     p.add_argument("--roofline-batches", default="1,8,64")

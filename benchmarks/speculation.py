@@ -24,7 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.stack import cpu_model, simd_flags  # noqa: E402
-from common.config import EngineConfig  # noqa: E402
+from common.config import QUANTIZATIONS, EngineConfig  # noqa: E402
 from common.protocol import SamplingParams  # noqa: E402
 
 PASSAGE = (
@@ -85,7 +85,7 @@ def main(argv=None) -> int:
                         "run to run; the same-output check is then skipped")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--quantization", default=None, choices=["int8", "q4", "iq4"])
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
     p.add_argument("--dtype", default="auto", help="bfloat16: bfloat16 weights")
     p.add_argument("--json", dest="json_path", default=None)
     args = p.parse_args(argv)

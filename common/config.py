@@ -133,6 +133,7 @@ class SchedulerConfig:
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOAD_FORMATS = ("auto", "dummy")
+QUANTIZATIONS = ("int8", "q4", "iq4")   # --quantization: weight formats of the CPU kernels
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
@@ -184,7 +185,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
-        if self.quantization not in (None, "int8", "q4", "iq4"):
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be int8, q4, iq4 or unset, got "
                              f"{self.quantization!r}")
         if self.load_format not in _LOAD_FORMATS:

@@ -13,8 +13,8 @@ from typing import Optional, Sequence
 
 from common import faults
 from common.config import (DEFAULT_ENGINE_ADDRESS, DEFAULT_MAX_FRAME_BYTES, ENGINE_ROLES,
-                           KV_CACHE_DTYPES, CacheConfig, EngineConfig, EngineServerConfig,
-                           SchedulerConfig, env_default)
+                           KV_CACHE_DTYPES, QUANTIZATIONS, CacheConfig, EngineConfig,
+                           EngineServerConfig, SchedulerConfig, env_default)
 from common.curve import add_curve_args, key_for_bind
 from common.errors import InvalidRequestError, ModelLoadError
 from common.logging_setup import setup_logging
@@ -35,7 +35,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="auto: float32 on CPU, bfloat16 on CUDA; on the CPU kernels, "
                         "bfloat16 means bfloat16 weights, multiplied as bf16 products "
                         "(AMX or AVX-512-BF16, where the CPU has them) or in float32")
-    g.add_argument("--quantization", default=None, choices=["int8", "q4", "iq4"],
+    g.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
                    help="int8: 8-bit weights and layer inputs, a scale per 32 values, "
                         "integer dot products (CPU kernels; as llama.cpp's Q8_0); q4: "
                         "4-bit weights, a scale and a minimum per 32 (as Q4_1); iq4: "

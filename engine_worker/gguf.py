@@ -53,9 +53,6 @@ logger = logging.getLogger(__name__)
 # Dense GGUF types (ggml's ids) and the packed format each becomes.
 DENSE_FORMATS = {0: "float32", 1: "float32", 30: "bfloat16"}  # F32, F16 (widened), BF16
 Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, IQ4_NL = 2, 3, 6, 8, 12, 20
-# the weights an IQ4 nibble stands for, times its block's scale (ggml's kvalues_iq4nl)
-IQ4_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89,
-                       113], dtype=np.int8)
 PANEL = 16   # output rows of a packed panel (gemm.c)
 
 
@@ -150,6 +147,30 @@ def served() -> str:
     names = ", ".join(GGMLQuantizationType(t).name for t in restored_types())
     return (f"F32, F16, BF16, Q8_0, Q4_0, Q4_1, IQ4_NL and IQ4_XS as they are, and {names} "
             f"re-stored")
+
+
+def as_q8_0(rows: np.ndarray, ggml_type: int) -> np.ndarray:
+    """Rows of blocks of ``ggml_type`` as Q8_0 blocks: as they are (Q8_0), exactly where
+    each block's values are int8 values of its scale (Q4_0: q - 8; IQ4_NL: its levels;
+    Q5_0: re-stored so anyway), else requantized from the file's values."""
+    from gguf import quants
+
+    restored = restored_types().get(ggml_type)
+    if ggml_type == Q8_0:
+        return rows
+    if restored is not None and restored[0] == Q8_0:
+        return restored[1](rows)
+    if ggml_type not in (Q4_0, IQ4_NL):
+        return requantized_as_q8_0(rows, ggml_type)
+    blocks = rows.reshape(-1, 18)   # a half scale d, then 16 bytes of nibbles
+    qs = blocks[:, 2:]
+    q = np.concatenate([qs & 15, qs >> 4], axis=1)   # weights 0-15, then 16-31
+    values = (np.array(quants.IQ4_NL.kvalues, dtype=np.int8)[q] if ggml_type == IQ4_NL
+              else q.astype(np.int8) - 8)
+    out = np.empty((len(blocks), 34), dtype=np.uint8)
+    out[:, :2] = blocks[:, :2]
+    out[:, 2:] = values.view(np.uint8)
+    return out.reshape(len(rows), -1)
 
 
 # Bytes of blocks re-stored at a time: at most ~5 weights a byte (IQ1_S), so the
@@ -258,10 +279,11 @@ class GgufWeights:
                                  f"and must all be dense or all in blocks")
         if len(dense) > 1:   # BF16 beside F32 or F16: all widened to float32
             formats = {"float32"}
-        # types of one format packed apart need rows in whole panels (but the last)
-        apart = len(set(packs_as)) > 1 and not any(len(rows) % PANEL for rows in parts[:-1])
-        if len(formats) > 1 or (len(set(packs_as)) > 1 and not apart and not dense):
-            parts = [_restored(rows, functools.partial(self.as_q8_0, ggml_type=g))
+        # types of one format are packed apart, each of rows in whole panels (but the
+        # last); dense ones are widened to float32 apart anyway
+        whole_panels = not any(len(rows) % PANEL for rows in parts[:-1])
+        if not dense and (len(formats) > 1 or (len(set(packs_as)) > 1 and not whole_panels)):
+            parts = [_restored(rows, functools.partial(as_q8_0, ggml_type=g))
                      for rows, g in zip(parts, types)]
             packs_as, formats = [Q8_0] * len(types), {"int8"}
             logger.info("%s: %s are one int8 weight (Q8_0)", self.path.name,
@@ -283,25 +305,6 @@ class GgufWeights:
                                                        in_features)[0]
                                 for rows, g in zip(parts, packs_as)])
         return PackedLinear.from_packed(self.kernels, packed, fmt, out_features, in_features)
-
-    def as_q8_0(self, rows: np.ndarray, ggml_type: int) -> np.ndarray:
-        """Rows of blocks of ``ggml_type`` as Q8_0 blocks: as they are (Q8_0), exactly
-        where each block's values are int8 values of its scale (Q4_0: q - 8; IQ4_NL: its
-        levels; Q5_0: re-stored so anyway), else requantized from the file's values."""
-        if ggml_type == Q8_0:
-            return rows
-        if self.restored.get(ggml_type, (None,))[0] == Q8_0:
-            return self.restored[ggml_type][1](rows)
-        if ggml_type not in (Q4_0, IQ4_NL):
-            return requantized_as_q8_0(rows, ggml_type)
-        blocks = rows.reshape(-1, 18)   # a half scale d, then 16 bytes of nibbles
-        qs = blocks[:, 2:]
-        q = np.concatenate([qs & 15, qs >> 4], axis=1)   # weights 0-15, then 16-31
-        out = np.empty((len(blocks), 34), dtype=np.uint8)
-        out[:, :2] = blocks[:, :2]
-        out[:, 2:] = (IQ4_LEVELS[q] if ggml_type == IQ4_NL else q.astype(np.int8) - 8) \
-            .view(np.uint8)
-        return out.reshape(len(rows), -1)
 
     def finish(self) -> None:
         left = sorted(set(self.tensors) - self.taken - {"rope_freqs.weight"})

@@ -166,6 +166,42 @@ def test_q_k_v_of_types_of_other_formats_become_one_int8_weight(tmp_path):
         weights.linear(["blk.0.attn_k.weight", "blk.0.attn_v.weight"], 64)
 
 
+def test_one_weight_of_types_that_cannot_pack_together(tmp_path):
+    """IQ4_NL rows that are not whole panels of 16 beside IQ4_XS ones cannot be packed
+    apart: both become int8 (IQ4_NL's values exactly, IQ4_XS's requantized); BF16
+    beside F32 is widened to one float32 weight; and IQ4_XS tensors need inputs in
+    whole super-blocks of 256."""
+    from gguf import GGMLQuantizationType as T, quants
+
+    from engine_worker.gguf import GgufWeights
+
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((16, 256)).astype(np.float32)
+    tensors = {"blk.0.attn_q.weight": (random_blocks(rng, 24, 8, 18, (0,)), T.IQ4_NL),
+               "blk.0.attn_k.weight": (random_blocks(rng, 16, 1, 136, (0,)), T.IQ4_XS),
+               "blk.0.ffn_gate.weight": (w, T.F32),
+               "blk.0.ffn_up.weight": (torch.from_numpy(w).bfloat16().view(torch.int16)
+                                       .numpy(), T.BF16)}
+    write_gguf(tmp_path / "m.gguf", tensors=[(n, a, t) for n, (a, t) in tensors.items()])
+    weights = GgufWeights(tmp_path / "m.gguf", kernels.cpu_kernels())
+    lin = weights.linear(["blk.0.attn_q.weight", "blk.0.attn_k.weight"], 256)
+    assert (lin.fmt, lin.out_features) == ("int8", 40)
+    got = kernels.cpu_kernels().unpack(lin.packed, 40, 256, "int8")
+    nl, xs = (torch.from_numpy(quants.dequantize(*tensors[n])).view(-1, 256)
+              for n in ("blk.0.attn_q.weight", "blk.0.attn_k.weight"))
+    assert torch.equal(got[:24], nl)
+    err = (got[24:] - xs).view(-1, 32).abs().amax(-1)
+    assert (err <= xs.view(-1, 32).abs().amax(-1) / 250).all() and err.max() > 0
+    dense = weights.linear(["blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"], 256)
+    assert (dense.fmt, dense.out_features) == ("float32", 32)
+    assert torch.equal(kernels.cpu_kernels().unpack(dense.packed, 32, 256, "float32"),
+                       torch.cat([torch.from_numpy(w),
+                                  torch.from_numpy(w).bfloat16().float()]))
+    with pytest.raises(ValueError, match="multiples of 256; a tensor has 288"):
+        kernels.cpu_kernels().pack_gguf(torch.zeros(16, 136 + 17, dtype=torch.uint8), 23,
+                                        16, 288)
+
+
 def random_blocks(rng, rows: int, blocks: int, size: int, halves: tuple[int, ...]):
     """Rows of random GGUF blocks of ``size`` bytes whose half-precision fields at
     ``halves`` are small finite scales: any other bytes are valid block contents."""

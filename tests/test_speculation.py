@@ -172,6 +172,15 @@ def test_4_bit_weights_take_fewer_rows(tiny_llama_dir):
     assert max(drafts_per_step(engine)) == 1
 
 
+def test_iq4_weights_take_as_few_rows_as_4_bit_ones(tiny_llama_dir):
+    """IQ4 weights, multiplied as 4-bit ones are (nibbles looked up first), get their
+    step's row limit."""
+    from engine_worker.speculation import MAX_STEP_ROWS, MAX_STEP_ROWS_Q4
+
+    assert speculating(tiny_llama_dir, 4, quantization="iq4").scheduler.max_step_rows == \
+        MAX_STEP_ROWS_Q4 < MAX_STEP_ROWS == speculating(tiny_llama_dir, 4).scheduler.max_step_rows
+
+
 def test_a_check_on_logits_that_are_not_finite_fails_its_request_alone(tiny_llama_dir):
     """The logits of one request's proposed tokens turned NaN: it ends with an error
     naming them, the other request gets its whole output."""

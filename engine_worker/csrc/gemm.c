@@ -211,11 +211,9 @@ static uint16_t float_to_half(float f)   /* round to nearest even */
 /* The weights an IQ4 nibble stands for, times its block's scale (ggml's kvalues_iq4nl). */
 static const int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                       1, 13, 25, 38, 53, 69, 89, 113};
-/* The levels as the integer tiles take them: signed, and + 128 (for unsigned bytes
-   times signed x, U8_EXACT). */
-static const uint8_t IQ4_BYTES[2][16] = {
-    {129, 152, 173, 191, 207, 221, 234, 246, 1, 13, 25, 38, 53, 69, 89, 113},
-    {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241}};
+/* The levels + 128, as int8 panels hold their weights. */
+static const uint8_t IQ4_BYTES[16] = {1, 24, 45, 63, 79, 93, 106, 118,
+                                      129, 141, 153, 166, 181, 197, 217, 241};
 
 /* Block g's 16 float scales of an IQ4 panel. */
 static inline float *iq4_scales(char *panel, int64_t g)
@@ -729,10 +727,14 @@ static inline vf halves_to_float(const uint16_t *h)
 #define Q4X_MIN_ROWS 33
 #endif
 
-/* Panels [p, p + np) of a 4-bit weight (pb bytes each) into out, as RS_Q4X. */
-static void expand_q4(const char *packed, int64_t pb, int64_t p, int np, int64_t K, char *out)
+/* Panels [p, p + np) of a 4-bit weight (pb bytes each) into out, as RS_Q4X; of an IQ4
+   one (levels) as int8 panels (RS_INT8: each level + 128, the float scales as they
+   are), on which the int8 tiles run. Both keep 64 bytes of scales a block. */
+static void expand_q4(int levels, const char *packed, int64_t pb, int64_t p, int np,
+                      int64_t K, char *out)
 {
     const int64_t blocks = K / RS_INT8_BLOCK;
+    const iv table = IV_TABLE(IQ4_BYTES);
     for (int q = 0; q < np; q++)
         for (int64_t b = 0; b < blocks; b++) {
             const char *src = packed + (p + q) * pb + b * Q4_BLOCK_BYTES;
@@ -742,29 +744,8 @@ static void expand_q4(const char *packed, int64_t pb, int64_t p, int np, int64_t
             for (int g = 0; g < RS_INT8_BLOCK / 8; g++)
                 for (int h = 0; h < RS_PANEL * 4; h += VL * 4) {
                     const iv raw = IV_LOAD(src + g * RS_PANEL * 4 + h);
-                    const iv lo = IV_LO(raw), hi = IV_HI(raw);
-                    memcpy(dst + 2 * g * RS_PANEL * 4 + h, &lo, sizeof lo);
-                    memcpy(dst + (2 * g + 1) * RS_PANEL * 4 + h, &hi, sizeof hi);
-                }
-            memcpy(dst + Q8_WEIGHT_BYTES, src + Q4_WEIGHT_BYTES, RS_PANEL * 4);
-        }
-}
-
-/* Panels [p, p + np) of an IQ4 weight (pb bytes each) into out as int8 panels (RS_INT8:
-   each level + 128, the float scales as they are), on which the int8 tiles run: from
-   Q4X_MIN_ROWS rows, as 4-bit panels are unpacked. */
-static void expand_iq4(const char *packed, int64_t pb, int64_t p, int np, int64_t K, char *out)
-{
-    const int64_t blocks = K / RS_INT8_BLOCK;
-    const iv table = IV_TABLE(IQ4_BYTES[1]);
-    for (int q = 0; q < np; q++)
-        for (int64_t b = 0; b < blocks; b++) {
-            const char *src = packed + (p + q) * pb + b * Q4_BLOCK_BYTES;
-            char *dst = out + (q * blocks + b) * Q8_BLOCK_BYTES;
-            for (int g = 0; g < RS_INT8_BLOCK / 8; g++)   /* as expand_q4 */
-                for (int h = 0; h < RS_PANEL * 4; h += VL * 4) {
-                    const iv raw = IV_LOAD(src + g * RS_PANEL * 4 + h);
-                    const iv lo = IV_LOOKUP(table, IV_LO(raw)), hi = IV_LOOKUP(table, IV_HI(raw));
+                    const iv lo = levels ? IV_LOOKUP(table, IV_LO(raw)) : IV_LO(raw),
+                             hi = levels ? IV_LOOKUP(table, IV_HI(raw)) : IV_HI(raw);
                     memcpy(dst + 2 * g * RS_PANEL * 4 + h, &lo, sizeof lo);
                     memcpy(dst + (2 * g + 1) * RS_PANEL * 4 + h, &hi, sizeof hi);
                 }
@@ -793,8 +774,7 @@ tile_int(const int MR, const int NP, const int FORMAT, const int8_t *xq, const f
     const int64_t block_bytes = nibbles ? Q4_BLOCK_BYTES : Q8_BLOCK_BYTES,
                   weight_bytes = nibbles ? Q4_WEIGHT_BYTES : Q8_WEIGHT_BYTES;   /* then scales */
     const int unsigned_w = q4 || U8_EXACT;   /* dot4u on the bytes as stored */
-    /* IQ4's levels as int8's bytes hold them: + 128 for dot4u, else signed */
-    const iv table = levels ? IV_TABLE(IQ4_BYTES[U8_EXACT]) : IV_ZERO;
+    const iv table = levels ? IV_TABLE(IQ4_BYTES) : IV_ZERO;
     vf acc[8][NP_MAX * PV];
     for (int m = 0; m < MR; m++)
         for (int v = 0; v < NP * PV; v++)
@@ -818,8 +798,10 @@ tile_int(const int MR, const int NP, const int FORMAT, const int8_t *xq, const f
             iv raw[NP_MAX * PV], w[NP_MAX * PV];
             for (int v = 0; v < NP * PV; v++) {
                 raw[v] = IV_LOAD(block + (v / PV) * pb + at + (v % PV) * VL * 4);
-                w[v] = levels ? IV_LOOKUP(table, IV_LO(raw[v])) : nibbles ? IV_LO(raw[v])
-                     : unsigned_w ? raw[v] : IV_SIGNED(raw[v]);
+                /* IQ4's levels + 128, as int8's bytes: signed again without U8_EXACT */
+                w[v] = levels ? IV_LOOKUP(table, IV_LO(raw[v]))
+                     : nibbles ? IV_LO(raw[v]) : raw[v];
+                w[v] = unsigned_w ? w[v] : IV_SIGNED(w[v]);
             }
             /* as in tile(); the scales' line, right after, is left to the hardware
                (fetching it too measured 0.87x at one row, AVX2 Zen 3) */
@@ -833,8 +815,10 @@ tile_int(const int MR, const int NP, const int FORMAT, const int8_t *xq, const f
             }
             if (!nibbles)
                 continue;
-            for (int v = 0; v < NP * PV; v++)
+            for (int v = 0; v < NP * PV; v++) {
                 w[v] = levels ? IV_LOOKUP(table, IV_HI(raw[v])) : IV_HI(raw[v]);
+                w[v] = unsigned_w ? w[v] : IV_SIGNED(w[v]);
+            }
             for (int m = 0; m < MR; m++) {
                 const iv x = IV_BROADCAST(xq + m * K + k + 4);
                 for (int v = 0; v < NP * PV; v++)
@@ -1559,8 +1543,7 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
                 w_pb = K * RS_PANEL * 4;
                 w_format = RS_F32;
             } else if (q4x) {
-                (iq4 ? expand_iq4 : expand_q4)(packed, pb, p, wide ? NP_MAX : 1, K,
-                                               (char *)buf + q4x_at);
+                expand_q4(iq4, packed, pb, p, wide ? NP_MAX : 1, K, (char *)buf + q4x_at);
                 w = (const char *)buf + q4x_at;
                 w_pb = K / RS_INT8_BLOCK * Q8_BLOCK_BYTES;
             }
