@@ -46,6 +46,7 @@ import torch
 
 from common.errors import ModelLoadError
 from common.model_files import GGUF_POINTER
+from engine_worker.gguf_reader import GgufReader, ggml_type_name
 from engine_worker.kernels import GGUF_FORMATS, CpuKernels
 
 logger = logging.getLogger(__name__)
@@ -204,34 +205,22 @@ class GgufWeights:
     """The tensors of a GGUF file, taken once each by name."""
 
     def __init__(self, path: Path, kernels: CpuKernels) -> None:
-        from gguf import GGUFReader
-
         self.path, self.kernels = path, kernels
-        try:
-            self.reader = GGUFReader(path)
-        except (OSError, ValueError) as e:
-            raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e
+        self.reader = GgufReader(path)
         self.tensors = {t.name: t for t in self.reader.tensors}
         self.taken: set[str] = set()
-        arch = self.field("general.architecture")
+        arch = self.reader.fields.get("general.architecture")
         if arch != "llama":
             raise ModelLoadError(f"{path.name}: roseserve serves GGUF files of the llama "
                                  f"architecture (Llama, SmolLM, Mistral...), not {arch!r}")
         self.restored = restored_types()
         known = {*GGUF_FORMATS, *DENSE_FORMATS, *self.restored}
-        bad = [f"{t.name} ({t.tensor_type.name})" for t in self.reader.tensors
-               if int(t.tensor_type) not in known]
+        bad = [f"{t.name} ({t.type_name})" for t in self.reader.tensors
+               if t.ggml_type not in known]
         if bad:
             more = f" and {len(bad) - 6} more" if len(bad) > 6 else ""
             raise ModelLoadError(f"{path.name} has tensors in types roseserve cannot serve as "
                                  f"they are: {', '.join(bad[:6])}{more}; it serves {served()}")
-
-    def field(self, key: str):
-        f = self.reader.fields.get(key)
-        if f is None:
-            return None
-        value = f.parts[f.data[0]]
-        return bytes(value).decode() if value.dtype == np.uint8 else value.tolist()[0]
 
     def _take(self, name: str):
         if name not in self.tensors:
@@ -241,10 +230,10 @@ class GgufWeights:
 
     def dense(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """A tensor as float32 (dequantized if it is in blocks)."""
-        from gguf import quants
+        from gguf import GGMLQuantizationType, quants
 
         t = self._take(name)
-        values = quants.dequantize(np.asarray(t.data), t.tensor_type)
+        values = quants.dequantize(t.data, GGMLQuantizationType(t.ggml_type))
         if values.size != int(np.prod(shape)):
             raise ModelLoadError(f"{self.path.name}: tensor {name!r} has {values.size} values, "
                                  f"expected shape {shape}")
@@ -257,24 +246,23 @@ class GgufWeights:
         head count if its rows are in llama.cpp's RoPE order. Tensors of types that
         pack as different formats (llama.cpp's mixes give v more bits than q and k), or
         as one format but not in whole panels each, are all made Q8_0 (int8): as_q8_0."""
-        from gguf import quants
+        from gguf import GGMLQuantizationType, quants
 
         from engine_worker.models import PackedLinear
 
         tensors = [self._take(n) for n in names]
         parts, types = [], []
         for t, h in zip(tensors, heads or [None] * len(tensors)):
-            if int(t.shape[0]) != in_features:
+            if t.shape[0] != in_features:
                 raise ModelLoadError(f"{self.path.name}: tensor {t.name!r} has "
-                                     f"{int(t.shape[0])} inputs, expected {in_features}")
-            rows = np.asarray(t.data).reshape(int(t.shape[1]), -1)
-            parts.append(rows[unpermute_rows(len(rows), h)] if h else rows)
-            types.append(int(t.tensor_type))
+                                     f"{t.shape[0]} inputs, expected {in_features}")
+            parts.append(t.data[unpermute_rows(len(t.data), h)] if h else t.data)
+            types.append(t.ggml_type)
         packs_as = [self.restored.get(g, (g,))[0] for g in types]
         formats = {GGUF_FORMATS.get(g) or DENSE_FORMATS[g] for g in packs_as}
         dense = formats & set(DENSE_FORMATS.values())
         if dense and dense != formats:
-            listed = ", ".join(f"{t.name} ({t.tensor_type.name})" for t in tensors)
+            listed = ", ".join(f"{t.name} ({t.type_name})" for t in tensors)
             raise ModelLoadError(f"{self.path.name}: {listed} are computed as one weight "
                                  f"and must all be dense or all in blocks")
         if len(dense) > 1:   # BF16 beside F32 or F16: all widened to float32
@@ -287,22 +275,22 @@ class GgufWeights:
                      for rows, g in zip(parts, types)]
             packs_as, formats = [Q8_0] * len(types), {"int8"}
             logger.info("%s: %s are one int8 weight (Q8_0)", self.path.name,
-                        ", ".join(f"{t.name} ({t.tensor_type.name})" for t in tensors))
+                        ", ".join(f"{t.name} ({t.type_name})" for t in tensors))
         else:
             parts = [_restored(rows, self.restored[g][1]) if g in self.restored else rows
                      for rows, g in zip(parts, types)]
         out_features, fmt = sum(len(rows) for rows in parts), formats.pop()
         if dense:
-            weight = np.concatenate([quants.dequantize(rows, t.tensor_type)
-                                     for rows, t in zip(parts, tensors)]).astype(np.float32)
+            weight = np.concatenate([quants.dequantize(rows, GGMLQuantizationType(g))
+                                     for rows, g in zip(parts, types)]).astype(np.float32)
             packed = self.kernels.pack(torch.from_numpy(weight).reshape(out_features,
                                                                         in_features), fmt)
         elif len(set(packs_as)) == 1:
             packed, _ = self.kernels.pack_gguf(torch.from_numpy(np.concatenate(parts)),
                                                packs_as[0], out_features, in_features)
         else:   # one format from types of its own (Q4_0 and Q4_1, IQ4_NL and IQ4_XS)
-            packed = torch.cat([self.kernels.pack_gguf(torch.from_numpy(rows), g, len(rows),
-                                                       in_features)[0]
+            packed = torch.cat([self.kernels.pack_gguf(torch.from_numpy(np.array(rows)), g,
+                                                       len(rows), in_features)[0]
                                 for rows, g in zip(parts, packs_as)])
         return PackedLinear.from_packed(self.kernels, packed, fmt, out_features, in_features)
 
@@ -317,8 +305,6 @@ class GgufWeights:
 def load_gguf(model, path: Path, kernels: CpuKernels) -> None:
     """Fill a LlamaModel (built with empty weights) from a GGUF file: every linear
     layer packed from the file's blocks, as they are or re-stored (restored_types)."""
-    from gguf import GGMLQuantizationType
-
     w = GgufWeights(path, kernels)
     cfg = model.cfg
     c, i_size = cfg.hidden_size, cfg.intermediate_size
@@ -340,9 +326,9 @@ def load_gguf(model, path: Path, kernels: CpuKernels) -> None:
     model.lm_head = w.linear(["output.weight" if "output.weight" in w.tensors
                               else "token_embd.weight"], c)
     w.finish()
-    counts = Counter(int(t.tensor_type) for t in w.reader.tensors)
-    name = lambda ggml_type: GGMLQuantizationType(ggml_type).name  # noqa: E731
-    kept = ", ".join(f"{n} {name(k)}" for k, n in counts.most_common() if k not in w.restored)
-    restored = "".join(f"; {n} {name(k)} re-stored as {w.restored[k][2]}"
+    counts = Counter(t.ggml_type for t in w.reader.tensors)
+    kept = ", ".join(f"{n} {ggml_type_name(k)}" for k, n in counts.most_common()
+                     if k not in w.restored)
+    restored = "".join(f"; {n} {ggml_type_name(k)} re-stored as {w.restored[k][2]}"
                        for k, n in counts.most_common() if k in w.restored)
     logger.info("weights: %s, as they are: %s%s", path.name, kept, restored)
