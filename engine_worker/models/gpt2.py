@@ -14,13 +14,8 @@ from torch import nn
 
 from engine_worker.attention import AttentionBackend, AttentionMetadata
 from engine_worker.model_config import ModelConfig
+from engine_worker.models.layers import embedding, linear
 from engine_worker.weights import Checkpoint
-
-
-def _linear(in_features: int, out_features: int) -> nn.Linear:
-    layer = nn.Linear(in_features, out_features)
-    layer.requires_grad_(False)
-    return layer
 
 
 def _layer_norm(size: int, eps: float) -> nn.LayerNorm:
@@ -36,11 +31,11 @@ class Block(nn.Module):
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.gelu = "none" if cfg.hidden_act == "gelu" else "tanh"
         self.ln_1 = _layer_norm(c, cfg.norm_eps)
-        self.c_attn = _linear(c, 3 * c)
-        self.attn_proj = _linear(c, c)
+        self.c_attn = linear(c, 3 * c)
+        self.attn_proj = linear(c, c)
         self.ln_2 = _layer_norm(c, cfg.norm_eps)
-        self.c_fc = _linear(c, cfg.intermediate_size)
-        self.mlp_proj = _linear(cfg.intermediate_size, c)
+        self.c_fc = linear(c, cfg.intermediate_size)
+        self.mlp_proj = linear(cfg.intermediate_size, c)
         self.attn = attn
 
     def forward(self, x: torch.Tensor, kv_cache: torch.Tensor,
@@ -57,10 +52,8 @@ class GPT2Model(nn.Module):
     def __init__(self, cfg: ModelConfig, attn: AttentionBackend) -> None:
         super().__init__()
         self.cfg = cfg
-        self.wte = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.wpe = nn.Embedding(cfg.max_model_len, cfg.hidden_size)
-        self.wte.requires_grad_(False)
-        self.wpe.requires_grad_(False)
+        self.wte = embedding(cfg.vocab_size, cfg.hidden_size)
+        self.wpe = embedding(cfg.max_model_len, cfg.hidden_size)
         self.h = nn.ModuleList(Block(cfg, attn) for _ in range(cfg.num_layers))
         self.ln_f = _layer_norm(cfg.hidden_size, cfg.norm_eps)
         # Tied to wte; load_model may replace it with a packed copy.

@@ -21,6 +21,7 @@ from torch import nn
 from engine_worker.attention import AttentionBackend, AttentionMetadata
 from engine_worker.kernels import CpuKernels
 from engine_worker.model_config import ModelConfig, RopeConfig
+from engine_worker.models.layers import embedding, linear
 from engine_worker.ops import TorchOps
 from engine_worker.weights import Checkpoint
 
@@ -73,19 +74,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
 
-def _linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
-    layer = nn.Linear(in_features, out_features, bias=bias)
-    layer.requires_grad_(False)
-    return layer
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, attn: AttentionBackend, ops: Ops) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = _linear(cfg.hidden_size, q_size + 2 * kv_size, cfg.qkv_bias)
-        self.o_proj = _linear(q_size, cfg.hidden_size, cfg.o_bias)
+        self.qkv_proj = linear(cfg.hidden_size, q_size + 2 * kv_size, cfg.qkv_bias)
+        self.o_proj = linear(q_size, cfg.hidden_size, cfg.o_bias)
         self.attn = attn
         self.ops = ops
 
@@ -100,8 +95,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: Ops) -> None:
         super().__init__()
-        self.gate_up_proj = _linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias)
-        self.down_proj = _linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
+        self.gate_up_proj = linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias)
+        self.down_proj = linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -135,14 +130,13 @@ class LlamaModel(nn.Module):
         assert cfg.rope is not None
         self.cfg = cfg
         self.ops = ops
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens.requires_grad_(False)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = Rotary(cfg.rope, cfg.head_dim)
         self.layers = nn.ModuleList(DecoderLayer(cfg, attn, ops) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         # None when tied to the embedding (until load_model packs it).
         self.lm_head: Optional[nn.Module] = (
-            None if cfg.tie_word_embeddings else _linear(cfg.hidden_size, cfg.vocab_size, False))
+            None if cfg.tie_word_embeddings else linear(cfg.hidden_size, cfg.vocab_size, False))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
