@@ -278,3 +278,23 @@ def test_a_frame_nested_too_deeply_is_dropped_and_the_pool_serves_on(pool_factor
     before, after, result = raw_frames_then_serve(pool.address, [[kind, payload]])
     assert after.num_frames_dropped - before.num_frames_dropped == 1
     assert len(result.prompt_token_ids) == 2
+
+
+def test_a_tokenizer_the_workers_cannot_load_stops_the_pool_with_its_error(tmp_path,
+                                                                          tiny_llama_dir):
+    """The supervisor checks only tokenizer.json (the Rust tokenizer); what transformers
+    refuses besides is found by the first worker, which logs it and stops the pool
+    rather than being replaced again and again."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model)
+    (model / "tokenizer_config.json").write_text('{"bos_token": ')   # cut short
+    pool = processes.tokenizer_pool(model, f"ipc://{tmp_path}/pool.sock", 2)
+    try:
+        assert pool.proc.wait(timeout=120) == 2
+    finally:
+        out = pool.stop()
+    assert "cannot load the tokenizer from" in out and "Expecting value: line 1" in out, out
+    assert "cannot load the tokenizer (its error is above): stopping the pool" in out
+    assert "replacing it" not in out

@@ -18,7 +18,7 @@ from common.logging_setup import setup_logging
 from common.model_files import resolve_model_dir
 from common.sockets import is_loopback
 from common.tokenizer import (MAX_CHARS_PER_TOKEN, add_chat_template_arg, context_length,
-                              load_tokenizer, read_chat_template)
+                              load_decoder, read_chat_template)
 from tokenizer_worker.pool import DEFAULT_JOB_TIMEOUT_S, TokenizerPool, default_num_workers
 
 logger = logging.getLogger("tokenizer_worker")
@@ -65,7 +65,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        else "WITHOUT authentication")
     try:
         model_dir = resolve_model_dir(args.model)
-        load_tokenizer(model_dir)  # fail here, clearly, rather than in every worker
+        # A quick check (the Rust tokenizer alone), not transformers' tokenizer: importing
+        # transformers and loading it takes ~3 s, which each worker spends anyway, and
+        # here it delayed the workers' start by as much. A worker that cannot load it
+        # stops the pool with its error (pool.py).
+        load_decoder(model_dir)
         chat_template = read_chat_template(args.chat_template) if args.chat_template else None
         max_chars = args.max_prompt_chars or MAX_CHARS_PER_TOKEN * context_length(model_dir)
     except ModelLoadError as e:
@@ -83,7 +87,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     faults.install("tokenizer_pool", pool)
     logger.info("tokenizer pool: %d worker(s) for %s on %s", args.workers, model_dir, args.bind)
-    return pool.serve()
+    return pool.serve()   # 2 if its workers cannot load the tokenizer
 
 
 if __name__ == "__main__":

@@ -5,8 +5,9 @@ MAX_IN_FLIGHT_PER_WORKER each, so a worker always has a queue to batch from); th
 rest wait here in arrival order. A worker that dies, or that holds a job longer than
 job_timeout_s (hung), is killed if need be and replaced; each job it held is retried
 once on another worker and, if that fails too, answered with an error that says so.
-Frontends get PoolReady once the first worker has loaded its tokenizer. Frames from
-clients that do not decode are counted and dropped; a client sending a frame over
+Frontends get PoolReady once the first worker has loaded its tokenizer; a worker that
+cannot load it stops the pool (exit code 2), as its replacement would fail too. Frames
+from clients that do not decode are counted and dropped; a client sending a frame over
 max_frame_bytes loses its connection before the frame is read.
 """
 
@@ -35,7 +36,7 @@ from common.protocol import (POOL_REPLIES, POOL_REQUESTS, PROTOCOL_VERSION, WORK
                              TokenizeResult, version_mismatch)
 from common.curve import CurveKey, CurveServer
 from common.sockets import HANDSHAKE_FAILED, make_socket, read_refusal, waiting_messages
-from tokenizer_worker.worker import worker_main
+from tokenizer_worker.worker import CANNOT_LOAD_EXIT_CODE, worker_main
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +112,7 @@ class TokenizerPool:
         self.queue: deque[Job] = deque()
         self.waiting_hellos: list[bytes] = []
         self.stopping = False
+        self.exit_code = 0
         self.generation = 0
         self.job_ids = itertools.count()
         self.num_jobs_total = 0
@@ -145,7 +147,7 @@ class TokenizerPool:
                 self._dispatch()
         finally:
             self._shutdown()
-        return 0
+        return self.exit_code
 
     def _on_signal(self, signum, _frame) -> None:
         logger.info("signal %d: stopping the tokenizer pool", signum)
@@ -256,6 +258,11 @@ class TokenizerPool:
                     worker.process.kill()
                 continue
             del self.workers[identity]
+            if worker.process.exitcode == CANNOT_LOAD_EXIT_CODE:
+                logger.error("tokenizer worker %d cannot load the tokenizer (its error is "
+                             "above): stopping the pool", worker.slot)
+                self.stopping, self.exit_code = True, 2
+                return
             self.num_workers_replaced += 1
             what = "hung" if worker.hung else f"died with exit code {worker.process.exitcode}"
             logger.error("tokenizer worker %d (pid %d) %s holding %d job(s); replacing it",

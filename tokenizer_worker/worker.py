@@ -20,6 +20,7 @@ from typing import Optional
 import zmq
 
 from common import faults
+from common.errors import ModelLoadError
 from common.logging_setup import setup_logging
 from common.protocol import WORKER_JOBS, WORKER_REPLIES, Codec, Hello, ProtocolError
 from common.sockets import make_socket
@@ -28,6 +29,9 @@ from tokenizer_worker.prompt_tokenizer import PromptTokenizer
 logger = logging.getLogger(__name__)
 
 MAX_BATCH = 64
+# A worker's exit code when it cannot load the tokenizer: the pool stops, as replacing
+# it would fail again.
+CANNOT_LOAD_EXIT_CODE = 2
 
 
 def worker_main(model_dir: str, address: str, slot: int, identity: str, max_chars: int,
@@ -39,7 +43,11 @@ def worker_main(model_dir: str, address: str, slot: int, identity: str, max_char
     _die_with_parent()
     if os.getppid() != parent:  # it exited before the request took effect
         return
-    tokenizer = PromptTokenizer(Path(model_dir), max_chars, chat_template)
+    try:
+        tokenizer = PromptTokenizer(Path(model_dir), max_chars, chat_template)
+    except ModelLoadError as e:
+        logger.error("%s", e)
+        sys.exit(CANNOT_LOAD_EXIT_CODE)
     faults.install("tokenizer_worker", tokenizer, slot=slot)
     ctx = zmq.Context()
     sock = make_socket(ctx, address, zmq.DEALER, bind=False, identity=identity.encode())
