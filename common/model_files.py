@@ -41,6 +41,15 @@ _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _LAYOUT_VERSION = "1"
 # In a model folder: the GGUF file its weights are read from.
 GGUF_POINTER = "gguf.json"
+# The GGUF architectures served (general.architecture) -> the checkpoint architecture
+# the folder's config.json names. llama.cpp stores Mistral and SmolLM as llama.
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+def unserved_gguf_architecture(file_name: str, arch: object) -> ModelLoadError:
+    return ModelLoadError(f"{file_name}: roseserve serves GGUF files of the llama and qwen2 "
+                          f"architectures (Llama, SmolLM, Mistral, Qwen2, Qwen2.5...), not "
+                          f"{arch!r}")
 
 
 # Architectures' config.json without weights, for --load-format dummy.
@@ -125,11 +134,9 @@ def _gguf_metadata(path: Path, out_dir: Path) -> None:
     except Exception as e:  # transformers' GGUF reader raises many kinds
         raise ModelLoadError(f"{path}: its metadata does not describe a model that can be "
                              f"served ({type(e).__name__}: {e})") from e
-    if config.model_type != "llama":
-        raise ModelLoadError(f"{path.name}: roseserve serves GGUF files of the llama "
-                             f"architecture (Llama, SmolLM, Mistral...), not "
-                             f"{config.model_type!r}")
-    config.architectures = ["LlamaForCausalLM"]
+    if config.model_type not in GGUF_ARCHITECTURES:
+        raise unserved_gguf_architecture(path.name, config.model_type)
+    config.architectures = [GGUF_ARCHITECTURES[config.model_type]]
     config.save_pretrained(out_dir)
     GenerationConfig.from_model_config(config).save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)

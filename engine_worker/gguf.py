@@ -27,9 +27,12 @@ file); the weights stay in the file and are read from it here, at start:
 - a tensor of any other type (Q8_K, integers...) is refused at start, by name, as is
   a tensor the architecture does not use, or q/k/v mixing dense and block types.
 
-llama.cpp's converter stores the rows of attn_q and attn_k permuted for its RoPE
-(pairs of rotated dimensions interleaved); they are put back in Hugging Face's order
-(halves) as whole rows, so blocks are untouched.
+Files of the llama and qwen2 architectures are served (common/model_files.py:
+GGUF_ARCHITECTURES); qwen2's q, k and v biases are read as float32. For the llama
+architecture llama.cpp's converter stores the rows of attn_q and attn_k (weights and
+biases) permuted for its RoPE (pairs of rotated dimensions interleaved); they are put
+back in Hugging Face's order (halves) as whole rows, so blocks are untouched. qwen2's
+RoPE is Hugging Face's: its rows are stored as they are.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ import numpy as np
 import torch
 
 from common.errors import ModelLoadError
-from common.model_files import GGUF_POINTER
+from common.model_files import GGUF_ARCHITECTURES, GGUF_POINTER, unserved_gguf_architecture
 from engine_worker.gguf_reader import GgufReader, ggml_type_name
 from engine_worker.kernels import GGUF_FORMATS, CpuKernels
 
@@ -209,10 +212,9 @@ class GgufWeights:
         self.reader = GgufReader(path)
         self.tensors = {t.name: t for t in self.reader.tensors}
         self.taken: set[str] = set()
-        arch = self.reader.fields.get("general.architecture")
-        if arch != "llama":
-            raise ModelLoadError(f"{path.name}: roseserve serves GGUF files of the llama "
-                                 f"architecture (Llama, SmolLM, Mistral...), not {arch!r}")
+        self.architecture = self.reader.fields.get("general.architecture")
+        if self.architecture not in GGUF_ARCHITECTURES:
+            raise unserved_gguf_architecture(path.name, self.architecture)
         self.restored = restored_types()
         known = {*GGUF_FORMATS, *DENSE_FORMATS, *self.restored}
         bad = [f"{t.name} ({t.type_name})" for t in self.reader.tensors
@@ -308,15 +310,22 @@ def load_gguf(model, path: Path, kernels: CpuKernels) -> None:
     w = GgufWeights(path, kernels)
     cfg = model.cfg
     c, i_size = cfg.hidden_size, cfg.intermediate_size
-    if cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias:
-        raise ModelLoadError(f"{path.name}: linear layers with biases are not served from "
-                             f"GGUF files")
+    if cfg.o_bias or cfg.mlp_bias:
+        raise ModelLoadError(f"{path.name}: output or MLP biases are not served from GGUF "
+                             f"files")
+    # llama.cpp's converter stores q and k (weights and biases) in its RoPE order for
+    # the llama architecture; qwen2's RoPE is Hugging Face's, its rows are as they were
+    heads = [cfg.num_heads, cfg.num_kv_heads, None] if w.architecture == "llama" else None
+    q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     model.embed_tokens.weight.copy_(w.dense("token_embd.weight", (cfg.vocab_size, c)))
     for i, layer in enumerate(model.layers):
         p = f"blk.{i}."
         attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj = w.linear([p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"],
-                                 c, [cfg.num_heads, cfg.num_kv_heads, None])
+        attn.qkv_proj = w.linear([p + f"attn_{n}.weight" for n in "qkv"], c, heads)
+        if cfg.qkv_bias:
+            attn.qkv_proj.bias = torch.cat([
+                w.dense(p + f"attn_{n}.bias", (size,))[unpermute_rows(size, h) if h else ...]
+                for n, size, h in zip("qkv", (q_size, kv_size, kv_size), heads or [None] * 3)])
         attn.o_proj = w.linear([p + "attn_output.weight"], cfg.num_heads * cfg.head_dim)
         mlp.gate_up_proj = w.linear([p + "ffn_gate.weight", p + "ffn_up.weight"], c)
         mlp.down_proj = w.linear([p + "ffn_down.weight"], i_size)

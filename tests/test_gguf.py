@@ -17,8 +17,10 @@ from safetensors import safe_open
 
 from common.errors import ModelLoadError
 from common.model_files import _find_gguf, materialize_default_model, resolve_model_dir
+from common.tokenizer import load_tokenizer
 from engine_worker import kernels
 from helpers import greedy, make_engine
+from gguf_files import gguf_from_hf
 from hf_reference import hf_model, quantize_blocks
 from processes import local_stack
 
@@ -137,8 +139,9 @@ def test_tensor_types_it_cannot_serve_are_refused_by_name(tmp_path):
                        r"serve as they are: blk\.0\.attn_v\.weight \(Q8_K\); it serves F32.*"
                        r"IQ4_NL and IQ4_XS as they are, and Q5_0, Q4_K.* re-stored"):
         GgufWeights(tmp_path / "k.gguf", kernels.cpu_kernels())
-    write_gguf(tmp_path / "q.gguf", arch="qwen2", tensors=[("blk.0.attn_q.weight", ok, T.F32)])
-    with pytest.raises(ModelLoadError, match="llama architecture .* not 'qwen2'"):
+    write_gguf(tmp_path / "q.gguf", arch="phi3", tensors=[("blk.0.attn_q.weight", ok, T.F32)])
+    with pytest.raises(ModelLoadError, match=r"q\.gguf: roseserve serves GGUF files of the "
+                       r"llama and qwen2 architectures \(.*\), not 'phi3'"):
         GgufWeights(tmp_path / "q.gguf", kernels.cpu_kernels())
 
 
@@ -357,3 +360,50 @@ def test_a_gguf_file_served_through_the_real_processes(gguf_path, tmp_path):
         assert choice["prompt_token_ids"] == CHAT_IDS
         assert choice["token_ids"] == \
             make_engine(resolve_model_dir(str(gguf_path))).generate([CHAT_IDS], greedy(8))[0]
+
+
+@pytest.mark.parametrize("arch, model", [("llama", "tiny_llama_dir"), ("qwen2", "tiny_qwen2_dir")])
+def test_a_file_as_llama_cpp_converts_a_checkpoint_serves_what_the_checkpoint_does(
+        arch, model, request, tmp_path):
+    """A tiny Llama and a tiny Qwen2 (q/k/v biases, tied embeddings) written as llama.cpp's
+    converter writes them (q and k rows in its RoPE order for llama only): the same
+    weights, biases included, and the same greedy tokens as the checkpoint's engine."""
+    model_dir = request.getfixturevalue(model)
+    folder = resolve_model_dir(str(gguf_from_hf(model_dir, tmp_path / f"{arch}.gguf", arch)))
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == [{"llama": "LlamaForCausalLM",
+                                        "qwen2": "Qwen2ForCausalLM"}[arch]]
+    ours, theirs = make_engine(folder), make_engine(model_dir)
+    k = kernels.cpu_kernels()
+    for a, b in zip(ours.runner.model.layers, theirs.runner.model.layers):
+        qkv_a, qkv_b = a.self_attn.qkv_proj, b.self_attn.qkv_proj
+        assert torch.equal(k.unpack(qkv_a.packed, qkv_a.out_features, qkv_a.in_features, "float32"),
+                           k.unpack(qkv_b.packed, qkv_b.out_features, qkv_b.in_features, "float32"))
+        assert (qkv_a.bias is None) == (arch == "llama")
+        if arch == "qwen2":
+            assert torch.equal(qkv_a.bias, qkv_b.bias)
+    prompts = [[1, 2, 3, 4], list(range(100, 140))]
+    assert ours.generate(prompts, greedy(12)) == theirs.generate(prompts, greedy(12))
+
+
+def test_a_qwen2_file_with_q8_0_blocks_serves_through_the_real_processes(tiny_qwen2_dir,
+                                                                         tmp_path):
+    """Its matrices as Q8_0 (the int8 format, as they are), its biases and norms F32, the
+    tokenizer and chat template from its metadata: a chat through HTTP gives the tokens
+    the engine gives in process."""
+    path = gguf_from_hf(tiny_qwen2_dir, tmp_path / "qwen2.q8_0.gguf", "qwen2", "Q8_0")
+    folder = resolve_model_dir(str(path))
+    engine = make_engine(folder)
+    assert engine.runner.weight_format == "int8"
+    assert engine.runner.model.layers[0].self_attn.qkv_proj.fmt == "int8"
+    with local_stack(str(path), tmp_path) as front:
+        r = requests.post(f"{front.url}/v1/chat/completions", json={
+            "model": "qwen2.q8_0", "messages": [{"role": "user", "content": "Hi there"}],
+            "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}, timeout=120)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+    # the tiny models' template: <|user|>\nHi there\n<|assistant|>\n, GPT-2's BPE
+    prompt = choice["prompt_token_ids"]
+    assert prompt == load_tokenizer(tiny_qwen2_dir).encode("<|user|>\nHi there\n<|assistant|>\n")
+    assert choice["token_ids"] == engine.generate([prompt], greedy(8))[0]

@@ -1,0 +1,93 @@
+"""GGUF files made from the tiny Hugging Face models, as llama.cpp's converter
+(convert_hf_to_gguf.py) lays them out: its tensor names, q and k rows (weights and
+biases) permuted into its RoPE order for the llama architecture and not for qwen2,
+1-D tensors in F32, the tokenizer and chat template in the metadata."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import load_file
+
+NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+         "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+         "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+         "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+
+
+def llama_cpp_rope_order(rows: np.ndarray, num_heads: int) -> np.ndarray:
+    """Each head's halves (Hugging Face) as interleaved pairs (llama.cpp's llama)."""
+    head_dim = len(rows) // num_heads
+    return (rows.reshape(num_heads, 2, head_dim // 2, *rows.shape[1:]).swapaxes(1, 2)
+            .reshape(rows.shape))
+
+
+def gguf_tensor_name(name: str) -> str:
+    if name == "model.embed_tokens.weight":
+        return "token_embd.weight"
+    if name == "model.norm.weight":
+        return "output_norm.weight"
+    if name == "lm_head.weight":
+        return "output.weight"
+    _, _, layer, rest = name.split(".", 3)   # model.layers.N.<module>.<weight|bias>
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{NAMES[module]}.{kind}"
+
+
+def gguf_from_hf(model_dir: Path, out: Path, arch: str, matrix_type: str = "F32") -> Path:
+    """``model_dir`` (a tiny Llama or Qwen2) as a GGUF file of ``arch``; its matrices in
+    ``matrix_type`` (F32, or a block type the gguf package quantizes: Q8_0...)."""
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+    config = json.loads((model_dir / "config.json").read_text())
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    tok_config = json.loads((model_dir / "tokenizer_config.json").read_text())
+    w = GGUFWriter(str(out), arch)
+    w.add_name(model_dir.name)
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_context_length(config["max_position_embeddings"])
+    w.add_embedding_length(config["hidden_size"])
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(config["num_attention_heads"])
+    w.add_head_count_kv(config["num_key_value_heads"])
+    rope = config.get("rope_parameters") or {}
+    w.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if arch == "llama":
+        w.add_vocab_size(config["vocab_size"])
+        w.add_rope_dimension_count(config["hidden_size"] // config["num_attention_heads"])
+    vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
+    tokens = sorted(vocab, key=vocab.get)
+    assert [vocab[t] for t in tokens] == list(range(len(tokens)))
+    special = {t["content"] for t in tok["added_tokens"] if t["special"]}
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(arch if arch == "qwen2" else "gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if t in special else 1 for t in tokens])   # control / normal
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m)
+                        for m in tok["model"]["merges"]])
+    w.add_bos_token_id(vocab[tok_config["bos_token"]])
+    w.add_eos_token_id(vocab[tok_config["eos_token"]])
+    w.add_unk_token_id(vocab[tok_config["unk_token"]])
+    w.add_add_bos_token(False)
+    w.add_add_eos_token(False)
+    w.add_chat_template((model_dir / "chat_template.jinja").read_text())
+    matrix = GGMLQuantizationType[matrix_type]
+    for name, array in load_file(str(model_dir / "model.safetensors")).items():
+        array = array.astype(np.float32)
+        if arch == "llama" and ".q_proj." in name:
+            array = llama_cpp_rope_order(array, config["num_attention_heads"])
+        elif arch == "llama" and ".k_proj." in name:
+            array = llama_cpp_rope_order(array, config["num_key_value_heads"])
+        if array.ndim == 2 and matrix_type != "F32":
+            w.add_tensor(gguf_tensor_name(name), quants.quantize(array, matrix),
+                         raw_dtype=matrix)
+        else:
+            w.add_tensor(gguf_tensor_name(name), array)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
