@@ -25,7 +25,8 @@ file); the weights stay in the file and are read from it here, at start:
   (llama.cpp's mixes give v more bits) are all made Q8_0: exactly where each block's
   values are int8 values of its scale (Q4_0, IQ4_NL, Q5_0), else requantized;
 - a tensor of any other type (Q8_K, integers...) is refused at start, by name, as is
-  a tensor the architecture does not use, or q/k/v mixing dense and block types.
+  a tensor the architecture does not use, q/k/v mixing dense and block types, or one
+  part of a split file (llama-gguf-split joins them).
 
 Files of the llama and qwen2 architectures are served (common/model_files.py:
 GGUF_ARCHITECTURES); qwen2's q, k and v biases are read as float32. For the llama
@@ -212,6 +213,11 @@ class GgufWeights:
         self.reader = GgufReader(path)
         self.tensors = {t.name: t for t in self.reader.tensors}
         self.taken: set[str] = set()
+        splits = self.reader.fields.get("split.count", 1)
+        if splits > 1:
+            raise ModelLoadError(f"{path.name} is one of {splits} parts of a split GGUF "
+                                 f"file; join them first (llama.cpp's llama-gguf-split "
+                                 f"--merge FIRST_PART OUT.gguf) and serve the whole file")
         self.architecture = self.reader.fields.get("general.architecture")
         if self.architecture not in GGUF_ARCHITECTURES:
             raise unserved_gguf_architecture(path.name, self.architecture)

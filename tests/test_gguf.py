@@ -112,12 +112,15 @@ def test_each_greedy_token_is_hfs_choice_up_to_quantization_noise(gguf_engine):
     assert best_chosen >= 0.75 * sum(map(len, outs))
 
 
-def write_gguf(path, arch="llama", tensors=()):
-    """A GGUF file with llama metadata and ``tensors``: (name, array, raw type)."""
+def write_gguf(path, arch="llama", tensors=(), fields=None):
+    """A GGUF file with llama metadata, ``fields`` (key: u16) and ``tensors``: (name,
+    array, raw type)."""
     from gguf import GGUFWriter
 
     w = GGUFWriter(str(path), arch)
     w.add_block_count(1)
+    for key, value in (fields or {}).items():
+        w.add_uint16(key, value)
     for name, array, raw_type in tensors:
         w.add_tensor(name, array, raw_dtype=raw_type)
     w.write_header_to_file()
@@ -126,7 +129,7 @@ def write_gguf(path, arch="llama", tensors=()):
     w.close()
 
 
-def test_tensor_types_it_cannot_serve_are_refused_by_name(tmp_path):
+def test_files_it_cannot_serve_are_refused_saying_why(tmp_path):
     from gguf import GGMLQuantizationType as T
 
     from engine_worker.gguf import GgufWeights
@@ -139,6 +142,11 @@ def test_tensor_types_it_cannot_serve_are_refused_by_name(tmp_path):
                        r"serve as they are: blk\.0\.attn_v\.weight \(Q8_K\); it serves F32.*"
                        r"IQ4_NL and IQ4_XS as they are, and Q5_0, Q4_K.* re-stored"):
         GgufWeights(tmp_path / "k.gguf", kernels.cpu_kernels())
+    write_gguf(tmp_path / "s.gguf", tensors=[("blk.0.attn_q.weight", ok, T.F32)],
+               fields={"split.count": 3})
+    with pytest.raises(ModelLoadError, match=r"s\.gguf is one of 3 parts of a split GGUF "
+                       r"file; join them first \(llama.cpp's llama-gguf-split --merge"):
+        GgufWeights(tmp_path / "s.gguf", kernels.cpu_kernels())
     write_gguf(tmp_path / "q.gguf", arch="phi3", tensors=[("blk.0.attn_q.weight", ok, T.F32)])
     with pytest.raises(ModelLoadError, match=r"q\.gguf: roseserve serves GGUF files of the "
                        r"llama and qwen2 architectures \(.*\), not 'phi3'"):
