@@ -63,6 +63,9 @@ logger = logging.getLogger(__name__)
 class _Client:
     identity: bytes
     request_ids: set[str] = field(default_factory=set)
+    # Answered a Hello already: a client says Hello every heartbeat until it is
+    # answered, and those sent before this engine was up all arrive at once.
+    greeted: bool = False
 
 
 class EngineServer:
@@ -273,7 +276,10 @@ class EngineServer:
             logger.warning("client %s no longer follows %d request(s): aborting them",
                            hello.client_id, len(stale))
             self._abort(list(stale), "the client no longer follows this request")
-        logger.info("client %s connected", hello.client_id)
+        client = self.clients[identity]
+        logger.log(logging.DEBUG if client.greeted else logging.INFO,
+                   "client %s connected", hello.client_id)
+        client.greeted = True
         self._send(identity, self.ready)
         self._send_cache_snapshot(identity)
 

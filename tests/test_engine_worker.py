@@ -456,3 +456,27 @@ def test_an_abort_right_behind_its_add_is_not_lost(slow_engine):
 
     stats = run(main())
     assert stats.num_running + stats.num_waiting == 1  # "busy" alone
+
+
+def test_hellos_sent_before_the_engine_was_up_are_all_answered_and_logged_once(
+        tmp_path, engine_factory):
+    """A client says Hello every heartbeat until answered; those it sent while the
+    engine was loading arrive together. Each gets its Ready (the client may wait on
+    any of them); the engine logs the client's arrival once."""
+    from common.protocol import PROTOCOL_VERSION, Hello, Ready
+    from engine_worker_helpers import RawClient
+
+    address = f"ipc://{tmp_path}/engine.sock"
+    client = RawClient(address, b"early")   # connects before anything is bound
+    try:
+        for _ in range(3):
+            client.send(Hello(client_id="early", protocol_version=PROTOCOL_VERSION))
+        engine = engine_factory()
+        assert engine.address == address
+        seen = []
+        readies = client.receive(120, until=lambda m: isinstance(m, Ready) and (
+            seen.append(m) or len(seen) == 3))
+    finally:
+        client.close()
+    assert len([m for m in readies if isinstance(m, Ready)]) == 3
+    assert engine.output().count("client early connected") == 1
