@@ -18,12 +18,23 @@ from common.errors import ModelLoadError
 MAX_CHARS_PER_TOKEN = 16
 
 
+# Tokenizers saved as transformers' generic fast class (the default model's, and what
+# transformers 5 saves for most) are loaded as that class, not through AutoTokenizer:
+# importing AutoTokenizer brings torch and transformers' model configuration code in,
+# 2 of a tokenizer worker's 3 s to start. Any other class goes through AutoTokenizer,
+# which also picks one for a folder that names none.
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def load_tokenizer(model_dir: Path):
     """A transformers fast tokenizer (its ``backend_tokenizer`` is the Rust one)."""
-    from transformers import AutoTokenizer
-
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        config = _json_object(model_dir / "tokenizer_config.json")
+        if config.get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES:
+            from transformers import PreTrainedTokenizerFast as loader
+        else:
+            from transformers import AutoTokenizer as loader
+        tokenizer = loader.from_pretrained(str(model_dir))
     except Exception as e:  # transformers raises many kinds for a broken folder
         raise ModelLoadError(f"cannot load the tokenizer from {model_dir}: {e}") from e
     if not getattr(tokenizer, "is_fast", False):
@@ -53,17 +64,24 @@ def chat_template_text(model_dir: Path) -> Optional[str]:
                                      *sorted((model_dir / "additional_chat_templates").glob("*.jinja")))
              if p.is_file()]
     for name in ("chat_template.json", "tokenizer_config.json"):
-        path = model_dir / name
-        try:
-            template = json.loads(path.read_text()).get("chat_template") if path.is_file() else None
-        except (ValueError, AttributeError) as e:
-            raise ModelLoadError(f"{path} is not a JSON object: {e}") from e
+        template = _json_object(model_dir / name).get("chat_template")
         if isinstance(template, str):
             texts.append(template)
         elif isinstance(template, list):  # named templates: [{"name", "template"}]
             texts.extend(t["template"] for t in template
                          if isinstance(t, dict) and isinstance(t.get("template"), str))
     return "\n".join(texts) if texts else None
+
+
+def _json_object(path: Path) -> dict:
+    """A JSON file's object ({} if there is no such file)."""
+    try:
+        value = json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError as e:
+        raise ModelLoadError(f"{path} is not a JSON object: {e}") from e
+    if not isinstance(value, dict):
+        raise ModelLoadError(f"{path} is not a JSON object")
+    return value
 
 
 def add_chat_template_arg(parser) -> None:

@@ -172,3 +172,29 @@ def test_a_folder_without_tokenizer_json_is_named(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{}")
     with pytest.raises(ModelLoadError, match="cannot load the tokenizer"):
         load_decoder(tmp_path)
+
+
+def test_a_generic_fast_tokenizer_loads_without_torch_and_others_through_autotokenizer(
+        tiny_llama_dir, tmp_path):
+    """The tiny models' tokenizer is saved as transformers' generic fast class: the
+    tokenizer workers load it without importing torch (2 s of their start). A folder
+    naming a class of its own gets that class, as AutoTokenizer picks it."""
+    import subprocess
+    import sys
+
+    from common.tokenizer import load_tokenizer
+
+    assert json.loads((tiny_llama_dir / "tokenizer_config.json").read_text())[
+        "tokenizer_class"] == "TokenizersBackend"
+    code = ("import sys; from pathlib import Path; from common.tokenizer import load_tokenizer; "
+            f"t = load_tokenizer(Path({str(tiny_llama_dir)!r})); "
+            "print(type(t).__name__, t.encode('hello world'), 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split("\n")[-2]
+    assert out == "TokenizersBackend [31373, 995] False"
+    qwen = tmp_path / "qwen"
+    shutil.copytree(tiny_llama_dir, qwen)
+    config = json.loads((qwen / "tokenizer_config.json").read_text())
+    (qwen / "tokenizer_config.json").write_text(json.dumps(
+        {**config, "tokenizer_class": "Qwen2Tokenizer"}))
+    assert type(load_tokenizer(qwen)).__name__ == "Qwen2Tokenizer"
