@@ -198,3 +198,20 @@ def test_a_generic_fast_tokenizer_loads_without_torch_and_others_through_autotok
     (qwen / "tokenizer_config.json").write_text(json.dumps(
         {**config, "tokenizer_class": "Qwen2Tokenizer"}))
     assert type(load_tokenizer(qwen)).__name__ == "Qwen2Tokenizer"
+
+
+def test_building_an_engine_imports_neither_torchs_compiler_nor_sympy(tiny_llama_dir):
+    """Building a model on the meta device and giving it memory through torch's Python
+    reference ops (nn.Embedding's random init, nn.Module.to_empty) imported
+    torch._dynamo, torch.fx and sympy: 1.5 s of every engine start."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.path.insert(0, 'tests'); from pathlib import Path; "
+            "from helpers import make_engine; "
+            f"make_engine(Path({str(tiny_llama_dir)!r})); "
+            "print(sorted(m for m in ('torch._dynamo', 'sympy', 'torch.fx.experimental."
+            "symbolic_shapes') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split("\n")[-2]
+    assert out == "[]"
