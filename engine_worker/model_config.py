@@ -1,7 +1,8 @@
 """What the engine needs to know about a checkpoint, read from its config.json.
 
-Supported: the Llama family (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM:
-RMSNorm, RoPE, grouped-query attention, SwiGLU) and GPT2LMHeadModel. Anything else is
+Supported: the Llama family (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+Qwen3ForCausalLM: RMSNorm, RoPE, grouped-query attention, SwiGLU; Qwen3 also RMS-norms
+each head of q and k) and GPT2LMHeadModel. Anything else is
 a ModelLoadError that names the architecture and what is supported.
 """
 
@@ -18,6 +19,7 @@ LLAMA_FAMILY = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 GPT2_FAMILY = {"GPT2LMHeadModel": "gpt2"}
 SUPPORTED_ARCHITECTURES = sorted({**LLAMA_FAMILY, **GPT2_FAMILY})
@@ -38,7 +40,7 @@ class RopeConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     name: str
-    family: str  # "llama" (Llama/Mistral/Qwen2) or "gpt2"
+    family: str  # "llama" (Llama/Mistral/Qwen2/Qwen3) or "gpt2"
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -57,6 +59,8 @@ class ModelConfig:
     hidden_act: str
     eos_token_ids: tuple[int, ...]
     rope: Optional[RopeConfig]  # None for GPT-2 (learned positions)
+    # Qwen3: each head of q and k RMS-normed (its own weight, head_dim wide) before RoPE
+    qk_norm: bool = False
 
     @property
     def num_params(self) -> int:
@@ -136,6 +140,7 @@ def _llama_config(raw: dict[str, Any], kind: str, name: str, eos: tuple[int, ...
         hidden_act=act,
         eos_token_ids=eos,
         rope=_rope_config(raw),
+        qk_norm=kind == "qwen3",
     )
 
 

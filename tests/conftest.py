@@ -181,6 +181,26 @@ def tiny_qwen2_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory) -> Path:
+    """Qwen3-style: per-head q and k norms (random weights, so that they matter), a
+    head_dim that is not hidden_size / heads, tied embeddings, GQA."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(7)
+    config = Qwen3Config(
+        vocab_size=50257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+        rope_theta=1000000.0, tie_word_embeddings=True, bos_token_id=EOS, eos_token_id=EOS,
+        initializer_range=0.1)
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.normal_(1, 0.3)
+    return _save(model, tmp_path_factory.mktemp("tiny-qwen3"))
+
+
+@pytest.fixture(scope="session")
 def tiny_gpt2_dir(tmp_path_factory) -> Path:
     from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -13,7 +13,7 @@ from hf_reference import assert_matches, hf_greedy
 
 MAX_NEW = 12
 GREEDY = greedy(MAX_NEW)
-ARCHS = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_gpt2_dir"]
+ARCHS = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_gpt2_dir"]
 
 
 PROMPTS = random_prompts([1, 5, 17, 33, 60])

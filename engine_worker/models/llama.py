@@ -1,8 +1,8 @@
-"""The Llama family: Llama, Mistral and Qwen2 checkpoints.
+"""The Llama family: Llama, Mistral, Qwen2 and Qwen3 checkpoints.
 
 RMSNorm, rotary position embeddings (rotate-half convention, as in Hugging Face
-checkpoints), grouped-query attention, SwiGLU MLP; optional q/k/v biases (Qwen2) and
-tied or untied embeddings. Runs on a flat batch of tokens (N, C): every sequence of the
+checkpoints), grouped-query attention, SwiGLU MLP; optional q/k/v biases (Qwen2), q and
+k RMS-normed per head before RoPE (Qwen3), and tied or untied embeddings. Runs on a flat batch of tokens (N, C): every sequence of the
 step is concatenated, so each projection is one matmul for the whole step. q/k/v and
 gate/up are fused into one matmul each at load time. The residual stream is carried
 beside the hidden states so that each residual add fuses into the next RMSNorm, and
@@ -81,15 +81,30 @@ class Attention(nn.Module):
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = linear(cfg.hidden_size, q_size + 2 * kv_size, cfg.qkv_bias)
         self.o_proj = linear(q_size, cfg.hidden_size, cfg.o_bias)
+        # Qwen3: each head of q and k RMS-normed before RoPE
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.attn = attn
         self.ops = ops
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # (N, (Hq + 2 Hkv) D)
+        if self.q_norm is not None:
+            qkv = self._norm_heads(qkv)
         q, k, v = self.ops.rope_write_kv(qkv, *rope, self.num_heads, self.num_kv_heads,
                                          self.head_dim, kv_cache, meta.slot_mapping)
         return self.o_proj(self.attn.attend(q, k, v, kv_cache, meta))
+
+
+    def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        """qkv (N, (Hq + 2 Hkv) D) with each head of q and k RMS-normed."""
+        n, d = qkv.shape[0], self.head_dim
+        q_end, k_end = self.num_heads * d, (self.num_heads + self.num_kv_heads) * d
+        normed = [self.ops.add_rms_norm(qkv[:, start:end].reshape(-1, d), None, norm.weight,
+                                        norm.eps)[0].view(n, end - start)
+                  for start, end, norm in ((0, q_end, self.q_norm), (q_end, k_end, self.k_norm))]
+        return torch.cat([*normed, qkv[:, k_end:]], dim=1)
 
 
 class MLP(nn.Module):
@@ -177,6 +192,10 @@ class LlamaModel(nn.Module):
                     ckpt.take(p + "self_attn.k_proj.bias", (kv,)),
                     ckpt.take(p + "self_attn.v_proj.bias", (kv,))]))
             attn.o_proj.weight.copy_(ckpt.take(p + "self_attn.o_proj.weight", (c, q)))
+            if cfg.qk_norm:
+                d = cfg.head_dim
+                attn.q_norm.weight.copy_(ckpt.take(p + "self_attn.q_norm.weight", (d,)))
+                attn.k_norm.weight.copy_(ckpt.take(p + "self_attn.k_norm.weight", (d,)))
             if cfg.o_bias:
                 attn.o_proj.bias.copy_(ckpt.take(p + "self_attn.o_proj.bias", (c,)))
             i_size = cfg.intermediate_size

@@ -63,6 +63,15 @@ def test_triton_path_matches_hf_with_chunks_prefix_hits_and_mixed_steps(tiny_lla
     assert engine.scheduler.prefix_cache_hit_tokens >= 12
 
 
+def test_triton_path_matches_hf_for_qwen3s_per_head_norms(tiny_qwen3_dir):
+    """q and k RMS-normed per head by the Triton ops before RoPE (head_dim 32, not
+    hidden / heads)."""
+    engine = triton_engine(tiny_qwen3_dir)
+    prompts = random_prompts([5, 13], seed=9)
+    assert_matches(engine.generate(prompts, greedy(4)), hf_greedy(tiny_qwen3_dir, prompts, 4),
+                   "triton qwen3")
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="sizes the KV cache from the GPU's memory")
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
 def test_an_engine_of_one_sequence_sizes_its_cache_and_serves(tiny_llama_dir, enforce_eager):
