@@ -31,6 +31,7 @@ from typing import Optional
 
 from common.config import cache_dir
 from common.errors import ModelLoadError
+from common.gguf_reader import GgufReader
 
 logger = logging.getLogger(__name__)
 
@@ -43,13 +44,14 @@ _LAYOUT_VERSION = "1"
 GGUF_POINTER = "gguf.json"
 # The GGUF architectures served (general.architecture) -> the checkpoint architecture
 # the folder's config.json names. llama.cpp stores Mistral and SmolLM as llama.
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                      "qwen3": "Qwen3ForCausalLM"}
 
 
 def unserved_gguf_architecture(file_name: str, arch: object) -> ModelLoadError:
-    return ModelLoadError(f"{file_name}: roseserve serves GGUF files of the llama and qwen2 "
-                          f"architectures (Llama, SmolLM, Mistral, Qwen2, Qwen2.5...), not "
-                          f"{arch!r}")
+    return ModelLoadError(f"{file_name}: roseserve serves GGUF files of the llama, qwen2 and "
+                          f"qwen3 architectures (Llama, SmolLM, Mistral, Qwen2, Qwen2.5, "
+                          f"Qwen3...), not {arch!r}")
 
 
 # Architectures' config.json without weights, for --load-format dummy.
@@ -137,6 +139,10 @@ def _gguf_metadata(path: Path, out_dir: Path) -> None:
     if config.model_type not in GGUF_ARCHITECTURES:
         raise unserved_gguf_architecture(path.name, config.model_type)
     config.architectures = [GGUF_ARCHITECTURES[config.model_type]]
+    # transformers takes no head size from the file (Qwen3's config defaults to 128)
+    head_dim = GgufReader(path).fields.get(f"{config.model_type}.attention.key_length")
+    if head_dim:
+        config.head_dim = head_dim
     config.save_pretrained(out_dir)
     GenerationConfig.from_model_config(config).save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)

@@ -28,12 +28,13 @@ file); the weights stay in the file and are read from it here, at start:
   a tensor the architecture does not use, q/k/v mixing dense and block types, or one
   part of a split file (llama-gguf-split joins them).
 
-Files of the llama and qwen2 architectures are served (common/model_files.py:
-GGUF_ARCHITECTURES); qwen2's q, k and v biases are read as float32. For the llama
+Files of the llama, qwen2 and qwen3 architectures are served (common/model_files.py:
+GGUF_ARCHITECTURES); qwen2's q, k and v biases and qwen3's q and k norms are read as
+float32. For the llama
 architecture llama.cpp's converter stores the rows of attn_q and attn_k (weights and
 biases) permuted for its RoPE (pairs of rotated dimensions interleaved); they are put
 back in Hugging Face's order (halves) as whole rows, so blocks are untouched. qwen2's
-RoPE is Hugging Face's: its rows are stored as they are.
+and qwen3's RoPE is Hugging Face's: their rows are stored as they are.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ import torch
 
 from common.errors import ModelLoadError
 from common.model_files import GGUF_ARCHITECTURES, GGUF_POINTER, unserved_gguf_architecture
-from engine_worker.gguf_reader import GgufReader, ggml_type_name
+from common.gguf_reader import GgufReader, ggml_type_name
 from engine_worker.kernels import GGUF_FORMATS, CpuKernels
 
 logger = logging.getLogger(__name__)
@@ -320,7 +321,8 @@ def load_gguf(model, path: Path, kernels: CpuKernels) -> None:
         raise ModelLoadError(f"{path.name}: output or MLP biases are not served from GGUF "
                              f"files")
     # llama.cpp's converter stores q and k (weights and biases) in its RoPE order for
-    # the llama architecture; qwen2's RoPE is Hugging Face's, its rows are as they were
+    # the llama architecture; qwen2's and qwen3's RoPE is Hugging Face's, their rows are
+    # as they were
     heads = [cfg.num_heads, cfg.num_kv_heads, None] if w.architecture == "llama" else None
     q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     model.embed_tokens.weight.copy_(w.dense("token_embd.weight", (cfg.vocab_size, c)))
@@ -335,6 +337,9 @@ def load_gguf(model, path: Path, kernels: CpuKernels) -> None:
         attn.o_proj = w.linear([p + "attn_output.weight"], cfg.num_heads * cfg.head_dim)
         mlp.gate_up_proj = w.linear([p + "ffn_gate.weight", p + "ffn_up.weight"], c)
         mlp.down_proj = w.linear([p + "ffn_down.weight"], i_size)
+        if cfg.qk_norm:
+            attn.q_norm.weight.copy_(w.dense(p + "attn_q_norm.weight", (cfg.head_dim,)))
+            attn.k_norm.weight.copy_(w.dense(p + "attn_k_norm.weight", (cfg.head_dim,)))
         layer.input_layernorm.weight.copy_(w.dense(p + "attn_norm.weight", (c,)))
         layer.post_attention_layernorm.weight.copy_(w.dense(p + "ffn_norm.weight", (c,)))
     model.norm.weight.copy_(w.dense("output_norm.weight", (c,)))

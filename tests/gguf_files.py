@@ -1,6 +1,7 @@
 """GGUF files made from the tiny Hugging Face models, as llama.cpp's converter
 (convert_hf_to_gguf.py) lays them out: its tensor names, q and k rows (weights and
-biases) permuted into its RoPE order for the llama architecture and not for qwen2,
+biases) permuted into its RoPE order for the llama architecture and not for qwen2 and
+qwen3,
 1-D tensors in F32, the tokenizer and chat template in the metadata."""
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from safetensors.numpy import load_file
 NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-         "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+         "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+         "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 
 
 def llama_cpp_rope_order(rows: np.ndarray, num_heads: int) -> np.ndarray:
@@ -37,7 +39,7 @@ def gguf_tensor_name(name: str) -> str:
 
 
 def gguf_from_hf(model_dir: Path, out: Path, arch: str, matrix_type: str = "F32") -> Path:
-    """``model_dir`` (a tiny Llama or Qwen2) as a GGUF file of ``arch``; its matrices in
+    """``model_dir`` (a tiny Llama, Qwen2 or Qwen3) as a GGUF file of ``arch``; its matrices in
     ``matrix_type`` (F32, or a block type the gguf package quantizes: Q8_0...)."""
     from gguf import GGMLQuantizationType, GGUFWriter, quants
 
@@ -55,15 +57,19 @@ def gguf_from_hf(model_dir: Path, out: Path, arch: str, matrix_type: str = "F32"
     rope = config.get("rope_parameters") or {}
     w.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     if arch == "llama":
         w.add_vocab_size(config["vocab_size"])
-        w.add_rope_dimension_count(config["hidden_size"] // config["num_attention_heads"])
+        w.add_rope_dimension_count(head_dim)
+    if arch in ("llama", "qwen3"):
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
     tokens = sorted(vocab, key=vocab.get)
     assert [vocab[t] for t in tokens] == list(range(len(tokens)))
     special = {t["content"] for t in tok["added_tokens"] if t["special"]}
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(arch if arch == "qwen2" else "gpt-2")
+    w.add_tokenizer_pre("qwen2" if arch.startswith("qwen") else "gpt-2")
     w.add_token_list(tokens)
     w.add_token_types([3 if t in special else 1 for t in tokens])   # control / normal
     w.add_token_merges([m if isinstance(m, str) else " ".join(m)

@@ -149,7 +149,7 @@ def test_files_it_cannot_serve_are_refused_saying_why(tmp_path):
         GgufWeights(tmp_path / "s.gguf", kernels.cpu_kernels())
     write_gguf(tmp_path / "q.gguf", arch="phi3", tensors=[("blk.0.attn_q.weight", ok, T.F32)])
     with pytest.raises(ModelLoadError, match=r"q\.gguf: roseserve serves GGUF files of the "
-                       r"llama and qwen2 architectures \(.*\), not 'phi3'"):
+                       r"llama, qwen2 and qwen3 architectures \(.*\), not 'phi3'"):
         GgufWeights(tmp_path / "q.gguf", kernels.cpu_kernels())
 
 
@@ -370,26 +370,32 @@ def test_a_gguf_file_served_through_the_real_processes(gguf_path, tmp_path):
             make_engine(resolve_model_dir(str(gguf_path))).generate([CHAT_IDS], greedy(8))[0]
 
 
-@pytest.mark.parametrize("arch, model", [("llama", "tiny_llama_dir"), ("qwen2", "tiny_qwen2_dir")])
+@pytest.mark.parametrize("arch, model", [("llama", "tiny_llama_dir"), ("qwen2", "tiny_qwen2_dir"),
+                                         ("qwen3", "tiny_qwen3_dir")])
 def test_a_file_as_llama_cpp_converts_a_checkpoint_serves_what_the_checkpoint_does(
         arch, model, request, tmp_path):
-    """A tiny Llama and a tiny Qwen2 (q/k/v biases, tied embeddings) written as llama.cpp's
+    """A tiny Llama, a tiny Qwen2 (q/k/v biases, tied embeddings) and a tiny Qwen3 (q and
+    k norms, head_dim 32 with 4 heads of a 64-wide model) written as llama.cpp's
     converter writes them (q and k rows in its RoPE order for llama only): the same
-    weights, biases included, and the same greedy tokens as the checkpoint's engine."""
+    weights, biases and norms included, and the same greedy tokens as the checkpoint's
+    engine."""
     model_dir = request.getfixturevalue(model)
     folder = resolve_model_dir(str(gguf_from_hf(model_dir, tmp_path / f"{arch}.gguf", arch)))
     config = json.loads((folder / "config.json").read_text())
-    assert config["architectures"] == [{"llama": "LlamaForCausalLM",
-                                        "qwen2": "Qwen2ForCausalLM"}[arch]]
+    assert config["architectures"] == [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                                        "qwen3": "Qwen3ForCausalLM"}[arch]]
     ours, theirs = make_engine(folder), make_engine(model_dir)
     k = kernels.cpu_kernels()
     for a, b in zip(ours.runner.model.layers, theirs.runner.model.layers):
         qkv_a, qkv_b = a.self_attn.qkv_proj, b.self_attn.qkv_proj
         assert torch.equal(k.unpack(qkv_a.packed, qkv_a.out_features, qkv_a.in_features, "float32"),
                            k.unpack(qkv_b.packed, qkv_b.out_features, qkv_b.in_features, "float32"))
-        assert (qkv_a.bias is None) == (arch == "llama")
+        assert (qkv_a.bias is None) == (arch != "qwen2")
         if arch == "qwen2":
             assert torch.equal(qkv_a.bias, qkv_b.bias)
+        if arch == "qwen3":
+            assert torch.equal(a.self_attn.q_norm.weight, b.self_attn.q_norm.weight)
+            assert torch.equal(a.self_attn.k_norm.weight, b.self_attn.k_norm.weight)
     prompts = [[1, 2, 3, 4], list(range(100, 140))]
     assert ours.generate(prompts, greedy(12)) == theirs.generate(prompts, greedy(12))
 

@@ -1,4 +1,4 @@
-"""engine_worker/gguf_reader.py: a GGUF file's metadata and tensors read as the gguf
+"""common/gguf_reader.py: a GGUF file's metadata and tensors read as the gguf
 package writes and reads them (every value type, every tensor's bytes), and files that
 are not whole GGUF files refused with what is wrong."""
 
@@ -11,7 +11,7 @@ import pytest
 
 from common.errors import ModelLoadError
 from common.model_files import _find_gguf
-from engine_worker.gguf_reader import GgufReader
+from common.gguf_reader import GgufReader
 
 
 def written(path, alignment=None, endianess=None, tensors=True):
