@@ -288,8 +288,8 @@ INT8_PATHS = {2: "amx", 1: "vnni", 0: "no-vnni"}
 
 class _Layer(ctypes.Structure):
     _fields_ = [*((name, ctypes.c_void_p) for name in (
-        "attn_norm", "qkv", "qkv_bias", "o", "o_bias", "mlp_norm", "gate_up", "gate_up_bias",
-        "down", "down_bias", "k_cache", "v_cache")),
+        "attn_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "mlp_norm",
+        "gate_up", "gate_up_bias", "down", "down_bias", "k_cache", "v_cache")),
         *((name, ctypes.c_int64) for name in (
             "qkv_format", "o_format", "gate_up_format", "down_format"))]
 
@@ -336,7 +336,10 @@ class FusedLlama:
             attn, mlp = layer.self_attn, layer.mlp
             layers.append(_Layer(
                 _ptr(layer.input_layernorm.weight), _ptr(attn.qkv_proj.packed),
-                _ptr(attn.qkv_proj.bias), _ptr(attn.o_proj.packed), _ptr(attn.o_proj.bias),
+                _ptr(attn.qkv_proj.bias),
+                *(_ptr(None if norm is None else norm.weight)
+                  for norm in (attn.q_norm, attn.k_norm)),
+                _ptr(attn.o_proj.packed), _ptr(attn.o_proj.bias),
                 _ptr(layer.post_attention_layernorm.weight), _ptr(mlp.gate_up_proj.packed),
                 _ptr(mlp.gate_up_proj.bias), _ptr(mlp.down_proj.packed),
                 _ptr(mlp.down_proj.bias), _ptr(kv[0]), _ptr(kv[1]),

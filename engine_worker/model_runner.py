@@ -4,8 +4,7 @@ requests, runs the forward pass, and computes logits only for rows that yield a 
 (``runner.sampler``).
 
 Paths, chosen once at start from the device and the model:
-  * CPU, Llama family (but Qwen3), C kernels: the whole step in one C call (llama.c,
-    FusedLlama);
+  * CPU, Llama family, C kernels: the whole step in one C call (llama.c, FusedLlama);
   * otherwise layer by layer through the model's torch modules, with an attention
     backend (attention.py: TorchAttention, CpuAttention, or TritonAttention on CUDA)
     and elementwise ops (ops.TorchOps, the C kernels, or gpu.ops.TritonOps), the step's
@@ -152,10 +151,8 @@ class ModelRunner:
             budget = cache.kv_cache_memory_bytes or _DEFAULT_CPU_KV_BYTES
             self.num_blocks = cache.num_blocks or self._blocks_in(budget)
         self.kv_caches = self._allocate_cache(self.num_blocks)
-        # The whole forward pass in one C call, for the Llama family on the CPU (not yet
-        # with Qwen3's per-head q and k norms: those run layer by layer).
-        if (isinstance(self.attn, CpuAttention) and model_config.family == "llama"
-                and not model_config.qk_norm):
+        # The whole forward pass in one C call, for the Llama family on the CPU.
+        if isinstance(self.attn, CpuAttention) and model_config.family == "llama":
             self.fused = FusedLlama(kernels, self.model, self.kv_caches, cache.block_size)
         if hasattr(self.attn, "tile_tokens"):  # TritonAttention
             self._compile_kernels(scheduler)

@@ -14,7 +14,8 @@
  * The residual stream lives in `x`; o_proj and down_proj add into it directly (the
  * GEMM's accumulate mode), so each residual add costs nothing. The arithmetic order
  * of each operation is Hugging Face's: (x W^T + b) + residual, RMSNorm in float32 as
- * w * (h * 1 / sqrt(mean(h^2) + eps)), rotate-half RoPE from the caller's cos/sin.
+ * w * (h * 1 / sqrt(mean(h^2) + eps)) (each head of q and k too, for Qwen3), rotate-half
+ * RoPE from the caller's cos/sin.
  *
  * With a profile array, the first thread adds the wall time of each kind of work to it
  * (each ends at a barrier, so the time is the slowest thread's): linear layers,
@@ -30,6 +31,7 @@ struct rs_llama_layer {
     const float *attn_norm;                 /* [C] */
     const void *qkv;                        /* packed [(Hq + 2 Hkv) D, C] */
     const float *qkv_bias;                  /* or NULL, as every bias */
+    const float *q_norm, *k_norm;           /* [D] each head's RMSNorm (Qwen3), or NULL */
     const void *o;                          /* packed [C, Hq D] */
     const float *o_bias;
     const float *mlp_norm;                  /* [C] */
@@ -158,12 +160,19 @@ int rs_llama_forward(const struct rs_llama *m, const struct rs_step *s)
                                  (int)L->qkv_format);
             PHASE(PROFILE_LINEAR);
 
-            /* RoPE on q and k, then k and v into their cache slots. */
+            /* Each head of q and k RMS-normed (Qwen3), RoPE on q and k, then k and v
+               into their cache slots. */
 #pragma omp for schedule(static)
-            for (int64_t n = 0; n < N; n++)
+            for (int64_t n = 0; n < N; n++) {
+                float *row = qkv + n * QKV;
+                if (L->q_norm != NULL)
+                    for (int64_t j = 0; j < Hq + Hkv; j++)
+                        rms_norm_row(row + j * D, j < Hq ? L->q_norm : L->k_norm, row + j * D,
+                                     D, m->eps);
                 rs_rope_write_kv_row(qkv + n * QKV, s->cos + n * half, s->sin + n * half,
                                      L->k_cache, L->v_cache, (int)m->kv_type, s->slots[n],
                                      Hq, Hkv, D);
+            }
             PHASE(PROFILE_OTHER);
 
             rs_attention_ws(qkv, QKV, L->k_cache, L->v_cache, (int)m->kv_type, s->seq,

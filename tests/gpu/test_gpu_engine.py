@@ -310,11 +310,13 @@ def test_shipped_shapes_resolve_by_name_and_need_dummy_weights():
     from common.model_files import model_shapes, resolve_model_dir
     from engine_worker.model_config import load_model_config
 
-    assert model_shapes() == ["llama-3-8b", "qwen2.5-7b", "smollm2-135m"]
+    assert model_shapes() == ["llama-3-8b", "qwen2.5-7b", "qwen3-0.6b", "smollm2-135m"]
     llama = load_model_config(resolve_model_dir("llama-3-8b"))
     assert (llama.num_params, llama.num_heads, llama.num_kv_heads, llama.head_dim) == (
         8_029_995_008, 32, 8, 128)
     assert load_model_config(resolve_model_dir("qwen2.5-7b")).num_params == 7_615_283_200
+    qwen3 = load_model_config(resolve_model_dir("qwen3-0.6b"))
+    assert (qwen3.num_params, qwen3.head_dim, qwen3.qk_norm) == (595_984_384, 128, True)
     with pytest.raises(ModelLoadError, match="use --load-format dummy"):
         LLMEngine(EngineConfig(model="smollm2-135m", device="cpu",
                                cache=CacheConfig(num_blocks=16)))
