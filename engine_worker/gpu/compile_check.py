@@ -93,13 +93,15 @@ def variants(cfg, dtype: str = "bfloat16", block_size: int = 16) -> list[tuple]:
     out.append(("merge splits", attention._merge_splits_kernel,
                 dict(part_acc_ptr="*fp32", part_ml_ptr="*fp32", out_ptr=t),
                 dict(SPLITS=attention.MAX_SPLITS, HEAD_DIM=d, D_PAD=d_pad), _options()))
-    c = cfg.hidden_size
-    for residual in (False, True):
-        out.append((f"add_rms_norm{' + residual' if residual else ''}",
-                     ops._add_rms_norm_kernel,
-                     dict(x_ptr=t, residual_ptr=t, weight_ptr=t, out_ptr=t, h_ptr=t, eps="fp32"),
-                     dict(C=c, BLOCK=triton.next_power_of_2(c), HAS_RESIDUAL=residual),
-                     _options(num_warps=ops._warps(c))))
+    # the hidden size's norms, and Qwen3's of each head of q and k
+    norms = [("add_rms_norm", cfg.hidden_size, False),
+             ("add_rms_norm + residual", cfg.hidden_size, True)]
+    norms += [("add_rms_norm, per head", d, False)] if cfg.qk_norm else []
+    for label, c, residual in norms:
+        out.append((label, ops._add_rms_norm_kernel,
+                    dict(x_ptr=t, residual_ptr=t, weight_ptr=t, out_ptr=t, h_ptr=t, eps="fp32"),
+                    dict(C=c, BLOCK=triton.next_power_of_2(c), HAS_RESIDUAL=residual),
+                    _options(num_warps=ops._warps(c))))
     half = d // 2
     heads_pad = triton.next_power_of_2(cfg.num_heads + 2 * cfg.num_kv_heads)
     for label, cache in (("rope_write_kv", t), ("rope_write_kv, fp8 cache", "*fp8e4nv")):
