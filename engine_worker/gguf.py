@@ -30,11 +30,11 @@ file); the weights stay in the file and are read from it here, at start:
 
 Files of the llama, qwen2 and qwen3 architectures are served (common/model_files.py:
 GGUF_ARCHITECTURES); qwen2's q, k and v biases and qwen3's q and k norms are read as
-float32. For the llama
-architecture llama.cpp's converter stores the rows of attn_q and attn_k (weights and
-biases) permuted for its RoPE (pairs of rotated dimensions interleaved); they are put
-back in Hugging Face's order (halves) as whole rows, so blocks are untouched. qwen2's
-and qwen3's RoPE is Hugging Face's: their rows are stored as they are.
+float32. For the llama architecture llama.cpp's converter stores the rows of attn_q and
+attn_k (weights and biases) permuted for its RoPE (pairs of rotated dimensions
+interleaved); they are put back in Hugging Face's order (halves) as whole rows, so
+blocks are untouched. qwen2's and qwen3's RoPE is Hugging Face's: their rows are stored
+as they are.
 """
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ import numpy as np
 import torch
 
 from common.errors import ModelLoadError
-from common.model_files import GGUF_ARCHITECTURES, GGUF_POINTER, unserved_gguf_architecture
 from common.gguf_reader import GgufReader, ggml_type_name
+from common.model_files import GGUF_ARCHITECTURES, GGUF_POINTER, unserved_gguf_architecture
 from engine_worker.kernels import GGUF_FORMATS, CpuKernels
 
 logger = logging.getLogger(__name__)

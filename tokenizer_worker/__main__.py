@@ -65,10 +65,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        else "WITHOUT authentication")
     try:
         model_dir = resolve_model_dir(args.model)
-        # A quick check (the Rust tokenizer alone), not transformers' tokenizer: importing
-        # transformers and loading it takes ~3 s, which each worker spends anyway, and
-        # here it delayed the workers' start by as much. A worker that cannot load it
-        # stops the pool with its error (pool.py).
+        # A quick check (the Rust tokenizer alone), not transformers' tokenizer: loading
+        # that takes 1-3 s, which each worker spends anyway, and here it delayed the
+        # workers' start by as much. A worker that cannot load it stops the pool with
+        # its error (pool.py).
         load_decoder(model_dir)
         chat_template = read_chat_template(args.chat_template) if args.chat_template else None
         max_chars = args.max_prompt_chars or MAX_CHARS_PER_TOKEN * context_length(model_dir)
