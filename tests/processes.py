@@ -104,13 +104,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(proc: Proc, timeout_s: float = 120.0) -> None:
+def wait_healthy(proc: Proc, timeout_s: float = 120.0, engines: tuple[str, ...] = ()) -> None:
+    """Until the frontend's /health answers 200 (one engine is enough for that) and
+    reports each of ``engines`` (addresses) healthy."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.proc.poll() is not None:
             raise RuntimeError(f"{proc.args[0]} exited early:\n{proc.stop()}")
         try:
-            if httpx.get(proc.url + "/health", timeout=2).status_code == 200:
+            health = httpx.get(proc.url + "/health", timeout=2)
+            if health.status_code == 200 and all(
+                    health.json()["checks"].get(f"engine {a}") == "ok" for a in engines):
                 return
         except httpx.HTTPError:
             pass

@@ -515,7 +515,8 @@ def test_one_frontend_routes_to_several_engines_and_survives_losing_one(
     front = processes.frontend(tiny_llama_dir, engines[0].address, pool.address,
                                "--engine", engines[1].address, "--served-model-name", "tiny-llama")
     try:
-        processes.wait_healthy(front)
+        # both engines joined: the frontend serves as soon as one has
+        processes.wait_healthy(front, engines=tuple(e.address for e in engines))
 
         async def burst():
             async with httpx.AsyncClient(timeout=60) as client:
