@@ -136,11 +136,14 @@ def _gguf_metadata(path: Path, out_dir: Path) -> None:
     except Exception as e:  # transformers' GGUF reader raises many kinds
         raise ModelLoadError(f"{path}: its metadata does not describe a model that can be "
                              f"served ({type(e).__name__}: {e})") from e
-    if config.model_type not in GGUF_ARCHITECTURES:
+    # transformers makes a llama file named "mistral" a Mistral config: llama, as its
+    # weights and llama.cpp have it
+    arch = "llama" if config.model_type == "mistral" else config.model_type
+    if arch not in GGUF_ARCHITECTURES:
         raise unserved_gguf_architecture(path.name, config.model_type)
-    config.architectures = [GGUF_ARCHITECTURES[config.model_type]]
+    config.architectures = [GGUF_ARCHITECTURES[arch]]
     # transformers takes no head size from the file (Qwen3's config defaults to 128)
-    head_dim = GgufReader(path).fields.get(f"{config.model_type}.attention.key_length")
+    head_dim = GgufReader(path).fields.get(f"{arch}.attention.key_length")
     if head_dim:
         config.head_dim = head_dim
     config.save_pretrained(out_dir)

@@ -38,16 +38,18 @@ def gguf_tensor_name(name: str) -> str:
     return f"blk.{layer}.{NAMES[module]}.{kind}"
 
 
-def gguf_from_hf(model_dir: Path, out: Path, arch: str, matrix_type: str = "F32") -> Path:
+def gguf_from_hf(model_dir: Path, out: Path, arch: str, matrix_type: str = "F32",
+                 name: str = "") -> Path:
     """``model_dir`` (a tiny Llama, Qwen2 or Qwen3) as a GGUF file of ``arch``; its matrices in
-    ``matrix_type`` (F32, or a block type the gguf package quantizes: Q8_0...)."""
+    ``matrix_type`` (F32, or a block type the gguf package quantizes: Q8_0...);
+    ``name``: general.name (the folder's, unless given)."""
     from gguf import GGMLQuantizationType, GGUFWriter, quants
 
     config = json.loads((model_dir / "config.json").read_text())
     tok = json.loads((model_dir / "tokenizer.json").read_text())
     tok_config = json.loads((model_dir / "tokenizer_config.json").read_text())
     w = GGUFWriter(str(out), arch)
-    w.add_name(model_dir.name)
+    w.add_name(name or model_dir.name)
     w.add_block_count(config["num_hidden_layers"])
     w.add_context_length(config["max_position_embeddings"])
     w.add_embedding_length(config["hidden_size"])

@@ -370,18 +370,22 @@ def test_a_gguf_file_served_through_the_real_processes(gguf_path, tmp_path):
             make_engine(resolve_model_dir(str(gguf_path))).generate([CHAT_IDS], greedy(8))[0]
 
 
-@pytest.mark.parametrize("arch, model", [("llama", "tiny_llama_dir"), ("qwen2", "tiny_qwen2_dir"),
-                                         ("qwen3", "tiny_qwen3_dir")])
+@pytest.mark.parametrize("arch, model, name", [
+    ("llama", "tiny_llama_dir", ""), ("qwen2", "tiny_qwen2_dir", ""),
+    ("qwen3", "tiny_qwen3_dir", ""),
+    ("llama", "tiny_llama_dir", "mistral")])   # which transformers makes a Mistral config
 def test_a_file_as_llama_cpp_converts_a_checkpoint_serves_what_the_checkpoint_does(
-        arch, model, request, tmp_path):
+        arch, model, name, request, tmp_path):
     """A tiny Llama, a tiny Qwen2 (q/k/v biases, tied embeddings) and a tiny Qwen3 (q and
     k norms, head_dim 32 with 4 heads of a 64-wide model) written as llama.cpp's
     converter writes them (q and k rows in its RoPE order for llama only): the same
     weights, biases and norms included, and the same greedy tokens as the checkpoint's
     engine."""
     model_dir = request.getfixturevalue(model)
-    folder = resolve_model_dir(str(gguf_from_hf(model_dir, tmp_path / f"{arch}.gguf", arch)))
+    path = gguf_from_hf(model_dir, tmp_path / f"{arch}.gguf", arch, name=name)
+    folder = resolve_model_dir(str(path))
     config = json.loads((folder / "config.json").read_text())
+    assert config["model_type"] == (name or arch)
     assert config["architectures"] == [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                                         "qwen3": "Qwen3ForCausalLM"}[arch]]
     ours, theirs = make_engine(folder), make_engine(model_dir)
