@@ -186,7 +186,7 @@ class EngineConfig:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {self.dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be int8, q4, iq4 or unset, got "
+            raise ValueError(f"quantization must be {', '.join(QUANTIZATIONS)} or unset, got "
                              f"{self.quantization!r}")
         if self.load_format not in _LOAD_FORMATS:
             raise ValueError(f"load_format must be one of {', '.join(_LOAD_FORMATS)}, got "

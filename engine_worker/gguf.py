@@ -31,7 +31,7 @@ file); the weights stay in the file and are read from it here, at start:
 Files of the llama, qwen2 and qwen3 architectures are served (common/model_files.py:
 GGUF_ARCHITECTURES); qwen2's q, k and v biases and qwen3's q and k norms are read as
 float32. For the llama architecture llama.cpp's converter stores the rows of attn_q and
-attn_k (weights and biases) permuted for its RoPE (pairs of rotated dimensions
+attn_k permuted for its RoPE (pairs of rotated dimensions
 interleaved); they are put back in Hugging Face's order (halves) as whole rows, so
 blocks are untouched. qwen2's and qwen3's RoPE is Hugging Face's: their rows are stored
 as they are.
@@ -148,9 +148,7 @@ def restored_types() -> dict:
 
 def served() -> str:
     """The types a GGUF file's tensors may have, in words."""
-    from gguf import GGMLQuantizationType
-
-    names = ", ".join(GGMLQuantizationType(t).name for t in restored_types())
+    names = ", ".join(ggml_type_name(t) for t in restored_types())
     return (f"F32, F16, BF16, Q8_0, Q4_0, Q4_1, IQ4_NL and IQ4_XS as they are, and {names} "
             f"re-stored")
 
@@ -239,10 +237,10 @@ class GgufWeights:
 
     def dense(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """A tensor as float32 (dequantized if it is in blocks)."""
-        from gguf import GGMLQuantizationType, quants
+        from gguf import quants
 
         t = self._take(name)
-        values = quants.dequantize(t.data, GGMLQuantizationType(t.ggml_type))
+        values = quants.dequantize(t.data, t.ggml_type)
         if values.size != int(np.prod(shape)):
             raise ModelLoadError(f"{self.path.name}: tensor {name!r} has {values.size} values, "
                                  f"expected shape {shape}")
@@ -255,7 +253,7 @@ class GgufWeights:
         head count if its rows are in llama.cpp's RoPE order. Tensors of types that
         pack as different formats (llama.cpp's mixes give v more bits than q and k), or
         as one format but not in whole panels each, are all made Q8_0 (int8): as_q8_0."""
-        from gguf import GGMLQuantizationType, quants
+        from gguf import quants
 
         from engine_worker.models import PackedLinear
 
@@ -290,7 +288,7 @@ class GgufWeights:
                      for rows, g in zip(parts, types)]
         out_features, fmt = sum(len(rows) for rows in parts), formats.pop()
         if dense:
-            weight = np.concatenate([quants.dequantize(rows, GGMLQuantizationType(g))
+            weight = np.concatenate([quants.dequantize(rows, g)
                                      for rows, g in zip(parts, types)]).astype(np.float32)
             packed = self.kernels.pack(torch.from_numpy(weight).reshape(out_features,
                                                                         in_features), fmt)
@@ -320,8 +318,7 @@ def load_gguf(model, path: Path, kernels: CpuKernels) -> None:
     if cfg.o_bias or cfg.mlp_bias:
         raise ModelLoadError(f"{path.name}: output or MLP biases are not served from GGUF "
                              f"files")
-    # llama.cpp's converter stores q and k (weights and biases) in its RoPE order for
-    # the llama architecture; qwen2's and qwen3's RoPE is Hugging Face's, their rows are
+    # llama.cpp's converter stores q and k in its RoPE order for the llama architecture; qwen2's and qwen3's RoPE is Hugging Face's, their rows are
     # as they were
     heads = [cfg.num_heads, cfg.num_kv_heads, None] if w.architecture == "llama" else None
     q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -330,10 +327,10 @@ def load_gguf(model, path: Path, kernels: CpuKernels) -> None:
         p = f"blk.{i}."
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_proj = w.linear([p + f"attn_{n}.weight" for n in "qkv"], c, heads)
-        if cfg.qkv_bias:
-            attn.qkv_proj.bias = torch.cat([
-                w.dense(p + f"attn_{n}.bias", (size,))[unpermute_rows(size, h) if h else ...]
-                for n, size, h in zip("qkv", (q_size, kv_size, kv_size), heads or [None] * 3)])
+        if cfg.qkv_bias:   # qwen2's (a llama model with biases has o's too, refused above)
+            sizes = (q_size, kv_size, kv_size)
+            attn.qkv_proj.bias = torch.cat([w.dense(p + f"attn_{n}.bias", (size,))
+                                            for n, size in zip("qkv", sizes)])
         attn.o_proj = w.linear([p + "attn_output.weight"], cfg.num_heads * cfg.head_dim)
         mlp.gate_up_proj = w.linear([p + "ffn_gate.weight", p + "ffn_up.weight"], c)
         mlp.down_proj = w.linear([p + "ffn_down.weight"], i_size)

@@ -137,7 +137,7 @@ class CpuKernels:
                              dtype=torch.uint8)
         if self._pack_gguf(blocks.data_ptr(), out_features, in_features, ggml_type,
                            packed.data_ptr()) != 0:
-            step = 256 if ggml_type == 23 else INT8_BLOCK   # IQ4_XS: super-blocks of 256
+            step = GGUF_BLOCK_WEIGHTS.get(ggml_type, INT8_BLOCK)
             raise ValueError(f"GGUF blocks need input sizes that are multiples of "
                              f"{step}; a tensor has {in_features}")
         return packed, fmt
@@ -274,6 +274,8 @@ INT8_BLOCK = 32
 # GGUF tensor types (ggml's ids) packed as they are, and the format each becomes.
 # Q8_0, Q4_0, Q4_1, IQ4_NL, IQ4_XS
 GGUF_FORMATS = {8: "int8", 2: "q4", 3: "q4", 20: "iq4", 23: "iq4"}
+# Weights a block of those types holds, where not INT8_BLOCK: IQ4_XS's super-blocks.
+GGUF_BLOCK_WEIGHTS = {23: 256}
 # How bfloat16 weights are multiplied here (rs_bf16_path in gemm.c): AMX tiles (Intel
 # Xeon, 4th generation on; vdpbf16ps below 16 rows), AVX-512-BF16's vdpbf16ps (AMD Zen
 # 4/5; without AMX, Intel's cores widen, which is faster there), both taking x rounded

@@ -2,8 +2,8 @@
 
 Supported: the Llama family (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
 Qwen3ForCausalLM: RMSNorm, RoPE, grouped-query attention, SwiGLU; Qwen3 also RMS-norms
-each head of q and k) and GPT2LMHeadModel. Anything else is
-a ModelLoadError that names the architecture and what is supported.
+each head of q and k) and GPT2LMHeadModel. Anything else is a ModelLoadError that names
+the architecture and what is supported.
 """
 
 from __future__ import annotations

@@ -2,9 +2,10 @@
 
 RMSNorm, rotary position embeddings (rotate-half convention, as in Hugging Face
 checkpoints), grouped-query attention, SwiGLU MLP; optional q/k/v biases (Qwen2), q and
-k RMS-normed per head before RoPE (Qwen3), and tied or untied embeddings. Runs on a flat batch of tokens (N, C): every sequence of the
-step is concatenated, so each projection is one matmul for the whole step. q/k/v and
-gate/up are fused into one matmul each at load time. The residual stream is carried
+k RMS-normed per head before RoPE (Qwen3), and tied or untied embeddings. Runs on a
+flat batch of tokens (N, C): every sequence of the step is concatenated, so each
+projection is one matmul for the whole step. q/k/v and gate/up are fused into one
+matmul each at load time. The residual stream is carried
 beside the hidden states so that each residual add fuses into the next RMSNorm, and
 the elementwise work goes through ``ops`` (fused C kernels on the CPU, see ops.py).
 """
@@ -95,7 +96,6 @@ class Attention(nn.Module):
         q, k, v = self.ops.rope_write_kv(qkv, *rope, self.num_heads, self.num_kv_heads,
                                          self.head_dim, kv_cache, meta.slot_mapping)
         return self.o_proj(self.attn.attend(q, k, v, kv_cache, meta))
-
 
     def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
         """qkv (N, (Hq + 2 Hkv) D) with each head of q and k RMS-normed."""
