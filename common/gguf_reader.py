@@ -43,6 +43,13 @@ def ggml_type_name(ggml_type: int) -> str:
         return f"unknown type {ggml_type}"
 
 
+def unpermute_rows(num_rows: int, num_heads: int) -> np.ndarray:
+    """Row order that takes llama.cpp's RoPE layout of a q or k weight (each head's
+    rotated pairs interleaved) back to Hugging Face's (each head's halves)."""
+    head_dim = num_rows // num_heads
+    return np.arange(num_rows).reshape(num_heads, head_dim // 2, 2).transpose(0, 2, 1).reshape(-1)
+
+
 @dataclass(frozen=True)
 class GgufTensor:
     name: str

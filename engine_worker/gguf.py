@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from common.errors import ModelLoadError
-from common.gguf_reader import GgufReader, ggml_type_name
+from common.gguf_reader import GgufReader, ggml_type_name, unpermute_rows
 from common.model_files import GGUF_ARCHITECTURES, GGUF_POINTER, unserved_gguf_architecture
 from engine_worker.kernels import GGUF_FORMATS, CpuKernels
 
@@ -195,13 +195,6 @@ def gguf_file(model_dir: Path) -> Optional[Path]:
     if not pointer.is_file():
         return None
     return Path(json.loads(pointer.read_text())["file"])
-
-
-def unpermute_rows(num_rows: int, num_heads: int) -> np.ndarray:
-    """Row order that takes llama.cpp's RoPE layout of a q or k weight (each head's
-    rotated pairs interleaved) back to Hugging Face's (each head's halves)."""
-    head_dim = num_rows // num_heads
-    return np.arange(num_rows).reshape(num_heads, head_dim // 2, 2).transpose(0, 2, 1).reshape(-1)
 
 
 class GgufWeights:

@@ -209,8 +209,13 @@ async def start_pipeline(config: FrontendConfig, metrics: Metrics) -> Pipeline:
     await pipe.membership.refresh()
     pipe.membership.start()
     await _first_handshakes(pipe, STARTUP_WAIT_S)
-    logger.info("frontend ready: %s, %d engine(s) from %s", ", ".join(model_names),
-                len(engines.engines), ", ".join(config.engine_addresses))
+    answering = sum(e.ready is not None for e in engines.clients)
+    waiting = [what for what, missing in [("the tokenizer pool", tok_client.ready is None),
+                                          ("an engine", not answering)] if missing]
+    logger.info("frontend %s: %s, %d of %d engine(s) answering, from %s",
+                f"up, waiting for {' and '.join(waiting)} (503 until then)" if waiting
+                else "ready", ", ".join(model_names), answering, len(engines.engines),
+                ", ".join(config.engine_addresses))
     return pipe
 
 

@@ -1,7 +1,7 @@
 """Serving a GGUF file as it is (engine_worker/gguf.py, common/model_files.py): the
 default model's own file (SmolLM2-135M-Instruct, Q4_1 layers and a Q8_0 embedding),
 whose weights must be exactly what the file's dequantization gives (the default model's
-folder holds them so, dequantized by transformers), served through the real processes
+folder holds them so), served through the real processes
 with the tokenizer and chat template from the file's metadata; and files the engine
 must refuse, by name, at start."""
 
@@ -16,7 +16,8 @@ import torch
 from safetensors import safe_open
 
 from common.errors import ModelLoadError
-from common.model_files import _find_gguf, materialize_default_model, resolve_model_dir
+from common.model_files import (_convert_gguf, _find_gguf, materialize_default_model,
+                                resolve_model_dir)
 from common.tokenizer import load_tokenizer
 from engine_worker import kernels
 from helpers import greedy, make_engine
@@ -368,6 +369,26 @@ def test_a_gguf_file_served_through_the_real_processes(gguf_path, tmp_path):
         assert choice["prompt_token_ids"] == CHAT_IDS
         assert choice["token_ids"] == \
             make_engine(resolve_model_dir(str(gguf_path))).generate([CHAT_IDS], greedy(8))[0]
+
+
+def test_a_llama_file_dequantized_into_a_folder_is_the_checkpoint_it_came_from(
+        tiny_llama_dir, tmp_path):
+    """The default model's materialization (_convert_gguf) on a tiny Llama written as
+    llama.cpp writes it (F32; q and k rows in its RoPE order; an untied lm_head): every
+    tensor of the checkpoint, under its name, exactly; the config as the checkpoint's."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "folder"
+    out.mkdir()
+    _convert_gguf(gguf_from_hf(tiny_llama_dir, tmp_path / "llama.gguf", "llama"), out)
+    ours = load_file(str(out / "model.safetensors"))
+    theirs = load_file(str(tiny_llama_dir / "model.safetensors"))
+    assert sorted(ours) == sorted(theirs) and "lm_head.weight" in ours
+    for name, tensor in theirs.items():
+        assert ours[name].dtype == torch.float32 and torch.equal(ours[name], tensor), name
+    config = json.loads((out / "config.json").read_text())
+    assert (config["architectures"], config["dtype"]) == (["LlamaForCausalLM"], "float32")
+    assert not (out / "gguf.json").exists()
 
 
 @pytest.mark.parametrize("arch, model, name", [

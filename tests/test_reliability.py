@@ -345,6 +345,8 @@ def test_the_frontend_starts_alone_and_serves_once_an_engine_joins(tiny_llama_di
                 return False
 
         wait_for(up, 60, "the frontend answering without any engine")
+        assert ("frontend up, waiting for the tokenizer pool and an engine (503 until then): "
+                "tiny, 0 of 1 engine(s) answering") in front.output()
         r = httpx.post(f"{front.url}/v1/completions", timeout=10,
                        json={"model": "tiny", "prompt": [1, 2], "max_tokens": 2})
         assert r.status_code == 503 and r.headers["Retry-After"] == "1", r.text
