@@ -39,7 +39,7 @@ from typing import Optional, Sequence
 import torch
 
 from common.config import cache_dir
-from engine_worker.ops import split_qkv
+from engine_worker.ops import QkNorm, norm_heads, split_qkv
 
 logger = logging.getLogger(__name__)
 
@@ -180,9 +180,12 @@ class CpuKernels:
 
     def rope_write_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       num_heads: int, num_kv_heads: int, head_dim: int,
-                      kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+                      kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      qk_norm: Optional[QkNorm] = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
+        if qk_norm is not None:
+            norm_heads(self, qkv, num_heads, num_kv_heads, head_dim, qk_norm)
         n = qkv.shape[0]
         self._rope_write_kv(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                             kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),

@@ -84,6 +84,22 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         v.view(torch.uint8))
 
 
+# Qwen3's q and k norms: (q's weight, k's weight, eps); each head RMS-normed before RoPE.
+QkNorm = tuple[torch.Tensor, torch.Tensor, float]
+
+
+def norm_heads(ops, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+               qk_norm: QkNorm) -> None:
+    """Each head of q and k in qkv (N, (Hq + 2 Hkv) D) RMS-normed in place by
+    ``ops.add_rms_norm`` (the ops without a fused kernel for it)."""
+    q_weight, k_weight, eps = qk_norm
+    n = qkv.shape[0]
+    for first, count, weight in ((0, num_heads, q_weight), (num_heads, num_kv_heads, k_weight)):
+        heads = qkv[:, first * head_dim:(first + count) * head_dim]
+        heads.copy_(ops.add_rms_norm(heads.reshape(-1, head_dim), None, weight, eps)[0]
+                    .view(n, -1))
+
+
 class TorchOps:
     def add_rms_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor],
                      weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,10 +111,14 @@ class TorchOps:
 
     def rope_write_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       num_heads: int, num_kv_heads: int, head_dim: int,
-                      kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+                      kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      qk_norm: Optional[QkNorm] = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """qkv (N, (Hq + 2 Hkv) D); cos, sin (N, D/2). Rotates q and k, writes k and v
-        into their cache slots; returns q (N, Hq, D), k and v (N, Hkv, D)."""
+        """qkv (N, (Hq + 2 Hkv) D); cos, sin (N, D/2). Norms each head of q and k (with
+        ``qk_norm``), rotates them, writes k and v into their cache slots; returns q
+        (N, Hq, D), k and v (N, Hkv, D)."""
+        if qk_norm is not None:
+            norm_heads(self, qkv, num_heads, num_kv_heads, head_dim, qk_norm)
         n = qkv.shape[0]
         q_end = num_heads * head_dim
         k_end = q_end + num_kv_heads * head_dim

@@ -93,24 +93,24 @@ def variants(cfg, dtype: str = "bfloat16", block_size: int = 16) -> list[tuple]:
     out.append(("merge splits", attention._merge_splits_kernel,
                 dict(part_acc_ptr="*fp32", part_ml_ptr="*fp32", out_ptr=t),
                 dict(SPLITS=attention.MAX_SPLITS, HEAD_DIM=d, D_PAD=d_pad), _options()))
-    # the hidden size's norms, and Qwen3's of each head of q and k
-    norms = [("add_rms_norm", cfg.hidden_size, False),
-             ("add_rms_norm + residual", cfg.hidden_size, True)]
-    norms += [("add_rms_norm, per head", d, False)] if cfg.qk_norm else []
-    for label, c, residual in norms:
+    for label, residual in (("add_rms_norm", False), ("add_rms_norm + residual", True)):
+        c = cfg.hidden_size
         out.append((label, ops._add_rms_norm_kernel,
                     dict(x_ptr=t, residual_ptr=t, weight_ptr=t, out_ptr=t, h_ptr=t, eps="fp32"),
                     dict(C=c, BLOCK=triton.next_power_of_2(c), HAS_RESIDUAL=residual),
                     _options(num_warps=ops._warps(c))))
     half = d // 2
     heads_pad = triton.next_power_of_2(cfg.num_heads + 2 * cfg.num_kv_heads)
-    for label, cache in (("rope_write_kv", t), ("rope_write_kv, fp8 cache", "*fp8e4nv")):
+    # Qwen3's q and k norms inside
+    norms = ", q/k norms" if cfg.qk_norm else ""
+    for label, cache in ((f"rope_write_kv{norms}", t),
+                         (f"rope_write_kv{norms}, fp8 cache", "*fp8e4nv")):
         out.append((label, ops._rope_write_kv_kernel,
                     dict(qkv_ptr=t, cos_ptr=t, sin_ptr=t, k_cache_ptr=cache, v_cache_ptr=cache,
-                         slot_ptr="*i64"),
+                         slot_ptr="*i64", q_norm_ptr=t, k_norm_ptr=t, eps="fp32"),
                     dict(NUM_HEADS=cfg.num_heads, NUM_KV_HEADS=cfg.num_kv_heads,
                          HEADS_PAD=heads_pad, HALF=half, HALF_PAD=triton.next_power_of_2(half),
-                         PAGE=block_size),
+                         PAGE=block_size, QK_NORM=cfg.qk_norm),
                     _options(num_warps=ops._rope_warps(heads_pad * half))))
     i = cfg.intermediate_size
     out.append(("silu_mul", ops._silu_mul_kernel, dict(x_ptr=t, out_ptr=t),

@@ -4,8 +4,9 @@ engine_worker.ops.TorchOps, one launch each instead of several torch ops.
 Each rounds where the torch version rounds (a residual sum and a normalized row in
 the activation dtype before the weight multiplies it; silu before the product), and
 computes the rest in float32. RoPE rotates q and k in place inside the qkv
-activations and writes k and v into their cache slots; a slot of -1 (a padded row of a
-CUDA graph's batch) writes nothing.
+activations (Qwen3's per-head q and k norms first, in the same launch: two norm
+launches, two copies and a concatenation a layer fewer) and writes k and v into their
+cache slots; a slot of -1 (a padded row of a CUDA graph's batch) writes nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine_worker.ops import split_qkv
+from engine_worker.ops import QkNorm, split_qkv
 
 
 @triton.jit
@@ -51,13 +52,14 @@ def _to_cache(x, cache_ptr):
 
 @triton.jit
 def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-                          stride_t, stride_cs, stride_slot, stride_head,
-                          NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                          q_norm_ptr, k_norm_ptr, eps, stride_t, stride_cs, stride_slot,
+                          stride_head, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
                           HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                          PAGE: tl.constexpr):
+                          PAGE: tl.constexpr, QK_NORM: tl.constexpr):
     """One program per token, all its heads at once (rows: q heads, then k, then v).
-    The caches are contiguous; an fp8 cache's values lie (Hkv, D, PAGE) in each block
-    (engine_worker.ops.value_blocks)."""
+    QK_NORM: each head of q and k RMS-normed first (Qwen3), rounded as add_rms_norm
+    rounds. The caches are contiguous; an fp8 cache's values lie (Hkv, D, PAGE) in each
+    block (engine_worker.ops.value_blocks)."""
     t = tl.program_id(0)
     head = tl.arange(0, HEADS_PAD)[:, None]
     i = tl.arange(0, HALF_PAD)[None, :]
@@ -69,6 +71,16 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, s
     sin = tl.load(sin_ptr + t * stride_cs + i, mask=i < HALF, other=0.0).to(tl.float32)
     # q and k rotate (rotate-half convention), rounded to the activations' dtype; v not.
     rotates = head < NUM_HEADS + NUM_KV_HEADS
+    if QK_NORM:
+        a, b = x1.to(tl.float32), x2.to(tl.float32)
+        rstd = tl.rsqrt((tl.sum(a * a, 1) + tl.sum(b * b, 1)) / (2 * HALF) + eps)[:, None]
+        is_q = head < NUM_HEADS
+        w1 = tl.where(is_q, tl.load(q_norm_ptr + i, mask=i < HALF, other=0.0),
+                      tl.load(k_norm_ptr + i, mask=i < HALF, other=0.0)).to(tl.float32)
+        w2 = tl.where(is_q, tl.load(q_norm_ptr + HALF + i, mask=i < HALF, other=0.0),
+                      tl.load(k_norm_ptr + HALF + i, mask=i < HALF, other=0.0)).to(tl.float32)
+        x1 = tl.where(rotates, (w1 * (a * rstd).to(x1.dtype).to(tl.float32)).to(x1.dtype), x1)
+        x2 = tl.where(rotates, (w2 * (b * rstd).to(x2.dtype).to(tl.float32)).to(x2.dtype), x2)
     a, b = x1.to(tl.float32), x2.to(tl.float32)
     y1 = tl.where(rotates, (a * cos - b * sin).to(x1.dtype), x1)
     y2 = tl.where(rotates, (b * cos + a * sin).to(x2.dtype), x2)
@@ -129,10 +141,12 @@ class TritonOps:
 
     def rope_write_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       num_heads: int, num_kv_heads: int, head_dim: int,
-                      kv_cache: torch.Tensor, slot_mapping: torch.Tensor
+                      kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      qk_norm: Optional[QkNorm] = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """qkv (N, (Hq + 2 Hkv) D), rotated in place; cos, sin (N, D/2); kv_cache
-        (2, num_blocks, page, Hkv, D). Returns views q (N, Hq, D), k and v (N, Hkv, D)."""
+        """qkv (N, (Hq + 2 Hkv) D), normed (with ``qk_norm``) and rotated in place; cos,
+        sin (N, D/2); kv_cache (2, num_blocks, page, Hkv, D). Returns views q (N, Hq,
+        D), k and v (N, Hkv, D)."""
         n = qkv.shape[0]
         assert qkv.stride(1) == 1 and kv_cache.is_contiguous()
         k_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)  # (slots, Hkv, D)
@@ -140,12 +154,13 @@ class TritonOps:
         half = head_dim // 2
         if n:
             heads_pad = triton.next_power_of_2(num_heads + 2 * num_kv_heads)
+            q_norm, k_norm, eps = qk_norm or (qkv, qkv, 0.0)   # (not read without)
             _rope_write_kv_kernel[(n,)](
-                qkv, cos, sin, k_cache, v_cache, slot_mapping, qkv.stride(0), cos.stride(0),
-                k_cache.stride(0), k_cache.stride(1), NUM_HEADS=num_heads,
-                NUM_KV_HEADS=num_kv_heads, HEADS_PAD=heads_pad, HALF=half,
-                HALF_PAD=triton.next_power_of_2(half), PAGE=kv_cache.shape[2],
-                num_warps=_rope_warps(heads_pad * half))
+                qkv, cos, sin, k_cache, v_cache, slot_mapping, q_norm, k_norm, eps,
+                qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1),
+                NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEADS_PAD=heads_pad,
+                HALF=half, HALF_PAD=triton.next_power_of_2(half), PAGE=kv_cache.shape[2],
+                QK_NORM=qk_norm is not None, num_warps=_rope_warps(heads_pad * half))
         return split_qkv(qkv, num_heads, num_kv_heads, head_dim)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -91,20 +91,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)  # (N, (Hq + 2 Hkv) D)
-        if self.q_norm is not None:
-            qkv = self._norm_heads(qkv)
+        qk_norm = (None if self.q_norm is None
+                   else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps))
         q, k, v = self.ops.rope_write_kv(qkv, *rope, self.num_heads, self.num_kv_heads,
-                                         self.head_dim, kv_cache, meta.slot_mapping)
+                                         self.head_dim, kv_cache, meta.slot_mapping, qk_norm)
         return self.o_proj(self.attn.attend(q, k, v, kv_cache, meta))
-
-    def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
-        """qkv (N, (Hq + 2 Hkv) D) with each head of q and k RMS-normed."""
-        n, d = qkv.shape[0], self.head_dim
-        q_end, k_end = self.num_heads * d, (self.num_heads + self.num_kv_heads) * d
-        normed = [self.ops.add_rms_norm(qkv[:, start:end].reshape(-1, d), None, norm.weight,
-                                        norm.eps)[0].view(n, end - start)
-                  for start, end, norm in ((0, q_end, self.q_norm), (q_end, k_end, self.k_norm))]
-        return torch.cat([*normed, qkv[:, k_end:]], dim=1)
 
 
 class MLP(nn.Module):

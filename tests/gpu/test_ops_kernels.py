@@ -26,11 +26,14 @@ def test_add_rms_norm_matches_torch(with_residual):
     torch.testing.assert_close(h, ref_h, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["", "qk-norm"])
 @pytest.mark.parametrize("heads", [(4, 2), (2, 2), (3, 1)], ids=["gqa", "mha", "gqa3"])
-def test_rope_write_kv_matches_torch_and_skips_padded_slots(heads):
+def test_rope_write_kv_matches_torch_and_skips_padded_slots(heads, qk_norm):
+    """With qk_norm (Qwen3), each head of q and k RMS-normed by its weight first."""
     hq, hkv = heads
     d, page, num_blocks, n = 16, 4, 6, 7
     qkv = randn(n, (hq + 2 * hkv) * d)
+    norms = (randn(d, seed=3), randn(d, seed=4), 1e-6) if qk_norm else None
     positions = torch.tensor([0, 1, 2, 9, 10, 3, 0], device=DEVICE)
     freqs = positions.float().unsqueeze(1) * (1e4 ** (-torch.arange(0, d, 2, device=DEVICE) / d))
     cos, sin = freqs.cos(), freqs.sin()
@@ -40,8 +43,12 @@ def test_rope_write_kv_matches_torch_and_skips_padded_slots(heads):
     ref_cache.fill_(7.0)
     real = slots >= 0
     q_ref, k_ref, v_ref = TorchOps().rope_write_kv(qkv[real].clone(), cos[real], sin[real],
-                                                   hq, hkv, d, ref_cache, slots[real])
-    q, k, v = TritonOps().rope_write_kv(qkv, cos, sin, hq, hkv, d, cache, slots)
+                                                   hq, hkv, d, ref_cache, slots[real], norms)
+    q, k, v = TritonOps().rope_write_kv(qkv, cos, sin, hq, hkv, d, cache, slots, norms)
+    if qk_norm:   # the norms did something: the keys differ from the rotated inputs
+        _, k_in, _ = split_qkv(randn(n, (hq + 2 * hkv) * d), hq, hkv, d)
+        rotated = apply_rotary(k_in, cos.unsqueeze(1), sin.unsqueeze(1))
+        assert not torch.allclose(k[real], rotated[real], atol=1e-2)
     torch.testing.assert_close(q[real], q_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(k[real], k_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(v[real], v_ref, rtol=0, atol=0)
@@ -137,6 +144,13 @@ def test_bf16_ops_match_torch_at_real_shapes():
     cache = torch.zeros(2, 64, 16, hkv, d, device=DEVICE, dtype=FP8)
     _, k, v = ops.rope_write_kv(qkv.clone(), cos, sin, hq, hkv, d, cache, slots)
     _, k_in, v_in = split_qkv(qkv, hq, hkv, d)
+    # and with Qwen3's q and k norms: as the torch path's, within bf16 rounding
+    norms = (randn(d, seed=3).bfloat16(), randn(d, seed=4).bfloat16(), 1e-6)
+    for got, want in zip(ops.rope_write_kv(qkv.clone(), cos, sin, hq, hkv, d, cache.clone(),
+                                           slots, norms),
+                         ref.rope_write_kv(qkv.clone(), cos, sin, hq, hkv, d, cache.clone(),
+                                           slots, norms)):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=5e-2)
     exact = apply_rotary(k_in.double(), cos.double().unsqueeze(1), sin.double().unsqueeze(1))
     torch.testing.assert_close(k.double(), exact, rtol=2 ** -8, atol=1e-4)
     assert torch.equal(v, v_in)
