@@ -3,8 +3,10 @@
 What every such client does: connect a DEALER socket, say Hello, read replies as the
 event loop sees them arrive and hand them to the subclass, and keep checking that the
 service is alive. The service may come later or go and come back: until its Ready
-arrives the client is unavailable (new work fails at once) and says Hello again every
-heartbeat.
+arrives the client is unavailable (new work fails at once) and says Hello again, at a
+heartbeat, then less and less often (ZeroMQ keeps what is sent to an address where
+nothing answers and delivers it all once something does: a Hello every second for a
+day would have been 86,400 Hellos, and as many Readies, at once).
 
 Death is detected four ways, whichever comes first: a DEAD frame; the connection
 dropping or refused at the handshake (ZeroMQ socket-monitor events: a killed process;
@@ -45,6 +47,9 @@ logger = logging.getLogger(__name__)
 
 # Frames read in one turn of the event loop before it lets others run.
 _BURST = 64
+# While the service does not answer, the time between Hellos doubles from the
+# heartbeat's up to this.
+HELLO_INTERVAL_MAX_S = 30.0
 # pyzmq's flags as plain ints: its enums cost a microsecond an operation.
 _EVENTS, _POLLIN, _POLLOUT, _NOBLOCK = (int(zmq.EVENTS), int(zmq.POLLIN), int(zmq.POLLOUT),
                                         int(zmq.NOBLOCK))
@@ -99,6 +104,8 @@ class ServiceClient:
         # alive but takes nothing new. Cleared by a Ready from a new instance.
         self.draining = False
         self._last_pong_time = 0.0
+        self._last_hello = -float("inf")
+        self._hello_interval_s = heartbeat_interval_s
         self._ready_event = asyncio.Event()
         self._pings: dict[int, asyncio.Future] = {}
         self._nonces = itertools.count(1)
@@ -124,7 +131,7 @@ class ServiceClient:
         self._loop.add_reader(self._monitor.FD, self._read_monitor)
         self._loop.call_soon(self._read_monitor)  # it signals only once drained
         self._tasks = [asyncio.create_task(self._heartbeat_loop())]
-        self._send(self._hello())
+        self._say_hello()
 
     async def start(self, timeout_s: float = 120.0):
         """Connect and wait for the service's Ready (it may still be loading)."""
@@ -204,9 +211,10 @@ class ServiceClient:
         """The work in flight that the service should keep (see Hello.request_ids)."""
         return []
 
-    def _hello(self) -> Hello:
-        return Hello(client_id=self.client_id, request_ids=self._followed_ids(),
-                     protocol_version=PROTOCOL_VERSION)
+    def _say_hello(self) -> None:
+        self._send(Hello(client_id=self.client_id, request_ids=self._followed_ids(),
+                         protocol_version=PROTOCOL_VERSION))
+        self._last_hello = time.monotonic()
 
     # -- the socket -------------------------------------------------------------
     #
@@ -309,6 +317,7 @@ class ServiceClient:
             self.draining = False
         self.ready = ready
         self.dead_reason = None
+        self._hello_interval_s = self.heartbeat_interval_s
         self._last_pong_time = time.monotonic()
         self._ready_event.set()
 
@@ -335,8 +344,9 @@ class ServiceClient:
                 logger.error("%s", reason)  # once, not at every reconnection
                 self.dead_reason = reason  # what start() reports
             self._mark_dead(reason)
-        elif event == zmq.EVENT_CONNECTED and self.ready is not None:
-            self._send(self._hello())  # reconnected
+        elif (event == zmq.EVENT_CONNECTED and self.ready is not None
+              and time.monotonic() - self._last_hello >= self.heartbeat_interval_s):
+            self._say_hello()   # reconnected (not every 100 ms to a service that refuses us)
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -356,8 +366,10 @@ class ServiceClient:
                 continue  # asking again would be refused again
             if self.dead_reason is None:
                 self._send(Ping(nonce=next(self._nonces)))
-            else:  # a service that comes back answers with Ready, which revives us
-                self._send(self._hello())
+            elif time.monotonic() - self._last_hello >= self._hello_interval_s:
+                # a service that comes back answers with Ready, which revives us
+                self._say_hello()
+                self._hello_interval_s = min(2 * self._hello_interval_s, HELLO_INTERVAL_MAX_S)
 
     def _mark_dead(self, reason: str) -> None:
         if self.dead_reason is None:  # the first cause is the one worth reporting

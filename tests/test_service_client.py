@@ -105,3 +105,28 @@ def test_a_burst_of_replies_is_read_whole_when_handling_one_fails(tmp_path):
         ctx.term()
     assert handled == [f"r{n}" for n in range(5)]
 
+
+
+def test_hellos_to_an_address_where_nothing_answers_grow_rarer(tmp_path):
+    """Until its service answers, a client says Hello at a heartbeat, then at twice the
+    last interval: ZeroMQ keeps them all and delivers them at once when a service binds
+    the address (one a heartbeat, a day's outage, was 86,400 Hellos at once)."""
+    address = f"ipc://{tmp_path}/service.sock"
+
+    async def main():
+        client = EngineClient(address, heartbeat_interval_s=0.1)
+        await client.connect()
+        await asyncio.sleep(3.2)   # Hellos at about 0, 0.1, 0.3, 0.7, 1.5 and 3.1 s
+        ctx = zmq.Context()
+        router = make_socket(ctx, address, zmq.ROUTER, bind=True)
+        try:
+            got = await _read(router, 100, timeout_s=1.0)
+        finally:
+            await client.close()
+            router.close(linger=0)
+            ctx.term()
+        return got
+
+    got = asyncio.run(main())
+    assert all(isinstance(m, Hello) for _, m in got)
+    assert 4 <= len(got) <= 8, len(got)   # 33 at one a heartbeat
