@@ -28,13 +28,16 @@ DONE = b"data: [DONE]\n\n"
 
 def completion_logprobs(entries: list[tuple[int, TokenLogprobs]], token_text: TokenText,
                         text_offset: int) -> dict:
-    """The legacy completions format: parallel lists."""
+    """The legacy completions format: parallel lists. Each token's top_logprobs holds
+    the token itself too, as OpenAI's does (up to logprobs + 1 entries)."""
     tokens, values, tops, offsets = [], [], [], []
     for token_id, lp in entries:
         text = token_text(token_id)
         tokens.append(text)
         values.append(lp.logprob)
-        tops.append({token_text(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)})
+        top = {token_text(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)}
+        top.setdefault(text, lp.logprob)
+        tops.append(top)
         offsets.append(text_offset)
         text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,

@@ -212,6 +212,15 @@ def test_prompt_logprobs_and_echo_with_logprobs(url):
     lp = echoed["logprobs"]
     assert lp["tokens"][:3] == ["Hello", " world", " again"] and len(lp["tokens"]) == 5
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    # each token among its own top_logprobs, as OpenAI's are (up to logprobs + 1)
+    for token, value, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:],
+                                 lp["top_logprobs"][1:]):
+        assert top[token] == value and 1 <= len(top) <= 2
+    sampled = post(url, prompt="Hello", max_tokens=8, temperature=2.0, seed=1,
+                   logprobs=1).json()["choices"][0]["logprobs"]
+    assert any(len(top) == 2 for top in sampled["top_logprobs"])   # sampled past the best
+    assert all(top[t] == v for t, v, top in zip(sampled["tokens"], sampled["token_logprobs"],
+                                                 sampled["top_logprobs"]))
     assert lp["token_logprobs"][1] == pytest.approx(plp[1]["995"]["logprob"], abs=1e-4)
     assert lp["text_offset"] == [0, 5, 11, 17, 17 + len(lp["tokens"][3])]
     assert "prompt_logprobs" not in echoed  # not asked for
