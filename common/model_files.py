@@ -78,6 +78,9 @@ def resolve_model_dir(model: Optional[str]) -> Path:
         if not path.is_file():
             raise ModelLoadError(f"GGUF file {str(path)!r} does not exist")
         return materialize_gguf_folder(path)
+    if path.is_file():
+        raise ModelLoadError(f"{str(path)!r} is a file, not a model directory (a folder with "
+                             f"config.json) or a GGUF file (.gguf)")
     if not path.is_dir():
         raise ModelLoadError(f"model directory {str(path)!r} does not exist")
     if not (path / "config.json").is_file():

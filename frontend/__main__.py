@@ -14,7 +14,9 @@ from typing import Optional, Sequence
 from common.config import (DEFAULT_ENGINE_ADDRESS, DEFAULT_TOKENIZER_ADDRESS, FrontendConfig,
                            env_default)
 from common.curve import CurveKey, add_curve_args
+from common.errors import ModelLoadError
 from common.logging_setup import setup_logging
+from common.model_files import resolve_model_dir
 from common.tokenizer import add_chat_template_arg
 from frontend.reasoning import PARSERS
 
@@ -172,6 +174,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         config = frontend_config_from_args(args, engines, args.tokenizer)
     except ValueError as e:
         parser.error(str(e))
+    try:
+        resolve_model_dir(config.model)   # before the server, which would print a traceback
+    except ModelLoadError as e:
+        logger.error("cannot start the frontend: %s", e)
+        return 2
     if config.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("listening on %s: reachable beyond this host, as asked", config.host)
     serve(config, args.log_level)

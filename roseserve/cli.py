@@ -8,6 +8,7 @@ import time
 from typing import Optional, Sequence
 
 from common.config import CacheConfig, EngineConfig, env_default
+from common.errors import ModelLoadError
 from common.logging_setup import setup_logging
 
 
@@ -141,4 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = build_parser().parse_args(argv)
     setup_logging("roseserve")
-    sys.exit(args.func(args))
+    try:
+        code = args.func(args)
+    except ModelLoadError as e:   # a model that is not there, or not one we serve
+        print(f"roseserve {args.command}: {e}", file=sys.stderr)
+        code = 2
+    sys.exit(code)

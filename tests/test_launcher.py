@@ -275,3 +275,16 @@ def test_stop_all_signals_every_component_before_waiting_and_kills_at_the_deadli
     # Each was told to stop before any had finished stopping (one after another, the
     # second would hear of it only after the first had drained).
     assert len(terms) == len(exits) == 3 and max(terms) < min(exits)
+
+
+@pytest.mark.parametrize("command", [["roseserve", "serve"], ["roseserve", "generate"],
+                                     ["frontend"]])
+def test_a_model_that_is_not_there_is_one_line_not_a_traceback(command, tmp_path):
+    for model, message in [(tmp_path / "nowhere", "model directory '{}' does not exist"),
+                           (tmp_path / "notes.txt", "'{}' is a file, not a model directory")]:
+        if model.suffix:
+            model.write_text("not a model")
+        proc = subprocess.run([sys.executable, "-m", *command, "--model", str(model)],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2
+        assert message.format(model) in proc.stderr and "Traceback" not in proc.stderr
