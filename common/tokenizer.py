@@ -113,7 +113,7 @@ def read_chat_template(path: str) -> str:
 
 def context_length(model_dir: Path) -> int:
     """The context length config.json declares (max_position_embeddings or n_positions)."""
-    config = json.loads((model_dir / "config.json").read_text())
+    config = _json_object(model_dir / "config.json")
     for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
         if isinstance(config.get(key), int):
             return config[key]

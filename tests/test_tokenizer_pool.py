@@ -298,3 +298,18 @@ def test_a_tokenizer_the_workers_cannot_load_stops_the_pool_with_its_error(tmp_p
     assert "cannot load the tokenizer from" in out and "Expecting value: line 1" in out, out
     assert "cannot load the tokenizer (its error is above): stopping the pool" in out
     assert "replacing it" not in out
+
+
+def test_a_config_that_is_not_json_stops_the_pool_with_one_line(tmp_path, tiny_llama_dir):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model)
+    (model / "config.json").write_text("{not json")
+    pool = processes.tokenizer_pool(model, f"ipc://{tmp_path}/pool.sock", 1)
+    try:
+        assert pool.proc.wait(timeout=120) == 2
+    finally:
+        out = pool.stop()
+    assert f"cannot start the tokenizer pool: {model}/config.json is not a JSON object" in out
+    assert "Traceback" not in out, out
