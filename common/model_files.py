@@ -82,7 +82,9 @@ def resolve_model_dir(model: Optional[str]) -> Path:
         raise ModelLoadError(f"{str(path)!r} is a file, not a model directory (a folder with "
                              f"config.json) or a GGUF file (.gguf)")
     if not path.is_dir():
-        raise ModelLoadError(f"model directory {str(path)!r} does not exist")
+        shapes = ("" if "/" in model else f" (nor is it a model shape shipped for "
+                  f"--load-format dummy: {', '.join(model_shapes())})")
+        raise ModelLoadError(f"model directory {str(path)!r} does not exist{shapes}")
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"model directory {str(path)!r} has no config.json")
     return path

@@ -59,6 +59,9 @@ def test_unsupported_rope_type_names_it(tiny_llama_dir, tmp_path):
 def test_missing_files_are_named(tiny_llama_dir, tmp_path):
     with pytest.raises(ModelLoadError, match="does not exist"):
         resolve_model_dir(str(tmp_path / "nowhere"))
+    with pytest.raises(ModelLoadError, match=r"'llama-3-9b' does not exist \(nor is it a "
+                       r"model shape shipped for --load-format dummy: .*llama-3-8b"):
+        resolve_model_dir("llama-3-9b")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelLoadError, match="has no config.json"):
         resolve_model_dir(str(tmp_path / "empty"))
