@@ -37,6 +37,8 @@ def _positive(name: str, value: Optional[int]) -> None:
 
 
 ENGINE_ROLES = ("mixed", "prefill", "decode")
+# The most CPU threads an engine may be given (--threads): several times any CPU's.
+MAX_THREADS = 1024
 
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8")
@@ -196,7 +198,9 @@ class EngineConfig:
                              f"{', '.join(_ATTENTION_BACKENDS)}, got {self.attention_backend!r}")
         if not (self.device in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ValueError(f"device must be cpu, cuda, cuda:N or auto, got {self.device!r}")
-        _positive("num_threads", self.num_threads)
+        if self.num_threads is not None and not 1 <= self.num_threads <= MAX_THREADS:
+            # (OpenMP crashes the process at start somewhere past 4,096)
+            raise ValueError(f"num_threads must be in 1..{MAX_THREADS}, got {self.num_threads}")
         _positive("max_model_len", self.max_model_len)
         if not 0 <= self.speculative_tokens <= 16:
             raise ValueError(f"speculative_tokens must be in 0..16, got "

@@ -9,16 +9,18 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from common.config import (DEFAULT_ENGINE_ADDRESS, DEFAULT_TOKENIZER_ADDRESS, FrontendConfig,
                            env_default)
 from common.curve import CurveKey, add_curve_args
 from common.errors import ModelLoadError
 from common.logging_setup import setup_logging
-from common.model_files import resolve_model_dir
 from common.tokenizer import add_chat_template_arg
 from frontend.reasoning import PARSERS
+
+if TYPE_CHECKING:
+    from frontend.app import ModelParts
 
 logger = logging.getLogger("frontend")
 
@@ -129,14 +131,15 @@ def frontend_config_from_args(args: argparse.Namespace, engines: Sequence[str],
         curve_key=CurveKey.from_option(getattr(args, "curve_key_file", None)))
 
 
-def serve(config: FrontendConfig, log_level: Optional[str] = None) -> None:
+def serve(config: FrontendConfig, log_level: Optional[str] = None,
+          parts: Optional[ModelParts] = None) -> None:
     import uvicorn
 
     from frontend.app import create_app
     from frontend.http_server import Server
 
     server = Server(uvicorn.Config(
-        create_app(config), host=config.host, port=config.port,
+        create_app(config, parts), host=config.host, port=config.port,
         log_level=(log_level or "info").lower(), access_log=False,
         timeout_graceful_shutdown=config.drain_timeout_s,
         ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile))
@@ -174,14 +177,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         config = frontend_config_from_args(args, engines, args.tokenizer)
     except ValueError as e:
         parser.error(str(e))
-    try:
-        resolve_model_dir(config.model)   # before the server, which would print a traceback
+    from frontend.app import load_model_parts   # (not for --help, nor for roseserve's flags)
+
+    try:   # before the server: its start-up would fail with a traceback
+        parts = load_model_parts(config)
     except ModelLoadError as e:
         logger.error("cannot start the frontend: %s", e)
         return 2
     if config.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("listening on %s: reachable beyond this host, as asked", config.host)
-    serve(config, args.log_level)
+    serve(config, args.log_level, parts)
     return 0
 
 

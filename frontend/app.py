@@ -12,13 +12,15 @@ import re
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import Optional
+from pathlib import Path
+from typing import NamedTuple, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from tokenizers import Tokenizer
 
 from common import faults
 from common.config import FrontendConfig
@@ -174,17 +176,19 @@ def access_line(scope, status: int, seconds: float) -> str:
 STARTUP_WAIT_S = 10.0
 
 
-async def start_pipeline(config: FrontendConfig, metrics: Metrics) -> Pipeline:
-    """The tokenizer, the grammar compiler and the clients. The pool and one engine
-    are waited for STARTUP_WAIT_S at most: they may come later, and go and come back;
-    until one engine and the pool answer, requests get 503."""
+class ModelParts(NamedTuple):
+    """What the frontend reads from the model: its folder, its tokenizer (to decode),
+    its chat template's text and the reasoning parser asked for."""
+    model_dir: Path
+    tokenizer: Tokenizer
+    template: Optional[str]
+    reasoning: Optional[Reasoning]
+
+
+def load_model_parts(config: FrontendConfig) -> ModelParts:
+    """Raises ModelLoadError saying what is wrong with the model or the flags about it."""
     model_dir = resolve_model_dir(config.model)
     tokenizer = load_decoder(model_dir)
-    try:
-        grammars = GrammarCompiler(tokenizer, tokenizer.get_vocab_size(True), [])
-    except Exception as e:  # a tokenizer llguidance cannot read
-        logger.warning("structured output is unavailable: %s", e)
-        grammars = None
     template = (read_chat_template(config.chat_template) if config.chat_template
                 else chat_template_text(model_dir))
     reasoning = None
@@ -193,6 +197,20 @@ async def start_pipeline(config: FrontendConfig, metrics: Metrics) -> Pipeline:
             reasoning = Reasoning.resolve(config.reasoning_parser, tokenizer)
         except ValueError as e:
             raise ModelLoadError(str(e)) from None
+    return ModelParts(model_dir, tokenizer, template, reasoning)
+
+
+async def start_pipeline(config: FrontendConfig, metrics: Metrics,
+                         parts: Optional[ModelParts] = None) -> Pipeline:
+    """The tokenizer, the grammar compiler and the clients. The pool and one engine
+    are waited for STARTUP_WAIT_S at most: they may come later, and go and come back;
+    until one engine and the pool answer, requests get 503."""
+    model_dir, tokenizer, template, reasoning = parts or load_model_parts(config)
+    try:
+        grammars = GrammarCompiler(tokenizer, tokenizer.get_vocab_size(True), [])
+    except Exception as e:  # a tokenizer llguidance cannot read
+        logger.warning("structured output is unavailable: %s", e)
+        grammars = None
     model_names = list(config.served_model_names) or [model_dir.resolve().name]
     tok_client = TokenizerClient(config.tokenizer_address, curve_key=config.curve_key)
     await tok_client.connect()
@@ -231,12 +249,13 @@ async def _first_handshakes(pipe: Pipeline, timeout_s: float) -> None:
         await asyncio.sleep(0.02)
 
 
-def create_app(config: FrontendConfig) -> FastAPI:
+def create_app(config: FrontendConfig, parts: Optional[ModelParts] = None) -> FastAPI:
+    """``parts``: the model's, when the caller has loaded them (else at start-up)."""
     metrics = Metrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        pipe = await start_pipeline(config, metrics)
+        pipe = await start_pipeline(config, metrics, parts)
         metrics.watch(pipe.model_name, pipe.snapshot)
         app.state.pipeline = pipe
         yield

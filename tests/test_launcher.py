@@ -121,6 +121,7 @@ def test_a_component_that_fails_to_start_is_named_and_the_command_fails(tiny_lla
     (["--max-batch-size", "0"], "max_batch_size must be a positive integer"),
     (["--stream-interval", "0"], "stream_interval must be a positive integer"),
     (["--drain-timeout", "0"], "drain_timeout_s must be positive"),
+    (["--threads", "99999"], "num_threads must be in 1..1024"),   # OpenMP crashed at start
     (["--allowed-origins", "https://ui.example/app"], "an allowed origin is * or scheme://host"),
     (["--ssl-certfile", "cert.pem"], "HTTPS needs both --ssl-certfile and --ssl-keyfile"),
     (["--ssl-certfile", os.path.join(TLS, "key.pem"), "--ssl-keyfile",
@@ -288,3 +289,13 @@ def test_a_model_that_is_not_there_is_one_line_not_a_traceback(command, tmp_path
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2
         assert message.format(model) in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_reasoning_parser_the_model_cannot_take_stops_the_frontend_with_one_line(
+        tiny_llama_dir):
+    proc = subprocess.run([sys.executable, "-m", "frontend", "--model", str(tiny_llama_dir),
+                           "--reasoning-parser", "qwen3"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2
+    assert ("cannot start the frontend: reasoning parser qwen3: the model's tokenizer has no "
+            "<think> token") in proc.stderr and "Traceback" not in proc.stderr
