@@ -90,8 +90,29 @@ def resolve_model_dir(model: Optional[str]) -> Path:
     return path
 
 
+def _default_folder() -> Path:
+    return Path(cache_dir()) / "models" / f"v{_LAYOUT_VERSION}" / DEFAULT_MODEL_NAME
+
+
+def _gguf_folder(path: Path) -> Path:
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return Path(cache_dir()) / "models" / f"v{_LAYOUT_VERSION}" / "gguf" / key / path.stem
+
+
+def materialization_pending(model: Optional[str]) -> bool:
+    """Whether resolve_model_dir(model) would first make the model's folder (the
+    default model's, or a GGUF file's, on its first use on this machine)."""
+    if model is None or model == DEFAULT_MODEL_NAME:
+        return not (_default_folder() / "model.safetensors").is_file()
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf" and path.is_file():
+        return not (_gguf_folder(path.resolve()) / GGUF_POINTER).is_file()
+    return False
+
+
 def materialize_default_model() -> Path:
-    target = Path(cache_dir()) / "models" / f"v{_LAYOUT_VERSION}" / DEFAULT_MODEL_NAME
+    target = _default_folder()
 
     def build(tmp: Path) -> None:
         gguf_path = _find_gguf()
@@ -105,10 +126,7 @@ def materialize_gguf_folder(path: Path) -> Path:
     """The folder that stands for GGUF file ``path`` (its metadata; the weights stay in
     the file), made on first use."""
     path = path.resolve()
-    stat = path.stat()
-    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    target = Path(cache_dir()) / "models" / f"v{_LAYOUT_VERSION}" / "gguf" / key / path.stem
-    return _materialize(target, GGUF_POINTER, lambda tmp: _gguf_metadata(path, tmp))
+    return _materialize(_gguf_folder(path), GGUF_POINTER, lambda tmp: _gguf_metadata(path, tmp))
 
 
 def _materialize(target: Path, marker: str, build) -> Path:

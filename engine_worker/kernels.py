@@ -24,6 +24,7 @@ llama.c runs a whole Llama-family forward pass in one call on top of it.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -480,6 +481,22 @@ def _compile(compiler: str, flags: list[str], out: Path) -> Optional[tuple[str, 
         return (" ".join(link), result.stderr.strip()) if result.returncode != 0 else None
 
 
+def _build(compiler: str, extra_flags: Sequence[str], target: Path) -> bool:
+    logger.info("building the CPU kernels for this CPU, once (cached in %s)", target.parent)
+    started = time.monotonic()
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    failed = _compile(compiler, _build_flags(extra_flags), Path(tmp))
+    if failed is not None:
+        os.unlink(tmp)
+        logger.warning("building the CPU kernels failed (%s): using the torch path\n%s",
+                       *failed)
+        return False
+    os.replace(tmp, target)  # atomic: a reader never sees half a file
+    logger.info("built the CPU kernels in %.1f s", time.monotonic() - started)
+    return True
+
+
 def _build_and_load(extra_flags: Sequence[str] = ()) -> Optional[CpuKernels]:
     """Build (or find in the cache) and load the kernels, compiled with the standard
     flags plus ``extra_flags``."""
@@ -491,18 +508,12 @@ def _build_and_load(extra_flags: Sequence[str] = ()) -> Optional[CpuKernels]:
     out_dir = target.parent
     if not target.is_file():
         out_dir.mkdir(parents=True, exist_ok=True)
-        logger.info("building the CPU kernels for this CPU, once (cached in %s)", out_dir)
-        started = time.monotonic()
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-        os.close(fd)
-        failed = _compile(compiler, _build_flags(extra_flags), Path(tmp))
-        if failed is not None:
-            os.unlink(tmp)
-            logger.warning("building the CPU kernels failed (%s): using the torch path\n%s",
-                           *failed)
-            return None
-        os.replace(tmp, target)  # atomic: concurrent builders each produce a whole file
-        logger.info("built the CPU kernels in %.1f s", time.monotonic() - started)
+        # One build at a time: a process that finds another building waits for it
+        # (engines started together; roseserve serve's build during a first start)
+        with open(target.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not target.is_file() and not _build(compiler, extra_flags, target):
+                return None
     try:
         return CpuKernels(ctypes.CDLL(str(target)))
     except OSError as e:

@@ -4,7 +4,10 @@ paged decode attention kernel against its definition."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -39,7 +42,8 @@ def test_a_compiler_that_fails_means_the_torch_path(monkeypatch, tmp_path, caplo
     monkeypatch.setenv("CC", "false")
     assert kernels._build_and_load() is None
     assert "building the CPU kernels failed" in caplog.text
-    assert not list((tmp_path / "kernels").glob("*"))  # no half-written file left
+    # no half-written file left (the build's lock file stays)
+    assert [p.suffix for p in (tmp_path / "kernels").glob("*")] == [".lock"]
 
 
 def test_a_head_dim_the_attention_kernel_cannot_do_takes_the_torch_path(tiny_llama_hd8_dir):
@@ -215,3 +219,17 @@ def test_the_kv_cache_dtype_is_checked():
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float32, "
                                          "bfloat16, fp8, got 'fp16'"):
         CacheConfig(kv_cache_dtype="fp16")
+
+
+def test_processes_starting_together_build_the_kernels_once(tmp_path):
+    """Engines started together on a fresh machine: one builds, the others wait for it
+    (each compiling too would make them all slower on the same cores)."""
+    code = ("import logging; logging.basicConfig(level=logging.INFO); "
+            "from engine_worker.kernels import cpu_kernels; assert cpu_kernels() is not None")
+    env = {**os.environ, "ROSESERVE_CACHE_DIR": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert sum(out.count("building the CPU kernels") for out in outs) == 1, outs

@@ -299,3 +299,28 @@ def test_a_reasoning_parser_the_model_cannot_take_stops_the_frontend_with_one_li
     assert proc.returncode == 2
     assert ("cannot start the frontend: reasoning parser qwen3: the model's tokenizer has no "
             "<think> token") in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_first_start_builds_the_cpu_kernels_while_the_model_folder_is_made(
+        monkeypatch, tmp_path, tiny_llama_dir):
+    """Only where a folder is to be made (the default model's, a GGUF file's first use)
+    and the engines run on the CPU kernels; the build's process fills the cache the
+    engines then read."""
+    from common import model_files
+    from engine_worker import kernels
+    from roseserve import cli, launcher
+
+    monkeypatch.setenv("ROSESERVE_CACHE_DIR", str(tmp_path))
+    assert model_files.materialization_pending(None)   # nothing in this cache yet
+    assert model_files.materialization_pending(str(model_files._find_gguf()))
+    assert not model_files.materialization_pending(str(tiny_llama_dir))   # a folder as it is
+
+    def args(*flags):
+        return cli.build_parser().parse_args(["serve", *flags])
+
+    assert launcher.prebuild_cpu_kernels(args("--model", str(tiny_llama_dir))) is None
+    assert launcher.prebuild_cpu_kernels(args("--device", "cuda")) is None
+    assert launcher.prebuild_cpu_kernels(args("--no-cpu-kernels")) is None
+    build = launcher.prebuild_cpu_kernels(args("--device", "cpu"))
+    assert build is not None and build.wait(timeout=600) == 0
+    assert kernels.cached_path().is_file()
