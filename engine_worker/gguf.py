@@ -30,7 +30,8 @@ file); the weights stay in the file and are read from it here, at start:
 
 Files of the llama, qwen2 and qwen3 architectures are served (common/model_files.py:
 GGUF_ARCHITECTURES); qwen2's q, k and v biases and qwen3's q and k norms are read as
-float32. For the llama architecture llama.cpp's converter stores the rows of attn_q and
+float32, and a RoPE scaling from the file (rope_scaling below), which the folder's
+config does not hold, divides the model's frequencies. For the llama architecture llama.cpp's converter stores the rows of attn_q and
 attn_k permuted for its RoPE (pairs of rotated dimensions
 interleaved); they are put back in Hugging Face's order (halves) as whole rows, so
 blocks are untouched. qwen2's and qwen3's RoPE is Hugging Face's: their rows are stored
@@ -295,10 +296,28 @@ class GgufWeights:
         return PackedLinear.from_packed(self.kernels, packed, fmt, out_features, in_features)
 
     def finish(self) -> None:
-        left = sorted(set(self.tensors) - self.taken - {"rope_freqs.weight"})
+        left = sorted(set(self.tensors) - self.taken)
         if left:
             raise ModelLoadError(f"{self.path.name} has {len(left)} tensor(s) this "
                                  f"architecture does not use, e.g. {left[:3]}")
+
+
+def rope_scaling(w: GgufWeights, head_dim: int) -> torch.Tensor:
+    """What divides each RoPE frequency (head_dim // 2,). llama.cpp's converter stores
+    Llama 3.1's scaling (Llama 3.2, 3.3) as that factor per frequency, the tensor
+    rope_freqs.weight, and a linear one as {arch}.rope.scaling.type and .factor;
+    transformers' reading of the file into a config keeps neither. Other types (yarn,
+    longrope) are refused, as in a Hugging Face folder."""
+    kind = w.reader.fields.get(f"{w.architecture}.rope.scaling.type", "none")
+    factors = torch.ones(head_dim // 2)
+    if "rope_freqs.weight" in w.tensors:
+        factors = w.dense("rope_freqs.weight", (head_dim // 2,))
+    if kind == "linear":
+        factors = factors * w.reader.fields.get(f"{w.architecture}.rope.scaling.factor", 1.0)
+    elif kind != "none":
+        raise ModelLoadError(f"{w.path.name}: unsupported rope scaling {kind!r}; supported: "
+                             f"linear, and llama3 (rope_freqs.weight)")
+    return factors
 
 
 @torch.no_grad()
@@ -335,6 +354,7 @@ def load_gguf(model, path: Path, kernels: CpuKernels) -> None:
     model.norm.weight.copy_(w.dense("output_norm.weight", (c,)))
     model.lm_head = w.linear(["output.weight" if "output.weight" in w.tensors
                               else "token_embd.weight"], c)
+    model.rotary.inv_freq = model.rotary.inv_freq / rope_scaling(w, cfg.head_dim)
     w.finish()
     counts = Counter(t.ggml_type for t in w.reader.tensors)
     kept = ", ".join(f"{n} {ggml_type_name(k)}" for k, n in counts.most_common()

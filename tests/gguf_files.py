@@ -26,6 +26,26 @@ def llama_cpp_rope_order(rows: np.ndarray, num_heads: int) -> np.ndarray:
             .reshape(rows.shape))
 
 
+def llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
+    """Llama 3.1's RoPE scaling as llama.cpp's converter stores it (rope_freqs.weight):
+    per frequency, what it is divided by: 1 for short wavelengths, ``factor`` for long
+    ones, and between them the inverse of the interpolated rescale."""
+    theta, factor = rope.get("rope_theta", 10000.0), rope.get("factor", 8.0)
+    low, high = rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old_len = rope.get("original_max_position_embeddings", 8192)
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+    out = []
+    for wavelen in 2 * np.pi / inv_freq:
+        if wavelen < old_len / high:
+            out.append(1.0)
+        elif wavelen > old_len / low:
+            out.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            out.append(1.0 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
 def gguf_tensor_name(name: str) -> str:
     if name == "model.embed_tokens.weight":
         return "token_embd.weight"
@@ -43,7 +63,7 @@ def gguf_from_hf(model_dir: Path, out: Path, arch: str, matrix_type: str = "F32"
     """``model_dir`` (a tiny Llama, Qwen2 or Qwen3) as a GGUF file of ``arch``; its matrices in
     ``matrix_type`` (F32, or a block type the gguf package quantizes: Q8_0...);
     ``name``: general.name (the folder's, unless given)."""
-    from gguf import GGMLQuantizationType, GGUFWriter, quants
+    from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType, quants
 
     config = json.loads((model_dir / "config.json").read_text())
     tok = json.loads((model_dir / "tokenizer.json").read_text())
@@ -56,10 +76,15 @@ def gguf_from_hf(model_dir: Path, out: Path, arch: str, matrix_type: str = "F32"
     w.add_feed_forward_length(config["intermediate_size"])
     w.add_head_count(config["num_attention_heads"])
     w.add_head_count_kv(config["num_key_value_heads"])
-    rope = config.get("rope_parameters") or {}
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     w.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if rope.get("rope_type") in ("linear", "yarn"):
+        w.add_rope_scaling_type(RopeScalingType(rope["rope_type"]))
+        w.add_rope_scaling_factor(rope["factor"])
+    elif rope.get("rope_type") == "llama3":   # a tensor of its own
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, head_dim))
     if arch == "llama":
         w.add_vocab_size(config["vocab_size"])
         w.add_rope_dimension_count(head_dim)

@@ -425,6 +425,45 @@ def test_a_file_as_llama_cpp_converts_a_checkpoint_serves_what_the_checkpoint_do
     assert ours.generate(prompts, greedy(12)) == theirs.generate(prompts, greedy(12))
 
 
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 64},   # long wavelengths at head_dim 16: scaled
+    {"rope_type": "linear", "factor": 4.0}], ids=["llama3", "linear"])
+def test_a_files_rope_scaling_is_served_as_the_checkpoints(rope, tiny_llama_dir, tmp_path):
+    """llama.cpp's converter stores Llama 3.1's RoPE scaling (Llama 3.2, 3.3) as a
+    tensor of factors, rope_freqs.weight, and a linear one in the metadata; neither
+    reaches the config transformers reads from the file (they were left out: another
+    frequency for most dimensions, at every position)."""
+    import shutil
+
+    model = tmp_path / "scaled"
+    shutil.copytree(tiny_llama_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    config["rope_parameters"] = {**rope, "rope_theta": 10000.0}
+    (model / "config.json").write_text(json.dumps(config))
+    path = gguf_from_hf(model, tmp_path / "scaled.gguf", "llama")
+    ours, theirs = make_engine(resolve_model_dir(str(path))), make_engine(model)
+    inv_freq = theirs.runner.model.rotary.inv_freq
+    plain = make_engine(tiny_llama_dir).runner.model.rotary.inv_freq
+    assert not torch.allclose(inv_freq, plain)   # the scaling changes the frequencies
+    torch.testing.assert_close(ours.runner.model.rotary.inv_freq, inv_freq, rtol=1e-6, atol=0)
+    prompts = [[1, 2, 3, 4], list(range(100, 180))]
+    assert ours.generate(prompts, greedy(12)) == theirs.generate(prompts, greedy(12))
+
+
+def test_a_rope_scaling_not_served_is_refused_by_name(tiny_llama_dir, tmp_path):
+    import shutil
+
+    model = tmp_path / "yarn"
+    shutil.copytree(tiny_llama_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    (model / "config.json").write_text(json.dumps(config))
+    path = gguf_from_hf(model, tmp_path / "yarn.gguf", "llama")
+    with pytest.raises(ModelLoadError, match="yarn.gguf: unsupported rope scaling 'yarn'"):
+        make_engine(resolve_model_dir(str(path)))
+
+
 def test_a_qwen2_file_with_q8_0_blocks_serves_through_the_real_processes(tiny_qwen2_dir,
                                                                          tmp_path):
     """Its matrices as Q8_0 (the int8 format, as they are), its biases and norms F32, the
