@@ -214,6 +214,10 @@ class GgufWeights:
         self.architecture = self.reader.fields.get("general.architecture")
         if self.architecture not in GGUF_ARCHITECTURES:
             raise unserved_gguf_architecture(path.name, self.architecture)
+        experts = self.reader.fields.get(f"{self.architecture}.expert_count", 0)
+        if experts:   # llama.cpp stores Mixtral as llama
+            raise ModelLoadError(f"{path.name} is a mixture of experts ({experts} experts "
+                                 f"a layer); roseserve serves dense models")
         self.restored = restored_types()
         known = {*GGUF_FORMATS, *DENSE_FORMATS, *self.restored}
         bad = [f"{t.name} ({t.type_name})" for t in self.reader.tensors

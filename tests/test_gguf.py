@@ -464,6 +464,27 @@ def test_a_rope_scaling_not_served_is_refused_by_name(tiny_llama_dir, tmp_path):
         make_engine(resolve_model_dir(str(path)))
 
 
+def test_a_mixture_of_experts_stored_as_llama_is_refused_by_name(tmp_path):
+    """llama.cpp stores Mixtral as the llama architecture, its experts' tensors in place
+    of the MLP's: refused as such, not as a file that lacks blk.0.ffn_gate.weight."""
+    from gguf import GGUFWriter
+
+    from engine_worker.gguf import GgufWeights
+
+    path = tmp_path / "mixtral.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_expert_count(8)
+    w.add_expert_used_count(2)
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match="mixtral.gguf is a mixture of experts "
+                                             r"\(8 experts a layer\)"):
+        GgufWeights(path, kernels.cpu_kernels())
+
+
 def test_a_qwen2_file_with_q8_0_blocks_serves_through_the_real_processes(tiny_qwen2_dir,
                                                                          tmp_path):
     """Its matrices as Q8_0 (the int8 format, as they are), its biases and norms F32, the
