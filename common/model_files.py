@@ -126,7 +126,14 @@ def materialize_gguf_folder(path: Path) -> Path:
     """The folder that stands for GGUF file ``path`` (its metadata; the weights stay in
     the file), made on first use."""
     path = path.resolve()
-    return _materialize(_gguf_folder(path), GGUF_POINTER, lambda tmp: _gguf_metadata(path, tmp))
+
+    def build(tmp: Path) -> None:
+        logger.info("reading %s's tokenizer, chat template and config into %s (once)",
+                    path.name, target)
+        _gguf_metadata(path, tmp)
+
+    target = _gguf_folder(path)
+    return _materialize(target, GGUF_POINTER, build)
 
 
 def _materialize(target: Path, marker: str, build) -> Path:
