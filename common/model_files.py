@@ -90,6 +90,10 @@ def resolve_model_dir(model: Optional[str]) -> Path:
     return path
 
 
+# The file whose presence says the default model's folder is whole.
+_DEFAULT_MARKER = "model.safetensors"
+
+
 def _default_folder() -> Path:
     return Path(cache_dir()) / "models" / f"v{_LAYOUT_VERSION}" / DEFAULT_MODEL_NAME
 
@@ -104,7 +108,7 @@ def materialization_pending(model: Optional[str]) -> bool:
     """Whether resolve_model_dir(model) would first make the model's folder (the
     default model's, or a GGUF file's, on its first use on this machine)."""
     if model is None or model == DEFAULT_MODEL_NAME:
-        return not (_default_folder() / "model.safetensors").is_file()
+        return not (_default_folder() / _DEFAULT_MARKER).is_file()
     path = Path(model).expanduser()
     if path.suffix == ".gguf" and path.is_file():
         return not (_gguf_folder(path.resolve()) / GGUF_POINTER).is_file()
@@ -119,7 +123,7 @@ def materialize_default_model() -> Path:
         logger.info("materializing %s from %s into %s", DEFAULT_MODEL_NAME, gguf_path, target)
         _convert_gguf(gguf_path, tmp)
 
-    return _materialize(target, "model.safetensors", build)
+    return _materialize(target, _DEFAULT_MARKER, build)
 
 
 def materialize_gguf_folder(path: Path) -> Path:
@@ -237,4 +241,4 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         if parts[-2] in heads:
             values = values[unpermute_rows(len(values), heads[parts[-2]])]
         weights[name] = np.ascontiguousarray(values.reshape(t.shape[::-1]))
-    save_file(weights, out_dir / "model.safetensors", metadata={"format": "pt"})
+    save_file(weights, out_dir / _DEFAULT_MARKER, metadata={"format": "pt"})

@@ -31,11 +31,11 @@ file); the weights stay in the file and are read from it here, at start:
 Files of the llama, qwen2 and qwen3 architectures are served (common/model_files.py:
 GGUF_ARCHITECTURES); qwen2's q, k and v biases and qwen3's q and k norms are read as
 float32, and a RoPE scaling from the file (rope_scaling below), which the folder's
-config does not hold, divides the model's frequencies. For the llama architecture llama.cpp's converter stores the rows of attn_q and
-attn_k permuted for its RoPE (pairs of rotated dimensions
-interleaved); they are put back in Hugging Face's order (halves) as whole rows, so
-blocks are untouched. qwen2's and qwen3's RoPE is Hugging Face's: their rows are stored
-as they are.
+config does not hold, divides the model's frequencies. For the llama architecture
+llama.cpp's converter stores the rows of attn_q and attn_k permuted for its RoPE (pairs
+of rotated dimensions interleaved); they are put back in Hugging Face's order (halves)
+as whole rows, so blocks are untouched. qwen2's and qwen3's RoPE is Hugging Face's:
+their rows are stored as they are.
 """
 
 from __future__ import annotations
@@ -334,8 +334,8 @@ def load_gguf(model, path: Path, kernels: CpuKernels) -> None:
     if cfg.o_bias or cfg.mlp_bias:
         raise ModelLoadError(f"{path.name}: output or MLP biases are not served from GGUF "
                              f"files")
-    # llama.cpp's converter stores q and k in its RoPE order for the llama architecture; qwen2's and qwen3's RoPE is Hugging Face's, their rows are
-    # as they were
+    # llama.cpp's converter stores q and k in its RoPE order for the llama architecture;
+    # qwen2's and qwen3's RoPE is Hugging Face's, their rows are as they were
     heads = [cfg.num_heads, cfg.num_kv_heads, None] if w.architecture == "llama" else None
     q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     model.embed_tokens.weight.copy_(w.dense("token_embd.weight", (cfg.vocab_size, c)))

@@ -464,20 +464,24 @@ def _compile(compiler: str, flags: list[str], out: Path) -> Optional[tuple[str, 
         objects = [str(Path(tmp) / f"{source.stem}.o") for source in _SOURCES]
         compiles = [[compiler, *(f for f in flags if f != "-shared"), "-c", str(source),
                      "-o", obj] for source, obj in zip(_SOURCES, objects)]
+        jobs: list[subprocess.Popen] = []
         try:
-            jobs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                     text=True) for cmd in compiles]
+            for cmd in compiles:
+                jobs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
+                                             stderr=subprocess.PIPE, text=True))
             for cmd, job in zip(compiles, jobs):
                 _, error = job.communicate()
                 if job.returncode != 0:
-                    for other in jobs:
-                        other.kill()
-                        other.wait()
                     return " ".join(cmd), error.strip()
             link = [compiler, *flags, *objects, "-o", str(out), "-lm"]
             result = subprocess.run(link, capture_output=True, text=True)
         except OSError as e:  # the compiler vanished, or is not executable
             return compiler, str(e)
+        finally:   # the others, when one failed
+            for job in jobs:
+                if job.poll() is None:
+                    job.kill()
+                    job.wait()
         return (" ".join(link), result.stderr.strip()) if result.returncode != 0 else None
 
 

@@ -234,13 +234,15 @@ def prebuild_cpu_kernels(args: argparse.Namespace) -> Optional[subprocess.Popen]
 
 def serve(args: argparse.Namespace) -> int:
     prebuild = prebuild_cpu_kernels(args)
-    try:
-        model_dir = str(resolve_model_dir(args.model))  # once, before the children
-    except BaseException:
-        if prebuild is not None:
+    try:   # the model's folder made once, before the children
+        return _serve(args, str(resolve_model_dir(args.model)))
+    finally:
+        if prebuild is not None:   # done long ago, unless start-up failed early
             prebuild.kill()
             prebuild.wait()
-        raise
+
+
+def _serve(args: argparse.Namespace, model_dir: str) -> int:
     run_dir = tempfile.mkdtemp(prefix="roseserve-")
     stack = components(args, model_dir, run_dir)
 
@@ -276,9 +278,6 @@ def serve(args: argparse.Namespace) -> int:
         stop_all(frontends, timeout_s)
         stop_all([c for c in stack if c not in frontends], timeout_s)
         shutil.rmtree(run_dir, ignore_errors=True)
-        if prebuild is not None:   # done long ago, unless start-up failed early
-            prebuild.kill()
-            prebuild.wait()
     return code
 
 
