@@ -30,9 +30,11 @@ tests pass an eager stand-in (the callable itself) to check this bookkeeping on 
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import logging
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -69,6 +71,24 @@ def prompt_graph_seqs(max_seqs: int) -> int:
     return min(PROMPT_GRAPH_SEQS, max_seqs)
 
 
+@contextlib.contextmanager
+def collection_paused() -> Iterator[None]:
+    """No cyclic garbage collection inside: what a capture needs. A capture in CUDA's
+    global mode is invalidated by any call the driver forbids while a stream captures,
+    and destroying a CUDA graph is one. Objects in reference cycles (an earlier
+    engine's graph runner and its graphs) are freed when the collector runs, which
+    an allocation anywhere in the process can trigger; torch no longer collects before
+    a capture. Seen on an H200: "operation failed due to a previous error during
+    capture", the earlier engines' graphs reset in the same millisecond."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 class CudaGraphCapture:
     """Captures callables into CUDA graphs that share one memory pool."""
 
@@ -79,7 +99,7 @@ class CudaGraphCapture:
         fn()  # warm-up outside the capture: autotuning, lazy initialization
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with collection_paused(), torch.cuda.graph(graph, pool=self.pool):
             out = fn()
 
         def replay() -> torch.Tensor:

@@ -6,6 +6,8 @@ ones capture real graphs."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -347,6 +349,59 @@ def test_cuda_graphs_equal_eager_exactly(tiny_llama_dir):
     graphed = triton_engine(tiny_llama_dir, enforce_eager=False)
     assert graphed.runner.graphs is not None
     assert graphed.generate(prompts, greedy(8)) == eager
+
+
+class FakeGraphs:
+    """torch.cuda's graph API as the driver behaves in global capture mode, for a CPU:
+    destroying a graph while another is being captured fails that capture."""
+    capturing = False
+    invalidated = False
+
+    class CUDAGraph:
+        def replay(self) -> None:  # the capture ran the step eagerly: its output stands
+            pass
+
+        def __del__(self) -> None:
+            FakeGraphs.invalidated |= FakeGraphs.capturing
+
+    @staticmethod
+    @contextlib.contextmanager
+    def graph(graph, pool=None):
+        FakeGraphs.capturing = True
+        try:
+            yield
+        finally:
+            FakeGraphs.capturing = False
+        if FakeGraphs.invalidated:
+            raise RuntimeError("operation failed due to a previous error during capture")
+
+
+def test_a_graph_the_collector_frees_does_not_fail_a_capture(monkeypatch):
+    """An earlier engine's graphs, held in a reference cycle, are destroyed whenever the
+    collector runs, which any allocation can trigger; during a capture that fails it
+    (seen once on an H200). Real graphs on a GPU; on a CPU, FakeGraphs."""
+    from engine_worker.gpu.graphs import CudaGraphCapture
+
+    if DEVICE == "cpu":
+        for name in ("CUDAGraph", "graph"):
+            monkeypatch.setattr(torch.cuda, name, getattr(FakeGraphs, name))
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+        monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    capture = CudaGraphCapture()
+    x = torch.ones(4, device=DEVICE)
+    earlier = [capture(lambda: x * 2)]
+    calls = []
+
+    def step():
+        calls.append(1)
+        if len(calls) == 2:  # in the capture (the first call is its warm-up)
+            cycle = [earlier.pop()]
+            cycle.append(cycle)
+            del cycle  # garbage now, freed only by the collector
+            garbage = [[] for _ in range(20_000)]  # enough to trigger a collection
+            del garbage
+        return x + 1
+    assert capture(step)().tolist() == [2.0] * 4
 
 
 @pytest.mark.cuda
