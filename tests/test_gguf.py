@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from common.errors import ModelLoadError
+from common.protocol import SamplingParams
 from common.model_files import (_convert_gguf, _find_gguf, materialize_default_model,
                                 resolve_model_dir)
 from common.tokenizer import load_tokenizer
@@ -369,6 +370,19 @@ def test_a_gguf_file_served_through_the_real_processes(gguf_path, tmp_path):
         assert choice["prompt_token_ids"] == CHAT_IDS
         assert choice["token_ids"] == \
             make_engine(resolve_model_dir(str(gguf_path))).generate([CHAT_IDS], greedy(8))[0]
+
+
+def test_every_end_of_turn_token_of_a_gguf_file_ends_generation(tiny_llama3_dir, gguf_path,
+                                                                tmp_path):
+    """A file names one EOS; its other control tokens that end a turn (Llama 3's
+    <|eom_id|> after a tool call, ChatML's <|endoftext|>) end generation too."""
+    path = gguf_from_hf(tiny_llama3_dir, tmp_path / "llama3.gguf", "llama")
+    engine = make_engine(resolve_model_dir(str(path)))
+    assert engine.eos_token_ids == {50256, 50258}   # <|endoftext|>, <|eom_id|>
+    eom = SamplingParams(max_tokens=6, temperature=0, logit_bias={50258: 100})
+    assert engine.generate([[9, 8, 7]], eom) == [[50258]]
+    # <|im_end|> (the file's EOS) and <|endoftext|>; not <|im_start|> nor the others
+    assert make_engine(resolve_model_dir(str(gguf_path))).eos_token_ids == {2, 0}
 
 
 def test_a_llama_file_dequantized_into_a_folder_is_the_checkpoint_it_came_from(
