@@ -195,6 +195,7 @@ def test_gpu_profile_smoke_on_the_cpu(tiny_llama_dir):
     assert "=== batch 1: prefill" in out and "=== batch 3: prefill" in out
     assert out.count("decode step:") == 2 and "time to first token (8-token prompt)" in out
     assert out.count("ncalls  tottime") == 2  # cProfile's table of the host functions
+    assert out.count("the collector: ") == 2
 
 
 def test_gpu_profile_hands_its_kv_cache_dtype_to_the_engine(tiny_llama_dir):
