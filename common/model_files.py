@@ -193,7 +193,11 @@ def _materialize(target: Path, marker: str, build) -> Path:
     return target
 
 
-def _gguf_metadata(path: Path, out_dir: Path) -> None:
+def _gguf_metadata(path: Path, out_dir: Path, end_of_turn_tokens: bool = True) -> None:
+    """config.json, generation_config.json and the tokenizer's files from a GGUF file's
+    metadata. end_of_turn_tokens: generation ends at every token end_of_generation_ids
+    finds, as llama.cpp serves the file (else at the file's EOS, as the checkpoint it
+    was converted from)."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     folder, name = str(path.parent), path.name
@@ -216,7 +220,8 @@ def _gguf_metadata(path: Path, out_dir: Path) -> None:
         config.head_dim = head_dim
     config.save_pretrained(out_dir)
     generation = GenerationConfig.from_model_config(config)
-    generation.eos_token_id = end_of_generation_ids(fields) or config.eos_token_id
+    if end_of_turn_tokens:
+        generation.eos_token_id = end_of_generation_ids(fields) or config.eos_token_id
     generation.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     (out_dir / GGUF_POINTER).write_text(json.dumps({"file": str(path)}))
@@ -254,7 +259,8 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     from gguf import quants
     from safetensors.numpy import save_file
 
-    _gguf_metadata(gguf_path, out_dir)
+    # Hugging Face's checkpoint ends generation at its EOS alone
+    _gguf_metadata(gguf_path, out_dir, end_of_turn_tokens=False)
     (out_dir / GGUF_POINTER).unlink()   # the weights are in the folder
     config = json.loads((out_dir / "config.json").read_text())
     config["dtype"] = "float32"

@@ -375,7 +375,8 @@ def test_a_gguf_file_served_through_the_real_processes(gguf_path, tmp_path):
 def test_every_end_of_turn_token_of_a_gguf_file_ends_generation(tiny_llama3_dir, gguf_path,
                                                                 tmp_path):
     """A file names one EOS; its other control tokens that end a turn (Llama 3's
-    <|eom_id|> after a tool call, ChatML's <|endoftext|>) end generation too."""
+    <|eom_id|> after a tool call, ChatML's <|endoftext|>) end generation too, when the
+    file is served as it is."""
     path = gguf_from_hf(tiny_llama3_dir, tmp_path / "llama3.gguf", "llama")
     engine = make_engine(resolve_model_dir(str(path)))
     assert engine.eos_token_ids == {50256, 50258}   # <|endoftext|>, <|eom_id|>
@@ -383,6 +384,11 @@ def test_every_end_of_turn_token_of_a_gguf_file_ends_generation(tiny_llama3_dir,
     assert engine.generate([[9, 8, 7]], eom) == [[50258]]
     # <|im_end|> (the file's EOS) and <|endoftext|>; not <|im_start|> nor the others
     assert make_engine(resolve_model_dir(str(gguf_path))).eos_token_ids == {2, 0}
+    # The default model's folder is the checkpoint's, which ends at its EOS alone.
+    out = tmp_path / "folder"
+    out.mkdir()
+    _convert_gguf(path, out)
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 50256
 
 
 def test_a_llama_file_dequantized_into_a_folder_is_the_checkpoint_it_came_from(
