@@ -102,7 +102,7 @@ class StreamOptions(BaseModel):
 class _SamplingFields(BaseModel):
     model_config = _STRICT
 
-    model: str
+    model: Optional[str] = None   # the first name served (vLLM's, llama.cpp's)
     temperature: Temperature = 1.0
     top_p: TopP = 1.0
     n: int = Field(1, ge=1, le=64)

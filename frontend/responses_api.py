@@ -152,7 +152,7 @@ class ResponsesStreamOptions(BaseModel):
 
 class ResponsesRequest(OpenAINoOpFields):
     stored: ClassVar[str] = "responses"
-    model: str
+    model: Optional[str] = None
     input: Union[str, list[Item]]
     instructions: Optional[str] = None
     max_output_tokens: Optional[Count] = None

@@ -125,13 +125,16 @@ class Pipeline:
 
     def open(self, body, received: float, prefix: Optional[str] = None) -> Job:
         """A Job for a parsed completion or chat request (it holds nothing yet); its id
-        is ``prefix`` then hex digits, by default the endpoint's (chatcmpl-, cmpl-)."""
-        self.check_model(body.model)
+        is ``prefix`` then hex digits, by default the endpoint's (chatcmpl-, cmpl-). A
+        request that names no model gets the first name served."""
+        if body.model is not None:
+            self.check_model(body.model)
         prefix = prefix or ("chatcmpl-" if isinstance(body, ChatCompletionRequest) else "cmpl-")
         timeout = self.config.request_timeout_s
         self.num_jobs += 1
         return Job(request_id=prefix + uuid.uuid4().hex, created=int(time.time()),
-                   model=body.model, received=received, stream=bool(body.stream),
+                   model=body.model or self.model_name, received=received,
+                   stream=bool(body.stream),
                    on_close=self._closed,
                    deadline=None if timeout is None else received + timeout)
 

@@ -1,7 +1,7 @@
 """The API fields and endpoints clients of vLLM and OpenAI rely on, end to end on the
 tiny model: logit_bias, allowed_token_ids, bad_words, include_stop_str_in_output,
 echo, best_of, stop_reason, continue_final_message, /tokenize, /detokenize, /version,
-/v1/models/{id} and model name aliases."""
+/v1/models/{id}, model name aliases and requests that name no model."""
 
 from __future__ import annotations
 
@@ -178,6 +178,22 @@ def test_version_models_and_aliases(url):
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     by_alias = post(url, model="tiny", prompt="x", max_tokens=2)
     assert by_alias.status_code == 200 and by_alias.json()["model"] == "tiny"
+
+
+def test_a_request_without_a_model_gets_the_first_name_served(url):
+    """model may be left out (vLLM and llama.cpp's server take that): the response
+    names the first name served; the same tokens as a request that names it."""
+    named = greedy(url)["token_ids"]
+    for path, body in [("/v1/completions", {"prompt": "The sky is", "max_tokens": 4}),
+                       ("/v1/chat/completions",
+                        {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}),
+                       ("/v1/responses", {"input": "Hi", "max_output_tokens": 4})]:
+        r = httpx.post(url + path, json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == "tiny-llama", (path, r.text)
+    r = httpx.post(url + "/v1/completions", json={
+        "prompt": "The sky is", "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+        "return_token_ids": True}, timeout=60)
+    assert r.json()["choices"][0]["token_ids"] == named
 
 
 def test_an_unknown_route_or_method_is_told_what_is_served(url):
