@@ -490,13 +490,17 @@ def _build(compiler: str, extra_flags: Sequence[str], target: Path) -> bool:
     started = time.monotonic()
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    failed = _compile(compiler, _build_flags(extra_flags), Path(tmp))
+    try:
+        failed = _compile(compiler, _build_flags(extra_flags), Path(tmp))
+        if failed is None:
+            os.replace(tmp, target)  # atomic: a reader never sees half a file
+    finally:   # failed, or stopped (roseserve serve ends its build with SIGTERM)
+        if os.path.exists(tmp):
+            os.unlink(tmp)
     if failed is not None:
-        os.unlink(tmp)
         logger.warning("building the CPU kernels failed (%s): using the torch path\n%s",
                        *failed)
         return False
-    os.replace(tmp, target)  # atomic: a reader never sees half a file
     logger.info("built the CPU kernels in %.1f s", time.monotonic() - started)
     return True
 

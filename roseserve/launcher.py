@@ -227,9 +227,27 @@ def prebuild_cpu_kernels(args: argparse.Namespace) -> Optional[subprocess.Popen]
         args.device == "auto" and os.path.exists("/dev/nvidiactl"))
     if on_gpu or args.no_cpu_kernels or not materialization_pending(args.model):
         return None
-    code = ("import logging; logging.basicConfig(level=logging.INFO, format='%(message)s'); "
+    # SIGTERM ends it as an exception would: its compilers stopped, its files removed
+    code = ("import logging, signal, sys; signal.signal(signal.SIGTERM, lambda *_: sys.exit(1)); "
+            "logging.basicConfig(level=logging.INFO, format='%(message)s'); "
             "from engine_worker.kernels import cpu_kernels; cpu_kernels()")
-    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL)
+    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def stop_prebuild(prebuild: subprocess.Popen) -> None:
+    """The kernels' build stopped, with its compilers (done long ago, unless start-up
+    failed early)."""
+    prebuild.terminate()
+    try:
+        prebuild.wait(timeout=STARTUP_STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pass
+    try:   # its session: the compilers, had it not stopped them
+        os.killpg(prebuild.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    prebuild.wait()
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -237,9 +255,8 @@ def serve(args: argparse.Namespace) -> int:
     try:   # the model's folder made once, before the children
         return _serve(args, str(resolve_model_dir(args.model)))
     finally:
-        if prebuild is not None:   # done long ago, unless start-up failed early
-            prebuild.kill()
-            prebuild.wait()
+        if prebuild is not None:
+            stop_prebuild(prebuild)
 
 
 def _serve(args: argparse.Namespace, model_dir: str) -> int:

@@ -324,3 +324,41 @@ def test_a_first_start_builds_the_cpu_kernels_while_the_model_folder_is_made(
     build = launcher.prebuild_cpu_kernels(args("--device", "cpu"))
     assert build is not None and build.wait(timeout=600) == 0
     assert kernels.cached_path().is_file()
+
+
+def test_a_start_that_cannot_make_the_model_folder_stops_its_kernel_build(
+        monkeypatch, tmp_path):
+    """The model's folder fails while the kernels' build started beside it compiles:
+    the build stops with it, its compilers and its files too."""
+    from common.errors import ModelLoadError
+    from roseserve import cli, launcher
+
+    monkeypatch.setenv("ROSESERVE_CACHE_DIR", str(tmp_path))
+    kernels = tmp_path / "kernels"
+    builds = []
+    start = launcher.prebuild_cpu_kernels
+    monkeypatch.setattr(launcher, "prebuild_cpu_kernels",
+                        lambda args: builds.append(start(args)) or builds[-1])
+
+    def fails_mid_build(model):
+        deadline = time.monotonic() + 120
+        while not (kernels.is_dir() and any(p.is_dir() for p in kernels.iterdir())):
+            assert time.monotonic() < deadline and builds[0].poll() is None
+            time.sleep(0.02)
+        raise ModelLoadError("bad.gguf: not a model")
+    monkeypatch.setattr(launcher, "resolve_model_dir", fails_mid_build)
+    with pytest.raises(ModelLoadError):
+        launcher.serve(cli.build_parser().parse_args(["serve", "--device", "cpu"]))
+    assert len(builds) == 1 and builds[0].returncode is not None
+    deadline = time.monotonic() + 2   # no compiler of its runs on (a compile: 6-10 s)
+    while _commands_naming(str(kernels)):
+        assert time.monotonic() < deadline, _commands_naming(str(kernels))
+        time.sleep(0.05)
+    # no compile folder, no half-built library: the build lock alone
+    assert [p.suffix for p in kernels.iterdir()] == [".lock"]
+
+
+def _commands_naming(text: str) -> list[str]:
+    """The command lines of the processes running whose arguments hold ``text``."""
+    return [" ".join(p.info["cmdline"]) for p in psutil.process_iter(["cmdline"])
+            if any(text in a for a in p.info["cmdline"] or ())]
