@@ -373,12 +373,17 @@ def test_a_gguf_file_served_through_the_real_processes(gguf_path, tmp_path):
 
 
 def test_every_end_of_turn_token_of_a_gguf_file_ends_generation(tiny_llama3_dir, gguf_path,
-                                                                tmp_path):
+                                                                tmp_path, caplog):
     """A file names one EOS; its other control tokens that end a turn (Llama 3's
     <|eom_id|> after a tool call, ChatML's <|endoftext|>) end generation too, when the
-    file is served as it is."""
+    file is served as it is. Its folder is made once, and says so."""
     path = gguf_from_hf(tiny_llama3_dir, tmp_path / "llama3.gguf", "llama")
-    engine = make_engine(resolve_model_dir(str(path)))
+    with caplog.at_level("INFO", logger="common.model_files"):
+        folder = resolve_model_dir(str(path))
+        assert resolve_model_dir(str(path)) == folder
+    assert [r.getMessage() for r in caplog.records] == [
+        f"reading llama3.gguf's tokenizer, chat template and config into {folder} (once)"]
+    engine = make_engine(folder)
     assert engine.eos_token_ids == {50256, 50258}   # <|endoftext|>, <|eom_id|>
     eom = SamplingParams(max_tokens=6, temperature=0, logit_bias={50258: 100})
     assert engine.generate([[9, 8, 7]], eom) == [[50258]]
