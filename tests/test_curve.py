@@ -112,6 +112,50 @@ def test_a_peer_without_the_key_can_neither_submit_nor_read(curve_engine, keys):
     assert after.num_prompt_tokens_computed - before.num_prompt_tokens_computed <= len(PROMPT)
 
 
+def test_a_served_client_refused_at_reconnection_says_hello_once_a_heartbeat(keys):
+    """A client that was served, reconnecting to a service that now refuses its key (it
+    restarted with another): ZeroMQ reconnects every 100 ms and each handshake fails;
+    the client says Hello at most once a heartbeat, not at each reconnection (each
+    Hello waits in its queue for a service that takes it)."""
+    from common.curve import CurveServer
+
+    cluster, other = keys
+    ctx = zmq.Context()
+    server = CurveServer(ctx, other)
+    router = ctx.socket(zmq.ROUTER)
+    server.secure(router)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+
+    async def main():
+        client = EngineClient(f"tcp://127.0.0.1:{port}", curve_key=cluster,
+                              heartbeat_interval_s=1.0)
+        hellos, connections = [], []
+        say_hello, on_event = client._say_hello, client._on_connection_event
+
+        def counted_hello():
+            hellos.append(1)
+            say_hello()
+
+        def counted_event(event):
+            connections.append(event)
+            on_event(event)
+        client._say_hello, client._on_connection_event = counted_hello, counted_event
+        client.ready = object()   # served before the service restarted
+        await client.connect()
+        await asyncio.sleep(3.0)
+        await client.close()
+        return len(hellos), connections.count(zmq.EVENT_CONNECTED)
+
+    try:
+        said, reconnections = run(main())
+    finally:
+        router.close(linger=0)
+        server.stop()
+        ctx.term()
+    assert reconnections >= 10   # ZeroMQ's: one per 100 ms
+    assert 1 <= said <= 4, said   # 0, 1 and 3 s (the heartbeat's backoff)
+
+
 def test_the_health_check_needs_the_key_too(curve_engine, keys):
     assert check_service("engine", curve_engine.address, 5, 300, curve_key=keys[0]) is None
     problem = check_service("engine", curve_engine.address, 1, 300)
