@@ -182,12 +182,17 @@ class CompletionFormatter(Formatter):
     def __init__(self, job: Job, token_text: TokenText) -> None:
         super().__init__(job, token_text)
         self.offsets = [len(self.echo(i)) for i in range(len(job.choices))]
+        # Streamed echo with logprobs: the choices whose prompt is still to be sent,
+        # with the first chunk of their own, which brings the prompt's logprobs.
+        self.echo_pending = (set(range(len(job.choices)))
+                             if job.echo is not None and job.num_logprobs is not None
+                             else set())
 
     def echo(self, index: int) -> str:
         return "" if self.job.echo is None else self.job.echo[index // self.job.n]
 
     def first_chunks(self) -> list[dict]:
-        if self.job.echo is None:
+        if self.job.echo is None or self.echo_pending:
             return []
         return [self._chunk({"index": index, "text": self.echo(index), "logprobs": None,
                              "finish_reason": None})
@@ -201,28 +206,30 @@ class CompletionFormatter(Formatter):
             echo = self.echo(index)
             out["logprobs"] = completion_logprobs(c.logprobs, self.token_text, len(echo))
             if self.job.echo is not None:
-                prompt = self._echo_logprobs(c)
-                for key in prompt:
-                    out["logprobs"][key] = prompt[key] + out["logprobs"][key]
+                self._echo_logprobs(out["logprobs"], c)
         self._prompt_logprobs(out, index)
         self._token_ids(out, index, c.token_ids)
         return out
 
-    def _echo_logprobs(self, c) -> dict:
-        """The prompt's part of echo's logprobs: its first token has none."""
+    def _echo_logprobs(self, logprobs: dict, c) -> None:
+        """Puts the prompt's part of echo's logprobs before ``logprobs``' (its first
+        token has none)."""
         n = self.job.num_logprobs
         first = c.prompt_token_ids[0]
         entries = [(t, TokenLogprobs(lp.logprob, lp.top_token_ids[:n], lp.top_logprobs[:n]))
                    for t, lp in zip(c.prompt_token_ids[1:], c.prompt_logprobs or [])]
         rest = completion_logprobs(entries, self.token_text, len(self.token_text(first)))
-        return {"tokens": [self.token_text(first)] + rest["tokens"],
-                "token_logprobs": [None] + rest["token_logprobs"],
-                "top_logprobs": [None] + rest["top_logprobs"],
-                "text_offset": [0] + rest["text_offset"]}
+        prompt = {"tokens": [self.token_text(first)] + rest["tokens"],
+                  "token_logprobs": [None] + rest["token_logprobs"],
+                  "top_logprobs": [None] + rest["top_logprobs"],
+                  "text_offset": [0] + rest["text_offset"]}
+        for key in prompt:
+            logprobs[key] = prompt[key] + logprobs[key]
 
     def chunk_choice(self, delta: Delta) -> Optional[dict]:
-        if not delta.text and delta.finish_reason is None and not (
-                self.job.return_token_ids or delta.logprobs):
+        echo = delta.index in self.echo_pending
+        if not (echo or delta.text or delta.finish_reason is not None
+                or self.job.return_token_ids or delta.logprobs):
             return None
         out = {"index": delta.index, "text": delta.text, "logprobs": None,
                "finish_reason": delta.finish_reason}
@@ -231,6 +238,10 @@ class CompletionFormatter(Formatter):
         if self.job.num_logprobs is not None:
             out["logprobs"] = completion_logprobs(delta.logprobs, self.token_text,
                                                   self.offsets[delta.index])
+        if echo:   # the prompt and its logprobs before the first tokens
+            self.echo_pending.discard(delta.index)
+            out["text"] = self.echo(delta.index) + delta.text
+            self._echo_logprobs(out["logprobs"], self.job.choices[delta.index])
         self.offsets[delta.index] += len(delta.text)
         self._prompt_logprobs(out, delta.index)
         self._token_ids(out, delta.index, delta.token_ids)

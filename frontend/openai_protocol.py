@@ -254,14 +254,6 @@ class CompletionRequest(_SamplingFields):
                              f"max_tokens (0)")
         return value
 
-    @field_validator("echo")
-    @classmethod
-    def _echo_logprobs_whole(cls, value, info):
-        if value and info.data.get("stream") and info.data.get("logprobs") is not None:
-            raise ValueError("echo with logprobs cannot be streamed (the prompt's logprobs "
-                             "come with the first token); ask without stream")
-        return value
-
     def num_generated(self) -> int:
         """Choices generated per prompt."""
         return max(self.best_of or 1, self.n)

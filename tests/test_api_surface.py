@@ -243,8 +243,37 @@ def test_prompt_logprobs_and_echo_with_logprobs(url):
     chat = post(url, "/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}],
                 max_tokens=1, prompt_logprobs=0).json()["choices"][0]
     assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) > 3
-    r = post(url, prompt="x", echo=True, logprobs=1, stream=True)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+
+
+
+def streamed_logprobs(url, **body) -> list[tuple[str, dict]]:
+    """Each choice's text and logprobs, put together from a completions stream."""
+    with httpx.stream("POST", url + "/v1/completions", json={
+            "model": "tiny-llama", "stream": True, **body}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    choices: dict = {}
+    for e in events:
+        for c in e["choices"]:
+            text, lp = choices.setdefault(c["index"], ["", {}])
+            choices[c["index"]][0] = text + c["text"]
+            for key, values in (c["logprobs"] or {}).items():
+                lp.setdefault(key, []).extend(values)
+    return [tuple(choices[i]) for i in sorted(choices)]
+
+
+@pytest.mark.parametrize("body", [
+    dict(prompt="Hello world again", max_tokens=5, temperature=0, logprobs=1),
+    dict(prompt=[[15496, 995], [15496]], max_tokens=3, temperature=0.9, seed=4, n=2,
+         logprobs=2),
+    dict(prompt="Hello world again", max_tokens=0, logprobs=1)])   # scoring
+def test_echo_with_logprobs_streams_what_the_whole_response_holds(url, body):
+    """The prompt and its logprobs come with each choice's first chunk (they come
+    with the first token from the engine), then its tokens' (vLLM streams them too)."""
+    whole = post(url, echo=True, **body).json()["choices"]
+    assert streamed_logprobs(url, echo=True, **body) == [
+        (c["text"], c["logprobs"]) for c in whole]
 
 
 def test_echo_with_max_tokens_0_scores_the_prompt_and_generates_nothing(url):
