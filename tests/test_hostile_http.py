@@ -54,7 +54,7 @@ FUZZ = [
     ("stream string", C, _cmpl(stream="yes")), ("stop number", C, _cmpl(stop=5)),
     ("stop list of numbers", C, _cmpl(stop=[1, 2])), ("stop empty string", C, _cmpl(stop="")),
     ("stop_token_ids strings", C, _cmpl(stop_token_ids=["a"])),
-    ("model number", C, _cmpl(model=5)), ("model missing", C, b'{"prompt": "Hi"}'),
+    ("model number", C, _cmpl(model=5)),
     ("messages string", CHAT, _chat(messages="hi")), ("messages empty", CHAT, _chat(messages=[])),
     ("message empty object", CHAT, _chat(messages=[{}])),
     ("message bad role", CHAT, _chat(messages=[{"role": "wizard", "content": "x"}])),
@@ -155,6 +155,7 @@ FUZZ = [
 ]
 # At the bounds: each must be served (200).
 AT_BOUNDS = [
+    ("model missing (the first served)", C, b'{"prompt": "Hi", "max_tokens": 2}'),
     ("temperature 0", C, _cmpl(temperature=0)), ("temperature 2", C, _cmpl(temperature=2)),
     ("temperature 1e-39", C, _cmpl(temperature=1e-39)), ("top_p 1", C, _cmpl(top_p=1)),
     ("top_p tiny", C, _cmpl(top_p=1e-9)), ("n 64", C, _cmpl(n=64, max_tokens=1)),
