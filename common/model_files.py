@@ -75,7 +75,8 @@ def end_of_generation_ids(fields: dict) -> list[int]:
     types = fields.get("tokenizer.ggml.token_type")
     for token_id, text in enumerate(fields.get("tokenizer.ggml.tokens", ())):
         if (text in END_OF_GENERATION_TEXTS and token_id not in ids
-                and (types is None or types[token_id] == _CONTROL_TOKEN)):
+                and (types is None or (token_id < len(types)
+                                       and types[token_id] == _CONTROL_TOKEN))):
             ids.append(token_id)
     return [int(token_id) for token_id in ids]
 

@@ -17,8 +17,8 @@ from safetensors import safe_open
 
 from common.errors import ModelLoadError
 from common.protocol import SamplingParams
-from common.model_files import (_convert_gguf, _find_gguf, materialize_default_model,
-                                resolve_model_dir)
+from common.model_files import (_convert_gguf, _find_gguf, end_of_generation_ids,
+                                materialize_default_model, resolve_model_dir)
 from common.tokenizer import load_tokenizer
 from engine_worker import kernels
 from helpers import greedy, make_engine
@@ -394,6 +394,20 @@ def test_every_end_of_turn_token_of_a_gguf_file_ends_generation(tiny_llama3_dir,
     out.mkdir()
     _convert_gguf(path, out)
     assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == 50256
+
+
+def test_end_of_turn_tokens_are_control_tokens_named_so():
+    """By text, among control tokens (type 3) only: a plain token that reads
+    <|im_end|> ends nothing; the ids the metadata names come first; a file without
+    token types (or with too few) is read by text alone where it can be."""
+    tokens = ["<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>"]
+    fields = {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.eos_token_id": 2,
+              "tokenizer.ggml.eom_token_id": 3,
+              "tokenizer.ggml.token_type": np.array([3, 1, 3, 3, 3])}
+    assert end_of_generation_ids(fields) == [2, 3, 0, 4]
+    assert end_of_generation_ids({**fields, "tokenizer.ggml.token_type": np.array([3, 3])}) \
+        == [2, 3, 0, 1]
+    assert end_of_generation_ids({"tokenizer.ggml.tokens": tokens}) == [0, 1, 2, 3, 4]
 
 
 def test_a_llama_file_dequantized_into_a_folder_is_the_checkpoint_it_came_from(
