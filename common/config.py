@@ -329,6 +329,10 @@ class FrontendConfig:
     # A reasoning model's thinking split from its answer in chat replies
     # (frontend/reasoning.py: "deepseek_r1" or "qwen3"); None: the reply is all content.
     reasoning_parser: Optional[str] = None
+    # "auto": the sampling settings of the model's generation_config.json (temperature,
+    # top_p, top_k, min_p, repetition_penalty) are the defaults of requests that do not
+    # set them, as vLLM's are; "none": OpenAI's defaults.
+    generation_config: str = "auto"
     # Web pages from these origins may call the API from a browser (CORS; "*": any);
     # empty: none, as a page from anywhere could otherwise reach a local server.
     allowed_origins: tuple[str, ...] = ()

@@ -4,13 +4,18 @@ frontend and the engine."""
 
 from __future__ import annotations
 
+import json
+import logging
 import math
+from pathlib import Path
 from typing import Optional
 
 import msgspec
 
 from common.errors import InvalidRequestError
 from common.structured import StructuredOutput
+
+logger = logging.getLogger(__name__)
 
 # Logprobs are returned for at most this many alternatives per token (OpenAI's limit).
 MAX_TOP_LOGPROBS = 20
@@ -160,3 +165,37 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
 def _check_finite(value: float, name: str) -> None:
     if not math.isfinite(value):
         raise InvalidRequestError(f"{name} must be a finite number, got {value}", name)
+
+
+# The sampling settings of a model's generation_config.json that become the defaults of
+# requests not setting them (vLLM's --generation-config auto).
+RECOMMENDED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def recommended_sampling(model_dir: Path) -> dict[str, float]:
+    """RECOMMENDED_FIELDS as the model's generation_config.json gives them (none where
+    it has none). Hugging Face's top_k 0 (no cut) is no default; a value out of bounds
+    or of the wrong type is left out, with a warning."""
+    path = model_dir / "generation_config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        logger.warning("%s cannot be read (%s): requests get no defaults from it", path, e)
+        return {}
+    found = {}
+    for key in RECOMMENDED_FIELDS:
+        value = raw.get(key) if isinstance(raw, dict) else None
+        if value is None or (key == "top_k" and value == 0):
+            continue
+        try:
+            if isinstance(value, bool) or not isinstance(
+                    value, int if key == "top_k" else (int, float)):
+                raise InvalidRequestError(f"{value!r} is not a number", key)
+            SamplingParams(**{key: value}).validate()
+        except InvalidRequestError as e:
+            logger.warning("%s: %s is left out of requests' defaults: %s", path, key, e)
+            continue
+        found[key] = value
+    return found

@@ -78,6 +78,11 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
                         "reasoning_content, its answer to content: deepseek_r1 (DeepSeek-R1 "
                         "and its distillations, QwQ) or qwen3 (default: none, all content; "
                         "ROSESERVE_REASONING_PARSER)")
+    g.add_argument("--generation-config", choices=["auto", "none"], default="auto",
+                   help="auto: requests that do not set temperature, top_p, top_k, min_p or "
+                        "repetition_penalty get the model's generation_config.json values "
+                        "(its makers' recommendation, as vLLM applies them); none: "
+                        "OpenAI's defaults (temperature 1, top_p 1)")
     g.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                    help="web pages from these origins (https://ui.example.com; * for any) "
                         "may call the API from a browser: CORS, preflights answered "
@@ -126,6 +131,7 @@ def frontend_config_from_args(args: argparse.Namespace, engines: Sequence[str],
         kv_lease_s=args.kv_lease, stream_interval=args.stream_interval,
         drain_timeout_s=args.drain_timeout, access_log=not args.no_access_log,
         reasoning_parser=args.reasoning_parser, chat_template=args.chat_template,
+        generation_config=args.generation_config,
         allowed_origins=tuple(args.allowed_origins or ()),
         ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
         curve_key=CurveKey.from_option(getattr(args, "curve_key_file", None)))

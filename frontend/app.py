@@ -26,6 +26,7 @@ from common import faults
 from common.config import FrontendConfig
 from common.errors import ModelLoadError
 from common.model_files import resolve_model_dir
+from common.sampling_params import recommended_sampling
 from common.structured import GrammarCompiler
 from common.tokenizer import chat_template_text, load_decoder, read_chat_template
 from engine_worker.client import EngineClient
@@ -178,11 +179,13 @@ STARTUP_WAIT_S = 10.0
 
 class ModelParts(NamedTuple):
     """What the frontend reads from the model: its folder, its tokenizer (to decode),
-    its chat template's text and the reasoning parser asked for."""
+    its chat template's text, the reasoning parser asked for and the sampling its makers
+    recommend (requests' defaults)."""
     model_dir: Path
     tokenizer: Tokenizer
     template: Optional[str]
     reasoning: Optional[Reasoning]
+    sampling: dict
 
 
 def load_model_parts(config: FrontendConfig) -> ModelParts:
@@ -197,7 +200,12 @@ def load_model_parts(config: FrontendConfig) -> ModelParts:
             reasoning = Reasoning.resolve(config.reasoning_parser, tokenizer)
         except ValueError as e:
             raise ModelLoadError(str(e)) from None
-    return ModelParts(model_dir, tokenizer, template, reasoning)
+    sampling = recommended_sampling(model_dir) if config.generation_config == "auto" else {}
+    if sampling:
+        logger.info("requests that do not set them get the sampling of the model's "
+                    "generation_config.json: %s (--generation-config none: OpenAI's)",
+                    ", ".join(f"{k} {v}" for k, v in sampling.items()))
+    return ModelParts(model_dir, tokenizer, template, reasoning, sampling)
 
 
 async def start_pipeline(config: FrontendConfig, metrics: Metrics,
@@ -205,7 +213,7 @@ async def start_pipeline(config: FrontendConfig, metrics: Metrics,
     """The tokenizer, the grammar compiler and the clients. The pool and one engine
     are waited for STARTUP_WAIT_S at most: they may come later, and go and come back;
     until one engine and the pool answer, requests get 503."""
-    model_dir, tokenizer, template, reasoning = parts or load_model_parts(config)
+    model_dir, tokenizer, template, reasoning, sampling = parts or load_model_parts(config)
     try:
         grammars = GrammarCompiler(tokenizer, tokenizer.get_vocab_size(True), [])
     except Exception as e:  # a tokenizer llguidance cannot read
@@ -217,7 +225,7 @@ async def start_pipeline(config: FrontendConfig, metrics: Metrics,
     engines = EngineRouter([], config.routing, config.disagg_min_prompt_tokens)
     pipe = Pipeline(engines, tok_client, tokenizer, metrics,
                     Admission(config.max_waiting_requests, config.max_waiting_tokens),
-                    model_names, config, template, grammars, reasoning)
+                    model_names, config, template, grammars, reasoning, sampling)
     pipe.membership = Membership(
         config.engine_addresses, engines,
         lambda address: EngineClient(address, heartbeat_timeout_s=config.engine_heartbeat_timeout_s,

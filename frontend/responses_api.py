@@ -263,10 +263,12 @@ class ResponsesRequest(OpenAINoOpFields):
         if isinstance(choice, FunctionChoice):
             choice = {"type": "function", "function": {"name": choice.name}}
         logprobs = LOGPROBS in (self.include or [])
+        sampling = {key: getattr(self, key) for key in ("temperature", "top_p")
+                    if key in self.model_fields_set}   # the rest: the server's defaults
         chat = ResponsesChat(
             logprobs=logprobs, top_logprobs=(self.top_logprobs or 0) if logprobs else None,
             model=self.model, messages=messages, max_completion_tokens=self.max_output_tokens,
-            temperature=self.temperature, top_p=self.top_p, stream=self.stream, user=self.user,
+            **sampling, stream=self.stream, user=self.user,
             tools=None if not self.tools else [
                 {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                 for t in self.tools],

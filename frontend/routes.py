@@ -197,6 +197,7 @@ async def responses(request: Request) -> Response:
         raise from_validation_error(e)
     pipe = pipeline(request)
     job = request.state.job = pipe.open(chat, received, prefix="resp_")
+    body.temperature, body.top_p = chat.temperature, chat.top_p   # as sampled: the response says
     return JobResponse(pipe, job, chat,
                        lambda job, token_text: ResponsesFormatter(job, token_text, body))
 

@@ -74,10 +74,12 @@ class Pipeline:
                  metrics: Metrics, admission: Admission, model_names: Sequence[str],
                  config: FrontendConfig, chat_template: Optional[str] = None,
                  grammars: Optional[GrammarCompiler] = None,
-                 reasoning: Optional[Reasoning] = None) -> None:
+                 reasoning: Optional[Reasoning] = None,
+                 sampling: Optional[dict] = None) -> None:
         """``tokenizer``: the model's Rust tokenizer; ``grammars``: for checking
         structured output before it reaches an engine (None: structured output is
-        unavailable); ``reasoning``: how chat replies' thinking is told apart."""
+        unavailable); ``reasoning``: how chat replies' thinking is told apart;
+        ``sampling``: the defaults of sampling fields a request does not set."""
         self.engines = engines
         self.tokenizer_client = tokenizer_client
         self.tokenizer = tokenizer
@@ -87,6 +89,7 @@ class Pipeline:
         self.model_names = list(model_names)
         self.model_name = self.model_names[0]
         self.config = config
+        self.sampling = sampling or {}
         # Constraints compiled off the event loop, each distinct one once.
         self.inputs = InputProcessor(engines, tokenizer_client, tokenizer, admission, config,
                                      chat_template,
@@ -126,9 +129,13 @@ class Pipeline:
     def open(self, body, received: float, prefix: Optional[str] = None) -> Job:
         """A Job for a parsed completion or chat request (it holds nothing yet); its id
         is ``prefix`` then hex digits, by default the endpoint's (chatcmpl-, cmpl-). A
-        request that names no model gets the first name served."""
+        request that names no model gets the first name served, one that leaves a
+        sampling field out the model's recommended value, if any."""
         if body.model is not None:
             self.check_model(body.model)
+        for key, value in self.sampling.items():
+            if key not in body.model_fields_set:
+                setattr(body, key, value)
         prefix = prefix or ("chatcmpl-" if isinstance(body, ChatCompletionRequest) else "cmpl-")
         timeout = self.config.request_timeout_s
         self.num_jobs += 1

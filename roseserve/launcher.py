@@ -154,7 +154,7 @@ FRONTEND_FLAGS = ["host", "api_key_file", "served_model_name", "max_body_bytes",
                   "tokenize_timeout", "request_timeout", "routing", "request_retries",
                   "dns_refresh", "disagg_min_prompt_tokens", "kv_lease", "stream_interval",
                   "drain_timeout", "no_access_log", "allowed_origins", "ssl_certfile",
-                  "ssl_keyfile", "reasoning_parser", "chat_template"]
+                  "ssl_keyfile", "reasoning_parser", "chat_template", "generation_config"]
 
 
 def engine_roles(args: argparse.Namespace) -> list[str]:
