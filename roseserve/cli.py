@@ -64,6 +64,9 @@ def _serve(args: argparse.Namespace) -> int:
             raise ValueError(f"--engines must be at least 1, got {args.engines}")
         if args.frontends < 1:
             raise ValueError(f"--frontends must be at least 1, got {args.frontends}")
+        if args.tokenizer_workers is not None and args.tokenizer_workers < 1:
+            raise ValueError(f"--tokenizer-workers must be at least 1, got "
+                             f"{args.tokenizer_workers} (default: half the cores)")
         engine_config_from_args(args)
         frontend_config_from_args(args, ["ipc://check"], "ipc://check")
     except ValueError as e:

@@ -278,6 +278,19 @@ def test_stop_all_signals_every_component_before_waiting_and_kills_at_the_deadli
     assert len(terms) == len(exits) == 3 and max(terms) < min(exits)
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--engines", "0"], "--engines must be at least 1, got 0"),
+    (["--frontends", "0"], "--frontends must be at least 1, got 0"),
+    (["--tokenizer-workers", "0"], "--tokenizer-workers must be at least 1, got 0")])
+def test_a_count_of_processes_below_one_is_refused_before_anything_starts(flags, message,
+                                                                          capsys):
+    from roseserve import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", *flags])
+    assert e.value.code == 2 and f"roseserve serve: {message}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command", [["roseserve", "serve"], ["roseserve", "generate"],
                                      ["frontend"]])
 def test_a_model_that_is_not_there_is_one_line_not_a_traceback(command, tmp_path):
