@@ -381,3 +381,6 @@ class FrontendConfig:
             raise ValueError(f"request_retries must be 0 or more, got {self.request_retries}")
         if self.routing not in ("prefix", "least-loaded"):
             raise ValueError(f"routing must be prefix or least-loaded, got {self.routing!r}")
+        if self.generation_config not in ("auto", "none"):
+            raise ValueError(f"generation_config must be auto or none, got "
+                             f"{self.generation_config!r}")

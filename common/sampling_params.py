@@ -172,7 +172,7 @@ def _check_finite(value: float, name: str) -> None:
 RECOMMENDED_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
-def recommended_sampling(model_dir: Path) -> dict[str, float]:
+def recommended_sampling(model_dir: Path) -> dict[str, float | int]:
     """RECOMMENDED_FIELDS as the model's generation_config.json gives them (none where
     it has none). Hugging Face's top_k 0 (no cut) is no default; a value out of bounds
     or of the wrong type is left out, with a warning."""

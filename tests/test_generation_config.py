@@ -85,3 +85,10 @@ def test_what_is_out_of_bounds_or_not_a_number_is_left_out(tmp_path, caplog):
         assert recommended_sampling(tmp_path) == {"top_p": 0.9}   # top_k 0: no cut
     assert len(caplog.records) == 3 and "temperature must be non-negative" in caplog.text
     assert recommended_sampling(tmp_path / "nowhere") == {}
+
+
+def test_a_generation_config_setting_other_than_auto_or_none_is_refused():
+    from common.config import FrontendConfig
+
+    with pytest.raises(ValueError, match="generation_config must be auto or none, got 'vllm'"):
+        FrontendConfig(generation_config="vllm")
