@@ -78,7 +78,7 @@ def end_of_generation_ids(fields: dict) -> list[int]:
                 and (types is None or (token_id < len(types)
                                        and types[token_id] == _CONTROL_TOKEN))):
             ids.append(token_id)
-    return [int(token_id) for token_id in ids]
+    return ids
 
 
 def unserved_gguf_architecture(file_name: str, arch: object) -> ModelLoadError:
@@ -165,7 +165,7 @@ def materialize_gguf_folder(path: Path) -> Path:
     def build(tmp: Path) -> None:
         logger.info("reading %s's tokenizer, chat template and config into %s (once)",
                     path.name, target)
-        _gguf_metadata(path, tmp)
+        _gguf_metadata(path, GgufReader(path).fields, tmp)
 
     target = _gguf_folder(path)
     return _materialize(target, GGUF_POINTER, build)
@@ -194,11 +194,12 @@ def _materialize(target: Path, marker: str, build) -> Path:
     return target
 
 
-def _gguf_metadata(path: Path, out_dir: Path, end_of_turn_tokens: bool = True) -> None:
+def _gguf_metadata(path: Path, fields: dict, out_dir: Path,
+                   end_of_turn_tokens: bool = True) -> None:
     """config.json, generation_config.json and the tokenizer's files from a GGUF file's
-    metadata. end_of_turn_tokens: generation ends at every token end_of_generation_ids
-    finds, as llama.cpp serves the file (else at the file's EOS, as the checkpoint it
-    was converted from)."""
+    metadata (``fields``: its header's, as GgufReader read them). end_of_turn_tokens:
+    generation ends at every token end_of_generation_ids finds, as llama.cpp serves the
+    file (else at the file's EOS, as the checkpoint it was converted from)."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     folder, name = str(path.parent), path.name
@@ -214,7 +215,6 @@ def _gguf_metadata(path: Path, out_dir: Path, end_of_turn_tokens: bool = True) -
     if arch not in GGUF_ARCHITECTURES:
         raise unserved_gguf_architecture(path.name, config.model_type)
     config.architectures = [GGUF_ARCHITECTURES[arch]]
-    fields = GgufReader(path).fields
     # transformers takes no head size from the file (Qwen3's config defaults to 128)
     head_dim = fields.get(f"{arch}.attention.key_length")
     if head_dim:
@@ -260,15 +260,16 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     from gguf import quants
     from safetensors.numpy import save_file
 
+    reader = GgufReader(gguf_path)
     # Hugging Face's checkpoint ends generation at its EOS alone
-    _gguf_metadata(gguf_path, out_dir, end_of_turn_tokens=False)
+    _gguf_metadata(gguf_path, reader.fields, out_dir, end_of_turn_tokens=False)
     (out_dir / GGUF_POINTER).unlink()   # the weights are in the folder
     config = json.loads((out_dir / "config.json").read_text())
     config["dtype"] = "float32"
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     weights = {}
-    for t in GgufReader(gguf_path).tensors:
+    for t in reader.tensors:
         parts = t.name.split(".")
         if len(parts) == 4 and parts[0] == "blk" and parts[2] in _HF_LAYER_NAMES:
             name = f"model.layers.{parts[1]}.{_HF_LAYER_NAMES[parts[2]]}.{parts[3]}"

@@ -192,7 +192,7 @@ class CompletionFormatter(Formatter):
         return "" if self.job.echo is None else self.job.echo[index // self.job.n]
 
     def first_chunks(self) -> list[dict]:
-        if self.job.echo is None or self.echo_pending:
+        if self.job.echo is None or self.job.num_logprobs is not None:   # see echo_pending
             return []
         return [self._chunk({"index": index, "text": self.echo(index), "logprobs": None,
                              "finish_reason": None})

@@ -11,18 +11,8 @@ import random
 
 import pytest
 
-from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.protocol import SamplingParams
-from engine_worker.engine import LLMEngine
-
-
-def engine(model_dir, num_blocks, budget, max_batch, async_scheduling=False,
-           speculative_tokens=0, cpu_kernels=True) -> LLMEngine:
-    return LLMEngine(EngineConfig(
-        model=str(model_dir), device="cpu", cpu_kernels=cpu_kernels,
-        async_scheduling=async_scheduling, speculative_tokens=speculative_tokens,
-        cache=CacheConfig(block_size=4, num_blocks=num_blocks),
-        scheduler=SchedulerConfig(max_batch_size=max_batch, max_num_batched_tokens=budget)))
+from helpers import make_engine
 
 
 def workload(rng: random.Random) -> list[tuple]:
@@ -60,10 +50,11 @@ def workload(rng: random.Random) -> list[tuple]:
               cpu_kernels=False))])
 def test_each_request_gets_what_it_would_get_alone(tiny_llama_dir, seed, config):
     requests = workload(random.Random(seed))
-    roomy = engine(tiny_llama_dir, 512, None, 8, cpu_kernels=config.get("cpu_kernels", True))
+    roomy = make_engine(tiny_llama_dir, max_batch=8,
+                        cpu_kernels=config.get("cpu_kernels", True))
     alone = {rid: roomy.generate([prompt], params)[0] for rid, prompt, params, *_ in requests}
 
-    crowded = engine(tiny_llama_dir, **config)
+    crowded = make_engine(tiny_llama_dir, **config)
     got: dict[str, list[int]] = {rid: [] for rid, *_ in requests}
     step = 0
     while step < 7 or crowded.has_unfinished_requests():
