@@ -5,6 +5,11 @@ prefix-aware router (frontend/router.py).
 The hash of block i covers its own token ids and, through its parent's hash, every
 token before it: equal hashes mean equal whole prefixes (BLAKE2b-128; the engine also
 compares the token ids on every hit).
+
+A request's cache salt (vLLM's ``cache_salt``) seeds the chain: its first block's
+parent is the salt's own hash, so requests with different salts (or one without) never
+share a block, and nobody can learn from a prefix cache hit's speed what another
+tenant's prompts hold.
 """
 
 from __future__ import annotations
@@ -21,11 +26,19 @@ def chain_hash(parent: Optional[bytes], token_ids: Sequence[int]) -> bytes:
     return h.digest()
 
 
-def prefix_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int) -> list[bytes]:
+def salt_root(cache_salt: Optional[str]) -> Optional[bytes]:
+    """The parent of a salted request's first block (None without a salt)."""
+    if cache_salt is None:
+        return None
+    return hashlib.blake2b(b"cache_salt\0" + cache_salt.encode(), digest_size=16).digest()
+
+
+def prefix_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int,
+                  cache_salt: Optional[str] = None) -> list[bytes]:
     """The chained hashes of the leading full blocks of ``token_ids`` (at most
-    ``max_blocks`` of them)."""
+    ``max_blocks`` of them), salted with ``cache_salt``."""
     hashes: list[bytes] = []
-    parent = None
+    parent = salt_root(cache_salt)
     for i in range(min(len(token_ids) // block_size, max_blocks)):
         parent = chain_hash(parent, token_ids[i * block_size:(i + 1) * block_size])
         hashes.append(parent)

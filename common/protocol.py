@@ -138,7 +138,7 @@ class MessageType(enum.IntEnum):
 # two ends of a connection refuse each other when theirs differ (an older peer would
 # silently drop fields a newer one sends). A peer whose messages lack the field is
 # version 0.
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 
 
 def version_mismatch(peer: str, theirs: int) -> Optional[str]:
@@ -333,8 +333,9 @@ class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
     tools: Optional[list[dict]] = None
     # Chat: the request's extra template variables (chat_template_kwargs).
     template_kwargs: dict[str, Any] = {}
-    # Plain text: add the tokenizer's special tokens (e.g. BOS) around it.
-    add_special_tokens: bool = True
+    # Add the tokenizer's special tokens (e.g. BOS) around the text; None: for plain
+    # text yes, for rendered messages no (their template wrote them).
+    add_special_tokens: Optional[bool] = None
 
 
 class TokenizeResult(msgspec.Struct, frozen=True, kw_only=True):

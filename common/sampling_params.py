@@ -27,6 +27,9 @@ GREEDY_TEMPERATURE = 1e-5
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 0.01, 100.0
 # logit_bias values are clamped to this range by OpenAI; roseserve refuses others.
 MAX_LOGIT_BIAS = 100.0
+# A cache salt is a secret (e.g. 43 base64 characters for 256 bits); past this it is
+# not one.
+MAX_CACHE_SALT_CHARS = 1024
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -81,6 +84,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     # vLLM's: lower values are served first (waiting requests are admitted in order
     # of it, then of arrival), and a request of a higher value is preempted first.
     priority: int = 0
+    # vLLM's: the prefix cache serves this request only blocks computed for requests
+    # with the same salt (common/prefix_hash.py); None: the unsalted cache.
+    cache_salt: Optional[str] = None
 
     def validate(self) -> None:
         """Raise InvalidRequestError naming the first invalid field."""
@@ -145,6 +151,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
         if self.structured_after is not None and self.structured is None:
             raise InvalidRequestError("structured_after needs a structured output",
                                       "structured_after")
+        if self.cache_salt is not None and not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS:
+            raise InvalidRequestError(
+                f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
+                f"characters, got {len(self.cache_salt)}", "cache_salt")
         if any(not word for word in self.bad_words_ids):
             raise InvalidRequestError("bad_words must not hold an empty word", "bad_words")
 

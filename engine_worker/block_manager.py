@@ -59,6 +59,8 @@ class BlockTable:
     block_hashes: list[bytes] = field(default_factory=list)
     # Leading blocks already offered to the prefix cache.
     num_registered: int = 0
+    # The first block's parent hash: the request's cache salt's (None: unsalted).
+    root: Optional[bytes] = None
 
 
 class BlockManager:
@@ -127,7 +129,7 @@ class BlockManager:
         num_full = num_tokens // bs
         while len(table.block_hashes) < num_full:
             i = len(table.block_hashes)
-            parent = table.block_hashes[-1] if i else None
+            parent = table.block_hashes[-1] if i else table.root
             table.block_hashes.append(chain_hash(parent, token_ids[i * bs:(i + 1) * bs]))
         return num_full
 

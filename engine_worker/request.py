@@ -8,6 +8,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from common.prefix_hash import salt_root
 from common.protocol import FinishReason, SamplingParams, TokenLogprobs
 from common.structured import GrammarMatcher
 from engine_worker.block_manager import BlockTable
@@ -85,7 +86,7 @@ class Request:
         self.finish_reason: Optional[FinishReason] = None
         # Tokens whose KV is in the cache (or is written in the current step).
         self.num_computed_tokens = 0
-        self.blocks = BlockTable()
+        self.blocks = BlockTable(root=salt_root(params.cache_salt))
         # Prompt tokens served by the prefix cache at first admission.
         self.num_cached_tokens: Optional[int] = None
         self.num_preemptions = 0

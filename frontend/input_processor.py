@@ -57,14 +57,18 @@ class Inputs:
     # max_tokens is the endpoint's default (completions: 16), not the client's: where
     # the prompt leaves less room in the context, it is that room rather than a 400.
     default_max_tokens: bool = False
+    # Texts are tokenized with the tokenizer's special tokens (e.g. BOS).
+    add_special_tokens: bool = True
 
     @classmethod
     def of(cls, body) -> "Inputs":
         if isinstance(body, ChatCompletionRequest):
             return cls([], [chat_message(m) for m in body.messages], body.max_new_tokens(),
-                       body.num_logprobs(), template_options(body), tool_dicts(body.tools))
+                       body.num_logprobs(), template_options(body), tool_dicts(body.tools),
+                       add_special_tokens=body.add_special_tokens)
         return cls(body.prompts(), None, body.max_tokens, body.logprobs,
-                   default_max_tokens="max_tokens" not in body.model_fields_set)
+                   default_max_tokens="max_tokens" not in body.model_fields_set,
+                   add_special_tokens=body.add_special_tokens)
 
     def max_tokens_for(self, prompt_ids: list[int], truncate: Optional[int],
                        max_model_len: int) -> Optional[int]:
@@ -136,7 +140,7 @@ class InputProcessor:
         job.ticket = self._admit(body, job.n, inputs)
         job.prompts, job.tokenize_ms = await self._tokenize(inputs, job.deadline)
         job.ticket.resize(job.n * sum(len(p) for p in job.prompts))
-        job.engine, job.prefill = self.engines.route(job.prompts[0])
+        job.engine, job.prefill = self.engines.route(job.prompts[0], body.cache_salt)
         job.prefill_held = job.prefill is not None
         job.engine_address = job.engine.address
         job.num_logprobs = inputs.num_logprobs
@@ -276,10 +280,13 @@ class InputProcessor:
     async def _tokenize_texts(self, inputs: Inputs) -> tuple[list[list[int]], float]:
         if inputs.messages is not None:
             result = await self.call_tokenizer(messages=inputs.messages, tools=inputs.tools,
+                                               add_special_tokens=inputs.add_special_tokens,
                                                **inputs.template)
             return [list(result.prompt_token_ids)], result.tokenize_ms
         texts = [p for p in inputs.prompts if isinstance(p, str)]
-        results = await asyncio.gather(*[self.call_tokenizer(prompt=t) for t in texts])
+        results = await asyncio.gather(*[
+            self.call_tokenizer(prompt=t, add_special_tokens=inputs.add_special_tokens)
+            for t in texts])
         by_text = iter(results)
         token_prompts = [list(p) if isinstance(p, list) else list(next(by_text).prompt_token_ids)
                          for p in inputs.prompts]

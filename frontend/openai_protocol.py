@@ -124,6 +124,9 @@ class _SamplingFields(BaseModel):
     min_tokens: int = Field(0, ge=0, le=MAX_INT)
     # vLLM's: lower is served first (the engine admits waiting requests in its order).
     priority: int = Field(0, ge=-MAX_INT, le=MAX_INT)
+    # vLLM's: prefix-cache blocks are shared only among requests with the same salt
+    # (checked by SamplingParams.validate).
+    cache_salt: Optional[str] = None
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] = []
     return_token_ids: bool = False
@@ -215,6 +218,7 @@ class _SamplingFields(BaseModel):
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             allowed_token_ids=self.allowed_token_ids, priority=self.priority,
+            cache_salt=self.cache_salt,
             prompt_logprobs=extra.pop("prompt_logprobs", self.prompt_logprobs), **extra)
 
 
@@ -229,6 +233,8 @@ class CompletionRequest(_SamplingFields):
     # Generate best_of choices per prompt, return the n with the highest log
     # probability (not with stream).
     best_of: Optional[int] = Field(None, ge=1, le=64)
+    # vLLM's: a text prompt is tokenized with the tokenizer's special tokens (e.g. BOS).
+    add_special_tokens: bool = True
     # Not implemented: refused when set (see _refuse_unsupported).
     suffix: Optional[str] = None
 
@@ -426,6 +432,9 @@ class ChatCompletionRequest(_SamplingFields, OpenAINoOpFields):
     # vLLM's: with --reasoning-parser, whether the reply's thinking is returned.
     include_reasoning: bool = True
     chat_template_kwargs: Optional[TemplateKwargs] = None
+    # vLLM's: the tokenizer's special tokens (e.g. BOS) added around the rendered chat,
+    # on top of those its template wrote.
+    add_special_tokens: bool = False
 
     @field_validator("modalities")
     @classmethod
@@ -468,7 +477,8 @@ class TokenizeBody(BaseModel):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessageParam]] = Field(None, min_length=1)
-    # Plain prompts: the tokenizer's special tokens (e.g. BOS), default on.
+    # The tokenizer's special tokens (e.g. BOS) around the text; default: on for a
+    # prompt, off for messages (their template writes them).
     add_special_tokens: Optional[bool] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False

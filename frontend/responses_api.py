@@ -173,6 +173,8 @@ class ResponsesRequest(OpenAINoOpFields):
     # The one extra served: the output text's logprobs (with top_logprobs alternatives).
     include: Optional[list[str]] = None
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # vLLM's: the prefix cache shares blocks only among requests with the same salt.
+    cache_salt: Optional[str] = None
 
     @field_validator("input", mode="before")
     @classmethod
@@ -272,7 +274,8 @@ class ResponsesRequest(OpenAINoOpFields):
             tools=None if not self.tools else [
                 {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                 for t in self.tools],
-            tool_choice=choice, parallel_tool_calls=self.parallel_tool_calls)
+            tool_choice=choice, parallel_tool_calls=self.parallel_tool_calls,
+            cache_salt=self.cache_salt)
         chat._format = self.structured_output()
         return chat
 

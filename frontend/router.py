@@ -113,22 +113,23 @@ class EngineRouter:
         """Some engine's Ready (its limits), or None before any has started."""
         return next((e.client.ready for e in self.engines if e.client.ready is not None), None)
 
-    def pick(self, prompt_token_ids: Sequence[int],
+    def pick(self, prompt_token_ids: Sequence[int], cache_salt: Optional[str] = None,
              exclude: Optional[EngineClient] = None) -> EngineClient:
-        """The engine for a request with this prompt (other than ``exclude``, the one
-        a retried request left); counts it toward that engine's load until
-        release()."""
-        return self._pick(prompt_token_ids, exclude, False)[0]
+        """The engine for a request with this prompt and cache salt (other than
+        ``exclude``, the one a retried request left); counts it toward that engine's
+        load until release()."""
+        return self._pick(prompt_token_ids, cache_salt, exclude, False)[0]
 
-    def route(self, prompt_token_ids: Sequence[int]
+    def route(self, prompt_token_ids: Sequence[int], cache_salt: Optional[str] = None
               ) -> tuple[EngineClient, Optional[EngineClient]]:
-        """The engine that decodes a request with this prompt, and the prefill engine
-        that computes its prompt (or None); each counted toward its engine's load
-        until release()."""
-        return self._pick(prompt_token_ids, None, True)
+        """The engine that decodes a request with this prompt and cache salt, and the
+        prefill engine that computes its prompt (or None); each counted toward its
+        engine's load until release()."""
+        return self._pick(prompt_token_ids, cache_salt, None, True)
 
-    def _pick(self, prompt_token_ids: Sequence[int], exclude: Optional[EngineClient],
-              disaggregate: bool) -> tuple[EngineClient, Optional[EngineClient]]:
+    def _pick(self, prompt_token_ids: Sequence[int], cache_salt: Optional[str],
+              exclude: Optional[EngineClient], disaggregate: bool
+              ) -> tuple[EngineClient, Optional[EngineClient]]:
         candidates = [e for e in self.engines if not e.retired and e.client is not exclude]
         healthy = [e for e in candidates if e.client.accepting]
         # Prefill engines decode only when nothing else can.
@@ -143,7 +144,8 @@ class EngineRouter:
         def hashes(e: RoutedEngine) -> list[bytes]:
             size = e.client.ready.block_size
             if size not in hashes_by_size:
-                hashes_by_size[size] = prefix_hashes(prompt_token_ids, size, MAX_ROUTING_BLOCKS)
+                hashes_by_size[size] = prefix_hashes(prompt_token_ids, size, MAX_ROUTING_BLOCKS,
+                                                     cache_salt)
             return hashes_by_size[size]
 
         chosen: Optional[RoutedEngine] = None

@@ -244,8 +244,7 @@ async def tokenize(request: Request) -> Response:
         kw["tools"] = tool_dicts(body.tools)
     else:
         kw["prompt"] = body.prompt
-        kw["add_special_tokens"] = (True if body.add_special_tokens is None
-                                    else body.add_special_tokens)
+    kw["add_special_tokens"] = body.add_special_tokens
     try:
         result = await until_disconnected(request.receive, pipe.tokenize(**kw))
     except ClientDisconnected:

@@ -8,7 +8,7 @@ import asyncio
 import random
 from types import SimpleNamespace
 
-from common.prefix_hash import prefix_hashes
+from common.prefix_hash import prefix_hashes, salt_root
 from common.protocol import CacheEvents, Ready
 from engine_worker.block_manager import BlockManager, BlockTable
 from engine_worker.client import RESYNC_INTERVAL_S, CacheView
@@ -147,6 +147,23 @@ def test_a_frontend_routes_to_the_blocks_another_frontend_left():
     publish(engine, removed=prefix_hashes(prompt, 4, 256))
     assert all(r.engines[engine].matched_blocks(prefix_hashes(prompt, 4, 256)) == 0
                for r in routers[1:])
+
+
+def test_a_salted_prompt_routes_to_the_blocks_of_its_salt():
+    """The router hashes a prompt with its cache salt as the engine's prefix cache
+    does, so a tenant's request goes where its own salt's blocks are."""
+    prompt = list(range(100, 140))
+    table = BlockTable(root=salt_root("tenant-a"))
+    BlockManager(16, 4, True).hash_blocks(table, prompt, len(prompt))
+    assert table.block_hashes == prefix_hashes(prompt, 4, 256, "tenant-a")
+    assert not set(table.block_hashes) & set(prefix_hashes(prompt, 4, 256))
+    routers, publish = two_frontends()
+    publish(0, stored=table.block_hashes)
+    publish(1, stored=prefix_hashes(prompt, 4, 256))
+    router = routers[1]
+    assert router.pick(prompt, "tenant-a").address == "fake://e0"
+    assert router.pick(prompt).address == "fake://e1"
+    assert router.pick(prompt, "tenant-a").address == "fake://e0"
 
 
 def test_without_events_a_frontend_follows_only_its_own_expectations():

@@ -250,7 +250,7 @@ def test_a_client_of_another_protocol_version_is_refused(pool_factory):
         sock = ctx.socket(zmq.DEALER)
         sock.connect(pool.address)
         codec = Codec(POOL_REQUESTS, POOL_REPLIES)
-        sock.send_multipart(codec.encode(Hello(client_id="old", protocol_version=7)))
+        sock.send_multipart(codec.encode(Hello(client_id="old", protocol_version=PROTOCOL_VERSION + 1)))
         try:
             if not await asyncio.to_thread(sock.poll, 10_000):
                 return None
@@ -261,7 +261,8 @@ def test_a_client_of_another_protocol_version_is_refused(pool_factory):
 
     reply = run(main())
     assert isinstance(reply, Dead)
-    assert reply.reason == (f"protocol version mismatch: the frontend speaks version 7, this "
+    assert reply.reason == (f"protocol version mismatch: the frontend speaks version "
+                            f"{PROTOCOL_VERSION + 1}, this "
                             f"process version {PROTOCOL_VERSION}; run the same roseserve release "
                             f"on both")
 

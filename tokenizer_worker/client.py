@@ -41,7 +41,7 @@ class TokenizerClient(ServiceClient):
                        messages: Optional[list[ChatMessage]] = None, *,
                        add_generation_prompt: bool = True,
                        continue_final_message: bool = False,
-                       add_special_tokens: bool = True,
+                       add_special_tokens: Optional[bool] = None,
                        tools: Optional[list[dict]] = None,
                        template_kwargs: Optional[dict] = None) -> TokenizeResult:
         """Token ids for a prompt or chat messages. Raises TokenizeFailed (the input's

@@ -64,8 +64,9 @@ class PromptTokenizer:
                     message=f"the prompt has {len(text)} characters, more than the limit "
                             f"of {self.max_chars}; it cannot fit the model's context")
                 continue
-            # A rendered chat template already holds its special tokens.
-            special = request.add_special_tokens and request.messages is None
+            special = request.add_special_tokens
+            if special is None:  # a rendered chat template holds its special tokens
+                special = request.messages is None
             texts[special].append((i, text))
         for special, items in texts.items():
             if not items:
