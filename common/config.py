@@ -333,6 +333,9 @@ class FrontendConfig:
     # top_p, top_k, min_p, repetition_penalty) are the defaults of requests that do not
     # set them, as vLLM's are; "none": OpenAI's defaults.
     generation_config: str = "auto"
+    # Logprobs name tokens "token_id:N" rather than by their text, unless a request
+    # says otherwise (vLLM's --return-tokens-as-token-ids).
+    return_tokens_as_token_ids: bool = False
     # Web pages from these origins may call the API from a browser (CORS; "*": any);
     # empty: none, as a page from anywhere could otherwise reach a local server.
     allowed_origins: tuple[str, ...] = ()

@@ -56,6 +56,76 @@ def load_decoder(model_dir: Path):
         raise ModelLoadError(f"cannot load the tokenizer from {path}: {e}") from e
 
 
+class TokenStrings:
+    """What logprobs show of one token: its text (special tokens as they are) and the
+    bytes it stands for. A byte-level BPE token (GPT-2's, Llama 3's, Qwen's) or a
+    SentencePiece byte-fallback token can hold part of a character, whose text alone
+    is a replacement character; its bytes are the token's own, so that a client
+    joining a reply's bytes gets its text back, as OpenAI's ``bytes`` promise. A
+    SentencePiece word's text keeps its leading space. Vocabularies of other kinds
+    show the token decoded alone."""
+
+    def __init__(self, tokenizer) -> None:
+        """``tokenizer``: a ``tokenizers.Tokenizer``."""
+        self.tokenizer = tokenizer
+        decoders = _flat_decoders(json.loads(tokenizer.to_str()).get("decoder"))
+        kinds = {d.get("type") for d in decoders}
+        self._byte_level = "ByteLevel" in kinds
+        self._metaspace = "Metaspace" in kinds or any(
+            d.get("type") == "Replace" and d.get("pattern") == {"String": "\u2581"}
+            and d.get("content") == " " for d in decoders)
+        self._byte_fallback = "ByteFallback" in kinds
+        self._added = {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items()}
+        self._bytes: dict[int, bytes] = {}
+
+    def text(self, token_id: int) -> str:
+        if token_id in self._added or not (self._byte_level or self._metaspace):
+            return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self.raw(token_id).decode("utf-8", "replace")
+
+    def raw(self, token_id: int) -> bytes:
+        """The bytes the token stands for."""
+        out = self._bytes.get(token_id)
+        if out is None:
+            out = self._bytes[token_id] = self._raw(token_id)
+        return out
+
+    def _raw(self, token_id: int) -> bytes:
+        piece = self.tokenizer.id_to_token(token_id)
+        if piece is None or token_id in self._added:
+            return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
+        if self._byte_level and all(c in _BYTE_LEVEL for c in piece):
+            return bytes(_BYTE_LEVEL[c] for c in piece)
+        if self._metaspace:
+            if (self._byte_fallback and len(piece) == 6 and piece.startswith("<0x")
+                    and piece.endswith(">")):
+                return bytes([int(piece[3:5], 16)])
+            return piece.replace("\u2581", " ").encode()
+        return self.tokenizer.decode([token_id], skip_special_tokens=False).encode()
+
+
+def _flat_decoders(decoder: Optional[dict]) -> list[dict]:
+    if not decoder:
+        return []
+    if decoder.get("type") == "Sequence":
+        return [d for inner in decoder.get("decoders", []) for d in _flat_decoders(inner)]
+    return [decoder]
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's characters, each standing for one byte: printable Latin-1
+    bytes stand for themselves, the other 68 for the characters from U+0100 on, in
+    byte order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {chr(b): b for b in printable}
+    others = [b for b in range(256) if b not in printable]
+    table.update({chr(0x100 + i): b for i, b in enumerate(others)})
+    return table
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+
+
 def chat_template_text(model_dir: Path) -> Optional[str]:
     """Every chat template the folder holds, one after the other (None: none), from
     where transformers reads them: chat_template.jinja, additional_chat_templates/,

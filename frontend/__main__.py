@@ -83,6 +83,10 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
                         "repetition_penalty get the model's generation_config.json values "
                         "(its makers' recommendation, as vLLM applies them); none: "
                         "OpenAI's defaults (temperature 1, top_p 1)")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs name each token 'token_id:N' instead of by its text, for "
+                        "clients that must tell apart tokens holding part of a character "
+                        "(a request's return_tokens_as_token_ids overrides it)")
     g.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                    help="web pages from these origins (https://ui.example.com; * for any) "
                         "may call the API from a browser: CORS, preflights answered "
@@ -132,6 +136,7 @@ def frontend_config_from_args(args: argparse.Namespace, engines: Sequence[str],
         drain_timeout_s=args.drain_timeout, access_log=not args.no_access_log,
         reasoning_parser=args.reasoning_parser, chat_template=args.chat_template,
         generation_config=args.generation_config,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         allowed_origins=tuple(args.allowed_origins or ()),
         ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
         curve_key=CurveKey.from_option(getattr(args, "curve_key_file", None)))

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import msgspec
 
 from common.protocol import TokenLogprobs
+from common.tokenizer import TokenStrings
 from frontend.choice import Delta
 from frontend.job import Job
 from frontend.tools import ToolCallParser
@@ -21,22 +22,30 @@ from frontend.tools import ToolCallParser
 if TYPE_CHECKING:
     from frontend.errors import APIError
 
-TokenText = Callable[[int], str]
 _encode = msgspec.json.encode
 DONE = b"data: [DONE]\n\n"
 
 
-def completion_logprobs(entries: list[tuple[int, TokenLogprobs]], token_text: TokenText,
-                        text_offset: int) -> dict:
+def token_label(strings: TokenStrings, as_ids: bool) -> Callable[[int], str]:
+    """How logprobs name a token: its text, or (vLLM's return_tokens_as_token_ids,
+    for clients that need every token told apart, partial characters too)
+    ``token_id:N``."""
+    return (lambda t: f"token_id:{t}") if as_ids else strings.text
+
+
+def completion_logprobs(entries: list[tuple[int, TokenLogprobs]], strings: TokenStrings,
+                        text_offset: int, as_ids: bool = False) -> dict:
     """The legacy completions format: parallel lists. Each token's top_logprobs holds
-    the token itself too, as OpenAI's does (up to logprobs + 1 entries)."""
+    the token itself too, as OpenAI's does (up to logprobs + 1 entries); offsets count
+    the tokens' text whatever names them."""
+    label = token_label(strings, as_ids)
     tokens, values, tops, offsets = [], [], [], []
     for token_id, lp in entries:
-        text = token_text(token_id)
-        tokens.append(text)
+        text = strings.text(token_id)
+        tokens.append(label(token_id))
         values.append(lp.logprob)
-        top = {token_text(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)}
-        top.setdefault(text, lp.logprob)
+        top = {label(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)}
+        top.setdefault(tokens[-1], lp.logprob)
         tops.append(top)
         offsets.append(text_offset)
         text_offset += len(text)
@@ -44,10 +53,15 @@ def completion_logprobs(entries: list[tuple[int, TokenLogprobs]], token_text: To
             "text_offset": offsets}
 
 
-def chat_logprobs(entries: list[tuple[int, TokenLogprobs]], token_text: TokenText) -> dict:
+def chat_logprobs(entries: list[tuple[int, TokenLogprobs]], strings: TokenStrings,
+                  as_ids: bool = False) -> dict:
+    """Chat's format; each token's ``bytes`` are its own (TokenStrings.raw), which a
+    client joins to rebuild characters split across tokens."""
+    label = token_label(strings, as_ids)
+
     def item(token_id: int, value: float) -> dict:
-        text = token_text(token_id)
-        return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8"))}
+        return {"token": label(token_id), "logprob": value,
+                "bytes": list(strings.raw(token_id))}
 
     content = []
     for token_id, lp in entries:
@@ -63,9 +77,9 @@ class Formatter:
     object_full = ""
     object_chunk = ""
 
-    def __init__(self, job: Job, token_text: TokenText) -> None:
+    def __init__(self, job: Job, strings: TokenStrings) -> None:
         self.job = job
-        self.token_text = token_text
+        self.strings = strings
         # Choices whose prompt_logprobs were sent.
         self.sent: set[int] = set()
 
@@ -162,10 +176,10 @@ class Formatter:
         self.sent.add(index)
         entries: list = [None]
         for token_id, lp in zip(c.prompt_token_ids[1:], c.prompt_logprobs):
-            entry = {str(t): {"logprob": v, "decoded_token": self.token_text(t)}
+            entry = {str(t): {"logprob": v, "decoded_token": self.strings.text(t)}
                      for t, v in zip(lp.top_token_ids, lp.top_logprobs)}
             entry[str(token_id)] = {"logprob": lp.logprob,
-                                    "decoded_token": self.token_text(token_id)}
+                                    "decoded_token": self.strings.text(token_id)}
             entries.append(entry)
         out["prompt_logprobs"] = entries
 
@@ -179,8 +193,8 @@ class CompletionFormatter(Formatter):
     object_full = "text_completion"
     object_chunk = "text_completion"
 
-    def __init__(self, job: Job, token_text: TokenText) -> None:
-        super().__init__(job, token_text)
+    def __init__(self, job: Job, strings: TokenStrings) -> None:
+        super().__init__(job, strings)
         self.offsets = [len(self.echo(i)) for i in range(len(job.choices))]
         # Streamed echo with logprobs: the choices whose prompt is still to be sent,
         # with the first chunk of their own, which brings the prompt's logprobs.
@@ -204,7 +218,8 @@ class CompletionFormatter(Formatter):
                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         if self.job.num_logprobs is not None:
             echo = self.echo(index)
-            out["logprobs"] = completion_logprobs(c.logprobs, self.token_text, len(echo))
+            out["logprobs"] = completion_logprobs(c.logprobs, self.strings, len(echo),
+                                                  self.job.tokens_as_ids)
             if self.job.echo is not None:
                 self._echo_logprobs(out["logprobs"], c)
         self._prompt_logprobs(out, index)
@@ -218,8 +233,10 @@ class CompletionFormatter(Formatter):
         first = c.prompt_token_ids[0]
         entries = [(t, TokenLogprobs(lp.logprob, lp.top_token_ids[:n], lp.top_logprobs[:n]))
                    for t, lp in zip(c.prompt_token_ids[1:], c.prompt_logprobs or [])]
-        rest = completion_logprobs(entries, self.token_text, len(self.token_text(first)))
-        prompt = {"tokens": [self.token_text(first)] + rest["tokens"],
+        rest = completion_logprobs(entries, self.strings, len(self.strings.text(first)),
+                                   self.job.tokens_as_ids)
+        label = token_label(self.strings, self.job.tokens_as_ids)
+        prompt = {"tokens": [label(first)] + rest["tokens"],
                   "token_logprobs": [None] + rest["token_logprobs"],
                   "top_logprobs": [None] + rest["top_logprobs"],
                   "text_offset": [0] + rest["text_offset"]}
@@ -236,8 +253,9 @@ class CompletionFormatter(Formatter):
         if delta.finish_reason is not None:
             out["stop_reason"] = self.job.choices[delta.index].stop_reason
         if self.job.num_logprobs is not None:
-            out["logprobs"] = completion_logprobs(delta.logprobs, self.token_text,
-                                                  self.offsets[delta.index])
+            out["logprobs"] = completion_logprobs(delta.logprobs, self.strings,
+                                                  self.offsets[delta.index],
+                                                  self.job.tokens_as_ids)
         if echo:   # the prompt and its logprobs before the first tokens
             self.echo_pending.discard(delta.index)
             out["text"] = self.echo(delta.index) + delta.text
@@ -252,8 +270,8 @@ class ChatFormatter(Formatter):
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
-    def __init__(self, job: Job, token_text: TokenText) -> None:
-        super().__init__(job, token_text)
+    def __init__(self, job: Job, strings: TokenStrings) -> None:
+        super().__init__(job, strings)
         plan = job.tool_plan
         self.parsers = None if plan is None else [ToolCallParser(plan) for _ in job.choices]
         # --reasoning-parser: each choice's thinking told apart from its answer, which
@@ -290,7 +308,7 @@ class ChatFormatter(Formatter):
                "finish_reason": self._finish_reason(index, c.finish_reason),
                "stop_reason": c.stop_reason}
         if self.job.num_logprobs is not None:
-            out["logprobs"] = chat_logprobs(c.logprobs, self.token_text)
+            out["logprobs"] = chat_logprobs(c.logprobs, self.strings, self.job.tokens_as_ids)
         self._prompt_logprobs(out, index)
         self._token_ids(out, index, c.token_ids)
         return out
@@ -320,7 +338,8 @@ class ChatFormatter(Formatter):
         if finish_reason is not None:
             out["stop_reason"] = self.job.choices[delta.index].stop_reason
         if self.job.num_logprobs is not None:
-            out["logprobs"] = chat_logprobs(delta.logprobs, self.token_text)
+            out["logprobs"] = chat_logprobs(delta.logprobs, self.strings,
+                                            self.job.tokens_as_ids)
         self._prompt_logprobs(out, delta.index)
         self._token_ids(out, delta.index, delta.token_ids)
         return out

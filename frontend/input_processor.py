@@ -27,12 +27,13 @@ import msgspec
 from common.config import FrontendConfig
 from common.errors import InvalidRequestError
 from common.protocol import ChatMessage, Ready, SamplingParams
+from common.tokenizer import TokenStrings
 from common.validation import ContextLengthError, checked_prompt
 from frontend.admission import Admission, Ticket, estimate_tokens
 from frontend.choice import Choice
 from frontend.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from frontend.errors import APIError
-from frontend.formatters import ChatFormatter, CompletionFormatter, Formatter, TokenText
+from frontend.formatters import ChatFormatter, CompletionFormatter, Formatter
 from frontend.grammar_cache import CheckedGrammars
 from frontend.job import Job
 from frontend.openai_protocol import ChatCompletionRequest, ChatMessageParam, ToolParam
@@ -123,6 +124,7 @@ class InputProcessor:
         self.engines = engines
         self.tokenizer_client = tokenizer_client
         self.tokenizer = tokenizer
+        self.strings = TokenStrings(tokenizer)
         self.admission = admission
         self.config = config
         self.chat_template = chat_template
@@ -130,7 +132,8 @@ class InputProcessor:
         self.reasoning = reasoning
 
     async def prepare(self, job: Job, body,
-                      formatter: Optional[Callable[[Job, TokenText], Formatter]] = None) -> None:
+                      formatter: Optional[Callable[[Job, TokenStrings], Formatter]] = None
+                      ) -> None:
         """Fill ``job`` with its engine requests, admitted, tokenized, routed and
         validated; its formatter is chosen (``formatter``'s, else the endpoint's).
         Raises APIError."""
@@ -148,6 +151,8 @@ class InputProcessor:
         job.include_usage = bool(options and options.include_usage)
         job.continuous_usage = bool(options and options.continuous_usage_stats)
         job.return_token_ids = body.return_token_ids
+        as_ids = body.return_tokens_as_token_ids
+        job.tokens_as_ids = self.config.return_tokens_as_token_ids if as_ids is None else as_ids
         job.keep = body.n if job.n > body.n else None
         job.prompt_logprobs = body.prompt_logprobs is not None
         if inputs.messages is not None and self.reasoning is not None:
@@ -159,10 +164,7 @@ class InputProcessor:
                         for p, ids in zip(inputs.prompts, job.prompts)]
         if formatter is None:
             formatter = ChatFormatter if inputs.messages is not None else CompletionFormatter
-        job.formatter = formatter(job, self.token_text)
-
-    def token_text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        job.formatter = formatter(job, self.strings)
 
     def _admit(self, body, n: int, inputs: Inputs) -> Ticket:
         """The request's admission share: n x prompts engine requests, and their prompt

@@ -70,6 +70,8 @@ class Job:
     include_usage: bool = False
     continuous_usage: bool = False  # the usage so far on every chunk
     return_token_ids: bool = False
+    # Logprobs name tokens "token_id:N" (return_tokens_as_token_ids).
+    tokens_as_ids: bool = False
     num_logprobs: Optional[int] = None
     # echo: each prompt's text, shown before its completions.
     echo: Optional[list[str]] = None

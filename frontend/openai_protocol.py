@@ -130,6 +130,9 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] = []
     return_token_ids: bool = False
+    # vLLM's: logprobs name tokens "token_id:N"; None: the server's
+    # --return-tokens-as-token-ids.
+    return_tokens_as_token_ids: Optional[bool] = None
     skip_special_tokens: bool = True
     truncate_prompt_tokens: Optional[Count] = None
     include_stop_str_in_output: bool = False

@@ -31,12 +31,13 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, TypeAdapter, Va
 
 from common.sampling_params import MAX_TOP_LOGPROBS
 from common.structured import StructuredOutput, json_schema_output
+from common.tokenizer import TokenStrings
 from frontend.choice import Delta
 from frontend.errors import APIError
 from frontend.job import Job
 from frontend.openai_protocol import (ChatCompletionRequest, Count, FunctionDefinition,
                                       OpenAINoOpFields, Temperature, TopP, text_parts_only)
-from frontend.formatters import Formatter, TokenText, chat_logprobs
+from frontend.formatters import Formatter, chat_logprobs
 from frontend.tools import ToolCallParser
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
@@ -307,8 +308,8 @@ class ResponsesFormatter(Formatter):
     calls can be made) into output items, each opened, grown and closed, with an
     event for each step (a full response keeps only the items)."""
 
-    def __init__(self, job: Job, token_text: TokenText, request: ResponsesRequest) -> None:
-        super().__init__(job, token_text)
+    def __init__(self, job: Job, strings: TokenStrings, request: ResponsesRequest) -> None:
+        super().__init__(job, strings)
         self.request = request
         self.hex = job.request_id.removeprefix("resp_")
         self.parser = None if job.tool_plan is None else ToolCallParser(job.tool_plan)
@@ -322,7 +323,7 @@ class ResponsesFormatter(Formatter):
 
     def _take_logprobs(self, entries) -> None:
         if self.job.num_logprobs is not None:
-            self.logprobs += chat_logprobs(entries, self.token_text)["content"]
+            self.logprobs += chat_logprobs(entries, self.strings)["content"]
 
     def event(self, body: dict) -> bytes:
         body["sequence_number"] = self.sequence

@@ -23,10 +23,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ValidationError
 
 from common.errors import InvalidRequestError
+from common.tokenizer import TokenStrings
 from common.validation import check_token_ids
 from common.version import __version__
 from frontend.errors import APIError, from_validation_error
-from frontend.formatters import Formatter, TokenText
+from frontend.formatters import Formatter
 from frontend.input_processor import chat_message, template_options, tool_dicts
 from frontend.job import Job
 from frontend.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeBody,
@@ -51,7 +52,8 @@ class JobResponse(Response):
     response's later errors are its last event (the output processor's)."""
 
     def __init__(self, pipe: Pipeline, job: Job, body,
-                 formatter: Optional[Callable[[Job, TokenText], Formatter]] = None) -> None:
+                 formatter: Optional[Callable[[Job, TokenStrings], Formatter]] = None
+                 ) -> None:
         """``formatter``: the job's, when not its endpoint's own (/v1/responses)."""
         super().__init__()
         self.pipe, self.job, self.body = pipe, job, body
@@ -199,7 +201,7 @@ async def responses(request: Request) -> Response:
     job = request.state.job = pipe.open(chat, received, prefix="resp_")
     body.temperature, body.top_p = chat.temperature, chat.top_p   # as sampled: the response says
     return JobResponse(pipe, job, chat,
-                       lambda job, token_text: ResponsesFormatter(job, token_text, body))
+                       lambda job, strings: ResponsesFormatter(job, strings, body))
 
 
 def model_card(request: Request, name: str) -> dict:

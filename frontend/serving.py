@@ -158,4 +158,4 @@ class Pipeline:
         return await self.inputs.within_tokenize_timeout(self.inputs.call_tokenizer(**kw))
 
     def token_text(self, token_id: int) -> str:
-        return self.inputs.token_text(token_id)
+        return self.inputs.strings.text(token_id)

@@ -80,3 +80,54 @@ def test_earliest_of_several_stop_strings_wins():
     m = StopStringMatcher(["world", "lo w"])
     assert "".join(feed(m, ["hello world"])) == "hel"
     assert m.stopped == "lo w"
+
+
+# -- what logprobs show of one token (common/tokenizer.TokenStrings) -----------------
+
+TEXT = "héllo wörld 🌹, 你好\n\tq"
+
+
+def sentencepiece_tokenizer():
+    """Llama 2's kind: SentencePiece words (▁ for a space) with byte fallback
+    (<0xNN> for what the vocabulary lacks), and a special token added."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}}
+    for piece in ("▁", "h", "l", "o", "w", "r", "d", "q", ",", "▁h", "ll", "llo", "▁w"):
+        vocab[piece] = len(vocab)
+    merges = [("▁", "h"), ("l", "l"), ("ll", "o"), ("▁", "w")]
+    tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens([AddedToken("</s>", special=True)])
+    return tok
+
+
+def test_a_tokens_bytes_are_its_own_and_join_into_the_text(tok):
+    from common.tokenizer import TokenStrings
+
+    for backend, special in ((tok, "<|endoftext|>"), (sentencepiece_tokenizer(), "</s>")):
+        strings = TokenStrings(backend)
+        ids = backend.encode(TEXT).ids
+        raw = [strings.raw(t) for t in ids]
+        joined = b"".join(raw).decode()
+        # SentencePiece adds a space before the first word, which its decoder drops.
+        assert joined.removeprefix(" ") == TEXT, backend
+        assert any(r and r[0] >= 0x80 and not _utf8(r) for r in raw)   # part of a character
+        for t, r in zip(ids, raw):
+            assert strings.text(t) == r.decode("utf-8", "replace")
+        special_id = backend.token_to_id(special)
+        assert strings.raw(special_id) == special.encode() and strings.text(special_id) == special
+    # A SentencePiece word keeps its space (decoded alone, the space is stripped).
+    sp = sentencepiece_tokenizer()
+    word = sp.token_to_id("▁w")
+    assert sp.decode([word]) == "w" and TokenStrings(sp).text(word) == " w"
+
+
+def _utf8(data: bytes) -> bool:
+    try:
+        data.decode()
+        return True
+    except UnicodeDecodeError:
+        return False

@@ -1,8 +1,9 @@
-"""vLLM's request extras that change what the engine sees, end to end (real engine,
-tokenizer pool and frontend): ``cache_salt`` keeps the prefix cache's blocks among
-requests with the same salt; ``add_special_tokens`` adds the tokenizer's BOS to a
-completion's prompt (by default) or a chat's rendered messages (when asked). The model
-is the tiny Llama with a tokenizer that puts a BOS before a text, as Llama's does."""
+"""vLLM's request extras, end to end (real engine, tokenizer pool and frontend):
+``cache_salt`` keeps the prefix cache's blocks among requests with the same salt;
+``add_special_tokens`` adds the tokenizer's BOS to a completion's prompt (by default)
+or a chat's rendered messages (when asked); ``return_tokens_as_token_ids`` names
+logprobs' tokens by id. And logprobs' ``bytes``: each token's own. The model is the
+tiny Llama with a tokenizer that puts a BOS before a text, as Llama's does."""
 
 from __future__ import annotations
 
@@ -34,12 +35,19 @@ def url(tmp_path_factory, tiny_llama_dir):
     engine = processes.engine(model, f"ipc://{run}/engine.sock")
     pool = processes.tokenizer_pool(model, f"ipc://{run}/tok.sock", workers=1)
     front = processes.frontend(model, engine.address, pool.address)
+    as_ids = processes.frontend(model, engine.address, pool.address,
+                                "--return-tokens-as-token-ids")
     try:
         processes.wait_healthy(front)
+        processes.wait_healthy(as_ids)
+        url_as_ids[0] = as_ids.url
         yield front.url
     finally:
-        for p in (front, pool, engine):
+        for p in (front, as_ids, pool, engine):
             p.stop()
+
+
+url_as_ids = [""]   # the frontend started with --return-tokens-as-token-ids
 
 
 def post(url, path, **body) -> dict:
@@ -121,3 +129,53 @@ def test_add_special_tokens_puts_the_bos_before_a_prompt_by_default_and_a_chat_w
     assert prompt_ids(url, "/v1/chat/completions", messages=messages) == rendered
     assert prompt_ids(url, "/v1/chat/completions", messages=messages,
                       add_special_tokens=True) == [BOS] + rendered
+
+
+ROSE = "🌹 héllo"   # the rose is four bytes the byte-level tokenizer splits
+
+
+def forced_chat(url, **body) -> dict:
+    return post(url, "/v1/chat/completions", messages=[{"role": "user", "content": "Hi"}],
+                guided_choice=[ROSE], logprobs=True, top_logprobs=2, return_token_ids=True,
+                **body)["choices"][0]
+
+
+def test_chat_logprobs_bytes_are_each_tokens_own_and_join_into_the_text(url):
+    choice = forced_chat(url)
+    assert choice["message"]["content"] == ROSE
+    content = choice["logprobs"]["content"]
+    assert len(content) == len(choice["token_ids"])
+    assert b"".join(bytes(e["bytes"]) for e in content) == ROSE.encode()
+    partial = [e for e in content if "\ufffd" in e["token"]]
+    assert partial, "the rose should be split across tokens"
+    for e in partial:   # a token holding part of the rose: not the replacement's bytes
+        assert bytes(e["bytes"]) != "\ufffd".encode()
+        assert bytes(e["bytes"])[0] >= 0x80
+    for e in content:
+        for top in e["top_logprobs"]:
+            assert top["bytes"] and isinstance(top["bytes"][0], int)
+
+
+def test_return_tokens_as_token_ids_names_tokens_by_id(url):
+    choice = forced_chat(url, return_tokens_as_token_ids=True)
+    content = choice["logprobs"]["content"]
+    assert [e["token"] for e in content] == [f"token_id:{t}" for t in choice["token_ids"]]
+    assert all(top["token"].startswith("token_id:") for e in content for top in e["top_logprobs"])
+    assert b"".join(bytes(e["bytes"]) for e in content) == ROSE.encode()   # still the token's
+
+    # Completions: tokens and top_logprobs' keys by id, offsets still in the text.
+    body = post(url, "/v1/completions", prompt="Hi", guided_choice=[ROSE], logprobs=2,
+                return_token_ids=True, return_tokens_as_token_ids=True)["choices"][0]
+    assert body["text"] == ROSE
+    lp = body["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in body["token_ids"]]
+    assert all(all(k.startswith("token_id:") for k in top) and f"token_id:{t}" in top
+               for top, t in zip(lp["top_logprobs"], body["token_ids"]))
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    assert lp["text_offset"][-1] < len(ROSE)
+
+    # The server's flag makes it the default; a request's false wins.
+    as_ids = forced_chat(url_as_ids[0])
+    assert as_ids["logprobs"]["content"][0]["token"] == f"token_id:{as_ids['token_ids'][0]}"
+    as_text = forced_chat(url_as_ids[0], return_tokens_as_token_ids=False)
+    assert not as_text["logprobs"]["content"][0]["token"].startswith("token_id:")
