@@ -87,6 +87,21 @@ def test_what_is_out_of_bounds_or_not_a_number_is_left_out(tmp_path, caplog):
     assert recommended_sampling(tmp_path / "nowhere") == {}
 
 
+def test_a_generation_config_that_cannot_be_read_gives_no_defaults(tmp_path, caplog):
+    path = tmp_path / "generation_config.json"
+    for text in ('{"temperature": 0.7,', '[0.7]'):   # broken JSON; not an object
+        path.write_text(text)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            assert recommended_sampling(tmp_path) == {}
+        assert len(caplog.records) == (1 if text.endswith(",") else 0)
+    path.unlink()
+    path.mkdir()   # a folder where the file should be: an OSError
+    with caplog.at_level(logging.WARNING):
+        assert recommended_sampling(tmp_path) == {}
+    assert "cannot be read" in caplog.records[-1].getMessage()
+
+
 def test_a_generation_config_setting_other_than_auto_or_none_is_refused():
     from common.config import FrontendConfig
 
