@@ -75,7 +75,9 @@ class TokenStrings:
             d.get("type") == "Replace" and d.get("pattern") == {"String": "\u2581"}
             and d.get("content") == " " for d in decoders)
         self._byte_fallback = "ByteFallback" in kinds
-        self._added = {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items()}
+        added = tokenizer.get_added_tokens_decoder()
+        self._added = {i: t.content for i, t in added.items()}
+        self.special = frozenset(i for i, t in added.items() if t.special)
         self._bytes: dict[int, bytes] = {}
 
     def text(self, token_id: int) -> str:

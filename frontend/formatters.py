@@ -9,6 +9,7 @@ server saw it), on the non-streaming response and on the last chunk of a stream.
 
 from __future__ import annotations
 
+import codecs
 from typing import TYPE_CHECKING, Callable, Optional
 
 import msgspec
@@ -33,24 +34,43 @@ def token_label(strings: TokenStrings, as_ids: bool) -> Callable[[int], str]:
     return (lambda t: f"token_id:{t}") if as_ids else strings.text
 
 
+class TextOffsets:
+    """Where each of a choice's tokens starts in its text, in characters, counted as
+    the text is decoded: a character split across tokens counts once, from the token
+    completing it (a token holding its first bytes starts where it will be), and
+    special tokens the text leaves out count nothing."""
+
+    def __init__(self, strings: TokenStrings, start: int = 0,
+                 skip_special: bool = True) -> None:
+        self.strings = strings
+        self.chars = start
+        self.skip_special = skip_special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def next(self, token_id: int) -> int:
+        """The offset of the next token, ``token_id``."""
+        at = self.chars
+        if not (self.skip_special and token_id in self.strings.special):
+            self.chars += len(self._utf8.decode(self.strings.raw(token_id)))
+        return at
+
+
 def completion_logprobs(entries: list[tuple[int, TokenLogprobs]], strings: TokenStrings,
-                        text_offset: int, as_ids: bool = False) -> dict:
+                        offsets: TextOffsets, as_ids: bool = False) -> dict:
     """The legacy completions format: parallel lists. Each token's top_logprobs holds
-    the token itself too, as OpenAI's does (up to logprobs + 1 entries); offsets count
-    the tokens' text whatever names them."""
+    the token itself too, as OpenAI's does (up to logprobs + 1 entries); text_offset
+    counts the text whatever names the tokens."""
     label = token_label(strings, as_ids)
-    tokens, values, tops, offsets = [], [], [], []
+    tokens, values, tops, text_offset = [], [], [], []
     for token_id, lp in entries:
-        text = strings.text(token_id)
         tokens.append(label(token_id))
         values.append(lp.logprob)
         top = {label(t): v for t, v in zip(lp.top_token_ids, lp.top_logprobs)}
         top.setdefault(tokens[-1], lp.logprob)
         tops.append(top)
-        offsets.append(text_offset)
-        text_offset += len(text)
+        text_offset.append(offsets.next(token_id))
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
-            "text_offset": offsets}
+            "text_offset": text_offset}
 
 
 def chat_logprobs(entries: list[tuple[int, TokenLogprobs]], strings: TokenStrings,
@@ -195,7 +215,7 @@ class CompletionFormatter(Formatter):
 
     def __init__(self, job: Job, strings: TokenStrings) -> None:
         super().__init__(job, strings)
-        self.offsets = [len(self.echo(i)) for i in range(len(job.choices))]
+        self.offsets = [self.text_offsets(i) for i in range(len(job.choices))]
         # Streamed echo with logprobs: the choices whose prompt is still to be sent,
         # with the first chunk of their own, which brings the prompt's logprobs.
         self.echo_pending = (set(range(len(job.choices)))
@@ -204,6 +224,11 @@ class CompletionFormatter(Formatter):
 
     def echo(self, index: int) -> str:
         return "" if self.job.echo is None else self.job.echo[index // self.job.n]
+
+    def text_offsets(self, index: int) -> TextOffsets:
+        """A counter of choice ``index``'s offsets, from the end of its echo."""
+        return TextOffsets(self.strings, len(self.echo(index)),
+                           self.job.choices[index].detokenizer.skip_special_tokens)
 
     def first_chunks(self) -> list[dict]:
         if self.job.echo is None or self.job.num_logprobs is not None:   # see echo_pending
@@ -217,8 +242,8 @@ class CompletionFormatter(Formatter):
         out = {"index": index, "text": self.echo(index) + "".join(c.text), "logprobs": None,
                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
         if self.job.num_logprobs is not None:
-            echo = self.echo(index)
-            out["logprobs"] = completion_logprobs(c.logprobs, self.strings, len(echo),
+            out["logprobs"] = completion_logprobs(c.logprobs, self.strings,
+                                                  self.text_offsets(index),
                                                   self.job.tokens_as_ids)
             if self.job.echo is not None:
                 self._echo_logprobs(out["logprobs"], c)
@@ -233,13 +258,14 @@ class CompletionFormatter(Formatter):
         first = c.prompt_token_ids[0]
         entries = [(t, TokenLogprobs(lp.logprob, lp.top_token_ids[:n], lp.top_logprobs[:n]))
                    for t, lp in zip(c.prompt_token_ids[1:], c.prompt_logprobs or [])]
-        rest = completion_logprobs(entries, self.strings, len(self.strings.text(first)),
-                                   self.job.tokens_as_ids)
+        offsets = TextOffsets(self.strings, skip_special=False)   # as echo shows it
+        at = offsets.next(first)
+        rest = completion_logprobs(entries, self.strings, offsets, self.job.tokens_as_ids)
         label = token_label(self.strings, self.job.tokens_as_ids)
         prompt = {"tokens": [label(first)] + rest["tokens"],
                   "token_logprobs": [None] + rest["token_logprobs"],
                   "top_logprobs": [None] + rest["top_logprobs"],
-                  "text_offset": [0] + rest["text_offset"]}
+                  "text_offset": [at] + rest["text_offset"]}
         for key in prompt:
             logprobs[key] = prompt[key] + logprobs[key]
 
@@ -260,7 +286,6 @@ class CompletionFormatter(Formatter):
             self.echo_pending.discard(delta.index)
             out["text"] = self.echo(delta.index) + delta.text
             self._echo_logprobs(out["logprobs"], self.job.choices[delta.index])
-        self.offsets[delta.index] += len(delta.text)
         self._prompt_logprobs(out, delta.index)
         self._token_ids(out, delta.index, delta.token_ids)
         return out

@@ -7,17 +7,21 @@ tiny Llama with a tokenizer that puts a BOS before a text, as Llama's does."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import httpx
 import pytest
 
 import processes
+from frontend_stacks import sse_events
 
 BOS = 50256  # the tiny tokenizer's <|endoftext|>, its BOS here
 PROMPT = list(range(1000, 1064))   # 64 token ids: 15 full blocks of 4 before the last
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory, tiny_llama_dir):
+def stack(tmp_path_factory, tiny_llama_dir):
+    """The model's folder, a frontend, and one started with --return-tokens-as-token-ids."""
     from tokenizers import Tokenizer, processors
 
     model = tmp_path_factory.mktemp("bos") / "tiny-llama"
@@ -38,16 +42,17 @@ def url(tmp_path_factory, tiny_llama_dir):
     as_ids = processes.frontend(model, engine.address, pool.address,
                                 "--return-tokens-as-token-ids")
     try:
-        processes.wait_healthy(front)
-        processes.wait_healthy(as_ids)
-        url_as_ids[0] = as_ids.url
-        yield front.url
+        for p in (front, as_ids):
+            processes.wait_healthy(p)
+        yield SimpleNamespace(model=model, url=front.url, url_as_ids=as_ids.url)
     finally:
         for p in (front, as_ids, pool, engine):
             p.stop()
 
 
-url_as_ids = [""]   # the frontend started with --return-tokens-as-token-ids
+@pytest.fixture(scope="module")
+def url(stack):
+    return stack.url
 
 
 def post(url, path, **body) -> dict:
@@ -156,7 +161,8 @@ def test_chat_logprobs_bytes_are_each_tokens_own_and_join_into_the_text(url):
             assert top["bytes"] and isinstance(top["bytes"][0], int)
 
 
-def test_return_tokens_as_token_ids_names_tokens_by_id(url):
+def test_return_tokens_as_token_ids_names_tokens_by_id(stack):
+    url = stack.url
     choice = forced_chat(url, return_tokens_as_token_ids=True)
     content = choice["logprobs"]["content"]
     assert [e["token"] for e in content] == [f"token_id:{t}" for t in choice["token_ids"]]
@@ -171,11 +177,47 @@ def test_return_tokens_as_token_ids_names_tokens_by_id(url):
     assert lp["tokens"] == [f"token_id:{t}" for t in body["token_ids"]]
     assert all(all(k.startswith("token_id:") for k in top) and f"token_id:{t}" in top
                for top, t in zip(lp["top_logprobs"], body["token_ids"]))
-    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
-    assert lp["text_offset"][-1] < len(ROSE)
+    assert lp["text_offset"] == offsets_in(stack.model, ROSE, body["token_ids"])
 
     # The server's flag makes it the default; a request's false wins.
-    as_ids = forced_chat(url_as_ids[0])
+    as_ids = forced_chat(stack.url_as_ids)
     assert as_ids["logprobs"]["content"][0]["token"] == f"token_id:{as_ids['token_ids'][0]}"
-    as_text = forced_chat(url_as_ids[0], return_tokens_as_token_ids=False)
+    as_text = forced_chat(stack.url_as_ids, return_tokens_as_token_ids=False)
     assert not as_text["logprobs"]["content"][0]["token"].startswith("token_id:")
+
+
+def offsets_in(model, text: str, token_ids: list[int], start: int = 0) -> list[int]:
+    """Where each token starts in ``text``: the characters its predecessors' bytes
+    complete (a token holding part of a character starts where that character does)."""
+    from tokenizers import Tokenizer
+
+    from common.tokenizer import TokenStrings
+
+    strings = TokenStrings(Tokenizer.from_file(str(model / "tokenizer.json")))
+    raw = [strings.raw(t) for t in token_ids]
+    assert b"".join(raw) == text[start:].encode()
+    return [start + len(b"".join(raw[:i]).decode("utf-8", "ignore"))
+            for i in range(len(raw))]
+
+
+def test_text_offset_counts_characters_of_the_text(stack):
+    """Characters split across tokens count once, echoed or generated, whole or
+    streamed (a replacement character per token of the split before)."""
+    for echo in (False, True):
+        body = post(stack.url, "/v1/completions", prompt="🌹 ok", echo=echo,
+                    guided_choice=[ROSE], logprobs=0, return_token_ids=True,
+                    add_special_tokens=False)["choices"][0]
+        lp = body["logprobs"]
+        generated = offsets_in(stack.model, body["text"], body["token_ids"],
+                               len(body["text"]) - len(ROSE))
+        if echo:
+            prompt = offsets_in(stack.model, "🌹 ok", body["prompt_token_ids"])
+            assert lp["text_offset"] == prompt + generated
+        else:
+            assert lp["text_offset"] == generated
+        r = httpx.post(stack.url + "/v1/completions", timeout=60, json={
+            "prompt": "🌹 ok", "echo": echo, "guided_choice": [ROSE], "logprobs": 0,
+            "add_special_tokens": False, "stream": True})
+        chunks = [e for e in sse_events(r) if e != "[DONE]"]
+        assert [o for c in chunks if c["choices"][0]["logprobs"]
+                for o in c["choices"][0]["logprobs"]["text_offset"]] == lp["text_offset"]
