@@ -281,6 +281,14 @@ def test_priority_reaches_the_engine_with_every_choice():
     ({"prompt": [1, 70000], "max_tokens": 2}, "prompt", "70000 outside the vocabulary"),
     ({"prompt": "x", "stop_token_ids": [-4]}, "stop_token_ids", "outside the vocabulary"),
     ({"prompt": "x", "stop": [""]}, "stop", "non-empty"),
+    # A field of several forms: the form the value went furthest into, else the forms.
+    ({"prompt": [1.5]}, "prompt", "prompt: must be a string, a list of strings, a list of "
+                                  "token ids (integers) or a list of lists of token ids"),
+    ({"prompt": [[1], "a"]}, "prompt", "must be a string, a list of strings"),
+    ({"prompt": [1, 2**40]}, "prompt.1", "less than or equal to 2147483647"),
+    ({"prompt": "x", "stop": 5}, "stop", "stop: must be a string or a list of strings"),
+    ({"prompt": "x", "stop": ["a", 1]}, "stop.1", "valid string"),
+    ({"prompt": "x", "guided_json": 5}, "guided_json", "must be a JSON schema"),
 ])
 def test_invalid_requests_get_400_shaped_like_openai(stack, body, param, fragment):
     for stream in (False, True):
@@ -344,6 +352,20 @@ def test_malformed_json_and_chat_errors(stack):
     error = r.json()["error"]
     assert r.status_code == 400 and error["param"] == "messages.0.content"
     assert "part 1 has type 'image_url'" in error["message"] and "text only" in error["message"]
+    for content, param, fragment in (
+            (5, "messages.0.content", "must be a string or a list of text parts"),
+            ([{"type": "text"}], "messages.0.content.0.text", "is required")):
+        r = httpx.post(stack["url"] + "/v1/chat/completions", timeout=30, json={
+            "messages": [{"role": "user", "content": content}]})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == param and fragment in error["message"]
+    for choice, param, fragment in (
+            ("x", "tool_choice", "'none', 'auto', 'required' or a function to call by name"),
+            ({"type": "function"}, "tool_choice.function", "is required")):
+        r = httpx.post(stack["url"] + "/v1/chat/completions", timeout=30, json={
+            "messages": [{"role": "user", "content": "x"}], "tool_choice": choice})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == param and fragment in error["message"]
     r = httpx.get(stack["url"] + "/v1/nowhere", timeout=30)
     assert r.status_code == 404 and "error" in r.json()
 
