@@ -207,7 +207,8 @@ class InputProcessor:
                         # The model thinks first: its grammar starts with the answer.
                         params = msgspec.structs.replace(
                             params, structured_after=job.reasoning.end_id)
-                prompt_ids = self._validate(prompt_ids, params, ready)
+                prompt_ids = self._validate(prompt_ids, params, ready,
+                                            inputs.messages is not None)
                 job.params.append(params)
                 job.choices.append(Choice(
                     index=index, request_id=f"{job.request_id}-{index}",
@@ -305,12 +306,14 @@ class InputProcessor:
                            code="tokenizer_unavailable", headers={"Retry-After": "1"})
 
     @staticmethod
-    def _validate(prompt_ids: list[int], params: SamplingParams, ready: Ready) -> list[int]:
+    def _validate(prompt_ids: list[int], params: SamplingParams, ready: Ready,
+                  chat: bool) -> list[int]:
         """What the engine would refuse, refused here (400; common/validation.py, which
-        the engine runs too); returns the prompt as the engine will see it."""
+        the engine runs too); returns the prompt as the engine will see it. A chat's
+        prompt is its messages."""
         try:
             return checked_prompt(prompt_ids, params, ready.vocab_size, ready.max_model_len)
-        except ContextLengthError as e:
-            raise APIError(400, e.message, param=e.param, code="context_length_exceeded")
         except InvalidRequestError as e:
-            raise APIError(400, e.message, param=e.param)
+            param = "messages" if chat and e.param == "prompt" else e.param
+            code = "context_length_exceeded" if isinstance(e, ContextLengthError) else None
+            raise APIError(400, e.message, param=param, code=code)

@@ -322,6 +322,12 @@ def test_the_default_max_tokens_fits_the_room_a_long_prompt_leaves(stack):
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
     r = complete(stack["url"], prompt=[5] * 512)
     assert r.status_code == 400 and "leaving no room" in r.json()["error"]["message"]
+    # A chat's prompt is its messages (OpenAI's param).
+    r = httpx.post(stack["url"] + "/v1/chat/completions", timeout=30, json={
+        "messages": [{"role": "user", "content": "word " * 600}]})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["code"] == "context_length_exceeded"
+    assert error["param"] == "messages" and "leaving no room" in error["message"]
 
 
 def test_an_unknown_model_is_404_like_openai(stack):
