@@ -324,6 +324,9 @@ class TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
     # Exactly one of prompt (plain text) and messages (rendered with the chat template).
     prompt: Optional[str] = None
+    # With prompt: the text after the completion; the model fills in the middle
+    # (common/tokenizer.fill_in_the_middle).
+    suffix: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
     # Chat: end the rendered text with the assistant's turn header.
     add_generation_prompt: bool = True

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from common.config import env_default
 from common.errors import ModelLoadError
@@ -126,6 +126,33 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 _BYTE_LEVEL = _byte_level_alphabet()
+
+
+# Fill-in-the-middle: the special tokens code models are trained to complete the
+# middle of a file with, and the order of the prompt's parts they expect.
+_FIM_PREFIX_SUFFIX_MIDDLE = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),    # Qwen2.5-Coder, Qwen3-Coder
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),           # StarCoder, Granite Code
+    ("<｜fim▁begin｜>", "<｜fim▁hole｜>",
+     "<｜fim▁end｜>"),                               # DeepSeek-Coder
+)
+_FIM_SUFFIX_PREFIX = ("[SUFFIX]", "[PREFIX]")                     # Codestral
+
+
+def fill_in_the_middle(tokenizer) -> Optional[Callable[[str, str], str]]:
+    """How the model's vocabulary asks for the text between a prefix and a suffix
+    (the prompt's text, to which the model's completion is the middle), or None if
+    it has no fill-in-the-middle tokens. ``tokenizer``: a ``tokenizers.Tokenizer``."""
+    def has(*tokens: str) -> bool:
+        return all(tokenizer.token_to_id(t) is not None for t in tokens)
+
+    for pre, suf, mid in _FIM_PREFIX_SUFFIX_MIDDLE:
+        if has(pre, suf, mid):
+            return lambda prefix, suffix: f"{pre}{prefix}{suf}{suffix}{mid}"
+    if has(*_FIM_SUFFIX_PREFIX):
+        suf, pre = _FIM_SUFFIX_PREFIX
+        return lambda prefix, suffix: f"{suf}{suffix}{pre}{prefix}"
+    return None
 
 
 def chat_template_text(model_dir: Path) -> Optional[str]:

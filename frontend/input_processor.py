@@ -27,7 +27,7 @@ import msgspec
 from common.config import FrontendConfig
 from common.errors import InvalidRequestError
 from common.protocol import ChatMessage, Ready, SamplingParams
-from common.tokenizer import TokenStrings
+from common.tokenizer import TokenStrings, fill_in_the_middle
 from common.validation import ContextLengthError, checked_prompt
 from frontend.admission import Admission, Ticket, estimate_tokens
 from frontend.choice import Choice
@@ -60,6 +60,8 @@ class Inputs:
     default_max_tokens: bool = False
     # Texts are tokenized with the tokenizer's special tokens (e.g. BOS).
     add_special_tokens: bool = True
+    # Completions: the text after each prompt's completion (fill in the middle).
+    suffix: Optional[str] = None
 
     @classmethod
     def of(cls, body) -> "Inputs":
@@ -69,7 +71,7 @@ class Inputs:
                        add_special_tokens=body.add_special_tokens)
         return cls(body.prompts(), None, body.max_tokens, body.logprobs,
                    default_max_tokens="max_tokens" not in body.model_fields_set,
-                   add_special_tokens=body.add_special_tokens)
+                   add_special_tokens=body.add_special_tokens, suffix=body.suffix or None)
 
     def max_tokens_for(self, prompt_ids: list[int], truncate: Optional[int],
                        max_model_len: int) -> Optional[int]:
@@ -125,6 +127,7 @@ class InputProcessor:
         self.tokenizer_client = tokenizer_client
         self.tokenizer = tokenizer
         self.strings = TokenStrings(tokenizer)
+        self.fim = fill_in_the_middle(tokenizer)
         self.admission = admission
         self.config = config
         self.chat_template = chat_template
@@ -138,6 +141,8 @@ class InputProcessor:
         validated; its formatter is chosen (``formatter``'s, else the endpoint's).
         Raises APIError."""
         inputs = Inputs.of(body)
+        if inputs.suffix is not None:
+            self._check_suffix(inputs, body)
         constraints, job.tool_plan = await self._constraints(body)
         job.n = body.num_generated()
         job.ticket = self._admit(body, job.n, inputs)
@@ -166,6 +171,22 @@ class InputProcessor:
             formatter = ChatFormatter if inputs.messages is not None else CompletionFormatter
         job.formatter = formatter(job, self.strings)
 
+    def _check_suffix(self, inputs: Inputs, body) -> None:
+        """A suffix is served for text prompts, without echo, by a model with
+        fill-in-the-middle tokens. Raises APIError (400)."""
+        why = None
+        if self.fim is None:
+            why = ("this model's tokenizer has no fill-in-the-middle tokens (as code models' "
+                   "<|fim_prefix|>, <fim_prefix> or [SUFFIX]), so it cannot complete "
+                   "between a prompt and a suffix")
+        elif any(not isinstance(p, str) for p in inputs.prompts):
+            why = ("a suffix goes with text prompts; a prompt of token ids carries its own "
+                   "fill-in-the-middle tokens")
+        elif body.echo:
+            why = "echo cannot be combined with a suffix (the completion goes between them)"
+        if why is not None:
+            raise APIError(400, why, param="suffix", code="invalid_value")
+
     def _admit(self, body, n: int, inputs: Inputs) -> Ticket:
         """The request's admission share: n x prompts engine requests, and their prompt
         tokens as estimated before tokenizing. Raises APIError (400, 413, 429)."""
@@ -181,7 +202,8 @@ class InputProcessor:
         if inputs.messages is not None:
             estimate = estimate_tokens("".join(m.content for m in inputs.messages))
         else:
-            estimate = sum(estimate_tokens(p) for p in inputs.prompts)
+            estimate = sum(estimate_tokens(p) + estimate_tokens(inputs.suffix or [])
+                           for p in inputs.prompts)
         return self.admission.admit(num_choices, n * estimate)
 
     def _add_choices(self, job: Job, body, inputs: Inputs, constraints: dict) -> None:
@@ -288,7 +310,8 @@ class InputProcessor:
             return [list(result.prompt_token_ids)], result.tokenize_ms
         texts = [p for p in inputs.prompts if isinstance(p, str)]
         results = await asyncio.gather(*[
-            self.call_tokenizer(prompt=t, add_special_tokens=inputs.add_special_tokens)
+            self.call_tokenizer(prompt=t, suffix=inputs.suffix,
+                                add_special_tokens=inputs.add_special_tokens)
             for t in texts])
         by_text = iter(results)
         token_prompts = [list(p) if isinstance(p, list) else list(next(by_text).prompt_token_ids)

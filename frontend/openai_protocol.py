@@ -146,13 +146,6 @@ class _SamplingFields(BaseModel):
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
 
-    @field_validator("suffix", check_fields=False)
-    @classmethod
-    def _refuse_unsupported(cls, value, info):
-        if value:
-            raise ValueError(f"{info.field_name} is not supported")
-        return value
-
     @field_validator("stream_options")
     @classmethod
     def _options_need_a_stream(cls, value, info):
@@ -238,7 +231,8 @@ class CompletionRequest(_SamplingFields):
     best_of: Optional[int] = Field(None, ge=1, le=64)
     # vLLM's: a text prompt is tokenized with the tokenizer's special tokens (e.g. BOS).
     add_special_tokens: bool = True
-    # Not implemented: refused when set (see _refuse_unsupported).
+    # The text after the completion: a model with fill-in-the-middle tokens (code
+    # models) writes what goes between the prompt and it. "" is none.
     suffix: Optional[str] = None
 
     @field_validator("best_of")

@@ -127,13 +127,15 @@ def tiny_llama_hd8_dir(tmp_path_factory) -> Path:
     return _tiny_llama(tmp_path_factory, "tiny-llama-hd8", seed=3, hidden_size=32)
 
 
-def _two_more_tokens(tmp_path_factory, name: str, seed: int, **tokenizer) -> Path:
-    """The tiny Llama's shape with two tokens after GPT-2's vocabulary."""
+def _more_tokens(tmp_path_factory, name: str, seed: int, **tokenizer) -> Path:
+    """The tiny Llama's shape with the tokens ``tokenizer`` adds after GPT-2's
+    vocabulary."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
+    more = len(tokenizer.get("added", ())) + len(tokenizer.get("special", ()))
     config = LlamaConfig(
-        vocab_size=50259, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=50257 + more, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
         tie_word_embeddings=False, bos_token_id=EOS, eos_token_id=EOS, initializer_range=0.1)
     return _save(LlamaForCausalLM(config).eval(), tmp_path_factory.mktemp(name), **tokenizer)
@@ -143,22 +145,29 @@ def _two_more_tokens(tmp_path_factory, name: str, seed: int, **tokenizer) -> Pat
 def tiny_reasoner_dir(tmp_path_factory) -> Path:
     """<think> and </think> as tokens of their own and a template that opens the
     thinking (a reasoning model, for --reasoning-parser)."""
-    return _two_more_tokens(tmp_path_factory, "tiny-reasoner", 4, template=REASONER_TEMPLATE,
+    return _more_tokens(tmp_path_factory, "tiny-reasoner", 4, template=REASONER_TEMPLATE,
                             added=("<think>", "</think>"))
 
 
 @pytest.fixture(scope="session")
 def tiny_mistral_dir(tmp_path_factory) -> Path:
     """Mistral's special [TOOL_CALLS] and [ARGS] tokens and a template of its kind."""
-    return _two_more_tokens(tmp_path_factory, "tiny-mistral", 5, template=MISTRAL_TEMPLATE,
+    return _more_tokens(tmp_path_factory, "tiny-mistral", 5, template=MISTRAL_TEMPLATE,
                             special=("[TOOL_CALLS]", "[ARGS]"))
 
 
 @pytest.fixture(scope="session")
 def tiny_llama3_dir(tmp_path_factory) -> Path:
     """Llama 3's special <|python_tag|> and <|eom_id|> tokens and a template of its kind."""
-    return _two_more_tokens(tmp_path_factory, "tiny-llama3", 6, template=LLAMA3_TEMPLATE,
+    return _more_tokens(tmp_path_factory, "tiny-llama3", 6, template=LLAMA3_TEMPLATE,
                             special=("<|python_tag|>", "<|eom_id|>"))
+
+
+@pytest.fixture(scope="session")
+def tiny_coder_dir(tmp_path_factory) -> Path:
+    """A code model's fill-in-the-middle tokens (Qwen2.5-Coder's)."""
+    return _more_tokens(tmp_path_factory, "tiny-coder", 8,
+                            special=("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"))
 
 
 @pytest.fixture(scope="session")

@@ -255,7 +255,7 @@ def test_priority_reaches_the_engine_with_every_choice():
     ({"prompt": "x", "n": 0}, "n", "greater than or equal to 1"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens", "0 is taken only with echo"),
     ({"prompt": "x", "logprobs": 21}, "logprobs", "less than or equal to 20"),
-    ({"prompt": "x", "suffix": "y"}, "suffix", "suffix is not supported"),
+    ({"prompt": "x", "suffix": "y"}, "suffix", "no fill-in-the-middle tokens"),
     ({"prompt": "x", "best_of": 1, "n": 2}, "best_of", "must be at least n"),
     ({"prompt": "x", "logit_bias": {"1": 101}}, "logit_bias", "[-100, 100]"),
     ({"prompt": "x", "logit_bias": {"x": 1}}, "logit_bias", "must be token ids"),

@@ -2,7 +2,7 @@
 ``cache_salt`` keeps the prefix cache's blocks among requests with the same salt;
 ``add_special_tokens`` adds the tokenizer's BOS to a completion's prompt (by default)
 or a chat's rendered messages (when asked); ``return_tokens_as_token_ids`` names
-logprobs' tokens by id. And logprobs' ``bytes``: each token's own. The model is the
+logprobs' tokens by id; ``suffix`` has a code model fill in the middle. And logprobs' ``bytes``: each token's own. The model is the
 tiny Llama with a tokenizer that puts a BOS before a text, as Llama's does."""
 
 from __future__ import annotations
@@ -221,3 +221,54 @@ def test_text_offset_counts_characters_of_the_text(stack):
         chunks = [e for e in sse_events(r) if e != "[DONE]"]
         assert [o for c in chunks if c["choices"][0]["logprobs"]
                 for o in c["choices"][0]["logprobs"]["text_offset"]] == lp["text_offset"]
+
+
+@pytest.fixture(scope="module")
+def coder(tmp_path_factory, tiny_coder_dir):
+    """A model with fill-in-the-middle tokens (Qwen2.5-Coder's)."""
+    run = tmp_path_factory.mktemp("coder")
+    engine = processes.engine(tiny_coder_dir, f"ipc://{run}/engine.sock")
+    pool = processes.tokenizer_pool(tiny_coder_dir, f"ipc://{run}/tok.sock", workers=1)
+    front = processes.frontend(tiny_coder_dir, engine.address, pool.address)
+    try:
+        processes.wait_healthy(front)
+        yield front.url
+    finally:
+        for p in (front, pool, engine):
+            p.stop()
+
+
+def test_a_suffix_has_a_code_model_fill_in_the_middle(coder):
+    pre, suf, mid = 50257, 50258, 50259   # <|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>
+    head = post(coder, "/tokenize", prompt="def f(")["tokens"]
+    tail = post(coder, "/tokenize", prompt="):\n    return 1\n")["tokens"]
+    fim = [pre] + head + [suf] + tail + [mid]
+    assert prompt_ids(coder, "/v1/completions", prompt="def f(",
+                      suffix="):\n    return 1\n") == fim
+    # Each prompt gets the suffix; a stream is the same request.
+    body = post(coder, "/v1/completions", prompt=["def f(", "x"], suffix="):\n    return 1\n",
+                max_tokens=2, return_token_ids=True)
+    assert [c["prompt_token_ids"] for c in body["choices"]] == [
+        fim, [pre] + post(coder, "/tokenize", prompt="x")["tokens"] + [suf] + tail + [mid]]
+    r = httpx.post(coder + "/v1/completions", timeout=60, json={
+        "prompt": "def f(", "suffix": "):\n    return 1\n", "max_tokens": 3, "stream": True,
+        "ignore_eos": True, "stream_options": {"include_usage": True}})
+    assert sse_events(r)[-2]["usage"]["prompt_tokens"] == len(fim)
+    # An empty suffix is none.
+    assert prompt_ids(coder, "/v1/completions", prompt="def f(", suffix="") == head
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ({"prompt": [1, 2, 3]}, "a suffix goes with text prompts"),
+    ({"prompt": "x", "echo": True}, "echo cannot be combined with a suffix"),
+])
+def test_a_suffix_that_cannot_be_served_is_refused(coder, body, fragment):
+    r = httpx.post(coder + "/v1/completions", json={**body, "suffix": "y"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
+    assert fragment in r.json()["error"]["message"]
+
+
+def test_a_model_without_fill_in_the_middle_tokens_refuses_a_suffix(url):
+    r = httpx.post(url + "/v1/completions", json={"prompt": "x", "suffix": "y"}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
+    assert "no fill-in-the-middle tokens" in r.json()["error"]["message"]

@@ -39,6 +39,7 @@ class TokenizerClient(ServiceClient):
 
     async def tokenize(self, prompt: Optional[str] = None,
                        messages: Optional[list[ChatMessage]] = None, *,
+                       suffix: Optional[str] = None,
                        add_generation_prompt: bool = True,
                        continue_final_message: bool = False,
                        add_special_tokens: Optional[bool] = None,
@@ -52,7 +53,7 @@ class TokenizerClient(ServiceClient):
         self._waiting[request_id] = future
         try:
             self._send(TokenizeRequest(
-                request_id=request_id, prompt=prompt, messages=messages,
+                request_id=request_id, prompt=prompt, suffix=suffix, messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message,
                 add_special_tokens=add_special_tokens, tools=tools,

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Optional, Union
 
 from common.protocol import ChatMessage, TokenizeError, TokenizeRequest, TokenizeResult
-from common.tokenizer import load_tokenizer
+from common.tokenizer import fill_in_the_middle, load_tokenizer
 
 Reply = Union[TokenizeResult, TokenizeError]
 
@@ -26,12 +26,18 @@ class PromptTokenizer:
         if chat_template is not None:
             self.tokenizer.chat_template = chat_template
         self.backend = self.tokenizer.backend_tokenizer
+        self.fim = fill_in_the_middle(self.backend)
         self.max_chars = max_chars
 
     def render(self, request: TokenizeRequest) -> str:
         """The text to encode. Raises ValueError with a message for the user."""
         if (request.prompt is None) == (request.messages is None):
             raise ValueError("exactly one of prompt and messages must be given")
+        if request.suffix is not None:
+            if request.prompt is None or self.fim is None:
+                raise ValueError("a suffix needs a text prompt and a model with "
+                                 "fill-in-the-middle tokens")
+            return self.fim(request.prompt, request.suffix)
         if request.prompt is not None:
             return request.prompt
         if not self.tokenizer.chat_template:

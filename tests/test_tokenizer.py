@@ -1,0 +1,75 @@
+"""common/tokenizer.py's readings of a vocabulary: what logprobs show of one token
+(TokenStrings), and how a code model asks for the middle of a file
+(fill_in_the_middle); on GPT-2's real byte-level BPE and a SentencePiece vocabulary
+with byte fallback."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.tokenizer import TokenStrings, fill_in_the_middle, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_gpt2_dir):
+    return load_tokenizer(tiny_gpt2_dir).backend_tokenizer
+
+TEXT = "héllo wörld 🌹, 你好\n\tq"
+
+
+def sentencepiece_tokenizer():
+    """Llama 2's kind: SentencePiece words (▁ for a space) with byte fallback
+    (<0xNN> for what the vocabulary lacks), and a special token added."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}}
+    for piece in ("▁", "h", "l", "o", "w", "r", "d", "q", ",", "▁h", "ll", "llo", "▁w"):
+        vocab[piece] = len(vocab)
+    merges = [("▁", "h"), ("l", "l"), ("ll", "o"), ("▁", "w")]
+    tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens([AddedToken("</s>", special=True)])
+    return tok
+
+
+def test_a_tokens_bytes_are_its_own_and_join_into_the_text(tok):
+    for backend, special in ((tok, "<|endoftext|>"), (sentencepiece_tokenizer(), "</s>")):
+        strings = TokenStrings(backend)
+        ids = backend.encode(TEXT).ids
+        raw = [strings.raw(t) for t in ids]
+        joined = b"".join(raw).decode()
+        # SentencePiece adds a space before the first word, which its decoder drops.
+        assert joined.removeprefix(" ") == TEXT, backend
+        assert any(r and r[0] >= 0x80 and not _utf8(r) for r in raw)   # part of a character
+        for t, r in zip(ids, raw):
+            assert strings.text(t) == r.decode("utf-8", "replace")
+        special_id = backend.token_to_id(special)
+        assert strings.raw(special_id) == special.encode() and strings.text(special_id) == special
+    # A SentencePiece word keeps its space (decoded alone, the space is stripped).
+    sp = sentencepiece_tokenizer()
+    word = sp.token_to_id("▁w")
+    assert sp.decode([word]) == "w" and TokenStrings(sp).text(word) == " w"
+
+
+def _utf8(data: bytes) -> bool:
+    try:
+        data.decode()
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def test_fill_in_the_middle_follows_the_vocabularys_tokens(tok, tiny_coder_dir):
+    from tokenizers import AddedToken
+
+    coder = load_tokenizer(tiny_coder_dir).backend_tokenizer
+    fim = fill_in_the_middle(coder)
+    assert fim("def f(", "):\n") == "<|fim_prefix|>def f(<|fim_suffix|>):\n<|fim_middle|>"
+    assert fill_in_the_middle(tok) is None   # GPT-2 has no such tokens
+    # Codestral's order: the suffix first.
+    sp = sentencepiece_tokenizer()
+    sp.add_special_tokens([AddedToken("[SUFFIX]", special=True),
+                           AddedToken("[PREFIX]", special=True)])
+    assert fill_in_the_middle(sp)("a", "b") == "[SUFFIX]b[PREFIX]a"
