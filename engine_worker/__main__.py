@@ -17,6 +17,7 @@ from common.config import (DEFAULT_ENGINE_ADDRESS, DEFAULT_MAX_FRAME_BYTES, ENGI
                            EngineServerConfig, SchedulerConfig, env_default)
 from common.curve import add_curve_args, key_for_bind
 from common.errors import InvalidRequestError, ModelLoadError
+from common.heap import freeze_startup_heap
 from common.logging_setup import setup_logging
 from common.sockets import is_loopback
 
@@ -181,6 +182,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         logger.error("cannot bind %s: %s", server_config.bind, e)
         return 2
     faults.install("engine", server)
+    logger.info("start-up heap frozen: %d objects left out of garbage collections",
+                freeze_startup_heap())
     return server.serve()
 
 

@@ -25,6 +25,7 @@ from tokenizers import Tokenizer
 from common import faults
 from common.config import FrontendConfig
 from common.errors import ModelLoadError
+from common.heap import freeze_startup_heap
 from common.model_files import resolve_model_dir
 from common.sampling_params import recommended_sampling
 from common.structured import GrammarCompiler
@@ -266,6 +267,7 @@ def create_app(config: FrontendConfig, parts: Optional[ModelParts] = None) -> Fa
         pipe = await start_pipeline(config, metrics, parts)
         metrics.watch(pipe.model_name, pipe.snapshot)
         app.state.pipeline = pipe
+        freeze_startup_heap()
         yield
         await pipe.membership.stop()
         for client in (*pipe.engines.clients, pipe.tokenizer_client):

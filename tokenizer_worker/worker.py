@@ -21,6 +21,7 @@ import zmq
 
 from common import faults
 from common.errors import ModelLoadError
+from common.heap import freeze_startup_heap
 from common.logging_setup import setup_logging
 from common.protocol import WORKER_JOBS, WORKER_REPLIES, Codec, Hello, ProtocolError
 from common.sockets import make_socket
@@ -49,6 +50,7 @@ def worker_main(model_dir: str, address: str, slot: int, identity: str, max_char
         logger.error("%s", e)
         sys.exit(CANNOT_LOAD_EXIT_CODE)
     faults.install("tokenizer_worker", tokenizer, slot=slot)
+    freeze_startup_heap()
     ctx = zmq.Context()
     sock = make_socket(ctx, address, zmq.DEALER, bind=False, identity=identity.encode())
     codec = Codec(WORKER_REPLIES, WORKER_JOBS)
