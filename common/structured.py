@@ -42,8 +42,11 @@ class StructuredOutput(msgspec.Struct, frozen=True, kw_only=True):
     param: str = "response_format"
 
 
-def json_schema_output(schema: Any, param: str) -> StructuredOutput:
-    """A schema given as a JSON value (or as JSON text)."""
+def json_schema_output(schema: Any, param: str,
+                       spacing: Optional[dict] = None) -> StructuredOutput:
+    """A schema given as a JSON value (or as JSON text). ``spacing``: llguidance's
+    whitespace options (whitespace_flexible, whitespace_pattern), carried in the
+    schema's x-guidance."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -52,6 +55,10 @@ def json_schema_output(schema: Any, param: str) -> StructuredOutput:
     if not isinstance(schema, (dict, bool)):
         raise InvalidRequestError(f"{param} must be a JSON schema (an object), got "
                                   f"{type(schema).__name__}", param)
+    if spacing:
+        schema = {} if schema is True else schema
+        if isinstance(schema, dict):
+            schema = {**schema, "x-guidance": {**schema.get("x-guidance", {}), **spacing}}
     return StructuredOutput(kind="json_schema", spec=json.dumps(schema), param=param)
 
 

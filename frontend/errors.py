@@ -45,6 +45,7 @@ FORMS = {
               "lists of token ids",
     "stop": "a string or a list of strings",
     "guided_json": "a JSON schema: an object, or its JSON text",
+    "structured_outputs.json": "a JSON schema: an object, or its JSON text",
     "messages.*.content": "a string or a list of text parts",
     "tool_choice": "'none', 'auto', 'required' or a function to call by name",
 }

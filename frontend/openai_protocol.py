@@ -92,6 +92,59 @@ class ResponseFormat(BaseModel):
                                   "response_format.json_schema.schema")
 
 
+class StructuredOutputsParam(BaseModel):
+    """vLLM's structured_outputs (its guided_* fields' successor): one constraint, and
+    for JSON how it is spaced. disable_fallback changes nothing (there is one backend);
+    structural_tag is not served."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+    json_: Optional[Union[dict[str, Any], str]] = Field(None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    # JSON: no whitespace between tokens, or whitespace of this pattern only.
+    disable_any_whitespace: bool = False
+    whitespace_pattern: Optional[str] = None
+    # Objects that list their properties allow no others here whatever it says;
+    # false is refused (a schema allows others with additionalProperties).
+    disable_additional_properties: Optional[bool] = None
+    disable_fallback: bool = False
+
+    @field_validator("disable_additional_properties")
+    @classmethod
+    def _closed_objects_only(cls, value):
+        if value is False:
+            raise ValueError("objects that list their properties allow no others here; to "
+                             "allow them, give the object additionalProperties: true")
+        return value
+
+    def structured_output(self) -> StructuredOutput:
+        """Raises InvalidRequestError unless exactly one constraint is given."""
+        param = "structured_outputs"
+        given = [key for key in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, "json_" if key == "json" else key) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidRequestError(
+                f"structured_outputs must give exactly one of json, regex, choice, grammar "
+                f"and json_object; it gives {', '.join(given) or 'none'}", param)
+        kind = given[0]
+        spacing = {}
+        if self.disable_any_whitespace:
+            spacing["whitespace_flexible"] = False
+        if self.whitespace_pattern is not None:
+            spacing["whitespace_pattern"] = self.whitespace_pattern
+        if spacing and kind not in ("json", "json_object"):
+            raise InvalidRequestError("disable_any_whitespace and whitespace_pattern apply to "
+                                      "json and json_object only", param)
+        if kind in ("json", "json_object"):
+            return json_schema_output({"type": "object"} if kind == "json_object"
+                                      else self.json_, f"{param}.{kind}", spacing)
+        spec = {"regex": self.regex, "choice": json.dumps(self.choice),
+                "grammar": self.grammar}[kind]
+        return StructuredOutput(kind=kind, spec=spec, param=f"{param}.{kind}")
+
+
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False
@@ -145,6 +198,7 @@ class _SamplingFields(BaseModel):
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
+    structured_outputs: Optional[StructuredOutputsParam] = None
 
     @field_validator("stream_options")
     @classmethod
@@ -190,6 +244,8 @@ class _SamplingFields(BaseModel):
         if self.guided_grammar is not None:
             given.append(StructuredOutput(kind="grammar", spec=self.guided_grammar,
                                           param="guided_grammar"))
+        if self.structured_outputs is not None:
+            given.append(self.structured_outputs.structured_output())
         if len(given) > 1:
             first, second = (g.param.split(".")[0] for g in given[:2])
             raise InvalidRequestError(f"{first} and {second} both constrain the output; give "

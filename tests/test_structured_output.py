@@ -104,6 +104,57 @@ def test_regex_choice_and_grammar(client):
         assert re.fullmatch(r"yes|no|maybe [0-9]", said), said
 
 
+def outside_strings(text: str) -> str:
+    """A JSON text without its string literals."""
+    return re.sub(r'"(?:\\.|[^"\\])*"', '""', text)
+
+
+def test_vllms_structured_outputs_field(client, smol):
+    """vLLM's structured_outputs (which replaced its guided_* fields in v0.12): the
+    same constraints, and JSON's spacing."""
+    kw = dict(model=MODEL, max_tokens=120, temperature=1.0)
+    for seed in range(3):
+        out = client.chat.completions.create(messages=ASK, seed=seed, **kw, extra_body={
+            "structured_outputs": {"json": PERSON}}).choices[0]
+        assert out.finish_reason == "stop"
+        jsonschema.validate(json.loads(out.message.content), PERSON)
+        tight = client.chat.completions.create(messages=ASK, seed=seed, **kw, extra_body={
+            "structured_outputs": {"json": PERSON, "disable_any_whitespace": True}})
+        text = tight.choices[0].message.content
+        jsonschema.validate(json.loads(text), PERSON)
+        assert not re.search(r"\s", outside_strings(text)), text
+        done = client.completions.create(prompt="A colour:", seed=seed, **kw, extra_body={
+            "structured_outputs": {"choice": ["red", "green", "blue"]}}).choices[0]
+        assert done.text in ("red", "green", "blue") and done.finish_reason == "stop"
+        phone = client.chat.completions.create(messages=ASK, seed=seed, **kw, extra_body={
+            "structured_outputs": {"regex": r"[0-9]{3}-[0-9]{4}"}}).choices[0].message.content
+        assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", phone)
+        said = client.chat.completions.create(messages=ASK, seed=seed, **kw, extra_body={
+            "structured_outputs": {"grammar": 'root ::= "yes" | "no"'}})
+        assert said.choices[0].message.content in ("yes", "no")
+    spaced = client.chat.completions.create(messages=ASK, seed=0, **kw, extra_body={
+        "structured_outputs": {"json_object": True, "whitespace_pattern": "[ ]?"}})
+    text = spaced.choices[0].message.content
+    assert isinstance(json.loads(text), dict) and "\n" not in outside_strings(text)
+    for so, param, fragment in (
+            ({"json": PERSON, "regex": "a"}, "structured_outputs", "it gives json, regex"),
+            ({}, "structured_outputs", "it gives none"),
+            ({"structural_tag": "{}"}, "structured_outputs.structural_tag", "not a supported"),
+            ({"regex": "a", "disable_any_whitespace": True}, "structured_outputs",
+             "apply to json and json_object only"),
+            ({"json": 5}, "structured_outputs.json", "must be a JSON schema"),
+            ({"json": PERSON, "disable_additional_properties": False},
+             "structured_outputs.disable_additional_properties", "additionalProperties: true")):
+        r = httpx.post(smol + "/v1/chat/completions", timeout=60, json={
+            "messages": ASK, "structured_outputs": so})
+        error = r.json()["error"]
+        assert r.status_code == 400 and error["param"] == param, error
+        assert fragment in error["message"]
+    r = httpx.post(smol + "/v1/completions", timeout=60, json={
+        "prompt": "x", "guided_regex": "a", "structured_outputs": {"regex": "b"}})
+    assert r.status_code == 400 and "give at most one" in r.json()["error"]["message"]
+
+
 def test_a_grammar_request_leaves_the_others_in_its_batch_unchanged(smol):
     """Greedy outputs of plain requests are the same whether a constrained request
     shares their batches or not (masks are per request)."""
