@@ -226,16 +226,8 @@ def test_text_offset_counts_characters_of_the_text(stack):
 @pytest.fixture(scope="module")
 def coder(tmp_path_factory, tiny_coder_dir):
     """A model with fill-in-the-middle tokens (Qwen2.5-Coder's)."""
-    run = tmp_path_factory.mktemp("coder")
-    engine = processes.engine(tiny_coder_dir, f"ipc://{run}/engine.sock")
-    pool = processes.tokenizer_pool(tiny_coder_dir, f"ipc://{run}/tok.sock", workers=1)
-    front = processes.frontend(tiny_coder_dir, engine.address, pool.address)
-    try:
-        processes.wait_healthy(front)
+    with processes.local_stack(tiny_coder_dir, tmp_path_factory.mktemp("coder")) as front:
         yield front.url
-    finally:
-        for p in (front, pool, engine):
-            p.stop()
 
 
 def test_a_suffix_has_a_code_model_fill_in_the_middle(coder):
