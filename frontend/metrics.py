@@ -38,6 +38,7 @@ _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 _TOKENIZE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
                   100000)
+_N_BUCKETS = (1, 2, 5, 10, 20)
 _LABELS = ["model_name", "engine"]
 
 
@@ -69,6 +70,16 @@ class Metrics:
         self.prefill = histogram("vllm:request_prefill_time_seconds",
                                  "First step that ran the request to its first token",
                                  _REQUEST_BUCKETS)
+        self.decode = histogram("vllm:request_decode_time_seconds",
+                                "A choice's first token to its last", _REQUEST_BUCKETS)
+        self.inference = histogram("vllm:request_inference_time_seconds",
+                                   "A choice's time running: its prefill and its decode",
+                                   _REQUEST_BUCKETS)
+        self.params_n = histogram("vllm:request_params_n", "The n request parameter",
+                                  _N_BUCKETS)
+        self.params_max_tokens = histogram("vllm:request_params_max_tokens",
+                                           "The max_tokens request parameter, where given",
+                                           _TOKEN_BUCKETS)
         self.request_prompt_tokens = histogram("vllm:request_prompt_tokens",
                                                "Prompt tokens per request", _TOKEN_BUCKETS)
         self.request_generation_tokens = histogram("vllm:request_generation_tokens",
@@ -101,6 +112,9 @@ class Metrics:
             self.tokenize.labels(self.model_name).observe(job.tokenize_ms / 1e3)
         prompt_tokens = sum(len(p) for p in job.prompts)
         self.prompt_tokens.labels(*labels).inc(prompt_tokens)
+        self.params_n.labels(*labels).observe(job.keep or job.n)
+        if job.params and job.params[0].max_tokens is not None:
+            self.params_max_tokens.labels(*labels).observe(job.params[0].max_tokens)
         for i, choice in enumerate(job.choices):
             generated = len(choice.token_ids)
             self.generation_tokens.labels(*labels).inc(generated)
@@ -109,8 +123,12 @@ class Metrics:
             self.success.labels(*labels, choice.finish_reason or "abort").inc()
             if choice.queue_ms is not None:
                 self.queue.labels(*labels).observe(choice.queue_ms / 1e3)
+            decode = sum(choice.intervals)
+            if generated:
+                self.decode.labels(*labels).observe(decode)
             if choice.prefill_ms is not None:
                 self.prefill.labels(*labels).observe(choice.prefill_ms / 1e3)
+                self.inference.labels(*labels).observe(choice.prefill_ms / 1e3 + decode)
             itl = self.itl.labels(*labels)
             for interval in choice.intervals:
                 itl.observe(interval)

@@ -525,6 +525,19 @@ def test_metrics_and_health(stack):
     assert 'roseserve_tokenize_time_seconds_count{model_name="tiny-llama"}' in text
     assert "roseserve_tokenizer_queue" in text
 
+    def value(text: str, name: str) -> float:
+        line = next(x for x in text.splitlines() if x.startswith(name + labels))
+        return float(line.rsplit(" ", 1)[1])
+
+    names = ("vllm:request_params_n_sum", "vllm:request_params_n_count",
+             "vllm:request_params_max_tokens_sum", "vllm:request_decode_time_seconds_count",
+             "vllm:request_inference_time_seconds_count")
+    before = [value(text, n) for n in names]
+    r = complete(stack["url"], prompt="count me", max_tokens=3, n=2, ignore_eos=True)
+    assert r.status_code == 200
+    text = httpx.get(stack["url"] + "/metrics", timeout=30).text
+    assert [value(text, n) - b for n, b in zip(names, before)] == [2, 1, 3, 2, 2]
+
 
 def test_engine_down_gives_503_and_unhealthy(strict):
     strict["engine"].proc.kill()
