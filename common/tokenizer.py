@@ -68,7 +68,8 @@ class TokenStrings:
     def __init__(self, tokenizer) -> None:
         """``tokenizer``: a ``tokenizers.Tokenizer``."""
         self.tokenizer = tokenizer
-        decoders = _flat_decoders(json.loads(tokenizer.to_str()).get("decoder"))
+        decoder = tokenizer.decoder
+        decoders = _flat_decoders(None if decoder is None else json.loads(decoder.__getstate__()))
         kinds = {d.get("type") for d in decoders}
         self._byte_level = "ByteLevel" in kinds
         self._metaspace = "Metaspace" in kinds or any(
