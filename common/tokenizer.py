@@ -132,12 +132,11 @@ _BYTE_LEVEL = _byte_level_alphabet()
 # Fill-in-the-middle: the special tokens code models are trained to complete the
 # middle of a file with, and the order of the prompt's parts they expect.
 _FIM_PREFIX_SUFFIX_MIDDLE = (
-    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),    # Qwen2.5-Coder, Qwen3-Coder
-    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),           # StarCoder, Granite Code
-    ("<｜fim▁begin｜>", "<｜fim▁hole｜>",
-     "<｜fim▁end｜>"),                               # DeepSeek-Coder
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),     # Qwen2.5-Coder, Qwen3-Coder
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),            # StarCoder, Granite Code
+    ("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),  # DeepSeek-Coder
 )
-_FIM_SUFFIX_PREFIX = ("[SUFFIX]", "[PREFIX]")                     # Codestral
+_FIM_SUFFIX_PREFIX = ("[SUFFIX]", "[PREFIX]")                   # Codestral
 
 
 def fill_in_the_middle(tokenizer) -> Optional[Callable[[str, str], str]]:

@@ -2,8 +2,10 @@
 ``cache_salt`` keeps the prefix cache's blocks among requests with the same salt;
 ``add_special_tokens`` adds the tokenizer's BOS to a completion's prompt (by default)
 or a chat's rendered messages (when asked); ``return_tokens_as_token_ids`` names
-logprobs' tokens by id; ``suffix`` has a code model fill in the middle. And logprobs' ``bytes``: each token's own. The model is the
-tiny Llama with a tokenizer that puts a BOS before a text, as Llama's does."""
+logprobs' tokens by id; ``suffix`` has a code model fill in the middle. And what
+logprobs say of tokens holding part of a character: their own ``bytes``, and
+``text_offset`` in characters. The model is the tiny Llama with a tokenizer that puts
+a BOS before a text, as Llama's does (and a code model's, for the suffix)."""
 
 from __future__ import annotations
 
