@@ -184,6 +184,9 @@ class InputProcessor:
                    "fill-in-the-middle tokens")
         elif body.echo:
             why = "echo cannot be combined with a suffix (the completion goes between them)"
+        elif body.truncate_prompt_tokens is not None:
+            why = ("truncate_prompt_tokens cannot be combined with a suffix (it would cut "
+                   "the start of the fill-in-the-middle prompt)")
         if why is not None:
             raise APIError(400, why, param="suffix", code="invalid_value")
 

@@ -255,6 +255,7 @@ def test_a_suffix_has_a_code_model_fill_in_the_middle(coder):
 @pytest.mark.parametrize("body, fragment", [
     ({"prompt": [1, 2, 3]}, "a suffix goes with text prompts"),
     ({"prompt": "x", "echo": True}, "echo cannot be combined with a suffix"),
+    ({"prompt": "x", "truncate_prompt_tokens": 5}, "truncate_prompt_tokens cannot be combined"),
 ])
 def test_a_suffix_that_cannot_be_served_is_refused(coder, body, fragment):
     r = httpx.post(coder + "/v1/completions", json={**body, "suffix": "y"}, timeout=60)
