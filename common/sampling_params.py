@@ -30,6 +30,8 @@ MAX_LOGIT_BIAS = 100.0
 # A cache salt is a secret (e.g. 43 base64 characters for 256 bits); past this it is
 # not one.
 MAX_CACHE_SALT_CHARS = 1024
+# A predicted output longer than this many tokens is refused (no context holds it).
+MAX_PREDICTION_TOKENS = 1 << 17
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -87,6 +89,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     # vLLM's: the prefix cache serves this request only blocks computed for requests
     # with the same salt (common/prefix_hash.py); None: the unsalted cache.
     cache_salt: Optional[str] = None
+    # OpenAI's predicted output, as token ids: where the engine speculates
+    # (--speculative-tokens), its proposals come from here; the output is the same.
+    prediction: list[int] = []
 
     def validate(self) -> None:
         """Raise InvalidRequestError naming the first invalid field."""
@@ -155,6 +160,10 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
             raise InvalidRequestError(
                 f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
                 f"characters, got {len(self.cache_salt)}", "cache_salt")
+        if len(self.prediction) > MAX_PREDICTION_TOKENS:
+            raise InvalidRequestError(
+                f"prediction has {len(self.prediction)} tokens, more than the "
+                f"{MAX_PREDICTION_TOKENS} allowed", "prediction")
         if any(not word for word in self.bad_words_ids):
             raise InvalidRequestError("bad_words must not hold an empty word", "bad_words")
 
@@ -165,7 +174,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
                 ("allowed_token_ids", self.allowed_token_ids or []),
                 ("bad_words", [t for word in self.bad_words_ids for t in word]),
                 ("structured_after", [] if self.structured_after is None
-                 else [self.structured_after])]
+                 else [self.structured_after]),
+                ("prediction", self.prediction)]
 
     @property
     def greedy(self) -> bool:

@@ -12,6 +12,7 @@ from common.prefix_hash import salt_root
 from common.protocol import FinishReason, SamplingParams, TokenLogprobs
 from common.structured import GrammarMatcher
 from engine_worker.block_manager import BlockTable
+from engine_worker.ngram import Prediction
 
 
 # The id held by a token sampled on the device and not yet seen by the host; never a
@@ -61,6 +62,8 @@ class Request:
         # The output's grammar (structured output): it masks every sample. With
         # structured_after it waits (``dormant``) until that token is generated.
         self.grammar = grammar
+        # Its predicted output, where it gave one: speculation's proposals.
+        self.prediction = Prediction(params.prediction) if params.prediction else None
         self.dormant: Optional[GrammarMatcher] = None
         if grammar is not None and params.structured_after is not None:
             self.grammar, self.dormant = None, grammar

@@ -23,15 +23,14 @@ tokens, min_tokens not reached) or want logprobs.
 
 from __future__ import annotations
 
-from array import array
 from typing import Optional
 
 import torch
 
+from engine_worker.ngram import propose
 from engine_worker.request import Request
 from engine_worker.sampler import distribution
 
-NGRAM_MAX, NGRAM_MIN = 4, 2
 # Proposals are made while a step's decode rows and proposed tokens stay within this
 # many. Checking them is nearly free only while a step's time is reading the weights;
 # past that it is computing rows, many of them rejected proposals. On 2 cores (AMD
@@ -63,27 +62,6 @@ def check_sampled(probs: torch.Tensor, draft: torch.Tensor,
     return torch.where(kept, draft, drawn)
 
 
-def propose(token_ids: list[int], k: int) -> list[int]:
-    """Up to ``k`` tokens that followed the latest earlier occurrence of the last n
-    tokens of ``token_ids`` (the longest n that occurs), or none."""
-    if k <= 0 or len(token_ids) <= NGRAM_MIN:
-        return []
-    # A search over the bytes of the ids (4 each): bytes.rfind runs in C.
-    data = array("i", token_ids).tobytes()
-    for n in range(min(NGRAM_MAX, len(token_ids) - 1), NGRAM_MIN - 1, -1):
-        suffix = data[-4 * n:]
-        end = len(data) - 4  # an occurrence ending before the last token
-        while True:
-            at = data.rfind(suffix, 0, end)
-            if at < 0:
-                break
-            if at % 4 == 0:
-                start = at // 4 + n
-                return token_ids[start:start + k]
-            end = at + 4 * n - 1  # misaligned: look further back
-    return []
-
-
 class Speculator:
     """The engine's part: each request's proposals (the scheduler's drafter), the check
     of a step's proposed tokens against its logits, and the counts of both."""
@@ -96,8 +74,12 @@ class Speculator:
         self.num_draft_tokens = self.num_accepted_tokens = 0
 
     def propose(self, request: Request, most: int) -> list[int]:
-        return propose(request.token_ids, min(request.draft_limit or self.k, most,
-                                              request.draft_room(self.max_model_len)))
+        """The request's prediction's next tokens where it has one, else its own
+        text's n-gram proposal."""
+        k = min(request.draft_limit or self.k, most, request.draft_room(self.max_model_len))
+        if request.prediction is not None:
+            return request.prediction.propose(request.output_token_ids, k)
+        return propose(request.token_ids, k)
 
     def record(self, draft_logits: list[tuple[Request, torch.Tensor]]) -> None:
         """What the model generates at each of a forward's proposed tokens: the most

@@ -147,6 +147,9 @@ class InputProcessor:
         job.n = body.num_generated()
         job.ticket = self._admit(body, job.n, inputs)
         job.prompts, job.tokenize_ms = await self._tokenize(inputs, job.deadline)
+        if body.prediction is not None and body.prediction.text():
+            constraints["prediction"] = await self._predicted_ids(body.prediction.text(),
+                                                                  job.deadline)
         job.ticket.resize(job.n * sum(len(p) for p in job.prompts))
         job.engine, job.prefill = self.engines.route(job.prompts[0], body.cache_salt)
         job.prefill_held = job.prefill is not None
@@ -293,6 +296,12 @@ class InputProcessor:
             return [list(p) for p in inputs.prompts], 0.0  # token ids: no pool involved
         return await self.within_tokenize_timeout(self._tokenize_texts(inputs), deadline)
 
+    async def _predicted_ids(self, text: str, deadline: Optional[float]) -> list[int]:
+        """A predicted output's token ids, as the reply would hold them."""
+        result = await self.within_tokenize_timeout(self.call_tokenizer(
+            prompt=text, add_special_tokens=False, param="prediction"), deadline)
+        return list(result.prompt_token_ids)
+
     async def within_tokenize_timeout(self, work, deadline: Optional[float] = None):
         """``work``'s result; a 504 when the pool takes longer than the tokenize
         timeout (or than what is left until ``deadline``)."""
@@ -321,12 +330,15 @@ class InputProcessor:
                          for p in inputs.prompts]
         return token_prompts, max((r.tokenize_ms for r in results), default=0.0)
 
-    async def call_tokenizer(self, **kw):
+    async def call_tokenizer(self, param: Optional[str] = None, **kw):
+        """The pool's tokens for ``kw``; its failure an APIError naming ``param``
+        (else messages or prompt)."""
         try:
             return await self.tokenizer_client.tokenize(**kw)
         except TokenizeFailed as e:
             status = 400 if e.kind.value == "invalid_request" else 500
-            raise APIError(status, e.message, param="messages" if "messages" in kw else "prompt")
+            raise APIError(status, e.message, param=param or (
+                "messages" if "messages" in kw else "prompt"))
         except TokenizerDeadError as e:
             raise APIError(503, f"the tokenizer pool is unavailable: {e}",
                            code="tokenizer_unavailable", headers={"Retry-After": "1"})

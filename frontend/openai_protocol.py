@@ -152,6 +152,24 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool = False
 
 
+class TextPart(BaseModel):
+    model_config = _STRICT
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(BaseModel):
+    """OpenAI's predicted output: text the reply is expected to mostly repeat."""
+
+    model_config = _STRICT
+    type: Literal["content"]
+    content: Union[str, list[TextPart]]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(
+            part.text for part in self.content)
+
+
 class _SamplingFields(BaseModel):
     model_config = _STRICT
 
@@ -199,6 +217,9 @@ class _SamplingFields(BaseModel):
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
     structured_outputs: Optional[StructuredOutputsParam] = None
+    # OpenAI's: where the engine speculates (--speculative-tokens), the proposals come
+    # from it; the output is the same either way.
+    prediction: Optional[Prediction] = None
 
     @field_validator("stream_options")
     @classmethod
@@ -327,12 +348,6 @@ class CompletionRequest(_SamplingFields):
         if all(isinstance(x, int) for x in p):
             return [list(p)]
         return list(p)
-
-
-class TextPart(BaseModel):
-    model_config = _STRICT
-    type: Literal["text"]
-    text: str
 
 
 class ToolCallFunction(BaseModel):

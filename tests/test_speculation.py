@@ -11,7 +11,7 @@ import pytest
 
 from common.protocol import FinishReason, SamplingParams
 from common.structured import StructuredOutput
-from engine_worker.speculation import propose
+from engine_worker.ngram import Prediction, propose
 from helpers import greedy, make_engine, random_prompts, run_to_end, tokens
 
 # Prompts that repeat themselves, and random ones.
@@ -297,3 +297,88 @@ def test_speculation_is_refused_where_it_cannot_run():
                          "not with async scheduling")):
         with pytest.raises(ValueError, match=message):
             EngineConfig(**kw)
+
+
+# -- a predicted output (OpenAI's prediction) --------------------------------------------
+
+
+def test_a_prediction_proposes_what_follows_where_the_output_is():
+    p = Prediction([1, 2, 3, 4, 5, 6, 7, 8])
+    assert p.propose([], 3) == [1, 2, 3]            # from its start
+    assert p.propose([1, 2], 3) == [3, 4, 5]        # followed
+    assert p.propose([1, 2, 9], 3) == []            # departed, nothing to find yet
+    assert p.propose([1, 2, 9, 5, 6], 3) == [7, 8]  # found again from the last tokens
+    assert p.propose([1, 2, 9, 5, 6, 7, 8], 3) == []   # its end
+    # Found again after where it was lost, before anywhere else.
+    p = Prediction([5, 6, 7, 8, 5, 6, 9])
+    assert p.propose([5, 6, 7, 8, 0, 5, 6], 2) == [9]
+    # Ids whose bytes match across two ids are not matches.
+    p = Prediction([256, 1, 0, 0, 1, 5])
+    assert p.propose([7, 0, 1], 2) == [5]
+
+
+def run_counting(engine, requests):
+    """Steps and outputs of ``requests`` (id -> (prompt, params)) run together."""
+    for request_id, (prompt, params) in requests.items():
+        engine.add_request(request_id, prompt, params)
+    steps, outs = 0, {}
+    while engine.has_unfinished_requests():
+        steps += 1
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return steps, outs
+
+
+def test_a_predicted_output_is_the_output_in_fewer_steps(tiny_llama_dir):
+    """The same tokens as decoding one at a time, whatever the prediction; the steps
+    fewer as it is right, found again past a part it got wrong."""
+    prompt = random_prompts([12], seed=5)[0]
+    expected = make_engine(tiny_llama_dir).generate([prompt], greedy(48))[0]
+    wrong = list(expected)
+    wrong[20:24] = [3, 1, 4, 1]   # a changed stretch in the middle
+    results = {}
+    for name, prediction in (("none", []), ("right", expected), ("wrong", wrong),
+                             ("unrelated", random_prompts([48], seed=9)[0])):
+        engine = speculating(tiny_llama_dir, 8)
+        steps, outs = run_counting(engine, {"r": (prompt, greedy(48, prediction=prediction))})
+        assert outs["r"] == expected, name
+        results[name] = (steps, engine.stats().num_accepted_tokens)
+        assert engine.stats().num_blocks_used == 0
+    assert results["right"][1] >= 40 and results["right"][0] <= 12, results
+    assert results["wrong"][1] >= 30 and results["wrong"][0] < results["none"][0], results
+    assert results["right"][0] < results["wrong"][0] <= results["unrelated"][0], results
+
+
+def test_a_prediction_through_http(tiny_llama_dir, tmp_path):
+    """OpenAI's prediction field, on chat and completions: the same tokens as without
+    it, in far fewer steps where it is right (the engine's count of kept proposals)."""
+    import httpx
+
+    import processes
+
+    with processes.local_stack(tiny_llama_dir, tmp_path,
+                               engine_args=("--speculative-tokens", "8")) as front:
+        def ask(path, **body):
+            body = {"max_tokens": 40, "temperature": 0, "ignore_eos": True,
+                    "return_token_ids": True, **body}
+            r = httpx.post(front.url + path, json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            return choice["token_ids"], choice.get("text", (choice.get("message") or {}).get("content"))
+
+        def kept():
+            time.sleep(1.2)   # the engine's next heartbeat carries its counts
+            return processes.metric(front.url, "vllm:spec_decode_num_accepted_tokens_total")
+
+        for path, body in (("/v1/completions", {"prompt": "Once upon"}),
+                           ("/v1/chat/completions",
+                            {"messages": [{"role": "user", "content": "Once upon"}]})):
+            ids, text = ask(path, **body)
+            before = kept()
+            assert ask(path, **body, prediction={"type": "content", "content": text})[0] == ids
+            assert kept() - before >= 30
+            parts = [{"type": "text", "text": text[:5]}, {"type": "text", "text": text[5:]}]
+            assert ask(path, **body, prediction={"type": "content", "content": parts})[0] == ids
+        r = httpx.post(front.url + "/v1/completions", timeout=60, json={
+            "prompt": "x", "prediction": {"type": "other", "content": "y"}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prediction.type"

@@ -1,0 +1,70 @@
+"""Where speculation's proposals come from (engine_worker/speculation.py): a
+request's own text, by n-gram lookup, or the output it predicted (OpenAI's
+``prediction``). Searches run over the bytes of the ids (4 each), so that
+``bytes.find`` runs in C; a match must start on an id's first byte."""
+
+from __future__ import annotations
+
+from array import array
+from typing import Optional, Sequence
+
+NGRAM_MAX, NGRAM_MIN = 4, 2
+
+
+def propose(token_ids: list[int], k: int) -> list[int]:
+    """Up to ``k`` tokens that followed the latest earlier occurrence of the last n
+    tokens of ``token_ids`` (the longest n that occurs), or none."""
+    if k <= 0 or len(token_ids) <= NGRAM_MIN:
+        return []
+    data = array("i", token_ids).tobytes()
+    for n in range(min(NGRAM_MAX, len(token_ids) - 1), NGRAM_MIN - 1, -1):
+        suffix = data[-4 * n:]
+        end = len(data) - 4  # an occurrence ending before the last token
+        while True:
+            at = data.rfind(suffix, 0, end)
+            if at < 0:
+                break
+            if at % 4 == 0:
+                start = at // 4 + n
+                return token_ids[start:start + k]
+            end = at + 4 * n - 1  # misaligned: look further back
+    return []
+
+
+class Prediction:
+    """A request's predicted output (OpenAI's ``prediction``: text the reply is
+    expected to mostly repeat, such as a file being edited). It proposes what follows,
+    in the prediction, the place the output has reached there: from its start, then
+    token by token while the output follows it; where the output departs, the place
+    is found again from the output's last n tokens (n from 4 down to 2), at the first
+    occurrence after where it was lost, else the first anywhere."""
+
+    def __init__(self, token_ids: Sequence[int]) -> None:
+        self.token_ids = list(token_ids)
+        self._data = array("i", self.token_ids).tobytes()
+        self.at: Optional[int] = 0   # the prediction's tokens the output has followed
+        self.lost = 0                # where the output last departed from it
+        self.seen = 0                # output tokens accounted for
+
+    def propose(self, output: Sequence[int], k: int) -> list[int]:
+        for token in output[self.seen:]:
+            if self.at is not None and self.at < len(self.token_ids) \
+                    and self.token_ids[self.at] == token:
+                self.at += 1
+            elif self.at is not None:
+                self.lost, self.at = self.at, None
+        self.seen = len(output)
+        if self.at is None:
+            self.at = self._find(output)
+        return [] if self.at is None or k <= 0 else self.token_ids[self.at:self.at + k]
+
+    def _find(self, output: Sequence[int]) -> Optional[int]:
+        for n in range(min(NGRAM_MAX, len(output)), NGRAM_MIN - 1, -1):
+            pattern = array("i", output[-n:]).tobytes()
+            for start in (4 * self.lost, 0):
+                at = self._data.find(pattern, start)
+                while at >= 0 and at % 4:   # misaligned: look further on
+                    at = self._data.find(pattern, at + 1)
+                if at >= 0:
+                    return at // 4 + n
+        return None
