@@ -12,7 +12,7 @@ from common.prefix_hash import salt_root
 from common.protocol import FinishReason, SamplingParams, TokenLogprobs
 from common.structured import GrammarMatcher
 from engine_worker.block_manager import BlockTable
-from engine_worker.ngram import Prediction
+from common.ngram import Prediction
 
 
 # The id held by a token sampled on the device and not yet seen by the host; never a

@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from engine_worker.ngram import propose
+from common.ngram import propose
 from engine_worker.request import Request
 from engine_worker.sampler import distribution
 

@@ -26,6 +26,7 @@ import msgspec
 
 from common.config import FrontendConfig
 from common.errors import InvalidRequestError
+from common.ngram import Prediction
 from common.protocol import ChatMessage, Ready, SamplingParams
 from common.tokenizer import TokenStrings, fill_in_the_middle
 from common.validation import ContextLengthError, checked_prompt
@@ -170,6 +171,8 @@ class InputProcessor:
             job.echo = [p if isinstance(p, str) and body.truncate_prompt_tokens is None
                         else self.tokenizer.decode(ids, skip_special_tokens=False)
                         for p, ids in zip(inputs.prompts, job.prompts)]
+        if constraints.get("prediction"):
+            job.predictions = [Prediction(constraints["prediction"]) for _ in job.choices]
         if formatter is None:
             formatter = ChatFormatter if inputs.messages is not None else CompletionFormatter
         job.formatter = formatter(job, self.strings)

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
+from common.ngram import Prediction
 from common.protocol import SamplingParams
 from frontend.admission import Ticket
 from frontend.choice import Choice
@@ -85,6 +86,8 @@ class Job:
     thinks_first: list[bool] = field(default_factory=list)
     # prompt_logprobs asked for: shown with each choice.
     prompt_logprobs: bool = False
+    # A predicted output: each choice's use of it, counted as its tokens come.
+    predictions: list[Prediction] = field(default_factory=list)
     # The engine that served it (its address), kept for the timing breakdown.
     engine_address: str = ""
     formatter: Optional["Formatter"] = None
@@ -160,6 +163,11 @@ class Job:
             thought = sum(self.reasoning.num_tokens(thinking, c.token_ids)
                           for thinking, c in zip(self.thinks_first, self.choices))
             usage["completion_tokens_details"] = {"reasoning_tokens": thought}
+        if self.predictions:
+            counts = [p.count(c.token_ids) for p, c in zip(self.predictions, self.choices)]
+            usage.setdefault("completion_tokens_details", {}).update(
+                accepted_prediction_tokens=sum(a for a, _ in counts),
+                rejected_prediction_tokens=sum(r for _, r in counts))
         return usage
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from common.protocol import FinishReason, SamplingParams
 from common.structured import StructuredOutput
-from engine_worker.ngram import Prediction, propose
+from common.ngram import Prediction, propose
 from helpers import greedy, make_engine, random_prompts, run_to_end, tokens
 
 # Prompts that repeat themselves, and random ones.
@@ -315,6 +315,14 @@ def test_a_prediction_proposes_what_follows_where_the_output_is():
     # Ids whose bytes match across two ids are not matches.
     p = Prediction([256, 1, 0, 0, 1, 5])
     assert p.propose([7, 0, 1], 2) == [5]
+    # OpenAI's counts: the prediction's tokens the output holds where it put them
+    # (3 and 4 replaced by 9: the rest found again), and the others.
+    assert Prediction([1, 2, 3, 4, 5, 6, 7, 8]).count([1, 2, 9, 5, 6, 7, 8]) == (6, 2)
+    assert Prediction([1, 2, 3]).count([]) == (0, 3)
+    assert Prediction([1, 2, 3]).count([1, 2, 3, 4]) == (3, 0)
+    counted = Prediction([5, 6, 7, 8, 5, 6, 9])
+    assert counted.count([5, 6, 7, 8, 0]) == (4, 3)
+    assert counted.count([5, 6, 7, 8, 0, 5, 6, 9]) == (7, 0)   # as its tokens come
 
 
 def run_counting(engine, requests):
@@ -363,8 +371,9 @@ def test_a_prediction_through_http(tiny_llama_dir, tmp_path):
                     "return_token_ids": True, **body}
             r = httpx.post(front.url + path, json=body, timeout=60)
             assert r.status_code == 200, r.text
-            choice = r.json()["choices"][0]
-            return choice["token_ids"], choice.get("text", (choice.get("message") or {}).get("content"))
+            choice, usage = r.json()["choices"][0], r.json()["usage"]
+            text = choice["text"] if "text" in choice else choice["message"]["content"]
+            return choice["token_ids"], text, usage.get("completion_tokens_details")
 
         def kept():
             time.sleep(1.2)   # the engine's next heartbeat carries its counts
@@ -373,10 +382,21 @@ def test_a_prediction_through_http(tiny_llama_dir, tmp_path):
         for path, body in (("/v1/completions", {"prompt": "Once upon"}),
                            ("/v1/chat/completions",
                             {"messages": [{"role": "user", "content": "Once upon"}]})):
-            ids, text = ask(path, **body)
+            ids, text, details = ask(path, **body)
+            assert details is None
             before = kept()
-            assert ask(path, **body, prediction={"type": "content", "content": text})[0] == ids
-            assert kept() - before >= 30
+            again, _, details = ask(path, **body, prediction={"type": "content", "content": text})
+            assert again == ids and kept() - before >= 30
+            # OpenAI's counts: the prediction's tokens the output holds, and the rest.
+            predicted = httpx.post(front.url + "/tokenize", timeout=60, json={
+                "prompt": text, "add_special_tokens": False}).json()["count"]
+            assert details["accepted_prediction_tokens"] >= 30
+            assert details["accepted_prediction_tokens"] + details[
+                "rejected_prediction_tokens"] == predicted
+            _, _, details = ask(path, **body, prediction={"type": "content",
+                                                          "content": "Nothing like it."})
+            assert details["accepted_prediction_tokens"] == 0
+            assert details["rejected_prediction_tokens"] > 0
             parts = [{"type": "text", "text": text[:5]}, {"type": "text", "text": text[5:]}]
             assert ask(path, **body, prediction={"type": "content", "content": parts})[0] == ids
         r = httpx.post(front.url + "/v1/completions", timeout=60, json={

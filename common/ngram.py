@@ -1,6 +1,6 @@
 """Where speculation's proposals come from (engine_worker/speculation.py): a
 request's own text, by n-gram lookup, or the output it predicted (OpenAI's
-``prediction``). Searches run over the bytes of the ids (4 each), so that
+``prediction``, whose use the frontend reports in the usage). Searches run over the bytes of the ids (4 each), so that
 ``bytes.find`` runs in C; a match must start on an id's first byte."""
 
 from __future__ import annotations
@@ -42,23 +42,39 @@ class Prediction:
     def __init__(self, token_ids: Sequence[int]) -> None:
         self.token_ids = list(token_ids)
         self._data = array("i", self.token_ids).tobytes()
-        self.at: Optional[int] = 0   # the prediction's tokens the output has followed
-        self.lost = 0                # where the output last departed from it
+        self.at: Optional[int] = 0   # where in the prediction the output has reached
+        self.lost = 0                # where in it the output last departed from it
+        self.departed = 0            # the output token that did
         self.seen = 0                # output tokens accounted for
+        self.followed = 0            # output tokens where the prediction put them
 
     def propose(self, output: Sequence[int], k: int) -> list[int]:
-        for token in output[self.seen:]:
+        """Up to ``k`` tokens the prediction says come after ``output``."""
+        for i in range(self.seen, len(output)):
             if self.at is not None and self.at < len(self.token_ids) \
-                    and self.token_ids[self.at] == token:
+                    and self.token_ids[self.at] == output[i]:
                 self.at += 1
+                self.followed += 1
             elif self.at is not None:
-                self.lost, self.at = self.at, None
+                self.lost, self.departed, self.at = self.at, i, None
         self.seen = len(output)
         if self.at is None:
-            self.at = self._find(output)
+            found = self._find(output)
+            if found is not None:   # the n-gram found is where it put those tokens too
+                self.at, n = found
+                self.followed += min(n, len(output) - self.departed)
         return [] if self.at is None or k <= 0 else self.token_ids[self.at:self.at + k]
 
-    def _find(self, output: Sequence[int]) -> Optional[int]:
+    def count(self, output: Sequence[int]) -> tuple[int, int]:
+        """Of the prediction's tokens, those ``output`` holds where the prediction
+        put them (found again where it departs) and the rest: OpenAI's accepted and
+        rejected prediction tokens."""
+        for end in range(self.seen + 1, len(output) + 1):
+            self.propose(output[:end], 0)
+        return self.followed, max(0, len(self.token_ids) - self.followed)
+
+    def _find(self, output: Sequence[int]) -> Optional[tuple[int, int]]:
+        """Where the prediction goes on after the output's last n tokens, and n."""
         for n in range(min(NGRAM_MAX, len(output)), NGRAM_MIN - 1, -1):
             pattern = array("i", output[-n:]).tobytes()
             for start in (4 * self.lost, 0):
@@ -66,5 +82,5 @@ class Prediction:
                 while at >= 0 and at % 4:   # misaligned: look further on
                     at = self._data.find(pattern, at + 1)
                 if at >= 0:
-                    return at // 4 + n
+                    return at // 4 + n, n
         return None
