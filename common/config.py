@@ -336,6 +336,9 @@ class FrontendConfig:
     # Logprobs name tokens "token_id:N" rather than by their text, unless a request
     # says otherwise (vLLM's --return-tokens-as-token-ids).
     return_tokens_as_token_ids: bool = False
+    # Each request's span goes to this OTLP/HTTP endpoint (frontend/tracing.py);
+    # None: no tracing.
+    otlp_traces_endpoint: Optional[str] = None
     # Web pages from these origins may call the API from a browser (CORS; "*": any);
     # empty: none, as a page from anywhere could otherwise reach a local server.
     allowed_origins: tuple[str, ...] = ()

@@ -87,6 +87,12 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
                    help="logprobs name each token 'token_id:N' instead of by its text, for "
                         "clients that must tell apart tokens holding part of a character "
                         "(a request's return_tokens_as_token_ids overrides it)")
+    g.add_argument("--otlp-traces-endpoint", default=env_default("OTLP_TRACES_ENDPOINT"),
+                   metavar="URL",
+                   help="send a span per request to this OpenTelemetry collector over "
+                        "OTLP/HTTP (e.g. http://collector:4318/v1/traces; needs "
+                        "'roseserve[tracing]'); a request's traceparent header makes it "
+                        "part of the caller's trace (ROSESERVE_OTLP_TRACES_ENDPOINT)")
     g.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
                    help="web pages from these origins (https://ui.example.com; * for any) "
                         "may call the API from a browser: CORS, preflights answered "
@@ -137,6 +143,7 @@ def frontend_config_from_args(args: argparse.Namespace, engines: Sequence[str],
         reasoning_parser=args.reasoning_parser, chat_template=args.chat_template,
         generation_config=args.generation_config,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        otlp_traces_endpoint=args.otlp_traces_endpoint,
         allowed_origins=tuple(args.allowed_origins or ()),
         ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
         curve_key=CurveKey.from_option(getattr(args, "curve_key_file", None)))
@@ -192,7 +199,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:   # before the server: its start-up would fail with a traceback
         parts = load_model_parts(config)
-    except ModelLoadError as e:
+        if config.otlp_traces_endpoint:
+            from frontend import tracing
+
+            tracing.require()
+    except (ModelLoadError, ValueError) as e:
         logger.error("cannot start the frontend: %s", e)
         return 2
     if config.host not in ("127.0.0.1", "localhost", "::1"):

@@ -39,6 +39,7 @@ from frontend.reasoning import Reasoning
 from frontend.router import EngineRouter
 from frontend.routes import router
 from frontend.serving import Pipeline
+from frontend.tracing import Tracer
 from tokenizer_worker.client import TokenizerClient
 
 logger = logging.getLogger(__name__)
@@ -224,9 +225,11 @@ async def start_pipeline(config: FrontendConfig, metrics: Metrics,
     tok_client = TokenizerClient(config.tokenizer_address, curve_key=config.curve_key)
     await tok_client.connect()
     engines = EngineRouter([], config.routing, config.disagg_min_prompt_tokens)
+    tracer = (None if config.otlp_traces_endpoint is None
+              else Tracer(config.otlp_traces_endpoint))
     pipe = Pipeline(engines, tok_client, tokenizer, metrics,
                     Admission(config.max_waiting_requests, config.max_waiting_tokens),
-                    model_names, config, template, grammars, reasoning, sampling)
+                    model_names, config, template, grammars, reasoning, sampling, tracer)
     pipe.membership = Membership(
         config.engine_addresses, engines,
         lambda address: EngineClient(address, heartbeat_timeout_s=config.engine_heartbeat_timeout_s,
@@ -272,6 +275,8 @@ def create_app(config: FrontendConfig, parts: Optional[ModelParts] = None) -> Fa
         await pipe.membership.stop()
         for client in (*pipe.engines.clients, pipe.tokenizer_client):
             await client.close()
+        if pipe.tracer is not None:
+            pipe.tracer.shutdown()   # the spans still waiting, sent
 
     app = FastAPI(title="roseserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.config, app.state.metrics, app.state.created = config, metrics, int(time.time())

@@ -86,6 +86,8 @@ class Job:
     thinks_first: list[bool] = field(default_factory=list)
     # prompt_logprobs asked for: shown with each choice.
     prompt_logprobs: bool = False
+    # The caller's W3C trace context (frontend/tracing.py), for the request's span.
+    trace: dict = field(default_factory=dict)
     # A predicted output: each choice's use of it, counted as its tokens come.
     predictions: list[Prediction] = field(default_factory=list)
     # The engine that served it (its address), kept for the timing breakdown.

@@ -35,6 +35,7 @@ from frontend.openai_protocol import (ChatCompletionRequest, CompletionRequest, 
 from frontend.output_processor import events
 from frontend.responses_api import ResponsesFormatter, ResponsesRequest
 from frontend.serving import Pipeline
+from frontend.tracing import trace_context
 
 T = TypeVar("T")
 router = APIRouter()
@@ -184,7 +185,8 @@ async def completion_response(request: Request, model: type[BaseModel]) -> Respo
     received = time.monotonic()
     body = await parse(request, model)
     pipe = pipeline(request)
-    job = request.state.job = pipe.open(body, received)  # the access log's
+    job = request.state.job = pipe.open(  # the access log's
+        body, received, trace=trace_context(request.headers))
     return JobResponse(pipe, job, body)
 
 
@@ -198,7 +200,8 @@ async def responses(request: Request) -> Response:
     except ValidationError as e:
         raise from_validation_error(e)
     pipe = pipeline(request)
-    job = request.state.job = pipe.open(chat, received, prefix="resp_")
+    job = request.state.job = pipe.open(chat, received, prefix="resp_",
+                                        trace=trace_context(request.headers))
     body.temperature, body.top_p = chat.temperature, chat.top_p   # as sampled: the response says
     return JobResponse(pipe, job, chat,
                        lambda job, strings: ResponsesFormatter(job, strings, body))

@@ -32,6 +32,7 @@ from frontend.openai_protocol import ChatCompletionRequest
 from frontend.output_processor import OutputProcessor
 from frontend.reasoning import Reasoning
 from frontend.router import EngineRouter
+from frontend.tracing import Tracer
 from tokenizer_worker.client import TokenizerClient
 
 
@@ -75,11 +76,13 @@ class Pipeline:
                  config: FrontendConfig, chat_template: Optional[str] = None,
                  grammars: Optional[GrammarCompiler] = None,
                  reasoning: Optional[Reasoning] = None,
-                 sampling: Optional[dict] = None) -> None:
+                 sampling: Optional[dict] = None,
+                 tracer: Optional[Tracer] = None) -> None:
         """``tokenizer``: the model's Rust tokenizer; ``grammars``: for checking
         structured output before it reaches an engine (None: structured output is
         unavailable); ``reasoning``: how chat replies' thinking is told apart;
-        ``sampling``: the defaults of sampling fields a request does not set."""
+        ``sampling``: the defaults of sampling fields a request does not set;
+        ``tracer``: where each request's span goes (None: nowhere)."""
         self.engines = engines
         self.tokenizer_client = tokenizer_client
         self.tokenizer = tokenizer
@@ -90,6 +93,7 @@ class Pipeline:
         self.model_name = self.model_names[0]
         self.config = config
         self.sampling = sampling or {}
+        self.tracer = tracer
         # Constraints compiled off the event loop, each distinct one once.
         self.inputs = InputProcessor(engines, tokenizer_client, tokenizer, admission, config,
                                      chat_template,
@@ -126,11 +130,13 @@ class Pipeline:
             raise APIError(404, f"the model '{model}' does not exist; this server serves "
                                 f"{served}", param="model", code="model_not_found")
 
-    def open(self, body, received: float, prefix: Optional[str] = None) -> Job:
+    def open(self, body, received: float, prefix: Optional[str] = None,
+             trace: Optional[dict] = None) -> Job:
         """A Job for a parsed completion or chat request (it holds nothing yet); its id
         is ``prefix`` then hex digits, by default the endpoint's (chatcmpl-, cmpl-). A
         request that names no model gets the first name served, one that leaves a
-        sampling field out the model's recommended value, if any."""
+        sampling field out the model's recommended value, if any. ``trace``: the
+        caller's trace context (frontend/tracing.py)."""
         if body.model is not None:
             self.check_model(body.model)
         for key, value in self.sampling.items():
@@ -141,7 +147,7 @@ class Pipeline:
         self.num_jobs += 1
         return Job(request_id=prefix + uuid.uuid4().hex, created=int(time.time()),
                    model=body.model or self.model_name, received=received,
-                   stream=bool(body.stream),
+                   stream=bool(body.stream), trace=trace or {},
                    on_close=self._closed,
                    deadline=None if timeout is None else received + timeout)
 
@@ -152,6 +158,8 @@ class Pipeline:
         self.outputs.release_prefill(job)
         if job.submitted:
             self.metrics.record(job)
+            if self.tracer is not None:
+                self.tracer.record(job)
 
     async def tokenize(self, **kw):
         """One text or chat through the pool (/tokenize), within the tokenize timeout."""

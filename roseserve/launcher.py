@@ -155,7 +155,7 @@ FRONTEND_FLAGS = ["host", "api_key_file", "served_model_name", "max_body_bytes",
                   "dns_refresh", "disagg_min_prompt_tokens", "kv_lease", "stream_interval",
                   "drain_timeout", "no_access_log", "allowed_origins", "ssl_certfile",
                   "ssl_keyfile", "reasoning_parser", "chat_template", "generation_config",
-                  "return_tokens_as_token_ids"]
+                  "return_tokens_as_token_ids", "otlp_traces_endpoint"]
 
 
 def engine_roles(args: argparse.Namespace) -> list[str]:
