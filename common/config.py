@@ -390,3 +390,7 @@ class FrontendConfig:
         if self.generation_config not in ("auto", "none"):
             raise ValueError(f"generation_config must be auto or none, got "
                              f"{self.generation_config!r}")
+        if self.otlp_traces_endpoint is not None and not self.otlp_traces_endpoint.startswith(
+                ("http://", "https://")):
+            raise ValueError(f"otlp_traces_endpoint must be an http:// or https:// URL "
+                             f"(OTLP/HTTP), got {self.otlp_traces_endpoint!r}")

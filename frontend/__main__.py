@@ -143,7 +143,7 @@ def frontend_config_from_args(args: argparse.Namespace, engines: Sequence[str],
         reasoning_parser=args.reasoning_parser, chat_template=args.chat_template,
         generation_config=args.generation_config,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-        otlp_traces_endpoint=args.otlp_traces_endpoint,
+        otlp_traces_endpoint=args.otlp_traces_endpoint or None,
         allowed_origins=tuple(args.allowed_origins or ()),
         ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
         curve_key=CurveKey.from_option(getattr(args, "curve_key_file", None)))

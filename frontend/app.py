@@ -225,8 +225,7 @@ async def start_pipeline(config: FrontendConfig, metrics: Metrics,
     tok_client = TokenizerClient(config.tokenizer_address, curve_key=config.curve_key)
     await tok_client.connect()
     engines = EngineRouter([], config.routing, config.disagg_min_prompt_tokens)
-    tracer = (None if config.otlp_traces_endpoint is None
-              else Tracer(config.otlp_traces_endpoint))
+    tracer = Tracer(config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None
     pipe = Pipeline(engines, tok_client, tokenizer, metrics,
                     Admission(config.max_waiting_requests, config.max_waiting_tokens),
                     model_names, config, template, grammars, reasoning, sampling, tracer)

@@ -104,6 +104,13 @@ def test_each_request_is_a_span_in_its_callers_trace(tmp_path, tiny_llama_dir, c
         assert attributes(span)["roseserve.stream"] is True
 
 
+def test_an_endpoint_that_is_not_an_http_url_is_refused(tiny_llama_dir):
+    proc = processes.Proc(["frontend", "--model", str(tiny_llama_dir),
+                           "--otlp-traces-endpoint", "collector:4317"])
+    assert proc.proc.wait(60) == 2
+    assert "must be an http:// or https:// URL (OTLP/HTTP), got 'collector:4317'" in proc.output()
+
+
 def test_tracing_without_opentelemetry_stops_the_frontend_with_how_to_install_it(
         tmp_path, tiny_llama_dir):
     """The frontend, with OpenTelemetry's SDK hidden from it (its API stays: FastAPI
