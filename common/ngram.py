@@ -50,19 +50,7 @@ class Prediction:
 
     def propose(self, output: Sequence[int], k: int) -> list[int]:
         """Up to ``k`` tokens the prediction says come after ``output``."""
-        for i in range(self.seen, len(output)):
-            if self.at is not None and self.at < len(self.token_ids) \
-                    and self.token_ids[self.at] == output[i]:
-                self.at += 1
-                self.followed += 1
-            elif self.at is not None:
-                self.lost, self.departed, self.at = self.at, i, None
-        self.seen = len(output)
-        if self.at is None:
-            found = self._find(output)
-            if found is not None:   # the n-gram found is where it put those tokens too
-                self.at, n = found
-                self.followed += min(n, len(output) - self.departed)
+        self._follow(output, len(output))
         return [] if self.at is None or k <= 0 else self.token_ids[self.at:self.at + k]
 
     def count(self, output: Sequence[int]) -> tuple[int, int]:
@@ -70,13 +58,29 @@ class Prediction:
         put them (found again where it departs) and the rest: OpenAI's accepted and
         rejected prediction tokens."""
         for end in range(self.seen + 1, len(output) + 1):
-            self.propose(output[:end], 0)
+            self._follow(output, end)
         return self.followed, max(0, len(self.token_ids) - self.followed)
 
-    def _find(self, output: Sequence[int]) -> Optional[tuple[int, int]]:
-        """Where the prediction goes on after the output's last n tokens, and n."""
-        for n in range(min(NGRAM_MAX, len(output)), NGRAM_MIN - 1, -1):
-            pattern = array("i", output[-n:]).tobytes()
+    def _follow(self, output: Sequence[int], end: int) -> None:
+        """Account for ``output[:end]``."""
+        for i in range(self.seen, end):
+            if self.at is not None and self.at < len(self.token_ids) \
+                    and self.token_ids[self.at] == output[i]:
+                self.at += 1
+                self.followed += 1
+            elif self.at is not None:
+                self.lost, self.departed, self.at = self.at, i, None
+        self.seen = end
+        if self.at is None:
+            found = self._find(output, end)
+            if found is not None:   # the n-gram found is where it put those tokens too
+                self.at, n = found
+                self.followed += min(n, end - self.departed)
+
+    def _find(self, output: Sequence[int], end: int) -> Optional[tuple[int, int]]:
+        """Where the prediction goes on after the n tokens before ``end``, and n."""
+        for n in range(min(NGRAM_MAX, end), NGRAM_MIN - 1, -1):
+            pattern = array("i", output[end - n:end]).tobytes()
             for start in (4 * self.lost, 0):
                 at = self._data.find(pattern, start)
                 while at >= 0 and at % 4:   # misaligned: look further on
