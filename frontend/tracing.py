@@ -48,7 +48,7 @@ class Tracer:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from opentelemetry.trace import SpanKind
+        from opentelemetry.trace import SpanKind, Status, StatusCode
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         self.provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
@@ -57,6 +57,7 @@ class Tracer:
         self.tracer = self.provider.get_tracer("roseserve.frontend")
         self.propagator = TraceContextTextMapPropagator()
         self.kind = SpanKind.SERVER
+        self.failed = lambda message: Status(StatusCode.ERROR, message)
 
     def record(self, job: "Job") -> None:
         """The span of a finished job that reached an engine."""
@@ -69,6 +70,9 @@ class Tracer:
         span = self.tracer.start_span(
             "llm_request", context=self.propagator.extract(carrier=job.trace),
             kind=self.kind, start_time=ns(job.received), attributes=_attributes(job))
+        if job.error is not None:   # what ended it, where not every choice finishing
+            span.set_status(self.failed(job.error.message))
+            span.set_attribute("http.response.status_code", job.error.status)
         span.end(end_time=ns(job.finished))
 
     def shutdown(self) -> None:

@@ -104,6 +104,32 @@ def test_each_request_is_a_span_in_its_callers_trace(tmp_path, tiny_llama_dir, c
         assert attributes(span)["roseserve.stream"] is True
 
 
+def test_a_request_that_fails_is_a_span_in_error(tmp_path, tiny_llama_dir, collector):
+    """A request the server's timeout ends (an engine slowed to 0.2 s a step)."""
+    endpoint, spans = collector
+    engine = processes.engine(tiny_llama_dir, f"ipc://{tmp_path}/engine.sock",
+                              env={"ROSESERVE_FAULT_STEP_DELAY_S": "0.2"})
+    pool = processes.tokenizer_pool(tiny_llama_dir, f"ipc://{tmp_path}/tok.sock", workers=1)
+    front = processes.frontend(tiny_llama_dir, engine.address, pool.address,
+                               "--request-timeout", "0.5", "--otlp-traces-endpoint", endpoint)
+    try:
+        processes.wait_healthy(front)
+        r = httpx.post(front.url + "/v1/completions", timeout=60, json={
+            "prompt": "Hello", "max_tokens": 50, "ignore_eos": True})
+        assert r.status_code == 504
+        deadline = time.monotonic() + 15
+        while not [s for s in spans if s.status.code == s.status.STATUS_CODE_ERROR]:
+            assert time.monotonic() < deadline, "no span in error"
+            time.sleep(0.1)
+        span = next(s for s in spans if s.status.code == s.status.STATUS_CODE_ERROR)
+        assert "request timeout" in span.status.message
+        assert attributes(span)["http.response.status_code"] == 504
+        assert attributes(span)["gen_ai.request.id"].startswith("cmpl-")
+    finally:
+        for p in (front, pool, engine):
+            p.stop()
+
+
 def test_an_endpoint_that_is_not_an_http_url_is_refused(tiny_llama_dir):
     proc = processes.Proc(["frontend", "--model", str(tiny_llama_dir),
                            "--otlp-traces-endpoint", "collector:4317"])
