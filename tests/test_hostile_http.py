@@ -120,7 +120,7 @@ FUZZ = [
     ("seed 2^64", C, _cmpl(seed=2**64)), ("seed below -2^63", C, _cmpl(seed=-(2**63) - 1)),
     ("priority 2^31", C, _cmpl(priority=2**31)), ("priority a string", C, _cmpl(priority="high")),
     ("empty prompt", C, _cmpl(prompt="")), ("empty token list", C, _cmpl(prompt=[])),
-    ("unknown model", C, _cmpl(model="gpt-4")), ("suffix", C, _cmpl(suffix="x")),
+    ("unknown model", C, _cmpl(model="gpt-4")),
     ("best_of < n", C, _cmpl(best_of=1, n=2)), ("logit_bias 1000", C, _cmpl(logit_bias={"1": 1000})),
     ("logit_bias NaN-ish key", C, _cmpl(logit_bias={"1e3": 5})),
     ("bad schema", CHAT, _chat(response_format={"type": "json_schema",
@@ -152,6 +152,19 @@ FUZZ = [
         {"role": "user", "content": "Hi", "reasoning_content": "x"}])),
     ("response reasoning encrypted", RESP, _resp(input=[
         {"type": "reasoning", "summary": [], "encrypted_content": "gAAA"}])),
+    # vLLM's and OpenAI's extras, each wrong
+    ("cache_salt empty", C, _cmpl(cache_salt="")), ("cache_salt a number", CHAT, _chat(cache_salt=7)),
+    ("cache_salt of 2 KB", C, _cmpl(cache_salt="s" * 2048)),
+    ("structured_outputs of two", C, _cmpl(structured_outputs={"regex": "a", "choice": ["b"]})),
+    ("structured_outputs of none", CHAT, _chat(structured_outputs={})),
+    ("structured_outputs structural_tag", C, _cmpl(structured_outputs={"structural_tag": "{}"})),
+    ("structured_outputs json a number", C, _cmpl(structured_outputs={"json": 5})),
+    ("prediction of another type", CHAT, _chat(prediction={"type": "x", "content": "y"})),
+    ("prediction content a number", CHAT, _chat(prediction={"type": "content", "content": 5})),
+    ("suffix without fill-in-the-middle tokens", C, _cmpl(suffix="x")),
+    ("suffix a number", C, _cmpl(suffix=5)),
+    ("return_tokens_as_token_ids a string", C, _cmpl(return_tokens_as_token_ids="yes")),
+    ("add_special_tokens a string", CHAT, _chat(add_special_tokens="no")),
 ]
 # At the bounds: each must be served (200).
 AT_BOUNDS = [
@@ -186,6 +199,12 @@ AT_BOUNDS = [
         {"role": "user", "content": "Hi"},
         {"type": "reasoning", "summary": [{"type": "summary_text", "text": "t"}]},
         {"role": "assistant", "content": "Yo"}, {"role": "user", "content": "Hi"}])),
+    ("vLLM's and OpenAI's extras", C, _cmpl(cache_salt="s" * 1024, add_special_tokens=False,
+                                            return_tokens_as_token_ids=True, logprobs=1,
+                                            structured_outputs={"regex": "[ab]+"},
+                                            prediction={"type": "content", "content": "ab"})),
+    ("chat's extras", CHAT, _chat(add_special_tokens=True, structured_outputs={
+        "json_object": True, "disable_any_whitespace": True}, max_tokens=8)),
 ]
 
 
