@@ -259,7 +259,10 @@ class CompletionFormatter(Formatter):
         entries = [(t, TokenLogprobs(lp.logprob, lp.top_token_ids[:n], lp.top_logprobs[:n]))
                    for t, lp in zip(c.prompt_token_ids[1:], c.prompt_logprobs or [])]
         offsets = TextOffsets(self.strings, skip_special=False)   # as echo shows it
-        at = offsets.next(first)
+        # A text prompt's echo is its text: a BOS the tokenizer put before it is not.
+        added = (first in self.strings.special
+                 and not self.echo(c.index).startswith(self.strings.text(first)))
+        at = offsets.chars if added else offsets.next(first)
         rest = completion_logprobs(entries, self.strings, offsets, self.job.tokens_as_ids)
         label = token_label(self.strings, self.job.tokens_as_ids)
         prompt = {"tokens": [label(first)] + rest["tokens"],

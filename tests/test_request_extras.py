@@ -118,6 +118,16 @@ def prompt_ids(url, path, **body) -> list[int]:
     return out["choices"][0]["prompt_token_ids"]
 
 
+def test_echoed_offsets_start_at_the_text_after_the_bos_the_tokenizer_added(stack):
+    """Scoring a text (echo, logprobs, max_tokens 0), as evaluation clients do: the
+    prompt's tokens are [BOS] + the text's, its echo the text; offsets are in it."""
+    body = post(stack.url, "/v1/completions", prompt="Hello 🌹 world", echo=True, logprobs=0,
+                max_tokens=0, return_token_ids=True)["choices"][0]
+    ids = body["prompt_token_ids"]
+    assert ids[0] == BOS and body["text"] == "Hello 🌹 world"
+    assert body["logprobs"]["text_offset"] == [0] + offsets_in(stack.model, body["text"], ids[1:])
+
+
 def test_add_special_tokens_puts_the_bos_before_a_prompt_by_default_and_a_chat_when_asked(url):
     text = post(url, "/tokenize", prompt="Hello world", add_special_tokens=False)["tokens"]
     assert text and BOS not in text
