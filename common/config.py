@@ -286,8 +286,10 @@ class FrontendConfig:
     # The names clients may send as "model" (aliases of one model, the first listed
     # first); empty: the model directory's name.
     served_model_names: tuple[str, ...] = ()
-    # Bearer key required on /v1/*; None: no authentication.
-    api_key: Optional[str] = None
+    # Bearer keys, any of which a request must carry on every path but /health,
+    # /metrics and /version (several: one per client, or an old and a new one while
+    # clients move over); empty: no authentication.
+    api_keys: tuple[str, ...] = ()
     max_body_bytes: int = 8 << 20
     # Admission: engine requests (n x prompts) admitted and not yet producing tokens,
     # and their prompt tokens (text estimated at 4 characters per token before it is
@@ -387,6 +389,10 @@ class FrontendConfig:
             raise ValueError(f"request_retries must be 0 or more, got {self.request_retries}")
         if self.routing not in ("prefix", "least-loaded"):
             raise ValueError(f"routing must be prefix or least-loaded, got {self.routing!r}")
+        for key in self.api_keys:
+            if not key or any(c.isspace() or c == "," for c in key):
+                raise ValueError("an API key must be non-empty, without whitespace or commas "
+                                 "(a Bearer token)")
         if self.generation_config not in ("auto", "none"):
             raise ValueError(f"generation_config must be auto or none, got "
                              f"{self.generation_config!r}")

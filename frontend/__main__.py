@@ -30,12 +30,13 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default=env_default("HOST", "127.0.0.1"),
                    help="address to listen on (default: loopback only)")
     g.add_argument("--port", type=int, default=int(env_default("PORT", "8000")))
-    g.add_argument("--api-key", default=None,
+    g.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="require this Bearer key on every path but /health, /metrics and "
-                        "/version; visible to other local users in "
-                        "the process list: prefer ROSESERVE_API_KEY or --api-key-file")
+                        "/version (repeat for several keys, any of which is taken); "
+                        "visible to other local users in the process list: prefer "
+                        "ROSESERVE_API_KEY (keys separated by commas) or --api-key-file")
     g.add_argument("--api-key-file", default=None,
-                   help="read the Bearer key from this file (its first line)")
+                   help="read the Bearer keys from this file (one a line)")
     g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the model names clients may send, the first one listed first "
                         "(default: the model's folder name)")
@@ -109,20 +110,21 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
                         "it (draining) or failed before any output (default 2; 0: never)")
 
 
-def api_key_from_args(args: argparse.Namespace) -> Optional[str]:
-    """--api-key, else --api-key-file's first line, else ROSESERVE_API_KEY."""
+def api_keys_from_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """--api-key (each), else --api-key-file's lines, else ROSESERVE_API_KEY's
+    comma-separated keys; none: no authentication."""
     if args.api_key:
-        return args.api_key
+        return tuple(args.api_key)
     if args.api_key_file:
         try:
             with open(args.api_key_file) as f:
-                key = f.readline().strip()
+                keys = tuple(line.strip() for line in f if line.strip())
         except OSError as e:
             raise ValueError(f"cannot read --api-key-file: {e}") from None
-        if not key:
+        if not keys:
             raise ValueError(f"--api-key-file {args.api_key_file} is empty")
-        return key
-    return env_default("API_KEY") or None
+        return keys
+    return tuple(k.strip() for k in (env_default("API_KEY") or "").split(",") if k.strip())
 
 
 def frontend_config_from_args(args: argparse.Namespace, engines: Sequence[str],
@@ -131,7 +133,7 @@ def frontend_config_from_args(args: argparse.Namespace, engines: Sequence[str],
         host=args.host, port=args.port, engine_addresses=tuple(engines),
         tokenizer_address=tokenizer, model=args.model,
         served_model_names=tuple(args.served_model_name or ()),
-        api_key=api_key_from_args(args), max_body_bytes=args.max_body_bytes,
+        api_keys=api_keys_from_args(args), max_body_bytes=args.max_body_bytes,
         max_waiting_requests=args.max_waiting_requests,
         max_waiting_tokens=args.max_waiting_tokens,
         max_choices_per_request=args.max_choices_per_request,

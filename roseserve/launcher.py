@@ -204,7 +204,7 @@ def components(args: argparse.Namespace, model_dir: str, run_dir: str) -> list[C
             *[a for e in engines for a in ("--engine", e.address)],
             "--port", str(args.port + i), *_forward(args, FRONTEND_FLAGS), *log])
         if args.api_key:
-            frontend.env = {**os.environ, "ROSESERVE_API_KEY": args.api_key}
+            frontend.env = {**os.environ, "ROSESERVE_API_KEY": ",".join(args.api_key)}
         frontends.append(frontend)
     stack = [*engines, tokenizer, *frontends]
     for c in stack:

@@ -124,6 +124,8 @@ def test_a_component_that_fails_to_start_is_named_and_the_command_fails(tiny_lla
     (["--threads", "99999"], "num_threads must be in 1..1024"),   # OpenMP crashed at start
     (["--allowed-origins", "https://ui.example/app"], "an allowed origin is * or scheme://host"),
     (["--ssl-certfile", "cert.pem"], "HTTPS needs both --ssl-certfile and --ssl-keyfile"),
+    (["--api-key", "a,b"], "an API key must be non-empty, without whitespace or commas"),
+    (["--otlp-traces-endpoint", "collector:4318"], "must be an http:// or https:// URL"),
     (["--ssl-certfile", os.path.join(TLS, "key.pem"), "--ssl-keyfile",
       os.path.join(TLS, "key.pem")], "cannot load the TLS certificate"),
 ])
@@ -189,30 +191,36 @@ def test_a_cluster_sets_the_new_knobs_from_its_environment(monkeypatch):
 
 @pytest.mark.parametrize("how", ["flag", "environment", "file"])
 def test_the_api_key_is_on_no_child_command_line(tiny_llama_dir, tmp_path, how):
+    """Two keys, given each way; either is taken (an old and a new key while clients
+    move over), and neither is on a command line."""
     port = processes.free_port()
-    key = "k3y-0f-" + how
+    key, other = "k3y-0f-" + how, "0ther-k3y"
     args = ["--model", str(tiny_llama_dir), "--port", str(port), "--device", "cpu",
             "--kv-cache-memory-gb", "0.02", "--tokenizer-workers", "1",
             "--served-model-name", "tiny"]
     env = dict(os.environ)
     if how == "flag":
-        args += ["--api-key", key]
+        args += ["--api-key", key, "--api-key", other]
     elif how == "environment":
-        env["ROSESERVE_API_KEY"] = key
+        env["ROSESERVE_API_KEY"] = f"{key}, {other}"
     else:
-        (tmp_path / "key").write_text(key + "\n")
+        (tmp_path / "key").write_text(f"{key}\n\n{other}\n")
         args += ["--api-key-file", str(tmp_path / "key")]
     proc = subprocess.Popen([sys.executable, "-m", "roseserve", "serve", *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         read_until(proc, "roseserve is ready")
         children = psutil.Process(proc.pid).children(recursive=True)
-        assert children and not [c for c in children if key in " ".join(c.cmdline())]
+        assert children and not [c for c in children
+                                 if key in " ".join(c.cmdline()) or other in " ".join(c.cmdline())]
         url = f"http://127.0.0.1:{port}/v1/completions"
         body = {"model": "tiny", "prompt": "Hi", "max_tokens": 1}
         assert httpx.post(url, json=body, timeout=60).status_code == 401
-        ok = httpx.post(url, json=body, timeout=60, headers={"Authorization": f"Bearer {key}"})
-        assert ok.status_code == 200
+        for k in (key, other):
+            ok = httpx.post(url, json=body, timeout=60, headers={"Authorization": f"Bearer {k}"})
+            assert ok.status_code == 200
+        wrong = httpx.post(url, json=body, timeout=60, headers={"Authorization": "Bearer k3y"})
+        assert wrong.status_code == 401
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
