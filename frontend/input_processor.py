@@ -148,9 +148,9 @@ class InputProcessor:
         job.n = body.num_generated()
         job.ticket = self._admit(body, job.n, inputs)
         job.prompts, job.tokenize_ms = await self._tokenize(inputs, job.deadline)
-        if body.prediction is not None and body.prediction.text():
-            constraints["prediction"] = await self._predicted_ids(body.prediction.text(),
-                                                                  job.deadline)
+        predicted = "" if body.prediction is None else body.prediction.text()
+        if predicted:
+            constraints["prediction"] = await self._predicted_ids(predicted, job.deadline)
         job.ticket.resize(job.n * sum(len(p) for p in job.prompts))
         job.engine, job.prefill = self.engines.route(job.prompts[0], body.cache_salt)
         job.prefill_held = job.prefill is not None

@@ -158,6 +158,13 @@ class TextPart(BaseModel):
     text: str
 
 
+def joined_text(content) -> str:
+    """A content's text: the string, or its text parts' texts one after the other."""
+    if content is None:
+        return ""
+    return content if isinstance(content, str) else "".join(part.text for part in content)
+
+
 class Prediction(BaseModel):
     """OpenAI's predicted output: text the reply is expected to mostly repeat."""
 
@@ -166,8 +173,7 @@ class Prediction(BaseModel):
     content: Union[str, list[TextPart]]
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(
-            part.text for part in self.content)
+        return joined_text(self.content)
 
 
 class _SamplingFields(BaseModel):
@@ -417,11 +423,7 @@ class ChatMessageParam(BaseModel):
         return self.reasoning_content if self.reasoning_content is not None else self.reasoning
 
     def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+        return joined_text(self.content)
 
 
 class FunctionDefinition(BaseModel):

@@ -36,7 +36,8 @@ from frontend.choice import Delta
 from frontend.errors import APIError
 from frontend.job import Job
 from frontend.openai_protocol import (ChatCompletionRequest, Count, FunctionDefinition,
-                                      OpenAINoOpFields, Temperature, TopP, text_parts_only)
+                                      OpenAINoOpFields, Temperature, TopP, joined_text,
+                                      text_parts_only)
 from frontend.formatters import Formatter, chat_logprobs
 from frontend.tools import ToolCallParser
 
@@ -52,10 +53,6 @@ class TextPart(BaseModel):
     text: str
     annotations: Optional[list] = None
     logprobs: Optional[list] = None
-
-
-def _text(content: Union[str, list[TextPart]]) -> str:
-    return content if isinstance(content, str) else "".join(p.text for p in content)
 
 
 class MessageItem(BaseModel):
@@ -245,7 +242,7 @@ class ResponsesRequest(OpenAINoOpFields):
                 thinking = (thinking or "") + item.text()
                 continue
             if isinstance(item, MessageItem):
-                messages.append({"role": item.role, "content": _text(item.content)})
+                messages.append({"role": item.role, "content": joined_text(item.content)})
             elif isinstance(item, FunctionCallItem):
                 call = {"id": item.call_id, "type": "function",
                         "function": {"name": item.name, "arguments": item.arguments}}
@@ -256,7 +253,7 @@ class ResponsesRequest(OpenAINoOpFields):
                     messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
             else:
                 messages.append({"role": "tool", "tool_call_id": item.call_id,
-                                 "content": _text(item.output)})
+                                 "content": joined_text(item.output)})
             if messages[-1]["role"] == "assistant" and thinking is not None:
                 messages[-1]["reasoning_content"] = thinking
             thinking = None  # thinking before anything but the assistant's turn: dropped

@@ -402,3 +402,13 @@ def test_a_prediction_through_http(tiny_llama_dir, tmp_path):
         r = httpx.post(front.url + "/v1/completions", timeout=60, json={
             "prompt": "x", "prediction": {"type": "other", "content": "y"}})
         assert r.status_code == 400 and r.json()["error"]["param"] == "prediction.type"
+
+
+def test_a_prediction_past_the_limit_is_refused():
+    from common.errors import InvalidRequestError
+    from common.sampling_params import MAX_PREDICTION_TOKENS
+
+    SamplingParams(prediction=[1] * MAX_PREDICTION_TOKENS).validate()
+    with pytest.raises(InvalidRequestError, match=f"prediction has {MAX_PREDICTION_TOKENS + 1} "
+                                                  f"tokens, more than the {MAX_PREDICTION_TOKENS}"):
+        SamplingParams(prediction=[1] * (MAX_PREDICTION_TOKENS + 1)).validate()
