@@ -219,6 +219,9 @@ def _gguf_metadata(path: Path, fields: dict, out_dir: Path,
     head_dim = fields.get(f"{arch}.attention.key_length")
     if head_dim:
         config.head_dim = head_dim
+    yarn = _yarn_parameters(path.name, fields, arch)
+    if yarn:
+        config.rope_parameters = {**(config.rope_parameters or {}), **yarn}
     config.save_pretrained(out_dir)
     generation = GenerationConfig.from_model_config(config)
     if end_of_turn_tokens:
@@ -226,6 +229,27 @@ def _gguf_metadata(path: Path, fields: dict, out_dir: Path,
     generation.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     (out_dir / GGUF_POINTER).write_text(json.dumps({"file": str(path)}))
+
+
+def _yarn_parameters(file_name: str, fields: dict, arch: str) -> dict:
+    """A file's YaRN scaling as a config's rope parameters (transformers' reading of
+    the file keeps none of it); {} for a file without. Its attention factor is the one
+    the factor implies (0.1 ln(factor) + 1), as llama.cpp's converter writes Qwen's
+    files; a file that says another is refused."""
+    scaling = f"{arch}.rope.scaling."
+    if fields.get(scaling + "type") != "yarn":
+        return {}
+    odd = sorted(k[len(scaling):] for k in fields if k.startswith(scaling) and k[len(scaling):]
+                 in ("attn_factor", "yarn_attn_factor", "yarn_ext_factor", "yarn_log_multiplier"))
+    if odd:
+        raise ModelLoadError(f"{file_name}: YaRN scaling with {', '.join(odd)} is not served "
+                             f"(only the factor, the original context and the betas)")
+    params = {"rope_type": "yarn", "factor": float(fields.get(scaling + "factor", 1.0))}
+    for key, name in (("original_context_length", "original_max_position_embeddings"),
+                      ("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+        if scaling + key in fields:
+            params[name] = fields[scaling + key]
+    return params
 
 
 def _find_gguf() -> Path:

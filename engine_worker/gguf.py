@@ -310,17 +310,19 @@ def rope_scaling(w: GgufWeights, head_dim: int) -> torch.Tensor:
     """What divides each RoPE frequency (head_dim // 2,). llama.cpp's converter stores
     Llama 3.1's scaling (Llama 3.2, 3.3) as that factor per frequency, the tensor
     rope_freqs.weight, and a linear one as {arch}.rope.scaling.type and .factor;
-    transformers' reading of the file into a config keeps neither. Other types (yarn,
-    longrope) are refused, as in a Hugging Face folder."""
+    transformers' reading of the file into a config keeps neither. YaRN's is in the
+    config the file's folder holds (common/model_files.py: _yarn_parameters), so the
+    model's RoPE has it already. Other types (longrope) are refused, as in a Hugging
+    Face folder."""
     kind = w.reader.fields.get(f"{w.architecture}.rope.scaling.type", "none")
     factors = torch.ones(head_dim // 2)
     if "rope_freqs.weight" in w.tensors:
         factors = w.dense("rope_freqs.weight", (head_dim // 2,))
     if kind == "linear":
         factors = factors * w.reader.fields.get(f"{w.architecture}.rope.scaling.factor", 1.0)
-    elif kind != "none":
+    elif kind not in ("none", "yarn"):
         raise ModelLoadError(f"{w.path.name}: unsupported rope scaling {kind!r}; supported: "
-                             f"linear, and llama3 (rope_freqs.weight)")
+                             f"linear, yarn, and llama3 (rope_freqs.weight)")
     return factors
 
 

@@ -1,14 +1,17 @@
 """What the engine needs to know about a checkpoint, read from its config.json.
 
 Supported: the Llama family (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-Qwen3ForCausalLM: RMSNorm, RoPE, grouped-query attention, SwiGLU; Qwen3 also RMS-norms
-each head of q and k) and GPT2LMHeadModel. Anything else is a ModelLoadError that names
-the architecture and what is supported.
+Qwen3ForCausalLM, GraniteForCausalLM, Phi3ForCausalLM: RMSNorm, RoPE, grouped-query
+attention, SwiGLU; Qwen3 also RMS-norms each head of q and k; Granite scales the
+embeddings, attention scores, each layer's outputs and the logits by constants of its
+config; Phi-3 stores q/k/v and gate/up fused) and GPT2LMHeadModel. Anything else is a
+ModelLoadError that names the architecture and what is supported.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -20,6 +23,8 @@ LLAMA_FAMILY = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "GraniteForCausalLM": "granite",
+    "Phi3ForCausalLM": "phi3",
 }
 GPT2_FAMILY = {"GPT2LMHeadModel": "gpt2"}
 SUPPORTED_ARCHITECTURES = sorted({**LLAMA_FAMILY, **GPT2_FAMILY})
@@ -28,19 +33,35 @@ SUPPORTED_ARCHITECTURES = sorted({**LLAMA_FAMILY, **GPT2_FAMILY})
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float
-    # "default", "linear" or "llama3"
+    # "default", "linear", "llama3" or "yarn"
     kind: str = "default"
     factor: float = 1.0
+    # llama3 and yarn
+    original_max_position_embeddings: int = 8192
     # llama3 only
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    # yarn only: the band of dimensions between interpolation and extrapolation (in
+    # rotations over the original context), and the factor cos and sin are multiplied
+    # by (which scales every attention score by its square)
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
+
+    @property
+    def context_length(self) -> Optional[int]:
+        """The context the scaling extends the model to, where it says one (YaRN: the
+        original context times the factor), else None."""
+        if self.kind == "yarn":
+            return int(self.original_max_position_embeddings * self.factor)
+        return None
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     name: str
-    family: str  # "llama" (Llama/Mistral/Qwen2/Qwen3) or "gpt2"
+    family: str  # "llama" (Llama/Mistral/Qwen2/Qwen3/Granite/Phi-3) or "gpt2"
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -61,6 +82,18 @@ class ModelConfig:
     rope: Optional[RopeConfig]  # None for GPT-2 (learned positions)
     # Qwen3: each head of q and k RMS-normed (its own weight, head_dim wide) before RoPE
     qk_norm: bool = False
+    # The checkpoint's tensor layout: "llama" (q, k, v, gate, up apart) or "phi3"
+    # (qkv_proj and gate_up_proj as one tensor each)
+    layout: str = "llama"
+    # Granite's constants: the embeddings are multiplied by embedding_multiplier, the
+    # attention scores scaled by attention_multiplier (None: 1/sqrt(head_dim)), each
+    # attention and MLP output by residual_multiplier before it joins the residual
+    # stream, the logits divided by logits_scaling. The loader folds them into the
+    # weights (LlamaModel.fold_scales), so every kernel computes a plain Llama.
+    embedding_multiplier: float = 1.0
+    attention_multiplier: Optional[float] = None
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
 
     @property
     def num_params(self) -> int:
@@ -113,12 +146,18 @@ def _llama_config(raw: dict[str, Any], kind: str, name: str, eos: tuple[int, ...
     num_heads = raw["num_attention_heads"]
     hidden = raw["hidden_size"]
     act = raw.get("hidden_act", "silu")
+    partial = ({**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
+               .get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    if partial != 1.0:
+        raise ModelLoadError(f"partial_rotary_factor {partial} is not supported (RoPE "
+                             f"over the whole head only)")
     if act != "silu":
         raise ModelLoadError(f"unsupported hidden_act {act!r} (the Llama family needs 'silu')")
-    max_len = raw["max_position_embeddings"]
+    rope = _rope_config(raw)
+    max_len = max(raw["max_position_embeddings"], rope.context_length or 0)
     window = raw.get("sliding_window")
     # Qwen2 has a window field but uses it only when use_sliding_window is set.
-    if window and raw.get("use_sliding_window", kind == "mistral"):
+    if window and raw.get("use_sliding_window", kind in ("mistral", "phi3")):
         max_len = min(max_len, window)
     attention_bias = bool(raw.get("attention_bias", False))
     return ModelConfig(
@@ -139,9 +178,22 @@ def _llama_config(raw: dict[str, Any], kind: str, name: str, eos: tuple[int, ...
         mlp_bias=bool(raw.get("mlp_bias", False)),
         hidden_act=act,
         eos_token_ids=eos,
-        rope=_rope_config(raw),
+        rope=rope,
         qk_norm=kind == "qwen3",
+        layout="phi3" if kind == "phi3" else "llama",
+        **(_granite_scales(raw) if kind == "granite" else {}),
     )
+
+
+def _granite_scales(raw: dict[str, Any]) -> dict[str, Any]:
+    scales = {"embedding_multiplier": float(raw.get("embedding_multiplier", 1.0)),
+              "attention_multiplier": float(raw.get("attention_multiplier", 1.0)),
+              "residual_multiplier": float(raw.get("residual_multiplier", 1.0)),
+              "logits_scaling": float(raw.get("logits_scaling", 1.0))}
+    for name, value in scales.items():
+        if not (math.isfinite(value) and value > 0):
+            raise ModelLoadError(f"{name} must be a positive number, not {value}")
+    return scales
 
 
 def _rope_config(raw: dict[str, Any]) -> RopeConfig:
@@ -166,8 +218,37 @@ def _rope_config(raw: dict[str, Any]) -> RopeConfig:
             original_max_position_embeddings=int(
                 merged.get("original_max_position_embeddings", 8192)),
         )
+    if kind == "yarn":
+        return _yarn_config(float(theta), merged, raw["max_position_embeddings"])
     raise ModelLoadError(
-        f"unsupported rope type {kind!r}; supported: default, linear, llama3")
+        f"unsupported rope type {kind!r}; supported: default, linear, llama3, yarn")
+
+
+def _yarn_config(theta: float, params: dict[str, Any], max_positions: int) -> RopeConfig:
+    """YaRN, as Hugging Face reads it: the original context defaults to
+    max_position_embeddings, the factor to max_position_embeddings over the original,
+    and the attention factor to 0.1 ln(factor) + 1 (DeepSeek's mscale and
+    mscale_all_dim: the ratio of two such)."""
+    original = int(params.get("original_max_position_embeddings") or max_positions)
+    factor = params.get("factor")
+    factor = float(factor) if factor is not None else max_positions / original
+    if factor <= 0:
+        raise ModelLoadError(f"rope scaling factor {factor} is not positive")
+
+    def mscale(scale: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * scale * math.log(factor) + 1.0
+
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention_factor = mscale(m) / mscale(m_all) if m and m_all else mscale()
+    return RopeConfig(
+        theta=theta, kind="yarn", factor=factor,
+        original_max_position_embeddings=original,
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=float(attention_factor))
 
 
 def _gpt2_config(raw: dict[str, Any], name: str, eos: tuple[int, ...]) -> ModelConfig:

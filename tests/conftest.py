@@ -210,6 +210,53 @@ def tiny_qwen3_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_granite_dir(tmp_path_factory) -> Path:
+    """Granite: Granite 3's constants (embeddings x12, residual branches x0.22, logits
+    / 16, an attention scale that is not 1/sqrt(head_dim)), tied embeddings."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    torch.manual_seed(9)
+    config = GraniteConfig(
+        vocab_size=50257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        tie_word_embeddings=True, bos_token_id=EOS, eos_token_id=EOS, initializer_range=0.1,
+        embedding_multiplier=12.0, residual_multiplier=0.22, logits_scaling=16.0,
+        attention_multiplier=0.09)
+    return _save(GraniteForCausalLM(config).eval(), tmp_path_factory.mktemp("tiny-granite"))
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3_dir(tmp_path_factory) -> Path:
+    """Phi-3: q/k/v and gate/up stored fused, a sliding window (as Phi-3-mini-4k's)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(10)
+    config = Phi3Config(
+        vocab_size=50257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        sliding_window=255, tie_word_embeddings=False, bos_token_id=EOS, eos_token_id=EOS,
+        pad_token_id=EOS, initializer_range=0.1)
+    return _save(Phi3ForCausalLM(config).eval(), tmp_path_factory.mktemp("tiny-phi3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_yarn_dir(tmp_path_factory) -> Path:
+    """A Qwen2 with YaRN RoPE scaling (factor 4 over an original 128 positions, as
+    Qwen's docs have users add for long contexts): the ramp between interpolated and
+    kept dimensions falls inside head_dim 16, and the attention factor is not 1."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(11)
+    config = Qwen2Config(
+        vocab_size=50257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 128},
+        tie_word_embeddings=False, bos_token_id=EOS, eos_token_id=EOS, initializer_range=0.1)
+    return _save(Qwen2ForCausalLM(config).eval(), tmp_path_factory.mktemp("tiny-yarn"))
+
+
+@pytest.fixture(scope="session")
 def tiny_gpt2_dir(tmp_path_factory) -> Path:
     from transformers import GPT2Config, GPT2LMHeadModel
 

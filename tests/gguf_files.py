@@ -80,9 +80,11 @@ def gguf_from_hf(model_dir: Path, out: Path, arch: str, matrix_type: str = "F32"
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     w.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    if rope.get("rope_type") in ("linear", "yarn"):
+    if rope.get("rope_type") in ("linear", "yarn", "longrope"):
         w.add_rope_scaling_type(RopeScalingType(rope["rope_type"]))
         w.add_rope_scaling_factor(rope["factor"])
+        if "original_max_position_embeddings" in rope:
+            w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     elif rope.get("rope_type") == "llama3":   # a tensor of its own
         w.add_tensor("rope_freqs.weight", llama3_rope_factors(rope, head_dim))
     if arch == "llama":

@@ -467,12 +467,14 @@ def test_a_file_as_llama_cpp_converts_a_checkpoint_serves_what_the_checkpoint_do
 @pytest.mark.parametrize("rope", [
     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
      "original_max_position_embeddings": 64},   # long wavelengths at head_dim 16: scaled
-    {"rope_type": "linear", "factor": 4.0}], ids=["llama3", "linear"])
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}],
+    ids=["llama3", "linear", "yarn"])
 def test_a_files_rope_scaling_is_served_as_the_checkpoints(rope, tiny_llama_dir, tmp_path):
     """llama.cpp's converter stores Llama 3.1's RoPE scaling (Llama 3.2, 3.3) as a
-    tensor of factors, rope_freqs.weight, and a linear one in the metadata; neither
-    reaches the config transformers reads from the file (they were left out: another
-    frequency for most dimensions, at every position)."""
+    tensor of factors, rope_freqs.weight, and a linear one and YaRN (Qwen's long
+    contexts) in the metadata; none reaches the config transformers reads from the file
+    (they were left out: another frequency for most dimensions, at every position)."""
     import shutil
 
     model = tmp_path / "scaled"
@@ -486,6 +488,8 @@ def test_a_files_rope_scaling_is_served_as_the_checkpoints(rope, tiny_llama_dir,
     plain = make_engine(tiny_llama_dir).runner.model.rotary.inv_freq
     assert not torch.allclose(inv_freq, plain)   # the scaling changes the frequencies
     torch.testing.assert_close(ours.runner.model.rotary.inv_freq, inv_freq, rtol=1e-6, atol=0)
+    assert ours.runner.model.rotary.scale == theirs.runner.model.rotary.scale
+    assert ours.model_config.max_model_len == theirs.model_config.max_model_len
     prompts = [[1, 2, 3, 4], list(range(100, 180))]
     assert ours.generate(prompts, greedy(12)) == theirs.generate(prompts, greedy(12))
 
@@ -493,13 +497,15 @@ def test_a_files_rope_scaling_is_served_as_the_checkpoints(rope, tiny_llama_dir,
 def test_a_rope_scaling_not_served_is_refused_by_name(tiny_llama_dir, tmp_path):
     import shutil
 
-    model = tmp_path / "yarn"
+    # Phi-3's LongRoPE picks its frequencies by the sequence's length
+    model = tmp_path / "longrope"
     shutil.copytree(tiny_llama_dir, model)
     config = json.loads((model / "config.json").read_text())
-    config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    config["rope_parameters"] = {"rope_type": "longrope", "factor": 4.0, "rope_theta": 10000.0}
     (model / "config.json").write_text(json.dumps(config))
-    path = gguf_from_hf(model, tmp_path / "yarn.gguf", "llama")
-    with pytest.raises(ModelLoadError, match="yarn.gguf: unsupported rope scaling 'yarn'"):
+    path = gguf_from_hf(model, tmp_path / "longrope.gguf", "llama")
+    with pytest.raises(ModelLoadError, match="longrope.gguf: unsupported rope scaling "
+                                             "'longrope'; supported: linear, yarn"):
         make_engine(resolve_model_dir(str(path)))
 
 

@@ -45,15 +45,81 @@ def test_unsupported_architecture_names_it(tiny_llama_dir, tmp_path):
     model = copy_model(tiny_llama_dir, tmp_path)
     edit_config(model, architectures=["BertForMaskedLM"], model_type="bert")
     with pytest.raises(ModelLoadError, match=r"unsupported architecture \['BertForMaskedLM'\].*"
-                                             r"supported: GPT2LMHeadModel, LlamaForCausalLM"):
+                                             r"supported: GPT2LMHeadModel, GraniteForCausalLM, LlamaForCausalLM"):
         load_model_config(model)
 
 
-def test_unsupported_rope_type_names_it(tiny_llama_dir, tmp_path):
+@pytest.mark.parametrize("kind", ["longrope", "dynamic"])
+def test_unsupported_rope_type_names_it(tiny_llama_dir, tmp_path, kind):
+    # longrope (Phi-3's 128k models) picks its frequencies by the sequence's length;
+    # dynamic NTK too
     model = copy_model(tiny_llama_dir, tmp_path)
-    edit_config(model, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})
-    with pytest.raises(ModelLoadError, match="unsupported rope type 'yarn'"):
+    edit_config(model, rope_parameters={"rope_type": kind, "rope_theta": 1e4, "factor": 4.0})
+    with pytest.raises(ModelLoadError, match=f"unsupported rope type '{kind}'; supported: "
+                                             f"default, linear, llama3, yarn"):
         load_model_config(model)
+
+
+def test_partial_rotary_factor_is_refused(tiny_phi3_dir, tmp_path):
+    # Phi-4-mini rotates three quarters of each head: refused, not served wrong
+    model = copy_model(tiny_phi3_dir, tmp_path)
+    edit_config(model, partial_rotary_factor=0.75, rope_parameters={
+        "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75})
+    with pytest.raises(ModelLoadError, match="partial_rotary_factor 0.75 is not supported"):
+        load_model_config(model)
+
+
+def test_configs_of_granite_and_phi3(tiny_granite_dir, tiny_phi3_dir, tmp_path):
+    granite = load_model_config(tiny_granite_dir)
+    assert (granite.embedding_multiplier, granite.attention_multiplier,
+            granite.residual_multiplier, granite.logits_scaling) == (12.0, 0.09, 0.22, 16.0)
+    assert granite.layout == "llama" and granite.tie_word_embeddings
+    phi3 = load_model_config(tiny_phi3_dir)
+    assert phi3.layout == "phi3" and phi3.attention_multiplier is None
+    assert phi3.max_model_len == 255   # its sliding window: full attention is exact below it
+    model = copy_model(tiny_granite_dir, tmp_path)
+    edit_config(model, logits_scaling=0)
+    with pytest.raises(ModelLoadError, match="logits_scaling must be a positive number, not 0"):
+        load_model_config(model)
+
+
+@pytest.mark.parametrize("params", [
+    {"factor": 4.0, "original_max_position_embeddings": 32768},          # Qwen2.5/3's docs
+    {"factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0,
+     "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1},          # DeepSeek's
+    {"factor": 32.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+     "beta_slow": 1.0, "truncate": False},                               # gpt-oss's
+    {"factor": 2.0, "attention_factor": 1.25},
+], ids=["qwen", "deepseek", "untruncated", "attention-factor"])
+def test_yarn_matches_transformers(params):
+    from transformers import Qwen2Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from engine_worker.model_config import _rope_config
+
+    rope = {"rope_type": "yarn", "rope_theta": 1000000.0, **params}
+    hf_config = Qwen2Config(hidden_size=1024, num_attention_heads=8, rope_parameters=rope,
+                            max_position_embeddings=32768)
+    want, want_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_config, "cpu")
+    ours = _rope_config({"rope_parameters": rope, "max_position_embeddings": 32768})
+    torch.testing.assert_close(rope_inv_freq(ours, 128), want.float(), rtol=1e-6, atol=0)
+    assert ours.attention_factor == pytest.approx(want_factor, rel=1e-12)
+    assert ours.attention_factor != 1.0
+
+
+def test_yarn_extends_the_context(tiny_yarn_dir, tmp_path):
+    # the original context times the factor, as vLLM reads it: Qwen3's 40,960 positions
+    # with the factor 4 over 32,768 that its docs give are 131,072
+    assert load_model_config(tiny_yarn_dir).max_model_len == 4 * 128
+    model = copy_model(tiny_yarn_dir, tmp_path)
+    edit_config(model, max_position_embeddings=40960, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+        "original_max_position_embeddings": 32768})
+    assert load_model_config(model).max_model_len == 131072
+    edit_config(model, max_position_embeddings=40960, rope_parameters={"rope_theta": 1e6},
+                rope_scaling={"type": "yarn", "factor": 2.0})    # the old spelling
+    config = load_model_config(model)
+    assert (config.rope.kind, config.max_model_len) == ("yarn", 81920)
 
 
 def test_missing_files_are_named(tiny_llama_dir, tmp_path):

@@ -1,4 +1,4 @@
-"""The Llama family: Llama, Mistral, Qwen2 and Qwen3 checkpoints.
+"""The Llama family: Llama, Mistral, Qwen2, Qwen3, Granite and Phi-3 checkpoints.
 
 RMSNorm, rotary position embeddings (rotate-half convention, as in Hugging Face
 checkpoints), grouped-query attention, SwiGLU MLP; optional q/k/v biases (Qwen2), q and
@@ -49,7 +49,30 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled)
+    if rope.kind == "yarn":
+        return _yarn_inv_freq(rope, head_dim, inv_freq)
     return inv_freq
+
+
+def _yarn_inv_freq(rope: RopeConfig, head_dim: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """YaRN: dimensions that turn fewer than beta_slow times over the original context
+    are interpolated (slowed by the factor), those that turn more than beta_fast times
+    kept, and the band between them blended along a linear ramp."""
+    def dimension(rotations: float) -> float:
+        # the dimension whose wavelength fits ``rotations`` times in the original context
+        return (head_dim * math.log(rope.original_max_position_embeddings
+                                    / (rotations * 2 * math.pi))) / (2 * math.log(rope.theta))
+
+    low, high = dimension(rope.beta_fast), dimension(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low)
+            / (high - low)).clamp(0, 1)
+    # ramp 0: kept (extrapolated); 1: interpolated
+    return inv_freq / rope.factor * ramp + inv_freq * (1 - ramp)
 
 
 class Rotary:
@@ -58,6 +81,8 @@ class Rotary:
 
     def __init__(self, rope: RopeConfig, head_dim: int) -> None:
         self.inv_freq = rope_inv_freq(rope, head_dim)  # (D/2,), float32
+        # YaRN's attention factor multiplies cos and sin (1 for the other kinds)
+        self.scale = rope.attention_factor
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,6 +90,8 @@ class Rotary:
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions.float().unsqueeze(1) * self.inv_freq
+        if self.scale != 1.0:
+            return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
@@ -173,10 +200,8 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             p = f"layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
-            attn.qkv_proj.weight.copy_(torch.cat([
-                ckpt.take(p + "self_attn.q_proj.weight", (q, c)),
-                ckpt.take(p + "self_attn.k_proj.weight", (kv, c)),
-                ckpt.take(p + "self_attn.v_proj.weight", (kv, c))]))
+            attn.qkv_proj.weight.copy_(self._fused(ckpt, p + "self_attn.", "qkv_proj", {
+                "q_proj": q, "k_proj": kv, "v_proj": kv}, c))
             if cfg.qkv_bias:
                 attn.qkv_proj.bias.copy_(torch.cat([
                     ckpt.take(p + "self_attn.q_proj.bias", (q,)),
@@ -190,9 +215,8 @@ class LlamaModel(nn.Module):
             if cfg.o_bias:
                 attn.o_proj.bias.copy_(ckpt.take(p + "self_attn.o_proj.bias", (c,)))
             i_size = cfg.intermediate_size
-            mlp.gate_up_proj.weight.copy_(torch.cat([
-                ckpt.take(p + "mlp.gate_proj.weight", (i_size, c)),
-                ckpt.take(p + "mlp.up_proj.weight", (i_size, c))]))
+            mlp.gate_up_proj.weight.copy_(self._fused(ckpt, p + "mlp.", "gate_up_proj", {
+                "gate_proj": i_size, "up_proj": i_size}, c))
             mlp.down_proj.weight.copy_(ckpt.take(p + "mlp.down_proj.weight", (c, i_size)))
             if cfg.mlp_bias:
                 mlp.gate_up_proj.bias.copy_(torch.cat([
@@ -208,3 +232,39 @@ class LlamaModel(nn.Module):
             ckpt.discard("lm_head.weight")  # tied; some checkpoints store the copy anyway
         else:
             self.lm_head.weight.copy_(ckpt.take("lm_head.weight", (cfg.vocab_size, c)))
+        self.fold_scales()
+
+    def _fused(self, ckpt: Checkpoint, prefix: str, fused: str, parts: dict[str, int],
+               columns: int) -> torch.Tensor:
+        """One fused projection's weight: Phi-3 stores it so, the others as parts."""
+        if self.cfg.layout == "phi3":
+            return ckpt.take(prefix + fused + ".weight", (sum(parts.values()), columns))
+        return torch.cat([ckpt.take(f"{prefix}{name}.weight", (rows, columns))
+                          for name, rows in parts.items()])
+
+    @torch.no_grad()
+    def fold_scales(self) -> None:
+        """Granite's constants folded into the weights they multiply: the embeddings;
+        q (the scores are q.k, and RoPE is linear); o and down, whose outputs join the
+        residual stream; the final norm, whose output only makes the logits (so a tied
+        lm_head can keep the scaled embedding)."""
+        cfg = self.cfg
+        if cfg.attention_multiplier is not None:
+            q = self.layers[0].self_attn.num_heads * cfg.head_dim
+            q_scale = cfg.attention_multiplier * math.sqrt(cfg.head_dim)
+            for layer in self.layers:
+                attn = layer.self_attn
+                attn.qkv_proj.weight[:q] *= q_scale
+                if attn.qkv_proj.bias is not None:
+                    attn.qkv_proj.bias[:q] *= q_scale
+        if cfg.residual_multiplier != 1.0:
+            for layer in self.layers:
+                for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                    proj.weight *= cfg.residual_multiplier
+                    if proj.bias is not None:
+                        proj.bias *= cfg.residual_multiplier
+        if cfg.embedding_multiplier != 1.0:
+            self.embed_tokens.weight *= cfg.embedding_multiplier
+        tied = cfg.embedding_multiplier if self.lm_head is None else 1.0
+        if cfg.logits_scaling * tied != 1.0:
+            self.norm.weight /= cfg.logits_scaling * tied

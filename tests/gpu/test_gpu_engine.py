@@ -74,6 +74,17 @@ def test_triton_path_matches_hf_for_qwen3s_per_head_norms(tiny_qwen3_dir):
                    "triton qwen3")
 
 
+@pytest.mark.parametrize("fixture", ["tiny_granite_dir", "tiny_yarn_dir"])
+def test_triton_path_matches_hf_for_granites_scales_and_yarn(request, fixture):
+    """Granite's constants folded into the weights on the device; YaRN's attention
+    factor carried by cos and sin into the Triton RoPE."""
+    model_dir = request.getfixturevalue(fixture)
+    engine = triton_engine(model_dir)
+    prompts = random_prompts([5, 13], seed=9)
+    assert_matches(engine.generate(prompts, greedy(4)), hf_greedy(model_dir, prompts, 4),
+                   f"triton {fixture}")
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="sizes the KV cache from the GPU's memory")
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
 def test_an_engine_of_one_sequence_sizes_its_cache_and_serves(tiny_llama_dir, enforce_eager):
