@@ -60,7 +60,7 @@ class LLMEngine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.model_dir = resolve_model_dir(config.model)
-        self.model_config = load_model_config(self.model_dir)
+        self.model_config = load_model_config(self.model_dir, config.max_model_len)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         scheduler_config = config.scheduler.for_device(self.device.type)
@@ -80,7 +80,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         # Prefill/decode disaggregation: prompt blocks held for decode engines, and
         # transfers from prefill engines (kv_transfer.py).
-        store = KvBlockStore(self.runner.kv_caches, self.model_config.name)
+        store = KvBlockStore(self.runner.kv_caches, self.model_config.kv_signature)
         cache = config.cache
         self.kv_leases = KvLeases(self.block_manager, store)
         self.kv_receiver = KvReceiver(self.block_manager, store, cache.kv_transfer_timeout_s,

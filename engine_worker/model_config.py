@@ -10,13 +10,17 @@ ModelLoadError that names the architecture and what is supported.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from common.errors import ModelLoadError
+
+logger = logging.getLogger(__name__)
 
 LLAMA_FAMILY = {
     "LlamaForCausalLM": "llama",
@@ -33,7 +37,7 @@ SUPPORTED_ARCHITECTURES = sorted({**LLAMA_FAMILY, **GPT2_FAMILY})
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float
-    # "default", "linear", "llama3" or "yarn"
+    # "default", "linear", "llama3", "yarn" or "longrope"
     kind: str = "default"
     factor: float = 1.0
     # llama3 and yarn
@@ -48,6 +52,9 @@ class RopeConfig:
     beta_slow: float = 1.0
     truncate: bool = True
     attention_factor: float = 1.0
+    # longrope only: what divides each frequency (one per rotated pair), the long or the
+    # short factors of the config, chosen once for the context served
+    ext_factors: tuple[float, ...] = ()
 
     @property
     def context_length(self) -> Optional[int]:
@@ -82,6 +89,10 @@ class ModelConfig:
     rope: Optional[RopeConfig]  # None for GPT-2 (learned positions)
     # Qwen3: each head of q and k RMS-normed (its own weight, head_dim wide) before RoPE
     qk_norm: bool = False
+    # the leading dimensions of each head RoPE turns (Phi-4-mini: 3/4 of them); None:
+    # all. The loader moves them so that the kernels' full-head RoPE turns exactly them
+    # (LlamaModel.permute_partial_rotary).
+    rotary_dim: Optional[int] = None
     # The checkpoint's tensor layout: "llama" (q, k, v, gate, up apart) or "phi3"
     # (qkv_proj and gate_up_proj as one tensor each)
     layout: str = "llama"
@@ -94,6 +105,16 @@ class ModelConfig:
     attention_multiplier: Optional[float] = None
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+
+    @property
+    def kv_signature(self) -> str:
+        """What the keys this model caches depend on beyond its name: where a choice
+        made at start changes them (LongRoPE's set of factors), that choice, so that
+        engines that made different ones do not exchange KV blocks."""
+        if self.rope is not None and self.rope.kind == "longrope":
+            factors = ",".join(repr(f) for f in self.rope.ext_factors)
+            return f"{self.name}|longrope={hashlib.sha256(factors.encode()).hexdigest()[:12]}"
+        return self.name
 
     @property
     def num_params(self) -> int:
@@ -118,7 +139,9 @@ class ModelConfig:
         return 2 * (self.num_params - emb - pos + lm_head)
 
 
-def load_model_config(model_dir: Path) -> ModelConfig:
+def load_model_config(model_dir: Path, max_model_len: Optional[int] = None) -> ModelConfig:
+    """max_model_len: the context to serve, where the user caps it (LongRoPE picks its
+    factors by it)."""
     path = model_dir / "config.json"
     try:
         raw = json.loads(path.read_text())
@@ -137,23 +160,27 @@ def load_model_config(model_dir: Path) -> ModelConfig:
     try:
         if arch in GPT2_FAMILY:
             return _gpt2_config(raw, str(name), eos)
-        return _llama_config(raw, LLAMA_FAMILY[arch], str(name), eos)
+        return _llama_config(raw, LLAMA_FAMILY[arch], str(name), eos, max_model_len)
     except KeyError as e:
         raise ModelLoadError(f"{path} lacks the field {e.args[0]!r}") from None
 
 
-def _llama_config(raw: dict[str, Any], kind: str, name: str, eos: tuple[int, ...]) -> ModelConfig:
+def _llama_config(raw: dict[str, Any], kind: str, name: str, eos: tuple[int, ...],
+                  served: Optional[int] = None) -> ModelConfig:
     num_heads = raw["num_attention_heads"]
     hidden = raw["hidden_size"]
     act = raw.get("hidden_act", "silu")
+    head_dim = raw.get("head_dim") or hidden // num_heads
     partial = ({**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
                .get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
-    if partial != 1.0:
-        raise ModelLoadError(f"partial_rotary_factor {partial} is not supported (RoPE "
-                             f"over the whole head only)")
+    rotary_dim = int(head_dim * partial)
+    if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+        raise ModelLoadError(f"partial_rotary_factor {partial} turns {rotary_dim} of "
+                             f"{head_dim} dimensions a head; it must be an even number "
+                             f"from 2 to {head_dim}")
     if act != "silu":
         raise ModelLoadError(f"unsupported hidden_act {act!r} (the Llama family needs 'silu')")
-    rope = _rope_config(raw)
+    rope = _rope_config(raw, rotary_dim, served)
     max_len = max(raw["max_position_embeddings"], rope.context_length or 0)
     window = raw.get("sliding_window")
     # Qwen2 has a window field but uses it only when use_sliding_window is set.
@@ -168,7 +195,7 @@ def _llama_config(raw: dict[str, Any], kind: str, name: str, eos: tuple[int, ...
         num_layers=raw["num_hidden_layers"],
         num_heads=num_heads,
         num_kv_heads=raw.get("num_key_value_heads") or num_heads,
-        head_dim=raw.get("head_dim") or hidden // num_heads,
+        head_dim=head_dim,
         intermediate_size=raw["intermediate_size"],
         max_model_len=max_len,
         norm_eps=raw.get("rms_norm_eps", 1e-6),
@@ -181,6 +208,7 @@ def _llama_config(raw: dict[str, Any], kind: str, name: str, eos: tuple[int, ...
         rope=rope,
         qk_norm=kind == "qwen3",
         layout="phi3" if kind == "phi3" else "llama",
+        rotary_dim=rotary_dim if rotary_dim < head_dim else None,
         **(_granite_scales(raw) if kind == "granite" else {}),
     )
 
@@ -196,7 +224,8 @@ def _granite_scales(raw: dict[str, Any]) -> dict[str, Any]:
     return scales
 
 
-def _rope_config(raw: dict[str, Any]) -> RopeConfig:
+def _rope_config(raw: dict[str, Any], rotary_dim: int = 0,
+                 served: Optional[int] = None) -> RopeConfig:
     # transformers >= 5 nests everything under rope_parameters; older configs have
     # rope_theta at the top and an optional rope_scaling dict.
     params = dict(raw.get("rope_parameters") or {})
@@ -220,8 +249,44 @@ def _rope_config(raw: dict[str, Any]) -> RopeConfig:
         )
     if kind == "yarn":
         return _yarn_config(float(theta), merged, raw["max_position_embeddings"])
-    raise ModelLoadError(
-        f"unsupported rope type {kind!r}; supported: default, linear, llama3, yarn")
+    if kind in ("longrope", "su"):   # "su": Phi-3's first configs
+        return _longrope_config(float(theta), merged, raw, rotary_dim, served)
+    raise ModelLoadError(f"unsupported rope type {kind!r}; supported: default, linear, "
+                         f"llama3, yarn, longrope")
+
+
+def _longrope_config(theta: float, params: dict[str, Any], raw: dict[str, Any],
+                     rotary_dim: int, served: Optional[int]) -> RopeConfig:
+    """LongRoPE (Phi-3's 128k models, Phi-3.5, Phi-4-mini): the long factors where the
+    context served is longer than the original one, else the short ones, chosen once
+    at start as vLLM chooses them (Hugging Face switches when a sequence grows past
+    the original context, after its first positions were cached with the short
+    ones); --max-model-len at or under the original context gives the short. The
+    attention factor: sqrt(1 + ln(factor) / ln(original)), where the factor is the
+    model's context over the original one."""
+    max_positions = raw["max_position_embeddings"]
+    original = int(params.get("original_max_position_embeddings")
+                   or raw.get("original_max_position_embeddings") or max_positions)
+    factor = params.get("factor")
+    factor = float(factor) if factor is not None else max_positions / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (1.0 if factor <= 1 else
+                            math.sqrt(1 + math.log(factor) / math.log(original)))
+    long = min(max_positions, served or max_positions) > original
+    factors = params.get("long_factor" if long else "short_factor")
+    pairs = rotary_dim // 2
+    if (not isinstance(factors, list) or len(factors) != pairs
+            or not all(isinstance(f, (int, float)) and f > 0 for f in factors)):
+        raise ModelLoadError(f"longrope's {'long' if long else 'short'}_factor must be "
+                             f"{pairs} positive numbers (one per rotated pair)")
+    logger.info("LongRoPE: the %s factors (context %d, original %d)",
+                "long" if long else "short", min(max_positions, served or max_positions),
+                original)
+    return RopeConfig(theta=theta, kind="longrope", factor=factor,
+                      original_max_position_embeddings=original,
+                      attention_factor=float(attention_factor),
+                      ext_factors=tuple(float(f) for f in factors))
 
 
 def _yarn_config(theta: float, params: dict[str, Any], max_positions: int) -> RopeConfig:

@@ -240,6 +240,28 @@ def tiny_phi3_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_phi4_mini_dir(tmp_path_factory) -> Path:
+    """Phi-4-mini's kind of RoPE: LongRoPE (short and long factors, an original context
+    of 64 of its 256) over the first 3/4 of each head (12 of 16 dimensions), tied
+    embeddings."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(12)
+    short = [1.0 + 0.1 * i for i in range(6)]
+    long = [1.0 + 0.9 * i for i in range(6)]
+    config = Phi3Config(
+        vocab_size=50257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        original_max_position_embeddings=64, partial_rotary_factor=0.75,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                         "short_factor": short, "long_factor": long,
+                         "partial_rotary_factor": 0.75},
+        tie_word_embeddings=True, bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS,
+        initializer_range=0.1)
+    return _save(Phi3ForCausalLM(config).eval(), tmp_path_factory.mktemp("tiny-phi4-mini"))
+
+
+@pytest.fixture(scope="session")
 def tiny_yarn_dir(tmp_path_factory) -> Path:
     """A Qwen2 with YaRN RoPE scaling (factor 4 over an original 128 positions, as
     Qwen's docs have users add for long contexts): the ramp between interpolated and

@@ -132,3 +132,21 @@ def test_default_model_stops_on_eos(default_model_dir):
     assert outputs[-1].finish_reason is FinishReason.STOP
     assert outputs[-1].new_token_ids == [2]  # <|im_end|>
     assert len(outputs) < 200
+
+
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["c-kernels", "torch-ops"])
+def test_longrope_over_part_of_each_head_matches_hf(tiny_phi4_mini_dir, cpu_kernels):
+    """Phi-4-mini's RoPE: LongRoPE over 3/4 of each head. Served at its original context
+    (--max-model-len 64) the short factors, as Hugging Face takes them for sequences
+    that fit it; served longer, the long ones, as Hugging Face takes them for a
+    sequence past it (recomputed whole each step: its cache would hold keys turned
+    with the short factors)."""
+    short_prompts = random_prompts([1, 5, 17, 33, 50])
+    engine = make_engine(tiny_phi4_mini_dir, cpu_kernels=cpu_kernels, max_model_len=64)
+    assert_matches(engine.generate(short_prompts, GREEDY),
+                   hf_greedy(tiny_phi4_mini_dir, short_prompts, MAX_NEW), "longrope short")
+    long_prompts = random_prompts([70, 100], seed=3)
+    engine = make_engine(tiny_phi4_mini_dir, cpu_kernels=cpu_kernels)
+    assert_matches(engine.generate(long_prompts, GREEDY),
+                   hf_greedy(tiny_phi4_mini_dir, long_prompts, MAX_NEW,
+                             round_inputs=lambda x: x), "longrope long")

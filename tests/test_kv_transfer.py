@@ -370,3 +370,15 @@ def test_a_block_moves_between_stores_as_its_bytes_in_every_cache_type(dtype):
         assert not got.view(dtype).float().isnan().any()
         assert got[0] == got[5] == got[-1] == 0 and torch.equal(got[6:-1], torch.frombuffer(
             bytearray(data[6:-1]), dtype=torch.uint8))
+
+
+def test_engines_that_took_other_longrope_factors_do_not_share_blocks(tiny_phi4_mini_dir):
+    """LongRoPE's factors are taken at start by the context served: a prefill engine
+    serving 64 tokens (the short ones) and a decode engine serving 256 (the long ones)
+    turn keys differently, so their layouts differ and a pull is refused."""
+    short = make_engine(tiny_phi4_mini_dir, max_model_len=64)
+    long = make_engine(tiny_phi4_mini_dir)
+    again = make_engine(tiny_phi4_mini_dir, max_model_len=200)
+    layouts = [e.kv_leases.store.layout for e in (short, long, again)]
+    assert layouts[0] != layouts[1] and layouts[1] == layouts[2]
+    assert "longrope=" in layouts[0]

@@ -49,24 +49,51 @@ def test_unsupported_architecture_names_it(tiny_llama_dir, tmp_path):
         load_model_config(model)
 
 
-@pytest.mark.parametrize("kind", ["longrope", "dynamic"])
-def test_unsupported_rope_type_names_it(tiny_llama_dir, tmp_path, kind):
-    # longrope (Phi-3's 128k models) picks its frequencies by the sequence's length;
-    # dynamic NTK too
+def test_unsupported_rope_type_names_it(tiny_llama_dir, tmp_path):
+    # dynamic NTK rescales by each sequence's length
     model = copy_model(tiny_llama_dir, tmp_path)
-    edit_config(model, rope_parameters={"rope_type": kind, "rope_theta": 1e4, "factor": 4.0})
-    with pytest.raises(ModelLoadError, match=f"unsupported rope type '{kind}'; supported: "
-                                             f"default, linear, llama3, yarn"):
+    edit_config(model, rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4,
+                                        "factor": 4.0})
+    with pytest.raises(ModelLoadError, match="unsupported rope type 'dynamic'; supported: "
+                                             "default, linear, llama3, yarn, longrope"):
         load_model_config(model)
 
 
-def test_partial_rotary_factor_is_refused(tiny_phi3_dir, tmp_path):
-    # Phi-4-mini rotates three quarters of each head: refused, not served wrong
+def test_a_partial_rotary_width_it_cannot_turn_is_refused(tiny_phi3_dir, tmp_path):
     model = copy_model(tiny_phi3_dir, tmp_path)
-    edit_config(model, partial_rotary_factor=0.75, rope_parameters={
-        "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.75})
-    with pytest.raises(ModelLoadError, match="partial_rotary_factor 0.75 is not supported"):
+    edit_config(model, partial_rotary_factor=0.2, rope_parameters={
+        "rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.2})
+    with pytest.raises(ModelLoadError, match="partial_rotary_factor 0.2 turns 3 of 16 "
+                                             "dimensions a head; it must be an even"):
         load_model_config(model)
+
+
+def test_longrope_takes_its_factors_by_the_context_served(tiny_phi4_mini_dir, tmp_path):
+    """vLLM's choice, made once: long factors when the context served is longer than the
+    original one, else short; the attention factor from the model's context over the
+    original one, as transformers computes it."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    hf_config = AutoConfig.from_pretrained(tiny_phi4_mini_dir)
+    short, factor = ROPE_INIT_FUNCTIONS["longrope"](hf_config, "cpu")
+    long, _ = ROPE_INIT_FUNCTIONS["longrope"](hf_config, "cpu", seq_len=65)
+    for served, want in ((None, long), (65, long), (64, short), (16, short)):
+        config = load_model_config(tiny_phi4_mini_dir, max_model_len=served)
+        assert config.rotary_dim == 12 and config.max_model_len == 256
+        torch.testing.assert_close(rope_inv_freq(config.rope, 12), want, rtol=1e-6, atol=0)
+        assert config.rope.attention_factor == pytest.approx(factor, rel=1e-12)
+    model = copy_model(tiny_phi4_mini_dir, tmp_path)
+    raw = json.loads((model / "config.json").read_text())
+    edit_config(model, rope_parameters={**raw["rope_parameters"], "long_factor": [1.0] * 8})
+    with pytest.raises(ModelLoadError, match="longrope's long_factor must be 6 positive "
+                                             "numbers"):
+        load_model_config(model)
+    # Phi-3's first configs name it "su", under rope_scaling
+    rope = raw["rope_parameters"]
+    edit_config(model, rope_parameters={"rope_theta": 1e4}, rope_scaling={
+        "type": "su", "short_factor": rope["short_factor"], "long_factor": rope["long_factor"]})
+    assert load_model_config(model).rope.kind == "longrope"
 
 
 def test_configs_of_granite_and_phi3(tiny_granite_dir, tiny_phi3_dir, tmp_path):

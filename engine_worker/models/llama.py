@@ -51,6 +51,8 @@ def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
         return torch.where(medium, smoothed, scaled)
     if rope.kind == "yarn":
         return _yarn_inv_freq(rope, head_dim, inv_freq)
+    if rope.kind == "longrope":
+        return inv_freq / torch.tensor(rope.ext_factors, dtype=torch.float32, device="cpu")
     return inv_freq
 
 
@@ -79,18 +81,31 @@ class Rotary:
     """cos/sin of each position, computed per step from the positions (as Hugging Face
     does) rather than from a table, so the numbers match bit for bit."""
 
-    def __init__(self, rope: RopeConfig, head_dim: int) -> None:
-        self.inv_freq = rope_inv_freq(rope, head_dim)  # (D/2,), float32
-        # YaRN's attention factor multiplies cos and sin (1 for the other kinds)
-        self.scale = rope.attention_factor
+    def __init__(self, rope: RopeConfig, head_dim: int, rotary_dim: Optional[int] = None
+                 ) -> None:
+        """rotary_dim: the dimensions RoPE turns, where not all: their frequencies come
+        first (the loader moved them there, LlamaModel.permute_partial_rotary), the
+        others' are 0 (cos 1, sin 0: left as they are)."""
+        turned, half = (rotary_dim or head_dim) // 2, head_dim // 2
+        self.inv_freq = rope_inv_freq(rope, rotary_dim or head_dim)  # (D/2,), float32
+        # YaRN's and LongRoPE's attention factor multiplies cos and sin (1 for the other
+        # kinds), of the dimensions turned only
+        self.scale: Union[float, torch.Tensor] = rope.attention_factor
+        if turned < half:   # explicit device: models are built under torch.device("meta")
+            self.inv_freq = torch.cat([self.inv_freq, torch.zeros(half - turned, device="cpu")])
+            if rope.attention_factor != 1.0:
+                self.scale = torch.ones(half, device="cpu")
+                self.scale[:turned] = rope.attention_factor
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions (N,) -> cos, sin (N, D/2)."""
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
+            if isinstance(self.scale, torch.Tensor):
+                self.scale = self.scale.to(positions.device)
         freqs = positions.float().unsqueeze(1) * self.inv_freq
-        if self.scale != 1.0:
+        if isinstance(self.scale, torch.Tensor) or self.scale != 1.0:
             return (freqs.cos() * self.scale).to(dtype), (freqs.sin() * self.scale).to(dtype)
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
@@ -164,7 +179,7 @@ class LlamaModel(nn.Module):
         self.cfg = cfg
         self.ops = ops
         self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = Rotary(cfg.rope, cfg.head_dim)
+        self.rotary = Rotary(cfg.rope, cfg.head_dim, cfg.rotary_dim)
         self.layers = nn.ModuleList(DecoderLayer(cfg, attn, ops) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         # None when tied to the embedding (until load_model packs it).
@@ -233,6 +248,7 @@ class LlamaModel(nn.Module):
         else:
             self.lm_head.weight.copy_(ckpt.take("lm_head.weight", (cfg.vocab_size, c)))
         self.fold_scales()
+        self.permute_partial_rotary()
 
     def _fused(self, ckpt: Checkpoint, prefix: str, fused: str, parts: dict[str, int],
                columns: int) -> torch.Tensor:
@@ -241,6 +257,33 @@ class LlamaModel(nn.Module):
             return ckpt.take(prefix + fused + ".weight", (sum(parts.values()), columns))
         return torch.cat([ckpt.take(f"{prefix}{name}.weight", (rows, columns))
                           for name, rows in parts.items()])
+
+    @torch.no_grad()
+    def permute_partial_rotary(self) -> None:
+        """Where RoPE turns only a head's first R dimensions (pairs i and i + R/2), the
+        dimensions of q and k are reordered (each head alike, q and k alike, so q.k is
+        unchanged) so that those pairs sit where the kernels' full-head RoPE turns
+        pairs (i and i + D/2, for i < R/2), and the rest where Rotary gives frequency
+        0. v, and so every output, is untouched."""
+        cfg = self.cfg
+        if cfg.rotary_dim is None:
+            return
+        d, half, r = cfg.head_dim, cfg.head_dim // 2, cfg.rotary_dim // 2
+        rest = list(range(2 * r, d))
+        order = torch.tensor(list(range(r)) + rest[:half - r]
+                             + list(range(r, 2 * r)) + rest[half - r:])
+        q = self.layers[0].self_attn.num_heads
+        heads = torch.arange(q + cfg.num_kv_heads).unsqueeze(1) * d   # q's heads, then k's
+        rows = (heads + order).flatten()
+        for layer in self.layers:
+            attn = layer.self_attn
+            params = [attn.qkv_proj.weight] + (
+                [attn.qkv_proj.bias] if attn.qkv_proj.bias is not None else [])
+            for t in params:
+                t[:len(rows)] = t[rows.to(t.device)]
+            for norm in (attn.q_norm, attn.k_norm):
+                if norm is not None:
+                    norm.weight.copy_(norm.weight[order.to(norm.weight.device)])
 
     @torch.no_grad()
     def fold_scales(self) -> None:
