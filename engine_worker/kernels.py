@@ -298,7 +298,7 @@ class _Layer(ctypes.Structure):
         "attn_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "mlp_norm",
         "gate_up", "gate_up_bias", "down", "down_bias", "k_cache", "v_cache")),
         *((name, ctypes.c_int64) for name in (
-            "qkv_format", "o_format", "gate_up_format", "down_format"))]
+            "qkv_format", "o_format", "gate_up_format", "down_format", "rope"))]
 
 
 class _Llama(ctypes.Structure):
@@ -339,7 +339,7 @@ class FusedLlama:
         self._kernels = kernels
         self._vocab = cfg.vocab_size
         layers = []
-        for layer, kv in zip(model.layers, kv_caches):
+        for i, (layer, kv) in enumerate(zip(model.layers, kv_caches)):
             attn, mlp = layer.self_attn, layer.mlp
             layers.append(_Layer(
                 _ptr(layer.input_layernorm.weight), _ptr(attn.qkv_proj.packed),
@@ -351,7 +351,8 @@ class FusedLlama:
                 _ptr(mlp.gate_up_proj.bias), _ptr(mlp.down_proj.packed),
                 _ptr(mlp.down_proj.bias), _ptr(kv[0]), _ptr(kv[1]),
                 *(WEIGHT_FORMATS[lin.fmt] for lin in (attn.qkv_proj, attn.o_proj,
-                                                      mlp.gate_up_proj, mlp.down_proj))))
+                                                      mlp.gate_up_proj, mlp.down_proj)),
+                int(i not in cfg.nope_layers)))
         self._layers = (_Layer * len(layers))(*layers)
         self._model = _Llama(
             cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,

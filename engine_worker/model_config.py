@@ -1,10 +1,11 @@
 """What the engine needs to know about a checkpoint, read from its config.json.
 
 Supported: the Llama family (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-Qwen3ForCausalLM, GraniteForCausalLM, Phi3ForCausalLM: RMSNorm, RoPE, grouped-query
-attention, SwiGLU; Qwen3 also RMS-norms each head of q and k; Granite scales the
-embeddings, attention scores, each layer's outputs and the logits by constants of its
-config; Phi-3 stores q/k/v and gate/up fused) and GPT2LMHeadModel. Anything else is a
+Qwen3ForCausalLM, GraniteForCausalLM, Phi3ForCausalLM, SmolLM3ForCausalLM: RMSNorm,
+RoPE, grouped-query attention, SwiGLU; Qwen3 also RMS-norms each head of q and k;
+Granite scales the embeddings, attention scores, each layer's outputs and the logits by
+constants of its config; Phi-3 stores q/k/v and gate/up fused; SmolLM3 leaves RoPE out
+of every fourth layer) and GPT2LMHeadModel. Anything else is a
 ModelLoadError that names the architecture and what is supported.
 """
 
@@ -29,6 +30,7 @@ LLAMA_FAMILY = {
     "Qwen3ForCausalLM": "qwen3",
     "GraniteForCausalLM": "granite",
     "Phi3ForCausalLM": "phi3",
+    "SmolLM3ForCausalLM": "smollm3",
 }
 GPT2_FAMILY = {"GPT2LMHeadModel": "gpt2"}
 SUPPORTED_ARCHITECTURES = sorted({**LLAMA_FAMILY, **GPT2_FAMILY})
@@ -93,6 +95,9 @@ class ModelConfig:
     # all. The loader moves them so that the kernels' full-head RoPE turns exactly them
     # (LlamaModel.permute_partial_rotary).
     rotary_dim: Optional[int] = None
+    # SmolLM3: the layers that apply no RoPE (every fourth), their keys and queries as
+    # projected
+    nope_layers: tuple[int, ...] = ()
     # The checkpoint's tensor layout: "llama" (q, k, v, gate, up apart) or "phi3"
     # (qkv_proj and gate_up_proj as one tensor each)
     layout: str = "llama"
@@ -209,8 +214,22 @@ def _llama_config(raw: dict[str, Any], kind: str, name: str, eos: tuple[int, ...
         qk_norm=kind == "qwen3",
         layout="phi3" if kind == "phi3" else "llama",
         rotary_dim=rotary_dim if rotary_dim < head_dim else None,
+        nope_layers=_nope_layers(raw) if kind == "smollm3" else (),
         **(_granite_scales(raw) if kind == "granite" else {}),
     )
+
+
+def _nope_layers(raw: dict[str, Any]) -> tuple[int, ...]:
+    """SmolLM3's layers without RoPE: no_rope_layers holds 1 for a layer with it, 0
+    without; absent, every no_rope_layer_interval-th layer (4) is without."""
+    layers = raw["num_hidden_layers"]
+    flags = raw.get("no_rope_layers")
+    if flags is None:
+        interval = raw.get("no_rope_layer_interval", 4)
+        flags = [int((i + 1) % interval != 0) for i in range(layers)]
+    if not isinstance(flags, list) or len(flags) != layers or set(flags) - {0, 1}:
+        raise ModelLoadError(f"no_rope_layers must be {layers} flags of 0 or 1, one a layer")
+    return tuple(i for i, flag in enumerate(flags) if not flag)
 
 
 def _granite_scales(raw: dict[str, Any]) -> dict[str, Any]:

@@ -262,6 +262,21 @@ def tiny_phi4_mini_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_smollm3_dir(tmp_path_factory) -> Path:
+    """SmolLM3: a layer without RoPE (the second of 2, with no_rope_layer_interval 2;
+    SmolLM3-3B leaves every fourth without), tied embeddings."""
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+    torch.manual_seed(13)
+    config = SmolLM3Config(
+        vocab_size=50257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        no_rope_layer_interval=2, tie_word_embeddings=True, bos_token_id=EOS,
+        eos_token_id=EOS, pad_token_id=EOS, initializer_range=0.1)
+    return _save(SmolLM3ForCausalLM(config).eval(), tmp_path_factory.mktemp("tiny-smollm3"))
+
+
+@pytest.fixture(scope="session")
 def tiny_yarn_dir(tmp_path_factory) -> Path:
     """A Qwen2 with YaRN RoPE scaling (factor 4 over an original 128 positions, as
     Qwen's docs have users add for long contexts): the ramp between interpolated and

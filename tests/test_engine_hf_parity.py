@@ -13,9 +13,10 @@ from hf_reference import assert_matches, hf_greedy
 
 MAX_NEW = 12
 GREEDY = greedy(MAX_NEW)
-# Granite: its scaling constants; Phi-3: its fused tensors; yarn: a Qwen2 with YaRN RoPE
+# Granite: its scaling constants; Phi-3: its fused tensors; SmolLM3: a layer without
+# RoPE; yarn: a Qwen2 with YaRN RoPE
 ARCHS = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_gpt2_dir",
-         "tiny_granite_dir", "tiny_phi3_dir", "tiny_yarn_dir"]
+         "tiny_granite_dir", "tiny_phi3_dir", "tiny_smollm3_dir", "tiny_yarn_dir"]
 
 
 PROMPTS = random_prompts([1, 5, 17, 33, 60])

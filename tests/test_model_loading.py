@@ -96,6 +96,19 @@ def test_longrope_takes_its_factors_by_the_context_served(tiny_phi4_mini_dir, tm
     assert load_model_config(model).rope.kind == "longrope"
 
 
+def test_smollm3s_layers_without_rope(tiny_smollm3_dir, tmp_path):
+    assert load_model_config(tiny_smollm3_dir).nope_layers == (1,)
+    model = copy_model(tiny_smollm3_dir, tmp_path)
+    config = json.loads((model / "config.json").read_text())
+    del config["no_rope_layers"], config["no_rope_layer_interval"]
+    config["num_hidden_layers"] = 8           # SmolLM3-3B's rule: every fourth
+    (model / "config.json").write_text(json.dumps(config))
+    assert load_model_config(model).nope_layers == (3, 7)
+    edit_config(model, no_rope_layers=[1, 0, 1])
+    with pytest.raises(ModelLoadError, match="no_rope_layers must be 8 flags of 0 or 1"):
+        load_model_config(model)
+
+
 def test_configs_of_granite_and_phi3(tiny_granite_dir, tiny_phi3_dir, tmp_path):
     granite = load_model_config(tiny_granite_dir)
     assert (granite.embedding_multiplier, granite.attention_multiplier,

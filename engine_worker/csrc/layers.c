@@ -60,7 +60,7 @@ void rs_rope_write_kv_row(float *r, const float *cn, const float *sn, void *k_ca
                           int64_t D)
 {
     const int64_t half = D / 2;
-    for (int64_t h = 0; h < Hq + Hkv; h++) {
+    for (int64_t h = 0; cn != NULL && h < Hq + Hkv; h++) {   /* NULL: a layer without RoPE */
         float *x = r + h * D;
         for (int64_t i = 0; i < half; i++) {
             const float x1 = x[i], x2 = x[i + half];

@@ -41,6 +41,7 @@ struct rs_llama_layer {
     const float *down_bias;
     void *k_cache, *v_cache;                /* [slots, Hkv, D] of the model's kv_type */
     int64_t qkv_format, o_format, gate_up_format, down_format;   /* RS_F32 ... RS_Q4 */
+    int64_t rope;                           /* 0: a layer without RoPE (SmolLM3's NoPE) */
 };
 
 struct rs_llama {
@@ -160,8 +161,8 @@ int rs_llama_forward(const struct rs_llama *m, const struct rs_step *s)
                                  (int)L->qkv_format);
             PHASE(PROFILE_LINEAR);
 
-            /* Each head of q and k RMS-normed (Qwen3), RoPE on q and k, then k and v
-               into their cache slots. */
+            /* Each head of q and k RMS-normed (Qwen3), RoPE on q and k (unless the
+               layer has none), then k and v into their cache slots. */
 #pragma omp for schedule(static)
             for (int64_t n = 0; n < N; n++) {
                 float *row = qkv + n * QKV;
@@ -169,7 +170,8 @@ int rs_llama_forward(const struct rs_llama *m, const struct rs_step *s)
                     for (int64_t j = 0; j < Hq + Hkv; j++)
                         rms_norm_row(row + j * D, j < Hq ? L->q_norm : L->k_norm, row + j * D,
                                      D, m->eps);
-                rs_rope_write_kv_row(qkv + n * QKV, s->cos + n * half, s->sin + n * half,
+                rs_rope_write_kv_row(qkv + n * QKV, L->rope ? s->cos + n * half : NULL,
+                                     s->sin + n * half,
                                      L->k_cache, L->v_cache, (int)m->kv_type, s->slots[n],
                                      Hq, Hkv, D);
             }

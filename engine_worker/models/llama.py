@@ -1,4 +1,4 @@
-"""The Llama family: Llama, Mistral, Qwen2, Qwen3, Granite and Phi-3 checkpoints.
+"""The Llama family: Llama, Mistral, Qwen2, Qwen3, Granite, Phi-3 and SmolLM3 checkpoints.
 
 RMSNorm, rotary position embeddings (rotate-half convention, as in Hugging Face
 checkpoints), grouped-query attention, SwiGLU MLP; optional q/k/v biases (Qwen2), q and
@@ -191,9 +191,13 @@ class LlamaModel(nn.Module):
         """input_ids, positions (N,) -> final hidden states (N, C)."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
+        # SmolLM3's layers without RoPE turn by angle 0
+        unturned = (torch.ones_like(rope[0]), torch.zeros_like(rope[1])) \
+            if self.cfg.nope_layers else rope
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, rope, kv_cache, meta)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            x, residual = layer(x, residual, unturned if i in self.cfg.nope_layers else rope,
+                                kv_cache, meta)
         x, _ = self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
         return x
 
