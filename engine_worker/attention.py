@@ -82,16 +82,19 @@ class AttentionBackend:
         self.scale = scale
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata, window: int = 0
+                ) -> torch.Tensor:
         """Write k and v into the cache, then attend. q (N, Hq, D), k and v (N, Hkv, D)
         -> (N, Hq * D)."""
         write_kv(kv_cache, k, v, meta.slot_mapping)
-        return self.attend(q, k, v, kv_cache, meta)
+        return self.attend(q, k, v, kv_cache, meta, window)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+               kv_cache: torch.Tensor, meta: AttentionMetadata, window: int = 0
+               ) -> torch.Tensor:
         """Attention for keys and values already in the cache (k and v are the step's
-        own) -> (N, Hq * D)."""
+        own) -> (N, Hq * D). window > 0: a query at position p sees keys p - window + 1
+        to p (a sliding window, the layer's); 0: keys 0 to p."""
         raise NotImplementedError
 
 
@@ -103,18 +106,19 @@ class TorchAttention(AttentionBackend):
         self.gqa = num_heads != num_kv_heads
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+               kv_cache: torch.Tensor, meta: AttentionMetadata, window: int = 0
+               ) -> torch.Tensor:
         """Attention for keys and values already in the cache (k and v are the step's
         own, used directly by chunks without a cached prefix)."""
         n, d = q.shape[0], self.head_dim
         out = q.new_zeros(n, self.num_heads, d)
         if meta.num_decode:
-            out[:meta.num_decode] = self._decode(q[:meta.num_decode], kv_cache, meta)
+            out[:meta.num_decode] = self._decode(q[:meta.num_decode], kv_cache, meta, window)
         starts, lens = meta.query_start_host, meta.seq_lens_host
         for s in range(meta.num_decode, len(lens)):
             rows = slice(starts[s], starts[s + 1])
             out[rows] = self._chunk(q[rows], k[rows], v[rows], kv_cache,
-                                    meta.block_tables[s], lens[s])
+                                    meta.block_tables[s], lens[s], window)
         return out.view(n, self.num_heads * d)
 
     def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor,
@@ -131,24 +135,27 @@ class TorchAttention(AttentionBackend):
         return gathered.view(2, *block_ids.shape, *kv_cache.shape[2:])
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, window: int = 0) -> torch.Tensor:
         b, bs = q.shape[0], kv_cache.shape[2]
         lens = torch.tensor(meta.seq_lens_host[:b], device=q.device)
         width = -(-max(meta.seq_lens_host[:b]) // bs)
         tables = meta.block_tables[:b, :width]
         kv = self._gather(kv_cache, tables, q.dtype)  # (2, B, nb, bs, Hkv, D)
         kv = kv.view(2, b, -1, self.num_kv_heads, self.head_dim).transpose(2, 3)
-        mask = torch.arange(width * bs, device=q.device).unsqueeze(0) < lens.unsqueeze(1)
+        keys = torch.arange(width * bs, device=q.device).unsqueeze(0)
+        mask = keys < lens.unsqueeze(1)
+        if window:
+            mask &= keys >= lens.unsqueeze(1) - window
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2), kv[0], kv[1], attn_mask=mask.view(b, 1, 1, -1),
             scale=self.scale, enable_gqa=self.gqa)  # (B, Hq, 1, D)
         return out.squeeze(2)
 
     def _chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               kv_cache: torch.Tensor, block_table: torch.Tensor, context_len: int
-               ) -> torch.Tensor:
+               kv_cache: torch.Tensor, block_table: torch.Tensor, context_len: int,
+               window: int = 0) -> torch.Tensor:
         length = q.shape[0]
-        if context_len == length and kv_cache.dtype == q.dtype:
+        if context_len == length and kv_cache.dtype == q.dtype and not window:
             # No cached prefix: attend within the chunk, causally. (A cache of another
             # dtype is read back, so that the chunk sees its keys rounded as every later
             # query will, and as the C kernels do.)
@@ -158,7 +165,10 @@ class TorchAttention(AttentionBackend):
             kv = self._gather(kv_cache, blocks, q.dtype)  # (2, nb, bs, Hkv, D)
             kv = kv.view(2, -1, self.num_kv_heads, self.head_dim)[:, :context_len]
             q_pos = torch.arange(context_len - length, context_len, device=q.device)
-            mask = torch.arange(context_len, device=q.device).unsqueeze(0) <= q_pos.unsqueeze(1)
+            key_pos = torch.arange(context_len, device=q.device).unsqueeze(0)
+            mask = key_pos <= q_pos.unsqueeze(1)
+            if window:
+                mask &= key_pos > q_pos.unsqueeze(1) - window
             keys, values, causal = kv[0], kv[1], False
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
@@ -176,6 +186,7 @@ class CpuAttention(TorchAttention):
         self.kernels = kernels
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata, window: int = 0) -> torch.Tensor:
         return self.kernels.paged_decode_attention(
-            q, kv_cache, meta.decode_tables_int64, meta.decode_lens_int64, self.scale)
+            q, kv_cache, meta.decode_tables_int64, meta.decode_lens_int64, self.scale,
+            window)

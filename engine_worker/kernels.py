@@ -55,7 +55,7 @@ class CpuKernels:
         fn = lib.rs_paged_attention
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, i64, i64,
-                       i64, i64, ctypes.c_float]
+                       i64, i64, ctypes.c_float, i64]
         fn.restype = ctypes.c_int
         self._attention = fn
         self._argmax = lib.rs_argmax_rows
@@ -230,19 +230,21 @@ class CpuKernels:
 
     def paged_decode_attention(self, q: torch.Tensor, kv_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
+                               scale: float, window: int = 0) -> torch.Tensor:
         """q (B, Hq, D) float32, kv_cache (2, num_blocks, bs, Hkv, D) float32 or
         bfloat16, block_tables (B, max_blocks) and context_lens (B,) int64 -> (B, Hq, D):
         one query per sequence."""
         seq = torch.arange(q.shape[0], dtype=torch.int64)
-        return self.paged_attention(q, kv_cache, seq, block_tables, context_lens, scale)
+        return self.paged_attention(q, kv_cache, seq, block_tables, context_lens, scale,
+                                    window)
 
     def paged_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, seq: torch.Tensor,
                         block_tables: torch.Tensor, context_lens: torch.Tensor,
-                        scale: float) -> torch.Tensor:
+                        scale: float, window: int = 0) -> torch.Tensor:
         """q (N, Hq, D) float32: token n attends to the first context_lens[n] tokens of
-        sequence seq[n] (its row of block_tables); a sequence's consecutive tokens (a
-        prompt chunk) are attended as tiles, as in the fused forward. -> (N, Hq, D)."""
+        sequence seq[n] (its row of block_tables), or to the last ``window`` of them; a
+        sequence's consecutive tokens (a prompt chunk) are attended as tiles, as in the
+        fused forward. -> (N, Hq, D)."""
         q = q.contiguous()
         n, hq, d = q.shape
         _, _, block_size, hkv, _ = kv_cache.shape
@@ -252,7 +254,7 @@ class CpuKernels:
         rc = self._attention(q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
                              kv_type(kv_cache.dtype), seq.data_ptr(), context_lens.data_ptr(),
                              block_tables.data_ptr(), out.data_ptr(), n, hq, hkv, d,
-                             block_size, block_tables.shape[1], scale)
+                             block_size, block_tables.shape[1], scale, window)
         if rc == -2:
             raise ValueError(f"paged attention kernel needs head_dim a multiple of 16 "
                              f"and <= 256, got {d}")
@@ -298,7 +300,7 @@ class _Layer(ctypes.Structure):
         "attn_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "mlp_norm",
         "gate_up", "gate_up_bias", "down", "down_bias", "k_cache", "v_cache")),
         *((name, ctypes.c_int64) for name in (
-            "qkv_format", "o_format", "gate_up_format", "down_format", "rope"))]
+            "qkv_format", "o_format", "gate_up_format", "down_format", "rope", "window"))]
 
 
 class _Llama(ctypes.Structure):
@@ -352,7 +354,7 @@ class FusedLlama:
                 _ptr(mlp.down_proj.bias), _ptr(kv[0]), _ptr(kv[1]),
                 *(WEIGHT_FORMATS[lin.fmt] for lin in (attn.qkv_proj, attn.o_proj,
                                                       mlp.gate_up_proj, mlp.down_proj)),
-                int(i not in cfg.nope_layers)))
+                int(i not in cfg.nope_layers), layer.self_attn.window))
         self._layers = (_Layer * len(layers))(*layers)
         self._model = _Llama(
             cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,

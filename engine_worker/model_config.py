@@ -78,8 +78,7 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     intermediate_size: int
-    # Context length: max_position_embeddings, capped by an active sliding window so
-    # that full attention is exact.
+    # Context length: max_position_embeddings (YaRN's: the original times its factor)
     max_model_len: int
     norm_eps: float
     tie_word_embeddings: bool
@@ -98,6 +97,10 @@ class ModelConfig:
     # SmolLM3: the layers that apply no RoPE (every fourth), their keys and queries as
     # projected
     nope_layers: tuple[int, ...] = ()
+    # Each layer's sliding window (keys a query sees, its own included; 0: all of
+    # them), or () where every layer sees all (Mistral 7B v0.1, Phi-3-mini-4k: every
+    # layer; Qwen2 with use_sliding_window: those from max_window_layers on)
+    windows: tuple[int, ...] = ()
     # The checkpoint's tensor layout: "llama" (q, k, v, gate, up apart) or "phi3"
     # (qkv_proj and gate_up_proj as one tensor each)
     layout: str = "llama"
@@ -187,10 +190,6 @@ def _llama_config(raw: dict[str, Any], kind: str, name: str, eos: tuple[int, ...
         raise ModelLoadError(f"unsupported hidden_act {act!r} (the Llama family needs 'silu')")
     rope = _rope_config(raw, rotary_dim, served)
     max_len = max(raw["max_position_embeddings"], rope.context_length or 0)
-    window = raw.get("sliding_window")
-    # Qwen2 has a window field but uses it only when use_sliding_window is set.
-    if window and raw.get("use_sliding_window", kind in ("mistral", "phi3")):
-        max_len = min(max_len, window)
     attention_bias = bool(raw.get("attention_bias", False))
     return ModelConfig(
         name=name,
@@ -215,8 +214,34 @@ def _llama_config(raw: dict[str, Any], kind: str, name: str, eos: tuple[int, ...
         layout="phi3" if kind == "phi3" else "llama",
         rotary_dim=rotary_dim if rotary_dim < head_dim else None,
         nope_layers=_nope_layers(raw) if kind == "smollm3" else (),
+        windows=_sliding_windows(raw, kind, max_len),
         **(_granite_scales(raw) if kind == "granite" else {}),
     )
+
+
+def _sliding_windows(raw: dict[str, Any], kind: str, max_len: int) -> tuple[int, ...]:
+    """Each layer's sliding window, as transformers reads the config: Mistral and
+    Phi-3 slide in every layer where sliding_window is set; Qwen2/Qwen3 and SmolLM3 only
+    with use_sliding_window, in the layers layer_types names (else, Qwen's, those from
+    max_window_layers on). () where no layer's window is shorter than the context."""
+    window = raw.get("sliding_window")
+    if not window or not raw.get("use_sliding_window", kind in ("mistral", "phi3")):
+        return ()
+    if not isinstance(window, int) or window < 1:
+        raise ModelLoadError(f"sliding_window must be a positive integer, not {window!r}")
+    layers = raw["num_hidden_layers"]
+    types = raw.get("layer_types")
+    if kind in ("mistral", "phi3") or (types is None and kind not in ("qwen2", "qwen3")):
+        sliding = [True] * layers
+    elif types is None:
+        sliding = [i >= raw.get("max_window_layers", layers) for i in range(layers)]
+    elif isinstance(types, list) and len(types) == layers:
+        sliding = [t == "sliding_attention" for t in types]
+    else:
+        raise ModelLoadError(f"layer_types must name each of the {layers} layers' attention")
+    if window >= max_len or not any(sliding):
+        return ()
+    return tuple(window if s else 0 for s in sliding)
 
 
 def _nope_layers(raw: dict[str, Any]) -> tuple[int, ...]:

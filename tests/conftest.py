@@ -277,6 +277,36 @@ def tiny_smollm3_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_sliding_dir(tmp_path_factory) -> Path:
+    """Mistral 7B v0.1's kind of attention: a sliding window (of 16 keys, so that the
+    tests' prompts pass it) in every layer."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(14)
+    config = MistralConfig(
+        vocab_size=50257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        sliding_window=16, tie_word_embeddings=False, bos_token_id=EOS, eos_token_id=EOS,
+        initializer_range=0.1)
+    return _save(MistralForCausalLM(config).eval(), tmp_path_factory.mktemp("tiny-sliding"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_sliding_dir(tmp_path_factory) -> Path:
+    """Qwen2 with use_sliding_window: a window of 11 keys in its second layer only
+    (max_window_layers 1), the first attending to all."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(15)
+    config = Qwen2Config(
+        vocab_size=50257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        use_sliding_window=True, sliding_window=11, max_window_layers=1,
+        tie_word_embeddings=True, bos_token_id=EOS, eos_token_id=EOS, initializer_range=0.1)
+    return _save(Qwen2ForCausalLM(config).eval(), tmp_path_factory.mktemp("tiny-qwen2-sliding"))
+
+
+@pytest.fixture(scope="session")
 def tiny_yarn_dir(tmp_path_factory) -> Path:
     """A Qwen2 with YaRN RoPE scaling (factor 4 over an original 128 positions, as
     Qwen's docs have users add for long contexts): the ramp between interpolated and

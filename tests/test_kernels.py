@@ -74,12 +74,13 @@ def paged_cache(num_seqs: int, max_len: int, bs: int, hkv: int, d: int,
 
 
 def softmax_attention(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, length: int,
-                      scale: float) -> torch.Tensor:
+                      scale: float, window: int = 0) -> torch.Tensor:
     """The reference: one token's query heads (Hq, D) against softmax(q k^T) v over its
-    sequence's first ``length`` keys and values, gathered through its block table (a
-    bfloat16 cache's widened exactly)."""
+    sequence's first ``length`` keys and values (the last ``window`` of them, if given),
+    gathered through its block table (a bfloat16 cache's widened exactly)."""
     hq, (hkv, d) = q.shape[0], cache.shape[-2:]
-    keys, values = (cache[i][table].float().reshape(-1, hkv, d)[:length]
+    first = max(0, length - window) if window else 0
+    keys, values = (cache[i][table].float().reshape(-1, hkv, d)[first:length]
                     .repeat_interleave(hq // hkv, dim=1) for i in (0, 1))
     p = torch.softmax(torch.einsum("hd,thd->ht", q, keys) * scale, dim=-1)
     return torch.einsum("ht,thd->hd", p, values)
@@ -89,8 +90,9 @@ def softmax_attention(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor,
 @pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 16), (4, 4, 128, 16), (8, 2, 64, 8),
                                          (14, 2, 128, 16)])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("window", [0, 13], ids=["full", "window-13"])
 def test_the_paged_decode_attention_kernel_matches_softmax_over_the_context(isa, hq, hkv, d,
-                                                                            bs, kv_dtype):
+                                                                            bs, kv_dtype, window):
     """Every context length around the 4-token groups of keys the kernel scores together,
     the 16-token groups the AVX-512 kernel sums together and the block size, read through
     a shuffled block table, against softmax(q k^T) v over each sequence's gathered keys
@@ -102,9 +104,10 @@ def test_the_paged_decode_attention_kernel_matches_softmax_over_the_context(isa,
     cache, tables = paged_cache(len(lens), max(lens), bs, hkv, d, kv_dtype)
     q = torch.randn(len(lens), hq, d)
     scale = d ** -0.5
-    out = k.paged_decode_attention(q, cache, tables, torch.tensor(lens), scale)
+    out = k.paged_decode_attention(q, cache, tables, torch.tensor(lens), scale, window)
     for b, n in enumerate(lens):
-        torch.testing.assert_close(out[b], softmax_attention(q[b], cache, tables[b], n, scale),
+        torch.testing.assert_close(out[b], softmax_attention(q[b], cache, tables[b], n, scale,
+                                                             window),
                                    rtol=1e-5, atol=1e-5)
 
 
@@ -112,14 +115,17 @@ def test_the_paged_decode_attention_kernel_matches_softmax_over_the_context(isa,
 @pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 16), (4, 4, 128, 16), (8, 2, 64, 8),
                                          (16, 1, 32, 16), (32, 1, 64, 16)])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("window", [0, 13, 40], ids=["full", "window-13", "window-40"])
 def test_prompt_chunks_are_attended_in_tiles_as_softmax_over_each_tokens_context(
-        isa, hq, hkv, d, bs, kv_dtype):
+        isa, hq, hkv, d, bs, kv_dtype, window):
     """A step mixing decode rows with prompt chunks (a fresh prompt, long enough for
     several tiles; a chunk after a cached prefix; a one-token chunk), each query token
     against softmax(q k^T) v over its own first context_lens keys: the tiles' causal
     masks, partial key groups and padded rows. A tile holds 64 (token, head) rows with
     AVX-512, 16 with AVX2: there 16 query heads per KV head make one-token tiles, and
-    32 more than a tile holds (each token attended alone)."""
+    32 more than a tile holds (each token attended alone). With a sliding window, each
+    token's last keys only: tiles whose rows' windows start inside a group of keys,
+    and chunks whose first rows see all they have."""
     k = kernels._build_and_load(isa)
     torch.manual_seed(hq * d + bs + hkv)
     # (sequence, first token's context length, tokens)
@@ -131,10 +137,11 @@ def test_prompt_chunks_are_attended_in_tiles_as_softmax_over_each_tokens_context
     cache, tables = paged_cache(len(runs), max(lens), bs, hkv, d, kv_dtype)
     q = torch.randn(len(seq), hq, d)
     scale = d ** -0.5
-    out = k.paged_attention(q, cache, torch.tensor(seq), tables, torch.tensor(lens), scale)
+    out = k.paged_attention(q, cache, torch.tensor(seq), tables, torch.tensor(lens), scale,
+                            window)
     for n, (s, length) in enumerate(zip(seq, lens)):
         torch.testing.assert_close(out[n], softmax_attention(q[n], cache, tables[s], length,
-                                                             scale),
+                                                             scale, window),
                                    rtol=1e-5, atol=1e-5, msg=f"token {n}")
 
 
@@ -142,19 +149,21 @@ def test_prompt_chunks_are_attended_in_tiles_as_softmax_over_each_tokens_context
 @pytest.mark.parametrize("hq,hkv,d,bs", [(9, 3, 64, 16), (8, 2, 128, 8)])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("lens", [[1030], [700, 3], [2049, 257, 16]])
+@pytest.mark.parametrize("window", [0, 901], ids=["full", "window-901"])
 def test_few_decode_rows_over_long_contexts_split_their_keys_and_merge(isa, hq, hkv, d, bs,
-                                                                       kv_dtype, lens):
+                                                                       kv_dtype, lens, window):
     """A step of so few decode rows that each row's keys are split into parts across
     threads (some of a short row's parts empty), merged: softmax(q k^T) v over each
-    row's whole context."""
+    row's whole context, or its window's keys (split from the window's block on)."""
     k = kernels._build_and_load(isa)
     torch.manual_seed(len(lens) * d + bs)
     cache, tables = paged_cache(len(lens), max(lens), bs, hkv, d, kv_dtype)
     q = torch.randn(len(lens), hq, d) * 3  # peaked: the parts' maxima differ
     scale = d ** -0.5
-    out = k.paged_decode_attention(q, cache, tables, torch.tensor(lens), scale)
+    out = k.paged_decode_attention(q, cache, tables, torch.tensor(lens), scale, window)
     for b, n in enumerate(lens):
-        torch.testing.assert_close(out[b], softmax_attention(q[b], cache, tables[b], n, scale),
+        torch.testing.assert_close(out[b], softmax_attention(q[b], cache, tables[b], n, scale,
+                                                             window),
                                    rtol=1e-5, atol=1e-5)
 
 

@@ -116,7 +116,7 @@ def test_configs_of_granite_and_phi3(tiny_granite_dir, tiny_phi3_dir, tmp_path):
     assert granite.layout == "llama" and granite.tie_word_embeddings
     phi3 = load_model_config(tiny_phi3_dir)
     assert phi3.layout == "phi3" and phi3.attention_multiplier is None
-    assert phi3.max_model_len == 255   # its sliding window: full attention is exact below it
+    assert phi3.max_model_len == 512 and phi3.windows == (255, 255)
     model = copy_model(tiny_granite_dir, tmp_path)
     edit_config(model, logits_scaling=0)
     with pytest.raises(ModelLoadError, match="logits_scaling must be a positive number, not 0"):
@@ -235,11 +235,29 @@ def test_llama3_rope_scaling_matches_transformers():
     assert torch.allclose(ours, want.float(), rtol=1e-6)
 
 
-def test_mistral_sliding_window_caps_the_context(tiny_llama_dir, tmp_path):
+def test_sliding_windows_per_layer(tiny_llama_dir, tiny_qwen2_sliding_dir, tmp_path):
+    """Mistral slides in every layer; Qwen2 only with use_sliding_window, in the layers
+    layer_types names (or from max_window_layers on); a window as long as the context is
+    none; the context is the model's, not the window's."""
     model = copy_model(tiny_llama_dir, tmp_path)
     edit_config(model, architectures=["MistralForCausalLM"], model_type="mistral",
                 sliding_window=128)
-    assert load_model_config(model).max_model_len == 128
+    config = load_model_config(model)
+    assert (config.windows, config.max_model_len) == ((128, 128), 512)
+    edit_config(model, sliding_window=512)
+    assert load_model_config(model).windows == ()
+    edit_config(model, sliding_window=-3)
+    with pytest.raises(ModelLoadError, match="sliding_window must be a positive integer"):
+        load_model_config(model)
+    assert load_model_config(tiny_qwen2_sliding_dir).windows == (0, 11)
+    qwen = copy_model(tiny_qwen2_sliding_dir, tmp_path / "q")
+    raw = json.loads((qwen / "config.json").read_text())
+    del raw["layer_types"]
+    raw["max_window_layers"] = 0
+    (qwen / "config.json").write_text(json.dumps(raw))
+    assert load_model_config(qwen).windows == (11, 11)
+    edit_config(qwen, use_sliding_window=False)
+    assert load_model_config(qwen).windows == ()
 
 
 @pytest.mark.parametrize("folder", ["tiny_llama_dir", "default_model_dir", "gguf"])

@@ -66,14 +66,16 @@ int64_t rs_attention_tiles(int64_t N, const int64_t *seq, const int64_t *ctx_len
                            int64_t Hkv, int64_t *starts);
 
 /* Attention of a step's tokens (token n: its q row at q + n q_stride, its output row
-   at out + n out_stride, the block table row seq[n], ctx_lens[n] keys), tiled by
-   rs_attention_tiles. A work-sharing loop, as rs_linear_ws; scratch: this thread's
-   rs_attention_scratch_floats; partial: rs_attention_partial_floats, shared. */
+   at out + n out_stride, the block table row seq[n], ctx_lens[n] keys, or the last W
+   of them where W > 0: a sliding window), tiled by rs_attention_tiles. A work-sharing
+   loop, as rs_linear_ws; scratch: this thread's rs_attention_scratch_floats; partial:
+   rs_attention_partial_floats, shared. */
 void rs_attention_ws(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                      int kv_type, const int64_t *seq, const int64_t *ctx_lens,
                      const int64_t *block_tables, int64_t max_blocks, const int64_t *starts,
                      int64_t tiles, float *out, int64_t out_stride, int64_t Hq, int64_t Hkv,
-                     int64_t D, int64_t bs, float scale, float *scratch, float *partial);
+                     int64_t D, int64_t bs, float scale, int64_t W, float *scratch,
+                     float *partial);
 
 /* RoPE on one token's q and k heads (in its fused qkv row), then its k and v into
    cache slot `slot` (layers.c). cn, sn: the token's D / 2 cos and sin. */

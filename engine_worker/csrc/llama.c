@@ -42,6 +42,7 @@ struct rs_llama_layer {
     void *k_cache, *v_cache;                /* [slots, Hkv, D] of the model's kv_type */
     int64_t qkv_format, o_format, gate_up_format, down_format;   /* RS_F32 ... RS_Q4 */
     int64_t rope;                           /* 0: a layer without RoPE (SmolLM3's NoPE) */
+    int64_t window;                         /* > 0: a sliding window of that many keys */
 };
 
 struct rs_llama {
@@ -179,8 +180,8 @@ int rs_llama_forward(const struct rs_llama *m, const struct rs_step *s)
 
             rs_attention_ws(qkv, QKV, L->k_cache, L->v_cache, (int)m->kv_type, s->seq,
                             s->ctx_lens, s->block_tables, s->max_blocks, tiles, num_tiles,
-                            attn, QD, Hq, Hkv, D, m->block_size, m->scale, my_scratch,
-                            partial);
+                            attn, QD, Hq, Hkv, D, m->block_size, m->scale, L->window,
+                            my_scratch, partial);
             PHASE(PROFILE_ATTENTION);
             bad |= rs_linear_ws(attn, N, QD, L->o, C, L->o_bias, x, 1, (int)L->o_format);
             PHASE(PROFILE_LINEAR);

@@ -1,7 +1,7 @@
 /*
  * Paged attention on the CPU: every query token of a step attends to the first
- * context_lens[n] keys of its sequence (seq[n]), read in place through the sequence's
- * block table (no gather copy). Query head i uses KV head i / (Hq / Hkv) (grouped-
+ * context_lens[n] keys of its sequence (seq[n]), or with a sliding window W to the
+ * last W of them, read in place through the sequence's block table (no gather copy). Query head i uses KV head i / (Hq / Hkv) (grouped-
  * query attention). A step's tokens are split into tiles (rs_attention_tiles):
  *
  * - A token alone (a decode row): attend_one, two passes. 1. scores, 4 tokens at a
@@ -33,6 +33,8 @@
 #include "kernels.h"
 
 #define MAX_DIM 256
+/* A score that no key of a row may have: exp of it less any real maximum is 0. */
+#define MASKED (-1e30f)
 
 /* 16 floats: one AVX-512 register (GCC splits it on narrower targets). aligned(4)
    makes dereferences unaligned loads, since rows are only float-aligned. */
@@ -158,12 +160,13 @@ values_of(const int NG, float *out, const float *p, int64_t T, const char *vh,
 }
 
 /* One query row: the query heads of KV heads [g0, g1) against its sequence's tokens
-   [t0, t1) (t0 a multiple of bs). ml NULL: out is the attention over them; else out
-   is the unnormalized sum and ml[2 i], ml[2 i + 1] head i's largest score and sum of
-   exponentials (for merge_parts). D % 16 == 0. */
+   [t0, t1) (t0 a multiple of bs), those below lo (a sliding window's first) masked.
+   ml NULL: out is the attention over them; else out is the unnormalized sum and
+   ml[2 i], ml[2 i + 1] head i's largest score and sum of exponentials (for
+   merge_parts). D % 16 == 0. */
 static inline __attribute__((always_inline)) void
 attend_one(const float *q, const void *k_cache, const void *v_cache, int kv_type,
-           const int64_t *table, int64_t t0, int64_t t1, float *out, float *ml,
+           const int64_t *table, int64_t t0, int64_t t1, int64_t lo, float *out, float *ml,
            float *scores, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale,
            int64_t g0, int64_t g1)
 {
@@ -225,9 +228,11 @@ attend_one(const float *q, const void *k_cache, const void *v_cache, int kv_type
     }
 #undef FETCH
 #undef ROW
-    /* Softmax over t, per query head. */
+    /* Softmax over t, per query head (keys below the window's first at 0). */
     for (int64_t i = i0; i < i1; i++) {
         float *s = scores + i * T;
+        for (int64_t t = 0; t < lo - t0 && t < T; t++)
+            s[t] = MASKED;
         float m = s[0];
         for (int64_t t = 1; t < T; t++)
             m = s[t] > m ? s[t] : m;
@@ -268,13 +273,14 @@ attend_one(const float *q, const void *k_cache, const void *v_cache, int kv_type
    measured 2-5% slower (alternating runs, AMD EPYC Zen 5). */
 static __attribute__((noinline)) void
 attend_row(const float *q, const void *k_cache, const void *v_cache, int kv_type,
-           const int64_t *table, int64_t t0, int64_t t1, float *out, float *ml, float *scores,
-           int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale, int64_t g0, int64_t g1)
+           const int64_t *table, int64_t t0, int64_t t1, int64_t lo, float *out, float *ml,
+           float *scores, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale,
+           int64_t g0, int64_t g1)
 {
     /* The common shapes get compile-time sizes and cache types, so loops vectorize
        fully. */
-#define ATTEND(type, d, b) attend_one(q, k_cache, v_cache, type, table, t0, t1, out, ml, \
-                                      scores, Hq, Hkv, d, b, scale, g0, g1)
+#define ATTEND(type, d, b) attend_one(q, k_cache, v_cache, type, table, t0, t1, lo, out, \
+                                      ml, scores, Hq, Hkv, d, b, scale, g0, g1)
     if (kv_type == RS_KV_BF16) {
         if (bs == 16 && D == 64)
             ATTEND(RS_KV_BF16, 64, 16);
@@ -313,9 +319,6 @@ attend_row(const float *q, const void *k_cache, const void *v_cache, int kv_type
 #define TILE_ROWS (TILE_RV * LANES)
 /* Keys per online-softmax update. */
 #define TILE_KEYS 16
-/* A score that no key of a row may have: exp of it less any real maximum is 0. */
-#define MASKED (-1e30f)
-
 /* Query tokens per tile for G query heads per KV head (0: tiles do not apply, the
    tokens are attended one at a time). */
 static inline int64_t tile_tokens(int64_t G)
@@ -421,15 +424,15 @@ tile_values(const int RV, vfl *OT, const vfl *alpha, const vfl *P,
     }
 }
 
-/* Query tokens [0, nq) of one sequence (token j attends to its first c0 + j tokens),
-   the G query heads of KV head g: row r is token r / G, head g G + r % G. q and out
-   are the tokens' rows (q_stride, out_stride floats apart, heads D apart).
-   nq * G <= TILE_ROWS. */
+/* Query tokens [0, nq) of one sequence (token j attends to its first c0 + j tokens,
+   or with a window W > 0 to the last W of them), the G query heads of KV head g: row
+   r is token r / G, head g G + r % G. q and out are the tokens' rows (q_stride,
+   out_stride floats apart, heads D apart). nq * G <= TILE_ROWS. */
 static inline __attribute__((always_inline)) void
 attend_tile(const int RV, const float *q, int64_t q_stride, int64_t nq, const void *k_cache,
-            const void *v_cache, int kv_type, const int64_t *table, int64_t c0, float *out,
-            int64_t out_stride, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale,
-            int64_t g, float *scratch)
+            const void *v_cache, int kv_type, const int64_t *table, int64_t c0, int64_t W,
+            float *out, int64_t out_stride, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
+            float scale, int64_t g, float *scratch)
 {
     const int64_t G = Hq / Hkv, R = nq * G;
     const int64_t elem = kv_type == RS_KV_BF16 ? 2 : 4;
@@ -440,11 +443,12 @@ attend_tile(const int RV, const float *q, int64_t q_stride, int64_t nq, const vo
     float *wide = (float *)(S + TILE_KEYS * TILE_RV);   /* [2][TILE_KEYS][D] */
     vfl *m = (vfl *)(wide + 2 * TILE_KEYS * D); /* [TILE_RV] running maxima */
     vfl *l = m + TILE_RV;                       /* [TILE_RV] running sums */
-    vfl ctx[TILE_RV];                           /* keys each row sees */
+    vfl ctx[TILE_RV], low[TILE_RV];             /* keys each row sees: [low, ctx) */
     for (int v = 0; v < RV; v++) {
         for (int i = 0; i < LANES; i++) {
             const int64_t r = v * LANES + i;
             ctx[v][i] = r < R ? (float)(c0 + r / G) : (float)(c0 + nq);
+            low[v][i] = W > 0 ? ctx[v][i] - (float)W : -1.0f;
         }
         m[v] = (vfl){0} + MASKED;
         l[v] = (vfl){0};
@@ -460,7 +464,9 @@ attend_tile(const int RV, const float *q, int64_t q_stride, int64_t nq, const vo
             OT[d * TILE_RV + v] = (vfl){0};
         }
     const int64_t end = c0 + nq - 1;   /* the last row's context */
-    for (int64_t k0 = 0; k0 < end; k0 += TILE_KEYS) {
+    /* the first row's first key; the rows after it see none before */
+    const int64_t first = W > 0 && c0 > W ? c0 - W : 0;
+    for (int64_t k0 = first; k0 < end; k0 += TILE_KEYS) {
         const int64_t n = end - k0 < TILE_KEYS ? end - k0 : TILE_KEYS;
         const float *keys[TILE_KEYS], *values[TILE_KEYS];
         for (int64_t t = 0; t < n; t++) {
@@ -480,12 +486,14 @@ attend_tile(const int RV, const float *q, int64_t q_stride, int64_t nq, const vo
             }
         }
         tile_scores(RV, QT, keys, n, D, S);
-        /* rows whose context ends inside the group see only its first keys */
-        if (k0 + n > c0)
+        /* rows whose context ends inside the group see only its first keys, and with
+           a window, rows whose window starts inside it only its last */
+        if (k0 + n > c0 || (W > 0 && k0 < end - W))
             for (int64_t t = 0; t < n; t++)
                 for (int v = 0; v < RV; v++)
-                    S[t * TILE_RV + v] = vselect((float)(k0 + t) < ctx[v], S[t * TILE_RV + v],
-                                                 (vfl){0} + MASKED);
+                    S[t * TILE_RV + v] = vselect(
+                        ((float)(k0 + t) < ctx[v]) & ((float)(k0 + t) >= low[v]),
+                        S[t * TILE_RV + v], (vfl){0} + MASKED);
         vfl alpha[TILE_RV];
         for (int v = 0; v < RV; v++) {
             vfl top = m[v];
@@ -519,13 +527,13 @@ attend_tile(const int RV, const float *q, int64_t q_stride, int64_t nq, const vo
 /* attend_tile for the model's shapes and the tile's rows. */
 static void attend_chunk(const float *q, int64_t q_stride, int64_t nq, const void *k_cache,
                          const void *v_cache, int kv_type, const int64_t *table, int64_t c0,
-                         float *out, int64_t out_stride, int64_t Hq, int64_t Hkv, int64_t D,
-                         int64_t bs, float scale, int64_t g, float *scratch)
+                         int64_t W, float *out, int64_t out_stride, int64_t Hq, int64_t Hkv,
+                         int64_t D, int64_t bs, float scale, int64_t g, float *scratch)
 {
     const int64_t rows = nq * (Hq / Hkv);
     const int RV = (int)((rows + LANES - 1) / LANES);
 #define TILE(rv, type, d) attend_tile(rv, q, q_stride, nq, k_cache, v_cache, type, table, c0, \
-                                      out, out_stride, Hq, Hkv, d, bs, scale, g, scratch)
+                                      W, out, out_stride, Hq, Hkv, d, bs, scale, g, scratch)
 #if TILE_RV == 4
 #define TILE_RVS(type, d)                \
     switch (RV) {                        \
@@ -585,13 +593,15 @@ int64_t rs_attention_tiles(int64_t N, const int64_t *seq, const int64_t *ctx_len
 
 /* How many parts each row's keys are split into (1: none): enough for 8 work items a
    thread, when the step is decode rows alone. */
-static int64_t context_parts(int64_t N, int64_t tiles, const int64_t *ctx_lens, int64_t threads)
+static int64_t context_parts(int64_t N, int64_t tiles, const int64_t *ctx_lens, int64_t threads,
+                             int64_t W)
 {
     if (tiles < N || N >= 8 * threads)
         return 1;   /* a prompt chunk (its tiles are the step's bulk), or items enough */
     int64_t longest = 0;
     for (int64_t n = 0; n < N; n++)
         longest = ctx_lens[n] > longest ? ctx_lens[n] : longest;
+    longest = W > 0 && longest > W ? W : longest;
     int64_t parts = (8 * threads + N - 1) / N;
     parts = parts < longest / PART_MIN_KEYS ? parts : longest / PART_MIN_KEYS;
     parts = parts < PARTS_MAX ? parts : PARTS_MAX;
@@ -630,22 +640,29 @@ static void merge_parts(const float *partial, int64_t parts, int64_t n, int64_t 
     }
 }
 
+/* A decode row's first key: the window's, else 0. */
+static inline int64_t window_start(int64_t T, int64_t W)
+{
+    return W > 0 && T > W ? T - W : 0;
+}
+
 void rs_attention_ws(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                      int kv_type, const int64_t *seq, const int64_t *ctx_lens,
                      const int64_t *block_tables, int64_t max_blocks, const int64_t *starts,
                      int64_t tiles, float *out, int64_t out_stride, int64_t Hq, int64_t Hkv,
-                     int64_t D, int64_t bs, float scale, float *scratch, float *partial)
+                     int64_t D, int64_t bs, float scale, int64_t W, float *scratch,
+                     float *partial)
 {
     const int64_t N = starts[tiles], threads = rs_num_threads();
-    const int64_t parts = context_parts(N, tiles, ctx_lens, threads);
+    const int64_t parts = context_parts(N, tiles, ctx_lens, threads, W);
     if (parts > 1) {
         const int64_t entry = Hq * (D + 2);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < N * parts; item++) {
             const int64_t n = item / parts, p = item % parts;
-            const int64_t T = ctx_lens[n];
-            const int64_t len = ((T + parts - 1) / parts + bs - 1) / bs * bs;
-            const int64_t t0 = p * len, t1 = t0 + len < T ? t0 + len : T;
+            const int64_t T = ctx_lens[n], lo = window_start(T, W), base = lo / bs * bs;
+            const int64_t len = ((T - base + parts - 1) / parts + bs - 1) / bs * bs;
+            const int64_t t0 = base + p * len, t1 = t0 + len < T ? t0 + len : T;
             float *sums = partial + (n * parts + p) * entry, *ml = sums + Hq * D;
             if (t0 >= T) {   /* nothing left for this part */
                 for (int64_t i = 0; i < Hq; i++) {
@@ -656,8 +673,8 @@ void rs_attention_ws(const float *q, int64_t q_stride, const void *k_cache, cons
                 continue;
             }
             attend_row(q + n * q_stride, k_cache, v_cache, kv_type,
-                       block_tables + seq[n] * max_blocks, t0, t1, sums, ml, scratch, Hq, Hkv,
-                       D, bs, scale, 0, Hkv);
+                       block_tables + seq[n] * max_blocks, t0, t1, lo, sums, ml, scratch, Hq,
+                       Hkv, D, bs, scale, 0, Hkv);
         }
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < N * Hq; item++)
@@ -674,24 +691,25 @@ void rs_attention_ws(const float *q, int64_t q_stride, const void *k_cache, cons
             const int64_t tile = item / Hkv, g = item % Hkv;
             const int64_t n0 = starts[tile], nq = starts[tile + 1] - n0;
             const int64_t *table = block_tables + seq[n0] * max_blocks;
+            const int64_t lo = window_start(ctx_lens[n0], W);
             if (nq > 1)
                 attend_chunk(q + n0 * q_stride, q_stride, nq, k_cache, v_cache, kv_type,
-                             table, ctx_lens[n0], out + n0 * out_stride, out_stride, Hq, Hkv,
-                             D, bs, scale, g, scratch);
+                             table, ctx_lens[n0], W, out + n0 * out_stride, out_stride, Hq,
+                             Hkv, D, bs, scale, g, scratch);
             else if (few)
-                attend_row(q + n0 * q_stride, k_cache, v_cache, kv_type, table, 0,
-                           ctx_lens[n0], out + n0 * out_stride, NULL, scratch, Hq, Hkv, D, bs,
-                           scale, g, g + 1);
+                attend_row(q + n0 * q_stride, k_cache, v_cache, kv_type, table, lo / bs * bs,
+                           ctx_lens[n0], lo, out + n0 * out_stride, NULL, scratch, Hq, Hkv, D,
+                           bs, scale, g, g + 1);
         }
     }
     /* ... else decode rows whole: a row's keys of all heads are one contiguous row. */
     if (!few) {
 #pragma omp for schedule(dynamic, 1)
         for (int64_t tile = 0; tile < tiles; tile++) {
-            const int64_t n0 = starts[tile];
+            const int64_t n0 = starts[tile], lo = window_start(ctx_lens[n0], W);
             if (starts[tile + 1] - n0 == 1)
                 attend_row(q + n0 * q_stride, k_cache, v_cache, kv_type,
-                           block_tables + seq[n0] * max_blocks, 0, ctx_lens[n0],
+                           block_tables + seq[n0] * max_blocks, lo / bs * bs, ctx_lens[n0], lo,
                            out + n0 * out_stride, NULL, scratch, Hq, Hkv, D, bs, scale, 0,
                            Hkv);
         }
@@ -703,7 +721,7 @@ void rs_attention_ws(const float *q, int64_t q_stride, const void *k_cache, cons
 int rs_paged_attention(const float *q, const void *k_cache, const void *v_cache, int kv_type,
                        const int64_t *seq, const int64_t *ctx_lens, const int64_t *block_tables,
                        float *out, int64_t N, int64_t Hq, int64_t Hkv, int64_t D,
-                       int64_t block_size, int64_t max_blocks, float scale)
+                       int64_t block_size, int64_t max_blocks, float scale, int64_t window)
 {
     if (D > MAX_DIM || D % LANES != 0)
         return -2;
@@ -730,7 +748,7 @@ int rs_paged_attention(const float *q, const void *k_cache, const void *v_cache,
         if (!failed)
             rs_attention_ws(q, Hq * D, k_cache, v_cache, kv_type, seq, ctx_lens, block_tables,
                             max_blocks, starts, tiles, out, Hq * D, Hq, Hkv, D, block_size,
-                            scale, scratch, partial);
+                            scale, window, scratch, partial);
         free(scratch);
     }
     free(partial);

@@ -7,7 +7,9 @@ in the cache once this step's keys are written, the new ones included) and a ran
 query tokens ``query_start[s]:query_start[s + 1]``. The keys and values of this step
 are already in the cache (rope_write_kv writes them before attention), so every query
 reads only the cache: a chunk with a cached prefix and one without are the same case,
-and a query at position p attends to keys 0..p (causal with an offset).
+and a query at position p attends to keys 0..p (causal with an offset), or with a
+sliding window W (a compile-time constant: one variant a window) to keys p - W + 1..p,
+the loops starting at the block of the first key any row of the program sees.
 
 Two kernels:
   * decode rows (_decode_kernel): a program per (sequence, KV head, split). It holds
@@ -160,7 +162,7 @@ def _decode_kernel(
         stride_kb, stride_ks, stride_kh, stride_bt,
         GROUP: tl.constexpr, HEADS: tl.constexpr, BLOCK_N: tl.constexpr,
         PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-        SPLITS: tl.constexpr, PRECISION: tl.constexpr):
+        SPLITS: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr):
     """Decode row ``seq`` (one query token), KV head, split of its context; computed
     transposed: the scores s^T = K q^T are (BLOCK_N, HEADS) and the output acc^T = V^T
     p^T (D_PAD, HEADS), HEADS the group's query heads padded to 8 where rows pad to 16.
@@ -179,8 +181,11 @@ def _decode_kernel(
     qt = _for_dots(tl.load(q_ptr + seq * stride_qt + head[None, :] * stride_qh + d[:, None],
                            mask=d_ok[:, None] & col_ok[None, :], other=0.0), k_ptr)
 
-    per_split = tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * per_split
+    # the window's first key (0 without one); the splits share the keys from its tile on
+    low = tl.where(WINDOW > 0, tl.maximum(ctx - WINDOW, 0), 0)
+    first = low // BLOCK_N * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(ctx - first, SPLITS), BLOCK_N) * BLOCK_N
+    lo = first + split * per_split
     hi = tl.minimum(lo + per_split, ctx)
     table = block_tables_ptr + seq * stride_bt
     m = tl.full([HEADS], float("-inf"), tl.float32)
@@ -193,6 +198,8 @@ def _decode_kernel(
         # An fp8 cache's keys and values are widened to the dots' dtype (the queries').
         k = tl.load(k_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(qt.dtype)
         s = tl.dot(k, qt, input_precision=PRECISION) * scale
+        if WINDOW > 0:
+            k_ok = k_ok & (start + tl.arange(0, BLOCK_N) >= low)
         s = tl.where(k_ok[:, None], s, float("-inf"))
         p, m, alpha, denom = _online_softmax(s, m, denom, 0)
         if k_ptr.dtype.element_ty.is_fp8():
@@ -225,7 +232,7 @@ def _chunk_kernel(
         stride_kb, stride_ks, stride_kh, stride_bt,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-        D_PAD: tl.constexpr, PRECISION: tl.constexpr):
+        D_PAD: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr):
     """Query tokens q_off..q_off + BLOCK_Q of the chunk of sequence ``seq`` (tile
     ``tile``), KV head; rows (token, head in the group), causal."""
     tile = tl.program_id(0)
@@ -252,17 +259,21 @@ def _chunk_kernel(
     # (a CUDA graph's fixed grid: its first query past the chunk's end) reads no key.
     last_tok = tl.minimum(q_off + BLOCK_Q, q_len) - 1
     hi = tl.where(q_off < q_len, tl.maximum(ctx - q_len + last_tok + 1, 0), 0)
+    # and from its first query's window on
+    low = tl.where(WINDOW > 0, tl.maximum(ctx - q_len + q_off - WINDOW + 1, 0), 0)
     table = block_tables_ptr + seq * stride_bt
     m = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_Q * GROUP_PAD], tl.float32)
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, D_PAD], tl.float32)
-    for start in range(0, hi, BLOCK_N):
+    for start in range(low // BLOCK_N * BLOCK_N, hi, BLOCK_N):
         base, k_ok = _key_rows(table, start, hi, kv_head, stride_kb, stride_ks, stride_kh,
                                BLOCK_N, PAGE)
         kv_mask = k_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
         causal = start + tl.arange(0, BLOCK_N)[None, :] <= q_pos[:, None]
+        if WINDOW > 0:
+            causal = causal & (start + tl.arange(0, BLOCK_N)[None, :] > q_pos[:, None] - WINDOW)
         s = tl.where(k_ok[None, :] & causal, s, float("-inf"))
         p, m, alpha, denom = _online_softmax(s, m, denom, 1)
         if k_ptr.dtype.element_ty.is_fp8():
@@ -350,7 +361,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     tile_seq: Optional[torch.Tensor], tile_offset: Optional[torch.Tensor],
                     scale: float, splits: int = 1,
                     split_buffers: Optional[SplitBuffers] = None,
-                    tiles: Optional[tuple[Tiling, Tiling]] = None) -> torch.Tensor:
+                    tiles: Optional[tuple[Tiling, Tiling]] = None, window: int = 0
+                    ) -> torch.Tensor:
     """Attention of every query in ``q`` (N, Hq, D) over the paged cache (k_cache
     (num_blocks, page, Hkv, D), v_cache as engine_worker.ops.value_blocks lays it out:
     so too, or for fp8 (num_blocks, Hkv, D, page)) into ``out`` (N, Hq, D).
@@ -360,7 +372,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     token of the tile, chunk_block_q(group, tiles[1]) tokens per tile. block_tables
     (S, W) int32; seq_lens (S,) and query_start (S + 1,) integers (query_start is read
     only for chunks). ``tiles``: the (decode, chunk) tilings; by default tilings()'s
-    for the cache's dtype."""
+    for the cache's dtype. ``window`` > 0: a sliding window of that many keys."""
     _, hq, d = q.shape
     _, page, hkv, _ = k_cache.shape
     assert v_cache.is_contiguous() and v_cache.numel() == k_cache.numel()
@@ -368,7 +380,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     group = hq // hkv
     d_pad = triton.next_power_of_2(d)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    common = dict(GROUP=group, PAGE=page, HEAD_DIM=d, D_PAD=d_pad, PRECISION=precision)
+    common = dict(GROUP=group, PAGE=page, HEAD_DIM=d, D_PAD=d_pad, PRECISION=precision,
+                  WINDOW=window)
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
     if num_decode:
@@ -412,12 +425,13 @@ class TritonAttention(AttentionBackend):
         return chunk_block_q(self.num_heads // self.num_kv_heads, self.tiles[1])
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+               kv_cache: torch.Tensor, meta: AttentionMetadata, window: int = 0
+               ) -> torch.Tensor:
         """q (N, Hq, D) -> (N, Hq * D); k and v are already in the cache."""
         n = q.shape[0]
         out = q.new_empty(n, self.num_heads, self.head_dim)
         paged_attention(q, kv_cache[0], value_blocks(kv_cache), out, meta.block_tables,
                         meta.seq_lens, meta.query_start, meta.num_decode, meta.tile_seq,
                         meta.tile_offset, self.scale, meta.num_splits, self.split_buffers,
-                        self.tiles)
+                        self.tiles, window)
         return out.view(n, self.num_heads * self.head_dim)

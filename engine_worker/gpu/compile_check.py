@@ -63,7 +63,7 @@ def variants(cfg, dtype: str = "bfloat16", block_size: int = 16) -> list[tuple]:
     group = cfg.num_heads // cfg.num_kv_heads
     d, d_pad = cfg.head_dim, triton.next_power_of_2(cfg.head_dim)
     common = dict(GROUP=group, PAGE=block_size, HEAD_DIM=d, D_PAD=d_pad,
-                  PRECISION="ieee" if dtype == "float32" else "tf32")
+                  PRECISION="ieee" if dtype == "float32" else "tf32", WINDOW=0)
     decode_args = dict(q_ptr=t, k_ptr=t, v_ptr=t, out_ptr=t, part_acc_ptr="*fp32",
                        part_ml_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i64",
                        scale="fp32")
@@ -72,24 +72,27 @@ def variants(cfg, dtype: str = "bfloat16", block_size: int = 16) -> list[tuple]:
                       tile_offset_ptr="*i64", scale="fp32")
     fp8 = dict(k_ptr="*fp8e4nv", v_ptr="*fp8e4nv")  # --kv-cache-dtype fp8
 
-    def decode_launch(label: str, cache: dict, splits: int) -> tuple:
+    def decode_launch(label: str, cache: dict, splits: int, window: int = 0) -> tuple:
         decode = attention.tiling(d, decode=True, fp8=bool(cache))
         return (label, attention._decode_kernel, dict(decode_args, **cache),
                 dict(common, HEADS=attention.decode_heads(group),
-                     BLOCK_N=decode.block_n, SPLITS=splits), _options(decode))
+                     BLOCK_N=decode.block_n, SPLITS=splits, WINDOW=window), _options(decode))
 
-    def chunk_launch(label: str, cache: dict) -> tuple:
+    def chunk_launch(label: str, cache: dict, window: int = 0) -> tuple:
         chunk = attention.tiling(d, decode=False, fp8=bool(cache))
         return (label, attention._chunk_kernel, dict(chunk_args, **cache),
                 dict(common, GROUP_PAD=triton.next_power_of_2(group),
-                     BLOCK_Q=attention.chunk_block_q(group, chunk), BLOCK_N=chunk.block_n),
-                _options(chunk))
+                     BLOCK_Q=attention.chunk_block_q(group, chunk), BLOCK_N=chunk.block_n,
+                     WINDOW=window), _options(chunk))
 
     out = [decode_launch(f"attention decode, {splits} split(s)", {}, splits)
            for splits in (1, attention.MAX_SPLITS)]
     out += [chunk_launch("attention chunk", {}),
             decode_launch("attention decode, fp8 cache", fp8, 1),
             chunk_launch("attention chunk, fp8 cache", fp8)]
+    # a sliding window's variants (Mistral's 4,096 keys; each window compiles its own)
+    out += [decode_launch("attention decode, window", {}, attention.MAX_SPLITS, 4096),
+            chunk_launch("attention chunk, window", {}, 4096)]
     out.append(("merge splits", attention._merge_splits_kernel,
                 dict(part_acc_ptr="*fp32", part_ml_ptr="*fp32", out_ptr=t),
                 dict(SPLITS=attention.MAX_SPLITS, HEAD_DIM=d, D_PAD=d_pad), _options()))

@@ -118,8 +118,10 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn: AttentionBackend, ops: Ops) -> None:
+    def __init__(self, cfg: ModelConfig, attn: AttentionBackend, ops: Ops, window: int = 0
+                 ) -> None:
         super().__init__()
+        self.window = window  # > 0: a sliding window of that many keys
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = linear(cfg.hidden_size, q_size + 2 * kv_size, cfg.qkv_bias)
@@ -137,7 +139,7 @@ class Attention(nn.Module):
                    else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps))
         q, k, v = self.ops.rope_write_kv(qkv, *rope, self.num_heads, self.num_kv_heads,
                                          self.head_dim, kv_cache, meta.slot_mapping, qk_norm)
-        return self.o_proj(self.attn.attend(q, k, v, kv_cache, meta))
+        return self.o_proj(self.attn.attend(q, k, v, kv_cache, meta, self.window))
 
 
 class MLP(nn.Module):
@@ -152,10 +154,11 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn: AttentionBackend, ops: Ops) -> None:
+    def __init__(self, cfg: ModelConfig, attn: AttentionBackend, ops: Ops, window: int = 0
+                 ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.self_attn = Attention(cfg, attn, ops)
+        self.self_attn = Attention(cfg, attn, ops, window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = MLP(cfg, ops)
         self.ops = ops
@@ -180,7 +183,8 @@ class LlamaModel(nn.Module):
         self.ops = ops
         self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = Rotary(cfg.rope, cfg.head_dim, cfg.rotary_dim)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, attn, ops) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, attn, ops, window)
+                                    for window in cfg.windows or [0] * cfg.num_layers)
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         # None when tied to the embedding (until load_model packs it).
         self.lm_head: Optional[nn.Module] = (

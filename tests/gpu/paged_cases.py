@@ -66,8 +66,9 @@ def make_case(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, he
                      head_dim ** -0.5)
 
 
-def reference(case: PagedCase) -> torch.Tensor:
-    """(N, Hq, D) float64; padded rows (context 0) are zeros."""
+def reference(case: PagedCase, window: int = 0) -> torch.Tensor:
+    """(N, Hq, D) float64; padded rows (context 0) are zeros. window > 0: each query
+    sees its last ``window`` keys only."""
     q = case.q.double().cpu()
     k_cache = case.k_cache.double().cpu()
     v_cache = from_value_blocks(case.v_cache.cpu()).double()
@@ -87,7 +88,11 @@ def reference(case: PagedCase) -> torch.Tensor:
         rows = q[starts[s]:starts[s + 1]]  # (L, Hq, D)
         scores = torch.einsum("lhd,khd->hlk", rows, keys) * case.scale
         q_pos = torch.arange(ctx - q_len, ctx).unsqueeze(1)
-        scores = scores.masked_fill(torch.arange(ctx).unsqueeze(0) > q_pos, float("-inf"))
+        key_pos = torch.arange(ctx).unsqueeze(0)
+        hidden = key_pos > q_pos
+        if window:
+            hidden |= key_pos <= q_pos - window
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[starts[s]:starts[s + 1]] = torch.einsum("hlk,khd->lhd", scores.softmax(-1), values)
     return out
 

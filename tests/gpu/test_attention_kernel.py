@@ -18,7 +18,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 1e-5
 
 
-def run(case, splits: int = 1) -> torch.Tensor:
+def run(case, splits: int = 1, window: int = 0) -> torch.Tensor:
     out = torch.full_like(case.q, float("nan"))  # poisoned: every row must be written
     buffers = None
     if splits > 1:
@@ -26,7 +26,7 @@ def run(case, splits: int = 1) -> torch.Tensor:
                                         case.q.device)
     return paged_attention(case.q, case.k_cache, case.v_cache, out, case.block_tables,
                            case.seq_lens, case.query_start, case.num_decode, case.tile_seq,
-                           case.tile_offset, case.scale, splits, buffers)
+                           case.tile_offset, case.scale, splits, buffers, window=window)
 
 
 @pytest.mark.parametrize("heads", [(4, 1), (2, 2)], ids=["gqa4to1", "mha1to1"])
@@ -64,6 +64,18 @@ def test_decode_rows_mixed_with_chunks(splits):
     case = make_case([(33, 1), (5, 1), (90, 30), (20, 20), (7, 3)], 4, 2, 64, device=DEVICE,
                      seed=4)
     assert rel_l2(run(case, splits), reference(case)) < TOL
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("window", [7, 40], ids=["window-7", "window-40"])
+def test_a_sliding_window_sees_each_querys_last_keys(splits, window):
+    """Decode rows past the window (its first key inside a block and a 64-key pass),
+    one within it, chunks with and without a cached prefix whose rows' windows start
+    at different keys; split decode rows share the keys from the window's pass on."""
+    case = make_case([(150, 1), (33, 1), (5, 1), (90, 30), (37, 37), (7, 3)], 4, 2, 64,
+                     device=DEVICE, seed=7)
+    assert rel_l2(run(case, splits, window), reference(case, window)) < TOL
+    assert rel_l2(reference(case, window), reference(case)) > 0.1   # the window matters
 
 
 def test_padded_graph_rows_write_zeros_and_change_nothing_else():

@@ -75,13 +75,15 @@ def test_triton_path_matches_hf_for_qwen3s_per_head_norms(tiny_qwen3_dir):
 
 
 @pytest.mark.parametrize("fixture", ["tiny_granite_dir", "tiny_yarn_dir",
-                                     "tiny_phi4_mini_dir", "tiny_smollm3_dir"])
-def test_triton_path_matches_hf_for_granite_yarn_longrope_and_nope(request, fixture):
+                                     "tiny_phi4_mini_dir", "tiny_smollm3_dir",
+                                     "tiny_qwen2_sliding_dir"])
+def test_triton_path_matches_hf_for_granite_yarn_longrope_nope_and_windows(request, fixture):
     """Granite's constants folded into the weights on the device; YaRN's and LongRoPE's
     attention factor carried by cos and sin into the Triton RoPE; Phi-4-mini's partial
     rotary as q and k reordered at load (LongRoPE's long factors: a prompt past its
     original 64 positions, Hugging Face recomputing it whole each step); SmolLM3's
-    layer without RoPE."""
+    layer without RoPE; a sliding window of 11 keys in one layer of two (the 13-token
+    prompt and its decode rows pass it)."""
     model_dir = request.getfixturevalue(fixture)
     engine = triton_engine(model_dir)
     if fixture == "tiny_phi4_mini_dir":
