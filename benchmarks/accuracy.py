@@ -90,10 +90,12 @@ def window_nll(engine, token_ids: list[int]) -> float:
     n, bs = len(token_ids), runner.block_size
     positions = torch.arange(n)
     cos, sin = runner.model.rotary(positions, torch.float32)
+    local = (None if runner.model.rotary_local is None
+             else runner.model.rotary_local(positions, torch.float32))
     table = torch.arange(-(-n // bs)).unsqueeze(0)
     logits = runner.fused.forward(
         torch.tensor(token_ids), cos, sin, positions.clone(), torch.zeros(n, dtype=torch.int64),
-        positions + 1, table, torch.arange(n - 1), n, torch.get_num_threads())
+        positions + 1, table, torch.arange(n - 1), n, torch.get_num_threads(), local)
     logprobs = torch.log_softmax(logits.double(), dim=-1)
     return -logprobs.gather(1, torch.tensor(token_ids[1:]).unsqueeze(1)).sum().item()
 

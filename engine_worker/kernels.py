@@ -69,7 +69,7 @@ class CpuKernels:
                                         i64, i64]
         self._rope_write_kv.restype = None
         self._silu_mul = lib.rs_silu_mul
-        self._silu_mul.argtypes = [ptr, ptr, i64, i64]
+        self._silu_mul.argtypes = [ptr, ptr, i64, i64, ctypes.c_int]
         self._silu_mul.restype = None
         self._packed_bytes = lib.rs_packed_bytes
         self._packed_bytes.argtypes = [i64, i64, ctypes.c_int]
@@ -194,12 +194,15 @@ class CpuKernels:
                             num_kv_heads, head_dim)
         return split_qkv(qkv, num_heads, num_kv_heads, head_dim)
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def silu_mul(self, gate_up: torch.Tensor, gelu: bool = False) -> torch.Tensor:
         gate_up = gate_up.contiguous()
         n, two_i = gate_up.shape
         out = gate_up.new_empty(n, two_i // 2)
-        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), n, two_i // 2)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), n, two_i // 2, int(gelu))
         return out
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.silu_mul(gate_up, gelu=True)
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
         """(R, C) float32 -> (R,) int64, first index of each row's maximum."""
@@ -300,7 +303,8 @@ class _Layer(ctypes.Structure):
         "attn_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "mlp_norm",
         "gate_up", "gate_up_bias", "down", "down_bias", "k_cache", "v_cache")),
         *((name, ctypes.c_int64) for name in (
-            "qkv_format", "o_format", "gate_up_format", "down_format", "rope", "window"))]
+            "qkv_format", "o_format", "gate_up_format", "down_format", "rope", "window")),
+        ("attn_out_norm", ctypes.c_void_p), ("mlp_out_norm", ctypes.c_void_p)]
 
 
 class _Llama(ctypes.Structure):
@@ -310,7 +314,7 @@ class _Llama(ctypes.Structure):
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("lm_head_format", ctypes.c_int64),
         ("kv_type", ctypes.c_int64),
         ("embed", ctypes.c_void_p), ("lm_head", ctypes.c_void_p), ("norm", ctypes.c_void_p),
-        ("layers", ctypes.POINTER(_Layer))]
+        ("layers", ctypes.POINTER(_Layer)), ("gelu", ctypes.c_int64)]
 
 
 class _Step(ctypes.Structure):
@@ -321,7 +325,8 @@ class _Step(ctypes.Structure):
                 ("num_samples", ctypes.c_int64), ("sample_rows", ctypes.c_void_p),
                 ("num_threads", ctypes.c_int64),
                 ("scratch", ctypes.c_void_p), ("logits", ctypes.c_void_p),
-                ("profile", ctypes.c_void_p)]
+                ("profile", ctypes.c_void_p), ("cos_local", ctypes.c_void_p),
+                ("sin_local", ctypes.c_void_p)]
 
 
 def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
@@ -341,7 +346,7 @@ class FusedLlama:
         self._kernels = kernels
         self._vocab = cfg.vocab_size
         layers = []
-        for i, (layer, kv) in enumerate(zip(model.layers, kv_caches)):
+        for layer, kv in zip(model.layers, kv_caches):
             attn, mlp = layer.self_attn, layer.mlp
             layers.append(_Layer(
                 _ptr(layer.input_layernorm.weight), _ptr(attn.qkv_proj.packed),
@@ -354,26 +359,33 @@ class FusedLlama:
                 _ptr(mlp.down_proj.bias), _ptr(kv[0]), _ptr(kv[1]),
                 *(WEIGHT_FORMATS[lin.fmt] for lin in (attn.qkv_proj, attn.o_proj,
                                                       mlp.gate_up_proj, mlp.down_proj)),
-                int(i not in cfg.nope_layers), layer.self_attn.window))
+                layer.rope_kind, layer.self_attn.window,
+                *(_ptr(None if norm is None else norm.weight)
+                  for norm in (layer.attn_out_norm, layer.mlp_out_norm))))
         self._layers = (_Layer * len(layers))(*layers)
+        self._local_rope = any(layer.rope_kind == 2 for layer in model.layers)
         self._model = _Llama(
             cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
             cfg.intermediate_size, cfg.vocab_size, block_size, cfg.norm_eps,
             cfg.head_dim ** -0.5, WEIGHT_FORMATS[model.lm_head.fmt],
             kv_type(kv_caches[0].dtype),
             _ptr(model.embed_tokens.weight), _ptr(model.lm_head.packed),
-            _ptr(model.norm.weight), self._layers)
+            _ptr(model.norm.weight), self._layers, int(cfg.hidden_act != "silu"))
         self._keep = (model, kv_caches)  # everything the pointers point into
         self._scratch = torch.empty(0)
 
     def forward(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 slots: torch.Tensor, seq: torch.Tensor, ctx_lens: torch.Tensor,
                 block_tables: torch.Tensor, sample_rows: torch.Tensor, max_ctx: int,
-                num_threads: int) -> torch.Tensor:
+                num_threads: int, local: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+                ) -> torch.Tensor:
         """Per token (N,) int64: ids, slots, seq (its row of block_tables) and ctx_lens
-        (keys it attends to, itself included); cos, sin (N, D/2); sample_rows (S,).
+        (keys it attends to, itself included); cos, sin (N, D/2), and ``local`` those of
+        the layers with a RoPE of their own (Gemma 3's sliding ones); sample_rows (S,).
         Writes the step's keys and values; returns the logits (S, V)."""
         n, num_samples = ids.shape[0], sample_rows.shape[0]
+        if self._local_rope and local is None:
+            raise ValueError("this model's sliding layers need their own cos and sin (local)")
         need = self._kernels._llama_scratch(ctypes.byref(self._model), n, num_samples,
                                             max_ctx, num_threads)
         if self._scratch.numel() < need:
@@ -383,7 +395,7 @@ class FusedLlama:
                      cos.data_ptr(), sin.data_ptr(), block_tables.data_ptr(),
                      block_tables.shape[1], max_ctx, num_samples, sample_rows.data_ptr(),
                      num_threads, self._scratch.data_ptr(), logits.data_ptr(),
-                     _ptr(self.profile))
+                     _ptr(self.profile), *(_ptr(t) for t in (local or (None, None))))
         rc = self._kernels._llama_forward(ctypes.byref(self._model), ctypes.byref(step))
         if rc == -2:
             raise ValueError("the fused forward needs head_dim a multiple of 16, <= 256")

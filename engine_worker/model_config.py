@@ -5,12 +5,14 @@ Qwen3ForCausalLM, GraniteForCausalLM, Phi3ForCausalLM, SmolLM3ForCausalLM: RMSNo
 RoPE, grouped-query attention, SwiGLU; Qwen3 also RMS-norms each head of q and k;
 Granite scales the embeddings, attention scores, each layer's outputs and the logits by
 constants of its config; Phi-3 stores q/k/v and gate/up fused; SmolLM3 leaves RoPE out
-of every fourth layer) and GPT2LMHeadModel. Anything else is a
+of every fourth layer; Gemma3ForCausalLM: GELU gates, 1 + weight norms, norms of each
+layer's outputs, sliding layers with a RoPE of their own) and GPT2LMHeadModel. Anything else is a
 ModelLoadError that names the architecture and what is supported.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -31,9 +33,13 @@ LLAMA_FAMILY = {
     "GraniteForCausalLM": "granite",
     "Phi3ForCausalLM": "phi3",
     "SmolLM3ForCausalLM": "smollm3",
+    "Gemma3ForCausalLM": "gemma3",
 }
 GPT2_FAMILY = {"GPT2LMHeadModel": "gpt2"}
-SUPPORTED_ARCHITECTURES = sorted({**LLAMA_FAMILY, **GPT2_FAMILY})
+# Multimodal checkpoints whose language model is served (text only): architecture ->
+# the language model's
+LANGUAGE_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = sorted({**LLAMA_FAMILY, **GPT2_FAMILY, **LANGUAGE_MODELS})
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,17 @@ class ModelConfig:
     # them), or () where every layer sees all (Mistral 7B v0.1, Phi-3-mini-4k: every
     # layer; Qwen2 with use_sliding_window: those from max_window_layers on)
     windows: tuple[int, ...] = ()
+    # Gemma 3: RMSNorms scale by 1 + weight (the loader adds the 1); the attention's and
+    # the MLP's outputs RMS-normed before they join the residual stream; the sliding
+    # layers' own RoPE (None: every layer the model's)
+    norm_offset: bool = False
+    sandwich_norms: bool = False
+    rope_local: Optional[RopeConfig] = None
+    # Where the checkpoint keeps the language model's tensors (prefixes stripped from
+    # their names, in order) and what else it holds that is not read (a multimodal
+    # checkpoint's vision tower)
+    checkpoint_prefixes: tuple[str, ...] = ("model.",)
+    checkpoint_skips: tuple[str, ...] = ()
     # The checkpoint's tensor layout: "llama" (q, k, v, gate, up apart) or "phi3"
     # (qkv_proj and gate_up_proj as one tensor each)
     layout: str = "llama"
@@ -158,6 +175,10 @@ def load_model_config(model_dir: Path, max_model_len: Optional[int] = None) -> M
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{path} is not valid JSON: {e}") from None
     archs = raw.get("architectures") or []
+    multimodal = next((a for a in archs if a in LANGUAGE_MODELS), None)
+    if multimodal is not None:
+        raw = _language_model_config(raw, multimodal)
+        archs = raw["architectures"]
     arch = next((a for a in archs if a in LLAMA_FAMILY or a in GPT2_FAMILY), None)
     if arch is None:
         raise ModelLoadError(
@@ -168,16 +189,25 @@ def load_model_config(model_dir: Path, max_model_len: Optional[int] = None) -> M
     try:
         if arch in GPT2_FAMILY:
             return _gpt2_config(raw, str(name), eos)
-        return _llama_config(raw, LLAMA_FAMILY[arch], str(name), eos, max_model_len)
+        config = _llama_config(raw, LLAMA_FAMILY[arch], str(name), eos, max_model_len)
     except KeyError as e:
         raise ModelLoadError(f"{path} lacks the field {e.args[0]!r}") from None
+    if multimodal is None:
+        return config
+    logger.info("%s: serving its language model (text only; the vision tower is not "
+                "loaded)", multimodal)
+    return dataclasses.replace(
+        config, checkpoint_prefixes=("language_model.model.", "model.language_model.",
+                                     "language_model."),
+        checkpoint_skips=("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                          "model.multi_modal_projector."))
 
 
 def _llama_config(raw: dict[str, Any], kind: str, name: str, eos: tuple[int, ...],
                   served: Optional[int] = None) -> ModelConfig:
     num_heads = raw["num_attention_heads"]
     hidden = raw["hidden_size"]
-    act = raw.get("hidden_act", "silu")
+    act = raw.get("hidden_activation") or raw.get("hidden_act", "silu")
     head_dim = raw.get("head_dim") or hidden // num_heads
     partial = ({**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
                .get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
@@ -186,9 +216,11 @@ def _llama_config(raw: dict[str, Any], kind: str, name: str, eos: tuple[int, ...
         raise ModelLoadError(f"partial_rotary_factor {partial} turns {rotary_dim} of "
                              f"{head_dim} dimensions a head; it must be an even number "
                              f"from 2 to {head_dim}")
-    if act != "silu":
-        raise ModelLoadError(f"unsupported hidden_act {act!r} (the Llama family needs 'silu')")
-    rope = _rope_config(raw, rotary_dim, served)
+    if act not in ("silu", "gelu_pytorch_tanh"):
+        raise ModelLoadError(f"unsupported hidden_act {act!r} (the Llama family takes 'silu' "
+                             f"or 'gelu_pytorch_tanh')")
+    gemma = _gemma3(raw, head_dim, rotary_dim, served) if kind == "gemma3" else {}
+    rope = gemma.pop("rope", None) or _rope_config(raw, rotary_dim, served)
     max_len = max(raw["max_position_embeddings"], rope.context_length or 0)
     attention_bias = bool(raw.get("attention_bias", False))
     return ModelConfig(
@@ -203,35 +235,69 @@ def _llama_config(raw: dict[str, Any], kind: str, name: str, eos: tuple[int, ...
         intermediate_size=raw["intermediate_size"],
         max_model_len=max_len,
         norm_eps=raw.get("rms_norm_eps", 1e-6),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", kind == "gemma3")),
         qkv_bias=attention_bias or kind == "qwen2",
         o_bias=attention_bias,
         mlp_bias=bool(raw.get("mlp_bias", False)),
         hidden_act=act,
         eos_token_ids=eos,
         rope=rope,
-        qk_norm=kind == "qwen3",
+        qk_norm=kind in ("qwen3", "gemma3"),
         layout="phi3" if kind == "phi3" else "llama",
         rotary_dim=rotary_dim if rotary_dim < head_dim else None,
         nope_layers=_nope_layers(raw) if kind == "smollm3" else (),
         windows=_sliding_windows(raw, kind, max_len),
         **(_granite_scales(raw) if kind == "granite" else {}),
+        **gemma,
     )
+
+
+def _gemma3(raw: dict[str, Any], head_dim: int, rotary_dim: int, served: Optional[int]
+            ) -> dict[str, Any]:
+    """Gemma 3's fields: its norms, its scales (the embeddings by sqrt(hidden_size), the
+    scores by query_pre_attn_scalar^-1/2) and its two RoPEs, the full layers' and the
+    sliding ones' (rope_parameters keyed by layer type, or in older configs rope_theta
+    and rope_scaling, and rope_local_base_freq)."""
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if raw.get(name) is not None:
+            raise ModelLoadError(f"{name} is not supported (Gemma 2's; Gemma 3 has none)")
+    if raw.get("use_bidirectional_attention"):
+        raise ModelLoadError("use_bidirectional_attention (an embedding model) is not served")
+    params = raw.get("rope_parameters") or {}
+    if "full_attention" in params:
+        full = {**raw, "rope_parameters": params["full_attention"], "rope_scaling": None}
+        local = {**raw, "rope_parameters": params.get("sliding_attention") or {},
+                 "rope_scaling": None}
+    else:
+        full = raw
+        local = {"rope_parameters": {"rope_type": "default",
+                                     "rope_theta": raw.get("rope_local_base_freq", 10000.0)},
+                 "max_position_embeddings": raw["max_position_embeddings"]}
+    return {"norm_offset": True, "sandwich_norms": True,
+            "embedding_multiplier": math.sqrt(raw["hidden_size"]),
+            "attention_multiplier": float(raw.get("query_pre_attn_scalar", head_dim)) ** -0.5,
+            "rope": _rope_config(full, rotary_dim, served),
+            "rope_local": _rope_config(local, rotary_dim, served)}
 
 
 def _sliding_windows(raw: dict[str, Any], kind: str, max_len: int) -> tuple[int, ...]:
     """Each layer's sliding window, as transformers reads the config: Mistral and
-    Phi-3 slide in every layer where sliding_window is set; Qwen2/Qwen3 and SmolLM3 only
-    with use_sliding_window, in the layers layer_types names (else, Qwen's, those from
-    max_window_layers on). () where no layer's window is shorter than the context."""
+    Phi-3 slide in every layer where sliding_window is set; Gemma 3 in the layers
+    layer_types names (else all but every sliding_window_pattern-th); Qwen2/Qwen3 and
+    SmolLM3 only with use_sliding_window, in the layers layer_types names (else, Qwen's,
+    those from max_window_layers on). () where no layer's window is shorter than the
+    context."""
     window = raw.get("sliding_window")
-    if not window or not raw.get("use_sliding_window", kind in ("mistral", "phi3")):
+    if not window or not raw.get("use_sliding_window", kind in ("mistral", "phi3", "gemma3")):
         return ()
     if not isinstance(window, int) or window < 1:
         raise ModelLoadError(f"sliding_window must be a positive integer, not {window!r}")
     layers = raw["num_hidden_layers"]
     types = raw.get("layer_types")
-    if kind in ("mistral", "phi3") or (types is None and kind not in ("qwen2", "qwen3")):
+    if types is None and kind == "gemma3":   # older configs: every pattern-th is full
+        pattern = raw.get("sliding_window_pattern", 6)
+        sliding = [(i + 1) % pattern != 0 for i in range(layers)]
+    elif kind in ("mistral", "phi3") or (types is None and kind not in ("qwen2", "qwen3")):
         sliding = [True] * layers
     elif types is None:
         sliding = [i >= raw.get("max_window_layers", layers) for i in range(layers)]
@@ -331,6 +397,19 @@ def _longrope_config(theta: float, params: dict[str, Any], raw: dict[str, Any],
                       original_max_position_embeddings=original,
                       attention_factor=float(attention_factor),
                       ext_factors=tuple(float(f) for f in factors))
+
+
+def _language_model_config(raw: dict[str, Any], arch: str) -> dict[str, Any]:
+    """A multimodal config's text_config, with the defaults its config class fills in
+    (Gemma 3's published configs give a few fields and leave the rest to them)."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        raise ModelLoadError(f"{arch}'s config has no text_config")
+    from transformers import Gemma3TextConfig
+
+    full = Gemma3TextConfig(**text).to_dict()
+    full["architectures"] = [LANGUAGE_MODELS[arch]]
+    return full
 
 
 def _yarn_config(theta: float, params: dict[str, Any], max_positions: int) -> RopeConfig:

@@ -478,7 +478,10 @@ class ModelRunner:
             ids[first_rows[i] + offset] = pending[0][source]
         block_tables = flat[5 * n:5 * n + len(tables) * width].view(len(tables), width)
         cos, sin = self.model.rotary(positions_t, torch.float32)
+        local = (None if self.model.rotary_local is None
+                 else self.model.rotary_local(positions_t, torch.float32))
         logits = self.fused.forward(
             ids, cos, sin, slots_t, seq_t, ctx_lens, block_tables,
-            flat[5 * n + len(tables) * width:], max(positions) + 1, torch.get_num_threads())
+            flat[5 * n + len(tables) * width:], max(positions) + 1, torch.get_num_threads(),
+            local)
         return self._split_extra_logits(logits, len(sample_rows))

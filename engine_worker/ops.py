@@ -133,3 +133,9 @@ class TorchOps:
         """(N, 2 I) holding gate then up -> silu(gate) * up, (N, I)."""
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """(N, 2 I) holding gate then up -> gelu(gate) * up with GELU's tanh form
+        (Gemma's gelu_pytorch_tanh), (N, I)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up

@@ -38,12 +38,17 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 
 class Checkpoint:
-    def __init__(self, model_dir: Path, strip_prefixes: tuple[str, ...] = ()) -> None:
+    def __init__(self, model_dir: Path, strip_prefixes: tuple[str, ...] = (),
+                 skip_prefixes: tuple[str, ...] = ()) -> None:
+        """strip_prefixes: removed from each tensor's name, in order; skip_prefixes:
+        tensors not read (a multimodal checkpoint's vision tower)."""
         self.model_dir = model_dir
         self._files = [safe_open(str(p), framework="pt") for p in checkpoint_files(model_dir)]
         self._where: dict[str, tuple[int, str]] = {}
         for i, f in enumerate(self._files):
             for key in f.keys():
+                if key.startswith(skip_prefixes):
+                    continue
                 name = key
                 for prefix in strip_prefixes:
                     name = name.removeprefix(prefix)

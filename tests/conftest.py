@@ -307,6 +307,59 @@ def tiny_qwen2_sliding_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory) -> Path:
+    """Gemma 3: GELU gates, norms of 1 + weight (random, so that the offset matters),
+    norms of each layer's outputs, q and k normed per head, a query scale that is not
+    head_dim's, sliding layers (a window of 9, with a RoPE of their own) and a full one
+    with linearly scaled RoPE (Gemma 3 4B's kind), embeddings scaled by sqrt(hidden),
+    tied."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(16)
+    config = Gemma3TextConfig(
+        vocab_size=50257, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        sliding_window=9, layer_types=["sliding_attention", "sliding_attention",
+                                       "full_attention"],
+        query_pre_attn_scalar=24,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                            "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS, initializer_range=0.1)
+    model = Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(0, 0.3)
+    return _save(model, tmp_path_factory.mktemp("tiny-gemma3"))
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_vision_dir(tmp_path_factory) -> Path:
+    """Gemma 3 as its 4B, 12B and 27B models are published: a multimodal checkpoint
+    (Gemma3ForConditionalGeneration, a vision tower beside the language model, whose
+    tensors are named language_model.model.*), of which the language model is served."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    torch.manual_seed(17)
+    text = dict(vocab_size=50257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                max_position_embeddings=512, sliding_window=9, query_pre_attn_scalar=24,
+                bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS, initializer_range=0.1)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=56, patch_size=14)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                          boi_token_index=50250, eoi_token_index=50251,
+                          image_token_index=50252, initializer_range=0.1)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name and "language_model" in name:
+                param.normal_(0, 0.3)
+    return _save(model, tmp_path_factory.mktemp("tiny-gemma3-vision"))
+
+
+@pytest.fixture(scope="session")
 def tiny_yarn_dir(tmp_path_factory) -> Path:
     """A Qwen2 with YaRN RoPE scaling (factor 4 over an original 128 positions, as
     Qwen's docs have users add for long contexts): the ramp between interpolated and

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -45,7 +46,9 @@ def test_unsupported_architecture_names_it(tiny_llama_dir, tmp_path):
     model = copy_model(tiny_llama_dir, tmp_path)
     edit_config(model, architectures=["BertForMaskedLM"], model_type="bert")
     with pytest.raises(ModelLoadError, match=r"unsupported architecture \['BertForMaskedLM'\].*"
-                                             r"supported: GPT2LMHeadModel, GraniteForCausalLM, LlamaForCausalLM"):
+                                             r"supported: GPT2LMHeadModel, Gemma3ForCausalLM, "
+                                             r"Gemma3ForConditionalGeneration, "
+                                             r"GraniteForCausalLM, LlamaForCausalLM"):
         load_model_config(model)
 
 
@@ -107,6 +110,52 @@ def test_smollm3s_layers_without_rope(tiny_smollm3_dir, tmp_path):
     edit_config(model, no_rope_layers=[1, 0, 1])
     with pytest.raises(ModelLoadError, match="no_rope_layers must be 8 flags of 0 or 1"):
         load_model_config(model)
+
+
+def test_gemma3s_config_in_both_spellings(tiny_gemma3_dir, tmp_path):
+    """transformers 5 writes rope_parameters keyed by layer type and layer_types; the
+    checkpoints published with Gemma 3 have rope_theta, rope_scaling,
+    rope_local_base_freq and sliding_window_pattern: the same model either way."""
+    new = load_model_config(tiny_gemma3_dir)
+    assert new.windows == (9, 9, 0) and new.norm_offset and new.sandwich_norms
+    assert new.qk_norm and new.hidden_act == "gelu_pytorch_tanh" and new.tie_word_embeddings
+    assert (new.rope.kind, new.rope.factor, new.rope.theta) == ("linear", 8.0, 1e6)
+    assert (new.rope_local.kind, new.rope_local.theta) == ("default", 1e4)
+    assert new.embedding_multiplier == 8.0 and new.attention_multiplier == 24 ** -0.5
+    model = copy_model(tiny_gemma3_dir, tmp_path)
+    raw = json.loads((model / "config.json").read_text())
+    for key in ("rope_parameters", "layer_types", "tie_word_embeddings"):
+        del raw[key]
+    raw.update(rope_theta=1e6, rope_scaling={"rope_type": "linear", "factor": 8.0},
+               rope_local_base_freq=1e4, sliding_window_pattern=3)
+    (model / "config.json").write_text(json.dumps(raw))
+    assert load_model_config(model) == dataclasses.replace(new, name="model")
+    edit_config(model, final_logit_softcapping=30.0)
+    with pytest.raises(ModelLoadError, match="final_logit_softcapping is not supported"):
+        load_model_config(model)
+
+
+def test_a_multimodal_gemma3s_language_model_is_served_by_either_naming(
+        tiny_gemma3_vision_dir, tmp_path):
+    """Its tensors named as the published checkpoints name them (language_model.model.*,
+    vision_tower.*) or as transformers names them in memory (model.language_model.*,
+    model.vision_tower.*): the same model, the vision tower not read."""
+    from safetensors.torch import load_file, save_file
+
+    model = copy_model(tiny_gemma3_vision_dir, tmp_path)
+    weights = load_file(model / "model.safetensors")
+    assert any(k.startswith("vision_tower.") for k in weights)
+    renamed = {("model.language_model." + k.removeprefix("language_model.model.")
+                if k.startswith("language_model.model.") else "model." + k): v
+               for k, v in weights.items()}
+    assert "model.language_model.layers.0.mlp.up_proj.weight" in renamed
+    assert "model.vision_tower.embeddings.patch_embedding.weight" in renamed
+    save_file(renamed, model / "model.safetensors")
+    prompts = [[1, 2, 3], list(range(100, 130))]
+    from helpers import greedy
+    ours = LLMEngine(EngineConfig(model=str(model), device="cpu"))
+    reference = LLMEngine(EngineConfig(model=str(tiny_gemma3_vision_dir), device="cpu"))
+    assert ours.generate(prompts, greedy(6)) == reference.generate(prompts, greedy(6))
 
 
 def test_configs_of_granite_and_phi3(tiny_granite_dir, tiny_phi3_dir, tmp_path):

@@ -77,6 +77,10 @@ void rs_attention_ws(const float *q, int64_t q_stride, const void *k_cache, cons
                      int64_t D, int64_t bs, float scale, int64_t W, float *scratch,
                      float *partial);
 
+/* act(gate) * up for one row of gate then up (I each): silu, or gelu (its tanh form)
+   (layers.c). */
+void rs_act_mul_row(const float *g, float *o, int64_t I, int gelu);
+
 /* RoPE on one token's q and k heads (in its fused qkv row), then its k and v into
    cache slot `slot` (layers.c). cn, sn: the token's D / 2 cos and sin. */
 void rs_rope_write_kv_row(float *r, const float *cn, const float *sn, void *k_cache,

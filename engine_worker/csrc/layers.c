@@ -91,15 +91,25 @@ void rs_rope_write_kv(float *qkv, const float *cos, const float *sin,
                              kv_type, slots[n], Hq, Hkv, D);
 }
 
-/* out = silu(gate) * up, where gate_up [N, 2 I] holds gate then up per row. */
-void rs_silu_mul(const float *gate_up, float *out, int64_t N, int64_t I)
+/* out = act(gate) * up for one row (gate then up, I each): act silu, or with gelu
+   GELU's tanh form, x sigmoid(2 y) with y = sqrt(2 / pi) (x + 0.044715 x^3). */
+void rs_act_mul_row(const float *g, float *o, int64_t I, int gelu)
 {
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const float *g = gate_up + n * 2 * I;
-        const float *u = g + I;
-        float *o = out + n * I;
+    const float *u = g + I;
+    if (gelu)
+        for (int64_t i = 0; i < I; i++)
+            o[i] = g[i] / (1.0f + expf(-1.5957691216057308f
+                                        * (g[i] + 0.044715f * g[i] * g[i] * g[i]))) * u[i];
+    else
         for (int64_t i = 0; i < I; i++)
             o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    }
+}
+
+/* out = silu(gate) * up (gelu: GELU's), where gate_up [N, 2 I] holds gate then up per
+   row. */
+void rs_silu_mul(const float *gate_up, float *out, int64_t N, int64_t I, int gelu)
+{
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        rs_act_mul_row(gate_up + n * 2 * I, out + n * I, I, gelu);
 }

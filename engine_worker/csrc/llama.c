@@ -41,8 +41,13 @@ struct rs_llama_layer {
     const float *down_bias;
     void *k_cache, *v_cache;                /* [slots, Hkv, D] of the model's kv_type */
     int64_t qkv_format, o_format, gate_up_format, down_format;   /* RS_F32 ... RS_Q4 */
-    int64_t rope;                           /* 0: a layer without RoPE (SmolLM3's NoPE) */
+    /* RoPE from the step's cos and sin (1), its local ones (2: Gemma 3's sliding
+       layers), or none (0: SmolLM3's NoPE layers) */
+    int64_t rope;
     int64_t window;                         /* > 0: a sliding window of that many keys */
+    /* Gemma's norms of the attention's and the MLP's outputs before they join the
+       residual stream ([C]), or NULL */
+    const float *attn_out_norm, *mlp_out_norm;
 };
 
 struct rs_llama {
@@ -55,6 +60,7 @@ struct rs_llama {
     const void *lm_head;     /* packed [V, C] */
     const float *norm;       /* [C] */
     const struct rs_llama_layer *layers;
+    int64_t gelu;            /* the MLP's gate: GELU (tanh form) rather than SiLU */
 };
 
 struct rs_step {
@@ -69,6 +75,7 @@ struct rs_step {
     float *scratch;                                /* rs_llama_scratch_floats() */
     float *logits;                                 /* [S, V] */
     double *profile;                               /* [3] seconds added, or NULL */
+    const float *cos_local, *sin_local;            /* [N, D / 2] or NULL: layers' rope 2 */
 };
 
 enum { PROFILE_LINEAR, PROFILE_ATTENTION, PROFILE_OTHER };
@@ -114,6 +121,25 @@ static inline void rms_norm_row(const float *h, const float *w, float *out, int6
     const float inv = 1.0f / sqrtf(sumsq / (float)C + eps);
     for (int64_t c = 0; c < C; c++)
         out[c] = w[c] * (h[c] * inv);
+}
+
+/* x += in W^T (+ bias), [N, C]: the GEMM accumulates into the residual stream, or
+   with a norm (Gemma's), writes tmp, whose normed rows are then added. Inside the
+   forward's parallel region (work-sharing loops, each ending at a barrier). */
+static int out_to_residual(const float *in, int64_t N, int64_t K, const void *w,
+                           const float *bias, int format, const float *norm, float *tmp,
+                           float *x, int64_t C, float eps)
+{
+    if (norm == NULL)
+        return rs_linear_ws(in, N, K, w, C, bias, x, 1, format);
+    const int bad = rs_linear_ws(in, N, K, w, C, bias, tmp, 0, format);
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        rms_norm_row(tmp + n * C, norm, tmp + n * C, C, eps);
+        for (int64_t c = 0; c < C; c++)
+            x[n * C + c] += tmp[n * C + c];
+    }
+    return bad;
 }
 
 int rs_llama_forward(const struct rs_llama *m, const struct rs_step *s)
@@ -171,8 +197,10 @@ int rs_llama_forward(const struct rs_llama *m, const struct rs_step *s)
                     for (int64_t j = 0; j < Hq + Hkv; j++)
                         rms_norm_row(row + j * D, j < Hq ? L->q_norm : L->k_norm, row + j * D,
                                      D, m->eps);
-                rs_rope_write_kv_row(qkv + n * QKV, L->rope ? s->cos + n * half : NULL,
-                                     s->sin + n * half,
+                const int local = L->rope == 2;
+                rs_rope_write_kv_row(qkv + n * QKV,
+                                     L->rope ? (local ? s->cos_local : s->cos) + n * half : NULL,
+                                     (local ? s->sin_local : s->sin) + n * half,
                                      L->k_cache, L->v_cache, (int)m->kv_type, s->slots[n],
                                      Hq, Hkv, D);
             }
@@ -183,7 +211,8 @@ int rs_llama_forward(const struct rs_llama *m, const struct rs_step *s)
                             attn, QD, Hq, Hkv, D, m->block_size, m->scale, L->window,
                             my_scratch, partial);
             PHASE(PROFILE_ATTENTION);
-            bad |= rs_linear_ws(attn, N, QD, L->o, C, L->o_bias, x, 1, (int)L->o_format);
+            bad |= out_to_residual(attn, N, QD, L->o, L->o_bias, (int)L->o_format,
+                                   L->attn_out_norm, h, x, C, m->eps);
             PHASE(PROFILE_LINEAR);
 
 #pragma omp for schedule(static)
@@ -195,15 +224,11 @@ int rs_llama_forward(const struct rs_llama *m, const struct rs_step *s)
             PHASE(PROFILE_LINEAR);
 
 #pragma omp for schedule(static)
-            for (int64_t n = 0; n < N; n++) {
-                const float *g = gu + n * 2 * I, *u = g + I;
-                float *a = act + n * I;
-                for (int64_t i = 0; i < I; i++)
-                    a[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-            }
+            for (int64_t n = 0; n < N; n++)
+                rs_act_mul_row(gu + n * 2 * I, act + n * I, I, (int)m->gelu);
             PHASE(PROFILE_OTHER);
-            bad |= rs_linear_ws(act, N, I, L->down, C, L->down_bias, x, 1,
-                                 (int)L->down_format);
+            bad |= out_to_residual(act, N, I, L->down, L->down_bias, (int)L->down_format,
+                                   L->mlp_out_norm, h, x, C, m->eps);
             PHASE(PROFILE_LINEAR);
         }
 

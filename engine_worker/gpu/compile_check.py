@@ -116,8 +116,10 @@ def variants(cfg, dtype: str = "bfloat16", block_size: int = 16) -> list[tuple]:
                          PAGE=block_size, QK_NORM=cfg.qk_norm),
                     _options(num_warps=ops._rope_warps(heads_pad * half))))
     i = cfg.intermediate_size
-    out.append(("silu_mul", ops._silu_mul_kernel, dict(x_ptr=t, out_ptr=t),
-                dict(WIDTH=i, BLOCK=min(1024, triton.next_power_of_2(i))), _options()))
+    for label, gelu in (("silu_mul", False), ("gelu_mul", True)):   # gelu: Gemma's gate
+        out.append((label, ops._silu_mul_kernel, dict(x_ptr=t, out_ptr=t),
+                    dict(WIDTH=i, BLOCK=min(1024, triton.next_power_of_2(i)), GELU=gelu),
+                    _options()))
     return out
 
 

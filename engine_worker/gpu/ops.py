@@ -110,14 +110,20 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, s
 
 @triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, WIDTH: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, GELU: tl.constexpr = False):
+    """silu(gate) * up, or with GELU gelu(gate) * up in its tanh form: x sigmoid(2 y),
+    y = sqrt(2 / pi) (x + 0.044715 x^3), which is 0.5 x (1 + tanh y)."""
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < WIDTH
     gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     up = tl.load(x_ptr + row * stride_x + WIDTH + cols, mask=ok, other=0.0)
     g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
+    if GELU:
+        act = (g / (1.0 + tl.exp(-1.5957691216057308 * (g + 0.044715 * g * g * g)))
+               ).to(gate.dtype)
+    else:
+        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)
     out = act.to(tl.float32) * up.to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -163,7 +169,7 @@ class TritonOps:
                 QK_NORM=qk_norm is not None, num_warps=_rope_warps(heads_pad * half))
         return split_qkv(qkv, num_heads, num_kv_heads, head_dim)
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def silu_mul(self, gate_up: torch.Tensor, gelu: bool = False) -> torch.Tensor:
         """(N, 2 I) holding gate then up -> silu(gate) * up, (N, I)."""
         n, two_i = gate_up.shape
         i = two_i // 2
@@ -171,8 +177,13 @@ class TritonOps:
         block = min(1024, triton.next_power_of_2(i))
         if n:
             _silu_mul_kernel[(n, triton.cdiv(i, block))](
-                gate_up, out, gate_up.stride(0), out.stride(0), WIDTH=i, BLOCK=block)
+                gate_up, out, gate_up.stride(0), out.stride(0), WIDTH=i, BLOCK=block,
+                GELU=gelu)
         return out
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """(N, 2 I) holding gate then up -> gelu(gate) * up, GELU's tanh form."""
+        return self.silu_mul(gate_up, gelu=True)
 
 
 def _warps(width: int) -> int:

@@ -47,8 +47,8 @@ def load_model(cfg: ModelConfig, model_dir: Path, device: torch.device,
     if load_format == "dummy":
         dummy_weights(model, seed)
     else:
-        prefix = ("model.",) if cfg.family == "llama" else ("transformer.",)
-        ckpt = Checkpoint(model_dir, strip_prefixes=prefix)
+        prefix = cfg.checkpoint_prefixes if cfg.family == "llama" else ("transformer.",)
+        ckpt = Checkpoint(model_dir, strip_prefixes=prefix, skip_prefixes=cfg.checkpoint_skips)
         with torch.no_grad():
             model.load_weights(ckpt)
         ckpt.finish()

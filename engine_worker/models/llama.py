@@ -148,19 +148,29 @@ class MLP(nn.Module):
         self.gate_up_proj = linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias)
         self.down_proj = linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
         self.ops = ops
+        # Gemma's gate: GELU (tanh form) rather than SiLU
+        self.act = ops.gelu_tanh_mul if cfg.hidden_act == "gelu_pytorch_tanh" else ops.silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, attn: AttentionBackend, ops: Ops, window: int = 0
-                 ) -> None:
+    def __init__(self, cfg: ModelConfig, attn: AttentionBackend, ops: Ops, index: int) -> None:
         super().__init__()
+        window = cfg.windows[index] if cfg.windows else 0
+        # its RoPE: 1 the model's, 2 the local one (Gemma 3's sliding layers), 0 none
+        # (SmolLM3's NoPE layers)
+        self.rope_kind = (0 if index in cfg.nope_layers
+                          else 2 if window and cfg.rope_local is not None else 1)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.self_attn = Attention(cfg, attn, ops, window)
+        # the norm before the MLP (Gemma's pre_feedforward_layernorm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = MLP(cfg, ops)
+        # Gemma's norms of the attention's and the MLP's outputs
+        self.attn_out_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps) if cfg.sandwich_norms else None
+        self.mlp_out_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps) if cfg.sandwich_norms else None
         self.ops = ops
 
     def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor],
@@ -169,10 +179,13 @@ class DecoderLayer(nn.Module):
         """x: the previous layer's output (or the embeddings, with residual None)."""
         norm = self.input_layernorm
         h, residual = self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)
-        h = self.self_attn(h, rope, kv_cache, meta)
+        h = self._normed(self.self_attn(h, rope, kv_cache, meta), self.attn_out_norm)
         norm = self.post_attention_layernorm
         h, residual = self.ops.add_rms_norm(h, residual, norm.weight, norm.eps)
-        return self.mlp(h), residual
+        return self._normed(self.mlp(h), self.mlp_out_norm), residual
+
+    def _normed(self, h: torch.Tensor, norm: Optional[RMSNorm]) -> torch.Tensor:
+        return h if norm is None else self.ops.add_rms_norm(h, None, norm.weight, norm.eps)[0]
 
 
 class LlamaModel(nn.Module):
@@ -183,8 +196,11 @@ class LlamaModel(nn.Module):
         self.ops = ops
         self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.rotary = Rotary(cfg.rope, cfg.head_dim, cfg.rotary_dim)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, attn, ops, window)
-                                    for window in cfg.windows or [0] * cfg.num_layers)
+        # Gemma 3's sliding layers' own RoPE
+        self.rotary_local = (None if cfg.rope_local is None
+                             else Rotary(cfg.rope_local, cfg.head_dim, cfg.rotary_dim))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, attn, ops, i)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         # None when tied to the embedding (until load_model packs it).
         self.lm_head: Optional[nn.Module] = (
@@ -195,13 +211,14 @@ class LlamaModel(nn.Module):
         """input_ids, positions (N,) -> final hidden states (N, C)."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
-        # SmolLM3's layers without RoPE turn by angle 0
-        unturned = (torch.ones_like(rope[0]), torch.zeros_like(rope[1])) \
-            if self.cfg.nope_layers else rope
+        ropes = [
+            # SmolLM3's layers without RoPE turn by angle 0
+            (torch.ones_like(rope[0]), torch.zeros_like(rope[1])) if self.cfg.nope_layers
+            else rope, rope,
+            rope if self.rotary_local is None else self.rotary_local(positions, x.dtype)]
         residual = None
-        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            x, residual = layer(x, residual, unturned if i in self.cfg.nope_layers else rope,
-                                kv_cache, meta)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, ropes[layer.rope_kind], kv_cache, meta)
         x, _ = self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
         return x
 
@@ -247,14 +264,26 @@ class LlamaModel(nn.Module):
                     ckpt.take(p + "mlp.up_proj.bias", (i_size,))]))
                 mlp.down_proj.bias.copy_(ckpt.take(p + "mlp.down_proj.bias", (c,)))
             layer.input_layernorm.weight.copy_(ckpt.take(p + "input_layernorm.weight", (c,)))
-            layer.post_attention_layernorm.weight.copy_(
-                ckpt.take(p + "post_attention_layernorm.weight", (c,)))
+            if cfg.sandwich_norms:   # Gemma's names: its post_attention_layernorm is ours
+                layer.attn_out_norm.weight.copy_(      # of the attention's output
+                    ckpt.take(p + "post_attention_layernorm.weight", (c,)))
+                layer.post_attention_layernorm.weight.copy_(
+                    ckpt.take(p + "pre_feedforward_layernorm.weight", (c,)))
+                layer.mlp_out_norm.weight.copy_(
+                    ckpt.take(p + "post_feedforward_layernorm.weight", (c,)))
+            else:
+                layer.post_attention_layernorm.weight.copy_(
+                    ckpt.take(p + "post_attention_layernorm.weight", (c,)))
             ckpt.discard(p + "self_attn.rotary_emb.inv_freq")
         self.norm.weight.copy_(ckpt.take("norm.weight", (c,)))
         if cfg.tie_word_embeddings:
             ckpt.discard("lm_head.weight")  # tied; some checkpoints store the copy anyway
         else:
             self.lm_head.weight.copy_(ckpt.take("lm_head.weight", (cfg.vocab_size, c)))
+        if cfg.norm_offset:   # Gemma's norms scale by 1 + weight
+            for module in self.modules():
+                if isinstance(module, RMSNorm):
+                    module.weight += 1.0
         self.fold_scales()
         self.permute_partial_rotary()
 
@@ -305,6 +334,9 @@ class LlamaModel(nn.Module):
             q_scale = cfg.attention_multiplier * math.sqrt(cfg.head_dim)
             for layer in self.layers:
                 attn = layer.self_attn
+                if attn.q_norm is not None:   # q is normed after the projection (Gemma 3)
+                    attn.q_norm.weight *= q_scale
+                    continue
                 attn.qkv_proj.weight[:q] *= q_scale
                 if attn.qkv_proj.bias is not None:
                     attn.qkv_proj.bias[:q] *= q_scale
@@ -314,8 +346,11 @@ class LlamaModel(nn.Module):
                     proj.weight *= cfg.residual_multiplier
                     if proj.bias is not None:
                         proj.bias *= cfg.residual_multiplier
-        if cfg.embedding_multiplier != 1.0:
-            self.embed_tokens.weight *= cfg.embedding_multiplier
-        tied = cfg.embedding_multiplier if self.lm_head is None else 1.0
+        multiplier = cfg.embedding_multiplier
+        if cfg.norm_offset:   # Gemma's: rounded to the weights' dtype, as transformers has it
+            multiplier = float(torch.tensor(multiplier, dtype=self.embed_tokens.weight.dtype))
+        if multiplier != 1.0:
+            self.embed_tokens.weight *= multiplier
+        tied = multiplier if self.lm_head is None else 1.0
         if cfg.logits_scaling * tied != 1.0:
             self.norm.weight /= cfg.logits_scaling * tied

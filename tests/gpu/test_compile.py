@@ -17,16 +17,18 @@ def test_every_kernel_variant_compiles_for_sm90_without_spills():
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
-    # four shapes, thirteen variants each (three: fp8 cache; two: a sliding window);
-    # Qwen3's RoPE with its norms
-    assert len(lines) == 4 * 13
-    assert [line.split()[0] for line in lines if "q/k norms" in line] == ["qwen3-0.6b"] * 2
+    # five shapes, fourteen variants each (three: fp8 cache; two: a sliding window;
+    # one: Gemma's GELU gate); Gemma 3's and Qwen3's RoPE with their norms; Gemma 3 1B's
+    # heads of 256 (the fp8 cache's chunk tiles of 64 rows there, 128 spilled)
+    assert len(lines) == 5 * 14
+    assert [line.split()[0] for line in lines if "q/k norms" in line] == (
+        ["gemma-3-1b"] * 2 + ["qwen3-0.6b"] * 2)
     assert all("0 bytes spilled" in line for line in lines), proc.stdout
     # The attention loop is pipelined: K/V tiles copied asynchronously, several in
     # flight. (Compiled without the JIT's divisibility specializations, as this check
     # once did, Triton loaded them element by element and pipelined nothing.)
     attention = [line for line in lines if "attention" in line]
-    assert len(attention) == 4 * 7
+    assert len(attention) == 5 * 7
     assert all(" 0 async copies" not in line for line in attention), proc.stdout
     # Shared memory read in vectors: an fp8 cache's values, laid out along the keys
     # (engine_worker.ops.value_blocks), reach the tensor cores without byte loads.

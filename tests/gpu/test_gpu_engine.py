@@ -76,14 +76,15 @@ def test_triton_path_matches_hf_for_qwen3s_per_head_norms(tiny_qwen3_dir):
 
 @pytest.mark.parametrize("fixture", ["tiny_granite_dir", "tiny_yarn_dir",
                                      "tiny_phi4_mini_dir", "tiny_smollm3_dir",
-                                     "tiny_qwen2_sliding_dir"])
-def test_triton_path_matches_hf_for_granite_yarn_longrope_nope_and_windows(request, fixture):
+                                     "tiny_qwen2_sliding_dir", "tiny_gemma3_dir"])
+def test_triton_path_matches_hf_for_other_architectures(request, fixture):
     """Granite's constants folded into the weights on the device; YaRN's and LongRoPE's
     attention factor carried by cos and sin into the Triton RoPE; Phi-4-mini's partial
     rotary as q and k reordered at load (LongRoPE's long factors: a prompt past its
     original 64 positions, Hugging Face recomputing it whole each step); SmolLM3's
     layer without RoPE; a sliding window of 11 keys in one layer of two (the 13-token
-    prompt and its decode rows pass it)."""
+    prompt and its decode rows pass it); Gemma 3's GELU gate (the Triton kernel's),
+    output norms and two RoPEs."""
     model_dir = request.getfixturevalue(fixture)
     engine = triton_engine(model_dir)
     if fixture == "tiny_phi4_mini_dir":
@@ -333,13 +334,18 @@ def test_shipped_shapes_resolve_by_name_and_need_dummy_weights():
     from common.model_files import model_shapes, resolve_model_dir
     from engine_worker.model_config import load_model_config
 
-    assert model_shapes() == ["llama-3-8b", "qwen2.5-7b", "qwen3-0.6b", "smollm2-135m"]
+    assert model_shapes() == ["gemma-3-1b", "llama-3-8b", "qwen2.5-7b", "qwen3-0.6b",
+                              "smollm2-135m"]
     llama = load_model_config(resolve_model_dir("llama-3-8b"))
     assert (llama.num_params, llama.num_heads, llama.num_kv_heads, llama.head_dim) == (
         8_029_995_008, 32, 8, 128)
     assert load_model_config(resolve_model_dir("qwen2.5-7b")).num_params == 7_615_283_200
     qwen3 = load_model_config(resolve_model_dir("qwen3-0.6b"))
     assert (qwen3.num_params, qwen3.head_dim, qwen3.qk_norm) == (595_984_384, 128, True)
+    # Gemma 3 1B: transformers counts 999,885,952 parameters, 134,272 of them its norms'
+    gemma = load_model_config(resolve_model_dir("gemma-3-1b"))
+    assert (gemma.num_params, gemma.head_dim, gemma.windows.count(512)) == (
+        999_751_680, 256, 22)
     with pytest.raises(ModelLoadError, match="use --load-format dummy"):
         LLMEngine(EngineConfig(model="smollm2-135m", device="cpu",
                                cache=CacheConfig(num_blocks=16)))
