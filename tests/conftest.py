@@ -209,34 +209,44 @@ def tiny_qwen3_dir(tmp_path_factory) -> Path:
     return _save(model, tmp_path_factory.mktemp("tiny-qwen3"))
 
 
+# The tiny models' shape: 2 layers, 4 query heads and 2 KV heads of 16, GPT-2's vocabulary.
+TINY = dict(vocab_size=50257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+            bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS, initializer_range=0.1)
+
+
+def _tiny(tmp_path_factory, name: str, seed: int, config_class: str, model_class: str,
+          random_norms: bool = False, **config) -> Path:
+    """A tiny model of a transformers class, TINY's shape as ``config`` changes it;
+    random_norms: its RMSNorms' weights drawn around their value, so that a loader that
+    misreads them (an offset, a name) shows."""
+    import transformers
+
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_class)(
+        getattr(transformers, config_class)(**{**TINY, **config})).eval()
+    if random_norms:
+        with torch.no_grad():
+            for param_name, param in model.named_parameters():
+                if "norm" in param_name and "vision" not in param_name:
+                    param.normal_(float(param.mean()), 0.3)
+    return _save(model, tmp_path_factory.mktemp(name))
+
+
 @pytest.fixture(scope="session")
 def tiny_granite_dir(tmp_path_factory) -> Path:
     """Granite: Granite 3's constants (embeddings x12, residual branches x0.22, logits
     / 16, an attention scale that is not 1/sqrt(head_dim)), tied embeddings."""
-    from transformers import GraniteConfig, GraniteForCausalLM
-
-    torch.manual_seed(9)
-    config = GraniteConfig(
-        vocab_size=50257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        tie_word_embeddings=True, bos_token_id=EOS, eos_token_id=EOS, initializer_range=0.1,
-        embedding_multiplier=12.0, residual_multiplier=0.22, logits_scaling=16.0,
-        attention_multiplier=0.09)
-    return _save(GraniteForCausalLM(config).eval(), tmp_path_factory.mktemp("tiny-granite"))
+    return _tiny(tmp_path_factory, "tiny-granite", 9, "GraniteConfig", "GraniteForCausalLM",
+                 tie_word_embeddings=True, embedding_multiplier=12.0, residual_multiplier=0.22,
+                 logits_scaling=16.0, attention_multiplier=0.09)
 
 
 @pytest.fixture(scope="session")
 def tiny_phi3_dir(tmp_path_factory) -> Path:
     """Phi-3: q/k/v and gate/up stored fused, a sliding window (as Phi-3-mini-4k's)."""
-    from transformers import Phi3Config, Phi3ForCausalLM
-
-    torch.manual_seed(10)
-    config = Phi3Config(
-        vocab_size=50257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        sliding_window=255, tie_word_embeddings=False, bos_token_id=EOS, eos_token_id=EOS,
-        pad_token_id=EOS, initializer_range=0.1)
-    return _save(Phi3ForCausalLM(config).eval(), tmp_path_factory.mktemp("tiny-phi3"))
+    return _tiny(tmp_path_factory, "tiny-phi3", 10, "Phi3Config", "Phi3ForCausalLM",
+                 sliding_window=255, tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="session")
@@ -244,66 +254,42 @@ def tiny_phi4_mini_dir(tmp_path_factory) -> Path:
     """Phi-4-mini's kind of RoPE: LongRoPE (short and long factors, an original context
     of 64 of its 256) over the first 3/4 of each head (12 of 16 dimensions), tied
     embeddings."""
-    from transformers import Phi3Config, Phi3ForCausalLM
-
-    torch.manual_seed(12)
     short = [1.0 + 0.1 * i for i in range(6)]
     long = [1.0 + 0.9 * i for i in range(6)]
-    config = Phi3Config(
-        vocab_size=50257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-        original_max_position_embeddings=64, partial_rotary_factor=0.75,
-        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
-                         "short_factor": short, "long_factor": long,
-                         "partial_rotary_factor": 0.75},
-        tie_word_embeddings=True, bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS,
-        initializer_range=0.1)
-    return _save(Phi3ForCausalLM(config).eval(), tmp_path_factory.mktemp("tiny-phi4-mini"))
+    return _tiny(tmp_path_factory, "tiny-phi4-mini", 12, "Phi3Config", "Phi3ForCausalLM",
+                 max_position_embeddings=256, original_max_position_embeddings=64,
+                 partial_rotary_factor=0.75, tie_word_embeddings=True,
+                 rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                  "short_factor": short, "long_factor": long,
+                                  "partial_rotary_factor": 0.75})
 
 
 @pytest.fixture(scope="session")
 def tiny_smollm3_dir(tmp_path_factory) -> Path:
     """SmolLM3: a layer without RoPE (the second of 2, with no_rope_layer_interval 2;
     SmolLM3-3B leaves every fourth without), tied embeddings."""
-    from transformers import SmolLM3Config, SmolLM3ForCausalLM
-
-    torch.manual_seed(13)
-    config = SmolLM3Config(
-        vocab_size=50257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        no_rope_layer_interval=2, tie_word_embeddings=True, bos_token_id=EOS,
-        eos_token_id=EOS, pad_token_id=EOS, initializer_range=0.1)
-    return _save(SmolLM3ForCausalLM(config).eval(), tmp_path_factory.mktemp("tiny-smollm3"))
+    return _tiny(tmp_path_factory, "tiny-smollm3", 13, "SmolLM3Config", "SmolLM3ForCausalLM",
+                 no_rope_layer_interval=2, tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="session")
 def tiny_sliding_dir(tmp_path_factory) -> Path:
     """Mistral 7B v0.1's kind of attention: a sliding window (of 16 keys, so that the
     tests' prompts pass it) in every layer."""
-    from transformers import MistralConfig, MistralForCausalLM
-
-    torch.manual_seed(14)
-    config = MistralConfig(
-        vocab_size=50257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        sliding_window=16, tie_word_embeddings=False, bos_token_id=EOS, eos_token_id=EOS,
-        initializer_range=0.1)
-    return _save(MistralForCausalLM(config).eval(), tmp_path_factory.mktemp("tiny-sliding"))
+    return _tiny(tmp_path_factory, "tiny-sliding", 14, "MistralConfig", "MistralForCausalLM",
+                 sliding_window=16, tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen2_sliding_dir(tmp_path_factory) -> Path:
     """Qwen2 with use_sliding_window: a window of 11 keys in its second layer only
     (max_window_layers 1), the first attending to all."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    return _tiny(tmp_path_factory, "tiny-qwen2-sliding", 15, "Qwen2Config",
+                 "Qwen2ForCausalLM", use_sliding_window=True, sliding_window=11,
+                 max_window_layers=1, tie_word_embeddings=True)
 
-    torch.manual_seed(15)
-    config = Qwen2Config(
-        vocab_size=50257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        use_sliding_window=True, sliding_window=11, max_window_layers=1,
-        tie_word_embeddings=True, bos_token_id=EOS, eos_token_id=EOS, initializer_range=0.1)
-    return _save(Qwen2ForCausalLM(config).eval(), tmp_path_factory.mktemp("tiny-qwen2-sliding"))
+
+GEMMA3_TEXT = dict(TINY, head_dim=16, sliding_window=9, query_pre_attn_scalar=24)
 
 
 @pytest.fixture(scope="session")
@@ -313,25 +299,16 @@ def tiny_gemma3_dir(tmp_path_factory) -> Path:
     head_dim's, sliding layers (a window of 9, with a RoPE of their own) and a full one
     with linearly scaled RoPE (Gemma 3 4B's kind), embeddings scaled by sqrt(hidden),
     tied."""
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    torch.manual_seed(16)
-    config = Gemma3TextConfig(
-        vocab_size=50257, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-        sliding_window=9, layer_types=["sliding_attention", "sliding_attention",
-                                       "full_attention"],
-        query_pre_attn_scalar=24,
-        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0,
+    return _tiny(tmp_path_factory, "tiny-gemma3", 16, "Gemma3TextConfig", "Gemma3ForCausalLM",
+                 random_norms=True, **{
+                     **GEMMA3_TEXT, "num_hidden_layers": 3,
+                     "layer_types": ["sliding_attention", "sliding_attention",
+                                     "full_attention"],
+                     "rope_parameters": {
+                         "full_attention": {"rope_type": "linear", "factor": 8.0,
                                             "rope_theta": 1000000.0},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
-        bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS, initializer_range=0.1)
-    model = Gemma3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.normal_(0, 0.3)
-    return _save(model, tmp_path_factory.mktemp("tiny-gemma3"))
+                         "sliding_attention": {"rope_type": "default",
+                                               "rope_theta": 10000.0}}})
 
 
 @pytest.fixture(scope="session")
@@ -342,15 +319,12 @@ def tiny_gemma3_vision_dir(tmp_path_factory) -> Path:
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
     torch.manual_seed(17)
-    text = dict(vocab_size=50257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                max_position_embeddings=512, sliding_window=9, query_pre_attn_scalar=24,
-                bos_token_id=EOS, eos_token_id=EOS, pad_token_id=EOS, initializer_range=0.1)
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                   num_attention_heads=2, image_size=56, patch_size=14)
-    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
-                          boi_token_index=50250, eoi_token_index=50251,
-                          image_token_index=50252, initializer_range=0.1)
+    config = Gemma3Config(text_config=GEMMA3_TEXT, vision_config=vision,
+                          mm_tokens_per_image=4, boi_token_index=50250,
+                          eoi_token_index=50251, image_token_index=50252,
+                          initializer_range=0.1)
     model = Gemma3ForConditionalGeneration(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -364,16 +338,10 @@ def tiny_yarn_dir(tmp_path_factory) -> Path:
     """A Qwen2 with YaRN RoPE scaling (factor 4 over an original 128 positions, as
     Qwen's docs have users add for long contexts): the ramp between interpolated and
     kept dimensions falls inside head_dim 16, and the attention factor is not 1."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(11)
-    config = Qwen2Config(
-        vocab_size=50257, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                         "original_max_position_embeddings": 128},
-        tie_word_embeddings=False, bos_token_id=EOS, eos_token_id=EOS, initializer_range=0.1)
-    return _save(Qwen2ForCausalLM(config).eval(), tmp_path_factory.mktemp("tiny-yarn"))
+    return _tiny(tmp_path_factory, "tiny-yarn", 11, "Qwen2Config", "Qwen2ForCausalLM",
+                 max_position_embeddings=128, tie_word_embeddings=False,
+                 rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                  "original_max_position_embeddings": 128})
 
 
 @pytest.fixture(scope="session")
