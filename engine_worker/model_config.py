@@ -34,6 +34,8 @@ LLAMA_FAMILY = {
     "Phi3ForCausalLM": "phi3",
     "SmolLM3ForCausalLM": "smollm3",
     "Gemma3ForCausalLM": "gemma3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 GPT2_FAMILY = {"GPT2LMHeadModel": "gpt2"}
 # Multimodal checkpoints whose language model is served (text only): architecture ->
@@ -118,6 +120,15 @@ class ModelConfig:
     # checkpoint's vision tower)
     checkpoint_prefixes: tuple[str, ...] = ("model.",)
     checkpoint_skips: tuple[str, ...] = ()
+    # Mixtures of experts (Mixtral, Qwen3-MoE): the layers whose MLP is num_experts
+    # experts (each a SwiGLU MLP of expert_intermediate_size), experts_per_token of them
+    # run for each token, weighted by the router's softmax over the chosen (norm_topk)
+    # or over all; the other layers' MLP is dense
+    moe_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    norm_topk: bool = True
     # The checkpoint's tensor layout: "llama" (q, k, v, gate, up apart) or "phi3"
     # (qkv_proj and gate_up_proj as one tensor each)
     layout: str = "llama"
@@ -141,9 +152,9 @@ class ModelConfig:
             return f"{self.name}|longrope={hashlib.sha256(factors.encode()).hexdigest()[:12]}"
         return self.name
 
-    @property
-    def num_params(self) -> int:
-        """Parameters, counting tied embeddings once."""
+    def _params(self, experts: int) -> int:
+        """Parameters (tied embeddings once), counting ``experts`` of each mixture's
+        experts (and its router)."""
         c, d = self.hidden_size, self.head_dim
         attn = c * d * (self.num_heads * 2 + self.num_kv_heads * 2)
         if self.family == "gpt2":
@@ -152,16 +163,24 @@ class ModelConfig:
         else:
             mlp = 3 * c * self.intermediate_size
             pos = 0
+        moe = len(self.moe_layers) * (
+            3 * c * self.expert_intermediate_size * experts + c * self.num_experts - mlp)
         emb = self.vocab_size * c * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attn + mlp) + emb + pos
+        return self.num_layers * (attn + mlp) + moe + emb + pos
+
+    @property
+    def num_params(self) -> int:
+        """Parameters, counting tied embeddings once."""
+        return self._params(self.num_experts)
 
     @property
     def flops_per_token(self) -> int:
-        """Matmul FLOPs per generated token: 2 x (weights touched, lm_head included)."""
+        """Matmul FLOPs per generated token: 2 x (weights touched, lm_head included; of
+        a mixture's experts, those a token runs)."""
         lm_head = self.vocab_size * self.hidden_size
         emb = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         pos = self.max_model_len * self.hidden_size if self.family == "gpt2" else 0
-        return 2 * (self.num_params - emb - pos + lm_head)
+        return 2 * (self._params(self.experts_per_token) - emb - pos + lm_head)
 
 
 def load_model_config(model_dir: Path, max_model_len: Optional[int] = None) -> ModelConfig:
@@ -242,8 +261,9 @@ def _llama_config(raw: dict[str, Any], kind: str, name: str, eos: tuple[int, ...
         hidden_act=act,
         eos_token_ids=eos,
         rope=rope,
-        qk_norm=kind in ("qwen3", "gemma3"),
+        qk_norm=kind in ("qwen3", "gemma3", "qwen3_moe"),
         layout="phi3" if kind == "phi3" else "llama",
+        **(_experts(raw, kind) if kind in ("mixtral", "qwen3_moe") else {}),
         rotary_dim=rotary_dim if rotary_dim < head_dim else None,
         nope_layers=_nope_layers(raw) if kind == "smollm3" else (),
         windows=_sliding_windows(raw, kind, max_len),
@@ -280,6 +300,29 @@ def _gemma3(raw: dict[str, Any], head_dim: int, rotary_dim: int, served: Optiona
             "rope_local": _rope_config(local, rotary_dim, served)}
 
 
+def _experts(raw: dict[str, Any], kind: str) -> dict[str, Any]:
+    """A mixture of experts' fields. Mixtral: every layer's MLP is one, the chosen
+    experts' weights renormalized; Qwen3-MoE: every decoder_sparse_step-th layer not in
+    mlp_only_layers, renormalized where norm_topk_prob says."""
+    layers = raw["num_hidden_layers"]
+    if kind == "mixtral":
+        experts, inner, norm = raw["num_local_experts"], raw["intermediate_size"], True
+        moe = tuple(range(layers))
+    else:
+        # num_experts in the published configs; transformers 5 writes num_local_experts
+        experts = raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"]
+        inner = raw["moe_intermediate_size"]
+        norm = bool(raw.get("norm_topk_prob", False))
+        step, dense = raw.get("decoder_sparse_step", 1), set(raw.get("mlp_only_layers") or ())
+        moe = tuple(i for i in range(layers)
+                    if experts > 0 and i not in dense and (i + 1) % step == 0)
+    k = raw["num_experts_per_tok"]
+    if not 0 < k <= experts:
+        raise ModelLoadError(f"num_experts_per_tok {k} must be from 1 to the {experts} experts")
+    return {"moe_layers": moe, "num_experts": experts, "experts_per_token": k,
+            "expert_intermediate_size": inner, "norm_topk": norm}
+
+
 def _sliding_windows(raw: dict[str, Any], kind: str, max_len: int) -> tuple[int, ...]:
     """Each layer's sliding window, as transformers reads the config: Mistral and
     Phi-3 slide in every layer where sliding_window is set; Gemma 3 in the layers
@@ -288,7 +331,8 @@ def _sliding_windows(raw: dict[str, Any], kind: str, max_len: int) -> tuple[int,
     those from max_window_layers on). () where no layer's window is shorter than the
     context."""
     window = raw.get("sliding_window")
-    if not window or not raw.get("use_sliding_window", kind in ("mistral", "phi3", "gemma3")):
+    if not window or not raw.get("use_sliding_window",
+                                 kind in ("mistral", "mixtral", "phi3", "gemma3")):
         return ()
     if not isinstance(window, int) or window < 1:
         raise ModelLoadError(f"sliding_window must be a positive integer, not {window!r}")
@@ -297,7 +341,8 @@ def _sliding_windows(raw: dict[str, Any], kind: str, max_len: int) -> tuple[int,
     if types is None and kind == "gemma3":   # older configs: every pattern-th is full
         pattern = raw.get("sliding_window_pattern", 6)
         sliding = [(i + 1) % pattern != 0 for i in range(layers)]
-    elif kind in ("mistral", "phi3") or (types is None and kind not in ("qwen2", "qwen3")):
+    elif kind in ("mistral", "mixtral", "phi3") or (
+            types is None and kind not in ("qwen2", "qwen3", "qwen3_moe")):
         sliding = [True] * layers
     elif types is None:
         sliding = [i >= raw.get("max_window_layers", layers) for i in range(layers)]

@@ -143,16 +143,19 @@ class ModelRunner:
         # And (request, logits rows) of the positions before its proposed tokens.
         self.draft_logits: list[tuple] = []
         # CUDA graphs for decode steps and prompt chunks (gpu/graphs.py).
+        # (a mixture of experts routes on the host: its steps run eagerly)
         graphs = (device.type == "cuda" and not config.enforce_eager
-                  and model_config.family == "llama")
+                  and model_config.family == "llama" and not model_config.moe_layers)
         if device.type == "cuda":
             self.num_blocks = self._size_gpu_cache(cache, scheduler, graphs)
         else:
             budget = cache.kv_cache_memory_bytes or _DEFAULT_CPU_KV_BYTES
             self.num_blocks = cache.num_blocks or self._blocks_in(budget)
         self.kv_caches = self._allocate_cache(self.num_blocks)
-        # The whole forward pass in one C call, for the Llama family on the CPU.
-        if isinstance(self.attn, CpuAttention) and model_config.family == "llama":
+        # The whole forward pass in one C call, for the Llama family on the CPU (but a
+        # mixture of experts: its layers run one operation at a time, on the C kernels).
+        if (isinstance(self.attn, CpuAttention) and model_config.family == "llama"
+                and not model_config.moe_layers):
             self.fused = FusedLlama(kernels, self.model, self.kv_caches, cache.block_size)
         if hasattr(self.attn, "tile_tokens"):  # TritonAttention
             self._compile_kernels(scheduler)

@@ -64,6 +64,9 @@ class Checkpoint:
                 f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
         return tensor
 
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
     def discard(self, name: str) -> None:
         self._where.pop(name, None)
 

@@ -333,6 +333,39 @@ def tiny_gemma3_vision_dir(tmp_path_factory) -> Path:
     return _save(model, tmp_path_factory.mktemp("tiny-gemma3-vision"))
 
 
+def _random_routers(model_dir: Path) -> Path:
+    """The routers' weights drawn at random (Qwen3-MoE's start at 0: every expert tied)."""
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    weights = load_file(path)
+    generator = torch.Generator().manual_seed(18)
+    for name, tensor in weights.items():
+        if name.endswith(".gate.weight"):
+            weights[name] = torch.randn(tensor.shape, generator=generator) * 0.5
+    save_file(weights, path, metadata={"format": "pt"})
+    return model_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_dir(tmp_path_factory) -> Path:
+    """Mixtral: every layer's MLP 4 experts, 2 of them a token."""
+    return _random_routers(_tiny(
+        tmp_path_factory, "tiny-mixtral", 19, "MixtralConfig", "MixtralForCausalLM",
+        num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory) -> Path:
+    """Qwen3-MoE: q and k normed per head; 3 layers, the second dense (mlp_only_layers);
+    8 experts of 32, 2 a token, their weights not renormalized (norm_topk_prob false,
+    as Qwen1.5-MoE's)."""
+    return _random_routers(_tiny(
+        tmp_path_factory, "tiny-qwen3-moe", 20, "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+        num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        mlp_only_layers=[1], norm_topk_prob=False, tie_word_embeddings=True))
+
+
 @pytest.fixture(scope="session")
 def tiny_yarn_dir(tmp_path_factory) -> Path:
     """A Qwen2 with YaRN RoPE scaling (factor 4 over an original 128 positions, as

@@ -158,6 +158,27 @@ def test_a_multimodal_gemma3s_language_model_is_served_by_either_naming(
     assert ours.generate(prompts, greedy(6)) == reference.generate(prompts, greedy(6))
 
 
+def test_mixtures_of_experts_configs(tiny_mixtral_dir, tiny_qwen3_moe_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    mixtral = load_model_config(tiny_mixtral_dir)
+    assert (mixtral.moe_layers, mixtral.num_experts, mixtral.experts_per_token,
+            mixtral.expert_intermediate_size, mixtral.norm_topk) == ((0, 1), 4, 2, 128, True)
+    qwen = load_model_config(tiny_qwen3_moe_dir)
+    assert (qwen.moe_layers, qwen.num_experts, qwen.experts_per_token, qwen.norm_topk,
+            qwen.qk_norm) == ((0, 2), 8, 2, False, True)
+    # parameters as transformers counts them, less the norms; per token, the k experts
+    for config, folder in ((mixtral, tiny_mixtral_dir), (qwen, tiny_qwen3_moe_dir)):
+        model = AutoModelForCausalLM.from_pretrained(folder)
+        norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
+        assert config.num_params == sum(p.numel() for p in model.parameters()) - norms
+        assert config.flops_per_token < 2 * config.num_params
+    model = copy_model(tiny_qwen3_moe_dir, tmp_path)
+    edit_config(model, num_experts_per_tok=9)
+    with pytest.raises(ModelLoadError, match="num_experts_per_tok 9 must be from 1 to the 8"):
+        load_model_config(model)
+
+
 def test_configs_of_granite_and_phi3(tiny_granite_dir, tiny_phi3_dir, tmp_path):
     granite = load_model_config(tiny_granite_dir)
     assert (granite.embedding_multiplier, granite.attention_multiplier,

@@ -143,16 +143,45 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: Ops) -> None:
+    def __init__(self, cfg: ModelConfig, ops: Ops, intermediate: Optional[int] = None
+                 ) -> None:
         super().__init__()
-        self.gate_up_proj = linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias)
-        self.down_proj = linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias)
+        intermediate = intermediate or cfg.intermediate_size
+        self.gate_up_proj = linear(cfg.hidden_size, 2 * intermediate, cfg.mlp_bias)
+        self.down_proj = linear(intermediate, cfg.hidden_size, cfg.mlp_bias)
         self.ops = ops
         # Gemma's gate: GELU (tanh form) rather than SiLU
         self.act = ops.gelu_tanh_mul if cfg.hidden_act == "gelu_pytorch_tanh" else ops.silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class MoE(nn.Module):
+    """A mixture of experts (Mixtral, Qwen3-MoE): the router's softmax over the experts
+    picks each token's top k, whose SwiGLU MLPs run on it and are summed, weighted by
+    their probabilities (renormalized over the k, where the model says). Each expert
+    runs once a step on the rows routed to it (a host sync for the routing: a step with
+    one runs eagerly, not from a CUDA graph)."""
+
+    def __init__(self, cfg: ModelConfig, ops: Ops) -> None:
+        super().__init__()
+        self.gate = linear(cfg.hidden_size, cfg.num_experts, False)   # the router
+        self.experts = nn.ModuleList(
+            MLP(cfg, ops, cfg.expert_intermediate_size) for _ in range(cfg.num_experts))
+        self.top_k, self.norm_topk = cfg.experts_per_token, cfg.norm_topk
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)   # (N, k)
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(x)
+        for expert in torch.unique(chosen).tolist():   # in order, as transformers sums
+            rows, slot = torch.where(chosen == expert)
+            y = self.experts[expert](x[rows]) * weights[rows, slot, None].to(x.dtype)
+            out.index_add_(0, rows, y)
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -167,7 +196,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, attn, ops, window)
         # the norm before the MLP (Gemma's pre_feedforward_layernorm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.mlp = MLP(cfg, ops)
+        self.mlp: nn.Module = MoE(cfg, ops) if index in cfg.moe_layers else MLP(cfg, ops)
         # Gemma's norms of the attention's and the MLP's outputs
         self.attn_out_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps) if cfg.sandwich_norms else None
         self.mlp_out_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps) if cfg.sandwich_norms else None
@@ -255,9 +284,12 @@ class LlamaModel(nn.Module):
             if cfg.o_bias:
                 attn.o_proj.bias.copy_(ckpt.take(p + "self_attn.o_proj.bias", (c,)))
             i_size = cfg.intermediate_size
-            mlp.gate_up_proj.weight.copy_(self._fused(ckpt, p + "mlp.", "gate_up_proj", {
-                "gate_proj": i_size, "up_proj": i_size}, c))
-            mlp.down_proj.weight.copy_(ckpt.take(p + "mlp.down_proj.weight", (c, i_size)))
+            if isinstance(mlp, MoE):
+                self._load_experts(ckpt, p, mlp)
+            else:
+                mlp.gate_up_proj.weight.copy_(self._fused(ckpt, p + "mlp.", "gate_up_proj", {
+                    "gate_proj": i_size, "up_proj": i_size}, c))
+                mlp.down_proj.weight.copy_(ckpt.take(p + "mlp.down_proj.weight", (c, i_size)))
             if cfg.mlp_bias:
                 mlp.gate_up_proj.bias.copy_(torch.cat([
                     ckpt.take(p + "mlp.gate_proj.bias", (i_size,)),
@@ -286,6 +318,22 @@ class LlamaModel(nn.Module):
                     module.weight += 1.0
         self.fold_scales()
         self.permute_partial_rotary()
+
+    def _load_experts(self, ckpt: Checkpoint, prefix: str, moe: MoE) -> None:
+        """A mixture's router and experts: Mixtral's block_sparse_moe.gate and experts'
+        w1 (gate), w3 (up), w2 (down); Qwen3-MoE's mlp.gate and experts' gate_proj,
+        up_proj, down_proj."""
+        cfg = self.cfg
+        c, i_size = cfg.hidden_size, cfg.expert_intermediate_size
+        mixtral = prefix + "block_sparse_moe.gate.weight" in ckpt
+        p = prefix + ("block_sparse_moe." if mixtral else "mlp.")
+        names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+        moe.gate.weight.copy_(ckpt.take(p + "gate.weight", (cfg.num_experts, c)))
+        for e, expert in enumerate(moe.experts):
+            gate, up, down = (f"{p}experts.{e}.{name}.weight" for name in names)
+            expert.gate_up_proj.weight.copy_(torch.cat([ckpt.take(gate, (i_size, c)),
+                                                        ckpt.take(up, (i_size, c))]))
+            expert.down_proj.weight.copy_(ckpt.take(down, (c, i_size)))
 
     def _fused(self, ckpt: Checkpoint, prefix: str, fused: str, parts: dict[str, int],
                columns: int) -> torch.Tensor:

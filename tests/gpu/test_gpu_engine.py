@@ -76,7 +76,8 @@ def test_triton_path_matches_hf_for_qwen3s_per_head_norms(tiny_qwen3_dir):
 
 @pytest.mark.parametrize("fixture", ["tiny_granite_dir", "tiny_yarn_dir",
                                      "tiny_phi4_mini_dir", "tiny_smollm3_dir",
-                                     "tiny_qwen2_sliding_dir", "tiny_gemma3_dir"])
+                                     "tiny_qwen2_sliding_dir", "tiny_gemma3_dir",
+                                     "tiny_qwen3_moe_dir"])
 def test_triton_path_matches_hf_for_other_architectures(request, fixture):
     """Granite's constants folded into the weights on the device; YaRN's and LongRoPE's
     attention factor carried by cos and sin into the Triton RoPE; Phi-4-mini's partial
@@ -84,7 +85,7 @@ def test_triton_path_matches_hf_for_other_architectures(request, fixture):
     original 64 positions, Hugging Face recomputing it whole each step); SmolLM3's
     layer without RoPE; a sliding window of 11 keys in one layer of two (the 13-token
     prompt and its decode rows pass it); Gemma 3's GELU gate (the Triton kernel's),
-    output norms and two RoPEs."""
+    output norms and two RoPEs; a mixture of experts (eager: it routes on the host)."""
     model_dir = request.getfixturevalue(fixture)
     engine = triton_engine(model_dir)
     if fixture == "tiny_phi4_mini_dir":
