@@ -14,7 +14,9 @@ and turning the generated text into OpenAI ``tool_calls``, whole or streamed.
   Mistral's: ``[TOOL_CALLS]`` then a JSON list of calls, or ``name[ARGS]{...}`` per
   call with its newer tokenizers (the template names ``[TOOL_CALLS]``); these are
   special tokens, which the text of such a request keeps; text before the tag flows,
-  and from it on the calls stream. Llama 3's JSON: the whole reply
+  and from it on the calls stream. Granite's (3.x): ``<|tool_call|>`` then a JSON list
+  of calls (the template names ``<|tool_call|>``), read as Mistral's list.
+  Llama 3's JSON: the whole reply
   one or more ``{"name": ..., "parameters": ...}`` objects, separated by ``;``, maybe
   after ``<|python_tag|>`` (Llama 3.1-3.3, whose templates ask for "the format
   {"name": function name, "parameters": ...}"); a reply that starts as anything
@@ -43,6 +45,8 @@ from frontend.openai_protocol import ChatCompletionRequest
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
 # Mistral's: special tokens, kept in the text of a request that may make calls.
 MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
+# Granite 3's: a special token, then the calls' JSON list.
+GRANITE_CALLS = "<|tool_call|>"
 # What Llama 3.1-3.3's templates ask a model with tools to answer in.
 LLAMA3_FORMAT = '"parameters": dictionary of argument name and its value'
 PYTHON_TAG = "<|python_tag|>"
@@ -53,7 +57,7 @@ class ToolPlan:
     mode: str  # "required", "named" or "auto"
     structured: Optional[StructuredOutput]
     name: Optional[str] = None  # the named function
-    # auto: how the model writes calls ("hermes", "mistral", "llama3_json").
+    # auto: how the model writes calls ("hermes", "mistral", "granite", "llama3_json").
     syntax: str = "hermes"
     # llama3_json: the request's tools, whose names make a reply that starts with "{"
     # calls as soon as its first name is whole.
@@ -61,8 +65,14 @@ class ToolPlan:
 
     @property
     def keeps_special_tokens(self) -> bool:
-        """Whether the reply's text must keep special tokens (Mistral's calls are)."""
-        return self.mode == "auto" and self.syntax == "mistral"
+        """Whether the reply's text must keep special tokens (Mistral's and Granite's
+        calls are)."""
+        return self.mode == "auto" and self.syntax in ("mistral", "granite")
+
+    @property
+    def tag(self) -> str:
+        """What starts the calls of a reply that writes them after a tag."""
+        return GRANITE_CALLS if self.syntax == "granite" else MISTRAL_CALLS
 
 
 def plan_tools(body: ChatCompletionRequest, chat_template: Optional[str]) -> Optional[ToolPlan]:
@@ -81,13 +91,15 @@ def plan_tools(body: ChatCompletionRequest, chat_template: Optional[str]) -> Opt
             return ToolPlan("auto", None)
         if MISTRAL_CALLS in template:
             return ToolPlan("auto", None, syntax="mistral")
+        if GRANITE_CALLS in template:
+            return ToolPlan("auto", None, syntax="granite")
         if LLAMA3_FORMAT in template:
             return ToolPlan("auto", None, syntax="llama3_json",
                             tool_names=tuple(t.function.name for t in tools))
         raise InvalidRequestError(
             "tool_choice 'auto' needs a model whose chat template writes tool calls in a "
-            "format roseserve parses (Hermes <tool_call>, Mistral's [TOOL_CALLS], or Llama "
-            "3's JSON); this model's "
+            "format roseserve parses (Hermes <tool_call>, Mistral's [TOOL_CALLS], Granite's "
+            "<|tool_call|>, or Llama 3's JSON); this model's "
             "template does not. Use tool_choice 'required' or a named function: the "
             "output is then forced to a valid call", "tool_choice")
     if choice == "required":
@@ -276,18 +288,20 @@ class ToolCallParser:
     def _auto(self, final: bool) -> tuple[str, list[dict]]:
         syntax = self.plan.syntax
         return (self._hermes(final) if syntax == "hermes" else
-                self._mistral(final) if syntax == "mistral" else self._llama3_json(final))
+                self._tagged(final) if syntax in ("mistral", "granite")
+                else self._llama3_json(final))
 
-    def _mistral(self, final: bool) -> tuple[str, list[dict]]:
-        """Text before [TOOL_CALLS] flows; from it on the reply is calls, each streamed
-        once its name is whole: a JSON list of {"name", "arguments"} after the tag (v3
-        tokenizers; read as "required"'s), or name[ARGS]{arguments} after each tag (v11
-        on). A reply none of whose calls began is text, at its end."""
-        text = ""
+    def _tagged(self, final: bool) -> tuple[str, list[dict]]:
+        """Text before the tag ([TOOL_CALLS], <|tool_call|>) flows; from it on the reply
+        is calls, each streamed once its name is whole: a JSON list of {"name",
+        "arguments"} after the tag (Mistral's v3 tokenizers, Granite; read as
+        "required"'s), or Mistral's name[ARGS]{arguments} after each tag (v11 on). A
+        reply none of whose calls began is text, at its end."""
+        text, tag = "", self.plan.tag
         if not self.in_calls:
-            start = self.buffer.find(MISTRAL_CALLS)
+            start = self.buffer.find(tag)
             if start == -1:
-                keep = 0 if final else partial_suffix(self.buffer, [MISTRAL_CALLS])
+                keep = 0 if final else partial_suffix(self.buffer, [tag])
                 cut = len(self.buffer) - keep
                 text, self.buffer = self.buffer[:cut], self.buffer[cut:]
                 return text, []
@@ -316,9 +330,10 @@ class ToolCallParser:
                     return
                 self.scan_pos, self.item = item.end, None
             pos = _skip_space(text, self.scan_pos)
-            if not text.startswith(MISTRAL_CALLS, pos):
+            tag = self.plan.tag
+            if not text.startswith(tag, pos):
                 return  # the next tag has not come (or what follows the calls: dropped)
-            pos = _skip_space(text, pos + len(MISTRAL_CALLS))
+            pos = _skip_space(text, pos + len(tag))
             if pos == len(text):
                 return
             if self.listed is None:

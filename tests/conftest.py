@@ -54,6 +54,14 @@ MISTRAL_TEMPLATE = (
     "{% else %}[TOOL_RESULTS] {{ m['content'] }}[/TOOL_RESULTS]{% endif %}{% endfor %}")
 TOOL_CALLS, ARGS = 50257, 50258  # the tiny Mistral's [TOOL_CALLS] and [ARGS] ids
 
+# A template of Granite 3's kind: calls given back after its special <|tool_call|>.
+GRANITE_TEMPLATE = (
+    "{% for m in messages %}<|start_of_role|>{{ m['role'] }}<|end_of_role|>"
+    "{% if m.tool_calls %}<|tool_call|>{{ m.tool_calls | map(attribute='function') | list "
+    "| tojson }}{% else %}{{ m['content'] }}{% endif %}<|end_of_text|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|start_of_role|>assistant<|end_of_role|>{% endif %}")
+GRANITE_CALL = 50257  # the tiny Granite's <|tool_call|> id
+
 
 # A template of Llama 3.1-3.3's kind: the tools and the format its models answer in
 # with the user's message, calls given back as that JSON.
@@ -154,6 +162,13 @@ def tiny_mistral_dir(tmp_path_factory) -> Path:
     """Mistral's special [TOOL_CALLS] and [ARGS] tokens and a template of its kind."""
     return _more_tokens(tmp_path_factory, "tiny-mistral", 5, template=MISTRAL_TEMPLATE,
                             special=("[TOOL_CALLS]", "[ARGS]"))
+
+
+@pytest.fixture(scope="session")
+def tiny_granite_tools_dir(tmp_path_factory) -> Path:
+    """Granite 3's special <|tool_call|> token and a template of its kind."""
+    return _more_tokens(tmp_path_factory, "tiny-granite-tools", 21, template=GRANITE_TEMPLATE,
+                        special=("<|tool_call|>",))
 
 
 @pytest.fixture(scope="session")
