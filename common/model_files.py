@@ -48,10 +48,12 @@ _LAYOUT_VERSION = "1"
 _GGUF_FOLDER_VERSION = "2"
 # In a model folder: the GGUF file its weights are read from.
 GGUF_POINTER = "gguf.json"
-# The GGUF architectures served (general.architecture) -> the checkpoint architecture
-# the folder's config.json names. llama.cpp stores Mistral and SmolLM as llama.
+# The GGUF architectures served (general.architecture, and the model_type transformers
+# reads it as where the two differ) -> the checkpoint architecture the folder's
+# config.json names. llama.cpp stores Mistral and SmolLM as llama.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                      "qwen3": "Qwen3ForCausalLM"}
+                      "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+                      "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 # The texts of control tokens that end a reply or a document in the chat formats of the
@@ -82,9 +84,9 @@ def end_of_generation_ids(fields: dict) -> list[int]:
 
 
 def unserved_gguf_architecture(file_name: str, arch: object) -> ModelLoadError:
-    return ModelLoadError(f"{file_name}: roseserve serves GGUF files of the llama, qwen2 and "
-                          f"qwen3 architectures (Llama, SmolLM, Mistral, Qwen2, Qwen2.5, "
-                          f"Qwen3...), not {arch!r}")
+    return ModelLoadError(f"{file_name}: roseserve serves GGUF files of the llama, qwen2, "
+                          f"qwen3 and qwen3moe architectures (Llama, SmolLM, Mistral, Qwen2, "
+                          f"Qwen2.5, Qwen3, Qwen3-30B-A3B...), not {arch!r}")
 
 
 # Architectures' config.json without weights, for --load-format dummy.
@@ -222,6 +224,12 @@ def _gguf_metadata(path: Path, fields: dict, out_dir: Path,
     yarn = _yarn_parameters(path.name, fields, arch)
     if yarn:
         config.rope_parameters = {**(config.rope_parameters or {}), **yarn}
+    if arch == "qwen3_moe":
+        # transformers reads neither the experts' size nor that llama.cpp renormalizes
+        # the chosen experts' weights (Qwen3-MoE's own configs say norm_topk_prob too)
+        config.moe_intermediate_size = fields.get("qwen3moe.expert_feed_forward_length",
+                                                  config.moe_intermediate_size)
+        config.norm_topk_prob = True
     config.save_pretrained(out_dir)
     generation = GenerationConfig.from_model_config(config)
     if end_of_turn_tokens:

@@ -28,9 +28,10 @@ file); the weights stay in the file and are read from it here, at start:
   a tensor the architecture does not use, q/k/v mixing dense and block types, or one
   part of a split file (llama-gguf-split joins them).
 
-Files of the llama, qwen2 and qwen3 architectures are served (common/model_files.py:
-GGUF_ARCHITECTURES); qwen2's q, k and v biases and qwen3's q and k norms are read as
-float32, and a RoPE scaling from the file (rope_scaling below), which the folder's
+Files of the llama, qwen2, qwen3 and qwen3moe architectures are served
+(common/model_files.py: GGUF_ARCHITECTURES); qwen2's q, k and v biases and qwen3's q and
+k norms are read as float32, qwen3moe's experts each as a PackedLinear of its rows of
+the tensors that hold them all (ffn_gate_exps, ffn_up_exps, ffn_down_exps), and a RoPE scaling from the file (rope_scaling below), which the folder's
 config does not hold, divides the model's frequencies. For the llama architecture
 llama.cpp's converter stores the rows of attn_q and attn_k permuted for its RoPE (pairs
 of rotated dimensions interleaved); they are put back in Hugging Face's order (halves)
@@ -215,7 +216,7 @@ class GgufWeights:
         if self.architecture not in GGUF_ARCHITECTURES:
             raise unserved_gguf_architecture(path.name, self.architecture)
         experts = self.reader.fields.get(f"{self.architecture}.expert_count", 0)
-        if experts:   # llama.cpp stores Mixtral as llama
+        if experts and self.architecture != "qwen3moe":   # llama.cpp stores Mixtral as llama
             raise ModelLoadError(f"{path.name} is a mixture of experts ({experts} experts "
                                  f"a layer); roseserve serves dense models")
         self.restored = restored_types()
@@ -245,12 +246,14 @@ class GgufWeights:
         return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)
 
     def linear(self, names: list[str], in_features: int,
-               heads: Optional[list[Optional[int]]] = None):
+               heads: Optional[list[Optional[int]]] = None, expert: Optional[int] = None):
         """The tensors ``names``, rows stacked in that order (q, k, v; gate, up), as
         one PackedLinear in the format their type packs as. ``heads``: per tensor, its
-        head count if its rows are in llama.cpp's RoPE order. Tensors of types that
-        pack as different formats (llama.cpp's mixes give v more bits than q and k), or
-        as one format but not in whole panels each, are all made Q8_0 (int8): as_q8_0."""
+        head count if its rows are in llama.cpp's RoPE order. ``expert``: of tensors
+        holding every expert of a mixture (ffn_gate_exps...), that expert's rows.
+        Tensors of types that pack as different formats (llama.cpp's mixes give v more
+        bits than q and k), or as one format but not in whole panels each, are all made
+        Q8_0 (int8): as_q8_0."""
         from gguf import quants
 
         from engine_worker.models import PackedLinear
@@ -261,7 +264,9 @@ class GgufWeights:
             if t.shape[0] != in_features:
                 raise ModelLoadError(f"{self.path.name}: tensor {t.name!r} has "
                                      f"{t.shape[0]} inputs, expected {in_features}")
-            parts.append(t.data[unpermute_rows(len(t.data), h)] if h else t.data)
+            data = t.data if expert is None else t.data.reshape(t.shape[2], -1,
+                                                                t.data.shape[1])[expert]
+            parts.append(data[unpermute_rows(len(data), h)] if h else data)
             types.append(t.ggml_type)
         packs_as = [self.restored.get(g, (g,))[0] for g in types]
         formats = {GGUF_FORMATS.get(g) or DENSE_FORMATS[g] for g in packs_as}
@@ -350,8 +355,16 @@ def load_gguf(model, path: Path, kernels: CpuKernels) -> None:
             attn.qkv_proj.bias = torch.cat([w.dense(p + f"attn_{n}.bias", (size,))
                                             for n, size in zip("qkv", sizes)])
         attn.o_proj = w.linear([p + "attn_output.weight"], cfg.num_heads * cfg.head_dim)
-        mlp.gate_up_proj = w.linear([p + "ffn_gate.weight", p + "ffn_up.weight"], c)
-        mlp.down_proj = w.linear([p + "ffn_down.weight"], i_size)
+        if i in cfg.moe_layers:   # qwen3moe: the router, then each expert's rows
+            mlp.gate = w.linear([p + "ffn_gate_inp.weight"], c)
+            for e, expert in enumerate(mlp.experts):
+                expert.gate_up_proj = w.linear([p + "ffn_gate_exps.weight",
+                                                p + "ffn_up_exps.weight"], c, expert=e)
+                expert.down_proj = w.linear([p + "ffn_down_exps.weight"],
+                                            cfg.expert_intermediate_size, expert=e)
+        else:
+            mlp.gate_up_proj = w.linear([p + "ffn_gate.weight", p + "ffn_up.weight"], c)
+            mlp.down_proj = w.linear([p + "ffn_down.weight"], i_size)
         if cfg.qk_norm:
             attn.q_norm.weight.copy_(w.dense(p + "attn_q_norm.weight", (cfg.head_dim,)))
             attn.k_norm.weight.copy_(w.dense(p + "attn_k_norm.weight", (cfg.head_dim,)))

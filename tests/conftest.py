@@ -382,6 +382,16 @@ def tiny_qwen3_moe_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_30b_a3b_dir(tmp_path_factory) -> Path:
+    """Qwen3-30B-A3B's kind of mixture (every layer's MLP experts, the chosen ones'
+    weights renormalized), as llama.cpp's qwen3moe files hold it: 8 experts, 2 a token."""
+    return _random_routers(_tiny(
+        tmp_path_factory, "tiny-qwen3-30b-a3b", 22, "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+        tie_word_embeddings=False))
+
+
+@pytest.fixture(scope="session")
 def tiny_yarn_dir(tmp_path_factory) -> Path:
     """A Qwen2 with YaRN RoPE scaling (factor 4 over an original 128 positions, as
     Qwen's docs have users add for long contexts): the ramp between interpolated and

@@ -16,7 +16,8 @@ NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
          "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-         "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
+         "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+         "mlp.gate": "ffn_gate_inp"}
 
 
 def llama_cpp_rope_order(rows: np.ndarray, num_heads: int) -> np.ndarray:
@@ -60,8 +61,9 @@ def gguf_tensor_name(name: str) -> str:
 
 def gguf_from_hf(model_dir: Path, out: Path, arch: str, matrix_type: str = "F32",
                  name: str = "") -> Path:
-    """``model_dir`` (a tiny Llama, Qwen2 or Qwen3) as a GGUF file of ``arch``; its matrices in
-    ``matrix_type`` (F32, or a block type the gguf package quantizes: Q8_0...);
+    """``model_dir`` (a tiny Llama, Qwen2, Qwen3 or Qwen3-MoE) as a GGUF file of ``arch``;
+    its matrices in ``matrix_type`` (F32, or a block type the gguf package quantizes:
+    Q8_0...), but a mixture's routers F32, as llama.cpp's converter keeps them;
     ``name``: general.name (the folder's, unless given)."""
     from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType, quants
 
@@ -90,9 +92,13 @@ def gguf_from_hf(model_dir: Path, out: Path, arch: str, matrix_type: str = "F32"
     if arch == "llama":
         w.add_vocab_size(config["vocab_size"])
         w.add_rope_dimension_count(head_dim)
-    if arch in ("llama", "qwen3"):
+    if arch in ("llama", "qwen3", "qwen3moe"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    if arch == "qwen3moe":
+        w.add_expert_count(config.get("num_experts") or config["num_local_experts"])
+        w.add_expert_used_count(config["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(config["moe_intermediate_size"])
     vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
     tokens = sorted(vocab, key=vocab.get)
     assert [vocab[t] for t in tokens] == list(range(len(tokens)))
@@ -110,17 +116,29 @@ def gguf_from_hf(model_dir: Path, out: Path, arch: str, matrix_type: str = "F32"
     w.add_add_eos_token(False)
     w.add_chat_template((model_dir / "chat_template.jinja").read_text())
     matrix = GGMLQuantizationType[matrix_type]
+    # a mixture's experts: each layer's gate, up and down of every expert in one tensor
+    experts: dict[str, list] = {}
+    tensors = {}
     for name, array in load_file(str(model_dir / "model.safetensors")).items():
+        if ".mlp.experts." in name:
+            layer, rest = name.split(".")[2], name.split(".mlp.experts.")[1]
+            index, kind = rest.split(".")[0], rest.split(".")[1].removesuffix("_proj")
+            experts.setdefault(f"blk.{layer}.ffn_{kind}_exps.weight", []).append(
+                (int(index), array))
+        else:
+            tensors[gguf_tensor_name(name)] = (name, array)
+    for gguf_name, parts in experts.items():
+        tensors[gguf_name] = ("", np.stack([a for _, a in sorted(parts, key=lambda p: p[0])]))
+    for gguf_name, (name, array) in tensors.items():
         array = array.astype(np.float32)
         if arch == "llama" and ".q_proj." in name:
             array = llama_cpp_rope_order(array, config["num_attention_heads"])
         elif arch == "llama" and ".k_proj." in name:
             array = llama_cpp_rope_order(array, config["num_key_value_heads"])
-        if array.ndim == 2 and matrix_type != "F32":
-            w.add_tensor(gguf_tensor_name(name), quants.quantize(array, matrix),
-                         raw_dtype=matrix)
+        if array.ndim >= 2 and matrix_type != "F32" and "ffn_gate_inp" not in gguf_name:
+            w.add_tensor(gguf_name, quants.quantize(array, matrix), raw_dtype=matrix)
         else:
-            w.add_tensor(gguf_tensor_name(name), array)
+            w.add_tensor(gguf_name, array)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -151,7 +151,8 @@ def test_files_it_cannot_serve_are_refused_saying_why(tmp_path):
         GgufWeights(tmp_path / "s.gguf", kernels.cpu_kernels())
     write_gguf(tmp_path / "q.gguf", arch="phi3", tensors=[("blk.0.attn_q.weight", ok, T.F32)])
     with pytest.raises(ModelLoadError, match=r"q\.gguf: roseserve serves GGUF files of the "
-                       r"llama, qwen2 and qwen3 architectures \(.*\), not 'phi3'"):
+                       r"llama, qwen2, qwen3 and qwen3moe architectures \(.*\), not "
+                       r"'phi3'"):
         GgufWeights(tmp_path / "q.gguf", kernels.cpu_kernels())
 
 
@@ -462,6 +463,49 @@ def test_a_file_as_llama_cpp_converts_a_checkpoint_serves_what_the_checkpoint_do
             assert torch.equal(a.self_attn.k_norm.weight, b.self_attn.k_norm.weight)
     prompts = [[1, 2, 3, 4], list(range(100, 140))]
     assert ours.generate(prompts, greedy(12)) == theirs.generate(prompts, greedy(12))
+
+
+def test_a_qwen3moe_file_serves_its_experts_as_they_are(tiny_qwen3_30b_a3b_dir, tmp_path):
+    """llama.cpp's qwen3moe (Qwen3-30B-A3B): each layer's experts in three tensors of all
+    of them (ffn_gate_exps, ffn_up_exps, ffn_down_exps), the router ffn_gate_inp F32.
+    Each expert is read as its rows: an F32 file gives the checkpoint's tokens; a Q8_0
+    file's experts are int8 weights equal to the file's own dequantization of their
+    rows, and its router stays float32."""
+    from gguf import quants
+
+    from common.gguf_reader import GgufReader
+
+    f32 = gguf_from_hf(tiny_qwen3_30b_a3b_dir, tmp_path / "moe.f32.gguf", "qwen3moe")
+    folder = resolve_model_dir(str(f32))
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"]
+    assert (config["moe_intermediate_size"], config["norm_topk_prob"]) == (32, True)
+    prompts = [[1, 2, 3, 4], list(range(100, 140))]
+    assert make_engine(folder).generate(prompts, greedy(12)) == \
+        make_engine(tiny_qwen3_30b_a3b_dir).generate(prompts, greedy(12))
+
+    q8 = gguf_from_hf(tiny_qwen3_30b_a3b_dir, tmp_path / "moe.q8_0.gguf", "qwen3moe", "Q8_0")
+    engine = make_engine(resolve_model_dir(str(q8)))
+    tensors = {t.name: t for t in GgufReader(q8).tensors}
+    k = kernels.cpu_kernels()
+
+    def rows(name: str, expert: int) -> torch.Tensor:
+        t = tensors[name]
+        values = quants.dequantize(t.data, t.ggml_type).reshape(t.shape[::-1])[expert]
+        return torch.from_numpy(np.array(values, dtype=np.float32))
+
+    for i, layer in enumerate(engine.runner.model.layers):
+        moe = layer.mlp
+        assert moe.gate.fmt == "float32" and len(moe.experts) == 8
+        for e, expert in enumerate(moe.experts):
+            gate_up, down = expert.gate_up_proj, expert.down_proj
+            assert (gate_up.fmt, down.fmt) == ("int8", "int8")
+            assert torch.equal(k.unpack(gate_up.packed, 64, 64, "int8"), torch.cat([
+                rows(f"blk.{i}.ffn_gate_exps.weight", e),
+                rows(f"blk.{i}.ffn_up_exps.weight", e)]))
+            assert torch.equal(k.unpack(down.packed, 64, 32, "int8"),
+                               rows(f"blk.{i}.ffn_down_exps.weight", e))
+    assert len(engine.generate(prompts, greedy(12))[1]) == 12
 
 
 @pytest.mark.parametrize("rope", [

@@ -173,6 +173,11 @@ def test_mixtures_of_experts_configs(tiny_mixtral_dir, tiny_qwen3_moe_dir, tmp_p
         norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
         assert config.num_params == sum(p.numel() for p in model.parameters()) - norms
         assert config.flops_per_token < 2 * config.num_params
+    # quantized, the experts are int8 and the routers stay float32
+    engine = LLMEngine(EngineConfig(model=str(tiny_qwen3_moe_dir), device="cpu",
+                                    quantization="int8"))
+    moe = engine.runner.model.layers[0].mlp
+    assert (moe.gate.fmt, moe.experts[5].gate_up_proj.fmt) == ("float32", "int8")
     model = copy_model(tiny_qwen3_moe_dir, tmp_path)
     edit_config(model, num_experts_per_tok=9)
     with pytest.raises(ModelLoadError, match="num_experts_per_tok 9 must be from 1 to the 8"):

@@ -14,7 +14,7 @@ from engine_worker.gguf import gguf_file, load_gguf
 from engine_worker.kernels import CpuKernels
 from engine_worker.model_config import ModelConfig
 from engine_worker.models.gpt2 import GPT2Model
-from engine_worker.models.llama import LlamaModel, Ops
+from engine_worker.models.llama import LlamaModel, MoE, Ops
 from engine_worker.weights import Checkpoint
 
 Model = Union[LlamaModel, GPT2Model]
@@ -126,6 +126,10 @@ class PackedLinear(nn.Module):
 def _pack_linears(module: nn.Module, kernels: CpuKernels, fmt: str) -> None:
     for name, child in module.named_children():
         if isinstance(child, nn.Linear):
-            setattr(module, name, PackedLinear(kernels, child.weight, child.bias, fmt))
+            # a mixture's router stays float32 (as vLLM's and llama.cpp's files keep it):
+            # a rounded score can send a token to another expert
+            router = isinstance(module, MoE) and name == "gate"
+            setattr(module, name, PackedLinear(kernels, child.weight, child.bias,
+                                               "float32" if router else fmt))
         else:
             _pack_linears(child, kernels, fmt)
