@@ -36,6 +36,7 @@ LLAMA_FAMILY = {
     "Gemma3ForCausalLM": "gemma3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
 }
 GPT2_FAMILY = {"GPT2LMHeadModel": "gpt2"}
 # Multimodal checkpoints whose language model is served (text only): architecture ->
@@ -129,6 +130,9 @@ class ModelConfig:
     experts_per_token: int = 0
     expert_intermediate_size: int = 0
     norm_topk: bool = True
+    # Qwen2-MoE: a shared expert (a SwiGLU MLP this wide) every token runs, its output
+    # scaled by the sigmoid of a gate of its own; 0: none
+    shared_expert_size: int = 0
     # The checkpoint's tensor layout: "llama" (q, k, v, gate, up apart) or "phi3"
     # (qkv_proj and gate_up_proj as one tensor each)
     layout: str = "llama"
@@ -164,7 +168,8 @@ class ModelConfig:
             mlp = 3 * c * self.intermediate_size
             pos = 0
         moe = len(self.moe_layers) * (
-            3 * c * self.expert_intermediate_size * experts + c * self.num_experts - mlp)
+            3 * c * self.expert_intermediate_size * experts + c * self.num_experts - mlp
+            + (3 * c * self.shared_expert_size + c if self.shared_expert_size else 0))
         emb = self.vocab_size * c * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * (attn + mlp) + moe + emb + pos
 
@@ -255,7 +260,7 @@ def _llama_config(raw: dict[str, Any], kind: str, name: str, eos: tuple[int, ...
         max_model_len=max_len,
         norm_eps=raw.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", kind == "gemma3")),
-        qkv_bias=attention_bias or kind == "qwen2",
+        qkv_bias=attention_bias or kind in ("qwen2", "qwen2_moe"),
         o_bias=attention_bias,
         mlp_bias=bool(raw.get("mlp_bias", False)),
         hidden_act=act,
@@ -263,7 +268,7 @@ def _llama_config(raw: dict[str, Any], kind: str, name: str, eos: tuple[int, ...
         rope=rope,
         qk_norm=kind in ("qwen3", "gemma3", "qwen3_moe"),
         layout="phi3" if kind == "phi3" else "llama",
-        **(_experts(raw, kind) if kind in ("mixtral", "qwen3_moe") else {}),
+        **(_experts(raw, kind) if kind in ("mixtral", "qwen3_moe", "qwen2_moe") else {}),
         rotary_dim=rotary_dim if rotary_dim < head_dim else None,
         nope_layers=_nope_layers(raw) if kind == "smollm3" else (),
         windows=_sliding_windows(raw, kind, max_len),
@@ -302,8 +307,9 @@ def _gemma3(raw: dict[str, Any], head_dim: int, rotary_dim: int, served: Optiona
 
 def _experts(raw: dict[str, Any], kind: str) -> dict[str, Any]:
     """A mixture of experts' fields. Mixtral: every layer's MLP is one, the chosen
-    experts' weights renormalized; Qwen3-MoE: every decoder_sparse_step-th layer not in
-    mlp_only_layers, renormalized where norm_topk_prob says."""
+    experts' weights renormalized; Qwen3-MoE and Qwen2-MoE: every decoder_sparse_step-th
+    layer not in mlp_only_layers, renormalized where norm_topk_prob says; Qwen2-MoE's
+    shared expert."""
     layers = raw["num_hidden_layers"]
     if kind == "mixtral":
         experts, inner, norm = raw["num_local_experts"], raw["intermediate_size"], True
@@ -319,8 +325,9 @@ def _experts(raw: dict[str, Any], kind: str) -> dict[str, Any]:
     k = raw["num_experts_per_tok"]
     if not 0 < k <= experts:
         raise ModelLoadError(f"num_experts_per_tok {k} must be from 1 to the {experts} experts")
+    shared = raw.get("shared_expert_intermediate_size", 0) if kind == "qwen2_moe" else 0
     return {"moe_layers": moe, "num_experts": experts, "experts_per_token": k,
-            "expert_intermediate_size": inner, "norm_topk": norm}
+            "expert_intermediate_size": inner, "norm_topk": norm, "shared_expert_size": shared}
 
 
 def _sliding_windows(raw: dict[str, Any], kind: str, max_len: int) -> tuple[int, ...]:
@@ -342,7 +349,7 @@ def _sliding_windows(raw: dict[str, Any], kind: str, max_len: int) -> tuple[int,
         pattern = raw.get("sliding_window_pattern", 6)
         sliding = [(i + 1) % pattern != 0 for i in range(layers)]
     elif kind in ("mistral", "mixtral", "phi3") or (
-            types is None and kind not in ("qwen2", "qwen3", "qwen3_moe")):
+            types is None and kind not in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe")):
         sliding = [True] * layers
     elif types is None:
         sliding = [i >= raw.get("max_window_layers", layers) for i in range(layers)]

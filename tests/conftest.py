@@ -382,6 +382,16 @@ def tiny_qwen3_moe_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen2_moe_dir(tmp_path_factory) -> Path:
+    """Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): q/k/v biases, 4 experts of 32 (2 a
+    token, not renormalized) and a shared expert of 48 gated by a sigmoid."""
+    return _random_routers(_tiny(
+        tmp_path_factory, "tiny-qwen2-moe", 23, "Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, norm_topk_prob=False, tie_word_embeddings=False))
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_30b_a3b_dir(tmp_path_factory) -> Path:
     """Qwen3-30B-A3B's kind of mixture (every layer's MLP experts, the chosen ones'
     weights renormalized), as llama.cpp's qwen3moe files hold it: 8 experts, 2 a token."""

@@ -158,7 +158,8 @@ def test_a_multimodal_gemma3s_language_model_is_served_by_either_naming(
     assert ours.generate(prompts, greedy(6)) == reference.generate(prompts, greedy(6))
 
 
-def test_mixtures_of_experts_configs(tiny_mixtral_dir, tiny_qwen3_moe_dir, tmp_path):
+def test_mixtures_of_experts_configs(tiny_mixtral_dir, tiny_qwen3_moe_dir, tiny_qwen2_moe_dir,
+                                     tmp_path):
     from transformers import AutoModelForCausalLM
 
     mixtral = load_model_config(tiny_mixtral_dir)
@@ -167,10 +168,15 @@ def test_mixtures_of_experts_configs(tiny_mixtral_dir, tiny_qwen3_moe_dir, tmp_p
     qwen = load_model_config(tiny_qwen3_moe_dir)
     assert (qwen.moe_layers, qwen.num_experts, qwen.experts_per_token, qwen.norm_topk,
             qwen.qk_norm) == ((0, 2), 8, 2, False, True)
-    # parameters as transformers counts them, less the norms; per token, the k experts
-    for config, folder in ((mixtral, tiny_mixtral_dir), (qwen, tiny_qwen3_moe_dir)):
+    # parameters as transformers counts them, less the norms and biases; per token, the
+    # k experts
+    qwen2 = load_model_config(tiny_qwen2_moe_dir)
+    assert (qwen2.shared_expert_size, qwen2.qkv_bias, qwen2.norm_topk) == (48, True, False)
+    for config, folder in ((mixtral, tiny_mixtral_dir), (qwen, tiny_qwen3_moe_dir),
+                           (qwen2, tiny_qwen2_moe_dir)):
         model = AutoModelForCausalLM.from_pretrained(folder)
-        norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
+        norms = sum(p.numel() for n, p in model.named_parameters()
+                    if "norm" in n or n.endswith("bias"))
         assert config.num_params == sum(p.numel() for p in model.parameters()) - norms
         assert config.flops_per_token < 2 * config.num_params
     # quantized, the experts are int8 and the routers stay float32

@@ -128,7 +128,7 @@ def _pack_linears(module: nn.Module, kernels: CpuKernels, fmt: str) -> None:
         if isinstance(child, nn.Linear):
             # a mixture's router stays float32 (as vLLM's and llama.cpp's files keep it):
             # a rounded score can send a token to another expert
-            router = isinstance(module, MoE) and name == "gate"
+            router = isinstance(module, MoE) and name in ("gate", "shared_expert_gate")
             setattr(module, name, PackedLinear(kernels, child.weight, child.bias,
                                                "float32" if router else fmt))
         else:

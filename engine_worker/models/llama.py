@@ -170,6 +170,11 @@ class MoE(nn.Module):
         self.experts = nn.ModuleList(
             MLP(cfg, ops, cfg.expert_intermediate_size) for _ in range(cfg.num_experts))
         self.top_k, self.norm_topk = cfg.experts_per_token, cfg.norm_topk
+        # Qwen2-MoE's shared expert, gated by a sigmoid of its own
+        self.shared_expert = (MLP(cfg, ops, cfg.shared_expert_size)
+                              if cfg.shared_expert_size else None)
+        self.shared_expert_gate = (linear(cfg.hidden_size, 1, False)
+                                   if cfg.shared_expert_size else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = torch.softmax(self.gate(x).float(), dim=-1)
@@ -181,6 +186,8 @@ class MoE(nn.Module):
             rows, slot = torch.where(chosen == expert)
             y = self.experts[expert](x[rows]) * weights[rows, slot, None].to(x.dtype)
             out.index_add_(0, rows, y)
+        if self.shared_expert is not None:
+            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
 
@@ -329,6 +336,14 @@ class LlamaModel(nn.Module):
         p = prefix + ("block_sparse_moe." if mixtral else "mlp.")
         names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
         moe.gate.weight.copy_(ckpt.take(p + "gate.weight", (cfg.num_experts, c)))
+        if moe.shared_expert is not None:
+            s = cfg.shared_expert_size
+            moe.shared_expert.gate_up_proj.weight.copy_(torch.cat([
+                ckpt.take(p + "shared_expert.gate_proj.weight", (s, c)),
+                ckpt.take(p + "shared_expert.up_proj.weight", (s, c))]))
+            moe.shared_expert.down_proj.weight.copy_(
+                ckpt.take(p + "shared_expert.down_proj.weight", (c, s)))
+            moe.shared_expert_gate.weight.copy_(ckpt.take(p + "shared_expert_gate.weight", (1, c)))
         for e, expert in enumerate(moe.experts):
             gate, up, down = (f"{p}experts.{e}.{name}.weight" for name in names)
             expert.gate_up_proj.weight.copy_(torch.cat([ckpt.take(gate, (i_size, c)),
