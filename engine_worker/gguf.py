@@ -31,8 +31,9 @@ file); the weights stay in the file and are read from it here, at start:
 Files of the llama, qwen2, qwen3 and qwen3moe architectures are served
 (common/model_files.py: GGUF_ARCHITECTURES); qwen2's q, k and v biases and qwen3's q and
 k norms are read as float32, qwen3moe's experts each as a PackedLinear of its rows of
-the tensors that hold them all (ffn_gate_exps, ffn_up_exps, ffn_down_exps), and a RoPE scaling from the file (rope_scaling below), which the folder's
-config does not hold, divides the model's frequencies. For the llama architecture
+the tensors that hold them all (ffn_gate_exps, ffn_up_exps, ffn_down_exps), and a RoPE
+scaling from the file (rope_scaling below), which the folder's config does not hold,
+divides the model's frequencies. For the llama architecture
 llama.cpp's converter stores the rows of attn_q and attn_k permuted for its RoPE (pairs
 of rotated dimensions interleaved); they are put back in Hugging Face's order (halves)
 as whole rows, so blocks are untouched. qwen2's and qwen3's RoPE is Hugging Face's:

@@ -1,13 +1,15 @@
 """What the engine needs to know about a checkpoint, read from its config.json.
 
 Supported: the Llama family (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-Qwen3ForCausalLM, GraniteForCausalLM, Phi3ForCausalLM, SmolLM3ForCausalLM: RMSNorm,
+Qwen3ForCausalLM, GraniteForCausalLM, Phi3ForCausalLM, SmolLM3ForCausalLM,
+Gemma3ForCausalLM and Gemma3ForConditionalGeneration's language model, and the mixtures
+of experts MixtralForCausalLM, Qwen2MoeForCausalLM and Qwen3MoeForCausalLM: RMSNorm,
 RoPE, grouped-query attention, SwiGLU; Qwen3 also RMS-norms each head of q and k;
 Granite scales the embeddings, attention scores, each layer's outputs and the logits by
 constants of its config; Phi-3 stores q/k/v and gate/up fused; SmolLM3 leaves RoPE out
-of every fourth layer; Gemma3ForCausalLM: GELU gates, 1 + weight norms, norms of each
-layer's outputs, sliding layers with a RoPE of their own) and GPT2LMHeadModel. Anything else is a
-ModelLoadError that names the architecture and what is supported.
+of every fourth layer; Gemma 3 has GELU gates, 1 + weight norms, norms of each layer's
+outputs and sliding layers with a RoPE of their own) and GPT2LMHeadModel. Anything else
+is a ModelLoadError that names the architecture and what is supported.
 """
 
 from __future__ import annotations
@@ -79,7 +81,7 @@ class RopeConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     name: str
-    family: str  # "llama" (Llama/Mistral/Qwen2/Qwen3/Granite/Phi-3) or "gpt2"
+    family: str  # "llama" (every architecture but GPT-2) or "gpt2"
     vocab_size: int
     hidden_size: int
     num_layers: int
@@ -121,7 +123,7 @@ class ModelConfig:
     # checkpoint's vision tower)
     checkpoint_prefixes: tuple[str, ...] = ("model.",)
     checkpoint_skips: tuple[str, ...] = ()
-    # Mixtures of experts (Mixtral, Qwen3-MoE): the layers whose MLP is num_experts
+    # Mixtures of experts (Mixtral, Qwen2/3-MoE): the layers whose MLP is num_experts
     # experts (each a SwiGLU MLP of expert_intermediate_size), experts_per_token of them
     # run for each token, weighted by the router's softmax over the chosen (norm_topk)
     # or over all; the other layers' MLP is dense
@@ -357,7 +359,9 @@ def _sliding_windows(raw: dict[str, Any], kind: str, max_len: int) -> tuple[int,
         sliding = [t == "sliding_attention" for t in types]
     else:
         raise ModelLoadError(f"layer_types must name each of the {layers} layers' attention")
-    if window >= max_len or not any(sliding):
+    # a window as long as the context is full attention; Gemma 3's are kept, as its
+    # sliding layers also take a RoPE of their own
+    if (window >= max_len and kind != "gemma3") or not any(sliding):
         return ()
     return tuple(window if s else 0 for s in sliding)
 

@@ -1,4 +1,5 @@
-"""The Llama family: Llama, Mistral, Qwen2, Qwen3, Granite, Phi-3 and SmolLM3 checkpoints.
+"""The Llama family: Llama, Mistral, Qwen2, Qwen3, Granite, Phi-3, SmolLM3 and Gemma 3
+checkpoints, and the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE.
 
 RMSNorm, rotary position embeddings (rotate-half convention, as in Hugging Face
 checkpoints), grouped-query attention, SwiGLU MLP; optional q/k/v biases (Qwen2), q and
@@ -387,10 +388,11 @@ class LlamaModel(nn.Module):
 
     @torch.no_grad()
     def fold_scales(self) -> None:
-        """Granite's constants folded into the weights they multiply: the embeddings;
-        q (the scores are q.k, and RoPE is linear); o and down, whose outputs join the
-        residual stream; the final norm, whose output only makes the logits (so a tied
-        lm_head can keep the scaled embedding)."""
+        """Granite's constants and Gemma 3's scales folded into the weights they
+        multiply: the embeddings; q (the scores are q.k, and RoPE is linear), or where q
+        is normed after its projection (Gemma 3) its norm; o and down, whose outputs join
+        the residual stream; the final norm, whose output only makes the logits (so a
+        tied lm_head can keep the scaled embedding)."""
         cfg = self.cfg
         if cfg.attention_multiplier is not None:
             q = self.layers[0].self_attn.num_heads * cfg.head_dim
