@@ -106,3 +106,32 @@ def chat_after_calls(url, question: list[dict], message: dict, tools: list[dict]
                                     "tool_call_id": message["tool_calls"][0]["id"]}]
     return httpx.post(url + "/v1/chat/completions", timeout=60, json={
         "model": "m", "messages": history, "tools": tools, "max_tokens": 2})
+
+
+def forced_calls(url, body: dict, content: str, calls: list[tuple[str, dict]]
+                 ) -> tuple[dict, list[dict]]:
+    """A chat whose reply the body's grammar forces into tool calls, made whole and
+    streamed: both give ``content`` and ``calls`` ((name, arguments) each), the stream
+    the text first, then each call as it is generated (its arguments in pieces), ending
+    with finish_reason tool_calls. Returns the whole reply's message and the stream's
+    call deltas."""
+    r = httpx.post(url + "/v1/chat/completions", timeout=60, json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    message = choice["message"]
+    assert message["content"] == content
+    got = message["tool_calls"]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in got] == calls
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=60,
+                      json={**body, "stream": True}) as s:
+        events = sse_events(s)
+    deltas = [e["choices"][0]["delta"] for e in events[:-1]]
+    assert "".join(d.get("content", "") for d in deltas) == content
+    streamed = [c for d in deltas for c in d.get("tool_calls", [])]
+    assert len(streamed) > len(got)
+    assert ["".join(c["function"]["arguments"] for c in streamed if c["index"] == i)
+            for i in range(len(got))] == [c["function"]["arguments"] for c in got]
+    assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
+    return message, streamed

@@ -5,14 +5,12 @@ trained for Granite's format would write it: the tag, then the calls' JSON list.
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
 
 import processes
 from conftest import GRANITE_CALL
-from frontend_stacks import chat_after_calls, sse_events
+from frontend_stacks import chat_after_calls, forced_calls
 from helpers import WEATHER
 
 QUESTION = [{"role": "user", "content": "Weather in Paris and Oslo?"}]
@@ -35,27 +33,9 @@ def body(**extra) -> dict:
 
 
 def test_granite_calls_come_back_as_tool_calls(url):
-    r = httpx.post(url + "/v1/chat/completions", timeout=60,
-                   json=body(tools=[WEATHER], guided_grammar=REPLY))
-    assert r.status_code == 200, r.text
-    choice = r.json()["choices"][0]
-    assert choice["finish_reason"] == "tool_calls"
-    message = choice["message"]
-    assert message["content"] == "Sure."
-    calls = message["tool_calls"]
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] \
-        == [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]
-    # Streamed: the text, then each call as it is generated (its arguments in pieces).
-    with httpx.stream("POST", url + "/v1/chat/completions", timeout=60,
-                      json=body(tools=[WEATHER], guided_grammar=REPLY, stream=True)) as s:
-        events = sse_events(s)
-    deltas = [e["choices"][0]["delta"] for e in events[:-1]]
-    assert "".join(d.get("content", "") for d in deltas) == "Sure."
-    streamed = [c for d in deltas for c in d.get("tool_calls", [])]
-    assert len(streamed) > len(calls)
-    assert ["".join(c["function"]["arguments"] for c in streamed if c["index"] == i)
-            for i in range(len(calls))] == [c["function"]["arguments"] for c in calls]
-    assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
+    message, _ = forced_calls(
+        url, body(tools=[WEATHER], guided_grammar=REPLY),
+        "Sure.", [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})])
     # The calls given back render through the template, after its tag.
     r = chat_after_calls(url, QUESTION, message, [WEATHER])
     assert r.status_code == 200, r.text

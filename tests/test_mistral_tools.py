@@ -5,14 +5,12 @@ id, as a model trained for Mistral's format would write it."""
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
 
 import processes
 from conftest import ARGS, TOOL_CALLS
-from frontend_stacks import chat_after_calls, sse_events
+from frontend_stacks import chat_after_calls, forced_calls
 from helpers import WEATHER
 
 QUESTION = [{"role": "user", "content": "Weather in Paris and Oslo?"}]
@@ -41,29 +39,12 @@ def chat(url: str, **body) -> httpx.Response:
 
 @pytest.mark.parametrize("version", REPLIES)
 def test_mistral_calls_come_back_as_tool_calls(url, version):
-    r = chat(url, tools=[WEATHER], guided_grammar=REPLIES[version])
-    assert r.status_code == 200, r.text
-    choice = r.json()["choices"][0]
-    assert choice["finish_reason"] == "tool_calls"
-    message = choice["message"]
-    assert message["content"] == "Sure."
-    calls = message["tool_calls"]
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] \
-        == [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]
-    assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls)
-    # Streamed: the text, then each call as it is generated (its arguments in pieces).
-    with httpx.stream("POST", url + "/v1/chat/completions", timeout=60, json={
-            "model": "m", "messages": QUESTION, "tools": [WEATHER], "max_tokens": 80,
-            "temperature": 0, "guided_grammar": REPLIES[version], "stream": True}) as s:
-        events = sse_events(s)
-    deltas = [e["choices"][0]["delta"] for e in events[:-1]]
-    assert "".join(d.get("content", "") for d in deltas) == "Sure."
-    streamed = [c for d in deltas for c in d.get("tool_calls", [])]
-    assert len(streamed) > len(calls)
-    assert ["".join(c["function"]["arguments"] for c in streamed if c["index"] == i)
-            for i in range(len(calls))] == [c["function"]["arguments"] for c in calls]
+    message, streamed = forced_calls(
+        url, {"model": "m", "messages": QUESTION, "tools": [WEATHER], "max_tokens": 80,
+              "temperature": 0, "guided_grammar": REPLIES[version]},
+        "Sure.", [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})])
+    assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in message["tool_calls"])
     assert [c["function"]["name"] for c in streamed if "id" in c] == ["get_weather"] * 2
-    assert events[-2]["choices"][0]["finish_reason"] == "tool_calls"
     # The calls given back, with their results, pass the template's check of their ids.
     r = chat_after_calls(url, QUESTION, message, [WEATHER])
     assert r.status_code == 200, r.text
