@@ -210,10 +210,29 @@ def read_chat_template(path: str) -> str:
     return text
 
 
+# What a text config without a context length has, by its model_type (the defaults
+# of transformers' config classes): Gemma 3's published multimodal configs leave it out.
+_DEFAULT_CONTEXT = {"gemma3_text": 131072}
+
+
 def context_length(model_dir: Path) -> int:
-    """The context length config.json declares (max_position_embeddings or n_positions)."""
+    """The context length config.json declares (max_position_embeddings or n_positions;
+    a multimodal model's, its text_config's), as far as a YaRN scaling extends it (the
+    original context times its factor) and the tokenizer pool needs it: the longest
+    prompt it takes is so many tokens' characters. (The engine reads the context it
+    serves with its model: engine_worker/model_config.py.)"""
     config = _json_object(model_dir / "config.json")
-    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
-        if isinstance(config.get(key), int):
-            return config[key]
-    raise ModelLoadError(f"{model_dir}/config.json declares no context length")
+    text = config.get("text_config")
+    if isinstance(text, dict):
+        config = text
+    length = next((config[key] for key in ("max_position_embeddings", "n_positions",
+                                           "max_sequence_length")
+                   if isinstance(config.get(key), int)),
+                  _DEFAULT_CONTEXT.get(config.get("model_type")))
+    if length is None:
+        raise ModelLoadError(f"{model_dir}/config.json declares no context length")
+    rope = {**(config.get("rope_scaling") or {}), **(config.get("rope_parameters") or {})}
+    if (rope.get("rope_type") or rope.get("type")) == "yarn" and rope.get("factor"):
+        original = rope.get("original_max_position_embeddings") or length
+        length = max(length, int(original * rope["factor"]))
+    return length

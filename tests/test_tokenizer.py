@@ -5,6 +5,8 @@ with byte fallback."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from common.tokenizer import TokenStrings, fill_in_the_middle, load_tokenizer
@@ -73,3 +75,24 @@ def test_fill_in_the_middle_follows_the_vocabularys_tokens(tok, tiny_coder_dir):
     sp.add_special_tokens([AddedToken("[SUFFIX]", special=True),
                            AddedToken("[PREFIX]", special=True)])
     assert fill_in_the_middle(sp)("a", "b") == "[SUFFIX]b[PREFIX]a"
+
+
+def test_the_pools_context_length_reads_text_configs_and_yarn(
+        tiny_gemma3_vision_dir, tiny_yarn_dir, tiny_llama_dir, tmp_path):
+    """The tokenizer pool sizes its longest prompt by it: a multimodal model's is its
+    text_config's (it did not start for one: 'declares no context length'), Gemma 3's
+    published configs leave it to the class's default, and YaRN extends it as the
+    engine serves it (its prompts past max_position_embeddings were refused)."""
+    from common.tokenizer import context_length
+
+    assert context_length(tiny_llama_dir) == 512
+    assert context_length(tiny_gemma3_vision_dir) == 512
+    assert context_length(tiny_yarn_dir) == 4 * 128
+    published = tmp_path / "gemma-3-4b"
+    published.mkdir()
+    (published / "config.json").write_text(json.dumps({
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+        "text_config": {"hidden_size": 2560, "model_type": "gemma3_text",
+                        "num_hidden_layers": 34, "sliding_window": 1024,
+                        "rope_scaling": {"factor": 8.0, "rope_type": "linear"}}}))
+    assert context_length(published) == 131072
