@@ -553,6 +553,23 @@ def test_a_rope_scaling_not_served_is_refused_by_name(tiny_llama_dir, tmp_path):
         make_engine(resolve_model_dir(str(path)))
 
 
+def test_a_yarn_file_with_fields_not_served_is_refused_by_name(tiny_llama_dir, tmp_path):
+    """A YaRN file that sets its own attention factor: refused, not served with the
+    factor the scaling implies."""
+    from common.model_files import _yarn_parameters
+
+    fields = {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
+              "llama.rope.scaling.original_context_length": 256,
+              "llama.rope.scaling.yarn_beta_fast": 16.0}
+    assert _yarn_parameters("f.gguf", fields, "llama") == {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
+        "beta_fast": 16.0}
+    with pytest.raises(ModelLoadError, match="f.gguf: YaRN scaling with attn_factor, "
+                                             "yarn_log_multiplier is not served"):
+        _yarn_parameters("f.gguf", {**fields, "llama.rope.scaling.attn_factor": 1.2,
+                                    "llama.rope.scaling.yarn_log_multiplier": 0.1}, "llama")
+
+
 def test_a_mixture_of_experts_stored_as_llama_is_refused_by_name(tmp_path):
     """llama.cpp stores Mixtral as the llama architecture, its experts' tensors in place
     of the MLP's: refused as such, not as a file that lacks blk.0.ffn_gate.weight."""

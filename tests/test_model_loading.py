@@ -190,6 +190,34 @@ def test_mixtures_of_experts_configs(tiny_mixtral_dir, tiny_qwen3_moe_dir, tiny_
         load_model_config(model)
 
 
+@pytest.mark.parametrize("change, error", [
+    ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping is not supported"),
+    ({"layer_types": ["full_attention"]}, "layer_types must name each of the 3 layers"),
+], ids=["activation", "bidirectional", "softcapping", "layer-types"])
+def test_what_the_new_architectures_do_not_serve_is_refused_by_name(
+        tiny_gemma3_dir, tmp_path, change, error):
+    model = copy_model(tiny_gemma3_dir, tmp_path)
+    raw = json.loads((model / "config.json").read_text())
+    if "hidden_act" in change:   # Gemma's config names it hidden_activation
+        del raw["hidden_activation"]
+    raw.update(change)
+    (model / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelLoadError, match=error):
+        load_model_config(model)
+
+
+def test_a_multimodal_config_without_text_config_is_refused(tiny_gemma3_vision_dir, tmp_path):
+    model = copy_model(tiny_gemma3_vision_dir, tmp_path)
+    raw = json.loads((model / "config.json").read_text())
+    del raw["text_config"]
+    (model / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelLoadError, match="Gemma3ForConditionalGeneration's config has "
+                                             "no text_config"):
+        load_model_config(model)
+
+
 def test_configs_of_granite_and_phi3(tiny_granite_dir, tiny_phi3_dir, tmp_path):
     granite = load_model_config(tiny_granite_dir)
     assert (granite.embedding_multiplier, granite.attention_multiplier,
