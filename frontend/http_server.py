@@ -11,8 +11,18 @@ import time
 
 import uvicorn
 
-# A classic BPF program of one instruction (BPF_RET | BPF_K, k = 0): keep no packet.
-_DROP_ALL = struct.pack("@HBBI", 0x06, 0, 0, 0)
+# A classic BPF program dropping a connection's first packet, a SYN without ACK (a
+# listening socket's filter sees each TCP segment from its header on; byte 13 holds the
+# flags). The ACK ending a handshake the listener had answered goes through: dropping
+# it too would leave a client whose connect() succeeded half-open, and then reset.
+_SYN, _ACK = 0x02, 0x10
+_DROP_NEW_HANDSHAKES = b"".join(struct.pack("@HBBI", *op) for op in (
+    (0x30, 0, 0, 13),           # ldb [13]: the TCP flags
+    (0x45, 1, 0, _ACK),         # jset ACK: keep
+    (0x45, 1, 0, _SYN),         # jset SYN: drop
+    (0x06, 0, 0, 0xFFFFFFFF),   # ret all: keep
+    (0x06, 0, 0, 0),            # ret 0: drop
+))
 _SO_ATTACH_FILTER = getattr(socket, "SO_ATTACH_FILTER", 26)
 # struct tcp_info (its first 104 bytes, Linux's since 2.6): on a listening socket,
 # tcpi_unacked is its accept queue's length.
@@ -21,14 +31,16 @@ _TCP_INFO_BYTES, _TCPI_UNACKED_OFFSET = 104, 24
 
 def stop_handshakes(sock) -> bool:
     """Make a listening socket drop the handshakes of new connections (their clients
-    retry the SYN, and are refused once the socket is closed), keeping those the kernel
-    already completed in its accept queue. False where it cannot (not Linux)."""
+    retry the SYN, and are refused once the socket is closed), completing those it had
+    answered and keeping what its accept queue holds. False where it cannot (not
+    Linux)."""
     if not sys.platform.startswith("linux"):
         return False
-    program = ctypes.create_string_buffer(_DROP_ALL, len(_DROP_ALL))
+    program = ctypes.create_string_buffer(_DROP_NEW_HANDSHAKES, len(_DROP_NEW_HANDSHAKES))
     try:
         sock.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER,
-                        struct.pack("@HP", 1, ctypes.addressof(program)))
+                        struct.pack("@HP", len(_DROP_NEW_HANDSHAKES) // 8,
+                                    ctypes.addressof(program)))
     except OSError:
         return False
     return True
