@@ -117,6 +117,12 @@ class ModelRunner:
                         if device.type == "cuda" else 1)
         self.model = load_model(model_config, model_dir, device, dtype, self.attn, ops,
                                 kernels, self.weight_format, config.load_format, config.seed)
+        # A mixture's experts in one grouped GEMM a projection, routed on the device
+        grouped = bool(model_config.moe_layers) and hasattr(self.attn, "tile_tokens")
+        if grouped:
+            from engine_worker.gpu.moe import group_experts
+
+            group_experts(self.model)
         if gguf_path is not None:  # the format most of its weights are packed in
             self.weight_format = Counter(
                 m.fmt for m in self.model.modules() if isinstance(m, PackedLinear)
@@ -143,9 +149,10 @@ class ModelRunner:
         # And (request, logits rows) of the positions before its proposed tokens.
         self.draft_logits: list[tuple] = []
         # CUDA graphs for decode steps and prompt chunks (gpu/graphs.py).
-        # (a mixture of experts routes on the host: its steps run eagerly)
+        # (a mixture of experts routed on the host, not grouped, runs eagerly)
         graphs = (device.type == "cuda" and not config.enforce_eager
-                  and model_config.family == "llama" and not model_config.moe_layers)
+                  and model_config.family == "llama"
+                  and (grouped or not model_config.moe_layers))
         if device.type == "cuda":
             self.num_blocks = self._size_gpu_cache(cache, scheduler, graphs)
         else:

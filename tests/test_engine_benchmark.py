@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -105,6 +106,40 @@ def test_gpu_benchmark_smoke_on_the_cpu(tiny_llama_dir, tmp_path, kv):
     assert report["ttft_ms_one_stream"] > 0 and report["bandwidth_bytes_per_s"] > 0
     assert report["kernels_compiled_while_serving"] == 0  # the torch path compiles none
     assert report["kv_cache_dtype"] == ("torch.float8_e4m3fn" if kv == "fp8" else "torch.float32")
+
+
+def test_gpu_benchmark_smoke_with_a_mixture_of_experts(tiny_qwen3_moe_dir, tmp_path):
+    """A mixture's roofline counts the experts a step's tokens are expected to read;
+    its experts grouped as on a GPU (Triton's interpreter here); no HF run."""
+    out = tmp_path / "gpu.json"
+    args = ["--device", "cpu", "--model-config", str(tiny_qwen3_moe_dir), "--load-format",
+            "auto", "--attention-backend", "triton", "--dtype", "float32",
+            "--concurrency", "1,3", "--input-len", "8", "--output-len", "4",
+            "--hf-batches", "1", "--json", str(out)]
+    proc = subprocess.run([sys.executable, "benchmarks/engine_gpu.py", *args],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "HF generate: not run for a mixture of experts" in proc.stdout
+    report = json.loads(out.read_text())
+    assert report["runs"]["3"]["output_tokens"] == 12 and report["hf_tokens_per_s"] == {}
+
+
+def test_a_mixtures_roofline_reads_the_experts_its_tokens_choose(tiny_qwen3_moe_dir):
+    from benchmarks.engine_gpu import weight_reads
+    from common.config import CacheConfig, EngineConfig
+    from engine_worker.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_qwen3_moe_dir), device="cpu",
+                                    attention_backend="torch",
+                                    cache=CacheConfig(num_blocks=16)))
+    model, cfg = engine.runner.model, engine.model_config
+    reads = weight_reads(model, cfg)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    # 2 MoE layers of 8 experts, each 3 x 64 x 32 float32 weights
+    experts = 2 * 8 * 3 * 64 * 32 * 4
+    assert reads(1) == pytest.approx(total - experts + experts * 2 / 8)
+    assert reads(10_000) == pytest.approx(total)
 
 
 def test_the_zmq_comparison_runs_the_engine_process_in_the_same_format(monkeypatch):

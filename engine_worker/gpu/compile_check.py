@@ -33,14 +33,15 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from engine_worker.gpu import attention, ops
+from engine_worker.gpu import attention, moe, ops
 
 _CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
 # Every Triton kernel the CUDA engine launches.
 KERNELS = (attention._decode_kernel, attention._chunk_kernel, attention._merge_splits_kernel,
-           ops._add_rms_norm_kernel, ops._rope_write_kv_kernel, ops._silu_mul_kernel)
+           ops._add_rms_norm_kernel, ops._rope_write_kv_kernel, ops._silu_mul_kernel,
+           moe._expert_gemm_kernel)
 
 
 def compiled_kernels() -> int:
@@ -120,6 +121,30 @@ def variants(cfg, dtype: str = "bfloat16", block_size: int = 16) -> list[tuple]:
         out.append((label, ops._silu_mul_kernel, dict(x_ptr=t, out_ptr=t),
                     dict(WIDTH=i, BLOCK=min(1024, triton.next_power_of_2(i)), GELU=gelu),
                     _options()))
+    if cfg.moe_layers:
+        out += _expert_variants(cfg, t)
+    return out
+
+
+def _expert_variants(cfg, t: str) -> list[tuple]:
+    """A mixture's grouped GEMMs (gate and up from the tokens; down from the rows,
+    weighted) at both tilings (few rows an expert, and many), and its experts' gate."""
+    c, i = cfg.hidden_size, cfg.expert_intermediate_size
+    out = []
+    for tokens, size in ((1, "decode"), (cfg.num_experts + 1, "prompt")):
+        tiles = moe.expert_tiling(tokens, cfg.num_experts)
+        sizes = dict(TOP_K=cfg.experts_per_token, PRECISION="tf32", BLOCK_M=tiles.block_m,
+                     BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k)
+        options = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
+        for label, n, k, weighted in (("gate_up", 2 * i, c, False), ("down", c, i, True)):
+            out.append((f"experts {label}, {size} tiles", moe._expert_gemm_kernel,
+                        dict(a_ptr=t, w_ptr=t, out_ptr=t, rows_ptr="*i32",
+                             tile_expert_ptr="*i32", route_ptr="*fp32" if weighted else t),
+                        dict(sizes, N=n, K=k, PER_TOKEN=not weighted, WEIGHTED=weighted),
+                        options))
+    out.append(("silu_mul, experts", ops._silu_mul_kernel, dict(x_ptr=t, out_ptr=t),
+                dict(WIDTH=i, BLOCK=min(1024, triton.next_power_of_2(i)), GELU=False),
+                _options()))
     return out
 
 
@@ -209,7 +234,7 @@ def check(model: str, arch: int, dtype: str) -> list[dict]:
             sass = _on_cubin(compiled.asm["cubin"], _CUOBJDUMP.parent / "nvdisasm")
             row["shared_byte_loads"] = shared_byte_loads(sass)
             row["loop_instructions"] = loop_instructions(sass)
-            row["loop_keys"] = constexprs.get("BLOCK_N")
+            row["loop_keys"] = constexprs.get("BLOCK_N") if "attention" in label else None
             row["warps"] = options["num_warps"]
             row["shared_bytes"] = compiled.metadata.shared
             # Loads copied asynchronously into shared memory: the loop is pipelined.

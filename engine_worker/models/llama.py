@@ -161,15 +161,17 @@ class MLP(nn.Module):
 class MoE(nn.Module):
     """A mixture of experts (Mixtral, Qwen3-MoE): the router's softmax over the experts
     picks each token's top k, whose SwiGLU MLPs run on it and are summed, weighted by
-    their probabilities (renormalized over the k, where the model says). Each expert
-    runs once a step on the rows routed to it (a host sync for the routing: a step with
-    one runs eagerly, not from a CUDA graph)."""
+    their probabilities (renormalized over the k, where the model says). On the CPU
+    each expert runs once a step on the rows routed to it (the routing read on the
+    host); on the GPU they run grouped (engine_worker/gpu/moe.py: ``grouped``, which
+    replaces ``experts``), routed on the device."""
 
     def __init__(self, cfg: ModelConfig, ops: Ops) -> None:
         super().__init__()
         self.gate = linear(cfg.hidden_size, cfg.num_experts, False)   # the router
-        self.experts = nn.ModuleList(
+        self.experts: Optional[nn.ModuleList] = nn.ModuleList(
             MLP(cfg, ops, cfg.expert_intermediate_size) for _ in range(cfg.num_experts))
+        self.grouped: Optional[nn.Module] = None
         self.top_k, self.norm_topk = cfg.experts_per_token, cfg.norm_topk
         # Qwen2-MoE's shared expert, gated by a sigmoid of its own
         self.shared_expert = (MLP(cfg, ops, cfg.shared_expert_size)
@@ -182,11 +184,14 @@ class MoE(nn.Module):
         weights, chosen = torch.topk(probs, self.top_k, dim=-1)   # (N, k)
         if self.norm_topk:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        out = torch.zeros_like(x)
-        for expert in torch.unique(chosen).tolist():   # in order, as transformers sums
-            rows, slot = torch.where(chosen == expert)
-            y = self.experts[expert](x[rows]) * weights[rows, slot, None].to(x.dtype)
-            out.index_add_(0, rows, y)
+        if self.grouped is not None:
+            out = self.grouped(x, weights, chosen)
+        else:
+            out = torch.zeros_like(x)
+            for expert in torch.unique(chosen).tolist():   # in order, as transformers sums
+                rows, slot = torch.where(chosen == expert)
+                y = self.experts[expert](x[rows]) * weights[rows, slot, None].to(x.dtype)
+                out.index_add_(0, rows, y)
         if self.shared_expert is not None:
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -20,6 +20,7 @@ from engine_worker.engine import LLMEngine
 from engine_worker.gpu.attention import TritonAttention
 from engine_worker.gpu.graphs import graph_batch_sizes
 from engine_worker.gpu.memory import MemoryProfile
+from engine_worker.models.llama import MoE
 from engine_worker.request import Request
 from engine_worker.scheduler import ScheduledRequest
 from engine_worker.step_inputs import StepInputs, step_layout
@@ -77,7 +78,8 @@ def test_triton_path_matches_hf_for_qwen3s_per_head_norms(tiny_qwen3_dir):
 @pytest.mark.parametrize("fixture", ["tiny_granite_dir", "tiny_yarn_dir",
                                      "tiny_phi4_mini_dir", "tiny_smollm3_dir",
                                      "tiny_qwen2_sliding_dir", "tiny_gemma3_dir",
-                                     "tiny_qwen3_moe_dir"])
+                                     "tiny_qwen3_moe_dir", "tiny_mixtral_dir",
+                                     "tiny_qwen2_moe_dir"])
 def test_triton_path_matches_hf_for_other_architectures(request, fixture):
     """Granite's constants folded into the weights on the device; YaRN's and LongRoPE's
     attention factor carried by cos and sin into the Triton RoPE; Phi-4-mini's partial
@@ -85,9 +87,14 @@ def test_triton_path_matches_hf_for_other_architectures(request, fixture):
     original 64 positions, Hugging Face recomputing it whole each step); SmolLM3's
     layer without RoPE; a sliding window of 11 keys in one layer of two (the 13-token
     prompt and its decode rows pass it); Gemma 3's GELU gate (the Triton kernel's),
-    output norms and two RoPEs; a mixture of experts (eager: it routes on the host)."""
+    output norms and two RoPEs; mixtures of experts, grouped (Qwen3-MoE's dense layer
+    among them; Qwen2-MoE's shared expert beside them)."""
     model_dir = request.getfixturevalue(fixture)
     engine = triton_engine(model_dir)
+    mixtures = [m for m in engine.runner.model.modules() if isinstance(m, MoE)]
+    assert all(m.experts is None and m.grouped is not None for m in mixtures)
+    assert len(mixtures) == {"tiny_qwen3_moe_dir": 2, "tiny_mixtral_dir": 2,
+                             "tiny_qwen2_moe_dir": 2}.get(fixture, 0)
     if fixture == "tiny_phi4_mini_dir":
         prompts = random_prompts([70], seed=9)
         want = hf_greedy(model_dir, prompts, 4, round_inputs=lambda x: x)
@@ -133,6 +140,19 @@ def test_graph_runner_pads_to_buckets_and_matches_eager(tiny_llama_dir, async_sc
     # for 4 steps.
     assert replays.counts == {32: 1, 4: 4}
     assert engine.num_steps_ahead == (4 if async_scheduling else 0)
+
+
+def test_a_mixture_of_experts_steps_from_graphs(tiny_qwen3_moe_dir):
+    """Its experts routed on the device, a mixture's decode steps and prompt chunks
+    replay from graphs like a dense model's, and give the eager steps' tokens."""
+    prompts = random_prompts([5, 9, 3], seed=9)
+    eager = triton_engine(tiny_qwen3_moe_dir, budget=512).generate(prompts, greedy(5))
+    engine = triton_engine(tiny_qwen3_moe_dir, budget=512)
+    replays = Replays()
+    engine.runner.graphs = engine.runner.make_graph_runner(8, replays)
+    engine.runner.graphs.capture_all()
+    assert engine.generate(prompts, greedy(5)) == eager
+    assert replays.counts == {32: 1, 4: 4}
 
 
 def test_graph_batch_sizes():
@@ -336,7 +356,7 @@ def test_shipped_shapes_resolve_by_name_and_need_dummy_weights():
     from engine_worker.model_config import load_model_config
 
     assert model_shapes() == ["gemma-3-1b", "llama-3-8b", "qwen2.5-7b", "qwen3-0.6b",
-                              "smollm2-135m"]
+                              "qwen3-30b-a3b", "smollm2-135m"]
     llama = load_model_config(resolve_model_dir("llama-3-8b"))
     assert (llama.num_params, llama.num_heads, llama.num_kv_heads, llama.head_dim) == (
         8_029_995_008, 32, 8, 128)
@@ -347,6 +367,10 @@ def test_shipped_shapes_resolve_by_name_and_need_dummy_weights():
     gemma = load_model_config(resolve_model_dir("gemma-3-1b"))
     assert (gemma.num_params, gemma.head_dim, gemma.windows.count(512)) == (
         999_751_680, 256, 22)
+    # Qwen3-30B-A3B: transformers counts 30,532,122,624, 210,944 of them its norms'
+    mixture = load_model_config(resolve_model_dir("qwen3-30b-a3b"))
+    assert (mixture.num_params, len(mixture.moe_layers), mixture.num_experts,
+            mixture.experts_per_token) == (30_531_911_680, 48, 128, 8)
     with pytest.raises(ModelLoadError, match="use --load-format dummy"):
         LLMEngine(EngineConfig(model="smollm2-135m", device="cpu",
                                cache=CacheConfig(num_blocks=16)))

@@ -1,0 +1,170 @@
+"""A mixture of experts on the GPU: all of a layer's experts in one grouped GEMM launch
+a projection, routed on the device, so a step with one takes no host sync and replays
+from a CUDA graph like any other.
+
+The step's rows (each token once for each of its k experts) are sorted by expert, and
+each expert's run is padded to whole tiles of BLOCK_M rows. A program takes one tile
+and one tile of output columns: it multiplies the tile's rows by its expert's weight
+and writes each result row where the row came from. An expert overruns its rows by
+under a tile, so the number of tiles is bounded by the step's token count alone (what
+capture needs); the tiles past the last expert's exit at once. The experts' weights
+lie stacked, (E, 2 I, C) for gate and up and (E, C, I) for down, as nn.Linear's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import triton
+import triton.language as tl
+from torch import nn
+
+
+@triton.jit
+def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, tile_expert_ptr, route_ptr,
+                        num_rows, stride_a, stride_we, stride_wn, stride_o,
+                        N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr,
+                        PER_TOKEN: tl.constexpr, WEIGHTED: tl.constexpr,
+                        PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[row] = a[row's input] @ w[expert].T for the BLOCK_M rows of this program's
+    tile, BLOCK_N output columns. rows: the sorted rows, a row r being token r // TOP_K's
+    (r % TOP_K)-th choice, num_rows where padding. PER_TOKEN: a holds a row per token
+    (the layer's input) rather than per row; WEIGHTED: each result times its routing
+    weight (route: float32 per row)."""
+    tile = tl.program_id(0)
+    expert = tl.load(tile_expert_ptr + tile)
+    if expert < 0:   # past the last expert's tiles
+        return
+    rows = tl.load(rows_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = rows < num_rows
+    src = rows // TOP_K if PER_TOKEN else rows
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + src.to(tl.int64)[:, None] * stride_a + ks[None, :]
+    w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
+              + cols.to(tl.int64)[None, :] * stride_wn + ks[:, None])
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        inside = ks < K - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & inside[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=(cols < N)[None, :] & inside[:, None], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if WEIGHTED:
+        acc = acc * tl.load(route_ptr + rows, mask=valid, other=0.0)[:, None]
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols < N)[None, :])
+
+
+@dataclass(frozen=True)
+class ExpertTiling:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def expert_tiling(tokens: int, num_experts: int) -> ExpertTiling:
+    """Tiles of 16 rows where experts get few rows each (decode: at 64 tokens of 8
+    choices among 128 experts, 4 rows an expert), of 64 where many (prompt chunks)."""
+    if tokens <= num_experts:
+        return ExpertTiling(16, 64, 64, num_warps=4, num_stages=4)
+    return ExpertTiling(64, 64, 64, num_warps=4, num_stages=3)
+
+
+def sort_rows(chosen: torch.Tensor, num_experts: int, block_m: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """chosen (N, k): each token's experts -> (rows, tile_expert). rows (tiles x
+    block_m,): the N k rows grouped by expert (in row order within an expert), each
+    expert's run padded to whole tiles with N k; tile_expert (tiles,): each tile's
+    expert, -1 past the last. tiles = ceil(N k / block_m) + min(N k, experts), the
+    most padding can take: every size is known before the routing is, and nothing here
+    waits for the device."""
+    flat = chosen.flatten()
+    t, device = flat.numel(), flat.device
+    tiles = triton.cdiv(t, block_m) + min(t, num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(
+        0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    order = torch.argsort(flat, stable=True)
+    expert = flat[order]
+    # a row's place: its expert's first padded slot, plus its rank among that expert's
+    at = (ends - padded)[expert] + torch.arange(t, device=device) - (counts.cumsum(0)
+                                                                      - counts)[expert]
+    rows = torch.full((tiles * block_m,), t, dtype=torch.int32, device=device)
+    rows.scatter_(0, at, order.to(torch.int32))
+    starts = torch.arange(tiles, device=device) * block_m
+    tile_expert = torch.searchsorted(ends, starts, right=True)
+    tile_expert = torch.where(tile_expert < num_experts, tile_expert, -1).to(torch.int32)
+    return rows, tile_expert
+
+
+def expert_gemm(a: torch.Tensor, w: torch.Tensor, rows: torch.Tensor,
+                tile_expert: torch.Tensor, tiles: ExpertTiling, top_k: int,
+                route: torch.Tensor = None) -> torch.Tensor:
+    """One projection of every expert: (T, out) for the T = N k rows, from a (N, in)
+    (a row per token) or (T, in) (a row per row, ``route``-weighted)."""
+    experts, n_out, k_in = w.shape
+    per_token = route is None
+    t = a.shape[0] * top_k if per_token else a.shape[0]
+    assert a.stride(1) == 1 and w.is_contiguous()
+    out = a.new_empty(t, n_out)
+    if t:
+        grid = (tile_expert.shape[0], triton.cdiv(n_out, tiles.block_n))
+        _expert_gemm_kernel[grid](
+            a, w, out, rows, tile_expert, a if route is None else route, t,
+            a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+            N=n_out, K=k_in, TOP_K=top_k, PER_TOKEN=per_token, WEIGHTED=not per_token,
+            PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+            BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return out
+
+
+class GroupedExperts(nn.Module):
+    """A mixture's experts, their weights stacked (taken from its per-expert MLPs,
+    which it replaces)."""
+
+    def __init__(self, experts: nn.ModuleList) -> None:
+        super().__init__()
+        if any(e.gate_up_proj.bias is not None for e in experts):
+            raise ValueError("experts with biases are not served on the GPU")
+        self.act: Callable[[torch.Tensor], torch.Tensor] = experts[0].act
+        self.gate_up = nn.Parameter(torch.stack([e.gate_up_proj.weight for e in experts]),
+                                    requires_grad=False)
+        self.down = nn.Parameter(torch.stack([e.down_proj.weight for e in experts]),
+                                 requires_grad=False)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
+                ) -> torch.Tensor:
+        """x (N, C); weights, chosen (N, k): each token's routing -> (N, C), the sum of
+        its k experts' outputs, each times its weight."""
+        n, c = x.shape
+        top_k = chosen.shape[1]
+        tiles = expert_tiling(n, self.gate_up.shape[0])
+        rows, tile_expert = sort_rows(chosen, self.gate_up.shape[0], tiles.block_m)
+        h = self.act(expert_gemm(x, self.gate_up, rows, tile_expert, tiles, top_k))
+        y = expert_gemm(h, self.down, rows, tile_expert, tiles, top_k,
+                        route=weights.float().flatten())
+        return y.view(n, top_k, c).sum(1)
+
+
+def group_experts(model: nn.Module) -> int:
+    """Every mixture of ``model`` (engine_worker.models.llama.MoE) given its experts
+    stacked, their per-expert copies freed. Returns the mixtures grouped."""
+    from engine_worker.models.llama import MoE
+
+    grouped = 0
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, MoE) and module.experts is not None:
+                module.grouped = GroupedExperts(module.experts)
+                module.experts = None
+                grouped += 1
+    return grouped
