@@ -44,16 +44,17 @@ _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the materialized layout changes, so stale folders are rebuilt.
 _LAYOUT_VERSION = "1"
 # Bump when what a GGUF file's folder holds changes (2: every end-of-generation token
-# in generation_config.json), so that those folders alone are rebuilt.
-_GGUF_FOLDER_VERSION = "2"
+# in generation_config.json; 3: the head size and YaRN of qwen3moe files read by
+# llama.cpp's architecture name), so that those folders alone are rebuilt.
+_GGUF_FOLDER_VERSION = "3"
 # In a model folder: the GGUF file its weights are read from.
 GGUF_POINTER = "gguf.json"
-# The GGUF architectures served (general.architecture, and the model_type transformers
-# reads it as where the two differ) -> the checkpoint architecture the folder's
-# config.json names. llama.cpp stores Mistral and SmolLM as llama.
+# The GGUF architectures served (a file's general.architecture, llama.cpp's name) -> the
+# checkpoint architecture the folder's config.json names. llama.cpp stores Mistral and
+# SmolLM as llama, and Mixtral as llama with experts.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                       "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
-                      "qwen3_moe": "Qwen3MoeForCausalLM"}
+                      "gemma3": "Gemma3ForCausalLM"}
 
 
 # The texts of control tokens that end a reply or a document in the chat formats of the
@@ -85,8 +86,8 @@ def end_of_generation_ids(fields: dict) -> list[int]:
 
 def unserved_gguf_architecture(file_name: str, arch: object) -> ModelLoadError:
     return ModelLoadError(f"{file_name}: roseserve serves GGUF files of the llama, qwen2, "
-                          f"qwen3 and qwen3moe architectures (Llama, SmolLM, Mistral, Qwen2, "
-                          f"Qwen2.5, Qwen3, Qwen3-30B-A3B...), not {arch!r}")
+                          f"qwen3, qwen3moe and gemma3 architectures (Llama, SmolLM, Mistral, "
+                          f"Qwen2, Qwen2.5, Qwen3, Qwen3-30B-A3B, Gemma 3...), not {arch!r}")
 
 
 # Architectures' config.json without weights, for --load-format dummy.
@@ -211,12 +212,18 @@ def _gguf_metadata(path: Path, fields: dict, out_dir: Path,
     except Exception as e:  # transformers' GGUF reader raises many kinds
         raise ModelLoadError(f"{path}: its metadata does not describe a model that can be "
                              f"served ({type(e).__name__}: {e})") from e
-    # transformers makes a llama file named "mistral" a Mistral config: llama, as its
-    # weights and llama.cpp have it
-    arch = "llama" if config.model_type == "mistral" else config.model_type
+    # llama.cpp's name for it (transformers makes a llama file named "mistral" a Mistral
+    # config: llama, as its weights and llama.cpp have it)
+    arch = fields.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
-        raise unserved_gguf_architecture(path.name, config.model_type)
+        raise unserved_gguf_architecture(path.name, arch)
     config.architectures = [GGUF_ARCHITECTURES[arch]]
+    if arch == "llama" and fields.get("llama.expert_count"):
+        # llama.cpp stores Mixtral as llama, each layer's MLP a mixture of experts of the
+        # MLP's width; transformers' reading keeps none of it
+        config.architectures = ["MixtralForCausalLM"]
+        config.num_local_experts = fields["llama.expert_count"]
+        config.num_experts_per_tok = fields["llama.expert_used_count"]
     # transformers takes no head size from the file (Qwen3's config defaults to 128)
     head_dim = fields.get(f"{arch}.attention.key_length")
     if head_dim:
@@ -224,7 +231,9 @@ def _gguf_metadata(path: Path, fields: dict, out_dir: Path,
     yarn = _yarn_parameters(path.name, fields, arch)
     if yarn:
         config.rope_parameters = {**(config.rope_parameters or {}), **yarn}
-    if arch == "qwen3_moe":
+    if arch == "gemma3":
+        _gemma3_reading(config, fields)
+    if arch == "qwen3moe":
         # transformers reads neither the experts' size nor that llama.cpp renormalizes
         # the chosen experts' weights (Qwen3-MoE's own configs say norm_topk_prob too)
         config.moe_intermediate_size = fields.get("qwen3moe.expert_feed_forward_length",
@@ -237,6 +246,21 @@ def _gguf_metadata(path: Path, fields: dict, out_dir: Path,
     generation.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     (out_dir / GGUF_POINTER).write_text(json.dumps({"file": str(path)}))
+
+
+def _gemma3_reading(config, fields: dict) -> None:
+    """What llama.cpp takes a gemma3 file to mean, which its metadata does not say:
+    the scores scaled by head_dim^-1/2, but hidden_size / heads for the 27B model (62
+    layers); five sliding layers of every six where the file gives a window, none
+    where it does not (the sliding layers' RoPE base 10,000: transformers' default)."""
+    config.query_pre_attn_scalar = (
+        config.hidden_size // config.num_attention_heads if config.num_hidden_layers == 62
+        else config.head_dim)
+    if not fields.get("gemma3.attention.sliding_window"):
+        config.sliding_window = None
+    softcap = fields.get("gemma3.final_logit_softcapping")
+    if softcap:   # refused by the engine, by name
+        config.final_logit_softcapping = softcap
 
 
 def _yarn_parameters(file_name: str, fields: dict, arch: str) -> dict:

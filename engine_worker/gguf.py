@@ -28,16 +28,18 @@ file); the weights stay in the file and are read from it here, at start:
   a tensor the architecture does not use, q/k/v mixing dense and block types, or one
   part of a split file (llama-gguf-split joins them).
 
-Files of the llama, qwen2, qwen3 and qwen3moe architectures are served
-(common/model_files.py: GGUF_ARCHITECTURES); qwen2's q, k and v biases and qwen3's q and
-k norms are read as float32, qwen3moe's experts each as a PackedLinear of its rows of
-the tensors that hold them all (ffn_gate_exps, ffn_up_exps, ffn_down_exps), and a RoPE
-scaling from the file (rope_scaling below), which the folder's config does not hold,
-divides the model's frequencies. For the llama architecture
-llama.cpp's converter stores the rows of attn_q and attn_k permuted for its RoPE (pairs
-of rotated dimensions interleaved); they are put back in Hugging Face's order (halves)
-as whole rows, so blocks are untouched. qwen2's and qwen3's RoPE is Hugging Face's:
-their rows are stored as they are.
+Files of the llama, qwen2, qwen3, qwen3moe and gemma3 architectures are served
+(common/model_files.py: GGUF_ARCHITECTURES); qwen2's q, k and v biases, qwen3's and
+gemma3's q and k norms and gemma3's norms of each layer's outputs are read as float32
+(llama.cpp's converter stores Gemma's norms as the 1 + weight they scale by), the
+experts of qwen3moe and of Mixtral (llama with experts) each as a PackedLinear of its
+rows of the tensors that hold them all (ffn_gate_exps, ffn_up_exps, ffn_down_exps), and a RoPE scaling from the file
+(rope_scaling below), which the folder's config does not hold, divides the model's
+frequencies (gemma3's: its full layers'). For the llama architecture llama.cpp's
+converter stores the rows of attn_q and attn_k permuted for its RoPE (pairs of rotated
+dimensions interleaved); they are put back in Hugging Face's order (halves) as whole
+rows, so blocks are untouched. The others' RoPE is Hugging Face's: their rows are
+stored as they are.
 """
 
 from __future__ import annotations
@@ -217,9 +219,12 @@ class GgufWeights:
         if self.architecture not in GGUF_ARCHITECTURES:
             raise unserved_gguf_architecture(path.name, self.architecture)
         experts = self.reader.fields.get(f"{self.architecture}.expert_count", 0)
-        if experts and self.architecture != "qwen3moe":   # llama.cpp stores Mixtral as llama
-            raise ModelLoadError(f"{path.name} is a mixture of experts ({experts} experts "
-                                 f"a layer); roseserve serves dense models")
+        if experts and "blk.0.ffn_gate_exps.weight" not in self.tensors:
+            raise ModelLoadError(f"{path.name} is a mixture of experts ({experts} experts a "
+                                 f"layer) that stores each expert as tensors of its own "
+                                 f"(blk.N.ffn_gate.E.weight: llama.cpp's layout before "
+                                 f"2024); convert its checkpoint again, which stores a "
+                                 f"layer's experts together (blk.N.ffn_gate_exps.weight)")
         self.restored = restored_types()
         known = {*GGUF_FORMATS, *DENSE_FORMATS, *self.restored}
         bad = [f"{t.name} ({t.type_name})" for t in self.reader.tensors
@@ -343,7 +348,7 @@ def load_gguf(model, path: Path, kernels: CpuKernels) -> None:
         raise ModelLoadError(f"{path.name}: output or MLP biases are not served from GGUF "
                              f"files")
     # llama.cpp's converter stores q and k in its RoPE order for the llama architecture;
-    # qwen2's and qwen3's RoPE is Hugging Face's, their rows are as they were
+    # the others' RoPE is Hugging Face's, their rows are as they were
     heads = [cfg.num_heads, cfg.num_kv_heads, None] if w.architecture == "llama" else None
     q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     model.embed_tokens.weight.copy_(w.dense("token_embd.weight", (cfg.vocab_size, c)))
@@ -356,7 +361,7 @@ def load_gguf(model, path: Path, kernels: CpuKernels) -> None:
             attn.qkv_proj.bias = torch.cat([w.dense(p + f"attn_{n}.bias", (size,))
                                             for n, size in zip("qkv", sizes)])
         attn.o_proj = w.linear([p + "attn_output.weight"], cfg.num_heads * cfg.head_dim)
-        if i in cfg.moe_layers:   # qwen3moe: the router, then each expert's rows
+        if i in cfg.moe_layers:   # qwen3moe, Mixtral: the router, then each expert's rows
             mlp.gate = w.linear([p + "ffn_gate_inp.weight"], c)
             for e, expert in enumerate(mlp.experts):
                 expert.gate_up_proj = w.linear([p + "ffn_gate_exps.weight",
@@ -371,10 +376,17 @@ def load_gguf(model, path: Path, kernels: CpuKernels) -> None:
             attn.k_norm.weight.copy_(w.dense(p + "attn_k_norm.weight", (cfg.head_dim,)))
         layer.input_layernorm.weight.copy_(w.dense(p + "attn_norm.weight", (c,)))
         layer.post_attention_layernorm.weight.copy_(w.dense(p + "ffn_norm.weight", (c,)))
+        if cfg.sandwich_norms:   # gemma3's norms of the attention's and the MLP's outputs
+            layer.attn_out_norm.weight.copy_(w.dense(p + "post_attention_norm.weight", (c,)))
+            layer.mlp_out_norm.weight.copy_(w.dense(p + "post_ffw_norm.weight", (c,)))
     model.norm.weight.copy_(w.dense("output_norm.weight", (c,)))
     model.lm_head = w.linear(["output.weight" if "output.weight" in w.tensors
                               else "token_embd.weight"], c)
     model.rotary.inv_freq = model.rotary.inv_freq / rope_scaling(w, cfg.head_dim)
+    # gemma3's embedding and query scales into the embeddings and q's norms (its norms
+    # are stored as the 1 + weight they scale by); the lm_head, packed from the file's
+    # own embedding, keeps it unscaled
+    model.fold_scales()
     w.finish()
     counts = Counter(t.ggml_type for t in w.reader.tensors)
     kept = ", ".join(f"{n} {ggml_type_name(k)}" for k, n in counts.most_common()

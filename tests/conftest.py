@@ -327,6 +327,21 @@ def tiny_gemma3_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma3_six_dir(tmp_path_factory) -> Path:
+    """Gemma 3 as llama.cpp's gemma3 files describe it, whose metadata holds neither a
+    layer pattern nor a query scale: five sliding layers of every six, the scores
+    scaled by head_dim^-1/2; the full layer's RoPE linearly scaled (Gemma 3 4B's)."""
+    return _tiny(tmp_path_factory, "tiny-gemma3-six", 24, "Gemma3TextConfig",
+                 "Gemma3ForCausalLM", random_norms=True, **{
+                     **GEMMA3_TEXT, "num_hidden_layers": 6, "query_pre_attn_scalar": 16,
+                     "rope_parameters": {
+                         "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                            "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default",
+                                               "rope_theta": 10000.0}}})
+
+
+@pytest.fixture(scope="session")
 def tiny_gemma3_vision_dir(tmp_path_factory) -> Path:
     """Gemma 3 as its 4B, 12B and 27B models are published: a multimodal checkpoint
     (Gemma3ForConditionalGeneration, a vision tower beside the language model, whose

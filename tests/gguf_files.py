@@ -2,6 +2,7 @@
 (convert_hf_to_gguf.py) lays them out: its tensor names, q and k rows (weights and
 biases) permuted into its RoPE order for the llama architecture and not for qwen2 and
 qwen3,
+Gemma 3's norms stored as the 1 + weight they scale by,
 1-D tensors in F32, the tokenizer and chat template in the metadata."""
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
          "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-         "mlp.gate": "ffn_gate_inp"}
+         "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp"}
+# Mixtral's experts' projections
+MIXTRAL_EXPERTS = {"w1": "gate", "w3": "up", "w2": "down"}
 
 
 def llama_cpp_rope_order(rows: np.ndarray, num_heads: int) -> np.ndarray:
@@ -47,7 +50,14 @@ def llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def gguf_tensor_name(name: str) -> str:
+# Gemma 3's four norms a layer: its post_attention_layernorm normalizes the attention's
+# output, its pre_feedforward_layernorm is the others' post_attention_layernorm
+GEMMA3_NAMES = {**NAMES, "post_attention_layernorm": "post_attention_norm",
+                "pre_feedforward_layernorm": "ffn_norm",
+                "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def gguf_tensor_name(name: str, arch: str = "llama") -> str:
     if name == "model.embed_tokens.weight":
         return "token_embd.weight"
     if name == "model.norm.weight":
@@ -56,12 +66,13 @@ def gguf_tensor_name(name: str) -> str:
         return "output.weight"
     _, _, layer, rest = name.split(".", 3)   # model.layers.N.<module>.<weight|bias>
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{NAMES[module]}.{kind}"
+    return f"blk.{layer}.{(GEMMA3_NAMES if arch == 'gemma3' else NAMES)[module]}.{kind}"
 
 
 def gguf_from_hf(model_dir: Path, out: Path, arch: str, matrix_type: str = "F32",
                  name: str = "") -> Path:
-    """``model_dir`` (a tiny Llama, Qwen2, Qwen3 or Qwen3-MoE) as a GGUF file of ``arch``;
+    """``model_dir`` (a tiny Llama, Mixtral, Qwen2, Qwen3, Qwen3-MoE or Gemma 3) as a
+    GGUF file of ``arch`` (Mixtral's: llama);
     its matrices in ``matrix_type`` (F32, or a block type the gguf package quantizes:
     Q8_0...), but a mixture's routers F32, as llama.cpp's converter keeps them;
     ``name``: general.name (the folder's, unless given)."""
@@ -79,6 +90,7 @@ def gguf_from_hf(model_dir: Path, out: Path, arch: str, matrix_type: str = "F32"
     w.add_head_count(config["num_attention_heads"])
     w.add_head_count_kv(config["num_key_value_heads"])
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    rope = rope.get("full_attention", rope)   # Gemma 3's: by layer type
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     w.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
@@ -92,12 +104,15 @@ def gguf_from_hf(model_dir: Path, out: Path, arch: str, matrix_type: str = "F32"
     if arch == "llama":
         w.add_vocab_size(config["vocab_size"])
         w.add_rope_dimension_count(head_dim)
-    if arch in ("llama", "qwen3", "qwen3moe"):
+    if arch in ("llama", "qwen3", "qwen3moe", "gemma3"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    if arch == "qwen3moe":
+    if arch == "gemma3":
+        w.add_sliding_window(config["sliding_window"])
+    if arch == "qwen3moe" or "num_local_experts" in config:   # Mixtral is llama's
         w.add_expert_count(config.get("num_experts") or config["num_local_experts"])
         w.add_expert_used_count(config["num_experts_per_tok"])
+    if arch == "qwen3moe":
         w.add_expert_feed_forward_length(config["moe_intermediate_size"])
     vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
     tokens = sorted(vocab, key=vocab.get)
@@ -120,13 +135,14 @@ def gguf_from_hf(model_dir: Path, out: Path, arch: str, matrix_type: str = "F32"
     experts: dict[str, list] = {}
     tensors = {}
     for name, array in load_file(str(model_dir / "model.safetensors")).items():
-        if ".mlp.experts." in name:
-            layer, rest = name.split(".")[2], name.split(".mlp.experts.")[1]
+        if ".experts." in name:   # Qwen's mlp.experts.E.gate_proj, Mixtral's w1...
+            layer, rest = name.split(".")[2], name.split(".experts.")[1]
             index, kind = rest.split(".")[0], rest.split(".")[1].removesuffix("_proj")
+            kind = MIXTRAL_EXPERTS.get(kind, kind)
             experts.setdefault(f"blk.{layer}.ffn_{kind}_exps.weight", []).append(
                 (int(index), array))
         else:
-            tensors[gguf_tensor_name(name)] = (name, array)
+            tensors[gguf_tensor_name(name, arch)] = (name, array)
     for gguf_name, parts in experts.items():
         tensors[gguf_name] = ("", np.stack([a for _, a in sorted(parts, key=lambda p: p[0])]))
     for gguf_name, (name, array) in tensors.items():
@@ -135,6 +151,8 @@ def gguf_from_hf(model_dir: Path, out: Path, arch: str, matrix_type: str = "F32"
             array = llama_cpp_rope_order(array, config["num_attention_heads"])
         elif arch == "llama" and ".k_proj." in name:
             array = llama_cpp_rope_order(array, config["num_key_value_heads"])
+        elif arch == "gemma3" and name.endswith("norm.weight"):
+            array = array + 1   # llama.cpp's converter stores Gemma's norms as 1 + weight
         if array.ndim >= 2 and matrix_type != "F32" and "ffn_gate_inp" not in gguf_name:
             w.add_tensor(gguf_name, quants.quantize(array, matrix), raw_dtype=matrix)
         else:

@@ -23,7 +23,7 @@ from common.tokenizer import load_tokenizer
 from engine_worker import kernels
 from helpers import greedy, make_engine
 from gguf_files import gguf_from_hf
-from hf_reference import hf_model, quantize_blocks
+from hf_reference import assert_matches, hf_greedy, hf_model, quantize_blocks
 from processes import local_stack
 
 
@@ -151,7 +151,7 @@ def test_files_it_cannot_serve_are_refused_saying_why(tmp_path):
         GgufWeights(tmp_path / "s.gguf", kernels.cpu_kernels())
     write_gguf(tmp_path / "q.gguf", arch="phi3", tensors=[("blk.0.attn_q.weight", ok, T.F32)])
     with pytest.raises(ModelLoadError, match=r"q\.gguf: roseserve serves GGUF files of the "
-                       r"llama, qwen2, qwen3 and qwen3moe architectures \(.*\), not "
+                       r"llama, qwen2, qwen3, qwen3moe and gemma3 architectures \(.*\), not "
                        r"'phi3'"):
         GgufWeights(tmp_path / "q.gguf", kernels.cpu_kernels())
 
@@ -570,9 +570,83 @@ def test_a_yarn_file_with_fields_not_served_is_refused_by_name(tiny_llama_dir, t
                                     "llama.rope.scaling.yarn_log_multiplier": 0.1}, "llama")
 
 
-def test_a_mixture_of_experts_stored_as_llama_is_refused_by_name(tmp_path):
-    """llama.cpp stores Mixtral as the llama architecture, its experts' tensors in place
-    of the MLP's: refused as such, not as a file that lacks blk.0.ffn_gate.weight."""
+def test_a_gemma3_file_serves_what_its_checkpoint_does(tiny_gemma3_six_dir, tmp_path):
+    """llama.cpp's gemma3 (Gemma 3 270M to 27B, the language model): four norms a layer,
+    stored as the 1 + weight they scale by; q and k normed per head; five sliding layers
+    of six with a RoPE of their own, the full one's linearly scaled by the file's
+    rope.scaling; tied embeddings scaled by sqrt(hidden); no query scale in the
+    metadata (head_dim's, as llama.cpp takes it). An F32 file gives Hugging Face's
+    greedy tokens for the checkpoint, past the window of 9; a Q8_0 file's matrices are
+    int8 weights, its norms the file's."""
+    from gguf import GGMLQuantizationType as T
+
+    from common.gguf_reader import GgufReader
+
+    f32 = gguf_from_hf(tiny_gemma3_six_dir, tmp_path / "gemma3.f32.gguf", "gemma3")
+    folder = resolve_model_dir(str(f32))
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["Gemma3ForCausalLM"]
+    assert (config["query_pre_attn_scalar"], config["sliding_window"]) == (16, 9)
+    assert config["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"]
+    prompts = [[1, 2, 3, 4], list(range(100, 140))]
+    assert_matches(make_engine(folder).generate(prompts, greedy(12)),
+                   hf_greedy(tiny_gemma3_six_dir, prompts, 12), "gemma3 gguf")
+
+    q8 = gguf_from_hf(tiny_gemma3_six_dir, tmp_path / "gemma3.q8_0.gguf", "gemma3", "Q8_0")
+    model = make_engine(resolve_model_dir(str(q8))).runner.model
+    tensors = {t.name: t for t in GgufReader(q8).tensors}
+    assert tensors["blk.0.attn_q.weight"].ggml_type == T.Q8_0
+    for i, layer in enumerate(model.layers):
+        assert (layer.self_attn.qkv_proj.fmt, layer.mlp.down_proj.fmt) == ("int8", "int8")
+        for norm, name in ((layer.input_layernorm, "attn_norm"),
+                           (layer.attn_out_norm, "post_attention_norm"),
+                           (layer.post_attention_layernorm, "ffn_norm"),
+                           (layer.mlp_out_norm, "post_ffw_norm")):
+            stored = np.array(tensors[f"blk.{i}.{name}.weight"].data).view(np.float32)
+            assert torch.equal(norm.weight, torch.from_numpy(stored.reshape(-1))), name
+
+
+def test_what_a_gemma3_files_metadata_leaves_out_is_read_as_llama_cpp_reads_it():
+    """The 27B model's (62 layers) query scale is hidden / heads, not head_dim (168,
+    not 128); a file without a sliding window has none; a final logit soft-cap, which
+    the engine does not serve, is carried to the config, where it is refused."""
+    from transformers import Gemma3TextConfig
+
+    from common.model_files import _gemma3_reading
+    from engine_worker.model_config import _gemma3
+
+    big = Gemma3TextConfig(num_hidden_layers=62, hidden_size=5376, num_attention_heads=32,
+                           head_dim=128, sliding_window=1024)
+    _gemma3_reading(big, {"gemma3.attention.sliding_window": 1024})
+    assert (big.query_pre_attn_scalar, big.sliding_window) == (168, 1024)
+    small = Gemma3TextConfig(num_hidden_layers=26, hidden_size=1152, num_attention_heads=4,
+                             head_dim=256, sliding_window=512)
+    _gemma3_reading(small, {"gemma3.final_logit_softcapping": 30.0})
+    assert (small.query_pre_attn_scalar, small.sliding_window) == (256, None)
+    with pytest.raises(ModelLoadError, match="final_logit_softcapping is not supported"):
+        _gemma3(small.to_dict(), 256, 256, None)
+
+
+def test_a_mixtral_file_serves_what_its_checkpoint_does(tiny_mixtral_dir, tmp_path):
+    """llama.cpp stores Mixtral as llama with experts: q and k rows in its RoPE order,
+    each layer's experts in three tensors of all of them, the router F32. Its folder's
+    config is Mixtral's, and it gives the checkpoint's greedy tokens."""
+    path = gguf_from_hf(tiny_mixtral_dir, tmp_path / "mixtral.gguf", "llama")
+    folder = resolve_model_dir(str(path))
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["MixtralForCausalLM"]
+    assert (config["num_local_experts"], config["num_experts_per_tok"]) == (4, 2)
+    engine = make_engine(folder)
+    assert all(len(layer.mlp.experts) == 4 for layer in engine.runner.model.layers)
+    prompts = [[1, 2, 3, 4], list(range(100, 140))]
+    assert_matches(engine.generate(prompts, greedy(12)),
+                   hf_greedy(tiny_mixtral_dir, prompts, 12), "mixtral gguf")
+
+
+def test_a_mixture_stored_an_expert_a_tensor_is_refused_by_name(tmp_path):
+    """llama.cpp's first Mixtral files stored each expert's projections as tensors of
+    their own (blk.N.ffn_gate.E.weight): refused as such, saying what to do, not as a
+    file that lacks blk.0.ffn_gate_exps.weight."""
     from gguf import GGUFWriter
 
     from engine_worker.gguf import GgufWeights
@@ -582,12 +656,15 @@ def test_a_mixture_of_experts_stored_as_llama_is_refused_by_name(tmp_path):
     w.add_expert_count(8)
     w.add_expert_used_count(2)
     w.add_tensor("token_embd.weight", np.zeros((4, 32), dtype=np.float32))
+    w.add_tensor("blk.0.ffn_gate.0.weight", np.zeros((4, 32), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ModelLoadError, match="mixtral.gguf is a mixture of experts "
-                                             r"\(8 experts a layer\)"):
+    with pytest.raises(ModelLoadError, match=r"mixtral.gguf is a mixture of experts \(8 "
+                                             r"experts a layer\) that stores each expert as "
+                                             r"tensors of its own .* convert its checkpoint "
+                                             r"again"):
         GgufWeights(path, kernels.cpu_kernels())
 
 
