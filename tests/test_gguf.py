@@ -508,28 +508,36 @@ def test_a_qwen3moe_file_serves_its_experts_as_they_are(tiny_qwen3_30b_a3b_dir, 
     assert len(engine.generate(prompts, greedy(12))[1]) == 12
 
 
-@pytest.mark.parametrize("rope", [
-    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-     "original_max_position_embeddings": 64},   # long wavelengths at head_dim 16: scaled
-    {"rope_type": "linear", "factor": 4.0},
-    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}],
-    ids=["llama3", "linear", "yarn"])
-def test_a_files_rope_scaling_is_served_as_the_checkpoints(rope, tiny_llama_dir, tmp_path):
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}
+
+
+@pytest.mark.parametrize("rope, arch, model_fixture", [
+    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 64},   # long wavelengths at head_dim 16: scaled
+     "llama", "tiny_llama_dir"),
+    ({"rope_type": "linear", "factor": 4.0}, "llama", "tiny_llama_dir"),
+    (YARN, "llama", "tiny_llama_dir"), (YARN, "qwen3moe", "tiny_qwen3_30b_a3b_dir")],
+    ids=["llama3", "linear", "yarn", "yarn-qwen3moe"])
+def test_a_files_rope_scaling_is_served_as_the_checkpoints(rope, arch, model_fixture, request,
+                                                           tmp_path):
     """llama.cpp's converter stores Llama 3.1's RoPE scaling (Llama 3.2, 3.3) as a
     tensor of factors, rope_freqs.weight, and a linear one and YaRN (Qwen's long
     contexts) in the metadata; none reaches the config transformers reads from the file
-    (they were left out: another frequency for most dimensions, at every position)."""
+    (they were left out: another frequency for most dimensions, at every position). A
+    qwen3moe file's was looked up under transformers' name for it, qwen3_moe, and not
+    found."""
     import shutil
 
+    source = request.getfixturevalue(model_fixture)
     model = tmp_path / "scaled"
-    shutil.copytree(tiny_llama_dir, model)
+    shutil.copytree(source, model)
     config = json.loads((model / "config.json").read_text())
     config["rope_parameters"] = {**rope, "rope_theta": 10000.0}
     (model / "config.json").write_text(json.dumps(config))
-    path = gguf_from_hf(model, tmp_path / "scaled.gguf", "llama")
+    path = gguf_from_hf(model, tmp_path / "scaled.gguf", arch)
     ours, theirs = make_engine(resolve_model_dir(str(path))), make_engine(model)
     inv_freq = theirs.runner.model.rotary.inv_freq
-    plain = make_engine(tiny_llama_dir).runner.model.rotary.inv_freq
+    plain = make_engine(source).runner.model.rotary.inv_freq
     assert not torch.allclose(inv_freq, plain)   # the scaling changes the frequencies
     torch.testing.assert_close(ours.runner.model.rotary.inv_freq, inv_freq, rtol=1e-6, atol=0)
     assert ours.runner.model.rotary.scale == theirs.runner.model.rotary.scale
