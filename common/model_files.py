@@ -54,7 +54,7 @@ GGUF_POINTER = "gguf.json"
 # SmolLM as llama, and Mixtral as llama with experts.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                       "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
-                      "gemma3": "Gemma3ForCausalLM"}
+                      "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 
 # The texts of control tokens that end a reply or a document in the chat formats of the
@@ -86,8 +86,9 @@ def end_of_generation_ids(fields: dict) -> list[int]:
 
 def unserved_gguf_architecture(file_name: str, arch: object) -> ModelLoadError:
     return ModelLoadError(f"{file_name}: roseserve serves GGUF files of the llama, qwen2, "
-                          f"qwen3, qwen3moe and gemma3 architectures (Llama, SmolLM, Mistral, "
-                          f"Qwen2, Qwen2.5, Qwen3, Qwen3-30B-A3B, Gemma 3...), not {arch!r}")
+                          f"qwen3, qwen3moe, gemma3 and phi3 architectures (Llama, SmolLM, "
+                          f"Mistral, Mixtral, Qwen2, Qwen2.5, Qwen3, Qwen3-30B-A3B, Gemma 3, "
+                          f"Phi-3, Phi-4...), not {arch!r}")
 
 
 # Architectures' config.json without weights, for --load-format dummy.
@@ -233,6 +234,8 @@ def _gguf_metadata(path: Path, fields: dict, out_dir: Path,
         config.rope_parameters = {**(config.rope_parameters or {}), **yarn}
     if arch == "gemma3":
         _gemma3_reading(config, fields)
+    if arch == "phi3":
+        _phi3_reading(config, fields, path)
     if arch == "qwen3moe":
         # transformers reads neither the experts' size nor that llama.cpp renormalizes
         # the chosen experts' weights (Qwen3-MoE's own configs say norm_topk_prob too)
@@ -261,6 +264,32 @@ def _gemma3_reading(config, fields: dict) -> None:
     softcap = fields.get("gemma3.final_logit_softcapping")
     if softcap:   # refused by the engine, by name
         config.final_logit_softcapping = softcap
+
+
+def _phi3_reading(config, fields: dict, path: Path) -> None:
+    """What a phi3 file holds that transformers' reading leaves out: the share of each
+    head RoPE turns (Phi-4-mini's 3/4: rope.dimension_count), the sliding window
+    (Phi-3-mini-4k's) and LongRoPE (the 128k models, Phi-3.5, Phi-4-mini): its long
+    and short factors, tensors of their own, with the original context and the
+    attention factor."""
+    head_dim = config.hidden_size // config.num_attention_heads
+    turned = fields.get("phi3.rope.dimension_count", head_dim)
+    if turned != head_dim:
+        config.partial_rotary_factor = turned / head_dim
+        config.rope_parameters = {**(config.rope_parameters or {}),
+                                  "partial_rotary_factor": turned / head_dim}
+    config.sliding_window = fields.get("phi3.attention.sliding_window") or None
+    factors = {t.name: np.array(t.data).view(np.float32).reshape(-1).tolist()
+               for t in GgufReader(path).tensors
+               if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")}
+    if len(factors) == 2:
+        longrope = {"rope_type": "longrope", "long_factor": factors["rope_factors_long.weight"],
+                    "short_factor": factors["rope_factors_short.weight"]}
+        for key, name in (("original_context_length", "original_max_position_embeddings"),
+                          ("attn_factor", "attention_factor")):
+            if f"phi3.rope.scaling.{key}" in fields:
+                longrope[name] = fields[f"phi3.rope.scaling.{key}"]
+        config.rope_parameters = {**(config.rope_parameters or {}), **longrope}
 
 
 def _yarn_parameters(file_name: str, fields: dict, arch: str) -> dict:

@@ -234,7 +234,7 @@ class GgufWeights:
             raise ModelLoadError(f"{path.name} has tensors in types roseserve cannot serve as "
                                  f"they are: {', '.join(bad[:6])}{more}; it serves {served()}")
 
-    def _take(self, name: str):
+    def take(self, name: str):
         if name not in self.tensors:
             raise ModelLoadError(f"{self.path.name} lacks tensor {name!r}")
         self.taken.add(name)
@@ -244,7 +244,7 @@ class GgufWeights:
         """A tensor as float32 (dequantized if it is in blocks)."""
         from gguf import quants
 
-        t = self._take(name)
+        t = self.take(name)
         values = quants.dequantize(t.data, t.ggml_type)
         if values.size != int(np.prod(shape)):
             raise ModelLoadError(f"{self.path.name}: tensor {name!r} has {values.size} values, "
@@ -252,10 +252,11 @@ class GgufWeights:
         return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape)
 
     def linear(self, names: list[str], in_features: int,
-               heads: Optional[list[Optional[int]]] = None, expert: Optional[int] = None):
+               orders: Optional[list[Optional[np.ndarray]]] = None,
+               expert: Optional[int] = None):
         """The tensors ``names``, rows stacked in that order (q, k, v; gate, up), as
-        one PackedLinear in the format their type packs as. ``heads``: per tensor, its
-        head count if its rows are in llama.cpp's RoPE order. ``expert``: of tensors
+        one PackedLinear in the format their type packs as. ``orders``: per tensor, the
+        order to take its rows in, or None (as they are). ``expert``: of tensors
         holding every expert of a mixture (ffn_gate_exps...), that expert's rows.
         Tensors of types that pack as different formats (llama.cpp's mixes give v more
         bits than q and k), or as one format but not in whole panels each, are all made
@@ -264,15 +265,15 @@ class GgufWeights:
 
         from engine_worker.models import PackedLinear
 
-        tensors = [self._take(n) for n in names]
+        tensors = [self.take(n) for n in names]
         parts, types = [], []
-        for t, h in zip(tensors, heads or [None] * len(tensors)):
+        for t, order in zip(tensors, orders or [None] * len(tensors)):
             if t.shape[0] != in_features:
                 raise ModelLoadError(f"{self.path.name}: tensor {t.name!r} has "
                                      f"{t.shape[0]} inputs, expected {in_features}")
             data = t.data if expert is None else t.data.reshape(t.shape[2], -1,
                                                                 t.data.shape[1])[expert]
-            parts.append(data[unpermute_rows(len(data), h)] if h else data)
+            parts.append(data if order is None else data[order])
             types.append(t.ggml_type)
         packs_as = [self.restored.get(g, (g,))[0] for g in types]
         formats = {GGUF_FORMATS.get(g) or DENSE_FORMATS[g] for g in packs_as}
@@ -337,6 +338,23 @@ def rope_scaling(w: GgufWeights, head_dim: int) -> torch.Tensor:
     return factors
 
 
+def _qkv_orders(arch: str, cfg) -> Optional[list[Optional[np.ndarray]]]:
+    """The order of q's, k's and v's rows to take: llama.cpp's converter stores q's and
+    k's in its RoPE order for the llama architecture (put back in Hugging Face's); the
+    others' RoPE is Hugging Face's, rows as they were, but where RoPE turns only part of
+    each head (Phi-4-mini), q's and k's reordered as from a checkpoint."""
+    if arch == "llama":
+        return [unpermute_rows(cfg.num_heads * cfg.head_dim, cfg.num_heads),
+                unpermute_rows(cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads), None]
+    if cfg.rotary_dim is None:
+        return None
+    from engine_worker.models.llama import partial_rotary_order
+
+    rows = partial_rotary_order(cfg)[0].numpy()
+    total = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    return [np.concatenate([rows, np.arange(len(rows), total)])]
+
+
 @torch.no_grad()
 def load_gguf(model, path: Path, kernels: CpuKernels) -> None:
     """Fill a LlamaModel (built with empty weights) from a GGUF file: every linear
@@ -347,15 +365,15 @@ def load_gguf(model, path: Path, kernels: CpuKernels) -> None:
     if cfg.o_bias or cfg.mlp_bias:
         raise ModelLoadError(f"{path.name}: output or MLP biases are not served from GGUF "
                              f"files")
-    # llama.cpp's converter stores q and k in its RoPE order for the llama architecture;
-    # the others' RoPE is Hugging Face's, their rows are as they were
-    heads = [cfg.num_heads, cfg.num_kv_heads, None] if w.architecture == "llama" else None
     q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    qkv = _qkv_orders(w.architecture, cfg)
+    phi3 = w.architecture == "phi3"   # q/k/v and gate/up stored fused, as its checkpoints
     model.embed_tokens.weight.copy_(w.dense("token_embd.weight", (cfg.vocab_size, c)))
     for i, layer in enumerate(model.layers):
         p = f"blk.{i}."
         attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj = w.linear([p + f"attn_{n}.weight" for n in "qkv"], c, heads)
+        attn.qkv_proj = w.linear([p + "attn_qkv.weight"] if phi3 else
+                                 [p + f"attn_{n}.weight" for n in "qkv"], c, qkv)
         if cfg.qkv_bias:   # qwen2's (a llama model with biases has o's too, refused above)
             sizes = (q_size, kv_size, kv_size)
             attn.qkv_proj.bias = torch.cat([w.dense(p + f"attn_{n}.bias", (size,))
@@ -369,7 +387,8 @@ def load_gguf(model, path: Path, kernels: CpuKernels) -> None:
                 expert.down_proj = w.linear([p + "ffn_down_exps.weight"],
                                             cfg.expert_intermediate_size, expert=e)
         else:
-            mlp.gate_up_proj = w.linear([p + "ffn_gate.weight", p + "ffn_up.weight"], c)
+            mlp.gate_up_proj = w.linear([p + "ffn_up.weight"] if phi3 else
+                                        [p + "ffn_gate.weight", p + "ffn_up.weight"], c)
             mlp.down_proj = w.linear([p + "ffn_down.weight"], i_size)
         if cfg.qk_norm:
             attn.q_norm.weight.copy_(w.dense(p + "attn_q_norm.weight", (cfg.head_dim,)))
@@ -383,6 +402,9 @@ def load_gguf(model, path: Path, kernels: CpuKernels) -> None:
     model.lm_head = w.linear(["output.weight" if "output.weight" in w.tensors
                               else "token_embd.weight"], c)
     model.rotary.inv_freq = model.rotary.inv_freq / rope_scaling(w, cfg.head_dim)
+    for name in ("rope_factors_long.weight", "rope_factors_short.weight"):
+        if name in w.tensors:   # phi3's LongRoPE: in the folder's config (model_files.py)
+            w.take(name)
     # gemma3's embedding and query scales into the embeddings and q's norms (its norms
     # are stored as the 1 + weight they scale by); the lm_head, packed from the file's
     # own embedding, keeps it unscaled

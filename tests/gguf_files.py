@@ -18,7 +18,8 @@ NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
          "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-         "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp"}
+         "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+         "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}   # Phi-3's fused
 # Mixtral's experts' projections
 MIXTRAL_EXPERTS = {"w1": "gate", "w3": "up", "w2": "down"}
 
@@ -69,10 +70,32 @@ def gguf_tensor_name(name: str, arch: str = "llama") -> str:
     return f"blk.{layer}.{(GEMMA3_NAMES if arch == 'gemma3' else NAMES)[module]}.{kind}"
 
 
+def _phi3_hparams(w, config: dict, rope: dict, head_dim: int) -> None:
+    """As llama.cpp's converter writes Phi-3's: the dimensions RoPE turns, the sliding
+    window, and LongRoPE as its original context, attention factor and two tensors
+    of factors."""
+    import math
+
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    w.add_rope_dimension_count(int(partial * config["hidden_size"])
+                               // config["num_attention_heads"])
+    if config.get("sliding_window"):
+        w.add_sliding_window(config["sliding_window"])
+    if rope.get("rope_type") != "longrope":
+        return
+    original = config["original_max_position_embeddings"]
+    scale = config["max_position_embeddings"] / original
+    w.add_rope_scaling_orig_ctx_len(original)
+    w.add_rope_scaling_attn_factors(
+        math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+    w.add_tensor("rope_factors_long.weight", np.array(rope["long_factor"], dtype=np.float32))
+    w.add_tensor("rope_factors_short.weight", np.array(rope["short_factor"], dtype=np.float32))
+
+
 def gguf_from_hf(model_dir: Path, out: Path, arch: str, matrix_type: str = "F32",
                  name: str = "") -> Path:
-    """``model_dir`` (a tiny Llama, Mixtral, Qwen2, Qwen3, Qwen3-MoE or Gemma 3) as a
-    GGUF file of ``arch`` (Mixtral's: llama);
+    """``model_dir`` (a tiny Llama, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Gemma 3 or Phi-3)
+    as a GGUF file of ``arch`` (Mixtral's: llama);
     its matrices in ``matrix_type`` (F32, or a block type the gguf package quantizes:
     Q8_0...), but a mixture's routers F32, as llama.cpp's converter keeps them;
     ``name``: general.name (the folder's, unless given)."""
@@ -94,7 +117,9 @@ def gguf_from_hf(model_dir: Path, out: Path, arch: str, matrix_type: str = "F32"
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     w.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
     w.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    if rope.get("rope_type") in ("linear", "yarn", "longrope"):
+    if arch == "phi3":
+        _phi3_hparams(w, config, rope, head_dim)
+    elif rope.get("rope_type") in ("linear", "yarn", "longrope"):
         w.add_rope_scaling_type(RopeScalingType(rope["rope_type"]))
         w.add_rope_scaling_factor(rope["factor"])
         if "original_max_position_embeddings" in rope:

@@ -149,10 +149,10 @@ def test_files_it_cannot_serve_are_refused_saying_why(tmp_path):
     with pytest.raises(ModelLoadError, match=r"s\.gguf is one of 3 parts of a split GGUF "
                        r"file; join them first \(llama.cpp's llama-gguf-split --merge"):
         GgufWeights(tmp_path / "s.gguf", kernels.cpu_kernels())
-    write_gguf(tmp_path / "q.gguf", arch="phi3", tensors=[("blk.0.attn_q.weight", ok, T.F32)])
+    write_gguf(tmp_path / "q.gguf", arch="gemma2", tensors=[("blk.0.attn_q.weight", ok, T.F32)])
     with pytest.raises(ModelLoadError, match=r"q\.gguf: roseserve serves GGUF files of the "
-                       r"llama, qwen2, qwen3, qwen3moe and gemma3 architectures \(.*\), not "
-                       r"'phi3'"):
+                       r"llama, qwen2, qwen3, qwen3moe, gemma3 and phi3 architectures "
+                       r"\(.*\), not 'gemma2'"):
         GgufWeights(tmp_path / "q.gguf", kernels.cpu_kernels())
 
 
@@ -612,6 +612,35 @@ def test_a_gemma3_file_serves_what_its_checkpoint_does(tiny_gemma3_six_dir, tmp_
                            (layer.mlp_out_norm, "post_ffw_norm")):
             stored = np.array(tensors[f"blk.{i}.{name}.weight"].data).view(np.float32)
             assert torch.equal(norm.weight, torch.from_numpy(stored.reshape(-1))), name
+
+
+@pytest.mark.parametrize("model_fixture", ["tiny_phi3_dir", "tiny_phi4_mini_dir"])
+def test_a_phi3_file_serves_what_its_checkpoint_does(model_fixture, request, tmp_path):
+    """llama.cpp's phi3 (Phi-3, Phi-3.5, Phi-4, Phi-4-mini): q/k/v and gate/up stored
+    fused, as in the checkpoints; the sliding window (Phi-3-mini-4k's); LongRoPE's
+    factors, tensors of their own, with the original context; RoPE over 3/4 of each
+    head (Phi-4-mini's: q's and k's rows reordered at load as from a checkpoint). The
+    engine serving the file gives the checkpoint's greedy tokens (a prompt of 70
+    tokens, past LongRoPE's original 64)."""
+    model_dir = request.getfixturevalue(model_fixture)
+    path = gguf_from_hf(model_dir, tmp_path / "phi3.gguf", "phi3")
+    folder = resolve_model_dir(str(path))
+    ours, theirs = make_engine(folder), make_engine(model_dir)
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["Phi3ForCausalLM"]
+    for field in ("windows", "rotary_dim", "max_model_len", "tie_word_embeddings"):
+        assert getattr(ours.model_config, field) == getattr(theirs.model_config, field), field
+    # LongRoPE's factors and attention factor as the file holds them: float32
+    mine, checkpoint = ours.model_config.rope, theirs.model_config.rope
+    assert (mine.kind, mine.theta) == (checkpoint.kind, checkpoint.theta)
+    assert mine.ext_factors == pytest.approx(checkpoint.ext_factors, rel=1e-7)
+    assert mine.attention_factor == pytest.approx(checkpoint.attention_factor, rel=1e-7)
+    if model_fixture == "tiny_phi3_dir":
+        assert set(ours.model_config.windows) == {255}
+    else:
+        assert ours.model_config.rope.kind == "longrope" and ours.model_config.rotary_dim == 12
+    prompts = [[1, 2, 3, 4], list(range(100, 170))]
+    assert ours.generate(prompts, greedy(12)) == theirs.generate(prompts, greedy(12))
 
 
 def test_what_a_gemma3_files_metadata_leaves_out_is_read_as_llama_cpp_reads_it():

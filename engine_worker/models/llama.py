@@ -78,6 +78,20 @@ def _yarn_inv_freq(rope: RopeConfig, head_dim: int, inv_freq: torch.Tensor) -> t
     return inv_freq / rope.factor * ramp + inv_freq * (1 - ramp)
 
 
+def partial_rotary_order(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where RoPE turns only a head's first R dimensions (pairs i and i + R/2): the
+    order of q's and k's rows in the fused q/k/v weight (q's heads, then k's), and of
+    a head's dimensions (its norms'), that puts those pairs where the kernels'
+    full-head RoPE turns pairs (i and i + D/2, for i < R/2), and the rest where Rotary
+    gives frequency 0. Each head alike, q and k alike, so q.k is unchanged."""
+    d, half, r = cfg.head_dim, cfg.head_dim // 2, cfg.rotary_dim // 2
+    rest = list(range(2 * r, d))
+    order = torch.tensor(list(range(r)) + rest[:half - r]
+                         + list(range(r, 2 * r)) + rest[half - r:])
+    heads = torch.arange(cfg.num_heads + cfg.num_kv_heads).unsqueeze(1) * d
+    return (heads + order).flatten(), order
+
+
 class Rotary:
     """cos/sin of each position, computed per step from the positions (as Hugging Face
     does) rather than from a table, so the numbers match bit for bit."""
@@ -366,21 +380,12 @@ class LlamaModel(nn.Module):
 
     @torch.no_grad()
     def permute_partial_rotary(self) -> None:
-        """Where RoPE turns only a head's first R dimensions (pairs i and i + R/2), the
-        dimensions of q and k are reordered (each head alike, q and k alike, so q.k is
-        unchanged) so that those pairs sit where the kernels' full-head RoPE turns
-        pairs (i and i + D/2, for i < R/2), and the rest where Rotary gives frequency
-        0. v, and so every output, is untouched."""
+        """Where RoPE turns only a head's first dimensions, q's and k's reordered
+        (partial_rotary_order). v, and so every output, is untouched."""
         cfg = self.cfg
         if cfg.rotary_dim is None:
             return
-        d, half, r = cfg.head_dim, cfg.head_dim // 2, cfg.rotary_dim // 2
-        rest = list(range(2 * r, d))
-        order = torch.tensor(list(range(r)) + rest[:half - r]
-                             + list(range(r, 2 * r)) + rest[half - r:])
-        q = self.layers[0].self_attn.num_heads
-        heads = torch.arange(q + cfg.num_kv_heads).unsqueeze(1) * d   # q's heads, then k's
-        rows = (heads + order).flatten()
+        rows, order = partial_rotary_order(cfg)
         for layer in self.layers:
             attn = layer.self_attn
             params = [attn.qkv_proj.weight] + (
