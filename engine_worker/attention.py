@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from engine_worker.kernels import CpuKernels
-from engine_worker.ops import FP8, from_value_blocks, value_blocks, write_kv
+from engine_worker.ops import FP8, from_value_blocks, soft_cap, value_blocks, write_kv
 
 
 @dataclass
@@ -75,11 +76,14 @@ class AttentionBackend:
     """The interface every backend implements. One instance serves every layer (they
     share head counts and scale)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 softcap: float = 0.0) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        # > 0: each score s becomes softcap tanh(s / softcap) before the softmax (Gemma 2)
+        self.softcap = softcap
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata, window: int = 0
@@ -101,8 +105,9 @@ class AttentionBackend:
 class TorchAttention(AttentionBackend):
     """The reference backend."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 softcap: float = 0.0) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, softcap)
         self.gqa = num_heads != num_kv_heads
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -146,9 +151,7 @@ class TorchAttention(AttentionBackend):
         mask = keys < lens.unsqueeze(1)
         if window:
             mask &= keys >= lens.unsqueeze(1) - window
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), kv[0], kv[1], attn_mask=mask.view(b, 1, 1, -1),
-            scale=self.scale, enable_gqa=self.gqa)  # (B, Hq, 1, D)
+        out = self._sdpa(q.unsqueeze(2), kv[0], kv[1], mask.view(b, 1, 1, -1))  # (B, Hq, 1, D)
         return out.squeeze(2)
 
     def _chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -170,23 +173,37 @@ class TorchAttention(AttentionBackend):
             if window:
                 mask &= key_pos > q_pos.unsqueeze(1) - window
             keys, values, causal = kv[0], kv[1], False
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-            attn_mask=mask, is_causal=causal, scale=self.scale,
-            enable_gqa=self.gqa)  # (Hq, L, D)
+        out = self._sdpa(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+                         mask, causal)  # (Hq, L, D)
         return out.transpose(0, 1)
+
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              mask: Optional[torch.Tensor], causal: bool = False) -> torch.Tensor:
+        """Softmax(q k^T scale) v over the keys ``mask`` allows (or causally), q (...,
+        Hq, L, D), k and v (..., Hkv, T, D); with a soft cap, computed here (SDPA has
+        none)."""
+        if not self.softcap:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                  scale=self.scale, enable_gqa=self.gqa)
+        if causal:
+            mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool,
+                              device=q.device).tril()
+        group = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(group, -3), v.repeat_interleave(group, -3)
+        scores = soft_cap(q @ k.transpose(-1, -2) * self.scale, self.softcap)
+        return torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ v
 
 
 class CpuAttention(TorchAttention):
     """Single-token queries through the C kernel, which reads the cache in place."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 kernels: CpuKernels) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+                 kernels: CpuKernels, softcap: float = 0.0) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, softcap)
         self.kernels = kernels
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, window: int = 0) -> torch.Tensor:
         return self.kernels.paged_decode_attention(
             q, kv_cache, meta.decode_tables_int64, meta.decode_lens_int64, self.scale,
-            window)
+            window, self.softcap)

@@ -40,7 +40,7 @@ from typing import Optional, Sequence
 import torch
 
 from common.config import cache_dir
-from engine_worker.ops import QkNorm, norm_heads, split_qkv
+from engine_worker.ops import QkNorm, norm_heads, soft_cap, split_qkv
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class CpuKernels:
         fn = lib.rs_paged_attention
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, i64, i64,
-                       i64, i64, ctypes.c_float, i64]
+                       i64, i64, ctypes.c_float, ctypes.c_float, i64]
         fn.restype = ctypes.c_int
         self._attention = fn
         self._argmax = lib.rs_argmax_rows
@@ -233,21 +233,23 @@ class CpuKernels:
 
     def paged_decode_attention(self, q: torch.Tensor, kv_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
-                               scale: float, window: int = 0) -> torch.Tensor:
+                               scale: float, window: int = 0, softcap: float = 0.0
+                               ) -> torch.Tensor:
         """q (B, Hq, D) float32, kv_cache (2, num_blocks, bs, Hkv, D) float32 or
         bfloat16, block_tables (B, max_blocks) and context_lens (B,) int64 -> (B, Hq, D):
         one query per sequence."""
         seq = torch.arange(q.shape[0], dtype=torch.int64)
         return self.paged_attention(q, kv_cache, seq, block_tables, context_lens, scale,
-                                    window)
+                                    window, softcap)
 
     def paged_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, seq: torch.Tensor,
                         block_tables: torch.Tensor, context_lens: torch.Tensor,
-                        scale: float, window: int = 0) -> torch.Tensor:
+                        scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
         """q (N, Hq, D) float32: token n attends to the first context_lens[n] tokens of
         sequence seq[n] (its row of block_tables), or to the last ``window`` of them; a
         sequence's consecutive tokens (a prompt chunk) are attended as tiles, as in the
-        fused forward. -> (N, Hq, D)."""
+        fused forward; softcap > 0: each score s becomes softcap tanh(s / softcap)
+        (Gemma 2). -> (N, Hq, D)."""
         q = q.contiguous()
         n, hq, d = q.shape
         _, _, block_size, hkv, _ = kv_cache.shape
@@ -257,7 +259,7 @@ class CpuKernels:
         rc = self._attention(q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
                              kv_type(kv_cache.dtype), seq.data_ptr(), context_lens.data_ptr(),
                              block_tables.data_ptr(), out.data_ptr(), n, hq, hkv, d,
-                             block_size, block_tables.shape[1], scale, window)
+                             block_size, block_tables.shape[1], scale, softcap, window)
         if rc == -2:
             raise ValueError(f"paged attention kernel needs head_dim a multiple of 16 "
                              f"and <= 256, got {d}")
@@ -314,7 +316,8 @@ class _Llama(ctypes.Structure):
         ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("lm_head_format", ctypes.c_int64),
         ("kv_type", ctypes.c_int64),
         ("embed", ctypes.c_void_p), ("lm_head", ctypes.c_void_p), ("norm", ctypes.c_void_p),
-        ("layers", ctypes.POINTER(_Layer)), ("gelu", ctypes.c_int64)]
+        ("layers", ctypes.POINTER(_Layer)), ("gelu", ctypes.c_int64),
+        ("softcap", ctypes.c_float)]
 
 
 class _Step(ctypes.Structure):
@@ -345,6 +348,7 @@ class FusedLlama:
         self.profile: Optional[torch.Tensor] = None
         self._kernels = kernels
         self._vocab = cfg.vocab_size
+        self._logit_softcap = cfg.logit_softcap
         layers = []
         for layer, kv in zip(model.layers, kv_caches):
             attn, mlp = layer.self_attn, layer.mlp
@@ -370,7 +374,8 @@ class FusedLlama:
             cfg.head_dim ** -0.5, WEIGHT_FORMATS[model.lm_head.fmt],
             kv_type(kv_caches[0].dtype),
             _ptr(model.embed_tokens.weight), _ptr(model.lm_head.packed),
-            _ptr(model.norm.weight), self._layers, int(cfg.hidden_act != "silu"))
+            _ptr(model.norm.weight), self._layers, int(cfg.hidden_act != "silu"),
+            cfg.attn_softcap)
         self._keep = (model, kv_caches)  # everything the pointers point into
         self._scratch = torch.empty(0)
 
@@ -401,7 +406,7 @@ class FusedLlama:
             raise ValueError("the fused forward needs head_dim a multiple of 16, <= 256")
         if rc != 0:
             raise MemoryError("the fused forward could not allocate scratch memory")
-        return logits
+        return soft_cap(logits, self._logit_softcap)
 
 
 _loaded: dict[str, Optional[CpuKernels]] = {}

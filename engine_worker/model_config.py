@@ -2,13 +2,15 @@
 
 Supported: the Llama family (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
 Qwen3ForCausalLM, GraniteForCausalLM, Phi3ForCausalLM, SmolLM3ForCausalLM,
-Gemma3ForCausalLM and Gemma3ForConditionalGeneration's language model, and the mixtures
+Gemma2ForCausalLM, Gemma3ForCausalLM and Gemma3ForConditionalGeneration's language model,
+and the mixtures
 of experts MixtralForCausalLM, Qwen2MoeForCausalLM and Qwen3MoeForCausalLM: RMSNorm,
 RoPE, grouped-query attention, SwiGLU; Qwen3 also RMS-norms each head of q and k;
 Granite scales the embeddings, attention scores, each layer's outputs and the logits by
 constants of its config; Phi-3 stores q/k/v and gate/up fused; SmolLM3 leaves RoPE out
-of every fourth layer; Gemma 3 has GELU gates, 1 + weight norms, norms of each layer's
-outputs and sliding layers with a RoPE of their own) and GPT2LMHeadModel. Anything else
+of every fourth layer; Gemma 2 and 3 have GELU gates, 1 + weight norms, norms of each
+layer's outputs and sliding layers, Gemma 2 soft-capped scores and logits, Gemma 3's
+sliding layers a RoPE of their own) and GPT2LMHeadModel. Anything else
 is a ModelLoadError that names the architecture and what is supported.
 """
 
@@ -35,6 +37,7 @@ LLAMA_FAMILY = {
     "GraniteForCausalLM": "granite",
     "Phi3ForCausalLM": "phi3",
     "SmolLM3ForCausalLM": "smollm3",
+    "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
@@ -118,6 +121,10 @@ class ModelConfig:
     norm_offset: bool = False
     sandwich_norms: bool = False
     rope_local: Optional[RopeConfig] = None
+    # Gemma 2: each attention score s becomes attn_softcap tanh(s / attn_softcap), and
+    # each logit likewise with logit_softcap (0: none)
+    attn_softcap: float = 0.0
+    logit_softcap: float = 0.0
     # Where the checkpoint keeps the language model's tensors (prefixes stripped from
     # their names, in order) and what else it holds that is not read (a multimodal
     # checkpoint's vision tower)
@@ -245,7 +252,8 @@ def _llama_config(raw: dict[str, Any], kind: str, name: str, eos: tuple[int, ...
     if act not in ("silu", "gelu_pytorch_tanh"):
         raise ModelLoadError(f"unsupported hidden_act {act!r} (the Llama family takes 'silu' "
                              f"or 'gelu_pytorch_tanh')")
-    gemma = _gemma3(raw, head_dim, rotary_dim, served) if kind == "gemma3" else {}
+    gemma = (_gemma(raw, kind, head_dim, rotary_dim, served) if kind in ("gemma2", "gemma3")
+             else {})
     rope = gemma.pop("rope", None) or _rope_config(raw, rotary_dim, served)
     max_len = max(raw["max_position_embeddings"], rope.context_length or 0)
     attention_bias = bool(raw.get("attention_bias", False))
@@ -261,7 +269,8 @@ def _llama_config(raw: dict[str, Any], kind: str, name: str, eos: tuple[int, ...
         intermediate_size=raw["intermediate_size"],
         max_model_len=max_len,
         norm_eps=raw.get("rms_norm_eps", 1e-6),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", kind == "gemma3")),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings",
+                                         kind in ("gemma2", "gemma3"))),
         qkv_bias=attention_bias or kind in ("qwen2", "qwen2_moe"),
         o_bias=attention_bias,
         mlp_bias=bool(raw.get("mlp_bias", False)),
@@ -279,17 +288,27 @@ def _llama_config(raw: dict[str, Any], kind: str, name: str, eos: tuple[int, ...
     )
 
 
-def _gemma3(raw: dict[str, Any], head_dim: int, rotary_dim: int, served: Optional[int]
-            ) -> dict[str, Any]:
-    """Gemma 3's fields: its norms, its scales (the embeddings by sqrt(hidden_size), the
-    scores by query_pre_attn_scalar^-1/2) and its two RoPEs, the full layers' and the
-    sliding ones' (rope_parameters keyed by layer type, or in older configs rope_theta
-    and rope_scaling, and rope_local_base_freq)."""
-    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if raw.get(name) is not None:
-            raise ModelLoadError(f"{name} is not supported (Gemma 2's; Gemma 3 has none)")
+def _gemma(raw: dict[str, Any], kind: str, head_dim: int, rotary_dim: int,
+           served: Optional[int]) -> dict[str, Any]:
+    """Gemma 2's and 3's fields: their norms, their scales (the embeddings by
+    sqrt(hidden_size), the scores by query_pre_attn_scalar^-1/2); Gemma 2's soft caps
+    of the scores and the logits; Gemma 3's two RoPEs, the full layers' and the sliding
+    ones' (rope_parameters keyed by layer type, or in older configs rope_theta and
+    rope_scaling, and rope_local_base_freq)."""
+    caps = {name: raw.get(name) for name in ("attn_logit_softcapping", "final_logit_softcapping")}
+    for name, cap in caps.items():
+        if cap is not None and kind == "gemma3":
+            raise ModelLoadError(f"{name} is not supported for Gemma 3 (Gemma 2's)")
+        if cap is not None and not (isinstance(cap, (int, float)) and cap > 0):
+            raise ModelLoadError(f"{name} must be a positive number, not {cap!r}")
     if raw.get("use_bidirectional_attention"):
         raise ModelLoadError("use_bidirectional_attention (an embedding model) is not served")
+    scales = {"norm_offset": True, "sandwich_norms": True,
+              "embedding_multiplier": math.sqrt(raw["hidden_size"]),
+              "attention_multiplier": float(raw.get("query_pre_attn_scalar", head_dim)) ** -0.5}
+    if kind == "gemma2":
+        return {**scales, "attn_softcap": float(caps["attn_logit_softcapping"] or 0.0),
+                "logit_softcap": float(caps["final_logit_softcapping"] or 0.0)}
     params = raw.get("rope_parameters") or {}
     if "full_attention" in params:
         full = {**raw, "rope_parameters": params["full_attention"], "rope_scaling": None}
@@ -300,10 +319,7 @@ def _gemma3(raw: dict[str, Any], head_dim: int, rotary_dim: int, served: Optiona
         local = {"rope_parameters": {"rope_type": "default",
                                      "rope_theta": raw.get("rope_local_base_freq", 10000.0)},
                  "max_position_embeddings": raw["max_position_embeddings"]}
-    return {"norm_offset": True, "sandwich_norms": True,
-            "embedding_multiplier": math.sqrt(raw["hidden_size"]),
-            "attention_multiplier": float(raw.get("query_pre_attn_scalar", head_dim)) ** -0.5,
-            "rope": _rope_config(full, rotary_dim, served),
+    return {**scales, "rope": _rope_config(full, rotary_dim, served),
             "rope_local": _rope_config(local, rotary_dim, served)}
 
 
@@ -341,14 +357,14 @@ def _sliding_windows(raw: dict[str, Any], kind: str, max_len: int) -> tuple[int,
     context."""
     window = raw.get("sliding_window")
     if not window or not raw.get("use_sliding_window",
-                                 kind in ("mistral", "mixtral", "phi3", "gemma3")):
+                                 kind in ("mistral", "mixtral", "phi3", "gemma2", "gemma3")):
         return ()
     if not isinstance(window, int) or window < 1:
         raise ModelLoadError(f"sliding_window must be a positive integer, not {window!r}")
     layers = raw["num_hidden_layers"]
     types = raw.get("layer_types")
-    if types is None and kind == "gemma3":   # older configs: every pattern-th is full
-        pattern = raw.get("sliding_window_pattern", 6)
+    if types is None and kind in ("gemma2", "gemma3"):   # older configs: every pattern-th
+        pattern = raw.get("sliding_window_pattern", 6 if kind == "gemma3" else 2)   # is full
         sliding = [(i + 1) % pattern != 0 for i in range(layers)]
     elif kind in ("mistral", "mixtral", "phi3") or (
             types is None and kind not in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe")):

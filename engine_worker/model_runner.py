@@ -208,14 +208,14 @@ class ModelRunner:
             from engine_worker.gpu.attention import TritonAttention
             from engine_worker.gpu.ops import TritonOps
 
-            return (TritonAttention(*args, max_seqs, self.device, self.kv_dtype == FP8),
-                    TritonOps())
+            return (TritonAttention(*args, max_seqs, self.device, self.kv_dtype == FP8,
+                                    softcap=cfg.attn_softcap), TritonOps())
         if kernels is None:
-            return TorchAttention(*args), TorchOps()
+            return TorchAttention(*args, softcap=cfg.attn_softcap), TorchOps()
         if not kernels.supports_head_dim(cfg.head_dim):
             logger.info("head_dim %d: decode attention uses the torch path", cfg.head_dim)
-            return TorchAttention(*args), kernels
-        return CpuAttention(*args, kernels), kernels
+            return TorchAttention(*args, softcap=cfg.attn_softcap), kernels
+        return CpuAttention(*args, kernels, softcap=cfg.attn_softcap), kernels
 
     def _bytes_per_block(self) -> int:
         cfg = self.config

@@ -13,6 +13,11 @@ import torch
 import torch.nn.functional as F
 
 
+def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """Gemma 2's soft cap, cap tanh(x / cap), in place (x itself where cap is 0)."""
+    return x.div_(cap).tanh_().mul_(cap) if cap else x
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x (N, H, D) rotated by cos, sin (N, 1, D/2), rotate-half convention."""
     x1, x2 = x.chunk(2, dim=-1)

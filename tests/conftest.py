@@ -327,6 +327,17 @@ def tiny_gemma3_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma2_dir(tmp_path_factory) -> Path:
+    """Gemma 2: Gemma 3's norms, GELU gates and scales, no q/k norms, every other layer
+    sliding (a window of 9) with the model's one RoPE, and soft caps on the attention
+    scores and the logits, small enough (1.5 and 2.5) that random weights reach them."""
+    return _tiny(tmp_path_factory, "tiny-gemma2", 25, "Gemma2Config", "Gemma2ForCausalLM",
+                 random_norms=True, **{**GEMMA3_TEXT, "num_hidden_layers": 4,
+                                       "attn_logit_softcapping": 1.5,
+                                       "final_logit_softcapping": 2.5})
+
+
+@pytest.fixture(scope="session")
 def tiny_gemma3_six_dir(tmp_path_factory) -> Path:
     """Gemma 3 as llama.cpp's gemma3 files describe it, whose metadata holds neither a
     layer pattern nor a query scale: five sliding layers of every six, the scores

@@ -8,19 +8,20 @@ import pytest
 from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.protocol import FinishReason, SamplingParams
 from engine_worker.engine import LLMEngine
-from helpers import greedy, make_engine, random_prompts, run_staggered
+from helpers import greedy, make_engine, random_prompts, run_staggered, run_to_end
 from hf_reference import assert_matches, hf_greedy
 
 MAX_NEW = 12
 GREEDY = greedy(MAX_NEW)
 # Granite: its scaling constants; Phi-3: its fused tensors; SmolLM3: a layer without
 # RoPE; yarn: a Qwen2 with YaRN RoPE; sliding: Mistral's window of 16 keys in every
-# layer; qwen2_sliding: a window of 11 in one layer of two; gemma3: Gemma 3's layers;
-# gemma3_vision: the language model of a multimodal Gemma 3 checkpoint; mixtral,
-# qwen3_moe and qwen2_moe (with a shared expert): mixtures of experts
+# layer; qwen2_sliding: a window of 11 in one layer of two; gemma2: soft-capped scores
+# and logits; gemma3: Gemma 3's layers; gemma3_vision: the language model of a
+# multimodal Gemma 3 checkpoint; mixtral, qwen3_moe and qwen2_moe (with a shared
+# expert): mixtures of experts
 ARCHS = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_gpt2_dir",
          "tiny_granite_dir", "tiny_phi3_dir", "tiny_smollm3_dir", "tiny_yarn_dir",
-         "tiny_sliding_dir", "tiny_qwen2_sliding_dir", "tiny_gemma3_dir",
+         "tiny_sliding_dir", "tiny_qwen2_sliding_dir", "tiny_gemma2_dir", "tiny_gemma3_dir",
          "tiny_gemma3_vision_dir", "tiny_mixtral_dir", "tiny_qwen3_moe_dir",
          "tiny_qwen2_moe_dir"]
 
@@ -157,3 +158,25 @@ def test_longrope_over_part_of_each_head_matches_hf(tiny_phi4_mini_dir, cpu_kern
     assert_matches(engine.generate(long_prompts, GREEDY),
                    hf_greedy(tiny_phi4_mini_dir, long_prompts, MAX_NEW,
                              round_inputs=lambda x: x), "longrope long")
+
+
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["c", "torch"])
+def test_gemma2s_logprobs_are_of_its_soft_capped_logits(tiny_gemma2_dir, cpu_kernels):
+    """The logits are soft-capped (2.5 tanh(x / 2.5)), which no greedy token shows (tanh
+    keeps their order): the logprobs of the first token are Hugging Face's, capped."""
+    import torch
+
+    from hf_reference import hf_model
+
+    prompt = random_prompts([9], seed=4)[0]
+    engine = make_engine(tiny_gemma2_dir, cpu_kernels=cpu_kernels)
+    engine.add_request("r", prompt, SamplingParams(max_tokens=1, temperature=0.0, logprobs=5,
+                                                   ignore_eos=True))
+    got = run_to_end(engine)["r"][-1].logprobs[0]
+    with torch.no_grad():
+        logits = hf_model(tiny_gemma2_dir)(torch.tensor([prompt])).logits[0, -1]
+    assert logits.abs().max() < 2.5   # capped
+    want = torch.log_softmax(logits.double(), -1).topk(5)
+    assert got.top_token_ids == want.indices.tolist()
+    assert got.top_logprobs == pytest.approx(want.values.tolist(), abs=1e-4)
+

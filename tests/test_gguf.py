@@ -650,7 +650,7 @@ def test_what_a_gemma3_files_metadata_leaves_out_is_read_as_llama_cpp_reads_it()
     from transformers import Gemma3TextConfig
 
     from common.model_files import _gemma3_reading
-    from engine_worker.model_config import _gemma3
+    from engine_worker.model_config import _gemma
 
     big = Gemma3TextConfig(num_hidden_layers=62, hidden_size=5376, num_attention_heads=32,
                            head_dim=128, sliding_window=1024)
@@ -660,8 +660,9 @@ def test_what_a_gemma3_files_metadata_leaves_out_is_read_as_llama_cpp_reads_it()
                              head_dim=256, sliding_window=512)
     _gemma3_reading(small, {"gemma3.final_logit_softcapping": 30.0})
     assert (small.query_pre_attn_scalar, small.sliding_window) == (256, None)
-    with pytest.raises(ModelLoadError, match="final_logit_softcapping is not supported"):
-        _gemma3(small.to_dict(), 256, 256, None)
+    with pytest.raises(ModelLoadError, match="final_logit_softcapping is not supported for "
+                                             "Gemma 3"):
+        _gemma(small.to_dict(), "gemma3", 256, 256, None)
 
 
 def test_a_mixtral_file_serves_what_its_checkpoint_does(tiny_mixtral_dir, tmp_path):

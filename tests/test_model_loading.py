@@ -46,7 +46,7 @@ def test_unsupported_architecture_names_it(tiny_llama_dir, tmp_path):
     model = copy_model(tiny_llama_dir, tmp_path)
     edit_config(model, architectures=["BertForMaskedLM"], model_type="bert")
     with pytest.raises(ModelLoadError, match=r"unsupported architecture \['BertForMaskedLM'\].*"
-                                             r"supported: GPT2LMHeadModel, Gemma3ForCausalLM, "
+                                             r"supported: GPT2LMHeadModel, Gemma2ForCausalLM, Gemma3ForCausalLM, "
                                              r"Gemma3ForConditionalGeneration, "
                                              r"GraniteForCausalLM, LlamaForCausalLM"):
         load_model_config(model)
@@ -205,6 +205,23 @@ def test_what_the_new_architectures_do_not_serve_is_refused_by_name(
     raw.update(change)
     (model / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ModelLoadError, match=error):
+        load_model_config(model)
+
+
+def test_gemma2s_config_is_read_as_transformers_reads_it(tiny_gemma2_dir, tmp_path):
+    """Its two soft caps; every other layer sliding (layer_types, or in older configs
+    none: every second layer full); the one RoPE; a cap that is not a positive number
+    is refused."""
+    config = load_model_config(tiny_gemma2_dir)
+    assert (config.attn_softcap, config.logit_softcap) == (1.5, 2.5)
+    assert config.windows == (9, 0, 9, 0) and config.rope_local is None
+    assert not config.qk_norm and config.norm_offset and config.sandwich_norms
+    model = copy_model(tiny_gemma2_dir, tmp_path)
+    edit_config(model, layer_types=None)
+    assert load_model_config(model).windows == (9, 0, 9, 0)
+    edit_config(model, attn_logit_softcapping=-1.0)
+    with pytest.raises(ModelLoadError, match="attn_logit_softcapping must be a positive "
+                                             "number, not -1.0"):
         load_model_config(model)
 
 

@@ -168,7 +168,7 @@ static inline __attribute__((always_inline)) void
 attend_one(const float *q, const void *k_cache, const void *v_cache, int kv_type,
            const int64_t *table, int64_t t0, int64_t t1, int64_t lo, float *out, float *ml,
            float *scores, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale,
-           int64_t g0, int64_t g1)
+           float cap, int64_t g0, int64_t g1)
 {
     const int64_t T = t1 - t0;
     const int64_t G = Hq / Hkv, i0 = g0 * G, i1 = g1 * G;
@@ -228,9 +228,13 @@ attend_one(const float *q, const void *k_cache, const void *v_cache, int kv_type
     }
 #undef FETCH
 #undef ROW
-    /* Softmax over t, per query head (keys below the window's first at 0). */
+    /* Softmax over t, per query head (keys below the window's first at 0), of the
+       scores soft-capped first where cap > 0 (Gemma 2: cap tanh(s / cap)). */
     for (int64_t i = i0; i < i1; i++) {
         float *s = scores + i * T;
+        if (cap > 0.0f)
+            for (int64_t t = 0; t < T; t++)
+                s[t] = cap * tanhf(s[t] / cap);
         for (int64_t t = 0; t < lo - t0 && t < T; t++)
             s[t] = MASKED;
         float m = s[0];
@@ -275,12 +279,12 @@ static __attribute__((noinline)) void
 attend_row(const float *q, const void *k_cache, const void *v_cache, int kv_type,
            const int64_t *table, int64_t t0, int64_t t1, int64_t lo, float *out, float *ml,
            float *scores, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale,
-           int64_t g0, int64_t g1)
+           float cap, int64_t g0, int64_t g1)
 {
     /* The common shapes get compile-time sizes and cache types, so loops vectorize
        fully. */
 #define ATTEND(type, d, b) attend_one(q, k_cache, v_cache, type, table, t0, t1, lo, out, \
-                                      ml, scores, Hq, Hkv, d, b, scale, g0, g1)
+                                      ml, scores, Hq, Hkv, d, b, scale, cap, g0, g1)
     if (kv_type == RS_KV_BF16) {
         if (bs == 16 && D == 64)
             ATTEND(RS_KV_BF16, 64, 16);
@@ -432,7 +436,7 @@ static inline __attribute__((always_inline)) void
 attend_tile(const int RV, const float *q, int64_t q_stride, int64_t nq, const void *k_cache,
             const void *v_cache, int kv_type, const int64_t *table, int64_t c0, int64_t W,
             float *out, int64_t out_stride, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
-            float scale, int64_t g, float *scratch)
+            float scale, float cap, int64_t g, float *scratch)
 {
     const int64_t G = Hq / Hkv, R = nq * G;
     const int64_t elem = kv_type == RS_KV_BF16 ? 2 : 4;
@@ -486,6 +490,11 @@ attend_tile(const int RV, const float *q, int64_t q_stride, int64_t nq, const vo
             }
         }
         tile_scores(RV, QT, keys, n, D, S);
+        if (cap > 0.0f)   /* soft-capped scores (Gemma 2) */
+            for (int64_t t = 0; t < n; t++)
+                for (int v = 0; v < RV; v++)
+                    for (int i = 0; i < LANES; i++)
+                        S[t * TILE_RV + v][i] = cap * tanhf(S[t * TILE_RV + v][i] / cap);
         /* rows whose context ends inside the group see only its first keys, and with
            a window, rows whose window starts inside it only its last */
         if (k0 + n > c0 || (W > 0 && k0 < end - W))
@@ -528,12 +537,14 @@ attend_tile(const int RV, const float *q, int64_t q_stride, int64_t nq, const vo
 static void attend_chunk(const float *q, int64_t q_stride, int64_t nq, const void *k_cache,
                          const void *v_cache, int kv_type, const int64_t *table, int64_t c0,
                          int64_t W, float *out, int64_t out_stride, int64_t Hq, int64_t Hkv,
-                         int64_t D, int64_t bs, float scale, int64_t g, float *scratch)
+                         int64_t D, int64_t bs, float scale, float cap, int64_t g,
+                         float *scratch)
 {
     const int64_t rows = nq * (Hq / Hkv);
     const int RV = (int)((rows + LANES - 1) / LANES);
 #define TILE(rv, type, d) attend_tile(rv, q, q_stride, nq, k_cache, v_cache, type, table, c0, \
-                                      W, out, out_stride, Hq, Hkv, d, bs, scale, g, scratch)
+                                      W, out, out_stride, Hq, Hkv, d, bs, scale, cap, g, \
+                                      scratch)
 #if TILE_RV == 4
 #define TILE_RVS(type, d)                \
     switch (RV) {                        \
@@ -650,8 +661,8 @@ void rs_attention_ws(const float *q, int64_t q_stride, const void *k_cache, cons
                      int kv_type, const int64_t *seq, const int64_t *ctx_lens,
                      const int64_t *block_tables, int64_t max_blocks, const int64_t *starts,
                      int64_t tiles, float *out, int64_t out_stride, int64_t Hq, int64_t Hkv,
-                     int64_t D, int64_t bs, float scale, int64_t W, float *scratch,
-                     float *partial)
+                     int64_t D, int64_t bs, float scale, float cap, int64_t W,
+                     float *scratch, float *partial)
 {
     const int64_t N = starts[tiles], threads = rs_num_threads();
     const int64_t parts = context_parts(N, tiles, ctx_lens, threads, W);
@@ -674,7 +685,7 @@ void rs_attention_ws(const float *q, int64_t q_stride, const void *k_cache, cons
             }
             attend_row(q + n * q_stride, k_cache, v_cache, kv_type,
                        block_tables + seq[n] * max_blocks, t0, t1, lo, sums, ml, scratch, Hq,
-                       Hkv, D, bs, scale, 0, Hkv);
+                       Hkv, D, bs, scale, cap, 0, Hkv);
         }
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < N * Hq; item++)
@@ -695,11 +706,11 @@ void rs_attention_ws(const float *q, int64_t q_stride, const void *k_cache, cons
             if (nq > 1)
                 attend_chunk(q + n0 * q_stride, q_stride, nq, k_cache, v_cache, kv_type,
                              table, ctx_lens[n0], W, out + n0 * out_stride, out_stride, Hq,
-                             Hkv, D, bs, scale, g, scratch);
+                             Hkv, D, bs, scale, cap, g, scratch);
             else if (few)
                 attend_row(q + n0 * q_stride, k_cache, v_cache, kv_type, table, lo / bs * bs,
                            ctx_lens[n0], lo, out + n0 * out_stride, NULL, scratch, Hq, Hkv, D,
-                           bs, scale, g, g + 1);
+                           bs, scale, cap, g, g + 1);
         }
     }
     /* ... else decode rows whole: a row's keys of all heads are one contiguous row. */
@@ -710,8 +721,8 @@ void rs_attention_ws(const float *q, int64_t q_stride, const void *k_cache, cons
             if (starts[tile + 1] - n0 == 1)
                 attend_row(q + n0 * q_stride, k_cache, v_cache, kv_type,
                            block_tables + seq[n0] * max_blocks, lo / bs * bs, ctx_lens[n0], lo,
-                           out + n0 * out_stride, NULL, scratch, Hq, Hkv, D, bs, scale, 0,
-                           Hkv);
+                           out + n0 * out_stride, NULL, scratch, Hq, Hkv, D, bs, scale, cap,
+                           0, Hkv);
         }
     } else {
 #pragma omp barrier
@@ -721,7 +732,8 @@ void rs_attention_ws(const float *q, int64_t q_stride, const void *k_cache, cons
 int rs_paged_attention(const float *q, const void *k_cache, const void *v_cache, int kv_type,
                        const int64_t *seq, const int64_t *ctx_lens, const int64_t *block_tables,
                        float *out, int64_t N, int64_t Hq, int64_t Hkv, int64_t D,
-                       int64_t block_size, int64_t max_blocks, float scale, int64_t window)
+                       int64_t block_size, int64_t max_blocks, float scale, float cap,
+                       int64_t window)
 {
     if (D > MAX_DIM || D % LANES != 0)
         return -2;
@@ -748,7 +760,7 @@ int rs_paged_attention(const float *q, const void *k_cache, const void *v_cache,
         if (!failed)
             rs_attention_ws(q, Hq * D, k_cache, v_cache, kv_type, seq, ctx_lens, block_tables,
                             max_blocks, starts, tiles, out, Hq * D, Hq, Hkv, D, block_size,
-                            scale, window, scratch, partial);
+                            scale, cap, window, scratch, partial);
         free(scratch);
     }
     free(partial);

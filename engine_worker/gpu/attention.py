@@ -156,6 +156,15 @@ def _for_dots(q, k_ptr):
 
 
 @triton.jit
+def _soft_cap(s, CAP: tl.constexpr):
+    """Gemma 2's scores: CAP tanh(s / CAP) (tanh x = 1 - 2 / (e^2x + 1)); s as it is
+    where CAP is 0."""
+    if CAP > 0:
+        s = CAP * (1.0 - 2.0 / (tl.exp(s * (2.0 / CAP)) + 1.0))
+    return s
+
+
+@triton.jit
 def _decode_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
         block_tables_ptr, seq_lens_ptr, scale,
@@ -163,7 +172,8 @@ def _decode_kernel(
         stride_kb, stride_ks, stride_kh, stride_bt,
         GROUP: tl.constexpr, HEADS: tl.constexpr, BLOCK_N: tl.constexpr,
         PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-        SPLITS: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr):
+        SPLITS: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr,
+        SOFTCAP: tl.constexpr = 0.0):
     """Decode row ``seq`` (one query token), KV head, split of its context; computed
     transposed: the scores s^T = K q^T are (BLOCK_N, HEADS) and the output acc^T = V^T
     p^T (D_PAD, HEADS), HEADS the group's query heads padded to 8 where rows pad to 16.
@@ -198,7 +208,7 @@ def _decode_kernel(
         kv_mask = k_ok[:, None] & d_ok[None, :]
         # An fp8 cache's keys and values are widened to the dots' dtype (the queries').
         k = tl.load(k_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(qt.dtype)
-        s = tl.dot(k, qt, input_precision=PRECISION) * scale
+        s = _soft_cap(tl.dot(k, qt, input_precision=PRECISION) * scale, SOFTCAP)
         if WINDOW > 0:
             k_ok = k_ok & (start + tl.arange(0, BLOCK_N) >= low)
         s = tl.where(k_ok[:, None], s, float("-inf"))
@@ -233,7 +243,8 @@ def _chunk_kernel(
         stride_kb, stride_ks, stride_kh, stride_bt,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-        D_PAD: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr):
+        D_PAD: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr,
+        SOFTCAP: tl.constexpr = 0.0):
     """Query tokens q_off..q_off + BLOCK_Q of the chunk of sequence ``seq`` (tile
     ``tile``), KV head; rows (token, head in the group), causal."""
     tile = tl.program_id(0)
@@ -271,7 +282,7 @@ def _chunk_kernel(
                                BLOCK_N, PAGE)
         kv_mask = k_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + base[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        s = _soft_cap(tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale, SOFTCAP)
         causal = start + tl.arange(0, BLOCK_N)[None, :] <= q_pos[:, None]
         if WINDOW > 0:
             causal = causal & (start + tl.arange(0, BLOCK_N)[None, :] > q_pos[:, None] - WINDOW)
@@ -362,8 +373,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     tile_seq: Optional[torch.Tensor], tile_offset: Optional[torch.Tensor],
                     scale: float, splits: int = 1,
                     split_buffers: Optional[SplitBuffers] = None,
-                    tiles: Optional[tuple[Tiling, Tiling]] = None, window: int = 0
-                    ) -> torch.Tensor:
+                    tiles: Optional[tuple[Tiling, Tiling]] = None, window: int = 0,
+                    softcap: float = 0.0) -> torch.Tensor:
     """Attention of every query in ``q`` (N, Hq, D) over the paged cache (k_cache
     (num_blocks, page, Hkv, D), v_cache as engine_worker.ops.value_blocks lays it out:
     so too, or for fp8 (num_blocks, Hkv, D, page)) into ``out`` (N, Hq, D).
@@ -373,7 +384,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     token of the tile, chunk_block_q(group, tiles[1]) tokens per tile. block_tables
     (S, W) int32; seq_lens (S,) and query_start (S + 1,) integers (query_start is read
     only for chunks). ``tiles``: the (decode, chunk) tilings; by default tilings()'s
-    for the cache's dtype. ``window`` > 0: a sliding window of that many keys."""
+    for the cache's dtype. ``window`` > 0: a sliding window of that many keys;
+    ``softcap`` > 0: each score s made softcap tanh(s / softcap) (Gemma 2)."""
     _, hq, d = q.shape
     _, page, hkv, _ = k_cache.shape
     assert v_cache.is_contiguous() and v_cache.numel() == k_cache.numel()
@@ -382,7 +394,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     d_pad = triton.next_power_of_2(d)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     common = dict(GROUP=group, PAGE=page, HEAD_DIM=d, D_PAD=d_pad, PRECISION=precision,
-                  WINDOW=window)
+                  WINDOW=window, SOFTCAP=float(softcap))
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
     if num_decode:
@@ -416,8 +428,9 @@ class TritonAttention(AttentionBackend):
     the step."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 max_decode_rows: int, device: torch.device, fp8_cache: bool = False) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale)
+                 max_decode_rows: int, device: torch.device, fp8_cache: bool = False,
+                 softcap: float = 0.0) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, softcap)
         self.split_buffers = SplitBuffers.allocate(max_decode_rows, num_heads, head_dim, device)
         self.tiles = tilings(head_dim, fp8_cache)
 
@@ -434,5 +447,5 @@ class TritonAttention(AttentionBackend):
         paged_attention(q, kv_cache[0], value_blocks(kv_cache), out, meta.block_tables,
                         meta.seq_lens, meta.query_start, meta.num_decode, meta.tile_seq,
                         meta.tile_offset, self.scale, meta.num_splits, self.split_buffers,
-                        self.tiles, window)
+                        self.tiles, window, self.softcap)
         return out.view(n, self.num_heads * self.head_dim)

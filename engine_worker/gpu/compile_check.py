@@ -64,7 +64,8 @@ def variants(cfg, dtype: str = "bfloat16", block_size: int = 16) -> list[tuple]:
     group = cfg.num_heads // cfg.num_kv_heads
     d, d_pad = cfg.head_dim, triton.next_power_of_2(cfg.head_dim)
     common = dict(GROUP=group, PAGE=block_size, HEAD_DIM=d, D_PAD=d_pad,
-                  PRECISION="ieee" if dtype == "float32" else "tf32", WINDOW=0)
+                  PRECISION="ieee" if dtype == "float32" else "tf32", WINDOW=0,
+                  SOFTCAP=float(cfg.attn_softcap))   # Gemma 2's scores soft-capped
     decode_args = dict(q_ptr=t, k_ptr=t, v_ptr=t, out_ptr=t, part_acc_ptr="*fp32",
                        part_ml_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i64",
                        scale="fp32")

@@ -1,5 +1,5 @@
-"""The Llama family: Llama, Mistral, Qwen2, Qwen3, Granite, Phi-3, SmolLM3 and Gemma 3
-checkpoints, and the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE.
+"""The Llama family: Llama, Mistral, Qwen2, Qwen3, Granite, Phi-3, SmolLM3, Gemma 2 and
+Gemma 3 checkpoints, and the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE.
 
 RMSNorm, rotary position embeddings (rotate-half convention, as in Hugging Face
 checkpoints), grouped-query attention, SwiGLU MLP; optional q/k/v biases (Qwen2), q and
@@ -24,7 +24,7 @@ from engine_worker.attention import AttentionBackend, AttentionMetadata
 from engine_worker.kernels import CpuKernels
 from engine_worker.model_config import ModelConfig, RopeConfig
 from engine_worker.models.layers import embedding, linear
-from engine_worker.ops import TorchOps
+from engine_worker.ops import TorchOps, soft_cap
 from engine_worker.weights import Checkpoint
 
 Ops = Union[TorchOps, CpuKernels]
@@ -282,10 +282,12 @@ class LlamaModel(nn.Module):
         return self.embed_tokens.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(S, C) -> (S, V)."""
+        """(S, C) -> (S, V) (Gemma 2's soft-capped)."""
         if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight)
-        return self.lm_head(hidden)
+            logits = F.linear(hidden, self.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)
+        return soft_cap(logits, self.cfg.logit_softcap)
 
     def load_weights(self, ckpt: Checkpoint) -> None:
         """Copy Hugging Face tensors in, fusing q/k/v and gate/up."""

@@ -66,9 +66,10 @@ def make_case(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, he
                      head_dim ** -0.5)
 
 
-def reference(case: PagedCase, window: int = 0) -> torch.Tensor:
+def reference(case: PagedCase, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """(N, Hq, D) float64; padded rows (context 0) are zeros. window > 0: each query
-    sees its last ``window`` keys only."""
+    sees its last ``window`` keys only; softcap > 0: scores s are softcap tanh(s /
+    softcap)."""
     q = case.q.double().cpu()
     k_cache = case.k_cache.double().cpu()
     v_cache = from_value_blocks(case.v_cache.cpu()).double()
@@ -87,6 +88,8 @@ def reference(case: PagedCase, window: int = 0) -> torch.Tensor:
         values = values.repeat_interleave(hq // hkv, dim=1)
         rows = q[starts[s]:starts[s + 1]]  # (L, Hq, D)
         scores = torch.einsum("lhd,khd->hlk", rows, keys) * case.scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         q_pos = torch.arange(ctx - q_len, ctx).unsqueeze(1)
         key_pos = torch.arange(ctx).unsqueeze(0)
         hidden = key_pos > q_pos

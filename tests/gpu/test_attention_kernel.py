@@ -18,7 +18,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 1e-5
 
 
-def run(case, splits: int = 1, window: int = 0) -> torch.Tensor:
+def run(case, splits: int = 1, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     out = torch.full_like(case.q, float("nan"))  # poisoned: every row must be written
     buffers = None
     if splits > 1:
@@ -26,7 +26,8 @@ def run(case, splits: int = 1, window: int = 0) -> torch.Tensor:
                                         case.q.device)
     return paged_attention(case.q, case.k_cache, case.v_cache, out, case.block_tables,
                            case.seq_lens, case.query_start, case.num_decode, case.tile_seq,
-                           case.tile_offset, case.scale, splits, buffers, window=window)
+                           case.tile_offset, case.scale, splits, buffers, window=window,
+                           softcap=softcap)
 
 
 @pytest.mark.parametrize("heads", [(4, 1), (2, 2)], ids=["gqa4to1", "mha1to1"])
@@ -76,6 +77,20 @@ def test_a_sliding_window_sees_each_querys_last_keys(splits, window):
                      device=DEVICE, seed=7)
     assert rel_l2(run(case, splits, window), reference(case, window)) < TOL
     assert rel_l2(reference(case, window), reference(case)) > 0.1   # the window matters
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_soft_capped_scores(splits):
+    """Gemma 2's cap tanh(s / cap) on every score, decode rows (split or whole) and
+    chunks alike, with a sliding window too; queries scaled up so that the cap of 2
+    bites."""
+    case = make_case([(150, 1), (33, 1), (90, 30), (37, 37)], 4, 2, 64, device=DEVICE,
+                     seed=8)
+    case.q.mul_(8.0)
+    for window in (0, 40):
+        want = reference(case, window, softcap=2.0)
+        assert rel_l2(run(case, splits, window, softcap=2.0), want) < TOL
+        assert rel_l2(want, reference(case, window)) > 0.1   # the cap matters
 
 
 def test_padded_graph_rows_write_zeros_and_change_nothing_else():

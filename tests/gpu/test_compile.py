@@ -17,11 +17,12 @@ def test_every_kernel_variant_compiles_for_sm90_without_spills():
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
-    # six shapes, fourteen variants each (three: fp8 cache; two: a sliding window;
+    # seven shapes, fourteen variants each (three: fp8 cache; two: a sliding window;
     # one: Gemma's GELU gate), and the mixture's five more (its grouped GEMMs at two
-    # tilings, its experts' gate); Gemma 3's and Qwen3's RoPE with their norms; Gemma 3
-    # 1B's heads of 256 (the fp8 cache's chunk tiles of 64 rows there, 128 spilled)
-    assert len(lines) == 6 * 14 + 5
+    # tilings, its experts' gate); Gemma 3's and Qwen3's RoPE with their norms; Gemma
+    # 2 2B's and Gemma 3 1B's heads of 256 (the fp8 cache's chunk tiles of 64 rows
+    # there, 128 spilled), Gemma 2's attention soft-capped
+    assert len(lines) == 7 * 14 + 5
     assert [line.split()[0] for line in lines if "q/k norms" in line] == (
         ["gemma-3-1b"] * 2 + ["qwen3-0.6b"] * 2 + ["qwen3-30b-a3b"] * 2)
     experts = [line for line in lines if re.search(r" experts (gate_up|down), ", line)]
@@ -32,7 +33,7 @@ def test_every_kernel_variant_compiles_for_sm90_without_spills():
     # flight. (Compiled without the JIT's divisibility specializations, as this check
     # once did, Triton loaded them element by element and pipelined nothing.)
     attention = [line for line in lines if "attention" in line]
-    assert len(attention) == 6 * 7
+    assert len(attention) == 7 * 7
     assert all(" 0 async copies" not in line for line in attention), proc.stdout
     # Shared memory read in vectors: an fp8 cache's values, laid out along the keys
     # (engine_worker.ops.value_blocks), reach the tensor cores without byte loads.

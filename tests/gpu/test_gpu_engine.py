@@ -79,7 +79,7 @@ def test_triton_path_matches_hf_for_qwen3s_per_head_norms(tiny_qwen3_dir):
                                      "tiny_phi4_mini_dir", "tiny_smollm3_dir",
                                      "tiny_qwen2_sliding_dir", "tiny_gemma3_dir",
                                      "tiny_qwen3_moe_dir", "tiny_mixtral_dir",
-                                     "tiny_qwen2_moe_dir"])
+                                     "tiny_qwen2_moe_dir", "tiny_gemma2_dir"])
 def test_triton_path_matches_hf_for_other_architectures(request, fixture):
     """Granite's constants folded into the weights on the device; YaRN's and LongRoPE's
     attention factor carried by cos and sin into the Triton RoPE; Phi-4-mini's partial
@@ -88,7 +88,8 @@ def test_triton_path_matches_hf_for_other_architectures(request, fixture):
     layer without RoPE; a sliding window of 11 keys in one layer of two (the 13-token
     prompt and its decode rows pass it); Gemma 3's GELU gate (the Triton kernel's),
     output norms and two RoPEs; mixtures of experts, grouped (Qwen3-MoE's dense layer
-    among them; Qwen2-MoE's shared expert beside them)."""
+    among them; Qwen2-MoE's shared expert beside them); Gemma 2's soft-capped scores
+    (the Triton kernels') and logits."""
     model_dir = request.getfixturevalue(fixture)
     engine = triton_engine(model_dir)
     mixtures = [m for m in engine.runner.model.modules() if isinstance(m, MoE)]
@@ -355,8 +356,8 @@ def test_shipped_shapes_resolve_by_name_and_need_dummy_weights():
     from common.model_files import model_shapes, resolve_model_dir
     from engine_worker.model_config import load_model_config
 
-    assert model_shapes() == ["gemma-3-1b", "llama-3-8b", "qwen2.5-7b", "qwen3-0.6b",
-                              "qwen3-30b-a3b", "smollm2-135m"]
+    assert model_shapes() == ["gemma-2-2b", "gemma-3-1b", "llama-3-8b", "qwen2.5-7b",
+                              "qwen3-0.6b", "qwen3-30b-a3b", "smollm2-135m"]
     llama = load_model_config(resolve_model_dir("llama-3-8b"))
     assert (llama.num_params, llama.num_heads, llama.num_kv_heads, llama.head_dim) == (
         8_029_995_008, 32, 8, 128)
@@ -367,6 +368,10 @@ def test_shipped_shapes_resolve_by_name_and_need_dummy_weights():
     gemma = load_model_config(resolve_model_dir("gemma-3-1b"))
     assert (gemma.num_params, gemma.head_dim, gemma.windows.count(512)) == (
         999_751_680, 256, 22)
+    # Gemma 2 2B: transformers counts 2,614,341,888, 241,920 of them its norms'
+    gemma2 = load_model_config(resolve_model_dir("gemma-2-2b"))
+    assert (gemma2.num_params, gemma2.windows.count(4096), gemma2.attn_softcap,
+            gemma2.logit_softcap) == (2_614_099_968, 13, 50.0, 30.0)
     # Qwen3-30B-A3B: transformers counts 30,532,122,624, 210,944 of them its norms'
     mixture = load_model_config(resolve_model_dir("qwen3-30b-a3b"))
     assert (mixture.num_params, len(mixture.moe_layers), mixture.num_experts,
