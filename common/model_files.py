@@ -54,7 +54,8 @@ GGUF_POINTER = "gguf.json"
 # SmolLM as llama, and Mixtral as llama with experts.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                       "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
-                      "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM"}
+                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                      "phi3": "Phi3ForCausalLM"}
 
 
 # The texts of control tokens that end a reply or a document in the chat formats of the
@@ -86,9 +87,9 @@ def end_of_generation_ids(fields: dict) -> list[int]:
 
 def unserved_gguf_architecture(file_name: str, arch: object) -> ModelLoadError:
     return ModelLoadError(f"{file_name}: roseserve serves GGUF files of the llama, qwen2, "
-                          f"qwen3, qwen3moe, gemma3 and phi3 architectures (Llama, SmolLM, "
-                          f"Mistral, Mixtral, Qwen2, Qwen2.5, Qwen3, Qwen3-30B-A3B, Gemma 3, "
-                          f"Phi-3, Phi-4...), not {arch!r}")
+                          f"qwen3, qwen3moe, gemma2, gemma3 and phi3 architectures (Llama, "
+                          f"SmolLM, Mistral, Mixtral, Qwen2, Qwen2.5, Qwen3, Qwen3-30B-A3B, "
+                          f"Gemma 2, Gemma 3, Phi-3, Phi-4...), not {arch!r}")
 
 
 # Architectures' config.json without weights, for --load-format dummy.
@@ -232,8 +233,8 @@ def _gguf_metadata(path: Path, fields: dict, out_dir: Path,
     yarn = _yarn_parameters(path.name, fields, arch)
     if yarn:
         config.rope_parameters = {**(config.rope_parameters or {}), **yarn}
-    if arch == "gemma3":
-        _gemma3_reading(config, fields)
+    if arch in ("gemma2", "gemma3"):
+        _gemma_reading(config, fields, arch)
     if arch == "phi3":
         _phi3_reading(config, fields, path)
     if arch == "qwen3moe":
@@ -251,19 +252,23 @@ def _gguf_metadata(path: Path, fields: dict, out_dir: Path,
     (out_dir / GGUF_POINTER).write_text(json.dumps({"file": str(path)}))
 
 
-def _gemma3_reading(config, fields: dict) -> None:
-    """What llama.cpp takes a gemma3 file to mean, which its metadata does not say:
-    the scores scaled by head_dim^-1/2, but hidden_size / heads for the 27B model (62
-    layers); five sliding layers of every six where the file gives a window, none
-    where it does not (the sliding layers' RoPE base 10,000: transformers' default)."""
+def _gemma_reading(config, fields: dict, arch: str) -> None:
+    """What llama.cpp takes a gemma2 or gemma3 file to mean, which its metadata does not
+    say: the scores scaled by head_dim^-1/2, but hidden_size / heads for the 27B models
+    (Gemma 2's 46 layers, Gemma 3's 62); a sliding window where the file gives one (in
+    every other layer of Gemma 2, five of six of Gemma 3, the sliding layers' RoPE base
+    10,000: transformers' defaults), none where it does not; the soft caps the file
+    gives (Gemma 2's; Gemma 3 has none, and one the file gives is refused by the
+    engine, by name)."""
+    big = {"gemma2": 46, "gemma3": 62}[arch]
     config.query_pre_attn_scalar = (
-        config.hidden_size // config.num_attention_heads if config.num_hidden_layers == 62
+        config.hidden_size // config.num_attention_heads if config.num_hidden_layers == big
         else config.head_dim)
-    if not fields.get("gemma3.attention.sliding_window"):
+    if not fields.get(f"{arch}.attention.sliding_window"):
         config.sliding_window = None
-    softcap = fields.get("gemma3.final_logit_softcapping")
-    if softcap:   # refused by the engine, by name
-        config.final_logit_softcapping = softcap
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if fields.get(f"{arch}.{name}"):
+            setattr(config, name, fields[f"{arch}.{name}"])
 
 
 def _phi3_reading(config, fields: dict, path: Path) -> None:

@@ -28,9 +28,9 @@ file); the weights stay in the file and are read from it here, at start:
   a tensor the architecture does not use, q/k/v mixing dense and block types, or one
   part of a split file (llama-gguf-split joins them).
 
-Files of the llama, qwen2, qwen3, qwen3moe and gemma3 architectures are served
-(common/model_files.py: GGUF_ARCHITECTURES); qwen2's q, k and v biases, qwen3's and
-gemma3's q and k norms and gemma3's norms of each layer's outputs are read as float32
+Files of the llama, qwen2, qwen3, qwen3moe, gemma2, gemma3 and phi3 architectures are
+served (common/model_files.py: GGUF_ARCHITECTURES); qwen2's q, k and v biases, qwen3's
+and gemma3's q and k norms and Gemma's norms of each layer's outputs are read as float32
 (llama.cpp's converter stores Gemma's norms as the 1 + weight they scale by), the
 experts of qwen3moe and of Mixtral (llama with experts) each as a PackedLinear of its
 rows of the tensors that hold them all (ffn_gate_exps, ffn_up_exps, ffn_down_exps), and a RoPE scaling from the file
@@ -395,7 +395,7 @@ def load_gguf(model, path: Path, kernels: CpuKernels) -> None:
             attn.k_norm.weight.copy_(w.dense(p + "attn_k_norm.weight", (cfg.head_dim,)))
         layer.input_layernorm.weight.copy_(w.dense(p + "attn_norm.weight", (c,)))
         layer.post_attention_layernorm.weight.copy_(w.dense(p + "ffn_norm.weight", (c,)))
-        if cfg.sandwich_norms:   # gemma3's norms of the attention's and the MLP's outputs
+        if cfg.sandwich_norms:   # Gemma's norms of the attention's and the MLP's outputs
             layer.attn_out_norm.weight.copy_(w.dense(p + "post_attention_norm.weight", (c,)))
             layer.mlp_out_norm.weight.copy_(w.dense(p + "post_ffw_norm.weight", (c,)))
     model.norm.weight.copy_(w.dense("output_norm.weight", (c,)))
@@ -405,9 +405,9 @@ def load_gguf(model, path: Path, kernels: CpuKernels) -> None:
     for name in ("rope_factors_long.weight", "rope_factors_short.weight"):
         if name in w.tensors:   # phi3's LongRoPE: in the folder's config (model_files.py)
             w.take(name)
-    # gemma3's embedding and query scales into the embeddings and q's norms (its norms
-    # are stored as the 1 + weight they scale by); the lm_head, packed from the file's
-    # own embedding, keeps it unscaled
+    # Gemma's embedding scale into the embeddings (its norms are stored as the 1 + weight
+    # they scale by); the lm_head, packed from the file's own embedding, keeps it
+    # unscaled
     model.fold_scales()
     w.finish()
     counts = Counter(t.ggml_type for t in w.reader.tensors)

@@ -371,7 +371,7 @@ class FusedLlama:
         self._model = _Llama(
             cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
             cfg.intermediate_size, cfg.vocab_size, block_size, cfg.norm_eps,
-            cfg.head_dim ** -0.5, WEIGHT_FORMATS[model.lm_head.fmt],
+            cfg.attention_scale, WEIGHT_FORMATS[model.lm_head.fmt],
             kv_type(kv_caches[0].dtype),
             _ptr(model.embed_tokens.weight), _ptr(model.lm_head.packed),
             _ptr(model.norm.weight), self._layers, int(cfg.hidden_act != "silu"),

@@ -146,14 +146,22 @@ class ModelConfig:
     # (qkv_proj and gate_up_proj as one tensor each)
     layout: str = "llama"
     # Granite's constants: the embeddings are multiplied by embedding_multiplier, the
-    # attention scores scaled by attention_multiplier (None: 1/sqrt(head_dim)), each
-    # attention and MLP output by residual_multiplier before it joins the residual
-    # stream, the logits divided by logits_scaling. The loader folds them into the
-    # weights (LlamaModel.fold_scales), so every kernel computes a plain Llama.
+    # attention scores scaled by attention_multiplier (None: 1/sqrt(head_dim); the
+    # attention kernels' scale), each attention and MLP output by residual_multiplier
+    # before it joins the residual stream, the logits divided by logits_scaling. The
+    # loader folds the others into the weights (LlamaModel.fold_scales), so every
+    # kernel computes a plain Llama.
     embedding_multiplier: float = 1.0
     attention_multiplier: Optional[float] = None
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+
+    @property
+    def attention_scale(self) -> float:
+        """What every attention score q.k is multiplied by."""
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
+        return self.head_dim ** -0.5
 
     @property
     def kv_signature(self) -> str:

@@ -192,7 +192,7 @@ class ModelRunner:
         """The attention backend (TorchAttention, CpuAttention or TritonAttention) and
         the elementwise ops, chosen once."""
         cfg = self.config
-        args = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.head_dim ** -0.5)
+        args = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.attention_scale)
         triton = config.attention_backend == "triton" or (
             config.attention_backend == "auto" and self.device.type == "cuda")
         if triton:

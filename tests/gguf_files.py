@@ -2,7 +2,7 @@
 (convert_hf_to_gguf.py) lays them out: its tensor names, q and k rows (weights and
 biases) permuted into its RoPE order for the llama architecture and not for qwen2 and
 qwen3,
-Gemma 3's norms stored as the 1 + weight they scale by,
+Gemma's norms stored as the 1 + weight they scale by,
 1-D tensors in F32, the tokenizer and chat template in the metadata."""
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ def llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-# Gemma 3's four norms a layer: its post_attention_layernorm normalizes the attention's
+# Gemma's four norms a layer: its post_attention_layernorm normalizes the attention's
 # output, its pre_feedforward_layernorm is the others' post_attention_layernorm
-GEMMA3_NAMES = {**NAMES, "post_attention_layernorm": "post_attention_norm",
+GEMMA_NAMES = {**NAMES, "post_attention_layernorm": "post_attention_norm",
                 "pre_feedforward_layernorm": "ffn_norm",
                 "post_feedforward_layernorm": "post_ffw_norm"}
 
@@ -67,7 +67,8 @@ def gguf_tensor_name(name: str, arch: str = "llama") -> str:
         return "output.weight"
     _, _, layer, rest = name.split(".", 3)   # model.layers.N.<module>.<weight|bias>
     module, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{(GEMMA3_NAMES if arch == 'gemma3' else NAMES)[module]}.{kind}"
+    gemma = arch in ("gemma2", "gemma3")
+    return f"blk.{layer}.{(GEMMA_NAMES if gemma else NAMES)[module]}.{kind}"
 
 
 def _phi3_hparams(w, config: dict, rope: dict, head_dim: int) -> None:
@@ -94,7 +95,7 @@ def _phi3_hparams(w, config: dict, rope: dict, head_dim: int) -> None:
 
 def gguf_from_hf(model_dir: Path, out: Path, arch: str, matrix_type: str = "F32",
                  name: str = "") -> Path:
-    """``model_dir`` (a tiny Llama, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Gemma 3 or Phi-3)
+    """``model_dir`` (a tiny Llama, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Gemma 2 or 3, Phi-3)
     as a GGUF file of ``arch`` (Mixtral's: llama);
     its matrices in ``matrix_type`` (F32, or a block type the gguf package quantizes:
     Q8_0...), but a mixture's routers F32, as llama.cpp's converter keeps them;
@@ -129,11 +130,14 @@ def gguf_from_hf(model_dir: Path, out: Path, arch: str, matrix_type: str = "F32"
     if arch == "llama":
         w.add_vocab_size(config["vocab_size"])
         w.add_rope_dimension_count(head_dim)
-    if arch in ("llama", "qwen3", "qwen3moe", "gemma3"):
+    if arch in ("llama", "qwen3", "qwen3moe", "gemma2", "gemma3"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    if arch == "gemma3":
+    if arch in ("gemma2", "gemma3"):
         w.add_sliding_window(config["sliding_window"])
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(config["final_logit_softcapping"])
     if arch == "qwen3moe" or "num_local_experts" in config:   # Mixtral is llama's
         w.add_expert_count(config.get("num_experts") or config["num_local_experts"])
         w.add_expert_used_count(config["num_experts_per_tok"])
@@ -176,7 +180,7 @@ def gguf_from_hf(model_dir: Path, out: Path, arch: str, matrix_type: str = "F32"
             array = llama_cpp_rope_order(array, config["num_attention_heads"])
         elif arch == "llama" and ".k_proj." in name:
             array = llama_cpp_rope_order(array, config["num_key_value_heads"])
-        elif arch == "gemma3" and name.endswith("norm.weight"):
+        elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             array = array + 1   # llama.cpp's converter stores Gemma's norms as 1 + weight
         if array.ndim >= 2 and matrix_type != "F32" and "ffn_gate_inp" not in gguf_name:
             w.add_tensor(gguf_name, quants.quantize(array, matrix), raw_dtype=matrix)

@@ -149,10 +149,10 @@ def test_files_it_cannot_serve_are_refused_saying_why(tmp_path):
     with pytest.raises(ModelLoadError, match=r"s\.gguf is one of 3 parts of a split GGUF "
                        r"file; join them first \(llama.cpp's llama-gguf-split --merge"):
         GgufWeights(tmp_path / "s.gguf", kernels.cpu_kernels())
-    write_gguf(tmp_path / "q.gguf", arch="gemma2", tensors=[("blk.0.attn_q.weight", ok, T.F32)])
+    write_gguf(tmp_path / "q.gguf", arch="gpt-oss", tensors=[("blk.0.attn_q.weight", ok, T.F32)])
     with pytest.raises(ModelLoadError, match=r"q\.gguf: roseserve serves GGUF files of the "
-                       r"llama, qwen2, qwen3, qwen3moe, gemma3 and phi3 architectures "
-                       r"\(.*\), not 'gemma2'"):
+                       r"llama, qwen2, qwen3, qwen3moe, gemma2, gemma3 and phi3 "
+                       r"architectures \(.*\), not 'gpt-oss'"):
         GgufWeights(tmp_path / "q.gguf", kernels.cpu_kernels())
 
 
@@ -643,22 +643,41 @@ def test_a_phi3_file_serves_what_its_checkpoint_does(model_fixture, request, tmp
     assert ours.generate(prompts, greedy(12)) == theirs.generate(prompts, greedy(12))
 
 
-def test_what_a_gemma3_files_metadata_leaves_out_is_read_as_llama_cpp_reads_it():
-    """The 27B model's (62 layers) query scale is hidden / heads, not head_dim (168,
-    not 128); a file without a sliding window has none; a final logit soft-cap, which
-    the engine does not serve, is carried to the config, where it is refused."""
-    from transformers import Gemma3TextConfig
+def test_a_gemma2_file_serves_what_its_checkpoint_does(tiny_gemma2_dir, tmp_path):
+    """llama.cpp's gemma2 (Gemma 2 2B, 9B, 27B): Gemma 3's norms and scales without its q
+    and k norms, every other layer sliding, and the soft caps of the scores and the
+    logits, which its metadata holds: an F32 file gives Hugging Face's greedy tokens."""
+    path = gguf_from_hf(tiny_gemma2_dir, tmp_path / "gemma2.gguf", "gemma2")
+    folder = resolve_model_dir(str(path))
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["Gemma2ForCausalLM"]
+    assert (config["attn_logit_softcapping"], config["final_logit_softcapping"]) == (1.5, 2.5)
+    assert (config["query_pre_attn_scalar"], config["sliding_window"]) == (16, 9)
+    prompts = [[1, 2, 3, 4], list(range(100, 140))]
+    assert_matches(make_engine(folder).generate(prompts, greedy(12)),
+                   hf_greedy(tiny_gemma2_dir, prompts, 12), "gemma2 gguf")
 
-    from common.model_files import _gemma3_reading
+
+def test_what_a_gemma_files_metadata_leaves_out_is_read_as_llama_cpp_reads_it():
+    """The 27B models' query scale is hidden / heads, not head_dim (Gemma 3's 62 layers:
+    168, not 128; Gemma 2's 46: 144); a file without a sliding window has none; a final
+    logit soft cap in a gemma3 file is carried to the config, where it is refused."""
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    from common.model_files import _gemma_reading
     from engine_worker.model_config import _gemma
 
     big = Gemma3TextConfig(num_hidden_layers=62, hidden_size=5376, num_attention_heads=32,
                            head_dim=128, sliding_window=1024)
-    _gemma3_reading(big, {"gemma3.attention.sliding_window": 1024})
+    _gemma_reading(big, {"gemma3.attention.sliding_window": 1024}, "gemma3")
     assert (big.query_pre_attn_scalar, big.sliding_window) == (168, 1024)
+    big2 = Gemma2Config(num_hidden_layers=46, hidden_size=4608, num_attention_heads=32,
+                        head_dim=128)
+    _gemma_reading(big2, {"gemma2.attention.sliding_window": 4096}, "gemma2")
+    assert big2.query_pre_attn_scalar == 144
     small = Gemma3TextConfig(num_hidden_layers=26, hidden_size=1152, num_attention_heads=4,
                              head_dim=256, sliding_window=512)
-    _gemma3_reading(small, {"gemma3.final_logit_softcapping": 30.0})
+    _gemma_reading(small, {"gemma3.final_logit_softcapping": 30.0}, "gemma3")
     assert (small.query_pre_attn_scalar, small.sliding_window) == (256, None)
     with pytest.raises(ModelLoadError, match="final_logit_softcapping is not supported for "
                                              "Gemma 3"):

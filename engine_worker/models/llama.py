@@ -400,23 +400,13 @@ class LlamaModel(nn.Module):
 
     @torch.no_grad()
     def fold_scales(self) -> None:
-        """Granite's constants and Gemma 3's scales folded into the weights they
-        multiply: the embeddings; q (the scores are q.k, and RoPE is linear), or where q
-        is normed after its projection (Gemma 3) its norm; o and down, whose outputs join
-        the residual stream; the final norm, whose output only makes the logits (so a
-        tied lm_head can keep the scaled embedding)."""
+        """Granite's constants and Gemma's scales folded into the weights they multiply:
+        the embeddings; o and down, whose outputs join the residual stream; the final
+        norm, whose output only makes the logits (so a tied lm_head can keep the scaled
+        embedding). The scores' scale is the attention kernels' own
+        (ModelConfig.attention_scale), as transformers applies it: a GGUF file's q rows
+        are packed as the file holds them."""
         cfg = self.cfg
-        if cfg.attention_multiplier is not None:
-            q = self.layers[0].self_attn.num_heads * cfg.head_dim
-            q_scale = cfg.attention_multiplier * math.sqrt(cfg.head_dim)
-            for layer in self.layers:
-                attn = layer.self_attn
-                if attn.q_norm is not None:   # q is normed after the projection (Gemma 3)
-                    attn.q_norm.weight *= q_scale
-                    continue
-                attn.qkv_proj.weight[:q] *= q_scale
-                if attn.qkv_proj.bias is not None:
-                    attn.qkv_proj.bias[:q] *= q_scale
         if cfg.residual_multiplier != 1.0:
             for layer in self.layers:
                 for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
