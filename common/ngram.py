@@ -11,6 +11,21 @@ from typing import Optional, Sequence
 NGRAM_MAX, NGRAM_MIN = 4, 2
 
 
+def _search(data: bytes, pattern: bytes, lo: int = 0, hi: Optional[int] = None,
+            last: bool = False) -> int:
+    """Where ``pattern`` (ids' bytes) occurs in ``data`` on an id's first byte, within
+    bytes [lo, hi): the first occurrence's id index (``last``: the last's), or -1."""
+    hi = len(data) if hi is None else hi
+    while True:
+        at = data.rfind(pattern, lo, hi) if last else data.find(pattern, lo, hi)
+        if at < 0 or at % 4 == 0:
+            return at // 4 if at >= 0 else -1
+        if last:   # misaligned: look further back, or further on
+            hi = at + len(pattern) - 1
+        else:
+            lo = at + 1
+
+
 def propose(token_ids: list[int], k: int) -> list[int]:
     """Up to ``k`` tokens that followed the latest earlier occurrence of the last n
     tokens of ``token_ids`` (the longest n that occurs), or none."""
@@ -18,16 +33,10 @@ def propose(token_ids: list[int], k: int) -> list[int]:
         return []
     data = array("i", token_ids).tobytes()
     for n in range(min(NGRAM_MAX, len(token_ids) - 1), NGRAM_MIN - 1, -1):
-        suffix = data[-4 * n:]
-        end = len(data) - 4  # an occurrence ending before the last token
-        while True:
-            at = data.rfind(suffix, 0, end)
-            if at < 0:
-                break
-            if at % 4 == 0:
-                start = at // 4 + n
-                return token_ids[start:start + k]
-            end = at + 4 * n - 1  # misaligned: look further back
+        # an occurrence ending before the last token
+        at = _search(data, data[-4 * n:], hi=len(data) - 4, last=True)
+        if at >= 0:
+            return token_ids[at + n:at + n + k]
     return []
 
 
@@ -82,9 +91,7 @@ class Prediction:
         for n in range(min(NGRAM_MAX, end), NGRAM_MIN - 1, -1):
             pattern = array("i", output[end - n:end]).tobytes()
             for start in (4 * self.lost, 0):
-                at = self._data.find(pattern, start)
-                while at >= 0 and at % 4:   # misaligned: look further on
-                    at = self._data.find(pattern, at + 1)
+                at = _search(self._data, pattern, start)
                 if at >= 0:
-                    return at // 4 + n, n
+                    return at + n, n
         return None

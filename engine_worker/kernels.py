@@ -194,15 +194,18 @@ class CpuKernels:
                             num_kv_heads, head_dim)
         return split_qkv(qkv, num_heads, num_kv_heads, head_dim)
 
-    def silu_mul(self, gate_up: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._act_mul(gate_up, gelu=False)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self._act_mul(gate_up, gelu=True)
+
+    def _act_mul(self, gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
         gate_up = gate_up.contiguous()
         n, two_i = gate_up.shape
         out = gate_up.new_empty(n, two_i // 2)
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), n, two_i // 2, int(gelu))
         return out
-
-    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return self.silu_mul(gate_up, gelu=True)
 
     def argmax_rows(self, x: torch.Tensor) -> torch.Tensor:
         """(R, C) float32 -> (R,) int64, first index of each row's maximum."""

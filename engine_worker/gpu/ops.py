@@ -169,8 +169,15 @@ class TritonOps:
                 QK_NORM=qk_norm is not None, num_warps=_rope_warps(heads_pad * half))
         return split_qkv(qkv, num_heads, num_kv_heads, head_dim)
 
-    def silu_mul(self, gate_up: torch.Tensor, gelu: bool = False) -> torch.Tensor:
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """(N, 2 I) holding gate then up -> silu(gate) * up, (N, I)."""
+        return self._act_mul(gate_up, gelu=False)
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """(N, 2 I) holding gate then up -> gelu(gate) * up, GELU's tanh form."""
+        return self._act_mul(gate_up, gelu=True)
+
+    def _act_mul(self, gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
         n, two_i = gate_up.shape
         i = two_i // 2
         out = gate_up.new_empty(n, i)
@@ -180,10 +187,6 @@ class TritonOps:
                 gate_up, out, gate_up.stride(0), out.stride(0), WIDTH=i, BLOCK=block,
                 GELU=gelu)
         return out
-
-    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """(N, 2 I) holding gate then up -> gelu(gate) * up, GELU's tanh form."""
-        return self.silu_mul(gate_up, gelu=True)
 
 
 def _warps(width: int) -> int:
