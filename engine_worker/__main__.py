@@ -79,7 +79,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="CPU: n-gram speculation, a request proposing up to K tokens a "
                         "step copied from its own prompt and output, checked in the step "
                         "(greedy outputs are the same, sampled ones distributed the same; "
-                        "faster where replies repeat their input). Default 0: off "
+                        "faster where replies repeat their input). Default 0: off, "
+                        "but for requests that carry a prediction "
                         "(ROSESERVE_SPECULATIVE_TOKENS)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="auto: Triton on CUDA, C kernels or torch on the CPU; torch: the "

@@ -27,7 +27,7 @@ from engine_worker.model_runner import ModelRunner, resolve_device, resolve_dtyp
 from engine_worker.request import Request, RequestStatus
 from engine_worker.sampler import PendingSamples, Samples, token_logprobs
 from engine_worker.scheduler import ScheduledRequest, Scheduler
-from engine_worker.speculation import Speculator, max_step_rows
+from engine_worker.speculation import PREDICTED_TOKENS, Speculator, max_step_rows
 
 logger = logging.getLogger(__name__)
 
@@ -94,14 +94,17 @@ class LLMEngine:
         # how many steps were queued while the one before was in flight.
         self._inflight: Optional[_Step] = None
         self.num_steps_ahead = 0
-        # N-gram speculation (speculation.py), when asked for.
+        # Speculation (speculation.py): with --speculative-tokens K, every decoding
+        # request's n-gram proposals; without it, on the CPU engine, a request's that
+        # carries a prediction (OpenAI's predicted output), its prediction's.
         self.speculator: Optional[Speculator] = None
-        if config.speculative_tokens:
-            if self.device.type == "cuda" or self.async_scheduling:
-                raise ValueError("speculative tokens run on the CPU engine, without async "
-                                 "scheduling")
-            self.speculator = Speculator(config.speculative_tokens, self.max_model_len,
-                                         self.runner.sampler.generator)
+        k = config.speculative_tokens
+        if k and (self.device.type == "cuda" or self.async_scheduling):
+            raise ValueError("speculative tokens run on the CPU engine, without async "
+                             "scheduling")
+        if k or (self.device.type == "cpu" and not self.async_scheduling):
+            self.speculator = Speculator(k or PREDICTED_TOKENS, self.max_model_len,
+                                         self.runner.sampler.generator, own_text=bool(k))
             self.scheduler.drafter = self.speculator.propose
             self.scheduler.max_step_rows = max_step_rows(self.runner.weight_format)
         logger.info("engine ready: %s (%s, %s, %s weights), context %d, %d KV blocks",

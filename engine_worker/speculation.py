@@ -1,5 +1,7 @@
 """N-gram speculation (``--speculative-tokens K``, prompt lookup decoding): a decoding
 request proposes up to K tokens copied from its own text, and one step checks them.
+Without it, on the CPU engine, only requests that carry a prediction (OpenAI's
+predicted output) propose, from their prediction.
 
 The proposal: the latest earlier place where the request's last n tokens (n from 4
 down to 2) occur in its prompt or output, and the K tokens that followed it there.
@@ -44,6 +46,11 @@ MAX_STEP_ROWS = 8
 MAX_STEP_ROWS_Q4 = 5
 
 
+# Without --speculative-tokens, the proposals a request with a prediction makes a step
+# (as many as a step of one stream checks).
+PREDICTED_TOKENS = MAX_STEP_ROWS - 1
+
+
 def max_step_rows(weight_format: str) -> int:
     return MAX_STEP_ROWS_Q4 if weight_format in ("q4", "iq4") else MAX_STEP_ROWS
 
@@ -66,8 +73,12 @@ class Speculator:
     """The engine's part: each request's proposals (the scheduler's drafter), the check
     of a step's proposed tokens against its logits, and the counts of both."""
 
-    def __init__(self, k: int, max_model_len: int, generator: torch.Generator) -> None:
+    def __init__(self, k: int, max_model_len: int, generator: torch.Generator,
+                 own_text: bool = True) -> None:
+        """own_text: requests without a prediction propose from their own text (else
+        they do not speculate)."""
         self.k = k
+        self.own_text = own_text
         self.max_model_len = max_model_len
         # The sampler's: a sampled check draws from the engine's stream of draws.
         self.generator = generator
@@ -76,6 +87,8 @@ class Speculator:
     def propose(self, request: Request, most: int) -> list[int]:
         """The request's prediction's next tokens where it has one, else its own
         text's n-gram proposal."""
+        if request.prediction is None and not self.own_text:
+            return []
         k = min(request.draft_limit or self.k, most, request.draft_room(self.max_model_len))
         if request.prediction is not None:
             return request.prediction.propose(request.output_token_ids, k)

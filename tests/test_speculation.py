@@ -357,6 +357,22 @@ def test_a_predicted_output_is_the_output_in_fewer_steps(tiny_llama_dir):
     assert results["right"][0] < results["wrong"][0] <= results["unrelated"][0], results
 
 
+def test_a_prediction_saves_steps_on_an_engine_that_does_not_speculate(tiny_llama_dir):
+    """Without --speculative-tokens the CPU engine speculates for requests that carry a
+    prediction only: the right one's 48 tokens in a few steps (up to 7 proposals a
+    step); a request without one, beside it or alone, a token a step and no proposal."""
+    prompt = random_prompts([12], seed=5)[0]
+    expected = make_engine(tiny_llama_dir).generate([prompt], greedy(48))[0]
+    engine = make_engine(tiny_llama_dir)
+    steps, outs = run_counting(engine, {"r": (prompt, greedy(48, prediction=expected))})
+    assert outs["r"] == expected and steps <= 12, steps
+    assert engine.stats().num_accepted_tokens >= 40
+    engine = make_engine(tiny_llama_dir)
+    steps, outs = run_counting(engine, {"r": (prompt, greedy(48))})
+    assert outs["r"] == expected and steps == 48
+    assert engine.stats().num_draft_tokens == 0
+
+
 def test_a_prediction_through_http(tiny_llama_dir, tmp_path):
     """OpenAI's prediction field, on chat and completions: the same tokens as without
     it, in far fewer steps where it is right (the engine's count of kept proposals)."""
