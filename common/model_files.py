@@ -54,6 +54,7 @@ GGUF_POINTER = "gguf.json"
 # SmolLM as llama, and Mixtral as llama with experts.
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                       "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+                      "qwen2moe": "Qwen2MoeForCausalLM",
                       "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
                       "phi3": "Phi3ForCausalLM"}
 
@@ -87,9 +88,10 @@ def end_of_generation_ids(fields: dict) -> list[int]:
 
 def unserved_gguf_architecture(file_name: str, arch: object) -> ModelLoadError:
     return ModelLoadError(f"{file_name}: roseserve serves GGUF files of the llama, qwen2, "
-                          f"qwen3, qwen3moe, gemma2, gemma3 and phi3 architectures (Llama, "
-                          f"SmolLM, Mistral, Mixtral, Qwen2, Qwen2.5, Qwen3, Qwen3-30B-A3B, "
-                          f"Gemma 2, Gemma 3, Phi-3, Phi-4...), not {arch!r}")
+                          f"qwen3, qwen2moe, qwen3moe, gemma2, gemma3 and phi3 architectures "
+                          f"(Llama, SmolLM, Mistral, Mixtral, Qwen2, Qwen2.5, Qwen3, "
+                          f"Qwen1.5-MoE, Qwen3-30B-A3B, Gemma 2, Gemma 3, Phi-3, Phi-4...), "
+                          f"not {arch!r}")
 
 
 # Architectures' config.json without weights, for --load-format dummy.
@@ -237,6 +239,14 @@ def _gguf_metadata(path: Path, fields: dict, out_dir: Path,
         _gemma_reading(config, fields, arch)
     if arch == "phi3":
         _phi3_reading(config, fields, path)
+    if arch == "qwen2moe":
+        # the experts' and the shared expert's sizes; the chosen experts' weights are not
+        # renormalized (llama.cpp's reading, and Qwen1.5-MoE's config)
+        config.moe_intermediate_size = fields.get("qwen2moe.expert_feed_forward_length",
+                                                  config.moe_intermediate_size)
+        config.shared_expert_intermediate_size = fields.get(
+            "qwen2moe.expert_shared_feed_forward_length", config.shared_expert_intermediate_size)
+        config.norm_topk_prob = False
     if arch == "qwen3moe":
         # transformers reads neither the experts' size nor that llama.cpp renormalizes
         # the chosen experts' weights (Qwen3-MoE's own configs say norm_topk_prob too)

@@ -28,12 +28,13 @@ file); the weights stay in the file and are read from it here, at start:
   a tensor the architecture does not use, q/k/v mixing dense and block types, or one
   part of a split file (llama-gguf-split joins them).
 
-Files of the llama, qwen2, qwen3, qwen3moe, gemma2, gemma3 and phi3 architectures are
-served (common/model_files.py: GGUF_ARCHITECTURES); qwen2's q, k and v biases, qwen3's
+Files of the llama, qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3 and phi3
+architectures are served (common/model_files.py: GGUF_ARCHITECTURES); qwen2's q, k and v biases, qwen3's
 and gemma3's q and k norms and Gemma's norms of each layer's outputs are read as float32
 (llama.cpp's converter stores Gemma's norms as the 1 + weight they scale by), the
-experts of qwen3moe and of Mixtral (llama with experts) each as a PackedLinear of its
-rows of the tensors that hold them all (ffn_gate_exps, ffn_up_exps, ffn_down_exps), and a RoPE scaling from the file
+experts of qwen2moe, qwen3moe and Mixtral (llama with experts) each as a PackedLinear
+of its rows of the tensors that hold them all (ffn_gate_exps, ffn_up_exps,
+ffn_down_exps), qwen2moe's shared expert and its gate as tensors of their own, and a RoPE scaling from the file
 (rope_scaling below), which the folder's config does not hold, divides the model's
 frequencies (gemma3's: its full layers'). For the llama architecture llama.cpp's
 converter stores the rows of attn_q and attn_k permuted for its RoPE (pairs of rotated
@@ -379,8 +380,14 @@ def load_gguf(model, path: Path, kernels: CpuKernels) -> None:
             attn.qkv_proj.bias = torch.cat([w.dense(p + f"attn_{n}.bias", (size,))
                                             for n, size in zip("qkv", sizes)])
         attn.o_proj = w.linear([p + "attn_output.weight"], cfg.num_heads * cfg.head_dim)
-        if i in cfg.moe_layers:   # qwen3moe, Mixtral: the router, then each expert's rows
+        if i in cfg.moe_layers:   # the router, then each expert's rows
             mlp.gate = w.linear([p + "ffn_gate_inp.weight"], c)
+            if mlp.shared_expert is not None:   # qwen2moe's, and its gate
+                mlp.shared_expert_gate = w.linear([p + "ffn_gate_inp_shexp.weight"], c)
+                mlp.shared_expert.gate_up_proj = w.linear(
+                    [p + "ffn_gate_shexp.weight", p + "ffn_up_shexp.weight"], c)
+                mlp.shared_expert.down_proj = w.linear([p + "ffn_down_shexp.weight"],
+                                                       cfg.shared_expert_size)
             for e, expert in enumerate(mlp.experts):
                 expert.gate_up_proj = w.linear([p + "ffn_gate_exps.weight",
                                                 p + "ffn_up_exps.weight"], c, expert=e)

@@ -19,7 +19,12 @@ NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
          "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
          "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
-         "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}   # Phi-3's fused
+         "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",   # Phi-3's fused
+         # Qwen2-MoE's shared expert and its gate
+         "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+         "mlp.shared_expert.up_proj": "ffn_up_shexp",
+         "mlp.shared_expert.down_proj": "ffn_down_shexp",
+         "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 # Mixtral's experts' projections
 MIXTRAL_EXPERTS = {"w1": "gate", "w3": "up", "w2": "down"}
 
@@ -100,7 +105,7 @@ def gguf_from_hf(model_dir: Path, out: Path, arch: str, matrix_type: str = "F32"
     its matrices in ``matrix_type`` (F32, or a block type the gguf package quantizes:
     Q8_0...), but a mixture's routers F32, as llama.cpp's converter keeps them;
     ``name``: general.name (the folder's, unless given)."""
-    from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType, quants
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, RopeScalingType, quants
 
     config = json.loads((model_dir / "config.json").read_text())
     tok = json.loads((model_dir / "tokenizer.json").read_text())
@@ -138,11 +143,13 @@ def gguf_from_hf(model_dir: Path, out: Path, arch: str, matrix_type: str = "F32"
     if arch == "gemma2":
         w.add_attn_logit_softcapping(config["attn_logit_softcapping"])
         w.add_final_logit_softcapping(config["final_logit_softcapping"])
-    if arch == "qwen3moe" or "num_local_experts" in config:   # Mixtral is llama's
+    if arch in ("qwen2moe", "qwen3moe") or "num_local_experts" in config:   # Mixtral: llama
         w.add_expert_count(config.get("num_experts") or config["num_local_experts"])
         w.add_expert_used_count(config["num_experts_per_tok"])
-    if arch == "qwen3moe":
+    if arch in ("qwen2moe", "qwen3moe"):
         w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
     tokens = sorted(vocab, key=vocab.get)
     assert [vocab[t] for t in tokens] == list(range(len(tokens)))
@@ -182,7 +189,10 @@ def gguf_from_hf(model_dir: Path, out: Path, arch: str, matrix_type: str = "F32"
             array = llama_cpp_rope_order(array, config["num_key_value_heads"])
         elif arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
             array = array + 1   # llama.cpp's converter stores Gemma's norms as 1 + weight
-        if array.ndim >= 2 and matrix_type != "F32" and "ffn_gate_inp" not in gguf_name:
+        # (rows whose length is not whole blocks stay F32, as llama.cpp's converter keeps
+        # them in a type that takes them)
+        if (array.ndim >= 2 and matrix_type != "F32" and "ffn_gate_inp" not in gguf_name
+                and array.shape[-1] % GGML_QUANT_SIZES[matrix][0] == 0):
             w.add_tensor(gguf_name, quants.quantize(array, matrix), raw_dtype=matrix)
         else:
             w.add_tensor(gguf_name, array)

@@ -151,8 +151,8 @@ def test_files_it_cannot_serve_are_refused_saying_why(tmp_path):
         GgufWeights(tmp_path / "s.gguf", kernels.cpu_kernels())
     write_gguf(tmp_path / "q.gguf", arch="gpt-oss", tensors=[("blk.0.attn_q.weight", ok, T.F32)])
     with pytest.raises(ModelLoadError, match=r"q\.gguf: roseserve serves GGUF files of the "
-                       r"llama, qwen2, qwen3, qwen3moe, gemma2, gemma3 and phi3 "
-                       r"architectures \(.*\), not 'gpt-oss'"):
+                       r"llama, qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3 and "
+                       r"phi3 architectures \(.*\), not 'gpt-oss'"):
         GgufWeights(tmp_path / "q.gguf", kernels.cpu_kernels())
 
 
@@ -698,6 +698,26 @@ def test_a_mixtral_file_serves_what_its_checkpoint_does(tiny_mixtral_dir, tmp_pa
     prompts = [[1, 2, 3, 4], list(range(100, 140))]
     assert_matches(engine.generate(prompts, greedy(12)),
                    hf_greedy(tiny_mixtral_dir, prompts, 12), "mixtral gguf")
+
+
+def test_a_qwen2moe_file_serves_what_its_checkpoint_does(tiny_qwen2_moe_dir, tmp_path):
+    """llama.cpp's qwen2moe (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): q/k/v biases, the experts
+    in tensors of all of them, the shared expert and its sigmoid gate in tensors of
+    their own, the experts' weights not renormalized: an F32 file gives Hugging Face's
+    greedy tokens; a Q8_0 one packs the shared expert as int8, its gate float32."""
+    path = gguf_from_hf(tiny_qwen2_moe_dir, tmp_path / "qwen2moe.gguf", "qwen2moe")
+    folder = resolve_model_dir(str(path))
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["Qwen2MoeForCausalLM"]
+    assert (config["moe_intermediate_size"], config["shared_expert_intermediate_size"],
+            config["norm_topk_prob"]) == (32, 48, False)
+    prompts = [[1, 2, 3, 4], list(range(100, 140))]
+    assert_matches(make_engine(folder).generate(prompts, greedy(12)),
+                   hf_greedy(tiny_qwen2_moe_dir, prompts, 12), "qwen2moe gguf")
+    q8 = gguf_from_hf(tiny_qwen2_moe_dir, tmp_path / "qwen2moe.q8.gguf", "qwen2moe", "Q8_0")
+    moe = make_engine(resolve_model_dir(str(q8))).runner.model.layers[0].mlp
+    assert (moe.shared_expert.gate_up_proj.fmt, moe.shared_expert_gate.fmt,
+            moe.gate.fmt) == ("int8", "float32", "float32")
 
 
 def test_a_mixture_stored_an_expert_a_tensor_is_refused_by_name(tmp_path):
