@@ -2,8 +2,8 @@
 
 Supported: the Llama family (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
 Qwen3ForCausalLM, GraniteForCausalLM, Phi3ForCausalLM, SmolLM3ForCausalLM,
-Gemma2ForCausalLM, Gemma3ForCausalLM and Gemma3ForConditionalGeneration's language model,
-and the mixtures
+Gemma2ForCausalLM, Gemma3ForCausalLM, and the language model of
+Gemma3ForConditionalGeneration and Mistral3ForConditionalGeneration, and the mixtures
 of experts MixtralForCausalLM, Qwen2MoeForCausalLM and Qwen3MoeForCausalLM: RMSNorm,
 RoPE, grouped-query attention, SwiGLU; Qwen3 also RMS-norms each head of q and k;
 Granite scales the embeddings, attention scores, each layer's outputs and the logits by
@@ -45,8 +45,11 @@ LLAMA_FAMILY = {
 }
 GPT2_FAMILY = {"GPT2LMHeadModel": "gpt2"}
 # Multimodal checkpoints whose language model is served (text only): architecture ->
-# the language model's
-LANGUAGE_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM"}
+# the language model's, and the config class that fills in its text_config's defaults
+LANGUAGE_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
+                   "Mistral3ForConditionalGeneration": "MistralForCausalLM"}
+_TEXT_CONFIGS = {"Gemma3ForConditionalGeneration": "Gemma3TextConfig",
+                 "Mistral3ForConditionalGeneration": "MistralConfig"}
 SUPPORTED_ARCHITECTURES = sorted({**LLAMA_FAMILY, **GPT2_FAMILY, **LANGUAGE_MODELS})
 
 
@@ -485,9 +488,9 @@ def _language_model_config(raw: dict[str, Any], arch: str) -> dict[str, Any]:
     text = raw.get("text_config")
     if not isinstance(text, dict):
         raise ModelLoadError(f"{arch}'s config has no text_config")
-    from transformers import Gemma3TextConfig
+    import transformers
 
-    full = Gemma3TextConfig(**text).to_dict()
+    full = getattr(transformers, _TEXT_CONFIGS[arch])(**text).to_dict()
     full["architectures"] = [LANGUAGE_MODELS[arch]]
     return full
 

@@ -374,6 +374,24 @@ def tiny_gemma3_vision_dir(tmp_path_factory) -> Path:
     return _save(model, tmp_path_factory.mktemp("tiny-gemma3-vision"))
 
 
+@pytest.fixture(scope="session")
+def tiny_mistral3_vision_dir(tmp_path_factory) -> Path:
+    """Mistral Small 3.1 / 3.2 as published: a multimodal checkpoint
+    (Mistral3ForConditionalGeneration: a Pixtral vision tower beside a Mistral language
+    model, tensors named language_model.model.*, an untied language_model.lm_head)."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    torch.manual_seed(26)
+    text = {**TINY, "model_type": "mistral", "head_dim": 16, "sliding_window": None,
+            "tie_word_embeddings": False}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=2, image_size=56, patch_size=14, head_dim=16)
+    config = Mistral3Config(text_config=text, vision_config=vision, image_token_index=50252,
+                            spatial_merge_size=2, tie_word_embeddings=False)
+    return _save(Mistral3ForConditionalGeneration(config).eval(),
+                 tmp_path_factory.mktemp("tiny-mistral3-vision"))
+
+
 def _random_routers(model_dir: Path) -> Path:
     """The routers' weights drawn at random (Qwen3-MoE's start at 0: every expert tied)."""
     from safetensors.torch import load_file, save_file

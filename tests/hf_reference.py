@@ -34,7 +34,12 @@ def hf_model(model_dir: Path):
 
     key = str(model_dir)
     if key not in _models:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        except ValueError:   # a multimodal model transformers maps only so (Mistral 3)
+            from transformers import AutoModelForImageTextToText
+
+            model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32)
         model.generation_config.eos_token_id = None  # run to max_new_tokens, like ignore_eos
         _models[key] = model.eval()
     return _models[key]
