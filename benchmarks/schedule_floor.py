@@ -88,8 +88,8 @@ def main(argv=None) -> int:
             seconds, steps = scheduled_floor(weight_bytes, kv, cfg.flops_per_token, c,
                                              args.input_len, args.output_len, budget,
                                              args.bandwidth, args.gemm_rate)
-            two_phase = run_floor(cfg, weight_bytes, kv, c, args.input_len, args.output_len,
-                                  budget, args.bandwidth, args.gemm_rate)
+            two_phase = run_floor(cfg, lambda tokens: weight_bytes, kv, c, args.input_len,
+                                  args.output_len, budget, args.bandwidth, args.gemm_rate)
             print(f"{c:4d} streams, budget {budget:5d}: step by step {seconds:5.2f} s "
                   f"({steps} steps, {tokens / seconds:7.0f} tokens/s); the benchmark's "
                   f"floor {two_phase:5.2f} s ({tokens / two_phase:7.0f} tokens/s)")
