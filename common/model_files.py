@@ -172,7 +172,7 @@ def materialize_gguf_folder(path: Path) -> Path:
     def build(tmp: Path) -> None:
         logger.info("reading %s's tokenizer, chat template and config into %s (once)",
                     path.name, target)
-        _gguf_metadata(path, GgufReader(path).fields, tmp)
+        _gguf_metadata(path, GgufReader(path), tmp)
 
     target = _gguf_folder(path)
     return _materialize(target, GGUF_POINTER, build)
@@ -201,14 +201,15 @@ def _materialize(target: Path, marker: str, build) -> Path:
     return target
 
 
-def _gguf_metadata(path: Path, fields: dict, out_dir: Path,
+def _gguf_metadata(path: Path, reader: GgufReader, out_dir: Path,
                    end_of_turn_tokens: bool = True) -> None:
     """config.json, generation_config.json and the tokenizer's files from a GGUF file's
-    metadata (``fields``: its header's, as GgufReader read them). end_of_turn_tokens:
+    metadata (``reader``: the file's, read once). end_of_turn_tokens:
     generation ends at every token end_of_generation_ids finds, as llama.cpp serves the
     file (else at the file's EOS, as the checkpoint it was converted from)."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+    fields = reader.fields
     folder, name = str(path.parent), path.name
     try:
         config = AutoConfig.from_pretrained(folder, gguf_file=name)
@@ -238,21 +239,18 @@ def _gguf_metadata(path: Path, fields: dict, out_dir: Path,
     if arch in ("gemma2", "gemma3"):
         _gemma_reading(config, fields, arch)
     if arch == "phi3":
-        _phi3_reading(config, fields, path)
-    if arch == "qwen2moe":
-        # the experts' and the shared expert's sizes; the chosen experts' weights are not
-        # renormalized (llama.cpp's reading, and Qwen1.5-MoE's config)
-        config.moe_intermediate_size = fields.get("qwen2moe.expert_feed_forward_length",
+        _phi3_reading(config, reader)
+    if arch in ("qwen2moe", "qwen3moe"):
+        # transformers reads neither the experts' sizes (and Qwen2-MoE's shared expert's)
+        # nor whether llama.cpp renormalizes the chosen experts' weights: Qwen3-MoE's,
+        # as its own configs say; not Qwen2-MoE's (Qwen1.5-MoE's config)
+        config.moe_intermediate_size = fields.get(f"{arch}.expert_feed_forward_length",
                                                   config.moe_intermediate_size)
-        config.shared_expert_intermediate_size = fields.get(
-            "qwen2moe.expert_shared_feed_forward_length", config.shared_expert_intermediate_size)
-        config.norm_topk_prob = False
-    if arch == "qwen3moe":
-        # transformers reads neither the experts' size nor that llama.cpp renormalizes
-        # the chosen experts' weights (Qwen3-MoE's own configs say norm_topk_prob too)
-        config.moe_intermediate_size = fields.get("qwen3moe.expert_feed_forward_length",
-                                                  config.moe_intermediate_size)
-        config.norm_topk_prob = True
+        config.norm_topk_prob = arch == "qwen3moe"
+        if arch == "qwen2moe":
+            config.shared_expert_intermediate_size = fields.get(
+                "qwen2moe.expert_shared_feed_forward_length",
+                config.shared_expert_intermediate_size)
     config.save_pretrained(out_dir)
     generation = GenerationConfig.from_model_config(config)
     if end_of_turn_tokens:
@@ -281,12 +279,13 @@ def _gemma_reading(config, fields: dict, arch: str) -> None:
             setattr(config, name, fields[f"{arch}.{name}"])
 
 
-def _phi3_reading(config, fields: dict, path: Path) -> None:
+def _phi3_reading(config, reader: GgufReader) -> None:
     """What a phi3 file holds that transformers' reading leaves out: the share of each
     head RoPE turns (Phi-4-mini's 3/4: rope.dimension_count), the sliding window
     (Phi-3-mini-4k's) and LongRoPE (the 128k models, Phi-3.5, Phi-4-mini): its long
     and short factors, tensors of their own, with the original context and the
     attention factor."""
+    fields = reader.fields
     head_dim = config.hidden_size // config.num_attention_heads
     turned = fields.get("phi3.rope.dimension_count", head_dim)
     if turned != head_dim:
@@ -295,7 +294,7 @@ def _phi3_reading(config, fields: dict, path: Path) -> None:
                                   "partial_rotary_factor": turned / head_dim}
     config.sliding_window = fields.get("phi3.attention.sliding_window") or None
     factors = {t.name: np.array(t.data).view(np.float32).reshape(-1).tolist()
-               for t in GgufReader(path).tensors
+               for t in reader.tensors
                if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")}
     if len(factors) == 2:
         longrope = {"rope_type": "longrope", "long_factor": factors["rope_factors_long.weight"],
@@ -362,7 +361,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
     reader = GgufReader(gguf_path)
     # Hugging Face's checkpoint ends generation at its EOS alone
-    _gguf_metadata(gguf_path, reader.fields, out_dir, end_of_turn_tokens=False)
+    _gguf_metadata(gguf_path, reader, out_dir, end_of_turn_tokens=False)
     (out_dir / GGUF_POINTER).unlink()   # the weights are in the folder
     config = json.loads((out_dir / "config.json").read_text())
     config["dtype"] = "float32"

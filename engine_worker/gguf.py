@@ -29,18 +29,18 @@ file); the weights stay in the file and are read from it here, at start:
   part of a split file (llama-gguf-split joins them).
 
 Files of the llama, qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3 and phi3
-architectures are served (common/model_files.py: GGUF_ARCHITECTURES); qwen2's q, k and v biases, qwen3's
-and gemma3's q and k norms and Gemma's norms of each layer's outputs are read as float32
-(llama.cpp's converter stores Gemma's norms as the 1 + weight they scale by), the
-experts of qwen2moe, qwen3moe and Mixtral (llama with experts) each as a PackedLinear
-of its rows of the tensors that hold them all (ffn_gate_exps, ffn_up_exps,
-ffn_down_exps), qwen2moe's shared expert and its gate as tensors of their own, and a RoPE scaling from the file
-(rope_scaling below), which the folder's config does not hold, divides the model's
-frequencies (gemma3's: its full layers'). For the llama architecture llama.cpp's
-converter stores the rows of attn_q and attn_k permuted for its RoPE (pairs of rotated
-dimensions interleaved); they are put back in Hugging Face's order (halves) as whole
-rows, so blocks are untouched. The others' RoPE is Hugging Face's: their rows are
-stored as they are.
+architectures are served (common/model_files.py: GGUF_ARCHITECTURES); qwen2's q, k and
+v biases, qwen3's and gemma3's q and k norms and Gemma's norms of each layer's outputs
+are read as float32 (llama.cpp's converter stores Gemma's norms as the 1 + weight they
+scale by), the experts of qwen2moe, qwen3moe and Mixtral (llama with experts) each as a
+PackedLinear of its rows of the tensors that hold them all (ffn_gate_exps, ffn_up_exps,
+ffn_down_exps), qwen2moe's shared expert and its gate as tensors of their own, and a
+RoPE scaling from the file (rope_scaling below), which the folder's config does not
+hold, divides the model's frequencies (gemma3's: its full layers'). For the llama
+architecture llama.cpp's converter stores the rows of attn_q and attn_k permuted for
+its RoPE (pairs of rotated dimensions interleaved); they are put back in Hugging Face's
+order (halves) as whole rows, so blocks are untouched. The others' RoPE is Hugging
+Face's: their rows are stored as they are.
 """
 
 from __future__ import annotations

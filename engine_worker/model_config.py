@@ -45,11 +45,10 @@ LLAMA_FAMILY = {
 }
 GPT2_FAMILY = {"GPT2LMHeadModel": "gpt2"}
 # Multimodal checkpoints whose language model is served (text only): architecture ->
-# the language model's, and the config class that fills in its text_config's defaults
-LANGUAGE_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM",
-                   "Mistral3ForConditionalGeneration": "MistralForCausalLM"}
-_TEXT_CONFIGS = {"Gemma3ForConditionalGeneration": "Gemma3TextConfig",
-                 "Mistral3ForConditionalGeneration": "MistralConfig"}
+# the language model's, and the transformers config class that fills in its
+# text_config's defaults
+LANGUAGE_MODELS = {"Gemma3ForConditionalGeneration": ("Gemma3ForCausalLM", "Gemma3TextConfig"),
+                   "Mistral3ForConditionalGeneration": ("MistralForCausalLM", "MistralConfig")}
 SUPPORTED_ARCHITECTURES = sorted({**LLAMA_FAMILY, **GPT2_FAMILY, **LANGUAGE_MODELS})
 
 
@@ -490,8 +489,9 @@ def _language_model_config(raw: dict[str, Any], arch: str) -> dict[str, Any]:
         raise ModelLoadError(f"{arch}'s config has no text_config")
     import transformers
 
-    full = getattr(transformers, _TEXT_CONFIGS[arch])(**text).to_dict()
-    full["architectures"] = [LANGUAGE_MODELS[arch]]
+    language_model, config_class = LANGUAGE_MODELS[arch]
+    full = getattr(transformers, config_class)(**text).to_dict()
+    full["architectures"] = [language_model]
     return full
 
 
