@@ -86,19 +86,21 @@ class AttentionBackend:
         self.softcap = softcap
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, meta: AttentionMetadata, window: int = 0
-                ) -> torch.Tensor:
+                kv_cache: torch.Tensor, meta: AttentionMetadata, window: int = 0,
+                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Write k and v into the cache, then attend. q (N, Hq, D), k and v (N, Hkv, D)
         -> (N, Hq * D)."""
         write_kv(kv_cache, k, v, meta.slot_mapping)
-        return self.attend(q, k, v, kv_cache, meta, window)
+        return self.attend(q, k, v, kv_cache, meta, window, sinks)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               kv_cache: torch.Tensor, meta: AttentionMetadata, window: int = 0
-               ) -> torch.Tensor:
+               kv_cache: torch.Tensor, meta: AttentionMetadata, window: int = 0,
+               sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Attention for keys and values already in the cache (k and v are the step's
         own) -> (N, Hq * D). window > 0: a query at position p sees keys p - window + 1
-        to p (a sliding window, the layer's); 0: keys 0 to p."""
+        to p (a sliding window, the layer's); 0: keys 0 to p. sinks (Hq,): each head's
+        sink logit (gpt-oss), in every query's softmax beside its scores, with no
+        value: the output is scaled by 1 - the sink's share."""
         raise NotImplementedError
 
 
@@ -111,19 +113,20 @@ class TorchAttention(AttentionBackend):
         self.gqa = num_heads != num_kv_heads
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               kv_cache: torch.Tensor, meta: AttentionMetadata, window: int = 0
-               ) -> torch.Tensor:
+               kv_cache: torch.Tensor, meta: AttentionMetadata, window: int = 0,
+               sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Attention for keys and values already in the cache (k and v are the step's
         own, used directly by chunks without a cached prefix)."""
         n, d = q.shape[0], self.head_dim
         out = q.new_zeros(n, self.num_heads, d)
         if meta.num_decode:
-            out[:meta.num_decode] = self._decode(q[:meta.num_decode], kv_cache, meta, window)
+            out[:meta.num_decode] = self._decode(q[:meta.num_decode], kv_cache, meta, window,
+                                                 sinks)
         starts, lens = meta.query_start_host, meta.seq_lens_host
         for s in range(meta.num_decode, len(lens)):
             rows = slice(starts[s], starts[s + 1])
             out[rows] = self._chunk(q[rows], k[rows], v[rows], kv_cache,
-                                    meta.block_tables[s], lens[s], window)
+                                    meta.block_tables[s], lens[s], window, sinks)
         return out.view(n, self.num_heads * d)
 
     def _gather(self, kv_cache: torch.Tensor, block_ids: torch.Tensor,
@@ -139,8 +142,8 @@ class TorchAttention(AttentionBackend):
             gathered = torch.index_select(kv_cache, 1, ids).to(dtype)
         return gathered.view(2, *block_ids.shape, *kv_cache.shape[2:])
 
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, window: int = 0) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                window: int = 0, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         b, bs = q.shape[0], kv_cache.shape[2]
         lens = torch.tensor(meta.seq_lens_host[:b], device=q.device)
         width = -(-max(meta.seq_lens_host[:b]) // bs)
@@ -151,12 +154,13 @@ class TorchAttention(AttentionBackend):
         mask = keys < lens.unsqueeze(1)
         if window:
             mask &= keys >= lens.unsqueeze(1) - window
-        out = self._sdpa(q.unsqueeze(2), kv[0], kv[1], mask.view(b, 1, 1, -1))  # (B, Hq, 1, D)
+        out = self._sdpa(q.unsqueeze(2), kv[0], kv[1], mask.view(b, 1, 1, -1),
+                         sinks=sinks)  # (B, Hq, 1, D)
         return out.squeeze(2)
 
     def _chunk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_cache: torch.Tensor, block_table: torch.Tensor, context_len: int,
-               window: int = 0) -> torch.Tensor:
+               window: int = 0, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         length = q.shape[0]
         if context_len == length and kv_cache.dtype == q.dtype and not window:
             # No cached prefix: attend within the chunk, causally. (A cache of another
@@ -174,15 +178,16 @@ class TorchAttention(AttentionBackend):
                 mask &= key_pos > q_pos.unsqueeze(1) - window
             keys, values, causal = kv[0], kv[1], False
         out = self._sdpa(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-                         mask, causal)  # (Hq, L, D)
+                         mask, causal, sinks)  # (Hq, L, D)
         return out.transpose(0, 1)
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              mask: Optional[torch.Tensor], causal: bool = False) -> torch.Tensor:
+              mask: Optional[torch.Tensor], causal: bool = False,
+              sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Softmax(q k^T scale) v over the keys ``mask`` allows (or causally), q (...,
-        Hq, L, D), k and v (..., Hkv, T, D); with a soft cap, computed here (SDPA has
-        none)."""
-        if not self.softcap:
+        Hq, L, D), k and v (..., Hkv, T, D); with a soft cap or sinks, computed here
+        (SDPA has neither)."""
+        if not self.softcap and sinks is None:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                                   scale=self.scale, enable_gqa=self.gqa)
         if causal:
@@ -191,7 +196,11 @@ class TorchAttention(AttentionBackend):
         group = q.shape[-3] // k.shape[-3]
         k, v = k.repeat_interleave(group, -3), v.repeat_interleave(group, -3)
         scores = soft_cap(q @ k.transpose(-1, -2) * self.scale, self.softcap)
-        return torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ v
+        scores = scores.masked_fill(~mask, float("-inf"))
+        if sinks is None:
+            return torch.softmax(scores, -1) @ v
+        sink = sinks.to(scores.dtype).view(-1, 1, 1).expand(*scores.shape[:-1], 1)
+        return torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1] @ v
 
 
 class CpuAttention(TorchAttention):
@@ -202,8 +211,10 @@ class CpuAttention(TorchAttention):
         super().__init__(num_heads, num_kv_heads, head_dim, scale, softcap)
         self.kernels = kernels
 
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, window: int = 0) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                window: int = 0, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if sinks is not None:   # (the C kernels have no sinks)
+            return super()._decode(q, kv_cache, meta, window, sinks)
         return self.kernels.paged_decode_attention(
             q, kv_cache, meta.decode_tables_int64, meta.decode_lens_int64, self.scale,
             window, self.softcap)

@@ -40,7 +40,7 @@ from typing import Optional, Sequence
 import torch
 
 from common.config import cache_dir
-from engine_worker.ops import QkNorm, norm_heads, soft_cap, split_qkv
+from engine_worker.ops import QkNorm, clamped_swiglu, norm_heads, soft_cap, split_qkv
 
 logger = logging.getLogger(__name__)
 
@@ -199,6 +199,8 @@ class CpuKernels:
 
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return self._act_mul(gate_up, gelu=True)
+
+    clamped_swiglu = staticmethod(clamped_swiglu)   # (gpt-oss's experts: torch's ops)
 
     def _act_mul(self, gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
         gate_up = gate_up.contiguous()

@@ -4,13 +4,15 @@ Supported: the Llama family (LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausa
 Qwen3ForCausalLM, GraniteForCausalLM, Phi3ForCausalLM, SmolLM3ForCausalLM,
 Gemma2ForCausalLM, Gemma3ForCausalLM, and the language model of
 Gemma3ForConditionalGeneration and Mistral3ForConditionalGeneration, and the mixtures
-of experts MixtralForCausalLM, Qwen2MoeForCausalLM and Qwen3MoeForCausalLM: RMSNorm,
+of experts MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM and
+GptOssForCausalLM: RMSNorm,
 RoPE, grouped-query attention, SwiGLU; Qwen3 also RMS-norms each head of q and k;
 Granite scales the embeddings, attention scores, each layer's outputs and the logits by
 constants of its config; Phi-3 stores q/k/v and gate/up fused; SmolLM3 leaves RoPE out
 of every fourth layer; Gemma 2 and 3 have GELU gates, 1 + weight norms, norms of each
 layer's outputs and sliding layers, Gemma 2 soft-capped scores and logits, Gemma 3's
-sliding layers a RoPE of their own) and GPT2LMHeadModel. Anything else
+sliding layers a RoPE of their own; gpt-oss a learned sink logit per head, biased
+routers and experts, a clamped SwiGLU and MXFP4 experts) and GPT2LMHeadModel. Anything else
 is a ModelLoadError that names the architecture and what is supported.
 """
 
@@ -42,6 +44,7 @@ LLAMA_FAMILY = {
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2MoeForCausalLM": "qwen2_moe",
+    "GptOssForCausalLM": "gpt_oss",
 }
 GPT2_FAMILY = {"GPT2LMHeadModel": "gpt2"}
 # Multimodal checkpoints whose language model is served (text only): architecture ->
@@ -144,8 +147,18 @@ class ModelConfig:
     # Qwen2-MoE: a shared expert (a SwiGLU MLP this wide) every token runs, its output
     # scaled by the sigmoid of a gate of its own; 0: none
     shared_expert_size: int = 0
-    # The checkpoint's tensor layout: "llama" (q, k, v, gate, up apart) or "phi3"
-    # (qkv_proj and gate_up_proj as one tensor each)
+    # gpt-oss: each head's learned sink, a logit every query's softmax also spreads
+    # over and that adds no value (attention a query may pay to nothing)
+    attn_sinks: bool = False
+    # gpt-oss's mixtures: router and experts with biases; the router's softmax over the
+    # k chosen logits; each expert's gate the clamped SwiGLU (clamp(up, -L, L) + 1) g
+    # sigmoid(alpha g), g = min(gate, L), for swiglu_limit L > 0 (0: SiLU or GELU)
+    expert_bias: bool = False
+    swiglu_limit: float = 0.0
+    swiglu_alpha: float = 1.702
+    # The checkpoint's tensor layout: "llama" (q, k, v, gate, up apart), "phi3"
+    # (qkv_proj and gate_up_proj as one tensor each) or "gpt_oss" (a layer's experts
+    # stacked in one tensor a projection, gate and up interleaved, bfloat16 or MXFP4)
     layout: str = "llama"
     # Granite's constants: the embeddings are multiplied by embedding_multiplier, the
     # attention scores scaled by attention_multiplier (None: 1/sqrt(head_dim); the
@@ -267,6 +280,8 @@ def _llama_config(raw: dict[str, Any], kind: str, name: str, eos: tuple[int, ...
     rope = gemma.pop("rope", None) or _rope_config(raw, rotary_dim, served)
     max_len = max(raw["max_position_embeddings"], rope.context_length or 0)
     attention_bias = bool(raw.get("attention_bias", False))
+    experts = (_experts(raw, kind) if kind in ("mixtral", "qwen3_moe", "qwen2_moe", "gpt_oss")
+               else {})
     return ModelConfig(
         name=name,
         family="llama",
@@ -276,7 +291,7 @@ def _llama_config(raw: dict[str, Any], kind: str, name: str, eos: tuple[int, ...
         num_heads=num_heads,
         num_kv_heads=raw.get("num_key_value_heads") or num_heads,
         head_dim=head_dim,
-        intermediate_size=raw["intermediate_size"],
+        intermediate_size=experts.pop("intermediate_size", raw["intermediate_size"]),
         max_model_len=max_len,
         norm_eps=raw.get("rms_norm_eps", 1e-6),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings",
@@ -288,8 +303,8 @@ def _llama_config(raw: dict[str, Any], kind: str, name: str, eos: tuple[int, ...
         eos_token_ids=eos,
         rope=rope,
         qk_norm=kind in ("qwen3", "gemma3", "qwen3_moe"),
-        layout="phi3" if kind == "phi3" else "llama",
-        **(_experts(raw, kind) if kind in ("mixtral", "qwen3_moe", "qwen2_moe") else {}),
+        layout=kind if kind in ("phi3", "gpt_oss") else "llama",
+        **experts,
         rotary_dim=rotary_dim if rotary_dim < head_dim else None,
         nope_layers=_nope_layers(raw) if kind == "smollm3" else (),
         windows=_sliding_windows(raw, kind, max_len),
@@ -339,7 +354,7 @@ def _experts(raw: dict[str, Any], kind: str) -> dict[str, Any]:
     layer not in mlp_only_layers, renormalized where norm_topk_prob says; Qwen2-MoE's
     shared expert."""
     layers = raw["num_hidden_layers"]
-    if kind == "mixtral":
+    if kind in ("mixtral", "gpt_oss"):
         experts, inner, norm = raw["num_local_experts"], raw["intermediate_size"], True
         moe = tuple(range(layers))
     else:
@@ -350,12 +365,31 @@ def _experts(raw: dict[str, Any], kind: str) -> dict[str, Any]:
         step, dense = raw.get("decoder_sparse_step", 1), set(raw.get("mlp_only_layers") or ())
         moe = tuple(i for i in range(layers)
                     if experts > 0 and i not in dense and (i + 1) % step == 0)
-    k = raw["num_experts_per_tok"]
+    # gpt-oss's published configs have experts_per_token beside num_experts_per_tok
+    k = raw["num_experts_per_tok" if "num_experts_per_tok" in raw else "experts_per_token"]
     if not 0 < k <= experts:
         raise ModelLoadError(f"num_experts_per_tok {k} must be from 1 to the {experts} experts")
     shared = raw.get("shared_expert_intermediate_size", 0) if kind == "qwen2_moe" else 0
-    return {"moe_layers": moe, "num_experts": experts, "experts_per_token": k,
-            "expert_intermediate_size": inner, "norm_topk": norm, "shared_expert_size": shared}
+    fields = {"moe_layers": moe, "num_experts": experts, "experts_per_token": k,
+              "expert_intermediate_size": inner, "norm_topk": norm,
+              "shared_expert_size": shared}
+    return fields if kind != "gpt_oss" else {**fields, **_gpt_oss(raw)}
+
+
+def _gpt_oss(raw: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss's fields beyond a mixture's: every MLP a mixture (its intermediate_size
+    is the experts'), the sinks, the biases, the clamped SwiGLU; its experts as the
+    published checkpoints hold them (MXFP4) or dequantized (bfloat16)."""
+    quant = raw.get("quantization_config") or {}
+    if quant and quant.get("quant_method") != "mxfp4":
+        raise ModelLoadError(f"gpt-oss checkpoints are served dequantized or in MXFP4, not "
+                             f"{quant.get('quant_method')!r}")
+    limit, alpha = raw.get("swiglu_limit", 7.0), raw.get("swiglu_alpha", 1.702)
+    for name, value in (("swiglu_limit", limit), ("swiglu_alpha", alpha)):
+        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ModelLoadError(f"{name} must be a positive number, not {value!r}")
+    return {"intermediate_size": 0, "attn_sinks": True, "expert_bias": True,
+            "swiglu_limit": float(limit), "swiglu_alpha": float(alpha)}
 
 
 def _sliding_windows(raw: dict[str, Any], kind: str, max_len: int) -> tuple[int, ...]:
@@ -366,15 +400,16 @@ def _sliding_windows(raw: dict[str, Any], kind: str, max_len: int) -> tuple[int,
     those from max_window_layers on). () where no layer's window is shorter than the
     context."""
     window = raw.get("sliding_window")
-    if not window or not raw.get("use_sliding_window",
-                                 kind in ("mistral", "mixtral", "phi3", "gemma2", "gemma3")):
+    if not window or not raw.get("use_sliding_window", kind in (
+            "mistral", "mixtral", "phi3", "gemma2", "gemma3", "gpt_oss")):
         return ()
     if not isinstance(window, int) or window < 1:
         raise ModelLoadError(f"sliding_window must be a positive integer, not {window!r}")
     layers = raw["num_hidden_layers"]
     types = raw.get("layer_types")
-    if types is None and kind in ("gemma2", "gemma3"):   # older configs: every pattern-th
-        pattern = raw.get("sliding_window_pattern", 6 if kind == "gemma3" else 2)   # is full
+    if types is None and kind in ("gemma2", "gemma3", "gpt_oss"):
+        # older configs: every pattern-th layer is full
+        pattern = raw.get("sliding_window_pattern", 6 if kind == "gemma3" else 2)
         sliding = [(i + 1) % pattern != 0 for i in range(layers)]
     elif kind in ("mistral", "mixtral", "phi3") or (
             types is None and kind not in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe")):

@@ -18,6 +18,15 @@ def soft_cap(x: torch.Tensor, cap: float) -> torch.Tensor:
     return x.div_(cap).tanh_().mul_(cap) if cap else x
 
 
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's experts' gate: (N, 2 I) holding gate then up -> (clamp(up, -limit,
+    limit) + 1) g sigmoid(alpha g), g = min(gate, limit), (N, I); in transformers'
+    order of operations."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x (N, H, D) rotated by cos, sin (N, 1, D/2), rotate-half convention."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -144,3 +153,5 @@ class TorchOps:
         (Gemma's gelu_pytorch_tanh), (N, I)."""
         gate, up = gate_up.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
+
+    clamped_swiglu = staticmethod(clamped_swiglu)

@@ -76,3 +76,22 @@ class Checkpoint:
             raise ModelLoadError(
                 f"checkpoint in {self.model_dir} has {len(left)} tensor(s) this "
                 f"architecture does not use, e.g. {left[:3]}")
+
+
+# The values of MXFP4's 4-bit elements (FP4 E2M1), by code; a block's scale is 2^(s - 127)
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+            -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_to_float(blocks: torch.Tensor, scales: torch.Tensor,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """MXFP4 weights, as gpt-oss's checkpoints hold them, dequantized: blocks (..., G,
+    16) uint8, two elements a byte (the low nibble first), a block of 32 elements
+    sharing the power of two its scale (..., G) uint8 encodes -> (..., G * 32) (exact:
+    every element and scale is a float32)."""
+    lut = torch.tensor(FP4_E2M1, dtype=torch.float32)
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).int()    # (..., G, 16, 2)
+    values = lut[codes].flatten(-3)                                     # (..., G * 32)
+    exponents = scales.to(torch.int32) - 127
+    values = torch.ldexp(values.view(*scales.shape, 32), exponents.unsqueeze(-1).float())
+    return values.flatten(-2).to(dtype)

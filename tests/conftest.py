@@ -7,6 +7,7 @@ max_tokens and ignore_eos.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
 
@@ -77,6 +78,17 @@ LLAMA3_TEMPLATE = (
     "{% else %}{{ m['content'] }}{% endif %}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 PYTHON_TAG = 50257  # the tiny Llama 3's <|python_tag|> id
+
+
+# gpt-oss's harmony, reduced: a message a turn, the assistant's on the final channel;
+# the reply starts at a header after <|start|>assistant.
+HARMONY_TEMPLATE = (
+    "{% for m in messages %}<|start|>{{ m['role'] }}"
+    "{% if m['role'] == 'assistant' %}<|channel|>final{% endif %}"
+    "<|message|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
+HARMONY_TAGS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>",
+                "<|call|>", "<|constrain|>")   # the tiny harmony model's, from 50257 on
 
 
 def _gpt2_tokenizer(out_dir: Path, template: str = CHAT_TEMPLATE,
@@ -155,6 +167,18 @@ def tiny_reasoner_dir(tmp_path_factory) -> Path:
     thinking (a reasoning model, for --reasoning-parser)."""
     return _more_tokens(tmp_path_factory, "tiny-reasoner", 4, template=REASONER_TEMPLATE,
                             added=("<think>", "</think>"))
+
+
+@pytest.fixture(scope="session")
+def tiny_harmony_dir(tmp_path_factory) -> Path:
+    """gpt-oss's chat format: harmony's tags as special tokens, a template that writes
+    harmony, <|return|> and <|call|> among the stop tokens (as gpt-oss's
+    generation_config.json has them)."""
+    model_dir = _more_tokens(tmp_path_factory, "tiny-harmony", 26, template=HARMONY_TEMPLATE,
+                             special=HARMONY_TAGS)
+    (model_dir / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [EOS, 50261, 50262]}))
+    return model_dir
 
 
 @pytest.fixture(scope="session")
@@ -443,6 +467,34 @@ def tiny_qwen3_30b_a3b_dir(tmp_path_factory) -> Path:
         tmp_path_factory, "tiny-qwen3-30b-a3b", 22, "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
         num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
         tie_word_embeddings=False))
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_oss_dir(tmp_path_factory) -> Path:
+    """gpt-oss: a sliding layer (8 keys) then a full one, each head's sink logit, YaRN
+    (unclamped ramp), q/k/v/o biases; 4 experts of 32 with biases, 2 a token, the
+    router's softmax over the chosen logits; the clamped SwiGLU at a limit of 0.5 (7
+    in the published models: random weights would never reach it). Sinks, routers and
+    biases drawn at random (transformers starts biases at 0)."""
+    model_dir = _tiny(
+        tmp_path_factory, "tiny-gpt-oss", 24, "GptOssConfig", "GptOssForCausalLM",
+        head_dim=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+        swiglu_limit=0.5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 128, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "truncate": False})
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    weights = load_file(path)
+    generator = torch.Generator().manual_seed(25)
+    for name, tensor in weights.items():
+        if name.endswith(("sinks", "bias", "router.weight")):
+            weights[name] = torch.randn(tensor.shape, generator=generator) * (
+                1.0 if name.endswith(("sinks", "router.weight")) else 0.1)
+    save_file(weights, path, metadata={"format": "pt"})
+    return model_dir
 
 
 @pytest.fixture(scope="session")

@@ -17,13 +17,14 @@ GREEDY = greedy(MAX_NEW)
 # RoPE; yarn: a Qwen2 with YaRN RoPE; sliding: Mistral's window of 16 keys in every
 # layer; qwen2_sliding: a window of 11 in one layer of two; gemma2: soft-capped scores
 # and logits; gemma3: Gemma 3's layers; gemma3_vision and mistral3_vision: the language
-# model of a multimodal Gemma 3 or Mistral Small 3 checkpoint; mixtral, qwen3_moe and qwen2_moe (with a shared
-# expert): mixtures of experts
+# model of a multimodal Gemma 3 or Mistral Small 3 checkpoint; mixtral, qwen3_moe and
+# qwen2_moe (with a shared expert): mixtures of experts; gpt_oss: sinks, a sliding
+# layer, biased routers and experts, the clamped SwiGLU
 ARCHS = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_gpt2_dir",
          "tiny_granite_dir", "tiny_phi3_dir", "tiny_smollm3_dir", "tiny_yarn_dir",
          "tiny_sliding_dir", "tiny_qwen2_sliding_dir", "tiny_gemma2_dir", "tiny_gemma3_dir",
          "tiny_gemma3_vision_dir", "tiny_mistral3_vision_dir", "tiny_mixtral_dir",
-         "tiny_qwen3_moe_dir", "tiny_qwen2_moe_dir"]
+         "tiny_qwen3_moe_dir", "tiny_qwen2_moe_dir", "tiny_gpt_oss_dir"]
 
 
 PROMPTS = random_prompts([1, 5, 17, 33, 60])

@@ -48,7 +48,8 @@ def test_unsupported_architecture_names_it(tiny_llama_dir, tmp_path):
     with pytest.raises(ModelLoadError, match=r"unsupported architecture \['BertForMaskedLM'\].*"
                                              r"supported: GPT2LMHeadModel, Gemma2ForCausalLM, Gemma3ForCausalLM, "
                                              r"Gemma3ForConditionalGeneration, "
-                                             r"GraniteForCausalLM, LlamaForCausalLM"):
+                                             r"GptOssForCausalLM, GraniteForCausalLM, "
+                                             r"LlamaForCausalLM"):
         load_model_config(model)
 
 

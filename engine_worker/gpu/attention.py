@@ -165,15 +165,26 @@ def _soft_cap(s, CAP: tl.constexpr):
 
 
 @triton.jit
+def _join_sink(m, denom, sinks_ptr, head, ok):
+    """A head's sink logit (gpt-oss) joined to the online softmax's state (the maximum
+    m and the denominator): what the accumulated values are to be multiplied by, and
+    the new denominator."""
+    sink = tl.load(sinks_ptr + head, mask=ok, other=0.0).to(tl.float32)
+    top = tl.maximum(m, sink)
+    keep = tl.exp(m - top)
+    return keep, denom * keep + tl.exp(sink - top)
+
+
+@triton.jit
 def _decode_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, part_acc_ptr, part_ml_ptr,
-        block_tables_ptr, seq_lens_ptr, scale,
+        block_tables_ptr, seq_lens_ptr, sinks_ptr, scale,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_bt,
         GROUP: tl.constexpr, HEADS: tl.constexpr, BLOCK_N: tl.constexpr,
         PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
         SPLITS: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr,
-        SOFTCAP: tl.constexpr = 0.0):
+        SOFTCAP: tl.constexpr = 0.0, SINKS: tl.constexpr = False):
     """Decode row ``seq`` (one query token), KV head, split of its context; computed
     transposed: the scores s^T = K q^T are (BLOCK_N, HEADS) and the output acc^T = V^T
     p^T (D_PAD, HEADS), HEADS the group's query heads padded to 8 where rows pad to 16.
@@ -223,6 +234,9 @@ def _decode_kernel(
 
     ok = cols < GROUP
     if SPLITS == 1:
+        if SINKS:   # (split rows take theirs where the splits merge)
+            keep, denom = _join_sink(m, denom, sinks_ptr, head, ok)
+            acc = acc * keep[None, :]
         out = acc / tl.where(denom > 0, denom, 1.0)[None, :]
         tl.store(out_ptr + seq * stride_ot + head[None, :] * stride_oh + d[:, None],
                  out.to(out_ptr.dtype.element_ty), mask=d_ok[:, None] & ok[None, :])
@@ -238,13 +252,13 @@ def _decode_kernel(
 @triton.jit
 def _chunk_kernel(
         q_ptr, k_ptr, v_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr,
-        tile_seq_ptr, tile_offset_ptr, scale,
+        tile_seq_ptr, tile_offset_ptr, sinks_ptr, scale,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_bt,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr,
         BLOCK_N: tl.constexpr, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr, PRECISION: tl.constexpr, WINDOW: tl.constexpr,
-        SOFTCAP: tl.constexpr = 0.0):
+        SOFTCAP: tl.constexpr = 0.0, SINKS: tl.constexpr = False):
     """Query tokens q_off..q_off + BLOCK_Q of the chunk of sequence ``seq`` (tile
     ``tile``), KV head; rows (token, head in the group), causal."""
     tile = tl.program_id(0)
@@ -296,16 +310,21 @@ def _chunk_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
                                             input_precision=PRECISION)
 
+    if SINKS:
+        keep, denom = _join_sink(m, denom, sinks_ptr, head, in_group < GROUP)
+        acc = acc * keep[:, None]
     out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh
              + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
-def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_oh,
-                         SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, sinks_ptr, stride_ot, stride_oh,
+                         SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                         SINKS: tl.constexpr = False):
     """One program per (decode row, query head): the splits' partials, rescaled to a
-    common maximum, summed and normalized."""
+    common maximum, summed and normalized (with the head's sink logit in the
+    denominator, where it has one)."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     cell = (row * tl.num_programs(1) + head) * SPLITS
@@ -313,9 +332,14 @@ def _merge_splits_kernel(part_acc_ptr, part_ml_ptr, out_ptr, stride_ot, stride_o
     m = tl.load(part_ml_ptr + (cell + s) * 2)
     denom = tl.load(part_ml_ptr + (cell + s) * 2 + 1)
     m_max = tl.max(m, 0)
+    if SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        m_max = tl.maximum(m_max, sink)
     weight = tl.where(m == float("-inf"), 0.0,
                       tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max)))
     total = tl.sum(denom * weight, 0)
+    if SINKS:
+        total += tl.exp(sink - m_max)
     d = tl.arange(0, D_PAD)
     acc = tl.load(part_acc_ptr + (cell + s)[:, None] * D_PAD + d[None, :])
     out = tl.sum(acc * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
@@ -374,7 +398,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     scale: float, splits: int = 1,
                     split_buffers: Optional[SplitBuffers] = None,
                     tiles: Optional[tuple[Tiling, Tiling]] = None, window: int = 0,
-                    softcap: float = 0.0) -> torch.Tensor:
+                    softcap: float = 0.0, sinks: Optional[torch.Tensor] = None
+                    ) -> torch.Tensor:
     """Attention of every query in ``q`` (N, Hq, D) over the paged cache (k_cache
     (num_blocks, page, Hkv, D), v_cache as engine_worker.ops.value_blocks lays it out:
     so too, or for fp8 (num_blocks, Hkv, D, page)) into ``out`` (N, Hq, D).
@@ -385,7 +410,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     (S, W) int32; seq_lens (S,) and query_start (S + 1,) integers (query_start is read
     only for chunks). ``tiles``: the (decode, chunk) tilings; by default tilings()'s
     for the cache's dtype. ``window`` > 0: a sliding window of that many keys;
-    ``softcap`` > 0: each score s made softcap tanh(s / softcap) (Gemma 2)."""
+    ``softcap`` > 0: each score s made softcap tanh(s / softcap) (Gemma 2); ``sinks``
+    (Hq,): each head's sink logit, in the softmax's denominator (gpt-oss)."""
     _, hq, d = q.shape
     _, page, hkv, _ = k_cache.shape
     assert v_cache.is_contiguous() and v_cache.numel() == k_cache.numel()
@@ -394,7 +420,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     d_pad = triton.next_power_of_2(d)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     common = dict(GROUP=group, PAGE=page, HEAD_DIM=d, D_PAD=d_pad, PRECISION=precision,
-                  WINDOW=window, SOFTCAP=float(softcap))
+                  WINDOW=window, SOFTCAP=float(softcap), SINKS=sinks is not None)
+    sinks_ptr = q if sinks is None else sinks   # (not read without sinks)
     strides = (q.stride(0), q.stride(1), out.stride(0), out.stride(1),
                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0))
     if num_decode:
@@ -405,19 +432,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             acc = ml = out  # not written
         t = tiles[0]
         _decode_kernel[(num_decode, hkv, splits)](
-            q, k_cache, v_cache, out, acc, ml, block_tables, seq_lens, scale, *strides,
+            q, k_cache, v_cache, out, acc, ml, block_tables, seq_lens, sinks_ptr, scale,
+            *strides,
             HEADS=decode_heads(group), BLOCK_N=t.block_n,
             SPLITS=splits, num_warps=t.num_warps, num_stages=t.num_stages, **common)
         if splits > 1:
             _merge_splits_kernel[(num_decode, hq)](
-                acc, ml, out, out.stride(0), out.stride(1), SPLITS=splits, HEAD_DIM=d,
-                D_PAD=d_pad)
+                acc, ml, out, sinks_ptr, out.stride(0), out.stride(1), SPLITS=splits,
+                HEAD_DIM=d, D_PAD=d_pad, SINKS=sinks is not None)
     if tile_seq is not None and tile_seq.numel():
         assert tile_offset is not None
         t = tiles[1]
         _chunk_kernel[(tile_seq.numel(), hkv)](
             q, k_cache, v_cache, out, block_tables, seq_lens, query_start, tile_seq,
-            tile_offset, scale, *strides, GROUP_PAD=triton.next_power_of_2(group),
+            tile_offset, sinks_ptr, scale, *strides, GROUP_PAD=triton.next_power_of_2(group),
             BLOCK_Q=chunk_block_q(group, t), BLOCK_N=t.block_n, num_warps=t.num_warps,
             num_stages=t.num_stages, **common)
     return out
@@ -439,13 +467,13 @@ class TritonAttention(AttentionBackend):
         return chunk_block_q(self.num_heads // self.num_kv_heads, self.tiles[1])
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               kv_cache: torch.Tensor, meta: AttentionMetadata, window: int = 0
-               ) -> torch.Tensor:
+               kv_cache: torch.Tensor, meta: AttentionMetadata, window: int = 0,
+               sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """q (N, Hq, D) -> (N, Hq * D); k and v are already in the cache."""
         n = q.shape[0]
         out = q.new_empty(n, self.num_heads, self.head_dim)
         paged_attention(q, kv_cache[0], value_blocks(kv_cache), out, meta.block_tables,
                         meta.seq_lens, meta.query_start, meta.num_decode, meta.tile_seq,
                         meta.tile_offset, self.scale, meta.num_splits, self.split_buffers,
-                        self.tiles, window, self.softcap)
+                        self.tiles, window, self.softcap, sinks)
         return out.view(n, self.num_heads * self.head_dim)

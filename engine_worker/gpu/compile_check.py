@@ -65,13 +65,14 @@ def variants(cfg, dtype: str = "bfloat16", block_size: int = 16) -> list[tuple]:
     d, d_pad = cfg.head_dim, triton.next_power_of_2(cfg.head_dim)
     common = dict(GROUP=group, PAGE=block_size, HEAD_DIM=d, D_PAD=d_pad,
                   PRECISION="ieee" if dtype == "float32" else "tf32", WINDOW=0,
-                  SOFTCAP=float(cfg.attn_softcap))   # Gemma 2's scores soft-capped
+                  SOFTCAP=float(cfg.attn_softcap),   # Gemma 2's scores soft-capped
+                  SINKS=cfg.attn_sinks)              # gpt-oss's sink logits
     decode_args = dict(q_ptr=t, k_ptr=t, v_ptr=t, out_ptr=t, part_acc_ptr="*fp32",
                        part_ml_ptr="*fp32", block_tables_ptr="*i32", seq_lens_ptr="*i64",
-                       scale="fp32")
+                       sinks_ptr=t, scale="fp32")
     chunk_args = dict(q_ptr=t, k_ptr=t, v_ptr=t, out_ptr=t, block_tables_ptr="*i32",
                       seq_lens_ptr="*i64", query_start_ptr="*i64", tile_seq_ptr="*i64",
-                      tile_offset_ptr="*i64", scale="fp32")
+                      tile_offset_ptr="*i64", sinks_ptr=t, scale="fp32")
     fp8 = dict(k_ptr="*fp8e4nv", v_ptr="*fp8e4nv")  # --kv-cache-dtype fp8
 
     def decode_launch(label: str, cache: dict, splits: int, window: int = 0) -> tuple:
@@ -96,8 +97,9 @@ def variants(cfg, dtype: str = "bfloat16", block_size: int = 16) -> list[tuple]:
     out += [decode_launch("attention decode, window", {}, attention.MAX_SPLITS, 4096),
             chunk_launch("attention chunk, window", {}, 4096)]
     out.append(("merge splits", attention._merge_splits_kernel,
-                dict(part_acc_ptr="*fp32", part_ml_ptr="*fp32", out_ptr=t),
-                dict(SPLITS=attention.MAX_SPLITS, HEAD_DIM=d, D_PAD=d_pad), _options()))
+                dict(part_acc_ptr="*fp32", part_ml_ptr="*fp32", out_ptr=t, sinks_ptr=t),
+                dict(SPLITS=attention.MAX_SPLITS, HEAD_DIM=d, D_PAD=d_pad,
+                     SINKS=cfg.attn_sinks), _options()))
     for label, residual in (("add_rms_norm", False), ("add_rms_norm + residual", True)):
         c = cfg.hidden_size
         out.append((label, ops._add_rms_norm_kernel,
@@ -118,7 +120,8 @@ def variants(cfg, dtype: str = "bfloat16", block_size: int = 16) -> list[tuple]:
                          PAGE=block_size, QK_NORM=cfg.qk_norm),
                     _options(num_warps=ops._rope_warps(heads_pad * half))))
     i = cfg.intermediate_size
-    for label, gelu in (("silu_mul", False), ("gelu_mul", True)):   # gelu: Gemma's gate
+    # gelu: Gemma's gate (none where every MLP is a mixture's: gpt-oss)
+    for label, gelu in (("silu_mul", False), ("gelu_mul", True)) if i else ():
         out.append((label, ops._silu_mul_kernel, dict(x_ptr=t, out_ptr=t),
                     dict(WIDTH=i, BLOCK=min(1024, triton.next_power_of_2(i)), GELU=gelu),
                     _options()))
@@ -140,12 +143,14 @@ def _expert_variants(cfg, t: str) -> list[tuple]:
         for label, n, k, weighted in (("gate_up", 2 * i, c, False), ("down", c, i, True)):
             out.append((f"experts {label}, {size} tiles", moe._expert_gemm_kernel,
                         dict(a_ptr=t, w_ptr=t, out_ptr=t, rows_ptr="*i32",
-                             tile_expert_ptr="*i32", route_ptr="*fp32" if weighted else t),
-                        dict(sizes, N=n, K=k, PER_TOKEN=not weighted, WEIGHTED=weighted),
-                        options))
+                             tile_expert_ptr="*i32", route_ptr="*fp32" if weighted else t,
+                             bias_ptr=t),
+                        dict(sizes, N=n, K=k, PER_TOKEN=not weighted, WEIGHTED=weighted,
+                             HAS_BIAS=cfg.expert_bias), options))
+    # (gpt-oss's: clamped)
     out.append(("silu_mul, experts", ops._silu_mul_kernel, dict(x_ptr=t, out_ptr=t),
-                dict(WIDTH=i, BLOCK=min(1024, triton.next_power_of_2(i)), GELU=False),
-                _options()))
+                dict(WIDTH=i, BLOCK=min(1024, triton.next_power_of_2(i)), GELU=False,
+                     LIMIT=cfg.swiglu_limit, ALPHA=cfg.swiglu_alpha), _options()))
     return out
 
 

@@ -14,7 +14,7 @@ lie stacked, (E, 2 I, C) for gate and up and (E, C, I) for down, as nn.Linear's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import triton
@@ -24,16 +24,17 @@ from torch import nn
 
 @triton.jit
 def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, tile_expert_ptr, route_ptr,
-                        num_rows, stride_a, stride_we, stride_wn, stride_o,
+                        bias_ptr, num_rows, stride_a, stride_we, stride_wn, stride_o,
                         N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr,
                         PER_TOKEN: tl.constexpr, WEIGHTED: tl.constexpr,
                         PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[row] = a[row's input] @ w[expert].T for the BLOCK_M rows of this program's
-    tile, BLOCK_N output columns. rows: the sorted rows, a row r being token r // TOP_K's
-    (r % TOP_K)-th choice, num_rows where padding. PER_TOKEN: a holds a row per token
-    (the layer's input) rather than per row; WEIGHTED: each result times its routing
-    weight (route: float32 per row)."""
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        HAS_BIAS: tl.constexpr = False):
+    """out[row] = a[row's input] @ w[expert].T (+ bias[expert], (E, N), with HAS_BIAS)
+    for the BLOCK_M rows of this program's tile, BLOCK_N output columns. rows: the
+    sorted rows, a row r being token r // TOP_K's (r % TOP_K)-th choice, num_rows where
+    padding. PER_TOKEN: a holds a row per token (the layer's input) rather than per
+    row; WEIGHTED: each result times its routing weight (route: float32 per row)."""
     tile = tl.program_id(0)
     expert = tl.load(tile_expert_ptr + tile)
     if expert < 0:   # past the last expert's tiles
@@ -54,6 +55,9 @@ def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, tile_expert_ptr, route_
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert.to(tl.int64) * N + cols, mask=cols < N,
+                       other=0.0).to(tl.float32)[None, :]
     if WEIGHTED:
         acc = acc * tl.load(route_ptr + rows, mask=valid, other=0.0)[:, None]
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :],
@@ -107,39 +111,48 @@ def sort_rows(chosen: torch.Tensor, num_experts: int, block_m: int
 
 def expert_gemm(a: torch.Tensor, w: torch.Tensor, rows: torch.Tensor,
                 tile_expert: torch.Tensor, tiles: ExpertTiling, top_k: int,
-                route: torch.Tensor = None) -> torch.Tensor:
+                route: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None
+                ) -> torch.Tensor:
     """One projection of every expert: (T, out) for the T = N k rows, from a (N, in)
-    (a row per token) or (T, in) (a row per row, ``route``-weighted)."""
+    (a row per token) or (T, in) (a row per row, ``route``-weighted); ``bias`` (E,
+    out): each expert's, added before the weighting."""
     experts, n_out, k_in = w.shape
     per_token = route is None
     t = a.shape[0] * top_k if per_token else a.shape[0]
     assert a.stride(1) == 1 and w.is_contiguous()
+    assert bias is None or (bias.is_contiguous() and bias.shape == (experts, n_out))
     out = a.new_empty(t, n_out)
     if t:
         grid = (tile_expert.shape[0], triton.cdiv(n_out, tiles.block_n))
         _expert_gemm_kernel[grid](
-            a, w, out, rows, tile_expert, a if route is None else route, t,
+            a, w, out, rows, tile_expert, a if route is None else route,
+            a if bias is None else bias, t,
             a.stride(0), w.stride(0), w.stride(1), out.stride(0),
             N=n_out, K=k_in, TOP_K=top_k, PER_TOKEN=per_token, WEIGHTED=not per_token,
             PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+            HAS_BIAS=bias is not None, num_warps=tiles.num_warps,
+            num_stages=tiles.num_stages)
     return out
 
 
 class GroupedExperts(nn.Module):
-    """A mixture's experts, their weights stacked (taken from its per-expert MLPs,
-    which it replaces)."""
+    """A mixture's experts, their weights (and biases, gpt-oss's) stacked, taken from
+    its per-expert MLPs, which it replaces."""
 
     def __init__(self, experts: nn.ModuleList) -> None:
         super().__init__()
-        if any(e.gate_up_proj.bias is not None for e in experts):
-            raise ValueError("experts with biases are not served on the GPU")
         self.act: Callable[[torch.Tensor], torch.Tensor] = experts[0].act
-        self.gate_up = nn.Parameter(torch.stack([e.gate_up_proj.weight for e in experts]),
-                                    requires_grad=False)
-        self.down = nn.Parameter(torch.stack([e.down_proj.weight for e in experts]),
-                                 requires_grad=False)
+
+        def stacked(tensors: list[Optional[torch.Tensor]]) -> Optional[nn.Parameter]:
+            if tensors[0] is None:
+                return None
+            return nn.Parameter(torch.stack(tensors), requires_grad=False)
+
+        self.gate_up = stacked([e.gate_up_proj.weight for e in experts])
+        self.down = stacked([e.down_proj.weight for e in experts])
+        self.gate_up_bias = stacked([e.gate_up_proj.bias for e in experts])
+        self.down_bias = stacked([e.down_proj.bias for e in experts])
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
                 ) -> torch.Tensor:
@@ -149,9 +162,10 @@ class GroupedExperts(nn.Module):
         top_k = chosen.shape[1]
         tiles = expert_tiling(n, self.gate_up.shape[0])
         rows, tile_expert = sort_rows(chosen, self.gate_up.shape[0], tiles.block_m)
-        h = self.act(expert_gemm(x, self.gate_up, rows, tile_expert, tiles, top_k))
+        h = self.act(expert_gemm(x, self.gate_up, rows, tile_expert, tiles, top_k,
+                                 bias=self.gate_up_bias))
         y = expert_gemm(h, self.down, rows, tile_expert, tiles, top_k,
-                        route=weights.float().flatten())
+                        route=weights.float().flatten(), bias=self.down_bias)
         return y.view(n, top_k, c).sum(1)
 
 

@@ -110,15 +110,23 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, s
 
 @triton.jit
 def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, WIDTH: tl.constexpr,
-                     BLOCK: tl.constexpr, GELU: tl.constexpr = False):
+                     BLOCK: tl.constexpr, GELU: tl.constexpr = False,
+                     LIMIT: tl.constexpr = 0.0, ALPHA: tl.constexpr = 1.0):
     """silu(gate) * up, or with GELU gelu(gate) * up in its tanh form: x sigmoid(2 y),
-    y = sqrt(2 / pi) (x + 0.044715 x^3), which is 0.5 x (1 + tanh y)."""
+    y = sqrt(2 / pi) (x + 0.044715 x^3), which is 0.5 x (1 + tanh y); with LIMIT > 0
+    gpt-oss's clamped SwiGLU (engine_worker.ops.clamped_swiglu)."""
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < WIDTH
     gate = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
     up = tl.load(x_ptr + row * stride_x + WIDTH + cols, mask=ok, other=0.0)
     g = gate.to(tl.float32)
+    if LIMIT > 0:
+        g = tl.minimum(g, LIMIT)
+        u = tl.minimum(tl.maximum(up.to(tl.float32), -LIMIT), LIMIT) + 1.0
+        out = u * (g / (1.0 + tl.exp(-ALPHA * g)))
+        tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=ok)
+        return
     if GELU:
         act = (g / (1.0 + tl.exp(-1.5957691216057308 * (g + 0.044715 * g * g * g)))
                ).to(gate.dtype)
@@ -177,7 +185,13 @@ class TritonOps:
         """(N, 2 I) holding gate then up -> gelu(gate) * up, GELU's tanh form."""
         return self._act_mul(gate_up, gelu=True)
 
-    def _act_mul(self, gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
+    def clamped_swiglu(self, gate_up: torch.Tensor, alpha: float, limit: float
+                       ) -> torch.Tensor:
+        """gpt-oss's experts' gate (engine_worker.ops.clamped_swiglu)."""
+        return self._act_mul(gate_up, gelu=False, limit=limit, alpha=alpha)
+
+    def _act_mul(self, gate_up: torch.Tensor, gelu: bool, limit: float = 0.0,
+                 alpha: float = 1.0) -> torch.Tensor:
         n, two_i = gate_up.shape
         i = two_i // 2
         out = gate_up.new_empty(n, i)
@@ -185,7 +199,7 @@ class TritonOps:
         if n:
             _silu_mul_kernel[(n, triton.cdiv(i, block))](
                 gate_up, out, gate_up.stride(0), out.stride(0), WIDTH=i, BLOCK=block,
-                GELU=gelu)
+                GELU=gelu, LIMIT=float(limit), ALPHA=float(alpha))
         return out
 
 

@@ -13,8 +13,9 @@ the elementwise work goes through ``ops`` (fused C kernels on the CPU, see ops.p
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,7 @@ from engine_worker.kernels import CpuKernels
 from engine_worker.model_config import ModelConfig, RopeConfig
 from engine_worker.models.layers import embedding, linear
 from engine_worker.ops import TorchOps, soft_cap
-from engine_worker.weights import Checkpoint
+from engine_worker.weights import Checkpoint, mxfp4_to_float
 
 Ops = Union[TorchOps, CpuKernels]
 
@@ -144,6 +145,9 @@ class Attention(nn.Module):
         # Qwen3: each head of q and k RMS-normed before RoPE
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        # gpt-oss: each head's sink logit
+        self.sinks = (nn.Parameter(torch.zeros(cfg.num_heads), requires_grad=False)
+                      if cfg.attn_sinks else None)
         self.attn = attn
         self.ops = ops
 
@@ -154,19 +158,25 @@ class Attention(nn.Module):
                    else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps))
         q, k, v = self.ops.rope_write_kv(qkv, *rope, self.num_heads, self.num_kv_heads,
                                          self.head_dim, kv_cache, meta.slot_mapping, qk_norm)
-        return self.o_proj(self.attn.attend(q, k, v, kv_cache, meta, self.window))
+        return self.o_proj(self.attn.attend(q, k, v, kv_cache, meta, self.window, self.sinks))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: Ops, intermediate: Optional[int] = None
-                 ) -> None:
+    def __init__(self, cfg: ModelConfig, ops: Ops, intermediate: Optional[int] = None,
+                 expert: bool = False) -> None:
+        """expert: one of a mixture's experts (gpt-oss's have biases and a gate of
+        their own)."""
         super().__init__()
         intermediate = intermediate or cfg.intermediate_size
-        self.gate_up_proj = linear(cfg.hidden_size, 2 * intermediate, cfg.mlp_bias)
-        self.down_proj = linear(intermediate, cfg.hidden_size, cfg.mlp_bias)
+        bias = cfg.mlp_bias or (expert and cfg.expert_bias)
+        self.gate_up_proj = linear(cfg.hidden_size, 2 * intermediate, bias)
+        self.down_proj = linear(intermediate, cfg.hidden_size, bias)
         self.ops = ops
         # Gemma's gate: GELU (tanh form) rather than SiLU
         self.act = ops.gelu_tanh_mul if cfg.hidden_act == "gelu_pytorch_tanh" else ops.silu_mul
+        if expert and cfg.swiglu_limit:
+            self.act = functools.partial(ops.clamped_swiglu, alpha=cfg.swiglu_alpha,
+                                         limit=cfg.swiglu_limit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -175,18 +185,21 @@ class MLP(nn.Module):
 class MoE(nn.Module):
     """A mixture of experts (Mixtral, Qwen3-MoE): the router's softmax over the experts
     picks each token's top k, whose SwiGLU MLPs run on it and are summed, weighted by
-    their probabilities (renormalized over the k, where the model says). On the CPU
-    each expert runs once a step on the rows routed to it (the routing read on the
-    host); on the GPU they run grouped (engine_worker/gpu/moe.py: ``grouped``, which
-    replaces ``experts``), routed on the device."""
+    their probabilities (renormalized over the k, where the model says; gpt-oss's: a
+    softmax over the k chosen logits, as its router has it, the same up to rounding).
+    On the CPU each expert runs once a step on the rows routed to it (the routing read
+    on the host); on the GPU they run grouped (engine_worker/gpu/moe.py: ``grouped``,
+    which replaces ``experts``), routed on the device."""
 
     def __init__(self, cfg: ModelConfig, ops: Ops) -> None:
         super().__init__()
-        self.gate = linear(cfg.hidden_size, cfg.num_experts, False)   # the router
+        self.gate = linear(cfg.hidden_size, cfg.num_experts, cfg.expert_bias)   # the router
         self.experts: Optional[nn.ModuleList] = nn.ModuleList(
-            MLP(cfg, ops, cfg.expert_intermediate_size) for _ in range(cfg.num_experts))
+            MLP(cfg, ops, cfg.expert_intermediate_size, expert=True)
+            for _ in range(cfg.num_experts))
         self.grouped: Optional[nn.Module] = None
         self.top_k, self.norm_topk = cfg.experts_per_token, cfg.norm_topk
+        self.softmax_chosen = cfg.expert_bias
         # Qwen2-MoE's shared expert, gated by a sigmoid of its own
         self.shared_expert = (MLP(cfg, ops, cfg.shared_expert_size)
                               if cfg.shared_expert_size else None)
@@ -194,10 +207,14 @@ class MoE(nn.Module):
                                    if cfg.shared_expert_size else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)   # (N, k)
-        if self.norm_topk:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        logits = self.gate(x).float()
+        if self.softmax_chosen:
+            weights, chosen = torch.topk(logits, self.top_k, dim=-1)   # (N, k)
+            weights = torch.softmax(weights, dim=-1)
+        else:
+            weights, chosen = torch.topk(torch.softmax(logits, dim=-1), self.top_k, dim=-1)
+            if self.norm_topk:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
         if self.grouped is not None:
             out = self.grouped(x, weights, chosen)
         else:
@@ -242,6 +259,20 @@ class DecoderLayer(nn.Module):
 
     def _normed(self, h: torch.Tensor, norm: Optional[RMSNorm]) -> torch.Tensor:
         return h if norm is None else self.ops.add_rms_norm(h, None, norm.weight, norm.eps)[0]
+
+
+def _stacked(ckpt: Checkpoint, name: str, shape: tuple[int, int, int]
+             ) -> Callable[[int], torch.Tensor]:
+    """A stacked projection of experts: expert k's weight, (out, in) as nn.Linear's,
+    for each k: MXFP4 blocks and scales dequantized an expert at a time, or a tensor
+    stored (E, in, out) transposed."""
+    e, rows, cols = shape
+    if name + "_blocks" not in ckpt:
+        stored = ckpt.take(name, (e, cols, rows))
+        return lambda k: stored[k].T
+    blocks = ckpt.take(name + "_blocks", (e, rows, cols // 32, 16))
+    scales = ckpt.take(name + "_scales", (e, rows, cols // 32))
+    return lambda k: mxfp4_to_float(blocks[k], scales[k])
 
 
 class LlamaModel(nn.Module):
@@ -312,8 +343,12 @@ class LlamaModel(nn.Module):
                 attn.k_norm.weight.copy_(ckpt.take(p + "self_attn.k_norm.weight", (d,)))
             if cfg.o_bias:
                 attn.o_proj.bias.copy_(ckpt.take(p + "self_attn.o_proj.bias", (c,)))
+            if cfg.attn_sinks:
+                attn.sinks.copy_(ckpt.take(p + "self_attn.sinks", (cfg.num_heads,)))
             i_size = cfg.intermediate_size
-            if isinstance(mlp, MoE):
+            if isinstance(mlp, MoE) and cfg.layout == "gpt_oss":
+                self._load_stacked_experts(ckpt, p + "mlp.", mlp)
+            elif isinstance(mlp, MoE):
                 self._load_experts(ckpt, p, mlp)
             else:
                 mlp.gate_up_proj.weight.copy_(self._fused(ckpt, p + "mlp.", "gate_up_proj", {
@@ -371,6 +406,29 @@ class LlamaModel(nn.Module):
             expert.gate_up_proj.weight.copy_(torch.cat([ckpt.take(gate, (i_size, c)),
                                                         ckpt.take(up, (i_size, c))]))
             expert.down_proj.weight.copy_(ckpt.take(down, (c, i_size)))
+
+    def _load_stacked_experts(self, ckpt: Checkpoint, p: str, moe: MoE) -> None:
+        """gpt-oss's router (weight and bias) and experts, each projection one tensor
+        of all of a layer's experts with its biases: as transformers holds them,
+        (E, C, 2 I) and (E, I, C), or as the published checkpoints do, MXFP4 blocks
+        and scales of (E, 2 I, C) and (E, C, I). gate_up's columns interleave gate and
+        up; ours holds gate's rows, then up's."""
+        cfg = self.cfg
+        c, i_size, e = cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts
+        moe.gate.weight.copy_(ckpt.take(p + "router.weight", (e, c)))
+        moe.gate.bias.copy_(ckpt.take(p + "router.bias", (e,)))
+        p += "experts."
+        gate_up = _stacked(ckpt, p + "gate_up_proj", (e, 2 * i_size, c))
+        down = _stacked(ckpt, p + "down_proj", (e, c, i_size))
+        gate_up_bias = ckpt.take(p + "gate_up_proj_bias", (e, 2 * i_size))
+        down_bias = ckpt.take(p + "down_proj_bias", (e, c))
+        for k, expert in enumerate(moe.experts):
+            w = gate_up(k)
+            expert.gate_up_proj.weight.copy_(torch.cat([w[0::2], w[1::2]]))
+            expert.gate_up_proj.bias.copy_(torch.cat([gate_up_bias[k, 0::2],
+                                                      gate_up_bias[k, 1::2]]))
+            expert.down_proj.weight.copy_(down(k))
+            expert.down_proj.bias.copy_(down_bias[k])
 
     def _fused(self, ckpt: Checkpoint, prefix: str, fused: str, parts: dict[str, int],
                columns: int) -> torch.Tensor:

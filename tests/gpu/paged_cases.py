@@ -5,6 +5,7 @@ softmax attention with a causal offset)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -66,10 +67,11 @@ def make_case(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, he
                      head_dim ** -0.5)
 
 
-def reference(case: PagedCase, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+def reference(case: PagedCase, window: int = 0, softcap: float = 0.0,
+              sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """(N, Hq, D) float64; padded rows (context 0) are zeros. window > 0: each query
     sees its last ``window`` keys only; softcap > 0: scores s are softcap tanh(s /
-    softcap)."""
+    softcap); sinks (Hq,): each head's sink logit joins every query's softmax."""
     q = case.q.double().cpu()
     k_cache = case.k_cache.double().cpu()
     v_cache = from_value_blocks(case.v_cache.cpu()).double()
@@ -96,7 +98,12 @@ def reference(case: PagedCase, window: int = 0, softcap: float = 0.0) -> torch.T
         if window:
             hidden |= key_pos <= q_pos - window
         scores = scores.masked_fill(hidden, float("-inf"))
-        out[starts[s]:starts[s + 1]] = torch.einsum("hlk,khd->lhd", scores.softmax(-1), values)
+        if sinks is not None:
+            sink = sinks.double().cpu().view(-1, 1, 1).expand(-1, q_len, 1)
+            probs = torch.cat([scores, sink], -1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        out[starts[s]:starts[s + 1]] = torch.einsum("hlk,khd->lhd", probs, values)
     return out
 
 

@@ -18,7 +18,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = 1e-5
 
 
-def run(case, splits: int = 1, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+def run(case, splits: int = 1, window: int = 0, softcap: float = 0.0, sinks=None
+        ) -> torch.Tensor:
     out = torch.full_like(case.q, float("nan"))  # poisoned: every row must be written
     buffers = None
     if splits > 1:
@@ -27,7 +28,7 @@ def run(case, splits: int = 1, window: int = 0, softcap: float = 0.0) -> torch.T
     return paged_attention(case.q, case.k_cache, case.v_cache, out, case.block_tables,
                            case.seq_lens, case.query_start, case.num_decode, case.tile_seq,
                            case.tile_offset, case.scale, splits, buffers, window=window,
-                           softcap=softcap)
+                           softcap=softcap, sinks=sinks)
 
 
 @pytest.mark.parametrize("heads", [(4, 1), (2, 2)], ids=["gqa4to1", "mha1to1"])
@@ -91,6 +92,24 @@ def test_soft_capped_scores(splits):
         want = reference(case, window, softcap=2.0)
         assert rel_l2(run(case, splits, window, softcap=2.0), want) < TOL
         assert rel_l2(want, reference(case, window)) > 0.1   # the cap matters
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_sink_logits(splits):
+    """gpt-oss's sinks: each head's logit in every query's softmax, beside its scores
+    (joined once a row's keys are summed, or where its splits merge), decode rows and
+    chunks alike, with a sliding window too; one head's sink far above its scores
+    (its output near 0), one far below (none of it)."""
+    case = make_case([(150, 1), (33, 1), (90, 30), (37, 37), (0, 1)], 4, 2, 64,
+                     device=DEVICE, seed=9)
+    sinks = torch.tensor([0.5, 30.0, -30.0, -1.0], device=DEVICE)
+    for window in (0, 40):
+        want = reference(case, window, sinks=sinks)
+        got = run(case, splits, window, sinks=sinks)
+        assert rel_l2(got, want) < TOL
+        assert rel_l2(want, reference(case, window)) > 0.1   # the sinks matter
+        assert float(got[:, 1].abs().max()) < 1e-6
+        assert torch.equal(got[-1].cpu(), torch.zeros_like(got[-1].cpu()))   # padded row
 
 
 def test_padded_graph_rows_write_zeros_and_change_nothing_else():

@@ -79,7 +79,8 @@ def test_triton_path_matches_hf_for_qwen3s_per_head_norms(tiny_qwen3_dir):
                                      "tiny_phi4_mini_dir", "tiny_smollm3_dir",
                                      "tiny_qwen2_sliding_dir", "tiny_gemma3_dir",
                                      "tiny_qwen3_moe_dir", "tiny_mixtral_dir",
-                                     "tiny_qwen2_moe_dir", "tiny_gemma2_dir"])
+                                     "tiny_qwen2_moe_dir", "tiny_gemma2_dir",
+                                     "tiny_gpt_oss_dir"])
 def test_triton_path_matches_hf_for_other_architectures(request, fixture):
     """Granite's constants folded into the weights on the device; YaRN's and LongRoPE's
     attention factor carried by cos and sin into the Triton RoPE; Phi-4-mini's partial
@@ -89,13 +90,14 @@ def test_triton_path_matches_hf_for_other_architectures(request, fixture):
     prompt and its decode rows pass it); Gemma 3's GELU gate (the Triton kernel's),
     output norms and two RoPEs; mixtures of experts, grouped (Qwen3-MoE's dense layer
     among them; Qwen2-MoE's shared expert beside them); Gemma 2's soft-capped scores
-    (the Triton kernels') and logits."""
+    (the Triton kernels') and logits; gpt-oss's sinks (the Triton kernels'), biased
+    grouped experts and clamped SwiGLU."""
     model_dir = request.getfixturevalue(fixture)
     engine = triton_engine(model_dir)
     mixtures = [m for m in engine.runner.model.modules() if isinstance(m, MoE)]
     assert all(m.experts is None and m.grouped is not None for m in mixtures)
     assert len(mixtures) == {"tiny_qwen3_moe_dir": 2, "tiny_mixtral_dir": 2,
-                             "tiny_qwen2_moe_dir": 2}.get(fixture, 0)
+                             "tiny_qwen2_moe_dir": 2, "tiny_gpt_oss_dir": 2}.get(fixture, 0)
     if fixture == "tiny_phi4_mini_dir":
         prompts = random_prompts([70], seed=9)
         want = hf_greedy(model_dir, prompts, 4, round_inputs=lambda x: x)
@@ -356,8 +358,8 @@ def test_shipped_shapes_resolve_by_name_and_need_dummy_weights():
     from common.model_files import model_shapes, resolve_model_dir
     from engine_worker.model_config import load_model_config
 
-    assert model_shapes() == ["gemma-2-2b", "gemma-3-1b", "llama-3-8b", "qwen2.5-7b",
-                              "qwen3-0.6b", "qwen3-30b-a3b", "smollm2-135m"]
+    assert model_shapes() == ["gemma-2-2b", "gemma-3-1b", "gpt-oss-20b", "llama-3-8b",
+                              "qwen2.5-7b", "qwen3-0.6b", "qwen3-30b-a3b", "smollm2-135m"]
     llama = load_model_config(resolve_model_dir("llama-3-8b"))
     assert (llama.num_params, llama.num_heads, llama.num_kv_heads, llama.head_dim) == (
         8_029_995_008, 32, 8, 128)
@@ -376,6 +378,11 @@ def test_shipped_shapes_resolve_by_name_and_need_dummy_weights():
     mixture = load_model_config(resolve_model_dir("qwen3-30b-a3b"))
     assert (mixture.num_params, len(mixture.moe_layers), mixture.num_experts,
             mixture.experts_per_token) == (30_531_911_680, 48, 128, 8)
+    # gpt-oss-20b: transformers counts 20,914,757,184, 6,970,944 of them its norms',
+    # biases and sinks; 3.6B a token (its 4 experts of 32, the lm_head)
+    oss = load_model_config(resolve_model_dir("gpt-oss-20b"))
+    assert (oss.num_params, oss.flops_per_token, oss.windows[:3], oss.experts_per_token) == (
+        20_907_786_240, 7_214_284_800, (128, 0, 128), 4)
     with pytest.raises(ModelLoadError, match="use --load-format dummy"):
         LLMEngine(EngineConfig(model="smollm2-135m", device="cpu",
                                cache=CacheConfig(num_blocks=16)))

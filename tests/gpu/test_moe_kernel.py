@@ -3,13 +3,15 @@ expert on the device, and the grouped GEMM against each expert run alone."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch import nn
 
 from engine_worker.gpu.moe import GroupedExperts, expert_tiling, sort_rows
 from engine_worker.gpu.ops import TritonOps
-from engine_worker.ops import TorchOps
+from engine_worker.ops import TorchOps, clamped_swiglu
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -35,14 +37,17 @@ def test_an_expert_with_more_rows_than_a_tile_takes_several():
 
 
 class _Expert(nn.Module):
-    def __init__(self, c: int, i: int, seed: int, act) -> None:
+    def __init__(self, c: int, i: int, seed: int, act, bias: bool = False) -> None:
         super().__init__()
         g = torch.Generator().manual_seed(seed)
-        self.gate_up_proj = nn.Linear(c, 2 * i, bias=False)
-        self.down_proj = nn.Linear(i, c, bias=False)
+        self.gate_up_proj = nn.Linear(c, 2 * i, bias=bias)
+        self.down_proj = nn.Linear(i, c, bias=bias)
         with torch.no_grad():
             self.gate_up_proj.weight.copy_(torch.randn(2 * i, c, generator=g) / c ** 0.5)
             self.down_proj.weight.copy_(torch.randn(c, i, generator=g) / i ** 0.5)
+            if bias:
+                self.gate_up_proj.bias.copy_(torch.randn(2 * i, generator=g))
+                self.down_proj.bias.copy_(torch.randn(c, generator=g))
         self.act = act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -50,10 +55,10 @@ class _Expert(nn.Module):
 
 
 def _mixture(tokens: int, experts: int, top_k: int, c: int = 48, i: int = 40,
-             crowd: bool = False):
+             crowd: bool = False, act=TritonOps().silu_mul, bias: bool = False):
     """Experts, inputs and a routing (``crowd``: every token's first choice expert 3)."""
     g = torch.Generator().manual_seed(tokens)
-    mlps = nn.ModuleList(_Expert(c, i, seed, TritonOps().silu_mul) for seed in range(experts))
+    mlps = nn.ModuleList(_Expert(c, i, seed, act, bias) for seed in range(experts))
     x = torch.randn(tokens, c, generator=g)
     chosen = torch.stack([torch.randperm(experts, generator=g)[:top_k]
                           for _ in range(tokens)])
@@ -64,18 +69,32 @@ def _mixture(tokens: int, experts: int, top_k: int, c: int = 48, i: int = 40,
     return mlps.to(DEVICE), x.to(DEVICE), weights.to(DEVICE), chosen.to(DEVICE)
 
 
-@pytest.mark.parametrize("tokens,crowd", [(3, False), (70, False), (70, True)],
-                         ids=["decode-tiles", "prompt-tiles", "one-expert-many-tiles"])
-def test_grouped_experts_match_each_expert_run_alone(tokens, crowd):
+CLAMPED = functools.partial(TritonOps().clamped_swiglu, alpha=1.702, limit=0.8)
+
+
+@pytest.mark.parametrize("tokens,crowd,gpt_oss", [
+    (3, False, False), (70, False, False), (70, True, False), (3, False, True),
+    (70, True, True)], ids=["decode-tiles", "prompt-tiles", "one-expert-many-tiles",
+                            "gpt-oss-decode", "gpt-oss-prompt"])
+def test_grouped_experts_match_each_expert_run_alone(tokens, crowd, gpt_oss):
     """Tiles of 16 rows (3 tokens, 8 experts) and of 64 (70 tokens), and an expert every
-    token chose (70 rows: two tiles)."""
-    mlps, x, weights, chosen = _mixture(tokens, experts=8, top_k=2, crowd=crowd)
+    token chose (70 rows: two tiles); gpt-oss's experts: biases (down's added before
+    the routing weight) and the clamped SwiGLU (Triton's, the limit reached), against
+    the torch reference of each."""
+    mlps, x, weights, chosen = _mixture(tokens, experts=8, top_k=2, crowd=crowd,
+                                        act=CLAMPED if gpt_oss else TritonOps().silu_mul,
+                                        bias=gpt_oss)
     assert expert_tiling(tokens, 8).block_m == (16 if tokens <= 8 else 64)
     with torch.no_grad():
+        got = GroupedExperts(mlps)(x, weights, chosen)
+        for mlp in mlps:   # the reference: torch's ops
+            mlp.act = (functools.partial(clamped_swiglu, alpha=1.702, limit=0.8) if gpt_oss
+                       else TorchOps().silu_mul)
         want = torch.stack([sum(weights[n, j] * mlps[int(chosen[n, j])](x[n:n + 1])[0]
                                 for j in range(2)) for n in range(tokens)])
-        got = GroupedExperts(mlps)(x, weights, chosen)
+        gate_up = mlps[0].gate_up_proj(x)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert float(gate_up.abs().max()) > 2 * 0.8   # gpt-oss's clamp bites
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="captures a CUDA graph")
@@ -101,10 +120,3 @@ def test_grouped_experts_replay_from_a_cuda_graph_under_another_routing():
         torch.cuda.synchronize()
         torch.testing.assert_close(out, grouped(x2.to(torch.bfloat16), weights2, chosen2),
                                    rtol=0, atol=0)
-
-
-def test_grouped_experts_refuse_biases():
-    mlps = nn.ModuleList([_Expert(8, 8, 0, TorchOps().silu_mul)])
-    mlps[0].gate_up_proj.bias = nn.Parameter(torch.zeros(16))
-    with pytest.raises(ValueError, match="biases"):
-        GroupedExperts(mlps)

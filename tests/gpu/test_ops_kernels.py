@@ -120,6 +120,16 @@ def test_silu_mul_matches_torch():
                                rtol=1e-5, atol=1e-6)
 
 
+def test_clamped_swiglu_matches_torch():
+    """gpt-oss's gate, gate and up clamped at 1.5 (values of randn reach past it on
+    both sides)."""
+    x = randn(3, 2 * 1500)
+    got = TritonOps().clamped_swiglu(x, alpha=1.702, limit=1.5)
+    torch.testing.assert_close(got, TorchOps().clamped_swiglu(x, alpha=1.702, limit=1.5),
+                               rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(got, TorchOps().clamped_swiglu(x, alpha=1.702, limit=50.0))
+
+
 @pytest.mark.cuda
 def test_bf16_ops_match_torch_at_real_shapes():
     ops, ref = TritonOps(), TorchOps()

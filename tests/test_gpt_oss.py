@@ -1,0 +1,115 @@
+"""gpt-oss: its config read, its MXFP4 experts dequantized as transformers does, and a
+checkpoint of MXFP4 experts served as its dequantized copy is (token for token against
+Hugging Face: tests/test_engine_hf_parity.py)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from common.config import EngineConfig
+from common.errors import ModelLoadError
+from engine_worker.engine import LLMEngine
+from engine_worker.model_config import load_model_config
+from engine_worker.weights import FP4_E2M1, mxfp4_to_float
+from helpers import greedy, random_prompts
+from hf_reference import assert_matches, hf_greedy
+
+
+def to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., K) float -> MXFP4 blocks (..., K / 32, 16) uint8 and scales (..., K / 32)
+    uint8: each block of 32 scaled by the power of two that brings its largest
+    magnitude within 6, each element rounded to the nearest FP4 value."""
+    blocks = w.reshape(*w.shape[:-1], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True).clamp(min=2.0 ** -100)
+    exponent = torch.ceil(torch.log2(amax / 6.0))
+    x = blocks / torch.exp2(exponent)
+    magnitudes = torch.tensor(FP4_E2M1[:8])
+    code = (x.abs().unsqueeze(-1) - magnitudes).abs().argmin(-1) + 8 * (x < 0)
+    code = code.to(torch.uint8)
+    return code[..., 0::2] | (code[..., 1::2] << 4), (exponent[..., 0] + 127).to(torch.uint8)
+
+
+def test_mxfp4_dequantizes_as_transformers_does():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 10, 4, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(110, 140, (3, 10, 4), dtype=torch.uint8, generator=g)
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)   # (3, 128, 10)
+    assert torch.equal(mxfp4_to_float(blocks, scales), theirs.transpose(1, 2))
+    w = torch.randn(5, 64, generator=g)
+    rounded = mxfp4_to_float(*to_mxfp4(w))
+    assert torch.equal(mxfp4_to_float(*to_mxfp4(rounded)), rounded)   # a fixed point
+    assert 0 < float((rounded - w).abs().max()) < 0.5
+
+
+@pytest.fixture(scope="module")
+def mxfp4_pair(tiny_gpt_oss_dir, tmp_path_factory):
+    """The tiny gpt-oss with its experts rounded to MXFP4: as the published checkpoints
+    hold them (blocks and scales of (E, out, in), quantization_config mxfp4), and
+    dequantized as transformers holds them ((E, in, out) float32)."""
+    packed, plain = tmp_path_factory.mktemp("oss-mxfp4"), tmp_path_factory.mktemp("oss-plain")
+    for folder in (packed, plain):
+        shutil.copytree(tiny_gpt_oss_dir, folder, dirs_exist_ok=True)
+    weights = load_file(tiny_gpt_oss_dir / "model.safetensors")
+    quantized, dequantized = {}, {}
+    for name, tensor in weights.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = to_mxfp4(tensor.transpose(1, 2))
+            quantized[name + "_blocks"], quantized[name + "_scales"] = blocks, scales
+            dequantized[name] = mxfp4_to_float(blocks, scales).transpose(1, 2).contiguous()
+        else:
+            quantized[name] = dequantized[name] = tensor
+    save_file(quantized, packed / "model.safetensors", metadata={"format": "pt"})
+    save_file(dequantized, plain / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((packed / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (packed / "config.json").write_text(json.dumps(config))
+    return packed, plain
+
+
+def test_mxfp4_experts_serve_as_their_dequantized_copy(mxfp4_pair):
+    packed, plain = mxfp4_pair
+    prompts = random_prompts([6, 19], seed=4)
+    got = LLMEngine(EngineConfig(model=str(packed), device="cpu")).generate(prompts, greedy(8))
+    assert_matches(got, hf_greedy(plain, prompts, 8), "mxfp4")
+
+
+def test_gpt_oss_config(tiny_gpt_oss_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    config = load_model_config(tiny_gpt_oss_dir)
+    assert (config.attn_sinks, config.expert_bias, config.swiglu_limit, config.windows,
+            config.moe_layers, config.intermediate_size, config.layout) == (
+        True, True, 0.5, (8, 0), (0, 1), 0, "gpt_oss")
+    # parameters as transformers counts them, less the norms, biases and sinks
+    model = AutoModelForCausalLM.from_pretrained(tiny_gpt_oss_dir)
+    small = sum(p.numel() for n, p in model.named_parameters()
+                if "norm" in n or n.endswith(("bias", "sinks")))
+    assert config.num_params == sum(p.numel() for p in model.parameters()) - small
+    # the published configs: experts_per_token, no layer_types (alternating, sliding
+    # first); a quantization other than MXFP4 is refused
+    raw = json.loads((tiny_gpt_oss_dir / "config.json").read_text())
+    shutil.copytree(tiny_gpt_oss_dir, tmp_path / "m")
+    del raw["num_experts_per_tok"], raw["layer_types"]
+    raw["experts_per_token"] = 2
+    (tmp_path / "m" / "config.json").write_text(json.dumps(raw))
+    assert load_model_config(tmp_path / "m").windows == (8, 0)
+    raw["quantization_config"] = {"quant_method": "bitsandbytes"}
+    (tmp_path / "m" / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelLoadError, match="MXFP4, not 'bitsandbytes'"):
+        load_model_config(tmp_path / "m")
+
+
+def test_gpt_oss_int8_experts_keep_biases_and_a_float32_router(tiny_gpt_oss_dir):
+    engine = LLMEngine(EngineConfig(model=str(tiny_gpt_oss_dir), device="cpu",
+                                    quantization="int8"))
+    moe = engine.runner.model.layers[0].mlp
+    assert (moe.gate.fmt, moe.experts[3].down_proj.fmt) == ("float32", "int8")
+    assert moe.gate.bias is not None and moe.experts[3].down_proj.bias is not None
+    assert len(engine.generate(random_prompts([7], seed=2), greedy(5))[0]) == 5
