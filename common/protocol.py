@@ -138,7 +138,7 @@ class MessageType(enum.IntEnum):
 # two ends of a connection refuse each other when theirs differ (an older peer would
 # silently drop fields a newer one sends). A peer whose messages lack the field is
 # version 0.
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 
 def version_mismatch(peer: str, theirs: int) -> Optional[str]:

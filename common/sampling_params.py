@@ -76,10 +76,11 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     bad_words_ids: list[list[int]] = []
     # Constrain the output to a JSON schema, regex, choice or grammar.
     structured: Optional[StructuredOutput] = None
-    # With structured: the grammar applies only once this token id has been generated
-    # (a reasoning model's end of thinking, frontend/reasoning.py); it and the tokens
-    # before it are free.
-    structured_after: Optional[int] = None
+    # With structured: the grammar applies only once these token ids have been
+    # generated in a row (a reasoning model's end of thinking: </think>, or harmony's
+    # <|channel|>final<|message|>, frontend/reasoning.py); they and the tokens before
+    # them are free.
+    structured_after: Optional[list[int]] = None
     # Like logprobs, for every prompt token after the first (returned with the first
     # output). The prompt is then computed, not read from the prefix cache.
     prompt_logprobs: Optional[int] = None
@@ -156,6 +157,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
         if self.structured_after is not None and self.structured is None:
             raise InvalidRequestError("structured_after needs a structured output",
                                       "structured_after")
+        if self.structured_after is not None and not 0 < len(self.structured_after) <= 16:
+            raise InvalidRequestError("structured_after must be 1 to 16 token ids",
+                                      "structured_after")
         if self.cache_salt is not None and not 0 < len(self.cache_salt) <= MAX_CACHE_SALT_CHARS:
             raise InvalidRequestError(
                 f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
@@ -173,8 +177,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
                 ("logit_bias", list(self.logit_bias)),
                 ("allowed_token_ids", self.allowed_token_ids or []),
                 ("bad_words", [t for word in self.bad_words_ids for t in word]),
-                ("structured_after", [] if self.structured_after is None
-                 else [self.structured_after]),
+                ("structured_after", self.structured_after or []),
                 ("prediction", self.prediction)]
 
     @property

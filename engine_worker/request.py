@@ -186,8 +186,14 @@ class Request:
             self.token_ids.append(token_id)
         if self.grammar is not None:
             self.grammar.consume(token_id)
-        elif self.dormant is not None and token_id == self.params.structured_after:
+        elif self.dormant is not None and self._woken():
             self.grammar, self.dormant = self.dormant, None  # from the next token on
+
+    def _woken(self) -> bool:
+        """Whether the output now ends with structured_after's ids."""
+        after = self.params.structured_after
+        return (self.token_ids[-1] == after[-1] and self.num_output_tokens >= len(after)
+                and self.token_ids[-len(after):] == after)
 
     def check_stop(self, max_model_len: int) -> Optional[FinishReason]:
         """Why generation ends after the newest token, if it does."""

@@ -77,8 +77,9 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
                    default=env_default("REASONING_PARSER"),
                    help="a reasoning model's thinking (between <think> and </think>) goes to "
                         "reasoning_content, its answer to content: deepseek_r1 (DeepSeek-R1 "
-                        "and its distillations, QwQ) or qwen3 (default: none, all content; "
-                        "ROSESERVE_REASONING_PARSER)")
+                        "and its distillations, QwQ), qwen3, or gpt_oss (harmony's channels; "
+                        "the default for a model whose chat template writes harmony; "
+                        "otherwise none, all content; ROSESERVE_REASONING_PARSER)")
     g.add_argument("--generation-config", choices=["auto", "none"], default="auto",
                    help="auto: requests that do not set temperature, top_p, top_k, min_p or "
                         "repetition_penalty get the model's generation_config.json values "

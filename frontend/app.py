@@ -33,9 +33,10 @@ from common.tokenizer import chat_template_text, load_decoder, read_chat_templat
 from engine_worker.client import EngineClient
 from frontend.admission import Admission
 from frontend.errors import APIError
+from frontend.harmony import is_harmony
 from frontend.membership import Membership
 from frontend.metrics import Metrics
-from frontend.reasoning import Reasoning
+from frontend.reasoning import Reasoning, ReasoningFormat
 from frontend.router import EngineRouter
 from frontend.routes import router
 from frontend.serving import Pipeline
@@ -189,7 +190,7 @@ class ModelParts(NamedTuple):
     model_dir: Path
     tokenizer: Tokenizer
     template: Optional[str]
-    reasoning: Optional[Reasoning]
+    reasoning: Optional[ReasoningFormat]
     sampling: dict
 
 
@@ -199,10 +200,19 @@ def load_model_parts(config: FrontendConfig) -> ModelParts:
     tokenizer = load_decoder(model_dir)
     template = (read_chat_template(config.chat_template) if config.chat_template
                 else chat_template_text(model_dir))
+    parser = config.reasoning_parser
+    if is_harmony(template) and parser != "gpt_oss":
+        if parser is not None:
+            raise ModelLoadError(f"the model's chat template writes gpt-oss's harmony "
+                                 f"format, which the {parser} reasoning parser does not "
+                                 f"read; use --reasoning-parser gpt_oss (the default there)")
+        logger.info("the chat template writes harmony (gpt-oss): chat replies are read "
+                    "by the gpt_oss reasoning parser")
+        parser = "gpt_oss"
     reasoning = None
-    if config.reasoning_parser is not None:
+    if parser is not None:
         try:
-            reasoning = Reasoning.resolve(config.reasoning_parser, tokenizer)
+            reasoning = Reasoning.resolve(parser, tokenizer)
         except ValueError as e:
             raise ModelLoadError(str(e)) from None
     sampling = recommended_sampling(model_dir) if config.generation_config == "auto" else {}

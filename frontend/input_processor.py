@@ -38,7 +38,7 @@ from frontend.formatters import ChatFormatter, CompletionFormatter, Formatter
 from frontend.grammar_cache import CheckedGrammars
 from frontend.job import Job
 from frontend.openai_protocol import ChatCompletionRequest, ChatMessageParam, ToolParam
-from frontend.reasoning import Reasoning
+from frontend.reasoning import ReasoningFormat
 from frontend.router import EngineRouter
 from frontend.tools import ToolPlan, plan_tools
 from tokenizer_worker.client import TokenizeFailed, TokenizerClient, TokenizerDeadError
@@ -120,7 +120,7 @@ class InputProcessor:
     def __init__(self, engines: EngineRouter, tokenizer_client: TokenizerClient, tokenizer,
                  admission: Admission, config: FrontendConfig,
                  chat_template: Optional[str], grammars: Optional[CheckedGrammars],
-                 reasoning: Optional[Reasoning] = None) -> None:
+                 reasoning: Optional[ReasoningFormat] = None) -> None:
         """``tokenizer``: the model's Rust tokenizer (bad words, echo, detokenizers);
         ``grammars``: None when structured output is unavailable; ``reasoning``: the
         --reasoning-parser's tags, for chat."""
@@ -224,7 +224,8 @@ class InputProcessor:
         num_logprobs = inputs.num_logprobs
         engine_logprobs = num_logprobs if job.n == body.n else (num_logprobs or 0)
         skip_special = body.skip_special_tokens and not (
-            job.tool_plan is not None and job.tool_plan.keeps_special_tokens)
+            job.tool_plan is not None and job.tool_plan.keeps_special_tokens) and not (
+            job.reasoning is not None and job.reasoning.keeps_special_tokens)
         for p, prompt_ids in enumerate(job.prompts):
             max_tokens = inputs.max_tokens_for(prompt_ids, body.truncate_prompt_tokens,
                                                ready.max_model_len)
@@ -237,7 +238,7 @@ class InputProcessor:
                     if params.structured is not None and job.thinks_first[-1]:
                         # The model thinks first: its grammar starts with the answer.
                         params = msgspec.structs.replace(
-                            params, structured_after=job.reasoning.end_id)
+                            params, structured_after=list(job.reasoning.answer_after))
                 prompt_ids = self._validate(prompt_ids, params, ready,
                                             inputs.messages is not None)
                 job.params.append(params)

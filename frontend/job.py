@@ -22,7 +22,7 @@ from common.ngram import Prediction
 from common.protocol import SamplingParams
 from frontend.admission import Ticket
 from frontend.choice import Choice
-from frontend.reasoning import Reasoning
+from frontend.reasoning import ReasoningFormat
 from frontend.tools import ToolPlan
 
 if TYPE_CHECKING:
@@ -80,7 +80,7 @@ class Job:
     tool_plan: Optional[ToolPlan] = None
     # Chat with --reasoning-parser: how its replies' thinking is told apart, and
     # whether it is shown (the request's include_reasoning).
-    reasoning: Optional[Reasoning] = None
+    reasoning: Optional[ReasoningFormat] = None
     include_reasoning: bool = True
     # ... and whether each choice starts in its thinking (read from its prompt once).
     thinks_first: list[bool] = field(default_factory=list)

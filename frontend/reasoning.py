@@ -15,16 +15,22 @@ without the tag), ``qwen3`` in the answer, unless the reply opens with ``<think>
 Both tags must be single tokens of the model's vocabulary: the engine holds a
 structured output's grammar back until the thinking ends (SamplingParams.
 structured_after), which it sees as the end tag's token id.
+
+``gpt_oss`` is gpt-oss's harmony format (frontend/harmony.py), where channels, not
+tags, tell the thinking from the answer.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Union
+
 from frontend.detokenizer import partial_suffix
+from frontend.harmony import Harmony
 
 START, END = "<think>", "</think>"
 # Parser name -> whether a prompt without tags starts the reply in the thinking.
-PARSERS = {"deepseek_r1": True, "qwen3": False}
+PARSERS = {"deepseek_r1": True, "qwen3": False, "gpt_oss": True}
 
 
 def _rindex(ids: list[int], token_id: int) -> int:
@@ -43,12 +49,22 @@ class Reasoning:
     start_id: int
     end_id: int
     thinks_first: bool
+    # Whether the reply's text keeps its special tokens for the parser (harmony's)
+    keeps_special_tokens = False
+
+    @property
+    def answer_after(self) -> tuple[int, ...]:
+        """The token ids that end the thinking: a structured output's grammar applies
+        after them."""
+        return (self.end_id,)
 
     @classmethod
-    def resolve(cls, name: str, tokenizer) -> "Reasoning":
+    def resolve(cls, name: str, tokenizer) -> "ReasoningFormat":
         """Raises ValueError naming what the tokenizer lacks."""
         if name not in PARSERS:
             raise ValueError(f"unknown reasoning parser {name!r}; known: {', '.join(PARSERS)}")
+        if name == "gpt_oss":
+            return Harmony.resolve(name, tokenizer)
         ids = []
         for tag in (START, END):
             token_id = tokenizer.token_to_id(tag)
@@ -84,6 +100,10 @@ class Reasoning:
             return output_ids.index(self.end_id, begin) + 1
         except ValueError:
             return len(output_ids)
+
+
+# A parser resolved against the tokenizer: tags (<think>) or harmony's channels
+ReasoningFormat = Union[Reasoning, Harmony]
 
 
 @dataclass

@@ -30,7 +30,7 @@ from frontend.membership import Membership
 from frontend.metrics import Metrics
 from frontend.openai_protocol import ChatCompletionRequest
 from frontend.output_processor import OutputProcessor
-from frontend.reasoning import Reasoning
+from frontend.reasoning import ReasoningFormat
 from frontend.router import EngineRouter
 from frontend.tracing import Tracer
 from tokenizer_worker.client import TokenizerClient
@@ -75,7 +75,7 @@ class Pipeline:
                  metrics: Metrics, admission: Admission, model_names: Sequence[str],
                  config: FrontendConfig, chat_template: Optional[str] = None,
                  grammars: Optional[GrammarCompiler] = None,
-                 reasoning: Optional[Reasoning] = None,
+                 reasoning: Optional[ReasoningFormat] = None,
                  sampling: Optional[dict] = None,
                  tracer: Optional[Tracer] = None) -> None:
         """``tokenizer``: the model's Rust tokenizer; ``grammars``: for checking

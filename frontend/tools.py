@@ -23,7 +23,8 @@ and turning the generated text into OpenAI ``tool_calls``, whole or streamed.
   else is text, released as it comes. One that starts with ``{`` is calls, streamed,
   once its first name is one of the request's tools (text after the calls is
   content); else it is held until it ends, and is calls if it parses as nothing but
-  calls, else text. For any
+  calls, else text. gpt-oss's harmony: a message to ``functions.NAME`` (its parser,
+  frontend/harmony.py, hands it on as a Hermes call). For any
   other template "auto" is refused with a 400 that says to use "required" or a
   named function. The default model's template has no tool support.
 - "none" (the default without tools) generates text; the tools still reach the
@@ -40,6 +41,7 @@ from typing import Optional
 from common.errors import InvalidRequestError
 from common.structured import StructuredOutput, json_schema_output
 from frontend.detokenizer import partial_suffix
+from frontend.harmony import is_harmony
 from frontend.openai_protocol import ChatCompletionRequest
 
 HERMES_START, HERMES_END = "<tool_call>", "</tool_call>"
@@ -87,7 +89,8 @@ def plan_tools(body: ChatCompletionRequest, chat_template: Optional[str]) -> Opt
         raise InvalidRequestError(f"tool_choice {_describe(choice)} needs tools", "tool_choice")
     if choice == "auto":
         template = chat_template or ""
-        if HERMES_START in template:
+        # harmony (gpt-oss): its parser hands calls on in Hermes' tags (frontend/harmony.py)
+        if HERMES_START in template or is_harmony(template):
             return ToolPlan("auto", None)
         if MISTRAL_CALLS in template:
             return ToolPlan("auto", None, syntax="mistral")
@@ -99,7 +102,7 @@ def plan_tools(body: ChatCompletionRequest, chat_template: Optional[str]) -> Opt
         raise InvalidRequestError(
             "tool_choice 'auto' needs a model whose chat template writes tool calls in a "
             "format roseserve parses (Hermes <tool_call>, Mistral's [TOOL_CALLS], Granite's "
-            "<|tool_call|>, or Llama 3's JSON); this model's "
+            "<|tool_call|>, Llama 3's JSON or gpt-oss's harmony); this model's "
             "template does not. Use tool_choice 'required' or a named function: the "
             "output is then forced to a valid call", "tool_choice")
     if choice == "required":

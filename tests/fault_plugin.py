@@ -22,6 +22,9 @@ on by a test-only environment variable:
   tokenizer_worker
     ROSESERVE_FAULT_CRASH_MARKER   a batch holding this text kills the worker...
     ROSESERVE_FAULT_CRASH_SLOTS    ...if its slot is listed (comma-separated)
+    ROSESERVE_FAULT_SCRIPTS        JSON {"TOKEN": [ids]}: a request whose prompt holds
+                                   token id TOKEN generates those ids first (its
+                                   logits forced), then its own
     ROSESERVE_FAULT_SLOW_MARKER    a batch holding this text takes longer...
     ROSESERVE_FAULT_SLOW_S         ...by this many seconds (default 2)
     ROSESERVE_FAULT_HANG_MARKER    a batch holding this text never finishes...
@@ -30,6 +33,7 @@ on by a test-only environment variable:
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -90,11 +94,35 @@ def _engine(server) -> None:
                 engine.requests[request_id].logits_processors.append(fail_at_third_token)
 
         engine.add_request = add
+    if _env("SCRIPTS"):
+        _scripts(engine, {int(k): v for k, v in json.loads(_env("SCRIPTS")).items()})
     cuda_token = _env("CUDA_ERROR_TOKEN")
     if cuda_token:
         _sticky_cuda_error(engine, int(cuda_token))
     if _env("KV"):
         _kv_faults(engine, _env("KV"))
+
+
+def _scripts(engine, scripts: dict[int, list[int]]) -> None:
+    """Scripted replies: a model's output made what a test needs (a harmony reply's
+    channels), whatever its random weights."""
+    add_request = engine.add_request
+
+    def add(request_id, prompt_token_ids, params=None, **kw):
+        add_request(request_id, prompt_token_ids, params, **kw)
+        script = next((s for token, s in scripts.items() if token in prompt_token_ids), None)
+        if script is None:
+            return
+
+        def forced(row, request):
+            n = request.num_output_tokens
+            if n < len(script):
+                row.fill_(float("-inf"))
+                row[script[n]] = 0.0
+
+        engine.requests[request_id].logits_processors.append(forced)
+
+    engine.add_request = add
 
 
 def _kv_faults(engine, fault: str) -> None:

@@ -84,10 +84,12 @@ def frontend(model_dir, engine_address: str, tokenizer_address: str, *extra: str
 
 
 @contextlib.contextmanager
-def local_stack(model_dir, run_dir, *frontend_args: str, engine_args=(), workers: int = 1):
+def local_stack(model_dir, run_dir, *frontend_args: str, engine_args=(), workers: int = 1,
+                engine_env: dict | None = None):
     """An engine, a tokenizer pool and a frontend over ipc:// sockets in ``run_dir``;
     yields the frontend (``.url``) once healthy, and stops all three at the end."""
-    engine_proc = engine(model_dir, f"ipc://{run_dir}/engine.sock", *engine_args)
+    engine_proc = engine(model_dir, f"ipc://{run_dir}/engine.sock", *engine_args,
+                         env=engine_env)
     pool = tokenizer_pool(model_dir, f"ipc://{run_dir}/tok.sock", workers=workers)
     front = frontend(model_dir, engine_proc.address, pool.address, *frontend_args)
     try:

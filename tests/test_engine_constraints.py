@@ -70,19 +70,25 @@ def test_a_grammar_constrains_only_its_own_request(engine):
 
 
 def test_a_grammar_after_a_token_starts_once_that_token_is_generated(engine):
-    """structured_after (a reasoning model's end of thinking): the tokens up to that
-    token are the free output's, the rest match the grammar; a token never generated
-    leaves the output free."""
+    """structured_after (a reasoning model's end of thinking: a token, or harmony's
+    run of them): the tokens up to it are the free output's, the rest match the
+    grammar; ids never generated in a row leave the output free (one of them alone
+    is not enough)."""
     plain = engine.generate([PROMPTS[2]], greedy(12))[0]
     k = next(i for i in range(2, 12) if plain[i] not in plain[:i])
     pattern = r" (cat|dog|bird) [0-9]{2}\."
     regex = StructuredOutput(kind="regex", spec=pattern)
     engine.add_request("late", PROMPTS[2], greedy(40, structured=regex,
-                                                  structured_after=plain[k]))
+                                                  structured_after=[plain[k]]))
+    engine.add_request("run", PROMPTS[2], greedy(40, structured=regex,
+                                                 structured_after=plain[k - 2:k + 1]))
     engine.add_request("never", PROMPTS[2], greedy(12, structured=regex,
-                                                   structured_after=NEVER))
+                                                   structured_after=[NEVER]))
+    engine.add_request("broken", PROMPTS[2], greedy(12, structured=regex,
+                                                    structured_after=[NEVER, plain[k]]))
     outs = run_to_end(engine)
     late = tokens(outs["late"])
+    assert tokens(outs["run"]) == late and tokens(outs["broken"]) == plain
     assert late[:k + 1] == plain[:k + 1]
     assert outs["late"][-1].finish_reason is FinishReason.STOP
     from tokenizers import Tokenizer
@@ -91,7 +97,9 @@ def test_a_grammar_after_a_token_starts_once_that_token_is_generated(engine):
     assert re.fullmatch(pattern, tok.decode(late[k + 1:]))
     assert NEVER not in plain and tokens(outs["never"]) == plain
     with pytest.raises(InvalidRequestError, match="needs a structured output"):
-        engine.add_request("bad", PROMPTS[0], greedy(4, structured_after=3))
+        engine.add_request("bad", PROMPTS[0], greedy(4, structured_after=[3]))
+    with pytest.raises(InvalidRequestError, match="1 to 16 token ids"):
+        engine.add_request("bad", PROMPTS[0], greedy(4, structured=regex, structured_after=[]))
 
 
 def test_invalid_grammar_is_refused_at_add_request(engine):

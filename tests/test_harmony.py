@@ -1,0 +1,158 @@
+"""gpt-oss's harmony replies (frontend/harmony.py): the parser alone, however its text
+is cut, and end to end over the real processes and HTTP with scripted replies (the
+engine's logits forced: tests/fault_plugin.py), on a tiny model whose template writes
+harmony."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from tokenizers import Tokenizer
+
+import processes
+from frontend.harmony import HarmonyParser
+from frontend.reasoning import Reasoning
+from frontend_stacks import sse_events
+
+THINK = "<|channel|>analysis<|message|>Two and two. Four?<|end|>"
+ANSWER = "<|start|>assistant<|channel|>final<|message|>It is 4.<|return|>"
+CALL = ("<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+        '<|message|>{"city": "Paris"}<|call|>')
+PREAMBLE = "<|channel|>commentary<|message|>Checking.<|end|>"
+
+CASES = [
+    (THINK + ANSWER, "Two and two. Four?", "It is 4."),
+    (THINK + CALL, "Two and two. Four?",
+     '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'),
+    (PREAMBLE + "<|start|>assistant to=functions.f<|channel|>commentary json<|message|>{}",
+     "", 'Checking.<tool_call>{"name": "f", "arguments": {}'),   # cut short: left open
+    (THINK + "<|start|>assistant<|channel|>fin", "Two and two. Four?", ""),   # a header cut
+    ("<|channel|>analysis<|message|>Hmm <|e", "Hmm <|e", ""),   # not a tag after all
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
+def test_replies_split_the_same_however_they_are_cut(case, size):
+    text, reasoning, content = case
+    parser = HarmonyParser()
+    got = ["", ""]
+    pieces = [text[i:i + size] for i in range(0, len(text), size)]
+    for k, piece in enumerate(pieces):
+        more, answer = parser.take(piece, final=k == len(pieces) - 1)
+        got[0] += more
+        got[1] += answer
+    assert got == [reasoning, content]
+    assert parser.thought == bool(reasoning)
+
+
+def test_where_a_reply_starts_and_what_it_thought(tiny_harmony_dir, tiny_llama_dir):
+    tok = Tokenizer.from_file(str(tiny_harmony_dir / "tokenizer.json"))
+    harmony = Reasoning.resolve("gpt_oss", tok)
+    final = tok.encode("final", add_special_tokens=False).ids
+    assert harmony.answer_after == (50258, *final, 50259)
+    # after <|start|>assistant at a header; after the final header in its body
+    assert harmony.thinking_at_start([1, 50257, 5])
+    assert not harmony.thinking_at_start([1, 50257, 50258, *final, 50259])
+    ids = tok.encode(THINK + ANSWER, add_special_tokens=False).ids
+    thought = harmony.num_tokens(True, ids)
+    assert tok.decode(ids[thought:], skip_special_tokens=False) == "It is 4.<|return|>"
+    assert harmony.num_tokens(True, ids[:5]) == 5 and harmony.num_tokens(False, ids) == 0
+    with pytest.raises(ValueError, match=r"no <\|start\|> token"):
+        Reasoning.resolve("gpt_oss", Tokenizer.from_file(str(tiny_llama_dir / "tokenizer.json")))
+
+
+# -- end to end -----------------------------------------------------------------------
+
+QUESTIONS = {"think": THINK + ANSWER, "weather": THINK + CALL,
+             "pick": THINK + "<|start|>assistant<|channel|>final<|message|>"}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, tiny_harmony_dir):
+    """The frontend picks the gpt_oss parser by itself (the template writes harmony);
+    a question's word (a token of its own) scripts its reply."""
+    tok = Tokenizer.from_file(str(tiny_harmony_dir / "tokenizer.json"))
+    scripts = {}
+    for word, reply in QUESTIONS.items():
+        [trigger] = tok.encode(word, add_special_tokens=False).ids
+        scripts[str(trigger)] = tok.encode(reply, add_special_tokens=False).ids
+    run = tmp_path_factory.mktemp("harmony")
+    with processes.local_stack(tiny_harmony_dir, run, "--served-model-name", "h",
+                               engine_env={"ROSESERVE_FAULT_SCRIPTS": json.dumps(scripts)}
+                               ) as front:
+        yield front.url, tok
+
+
+def chat(url: str, word: str, **body) -> httpx.Response:
+    return httpx.post(url + "/v1/chat/completions", timeout=60, json={
+        "model": "h", "messages": [{"role": "user", "content": word}], "max_tokens": 40,
+        "temperature": 0, **body})
+
+
+def test_the_analysis_is_reasoning_and_the_final_channel_the_answer(stack):
+    url, tok = stack
+    r = chat(url, "think")
+    assert r.status_code == 200, r.text
+    body = r.json()
+    choice = body["choices"][0]
+    assert (choice["message"]["reasoning_content"], choice["message"]["content"],
+            choice["finish_reason"]) == ("Two and two. Four?", "It is 4.", "stop")
+    script = tok.encode(QUESTIONS["think"], add_special_tokens=False).ids
+    header = tok.encode("<|channel|>final<|message|>", add_special_tokens=False).ids
+    thought = max(i for i in range(len(script)) if script[i - len(header):i] == header)
+    assert body["usage"]["completion_tokens"] == len(script)   # <|return|> stopped it
+    assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": thought}
+    with httpx.stream("POST", url + "/v1/chat/completions", timeout=60, json={
+            "model": "h", "messages": [{"role": "user", "content": "think"}],
+            "max_tokens": 40, "temperature": 0, "stream": True}) as s:
+        events = sse_events(s)
+    deltas = [e["choices"][0]["delta"] for e in events[:-1] if e["choices"]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "Two and two. Four?"
+    assert "".join(d.get("content") or "" for d in deltas) == "It is 4."
+    # completions are raw: no parser, special tokens skipped as asked
+    r = httpx.post(url + "/v1/completions", timeout=60, json={
+        "model": "h", "prompt": "think", "max_tokens": 40, "temperature": 0})
+    assert r.json()["choices"][0]["text"] == "analysisTwo and two. Four?assistantfinalIt is 4."
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}}}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_message_to_a_function_is_a_tool_call(stack, stream):
+    url, _ = stack
+    r = chat(url, "weather", tools=[WEATHER_TOOL], stream=stream)
+    assert r.status_code == 200, r.text
+    if stream:
+        events = [json.loads(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: {")]
+        deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+        calls = [c for d in deltas for c in d.get("tool_calls", [])]
+        name = "".join(c["function"].get("name") or "" for c in calls)
+        arguments = "".join(c["function"].get("arguments") or "" for c in calls)
+        reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
+        finish = events[-1]["choices"][0]["finish_reason"]
+    else:
+        message = r.json()["choices"][0]["message"]
+        [call] = message["tool_calls"]
+        name, arguments = call["function"]["name"], call["function"]["arguments"]
+        reasoning, finish = message["reasoning_content"], r.json()["choices"][0]["finish_reason"]
+        assert message["content"] is None
+    assert (name, json.loads(arguments), reasoning, finish) == (
+        "get_weather", {"city": "Paris"}, "Two and two. Four?", "tool_calls")
+
+
+def test_a_grammar_waits_for_the_final_channel(stack):
+    """The analysis and the final header are scripted; the grammar, held back until
+    <|channel|>final<|message|>, then makes the answer one of the choices."""
+    url, _ = stack
+    r = chat(url, "pick", guided_choice=["yes", "no"], max_tokens=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["message"]["reasoning_content"] == "Two and two. Four?"
+    assert choice["message"]["content"] in ("yes", "no") and choice["finish_reason"] == "stop"
