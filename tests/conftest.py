@@ -80,10 +80,13 @@ LLAMA3_TEMPLATE = (
 PYTHON_TAG = 50257  # the tiny Llama 3's <|python_tag|> id
 
 
-# gpt-oss's harmony, reduced: a message a turn, the assistant's on the final channel;
-# the reply starts at a header after <|start|>assistant.
+# gpt-oss's harmony, reduced: a message a turn, the assistant's on the final channel
+# (after its analysis, where it has thinking); the reply starts at a header after
+# <|start|>assistant.
 HARMONY_TEMPLATE = (
     "{% for m in messages %}<|start|>{{ m['role'] }}"
+    "{% if m.thinking %}<|channel|>analysis<|message|>{{ m.thinking }}<|end|>"
+    "<|start|>assistant{% endif %}"
     "{% if m['role'] == 'assistant' %}<|channel|>final{% endif %}"
     "<|message|>{{ m['content'] }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|start|>assistant{% endif %}")

@@ -118,6 +118,19 @@ def test_the_analysis_is_reasoning_and_the_final_channel_the_answer(stack):
     assert r.json()["choices"][0]["text"] == "analysisTwo and two. Four?assistantfinalIt is 4."
 
 
+def test_earlier_thinking_reaches_the_template_as_thinking(stack):
+    """gpt-oss's template reads an assistant message's analysis as ``thinking``."""
+    url, tok = stack
+    r = httpx.post(url + "/tokenize", timeout=60, json={"model": "h", "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Hello.", "reasoning_content": "A greeting."},
+        {"role": "user", "content": "bye"}]})
+    assert tok.decode(r.json()["tokens"], skip_special_tokens=False) == (
+        "<|start|>user<|message|>hi<|end|><|start|>assistant<|channel|>analysis<|message|>"
+        "A greeting.<|end|><|start|>assistant<|channel|>final<|message|>Hello.<|end|>"
+        "<|start|>user<|message|>bye<|end|><|start|>assistant")
+
+
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {
         "city": {"type": "string"}}}}}

@@ -88,13 +88,15 @@ class PromptTokenizer:
 
 
 def _template_message(message: ChatMessage, template_shows_calls: bool) -> dict:
-    """A message as chat templates expect it. An assistant's tool calls go to a
-    template that renders them with their arguments as a dict (as Hugging Face
-    templates read them); a template that does not render them sees them as JSON
-    text in the message's content, so that no call is silently dropped."""
+    """A message as chat templates expect it: an assistant's earlier thinking as
+    reasoning_content (Qwen3's name) and as thinking (gpt-oss's). An assistant's tool
+    calls go to a template that renders them with their arguments as a dict (as
+    Hugging Face templates read them); a template that does not render them sees them
+    as JSON text in the message's content, so that no call is silently dropped."""
     out = {k: v for k, v in (("role", message.role), ("content", message.content),
                              ("name", message.name), ("tool_call_id", message.tool_call_id),
-                             ("reasoning_content", message.reasoning_content))
+                             ("reasoning_content", message.reasoning_content),
+                             ("thinking", message.reasoning_content))   # gpt-oss's name
            if v is not None}
     if not message.tool_calls:
         return out
