@@ -213,8 +213,6 @@ class CpuAttention(TorchAttention):
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 window: int = 0, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if sinks is not None:   # (the C kernels have no sinks)
-            return super()._decode(q, kv_cache, meta, window, sinks)
         return self.kernels.paged_decode_attention(
             q, kv_cache, meta.decode_tables_int64, meta.decode_lens_int64, self.scale,
-            window, self.softcap)
+            window, self.softcap, sinks)

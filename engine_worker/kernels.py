@@ -55,7 +55,7 @@ class CpuKernels:
         fn = lib.rs_paged_attention
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         fn.argtypes = [ptr, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, ptr, i64, i64, i64, i64,
-                       i64, i64, ctypes.c_float, ctypes.c_float, i64]
+                       i64, i64, ctypes.c_float, ctypes.c_float, i64, ptr]
         fn.restype = ctypes.c_int
         self._attention = fn
         self._argmax = lib.rs_argmax_rows
@@ -238,24 +238,28 @@ class CpuKernels:
 
     def paged_decode_attention(self, q: torch.Tensor, kv_cache: torch.Tensor,
                                block_tables: torch.Tensor, context_lens: torch.Tensor,
-                               scale: float, window: int = 0, softcap: float = 0.0
-                               ) -> torch.Tensor:
+                               scale: float, window: int = 0, softcap: float = 0.0,
+                               sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """q (B, Hq, D) float32, kv_cache (2, num_blocks, bs, Hkv, D) float32 or
         bfloat16, block_tables (B, max_blocks) and context_lens (B,) int64 -> (B, Hq, D):
         one query per sequence."""
         seq = torch.arange(q.shape[0], dtype=torch.int64)
         return self.paged_attention(q, kv_cache, seq, block_tables, context_lens, scale,
-                                    window, softcap)
+                                    window, softcap, sinks)
 
     def paged_attention(self, q: torch.Tensor, kv_cache: torch.Tensor, seq: torch.Tensor,
                         block_tables: torch.Tensor, context_lens: torch.Tensor,
-                        scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                        scale: float, window: int = 0, softcap: float = 0.0,
+                        sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """q (N, Hq, D) float32: token n attends to the first context_lens[n] tokens of
         sequence seq[n] (its row of block_tables), or to the last ``window`` of them; a
         sequence's consecutive tokens (a prompt chunk) are attended as tiles, as in the
         fused forward; softcap > 0: each score s becomes softcap tanh(s / softcap)
-        (Gemma 2). -> (N, Hq, D)."""
+        (Gemma 2); sinks (Hq,): each head's sink logit in its softmax (gpt-oss). -> (N,
+        Hq, D)."""
         q = q.contiguous()
+        if sinks is not None:   # (held here while the kernel reads them)
+            sinks = sinks.float().contiguous()
         n, hq, d = q.shape
         _, _, block_size, hkv, _ = kv_cache.shape
         out = torch.empty_like(q)
@@ -264,7 +268,8 @@ class CpuKernels:
         rc = self._attention(q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
                              kv_type(kv_cache.dtype), seq.data_ptr(), context_lens.data_ptr(),
                              block_tables.data_ptr(), out.data_ptr(), n, hq, hkv, d,
-                             block_size, block_tables.shape[1], scale, softcap, window)
+                             block_size, block_tables.shape[1], scale, softcap, window,
+                             _ptr(sinks))
         if rc == -2:
             raise ValueError(f"paged attention kernel needs head_dim a multiple of 16 "
                              f"and <= 256, got {d}")

@@ -74,15 +74,19 @@ def paged_cache(num_seqs: int, max_len: int, bs: int, hkv: int, d: int,
 
 
 def softmax_attention(q: torch.Tensor, cache: torch.Tensor, table: torch.Tensor, length: int,
-                      scale: float, window: int = 0) -> torch.Tensor:
+                      scale: float, window: int = 0, sinks=None) -> torch.Tensor:
     """The reference: one token's query heads (Hq, D) against softmax(q k^T) v over its
     sequence's first ``length`` keys and values (the last ``window`` of them, if given),
-    gathered through its block table (a bfloat16 cache's widened exactly)."""
+    gathered through its block table (a bfloat16 cache's widened exactly); sinks (Hq,):
+    each head's sink logit in the softmax, with no value."""
     hq, (hkv, d) = q.shape[0], cache.shape[-2:]
     first = max(0, length - window) if window else 0
     keys, values = (cache[i][table].float().reshape(-1, hkv, d)[first:length]
                     .repeat_interleave(hq // hkv, dim=1) for i in (0, 1))
-    p = torch.softmax(torch.einsum("hd,thd->ht", q, keys) * scale, dim=-1)
+    scores = torch.einsum("hd,thd->ht", q, keys) * scale
+    if sinks is not None:
+        scores = torch.cat([scores, sinks.unsqueeze(1)], dim=1)
+    p = torch.softmax(scores, dim=-1)[:, :keys.shape[0]]
     return torch.einsum("ht,thd->hd", p, values)
 
 
@@ -165,6 +169,39 @@ def test_few_decode_rows_over_long_contexts_split_their_keys_and_merge(isa, hq, 
         torch.testing.assert_close(out[b], softmax_attention(q[b], cache, tables[b], n, scale,
                                                              window),
                                    rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("isa", [[], ["-mno-avx512f"]], ids=["native", "avx2"])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_sink_logits_join_every_attention_path(isa, kv_dtype):
+    """gpt-oss's sinks, each head's logit in its softmax: decode rows attended whole,
+    prompt chunks in tiles (a sliding window too), and few rows over long contexts,
+    their keys split into parts (the sinks join where the parts merge); one head's
+    sink far above its scores (its output near 0)."""
+    k = kernels._build_and_load(isa)
+    torch.manual_seed(5)
+    hq, hkv, d, bs = 8, 2, 64, 16
+    sinks = torch.tensor([0.5, 30.0, -30.0, -1.0, 2.0, 0.0, 1.0, -2.0])
+    runs = {"rows": [(0, 40, 1), (1, 5, 1), (2, 17, 1), (3, 33, 1), (4, 2, 1)],
+            "chunks": [(0, 20, 37), (1, 1, 30), (2, 9, 1)],
+            "parts": [(0, 1030, 1), (1, 700, 1)]}
+    for path, window in (("rows", 0), ("chunks", 0), ("chunks", 13), ("parts", 0),
+                         ("parts", 301)):
+        seq, lens = [], []
+        for s_, first, count in runs[path]:
+            seq += [s_] * count
+            lens += list(range(first, first + count))
+        cache, tables = paged_cache(len(runs[path]), max(lens), bs, hkv, d, kv_dtype)
+        q = torch.randn(len(seq), hq, d) * 2
+        out = k.paged_attention(q, cache, torch.tensor(seq), tables, torch.tensor(lens),
+                                d ** -0.5, window, sinks=sinks)
+        for n, (s_, length) in enumerate(zip(seq, lens)):
+            want = softmax_attention(q[n], cache, tables[s_], length, d ** -0.5, window, sinks)
+            torch.testing.assert_close(out[n], want, rtol=1e-5, atol=1e-5,
+                                       msg=f"{path}, window {window}, token {n}")
+            assert float(out[n, 1].abs().max()) < 1e-6
+        plain = softmax_attention(q[0], cache, tables[seq[0]], lens[0], d ** -0.5, window)
+        assert (out[0] - plain).abs().max() > 0.05   # the sinks matter
 
 
 def hf_greedy_bf16_kv(model_dir, prompts, max_new_tokens, monkeypatch):

@@ -68,15 +68,16 @@ int64_t rs_attention_tiles(int64_t N, const int64_t *seq, const int64_t *ctx_len
 /* Attention of a step's tokens (token n: its q row at q + n q_stride, its output row
    at out + n out_stride, the block table row seq[n], ctx_lens[n] keys, or the last W
    of them where W > 0: a sliding window; scores soft-capped, cap tanh(s / cap), where
-   cap > 0), tiled by rs_attention_tiles. A work-sharing
+   cap > 0; sinks, where not NULL: each query head's sink logit, in its softmax beside
+   the scores (gpt-oss)), tiled by rs_attention_tiles. A work-sharing
    loop, as rs_linear_ws; scratch: this thread's rs_attention_scratch_floats; partial:
    rs_attention_partial_floats, shared. */
 void rs_attention_ws(const float *q, int64_t q_stride, const void *k_cache, const void *v_cache,
                      int kv_type, const int64_t *seq, const int64_t *ctx_lens,
                      const int64_t *block_tables, int64_t max_blocks, const int64_t *starts,
                      int64_t tiles, float *out, int64_t out_stride, int64_t Hq, int64_t Hkv,
-                     int64_t D, int64_t bs, float scale, float cap, int64_t W,
-                     float *scratch, float *partial);
+                     int64_t D, int64_t bs, float scale, float cap, const float *sinks,
+                     int64_t W, float *scratch, float *partial);
 
 /* act(gate) * up for one row of gate then up (I each): silu, or gelu (its tanh form)
    (layers.c). */

@@ -210,8 +210,7 @@ int rs_llama_forward(const struct rs_llama *m, const struct rs_step *s)
             rs_attention_ws(qkv, QKV, L->k_cache, L->v_cache, (int)m->kv_type, s->seq,
                             s->ctx_lens, s->block_tables, s->max_blocks, tiles, num_tiles,
                             attn, QD, Hq, Hkv, D, m->block_size, m->scale, m->softcap,
-                            L->window,
-                            my_scratch, partial);
+                            NULL, L->window, my_scratch, partial);
             PHASE(PROFILE_ATTENTION);
             bad |= out_to_residual(attn, N, QD, L->o, L->o_bias, (int)L->o_format,
                                    L->attn_out_norm, h, x, C, m->eps);

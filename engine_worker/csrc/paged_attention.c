@@ -161,14 +161,15 @@ values_of(const int NG, float *out, const float *p, int64_t T, const char *vh,
 
 /* One query row: the query heads of KV heads [g0, g1) against its sequence's tokens
    [t0, t1) (t0 a multiple of bs), those below lo (a sliding window's first) masked.
-   ml NULL: out is the attention over them; else out is the unnormalized sum and
-   ml[2 i], ml[2 i + 1] head i's largest score and sum of exponentials (for
-   merge_parts). D % 16 == 0. */
+   ml NULL: out is the attention over them (with head i's sink logit sinks[i] in its
+   softmax, where sinks is given); else out is the unnormalized sum and ml[2 i],
+   ml[2 i + 1] head i's largest score and sum of exponentials (for merge_parts, which
+   adds the sink). D % 16 == 0. */
 static inline __attribute__((always_inline)) void
 attend_one(const float *q, const void *k_cache, const void *v_cache, int kv_type,
            const int64_t *table, int64_t t0, int64_t t1, int64_t lo, float *out, float *ml,
            float *scores, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale,
-           float cap, int64_t g0, int64_t g1)
+           float cap, const float *sinks, int64_t g0, int64_t g1)
 {
     const int64_t T = t1 - t0;
     const int64_t G = Hq / Hkv, i0 = g0 * G, i1 = g1 * G;
@@ -240,7 +241,11 @@ attend_one(const float *q, const void *k_cache, const void *v_cache, int kv_type
         float m = s[0];
         for (int64_t t = 1; t < T; t++)
             m = s[t] > m ? s[t] : m;
-        float sum = 0.0f;
+        /* gpt-oss: head i's sink logit in the softmax (a split row's, where the parts
+           merge) */
+        const int sink = sinks != NULL && ml == NULL;
+        m = sink && sinks[i] > m ? sinks[i] : m;
+        float sum = sink ? expf(sinks[i] - m) : 0.0f;
         for (int64_t t = 0; t < T; t++) {
             s[t] = expf(s[t] - m);
             sum += s[t];
@@ -279,12 +284,13 @@ static __attribute__((noinline)) void
 attend_row(const float *q, const void *k_cache, const void *v_cache, int kv_type,
            const int64_t *table, int64_t t0, int64_t t1, int64_t lo, float *out, float *ml,
            float *scores, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, float scale,
-           float cap, int64_t g0, int64_t g1)
+           float cap, const float *sinks, int64_t g0, int64_t g1)
 {
     /* The common shapes get compile-time sizes and cache types, so loops vectorize
        fully. */
 #define ATTEND(type, d, b) attend_one(q, k_cache, v_cache, type, table, t0, t1, lo, out, \
-                                      ml, scores, Hq, Hkv, d, b, scale, cap, g0, g1)
+                                      ml, scores, Hq, Hkv, d, b, scale, cap, sinks, \
+                                      g0, g1)
     if (kv_type == RS_KV_BF16) {
         if (bs == 16 && D == 64)
             ATTEND(RS_KV_BF16, 64, 16);
@@ -436,7 +442,7 @@ static inline __attribute__((always_inline)) void
 attend_tile(const int RV, const float *q, int64_t q_stride, int64_t nq, const void *k_cache,
             const void *v_cache, int kv_type, const int64_t *table, int64_t c0, int64_t W,
             float *out, int64_t out_stride, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,
-            float scale, float cap, int64_t g, float *scratch)
+            float scale, float cap, const float *sinks, int64_t g, float *scratch)
 {
     const int64_t G = Hq / Hkv, R = nq * G;
     const int64_t elem = kv_type == RS_KV_BF16 ? 2 : 4;
@@ -521,7 +527,15 @@ attend_tile(const int RV, const float *q, int64_t q_stride, int64_t nq, const vo
         tile_values(RV, OT, alpha, S, values, n, D);
     }
     for (int v = 0; v < RV; v++) {
-        const vfl inv = 1.0f / l[v];
+        vfl inv = 1.0f / l[v];
+        if (sinks != NULL)   /* gpt-oss: each row's head's sink logit joins its sum */
+            for (int i = 0; i < LANES; i++) {
+                const int64_t r = v * LANES + i;
+                const float sink = sinks[g * G + (r < R ? r : 0) % G];
+                const float top = sink > m[v][i] ? sink : m[v][i];
+                const float keep = expf(m[v][i] - top);
+                inv[i] = keep / (l[v][i] * keep + expf(sink - top));
+            }
         for (int64_t d = 0; d < D; d++) {
             const vfl o = OT[d * TILE_RV + v] * inv;
             for (int i = 0; i < LANES; i++) {
@@ -537,13 +551,14 @@ attend_tile(const int RV, const float *q, int64_t q_stride, int64_t nq, const vo
 static void attend_chunk(const float *q, int64_t q_stride, int64_t nq, const void *k_cache,
                          const void *v_cache, int kv_type, const int64_t *table, int64_t c0,
                          int64_t W, float *out, int64_t out_stride, int64_t Hq, int64_t Hkv,
-                         int64_t D, int64_t bs, float scale, float cap, int64_t g,
+                         int64_t D, int64_t bs, float scale, float cap,
+                         const float *sinks, int64_t g,
                          float *scratch)
 {
     const int64_t rows = nq * (Hq / Hkv);
     const int RV = (int)((rows + LANES - 1) / LANES);
 #define TILE(rv, type, d) attend_tile(rv, q, q_stride, nq, k_cache, v_cache, type, table, c0, \
-                                      W, out, out_stride, Hq, Hkv, d, bs, scale, cap, g, \
+                                      W, out, out_stride, Hq, Hkv, d, bs, scale, cap, sinks, g, \
                                       scratch)
 #if TILE_RV == 4
 #define TILE_RVS(type, d)                \
@@ -628,7 +643,7 @@ int64_t rs_attention_partial_floats(int64_t Hq, int64_t Hkv, int64_t D, int64_t 
 
 /* out[n] from the parts of row n: each part's sum rescaled to the largest maximum. */
 static void merge_parts(const float *partial, int64_t parts, int64_t n, int64_t i, float *out,
-                        int64_t Hq, int64_t D)
+                        int64_t Hq, int64_t D, const float *sinks)
 {
     const int64_t entry = Hq * (D + 2);   /* a part: [Hq][D] sums, then [Hq][2] m, l */
     const float *first = partial + n * parts * entry;
@@ -637,7 +652,9 @@ static void merge_parts(const float *partial, int64_t parts, int64_t n, int64_t 
         const float m = first[p * entry + Hq * D + 2 * i];
         top = m > top ? m : top;
     }
-    float sum = 0.0f, w[PARTS_MAX];
+    if (sinks != NULL)   /* gpt-oss: head i's sink logit, one more term of the sum */
+        top = sinks[i] > top ? sinks[i] : top;
+    float sum = sinks != NULL ? expf(sinks[i] - top) : 0.0f, w[PARTS_MAX];
     for (int64_t p = 0; p < parts; p++) {
         const float *ml = first + p * entry + Hq * D + 2 * i;
         w[p] = expf(ml[0] - top);
@@ -661,8 +678,8 @@ void rs_attention_ws(const float *q, int64_t q_stride, const void *k_cache, cons
                      int kv_type, const int64_t *seq, const int64_t *ctx_lens,
                      const int64_t *block_tables, int64_t max_blocks, const int64_t *starts,
                      int64_t tiles, float *out, int64_t out_stride, int64_t Hq, int64_t Hkv,
-                     int64_t D, int64_t bs, float scale, float cap, int64_t W,
-                     float *scratch, float *partial)
+                     int64_t D, int64_t bs, float scale, float cap, const float *sinks,
+                     int64_t W, float *scratch, float *partial)
 {
     const int64_t N = starts[tiles], threads = rs_num_threads();
     const int64_t parts = context_parts(N, tiles, ctx_lens, threads, W);
@@ -685,12 +702,12 @@ void rs_attention_ws(const float *q, int64_t q_stride, const void *k_cache, cons
             }
             attend_row(q + n * q_stride, k_cache, v_cache, kv_type,
                        block_tables + seq[n] * max_blocks, t0, t1, lo, sums, ml, scratch, Hq,
-                       Hkv, D, bs, scale, cap, 0, Hkv);
+                       Hkv, D, bs, scale, cap, sinks, 0, Hkv);
         }
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < N * Hq; item++)
             merge_parts(partial, parts, item / Hq, item % Hq, out + item / Hq * out_stride, Hq,
-                        D);
+                        D, sinks);
         return;
     }
     /* Prompt chunks' tiles a KV head apiece, and so every tile when there are fewer
@@ -706,11 +723,11 @@ void rs_attention_ws(const float *q, int64_t q_stride, const void *k_cache, cons
             if (nq > 1)
                 attend_chunk(q + n0 * q_stride, q_stride, nq, k_cache, v_cache, kv_type,
                              table, ctx_lens[n0], W, out + n0 * out_stride, out_stride, Hq,
-                             Hkv, D, bs, scale, cap, g, scratch);
+                             Hkv, D, bs, scale, cap, sinks, g, scratch);
             else if (few)
                 attend_row(q + n0 * q_stride, k_cache, v_cache, kv_type, table, lo / bs * bs,
                            ctx_lens[n0], lo, out + n0 * out_stride, NULL, scratch, Hq, Hkv, D,
-                           bs, scale, cap, g, g + 1);
+                           bs, scale, cap, sinks, g, g + 1);
         }
     }
     /* ... else decode rows whole: a row's keys of all heads are one contiguous row. */
@@ -722,7 +739,7 @@ void rs_attention_ws(const float *q, int64_t q_stride, const void *k_cache, cons
                 attend_row(q + n0 * q_stride, k_cache, v_cache, kv_type,
                            block_tables + seq[n0] * max_blocks, lo / bs * bs, ctx_lens[n0], lo,
                            out + n0 * out_stride, NULL, scratch, Hq, Hkv, D, bs, scale, cap,
-                           0, Hkv);
+                           sinks, 0, Hkv);
         }
     } else {
 #pragma omp barrier
@@ -733,7 +750,7 @@ int rs_paged_attention(const float *q, const void *k_cache, const void *v_cache,
                        const int64_t *seq, const int64_t *ctx_lens, const int64_t *block_tables,
                        float *out, int64_t N, int64_t Hq, int64_t Hkv, int64_t D,
                        int64_t block_size, int64_t max_blocks, float scale, float cap,
-                       int64_t window)
+                       int64_t window, const float *sinks)
 {
     if (D > MAX_DIM || D % LANES != 0)
         return -2;
@@ -760,7 +777,7 @@ int rs_paged_attention(const float *q, const void *k_cache, const void *v_cache,
         if (!failed)
             rs_attention_ws(q, Hq * D, k_cache, v_cache, kv_type, seq, ctx_lens, block_tables,
                             max_blocks, starts, tiles, out, Hq * D, Hq, Hkv, D, block_size,
-                            scale, cap, window, scratch, partial);
+                            scale, cap, sinks, window, scratch, partial);
         free(scratch);
     }
     free(partial);
