@@ -19,6 +19,7 @@ folder.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import importlib.util
@@ -56,7 +57,7 @@ GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                       "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
                       "qwen2moe": "Qwen2MoeForCausalLM",
                       "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                      "phi3": "Phi3ForCausalLM"}
+                      "phi3": "Phi3ForCausalLM", "gpt-oss": "GptOssForCausalLM"}
 
 
 # The texts of control tokens that end a reply or a document in the chat formats of the
@@ -88,10 +89,10 @@ def end_of_generation_ids(fields: dict) -> list[int]:
 
 def unserved_gguf_architecture(file_name: str, arch: object) -> ModelLoadError:
     return ModelLoadError(f"{file_name}: roseserve serves GGUF files of the llama, qwen2, "
-                          f"qwen3, qwen2moe, qwen3moe, gemma2, gemma3 and phi3 architectures "
-                          f"(Llama, SmolLM, Mistral, Mixtral, Qwen2, Qwen2.5, Qwen3, "
-                          f"Qwen1.5-MoE, Qwen3-30B-A3B, Gemma 2, Gemma 3, Phi-3, Phi-4...), "
-                          f"not {arch!r}")
+                          f"qwen3, qwen2moe, qwen3moe, gemma2, gemma3, phi3 and gpt-oss "
+                          f"architectures (Llama, SmolLM, Mistral, Mixtral, Qwen2, Qwen2.5, "
+                          f"Qwen3, Qwen1.5-MoE, Qwen3-30B-A3B, Gemma 2, Gemma 3, Phi-3, "
+                          f"Phi-4, gpt-oss...), not {arch!r}")
 
 
 # Architectures' config.json without weights, for --load-format dummy.
@@ -211,9 +212,13 @@ def _gguf_metadata(path: Path, reader: GgufReader, out_dir: Path,
 
     fields = reader.fields
     folder, name = str(path.parent), path.name
+    # transformers (5.24) reads each of gpt-oss's rope.scaling fields as its key's length;
+    # ours read them (_yarn_parameters)
+    hidden = "gpt-oss.rope.scaling." if fields.get("general.architecture") == "gpt-oss" else ""
     try:
-        config = AutoConfig.from_pretrained(folder, gguf_file=name)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        with _fields_hidden(hidden):
+            config = AutoConfig.from_pretrained(folder, gguf_file=name)
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     except Exception as e:  # transformers' GGUF reader raises many kinds
         raise ModelLoadError(f"{path}: its metadata does not describe a model that can be "
                              f"served ({type(e).__name__}: {e})") from e
@@ -240,6 +245,8 @@ def _gguf_metadata(path: Path, reader: GgufReader, out_dir: Path,
         _gemma_reading(config, fields, arch)
     if arch == "phi3":
         _phi3_reading(config, reader)
+    if arch == "gpt-oss":
+        _gpt_oss_reading(config, fields, yarn)
     if arch in ("qwen2moe", "qwen3moe"):
         # transformers reads neither the experts' sizes (and Qwen2-MoE's shared expert's)
         # nor whether llama.cpp renormalizes the chosen experts' weights: Qwen3-MoE's,
@@ -304,6 +311,40 @@ def _phi3_reading(config, reader: GgufReader) -> None:
             if f"phi3.rope.scaling.{key}" in fields:
                 longrope[name] = fields[f"phi3.rope.scaling.{key}"]
         config.rope_parameters = {**(config.rope_parameters or {}), **longrope}
+
+
+@contextlib.contextmanager
+def _fields_hidden(prefix: str):
+    """The gguf package's reader, while this lasts, without a file's fields whose keys
+    start with ``prefix`` ("": all kept), for transformers' reading of the file."""
+    import gguf
+
+    original = gguf.GGUFReader
+
+    class Reader(original):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            for key in [k for k in self.fields if prefix and k.startswith(prefix)]:
+                del self.fields[key]
+
+    gguf.GGUFReader = Reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
+def _gpt_oss_reading(config, fields: dict, yarn: dict) -> None:
+    """What transformers' reading of a gpt-oss file misses: the sliding window (under
+    attention.), the experts' width where the file gives it apart, and YaRN's ramp
+    unrounded, as gpt-oss's own config has it (truncate false; a file cannot say)."""
+    window = fields.get("gpt-oss.attention.sliding_window")
+    if window:
+        config.sliding_window = window
+    config.intermediate_size = fields.get("gpt-oss.expert_feed_forward_length",
+                                          config.intermediate_size)
+    if yarn:
+        config.rope_parameters = {**config.rope_parameters, "truncate": False}
 
 
 def _yarn_parameters(file_name: str, fields: dict, arch: str) -> dict:

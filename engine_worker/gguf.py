@@ -14,7 +14,8 @@ file); the weights stay in the file and are read from it here, at start:
 - the other types of llama.cpp's files, which most users download (its Q4_K_M of the
   default model holds Q5_0, Q4_K, Q6_K and Q8_0 tensors), are re-stored at start as
   one of those: Q5_0 as Q8_0 blocks, exactly (its 5-bit values less 16 are int8 values
-  of the same scale); Q4_K as Q4_1 blocks, the 4-bit values unchanged and each
+  of the same scale), and so MXFP4 (gpt-oss's experts: doubled FP4 values are int8
+  values of half its power-of-two scale); Q4_K as Q4_1 blocks, the 4-bit values unchanged and each
   32-weight sub-block's scale and offset (its super-block's half-precision factor times
   a 6-bit one) rounded to half precision; every other block type the gguf package
   dequantizes (Q5_1, Q2_K, Q3_K, Q5_K, Q6_K, the other IQ and TQ types...) as Q8_0
@@ -28,7 +29,7 @@ file); the weights stay in the file and are read from it here, at start:
   a tensor the architecture does not use, q/k/v mixing dense and block types, or one
   part of a split file (llama-gguf-split joins them).
 
-Files of the llama, qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3 and phi3
+Files of the llama, qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3, phi3 and gpt-oss
 architectures are served (common/model_files.py: GGUF_ARCHITECTURES); qwen2's q, k and
 v biases, qwen3's and gemma3's q and k norms and Gemma's norms of each layer's outputs
 are read as float32 (llama.cpp's converter stores Gemma's norms as the 1 + weight they
@@ -64,7 +65,7 @@ logger = logging.getLogger(__name__)
 
 # Dense GGUF types (ggml's ids) and the packed format each becomes.
 DENSE_FORMATS = {0: "float32", 1: "float32", 30: "bfloat16"}  # F32, F16 (widened), BF16
-Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, IQ4_NL = 2, 3, 6, 8, 12, 20
+Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, IQ4_NL, MXFP4 = 2, 3, 6, 8, 12, 20, 39
 PANEL = 16   # output rows of a packed panel (gemm.c)
 
 
@@ -106,6 +107,26 @@ def q4_k_as_q4_1(rows: np.ndarray) -> np.ndarray:
     return out.reshape(len(rows), -1)
 
 
+def mxfp4_as_q8_0(rows: np.ndarray) -> np.ndarray:
+    """MXFP4 rows (gpt-oss's experts; blocks of 32: a power-of-two scale byte e, then
+    16 bytes of nibbles, weights 0-15 low and 16-31 high, each indexing FP4 values)
+    as Q8_0, exactly: ggml's doubled FP4 values {0, +-1, +-2, +-3, +-4, +-6, +-8, +-12}
+    are int8 values of the scale 2^(e - 128), which half precision holds for e from
+    104 to 143; blocks of other scales are requantized."""
+    from gguf import quants
+
+    blocks = rows.reshape(-1, 17)
+    e, qs = blocks[:, 0].astype(np.int32), blocks[:, 1:]
+    q = np.concatenate([qs & 15, qs >> 4], axis=1)
+    out = np.empty((len(blocks), 34), dtype=np.uint8)
+    out[:, :2] = np.ldexp(np.float32(1), e - 128).astype(np.float16)[:, None].view(np.uint8)
+    out[:, 2:] = np.array(quants.MXFP4.kvalues, dtype=np.int8)[q].view(np.uint8)
+    odd = (e < 104) | (e > 143)
+    if odd.any():
+        out[odd] = requantized_as_q8_0(rows.reshape(-1, 17)[odd], MXFP4).reshape(-1, 34)
+    return out.reshape(len(rows), -1)
+
+
 def requantized_as_q8_0(rows: np.ndarray, ggml_type: int) -> np.ndarray:
     """Rows of another block type (gguf's own dequantization of them) requantized as
     Q8_0: per block of 32, the scale d = largest |weight| / 127 rounded to half
@@ -143,7 +164,8 @@ def restored_types() -> dict:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     restored = {Q5_0: (Q8_0, q5_0_as_q8_0, "Q8_0, exactly"),
-                Q4_K: (Q4_1, q4_k_as_q4_1, "Q4_1, sub-block scales rounded to half precision")}
+                Q4_K: (Q4_1, q4_k_as_q4_1, "Q4_1, sub-block scales rounded to half precision"),
+                MXFP4: (Q8_0, mxfp4_as_q8_0, "Q8_0, exactly")}
     for t in GGMLQuantizationType:
         if (GGML_QUANT_SIZES[t][0] > 1 and int(t) not in restored
                 and int(t) not in GGUF_FORMATS and _dequantizable(t)):
@@ -356,6 +378,19 @@ def _qkv_orders(arch: str, cfg) -> Optional[list[Optional[np.ndarray]]]:
     return [np.concatenate([rows, np.arange(len(rows), total)])]
 
 
+def _expert_biases(w: GgufWeights, p: str, mlp, cfg) -> None:
+    """gpt-oss's router's bias and each expert's: gate's and up's (llama.cpp's
+    converter splits the checkpoint's interleaved gate_up into ffn_gate_exps and
+    ffn_up_exps) and down's."""
+    e, i_size, c = cfg.num_experts, cfg.expert_intermediate_size, cfg.hidden_size
+    mlp.gate.bias = w.dense(p + "ffn_gate_inp.bias", (e,))
+    gate, up = (w.dense(p + f"ffn_{n}_exps.bias", (e, i_size)) for n in ("gate", "up"))
+    down = w.dense(p + "ffn_down_exps.bias", (e, c))
+    for k, expert in enumerate(mlp.experts):
+        expert.gate_up_proj.bias = torch.cat([gate[k], up[k]])
+        expert.down_proj.bias = down[k].clone()
+
+
 @torch.no_grad()
 def load_gguf(model, path: Path, kernels: CpuKernels) -> None:
     """Fill a LlamaModel (built with empty weights) from a GGUF file: every linear
@@ -363,9 +398,8 @@ def load_gguf(model, path: Path, kernels: CpuKernels) -> None:
     w = GgufWeights(path, kernels)
     cfg = model.cfg
     c, i_size = cfg.hidden_size, cfg.intermediate_size
-    if cfg.o_bias or cfg.mlp_bias:
-        raise ModelLoadError(f"{path.name}: output or MLP biases are not served from GGUF "
-                             f"files")
+    if cfg.mlp_bias:
+        raise ModelLoadError(f"{path.name}: MLP biases are not served from GGUF files")
     q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     qkv = _qkv_orders(w.architecture, cfg)
     phi3 = w.architecture == "phi3"   # q/k/v and gate/up stored fused, as its checkpoints
@@ -375,11 +409,15 @@ def load_gguf(model, path: Path, kernels: CpuKernels) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_proj = w.linear([p + "attn_qkv.weight"] if phi3 else
                                  [p + f"attn_{n}.weight" for n in "qkv"], c, qkv)
-        if cfg.qkv_bias:   # qwen2's (a llama model with biases has o's too, refused above)
+        if cfg.qkv_bias:   # qwen2's and gpt-oss's
             sizes = (q_size, kv_size, kv_size)
             attn.qkv_proj.bias = torch.cat([w.dense(p + f"attn_{n}.bias", (size,))
                                             for n, size in zip("qkv", sizes)])
         attn.o_proj = w.linear([p + "attn_output.weight"], cfg.num_heads * cfg.head_dim)
+        if cfg.o_bias:   # gpt-oss's (and a llama model's with attention_bias)
+            attn.o_proj.bias = w.dense(p + "attn_output.bias", (c,))
+        if cfg.attn_sinks:
+            attn.sinks.copy_(w.dense(p + "attn_sinks.weight", (cfg.num_heads,)))
         if i in cfg.moe_layers:   # the router, then each expert's rows
             mlp.gate = w.linear([p + "ffn_gate_inp.weight"], c)
             if mlp.shared_expert is not None:   # qwen2moe's, and its gate
@@ -393,6 +431,8 @@ def load_gguf(model, path: Path, kernels: CpuKernels) -> None:
                                                 p + "ffn_up_exps.weight"], c, expert=e)
                 expert.down_proj = w.linear([p + "ffn_down_exps.weight"],
                                             cfg.expert_intermediate_size, expert=e)
+            if cfg.expert_bias:   # gpt-oss's router's and experts' biases
+                _expert_biases(w, p, mlp, cfg)
         else:
             mlp.gate_up_proj = w.linear([p + "ffn_up.weight"] if phi3 else
                                         [p + "ffn_gate.weight", p + "ffn_up.weight"], c)
@@ -401,7 +441,9 @@ def load_gguf(model, path: Path, kernels: CpuKernels) -> None:
             attn.q_norm.weight.copy_(w.dense(p + "attn_q_norm.weight", (cfg.head_dim,)))
             attn.k_norm.weight.copy_(w.dense(p + "attn_k_norm.weight", (cfg.head_dim,)))
         layer.input_layernorm.weight.copy_(w.dense(p + "attn_norm.weight", (c,)))
-        layer.post_attention_layernorm.weight.copy_(w.dense(p + "ffn_norm.weight", (c,)))
+        # (gpt-oss's norm before the MLP has the name Gemma's after the attention has)
+        mlp_norm = "post_attention_norm" if w.architecture == "gpt-oss" else "ffn_norm"
+        layer.post_attention_layernorm.weight.copy_(w.dense(p + mlp_norm + ".weight", (c,)))
         if cfg.sandwich_norms:   # Gemma's norms of the attention's and the MLP's outputs
             layer.attn_out_norm.weight.copy_(w.dense(p + "post_attention_norm.weight", (c,)))
             layer.mlp_out_norm.weight.copy_(w.dense(p + "post_ffw_norm.weight", (c,)))

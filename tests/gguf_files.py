@@ -27,6 +27,9 @@ NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
          "mlp.shared_expert_gate": "ffn_gate_inp_shexp"}
 # Mixtral's experts' projections
 MIXTRAL_EXPERTS = {"w1": "gate", "w3": "up", "w2": "down"}
+# gpt-oss's: its norm before the MLP, its router (weight and bias)
+GPT_OSS_NAMES = {**NAMES, "post_attention_layernorm": "post_attention_norm",
+                 "mlp.router": "ffn_gate_inp"}
 
 
 def llama_cpp_rope_order(rows: np.ndarray, num_heads: int) -> np.ndarray:
@@ -71,9 +74,28 @@ def gguf_tensor_name(name: str, arch: str = "llama") -> str:
     if name == "lm_head.weight":
         return "output.weight"
     _, _, layer, rest = name.split(".", 3)   # model.layers.N.<module>.<weight|bias>
+    if rest == "self_attn.sinks":   # gpt-oss's
+        return f"blk.{layer}.attn_sinks.weight"
     module, kind = rest.rsplit(".", 1)
-    gemma = arch in ("gemma2", "gemma3")
-    return f"blk.{layer}.{(GEMMA_NAMES if gemma else NAMES)[module]}.{kind}"
+    names = (GEMMA_NAMES if arch in ("gemma2", "gemma3")
+             else GPT_OSS_NAMES if arch == "gpt-oss" else NAMES)
+    return f"blk.{layer}.{names[module]}.{kind}"
+
+
+def _gpt_oss_experts(name: str, array: np.ndarray) -> dict[str, np.ndarray]:
+    """gpt-oss's stacked experts as llama.cpp's converter writes them: gate_up's
+    interleaved columns split into gate and up, each projection (E, out, in), each
+    bias (E, out)."""
+    layer, kind = name.split(".")[2], name.split(".experts.")[1]
+    p = f"blk.{layer}.ffn_"
+    if kind == "gate_up_proj":   # (E, C, 2 I)
+        return {p + "gate_exps.weight": array[:, :, 0::2].transpose(0, 2, 1),
+                p + "up_exps.weight": array[:, :, 1::2].transpose(0, 2, 1)}
+    if kind == "gate_up_proj_bias":
+        return {p + "gate_exps.bias": array[:, 0::2], p + "up_exps.bias": array[:, 1::2]}
+    if kind == "down_proj":   # (E, I, C)
+        return {p + "down_exps.weight": array.transpose(0, 2, 1)}
+    return {p + "down_exps.bias": array}
 
 
 def _phi3_hparams(w, config: dict, rope: dict, head_dim: int) -> None:
@@ -99,11 +121,12 @@ def _phi3_hparams(w, config: dict, rope: dict, head_dim: int) -> None:
 
 
 def gguf_from_hf(model_dir: Path, out: Path, arch: str, matrix_type: str = "F32",
-                 name: str = "") -> Path:
-    """``model_dir`` (a tiny Llama, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Gemma 2 or 3, Phi-3)
-    as a GGUF file of ``arch`` (Mixtral's: llama);
+                 name: str = "", experts_type: str = "") -> Path:
+    """``model_dir`` (a tiny Llama, Mixtral, Qwen2, Qwen3, Qwen3-MoE, Gemma 2 or 3, Phi-3,
+    gpt-oss) as a GGUF file of ``arch`` (Mixtral's: llama);
     its matrices in ``matrix_type`` (F32, or a block type the gguf package quantizes:
-    Q8_0...), but a mixture's routers F32, as llama.cpp's converter keeps them;
+    Q8_0...), but a mixture's routers F32, as llama.cpp's converter keeps them, and its
+    experts in ``experts_type`` where given (gpt-oss's files: MXFP4);
     ``name``: general.name (the folder's, unless given)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, RopeScalingType, quants
 
@@ -135,10 +158,10 @@ def gguf_from_hf(model_dir: Path, out: Path, arch: str, matrix_type: str = "F32"
     if arch == "llama":
         w.add_vocab_size(config["vocab_size"])
         w.add_rope_dimension_count(head_dim)
-    if arch in ("llama", "qwen3", "qwen3moe", "gemma2", "gemma3"):
+    if arch in ("llama", "qwen3", "qwen3moe", "gemma2", "gemma3", "gpt-oss"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    if arch in ("gemma2", "gemma3"):
+    if arch in ("gemma2", "gemma3", "gpt-oss"):
         w.add_sliding_window(config["sliding_window"])
     if arch == "gemma2":
         w.add_attn_logit_softcapping(config["attn_logit_softcapping"])
@@ -148,6 +171,8 @@ def gguf_from_hf(model_dir: Path, out: Path, arch: str, matrix_type: str = "F32"
         w.add_expert_used_count(config["num_experts_per_tok"])
     if arch in ("qwen2moe", "qwen3moe"):
         w.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if arch == "gpt-oss":
+        w.add_expert_feed_forward_length(config["intermediate_size"])
     if arch == "qwen2moe":
         w.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
     vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
@@ -171,7 +196,9 @@ def gguf_from_hf(model_dir: Path, out: Path, arch: str, matrix_type: str = "F32"
     experts: dict[str, list] = {}
     tensors = {}
     for name, array in load_file(str(model_dir / "model.safetensors")).items():
-        if ".experts." in name:   # Qwen's mlp.experts.E.gate_proj, Mixtral's w1...
+        if arch == "gpt-oss" and ".experts." in name:
+            tensors.update({k: ("", v) for k, v in _gpt_oss_experts(name, array).items()})
+        elif ".experts." in name:   # Qwen's mlp.experts.E.gate_proj, Mixtral's w1...
             layer, rest = name.split(".")[2], name.split(".experts.")[1]
             index, kind = rest.split(".")[0], rest.split(".")[1].removesuffix("_proj")
             kind = MIXTRAL_EXPERTS.get(kind, kind)
@@ -191,9 +218,13 @@ def gguf_from_hf(model_dir: Path, out: Path, arch: str, matrix_type: str = "F32"
             array = array + 1   # llama.cpp's converter stores Gemma's norms as 1 + weight
         # (rows whose length is not whole blocks stay F32, as llama.cpp's converter keeps
         # them in a type that takes them)
-        if (array.ndim >= 2 and matrix_type != "F32" and "ffn_gate_inp" not in gguf_name
-                and array.shape[-1] % GGML_QUANT_SIZES[matrix][0] == 0):
-            w.add_tensor(gguf_name, quants.quantize(array, matrix), raw_dtype=matrix)
+        kind = (GGMLQuantizationType[experts_type] if experts_type and "_exps." in gguf_name
+                 else matrix)
+        if (array.ndim >= 2 and kind != GGMLQuantizationType.F32
+                and "ffn_gate_inp" not in gguf_name and not gguf_name.endswith(".bias")
+                and array.shape[-1] % GGML_QUANT_SIZES[kind][0] == 0):
+            w.add_tensor(gguf_name, quants.quantize(np.ascontiguousarray(array), kind),
+                         raw_dtype=kind)
         else:
             w.add_tensor(gguf_name, array)
     w.write_header_to_file()

@@ -150,10 +150,10 @@ def test_files_it_cannot_serve_are_refused_saying_why(tmp_path):
     with pytest.raises(ModelLoadError, match=r"s\.gguf is one of 3 parts of a split GGUF "
                        r"file; join them first \(llama.cpp's llama-gguf-split --merge"):
         GgufWeights(tmp_path / "s.gguf", kernels.cpu_kernels())
-    write_gguf(tmp_path / "q.gguf", arch="gpt-oss", tensors=[("blk.0.attn_q.weight", ok, T.F32)])
+    write_gguf(tmp_path / "q.gguf", arch="seed_oss", tensors=[("blk.0.attn_q.weight", ok, T.F32)])
     with pytest.raises(ModelLoadError, match=r"q\.gguf: roseserve serves GGUF files of the "
-                       r"llama, qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3 and "
-                       r"phi3 architectures \(.*\), not 'gpt-oss'"):
+                       r"llama, qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3, phi3 and "
+                       r"gpt-oss architectures \(.*\), not 'seed_oss'"):
         GgufWeights(tmp_path / "q.gguf", kernels.cpu_kernels())
 
 

@@ -80,6 +80,49 @@ def test_mxfp4_experts_serve_as_their_dequantized_copy(mxfp4_pair):
     assert_matches(got, hf_greedy(plain, prompts, 8), "mxfp4")
 
 
+def test_a_gguf_file_serves_what_its_checkpoint_does(mxfp4_pair, tmp_path):
+    """llama.cpp's gpt-oss files: gate and up split apart, biases F32, the sinks a
+    tensor of their own, the norm before the MLP named post_attention_norm, YaRN and
+    the sliding window in the metadata. An F32 file gives Hugging Face's greedy tokens
+    (the checkpoint's SwiGLU limit gpt-oss's 7, which llama.cpp takes as given and no
+    file holds); in a file of MXFP4 experts, as the published ones are, every expert is
+    re-stored as Q8_0 and computes with exactly the checkpoint's weights (its experts
+    MXFP4 values already)."""
+    from common.model_files import resolve_model_dir
+    from engine_worker.kernels import cpu_kernels
+    from gguf_files import gguf_from_hf
+
+    plain = tmp_path / "plain"
+    shutil.copytree(mxfp4_pair[1], plain)
+    raw = json.loads((plain / "config.json").read_text())
+    (plain / "config.json").write_text(json.dumps({**raw, "swiglu_limit": 7.0}))
+    f32 = resolve_model_dir(str(gguf_from_hf(plain, tmp_path / "f32.gguf", "gpt-oss")))
+    config = load_model_config(f32)
+    assert (config.windows, config.attn_sinks, config.expert_intermediate_size,
+            config.rope.truncate, config.rope.factor) == ((8, 0), True, 32, False, 4.0)
+    prompts = random_prompts([6, 19], seed=4)
+    engine = LLMEngine(EngineConfig(model=str(f32), device="cpu"))
+    assert_matches(engine.generate(prompts, greedy(8)), hf_greedy(plain, prompts, 8),
+                   "gpt-oss gguf")
+    mxfp4 = gguf_from_hf(plain, tmp_path / "mxfp4.gguf", "gpt-oss", experts_type="MXFP4")
+    model = LLMEngine(EngineConfig(model=str(resolve_model_dir(str(mxfp4))),
+                                   device="cpu")).runner.model
+    weights = load_file(plain / "model.safetensors")
+    kernels = cpu_kernels()
+    for layer in (0, 1):
+        p = f"model.layers.{layer}.mlp.experts."
+        gate_up, down = weights[p + "gate_up_proj"], weights[p + "down_proj"]
+        for k, expert in enumerate(model.layers[layer].mlp.experts):
+            lin = expert.gate_up_proj
+            assert lin.fmt == "int8"
+            got = kernels.unpack(lin.packed, lin.out_features, lin.in_features, lin.fmt)
+            assert torch.equal(got, torch.cat([gate_up[k, :, 0::2].T, gate_up[k, :, 1::2].T]))
+            lin = expert.down_proj
+            got = kernels.unpack(lin.packed, lin.out_features, lin.in_features, lin.fmt)
+            assert torch.equal(got, down[k].T)
+            assert torch.equal(lin.bias, weights[p + "down_proj_bias"][k])
+
+
 def test_gpt_oss_config(tiny_gpt_oss_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
