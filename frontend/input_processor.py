@@ -88,8 +88,16 @@ def template_options(body) -> dict:
     """How the chat template ends a chat or /tokenize body's messages: with the
     assistant's turn header (add_generation_prompt), or inside the last message, an
     assistant's, left open (continue_final_message); and the request's own template
-    variables (chat_template_kwargs). Raises APIError (400)."""
+    variables (chat_template_kwargs, and reasoning_effort as one). Raises APIError
+    (400)."""
     kwargs = body.chat_template_kwargs
+    effort = getattr(body, "reasoning_effort", None)
+    if effort is not None:
+        if (kwargs or {}).get("reasoning_effort", effort) != effort:
+            raise APIError(400, f"reasoning_effort {effort!r} and chat_template_kwargs' "
+                                f"reasoning_effort {kwargs['reasoning_effort']!r} disagree",
+                           param="reasoning_effort")
+        kwargs = {**(kwargs or {}), "reasoning_effort": effort}
     if not body.continue_final_message:
         return {"add_generation_prompt": body.add_generation_prompt, "template_kwargs": kwargs}
     if "add_generation_prompt" in body.model_fields_set and body.add_generation_prompt:

@@ -501,6 +501,9 @@ class ChatCompletionRequest(_SamplingFields, OpenAINoOpFields):
     modalities: Optional[list[str]] = None
     # vLLM's: with --reasoning-parser, whether the reply's thinking is returned.
     include_reasoning: bool = True
+    # OpenAI's: how much a reasoning model thinks, for a template that reads it as the
+    # variable reasoning_effort (gpt-oss's); other templates leave it unread.
+    reasoning_effort: Optional[Literal["minimal", "low", "medium", "high"]] = None
     chat_template_kwargs: Optional[TemplateKwargs] = None
     # vLLM's: the tokenizer's special tokens (e.g. BOS) added around the rendered chat,
     # on top of those its template wrote.

@@ -143,6 +143,24 @@ class TextOptions(BaseModel):
     verbosity: Optional[Literal["medium"]] = None
 
 
+class ReasoningOptions(BaseModel):
+    """OpenAI's reasoning settings: the effort (to the chat template, as chat's
+    reasoning_effort); a summary is not made, so asking for one is refused."""
+    model_config = _STRICT
+    effort: Optional[Literal["minimal", "low", "medium", "high"]] = None
+    summary: Optional[Literal["auto", "concise", "detailed"]] = None
+    generate_summary: Optional[Literal["auto", "concise", "detailed"]] = None
+
+    @field_validator("summary", "generate_summary")
+    @classmethod
+    def _no_summary(cls, value):
+        if value is not None:
+            raise ValueError("not served: reasoning summaries are not made (with a "
+                             "--reasoning-parser, the model's thinking comes whole as a "
+                             "reasoning item)")
+        return value
+
+
 class ResponsesStreamOptions(BaseModel):
     model_config = _STRICT
     include_obfuscation: Optional[bool] = None  # no obfuscation is added either way
@@ -167,7 +185,9 @@ class ResponsesRequest(OpenAINoOpFields):
     # What needs storage or a reasoning model: refused unless empty.
     previous_response_id: Optional[str] = None
     background: Optional[bool] = None
-    reasoning: Optional[dict] = None
+    # Its effort reaches the chat template (chat's reasoning_effort); summaries are not
+    # made
+    reasoning: Optional[ReasoningOptions] = None
     # The one extra served: the output text's logprobs (with top_logprobs alternatives).
     include: Optional[list[str]] = None
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
@@ -216,14 +236,11 @@ class ResponsesRequest(OpenAINoOpFields):
                 raise ValueError(f"{kind!r} is not served; only {LOGPROBS!r} may be included")
         return value
 
-    @field_validator("previous_response_id", "background", "reasoning")
+    @field_validator("previous_response_id", "background")
     @classmethod
     def _needs_what_is_not_here(cls, value, info):
         why = {"previous_response_id": "no response is stored; send the conversation as input",
-               "background": "responses are not run in the background",
-               "reasoning": "its effort and summaries are not set here (with a "
-                            "--reasoning-parser, a model's thinking comes as a reasoning "
-                            "item)"}[info.field_name]
+               "background": "responses are not run in the background"}[info.field_name]
         if value:
             raise ValueError(f"not served: {why}")
         return value
@@ -273,7 +290,8 @@ class ResponsesRequest(OpenAINoOpFields):
                 {"type": "function", "function": t.model_dump(exclude={"type"}, exclude_none=True)}
                 for t in self.tools],
             tool_choice=choice, parallel_tool_calls=self.parallel_tool_calls,
-            cache_salt=self.cache_salt)
+            cache_salt=self.cache_salt,
+            reasoning_effort=None if self.reasoning is None else self.reasoning.effort)
         chat._format = self.structured_output()
         return chat
 

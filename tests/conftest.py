@@ -84,6 +84,8 @@ PYTHON_TAG = 50257  # the tiny Llama 3's <|python_tag|> id
 # (after its analysis, where it has thinking); the reply starts at a header after
 # <|start|>assistant.
 HARMONY_TEMPLATE = (
+    "{% if reasoning_effort is defined %}<|start|>system<|message|>Reasoning: "
+    "{{ reasoning_effort }}<|end|>{% endif %}"
     "{% for m in messages %}<|start|>{{ m['role'] }}"
     "{% if m.thinking %}<|channel|>analysis<|message|>{{ m.thinking }}<|end|>"
     "<|start|>assistant{% endif %}"

@@ -131,6 +131,22 @@ def test_earlier_thinking_reaches_the_template_as_thinking(stack):
         "<|start|>user<|message|>bye<|end|><|start|>assistant")
 
 
+def test_reasoning_effort_reaches_the_template(stack):
+    """OpenAI's reasoning_effort (chat) and reasoning.effort (Responses) set the
+    template's reasoning_effort, which gpt-oss's writes into its system message."""
+    url, tok = stack
+    r = chat(url, "hi", max_tokens=1, reasoning_effort="high", return_token_ids=True)
+    assert r.status_code == 200, r.text
+    prompt = tok.decode(r.json()["choices"][0]["prompt_token_ids"], skip_special_tokens=False)
+    assert prompt.startswith("<|start|>system<|message|>Reasoning: high<|end|>")
+    r = httpx.post(url + "/v1/responses", timeout=60, json={
+        "model": "h", "input": "hi", "max_output_tokens": 1, "reasoning": {"effort": "low"}})
+    assert r.status_code == 200, r.text
+    r = chat(url, "hi", max_tokens=1, reasoning_effort="high",
+             chat_template_kwargs={"reasoning_effort": "low"})
+    assert r.status_code == 400 and "disagree" in r.json()["error"]["message"]
+
+
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {
         "city": {"type": "string"}}}}}
