@@ -112,3 +112,18 @@ def partial_suffix(text: str, markers: Sequence[str]) -> int:
                 best = k
                 break
     return best
+
+
+class StreamSplitter:
+    """A reply's text split in two as it streams (thinking and answer; answer and tool
+    calls): ``push(text)`` gives what each part gained, ``finish()`` what was held at
+    the end; ``take`` is ``push``, and when the text is the reply's last, ``finish``
+    too."""
+
+    def take(self, text: str, final: bool) -> tuple:
+        first, second = self.push(text)
+        if final:
+            more, rest = self.finish()
+            first, second = first + more, second + rest
+        return first, second
+

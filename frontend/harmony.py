@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 from typing import Optional
 
-from frontend.detokenizer import partial_suffix
+from frontend.detokenizer import StreamSplitter, partial_suffix
 
 START, CHANNEL, MESSAGE, END = "<|start|>", "<|channel|>", "<|message|>", "<|end|>"
 CALL, RETURN, CONSTRAIN = "<|call|>", "<|return|>", "<|constrain|>"
@@ -91,7 +91,7 @@ class Harmony:
 
 
 @dataclass
-class HarmonyParser:
+class HarmonyParser(StreamSplitter):
     """One choice's harmony text split into (thinking, answer) as it streams, calls
     to functions written into the answer in Hermes' tags. ``push``, ``take`` and
     ``finish`` as frontend.reasoning.ReasoningParser's."""
@@ -130,13 +130,6 @@ class HarmonyParser:
             # a new message: its header starts after the end tag (at <|start|>, with it)
             tag = next(t for t in BODY_ENDS if text.startswith(t, end))
             text = text[end + (0 if tag == START else len(tag)):]
-        return reasoning, content
-
-    def take(self, text: str, final: bool) -> tuple[str, str]:
-        reasoning, content = self.push(text)
-        if final:
-            more, rest = self.finish()
-            reasoning, content = reasoning + more, content + rest
         return reasoning, content
 
     def finish(self) -> tuple[str, str]:

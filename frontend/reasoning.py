@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Union
 
-from frontend.detokenizer import partial_suffix
+from frontend.detokenizer import StreamSplitter, partial_suffix
 from frontend.harmony import Harmony
 
 START, END = "<think>", "</think>"
@@ -107,7 +107,7 @@ ReasoningFormat = Union[Reasoning, Harmony]
 
 
 @dataclass
-class ReasoningParser:
+class ReasoningParser(StreamSplitter):
     """One choice's text split into (thinking, answer) as it streams. ``push(text)``
     returns what each gained; ``finish()`` what was held at the end. Whitespace right
     after a tag is dropped; a partial tag is held until it is whole or is not one."""
@@ -149,14 +149,6 @@ class ReasoningParser:
                 self.fresh = False
             content += self._stripped(text)
             break
-        return reasoning, content
-
-    def take(self, text: str, final: bool) -> tuple[str, str]:
-        """``push``, and when the text is the reply's last, ``finish`` too."""
-        reasoning, content = self.push(text)
-        if final:
-            more, rest = self.finish()
-            reasoning, content = reasoning + more, content + rest
         return reasoning, content
 
     def finish(self) -> tuple[str, str]:

@@ -40,7 +40,7 @@ from typing import Optional
 
 from common.errors import InvalidRequestError
 from common.structured import StructuredOutput, json_schema_output
-from frontend.detokenizer import partial_suffix
+from frontend.detokenizer import StreamSplitter, partial_suffix
 from frontend.harmony import is_harmony
 from frontend.openai_protocol import ChatCompletionRequest
 
@@ -204,7 +204,7 @@ class _CallReader:
 
 
 @dataclass
-class ToolCallParser:
+class ToolCallParser(StreamSplitter):
     """One choice's text turned into content and tool calls, as it streams.
 
     ``push(text)`` returns (content released now, calls or pieces of calls now: a
@@ -241,14 +241,6 @@ class ToolCallParser:
         if self.plan.mode == "required":
             return "", self._array_calls()
         return self._auto(final=False)
-
-    def take(self, text: str, final: bool) -> tuple[str, list[dict]]:
-        """``push``, and when the text is the reply's last, ``finish`` too."""
-        content, calls = self.push(text)
-        if final:
-            rest, more = self.finish()
-            content, calls = content + rest, calls + more
-        return content, calls
 
     def finish(self) -> tuple[str, list[dict]]:
         if self.plan.mode == "auto":
