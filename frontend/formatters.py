@@ -305,7 +305,8 @@ class ChatFormatter(Formatter):
         # --reasoning-parser: each choice's thinking told apart from its answer, which
         # alone goes on to the tool-call parser.
         self.thinkers = None if job.reasoning is None else [
-            job.reasoning.parser(thinking) for thinking in job.thinks_first]
+            job.reasoning.parser(thinking, calls=plan is not None)
+            for thinking in job.thinks_first]
 
     def split(self, index: int, text: str, final: bool) -> tuple[str, str]:
         """A choice's new text as (thinking, answer); ``final``: its last."""

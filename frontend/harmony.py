@@ -11,7 +11,8 @@ Its chat is served as a reasoning model's (``--reasoning-parser gpt_oss``, chose
 itself for a model whose chat template writes harmony): the analysis channel is the
 thinking (``reasoning_content``), the final channel and commentary meant for the user
 the answer (``content``), and a message to a function (``to=functions.NAME``, in its
-header before or after the channel) a tool call. The parser hands a call on to the
+header before or after the channel) a tool call, where the request has tools (else,
+as any message to a recipient, it goes with the thinking). The parser hands a call on to the
 tool-call parser in Hermes' tags (``<tool_call>{"name": ..., "arguments": BODY}
 </tool_call>``), so a call streams as a Hermes model's does. The reply's text keeps
 its special tokens for the parser; no tag reaches a reply.
@@ -78,8 +79,12 @@ class Harmony:
         return not prompt_ids[-len(self.answer_after):] == list(self.answer_after)
 
     @staticmethod
-    def parser(thinking: bool) -> "HarmonyParser":
-        return HarmonyParser() if thinking else HarmonyParser(in_header=False, channel="final")
+    def parser(thinking: bool, calls: bool = False) -> "HarmonyParser":
+        """``calls``: whether the request may make tool calls (else a message to a
+        recipient is the model's own business, and goes with its thinking)."""
+        if thinking:
+            return HarmonyParser(calls=calls)
+        return HarmonyParser(calls=calls, in_header=False, channel="final")
 
     def num_tokens(self, thinking: bool, output_ids: list[int]) -> int:
         """The reply's tokens before its final channel's body (its analysis, and
@@ -96,6 +101,8 @@ class HarmonyParser(StreamSplitter):
     to functions written into the answer in Hermes' tags. ``push``, ``take`` and
     ``finish`` as frontend.reasoning.ReasoningParser's."""
 
+    # whether messages to functions are handed on as calls (the request has tools)
+    calls: bool = True
     in_header: bool = True
     header: str = ""
     channel: str = ""
@@ -145,19 +152,20 @@ class HarmonyParser(StreamSplitter):
         self.recipient = found.group(1) if found else None
         channel = header.split(CHANNEL, 1)[1] if CHANNEL in header else ""
         self.channel = channel.split(CONSTRAIN)[0].split()[0] if channel.split() else ""
-        if self.recipient is None:
+        if self.recipient is None or not self.calls:
             return ""
         name = self.recipient.removeprefix("functions.")
         return '<tool_call>{"name": ' + json.dumps(name) + ', "arguments": '
 
     def _body(self, text: str) -> tuple[str, str]:
-        if self.recipient is None and self.channel == "analysis":
+        if (self.recipient is None and self.channel == "analysis") or (
+                self.recipient is not None and not self.calls):
             self.thought = self.thought or bool(text)
             return text, ""
         return "", text
 
     def _close(self) -> str:
         """A message's end: the call's tags closed."""
-        closing = "}</tool_call>" if self.recipient is not None else ""
+        closing = "}</tool_call>" if self.recipient is not None and self.calls else ""
         self.in_header, self.header, self.channel, self.recipient = True, "", "", None
         return closing

@@ -82,9 +82,10 @@ class Reasoning:
         return start > end
 
     @staticmethod
-    def parser(thinking: bool) -> "ReasoningParser":
+    def parser(thinking: bool, calls: bool = False) -> "ReasoningParser":
         """A parser for a reply that starts in its thinking or not (thinking_at_start
-        of its prompt, worked out once per choice: Job.thinks_first)."""
+        of its prompt, worked out once per choice: Job.thinks_first). ``calls``:
+        whether the request may make tool calls (harmony's parser's concern)."""
         return ReasoningParser(thinking=thinking, fresh=not thinking, strip=thinking)
 
     def num_tokens(self, thinking: bool, output_ids: list[int]) -> int:

@@ -329,7 +329,7 @@ class ResponsesFormatter(Formatter):
         self.hex = job.request_id.removeprefix("resp_")
         self.parser = None if job.tool_plan is None else ToolCallParser(job.tool_plan)
         self.thinker = None if job.reasoning is None else job.reasoning.parser(
-            job.thinks_first[0])
+            job.thinks_first[0], calls=self.parser is not None)
         self.sequence = 0
         self.output: list[dict] = []
         self.open: Optional[dict] = None  # the item still growing, the last of output

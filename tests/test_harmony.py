@@ -37,7 +37,7 @@ CASES = [
 @pytest.mark.parametrize("size", [1, 2, 3, 7, 1000])
 def test_replies_split_the_same_however_they_are_cut(case, size):
     text, reasoning, content = case
-    parser = HarmonyParser()
+    parser = HarmonyParser(calls=True)
     got = ["", ""]
     pieces = [text[i:i + size] for i in range(0, len(text), size)]
     for k, piece in enumerate(pieces):
@@ -174,6 +174,16 @@ def test_a_message_to_a_function_is_a_tool_call(stack, stream):
         assert message["content"] is None
     assert (name, json.loads(arguments), reasoning, finish) == (
         "get_weather", {"city": "Paris"}, "Two and two. Four?", "tool_calls")
+
+
+def test_a_call_without_tools_goes_with_the_thinking(stack):
+    """No tools in the request: a message to a function is the model's own business,
+    not text for the user (no tags of the tool-call reader reach the reply)."""
+    url, _ = stack
+    r = chat(url, "weather")
+    message = r.json()["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"], message.get("tool_calls")) == (
+        'Two and two. Four?{"city": "Paris"}', None, None)
 
 
 def test_a_grammar_waits_for_the_final_channel(stack):
