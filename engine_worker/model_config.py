@@ -156,6 +156,9 @@ class ModelConfig:
     expert_bias: bool = False
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.702
+    # "mxfp4": the checkpoint's experts are MXFP4 blocks (gpt-oss's published ones),
+    # which a GPU keeps as they are (engine_worker/gpu/moe.py) and the CPU dequantizes
+    expert_format: str = ""
     # The checkpoint's tensor layout: "llama" (q, k, v, gate, up apart), "phi3"
     # (qkv_proj and gate_up_proj as one tensor each) or "gpt_oss" (a layer's experts
     # stacked in one tensor a projection, gate and up interleaved, bfloat16 or MXFP4)
@@ -389,7 +392,8 @@ def _gpt_oss(raw: dict[str, Any]) -> dict[str, Any]:
         if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
             raise ModelLoadError(f"{name} must be a positive number, not {value!r}")
     return {"intermediate_size": 0, "attn_sinks": True, "expert_bias": True,
-            "swiglu_limit": float(limit), "swiglu_alpha": float(alpha)}
+            "swiglu_limit": float(limit), "swiglu_alpha": float(alpha),
+            "expert_format": "mxfp4" if quant else ""}
 
 
 def _sliding_windows(raw: dict[str, Any], kind: str, max_len: int) -> tuple[int, ...]:

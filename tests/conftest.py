@@ -502,6 +502,53 @@ def tiny_gpt_oss_dir(tmp_path_factory) -> Path:
     return model_dir
 
 
+def to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., K) float -> MXFP4 blocks (..., K / 32, 16) uint8 and scales (..., K / 32)
+    uint8: each block of 32 scaled by the power of two that brings its largest
+    magnitude within 6, each element rounded to the nearest FP4 value."""
+    from engine_worker.weights import FP4_E2M1
+
+    blocks = w.reshape(*w.shape[:-1], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True).clamp(min=2.0 ** -100)
+    exponent = torch.ceil(torch.log2(amax / 6.0))
+    x = blocks / torch.exp2(exponent)
+    magnitudes = torch.tensor(FP4_E2M1[:8])
+    code = (x.abs().unsqueeze(-1) - magnitudes).abs().argmin(-1) + 8 * (x < 0)
+    code = code.to(torch.uint8)
+    return code[..., 0::2] | (code[..., 1::2] << 4), (exponent[..., 0] + 127).to(torch.uint8)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_oss_mxfp4_dirs(tiny_gpt_oss_dir, tmp_path_factory):
+    """The tiny gpt-oss with its experts rounded to MXFP4: as the published checkpoints
+    hold them (blocks and scales of (E, out, in), quantization_config mxfp4), and
+    dequantized as transformers holds them ((E, in, out) float32)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from engine_worker.weights import mxfp4_to_float
+
+    packed, plain = tmp_path_factory.mktemp("oss-mxfp4"), tmp_path_factory.mktemp("oss-plain")
+    for folder in (packed, plain):
+        shutil.copytree(tiny_gpt_oss_dir, folder, dirs_exist_ok=True)
+    weights = load_file(tiny_gpt_oss_dir / "model.safetensors")
+    quantized, dequantized = {}, {}
+    for name, tensor in weights.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            blocks, scales = to_mxfp4(tensor.transpose(1, 2))
+            quantized[name + "_blocks"], quantized[name + "_scales"] = blocks, scales
+            dequantized[name] = mxfp4_to_float(blocks, scales).transpose(1, 2).contiguous()
+        else:
+            quantized[name] = dequantized[name] = tensor
+    save_file(quantized, packed / "model.safetensors", metadata={"format": "pt"})
+    save_file(dequantized, plain / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((packed / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (packed / "config.json").write_text(json.dumps(config))
+    return packed, plain
+
+
 @pytest.fixture(scope="session")
 def tiny_yarn_dir(tmp_path_factory) -> Path:
     """A Qwen2 with YaRN RoPE scaling (factor 4 over an original 128 positions, as

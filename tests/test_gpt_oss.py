@@ -15,23 +15,10 @@ from common.config import EngineConfig
 from common.errors import ModelLoadError
 from engine_worker.engine import LLMEngine
 from engine_worker.model_config import load_model_config
-from engine_worker.weights import FP4_E2M1, mxfp4_to_float
+from conftest import to_mxfp4
+from engine_worker.weights import mxfp4_to_float
 from helpers import greedy, random_prompts
 from hf_reference import assert_matches, hf_greedy
-
-
-def to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(..., K) float -> MXFP4 blocks (..., K / 32, 16) uint8 and scales (..., K / 32)
-    uint8: each block of 32 scaled by the power of two that brings its largest
-    magnitude within 6, each element rounded to the nearest FP4 value."""
-    blocks = w.reshape(*w.shape[:-1], -1, 32)
-    amax = blocks.abs().amax(-1, keepdim=True).clamp(min=2.0 ** -100)
-    exponent = torch.ceil(torch.log2(amax / 6.0))
-    x = blocks / torch.exp2(exponent)
-    magnitudes = torch.tensor(FP4_E2M1[:8])
-    code = (x.abs().unsqueeze(-1) - magnitudes).abs().argmin(-1) + 8 * (x < 0)
-    code = code.to(torch.uint8)
-    return code[..., 0::2] | (code[..., 1::2] << 4), (exponent[..., 0] + 127).to(torch.uint8)
 
 
 def test_mxfp4_dequantizes_as_transformers_does():
@@ -48,39 +35,14 @@ def test_mxfp4_dequantizes_as_transformers_does():
     assert 0 < float((rounded - w).abs().max()) < 0.5
 
 
-@pytest.fixture(scope="module")
-def mxfp4_pair(tiny_gpt_oss_dir, tmp_path_factory):
-    """The tiny gpt-oss with its experts rounded to MXFP4: as the published checkpoints
-    hold them (blocks and scales of (E, out, in), quantization_config mxfp4), and
-    dequantized as transformers holds them ((E, in, out) float32)."""
-    packed, plain = tmp_path_factory.mktemp("oss-mxfp4"), tmp_path_factory.mktemp("oss-plain")
-    for folder in (packed, plain):
-        shutil.copytree(tiny_gpt_oss_dir, folder, dirs_exist_ok=True)
-    weights = load_file(tiny_gpt_oss_dir / "model.safetensors")
-    quantized, dequantized = {}, {}
-    for name, tensor in weights.items():
-        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            blocks, scales = to_mxfp4(tensor.transpose(1, 2))
-            quantized[name + "_blocks"], quantized[name + "_scales"] = blocks, scales
-            dequantized[name] = mxfp4_to_float(blocks, scales).transpose(1, 2).contiguous()
-        else:
-            quantized[name] = dequantized[name] = tensor
-    save_file(quantized, packed / "model.safetensors", metadata={"format": "pt"})
-    save_file(dequantized, plain / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((packed / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4"}
-    (packed / "config.json").write_text(json.dumps(config))
-    return packed, plain
-
-
-def test_mxfp4_experts_serve_as_their_dequantized_copy(mxfp4_pair):
-    packed, plain = mxfp4_pair
+def test_mxfp4_experts_serve_as_their_dequantized_copy(tiny_gpt_oss_mxfp4_dirs):
+    packed, plain = tiny_gpt_oss_mxfp4_dirs
     prompts = random_prompts([6, 19], seed=4)
     got = LLMEngine(EngineConfig(model=str(packed), device="cpu")).generate(prompts, greedy(8))
     assert_matches(got, hf_greedy(plain, prompts, 8), "mxfp4")
 
 
-def test_a_gguf_file_serves_what_its_checkpoint_does(mxfp4_pair, tmp_path):
+def test_a_gguf_file_serves_what_its_checkpoint_does(tiny_gpt_oss_mxfp4_dirs, tmp_path):
     """llama.cpp's gpt-oss files: gate and up split apart, biases F32, the sinks a
     tensor of their own, the norm before the MLP named post_attention_norm, YaRN and
     the sliding window in the metadata. An F32 file gives Hugging Face's greedy tokens
@@ -93,7 +55,7 @@ def test_a_gguf_file_serves_what_its_checkpoint_does(mxfp4_pair, tmp_path):
     from gguf_files import gguf_from_hf
 
     plain = tmp_path / "plain"
-    shutil.copytree(mxfp4_pair[1], plain)
+    shutil.copytree(tiny_gpt_oss_mxfp4_dirs[1], plain)
     raw = json.loads((plain / "config.json").read_text())
     (plain / "config.json").write_text(json.dumps({**raw, "swiglu_limit": 7.0}))
     f32 = resolve_model_dir(str(gguf_from_hf(plain, tmp_path / "f32.gguf", "gpt-oss")))

@@ -132,8 +132,11 @@ def variants(cfg, dtype: str = "bfloat16", block_size: int = 16) -> list[tuple]:
 
 def _expert_variants(cfg, t: str) -> list[tuple]:
     """A mixture's grouped GEMMs (gate and up from the tokens; down from the rows,
-    weighted) at both tilings (few rows an expert, and many), and its experts' gate."""
+    weighted) at both tilings (few rows an expert, and many), and its experts' gate;
+    MXFP4 experts' (gpt-oss's checkpoints) decoded in the kernel."""
     c, i = cfg.hidden_size, cfg.expert_intermediate_size
+    mxfp4 = cfg.expert_format == "mxfp4"
+    w = "*u8" if mxfp4 else t
     out = []
     for tokens, size in ((1, "decode"), (cfg.num_experts + 1, "prompt")):
         tiles = moe.expert_tiling(tokens, cfg.num_experts)
@@ -142,11 +145,11 @@ def _expert_variants(cfg, t: str) -> list[tuple]:
         options = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
         for label, n, k, weighted in (("gate_up", 2 * i, c, False), ("down", c, i, True)):
             out.append((f"experts {label}, {size} tiles", moe._expert_gemm_kernel,
-                        dict(a_ptr=t, w_ptr=t, out_ptr=t, rows_ptr="*i32",
+                        dict(a_ptr=t, w_ptr=w, out_ptr=t, rows_ptr="*i32",
                              tile_expert_ptr="*i32", route_ptr="*fp32" if weighted else t,
-                             bias_ptr=t),
+                             bias_ptr=t, scale_ptr=w),
                         dict(sizes, N=n, K=k, PER_TOKEN=not weighted, WEIGHTED=weighted,
-                             HAS_BIAS=cfg.expert_bias), options))
+                             HAS_BIAS=cfg.expert_bias, MXFP4=mxfp4), options))
     # (gpt-oss's: clamped)
     out.append(("silu_mul, experts", ops._silu_mul_kernel, dict(x_ptr=t, out_ptr=t),
                 dict(WIDTH=i, BLOCK=min(1024, triton.next_power_of_2(i)), GELU=False,
@@ -162,7 +165,7 @@ def _options(tiles: Optional[attention.Tiling] = None, num_warps: int = 4) -> di
 
 
 # Integer arguments the JIT does not see divisible by 16 (see the module's text).
-_NOT_DIVISIBLE = ("stride_bt", "stride_slot")
+_NOT_DIVISIBLE = ("stride_bt", "stride_slot", "stride_sn")   # (MXFP4 scales: in / 32)
 
 
 def compile_variant(kernel, arg_types: dict, constexprs: dict, options: dict, arch: int):

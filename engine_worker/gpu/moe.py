@@ -23,18 +23,34 @@ from torch import nn
 
 
 @triton.jit
+def _fp4(code):
+    """FP4 (E2M1) codes 0-15 as float32: 0, 0.5, 1, 1.5, 2, 3, 4, 6, and their
+    negatives from 8 on; built as float32's bits (the sign, the code's exponent less
+    its bias of 1 plus float32's of 127, its mantissa bit on top), 0.5 and 0 apart."""
+    c = code.to(tl.int32)
+    e, m = (c >> 1) & 3, c & 1
+    bits = tl.where(e > 0, ((e + 126) << 23) | (m << 22), m * (126 << 23)) | ((c >> 3) << 31)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, tile_expert_ptr, route_ptr,
-                        bias_ptr, num_rows, stride_a, stride_we, stride_wn, stride_o,
+                        bias_ptr, scale_ptr, num_rows, stride_a, stride_we, stride_wn,
+                        stride_o, stride_se, stride_sn,
                         N: tl.constexpr, K: tl.constexpr, TOP_K: tl.constexpr,
                         PER_TOKEN: tl.constexpr, WEIGHTED: tl.constexpr,
                         PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        HAS_BIAS: tl.constexpr = False):
+                        HAS_BIAS: tl.constexpr = False, MXFP4: tl.constexpr = False):
     """out[row] = a[row's input] @ w[expert].T (+ bias[expert], (E, N), with HAS_BIAS)
     for the BLOCK_M rows of this program's tile, BLOCK_N output columns. rows: the
     sorted rows, a row r being token r // TOP_K's (r % TOP_K)-th choice, num_rows where
     padding. PER_TOKEN: a holds a row per token (the layer's input) rather than per
-    row; WEIGHTED: each result times its routing weight (route: float32 per row)."""
+    row; WEIGHTED: each result times its routing weight (route: float32 per row).
+    MXFP4: w holds bytes (E, N, K / 2), input 2j in byte j's low nibble and 2j + 1 in
+    its high one (gpt-oss's checkpoints' order), each run of 32 inputs scaled by
+    2^(s - 127) for its byte s of scale (E, N, K / 32): the inputs' even and odd
+    halves are multiplied apart, so no nibbles are interleaved."""
     tile = tl.program_id(0)
     expert = tl.load(tile_expert_ptr + tile)
     if expert < 0:   # past the last expert's tiles
@@ -48,13 +64,18 @@ def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, tile_expert_ptr, route_
     w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
               + cols.to(tl.int64)[None, :] * stride_wn + ks[:, None])
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        inside = ks < K - k0
-        a = tl.load(a_ptrs, mask=valid[:, None] & inside[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=(cols < N)[None, :] & inside[:, None], other=0.0)
-        acc = tl.dot(a, w, acc, input_precision=PRECISION)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    if MXFP4:
+        acc = _mxfp4_loop(a_ptr, w_ptr, scale_ptr, src, valid, cols, expert, acc, stride_a,
+                          stride_we, stride_wn, stride_se, stride_sn, N, K, PRECISION,
+                          BLOCK_K)
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            inside = ks < K - k0
+            a = tl.load(a_ptrs, mask=valid[:, None] & inside[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=(cols < N)[None, :] & inside[:, None], other=0.0)
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(bias_ptr + expert.to(tl.int64) * N + cols, mask=cols < N,
                        other=0.0).to(tl.float32)[None, :]
@@ -62,6 +83,36 @@ def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, tile_expert_ptr, route_
         acc = acc * tl.load(route_ptr + rows, mask=valid, other=0.0)[:, None]
     tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_o + cols[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols < N)[None, :])
+
+
+@triton.jit
+def _mxfp4_loop(a_ptr, w_ptr, scale_ptr, src, valid, cols, expert, acc, stride_a,
+                stride_we, stride_wn, stride_se, stride_sn, N: tl.constexpr,
+                K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The K loop of an MXFP4 weight (_expert_gemm_kernel): BLOCK_K inputs a pass,
+    BLOCK_K / 2 bytes of each output column, decoded to the activations' dtype (exact:
+    FP4 values times powers of two)."""
+    kb = tl.arange(0, BLOCK_K // 2)
+    col_ok = (cols < N)[None, :]
+    a_rows = a_ptr + src.to(tl.int64)[:, None] * stride_a
+    w_cols = w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn
+    s_cols = scale_ptr + expert.to(tl.int64) * stride_se + cols.to(tl.int64)[None, :] * stride_sn
+    for k0 in range(0, K, BLOCK_K):
+        byte = k0 // 2 + kb   # (K is whole blocks of 32: every byte inside or none)
+        inside = byte < K // 2
+        packed = tl.load(w_cols + byte[:, None], mask=col_ok & inside[:, None], other=0)
+        scale = tl.load(s_cols + (byte // 16)[:, None], mask=col_ok & inside[:, None],
+                        other=127)
+        mult = tl.exp2(scale.to(tl.float32) - 127.0)
+        even = tl.load(a_rows + 2 * byte[None, :], mask=valid[:, None] & inside[None, :],
+                       other=0.0)
+        odd = tl.load(a_rows + 2 * byte[None, :] + 1, mask=valid[:, None] & inside[None, :],
+                      other=0.0)
+        low = (_fp4(packed & 15) * mult).to(even.dtype)
+        high = (_fp4(packed >> 4) * mult).to(even.dtype)
+        acc = tl.dot(even, low, acc, input_precision=PRECISION)
+        acc = tl.dot(odd, high, acc, input_precision=PRECISION)
+    return acc
 
 
 @dataclass(frozen=True)
@@ -111,12 +162,16 @@ def sort_rows(chosen: torch.Tensor, num_experts: int, block_m: int
 
 def expert_gemm(a: torch.Tensor, w: torch.Tensor, rows: torch.Tensor,
                 tile_expert: torch.Tensor, tiles: ExpertTiling, top_k: int,
-                route: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None
-                ) -> torch.Tensor:
+                route: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
+                scales: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One projection of every expert: (T, out) for the T = N k rows, from a (N, in)
     (a row per token) or (T, in) (a row per row, ``route``-weighted); ``bias`` (E,
-    out): each expert's, added before the weighting."""
+    out): each expert's, added before the weighting. With ``scales`` (E, out, in /
+    32) uint8, w is MXFP4 bytes (E, out, in / 2) (_expert_gemm_kernel)."""
     experts, n_out, k_in = w.shape
+    if scales is not None:
+        k_in *= 2
+        assert w.dtype == torch.uint8 and scales.shape == (experts, n_out, k_in // 32)
     per_token = route is None
     t = a.shape[0] * top_k if per_token else a.shape[0]
     assert a.stride(1) == 1 and w.is_contiguous()
@@ -126,23 +181,27 @@ def expert_gemm(a: torch.Tensor, w: torch.Tensor, rows: torch.Tensor,
         grid = (tile_expert.shape[0], triton.cdiv(n_out, tiles.block_n))
         _expert_gemm_kernel[grid](
             a, w, out, rows, tile_expert, a if route is None else route,
-            a if bias is None else bias, t,
+            a if bias is None else bias, w if scales is None else scales, t,
             a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+            *((0, 0) if scales is None else (scales.stride(0), scales.stride(1))),
             N=n_out, K=k_in, TOP_K=top_k, PER_TOKEN=per_token, WEIGHTED=not per_token,
             PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-            HAS_BIAS=bias is not None, num_warps=tiles.num_warps,
+            HAS_BIAS=bias is not None, MXFP4=scales is not None, num_warps=tiles.num_warps,
             num_stages=tiles.num_stages)
     return out
 
 
 class GroupedExperts(nn.Module):
     """A mixture's experts, their weights (and biases, gpt-oss's) stacked, taken from
-    its per-expert MLPs, which it replaces."""
+    its per-expert MLPs, which it replaces; or (``mxfp4``) made empty for a checkpoint's
+    MXFP4 experts, kept so."""
 
     def __init__(self, experts: nn.ModuleList) -> None:
         super().__init__()
         self.act: Callable[[torch.Tensor], torch.Tensor] = experts[0].act
+        self.gate_up_scales: Optional[nn.Parameter] = None   # (dense weights)
+        self.down_scales: Optional[nn.Parameter] = None
 
         def stacked(tensors: list[Optional[torch.Tensor]]) -> Optional[nn.Parameter]:
             if tensors[0] is None:
@@ -154,6 +213,26 @@ class GroupedExperts(nn.Module):
         self.gate_up_bias = stacked([e.gate_up_proj.bias for e in experts])
         self.down_bias = stacked([e.down_proj.bias for e in experts])
 
+    @classmethod
+    def mxfp4(cls, num_experts: int, hidden: int, intermediate: int,
+              act: Callable[[torch.Tensor], torch.Tensor], bias: bool) -> "GroupedExperts":
+        """Experts whose weights stay MXFP4 (gpt-oss's checkpoints): bytes gate_up (E,
+        2 I, C / 2) and down (E, C, I / 2), scales a byte a 32 inputs; made empty (the
+        loader fills them), on the current device."""
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module.act = act
+
+        def empty(*shape: int, dtype=torch.uint8) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+        e, c, i = num_experts, hidden, intermediate
+        module.gate_up, module.gate_up_scales = empty(e, 2 * i, c // 2), empty(e, 2 * i, c // 32)
+        module.down, module.down_scales = empty(e, c, i // 2), empty(e, c, i // 32)
+        module.gate_up_bias = empty(e, 2 * i, dtype=torch.float32) if bias else None
+        module.down_bias = empty(e, c, dtype=torch.float32) if bias else None
+        return module
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
                 ) -> torch.Tensor:
         """x (N, C); weights, chosen (N, k): each token's routing -> (N, C), the sum of
@@ -163,9 +242,10 @@ class GroupedExperts(nn.Module):
         tiles = expert_tiling(n, self.gate_up.shape[0])
         rows, tile_expert = sort_rows(chosen, self.gate_up.shape[0], tiles.block_m)
         h = self.act(expert_gemm(x, self.gate_up, rows, tile_expert, tiles, top_k,
-                                 bias=self.gate_up_bias))
+                                 bias=self.gate_up_bias, scales=self.gate_up_scales))
         y = expert_gemm(h, self.down, rows, tile_expert, tiles, top_k,
-                        route=weights.float().flatten(), bias=self.down_bias)
+                        route=weights.float().flatten(), bias=self.down_bias,
+                        scales=self.down_scales)
         return y.view(n, top_k, c).sum(1)
 
 

@@ -85,7 +85,12 @@ def dummy_weights(model: nn.Module, seed: int) -> None:
     for name, param in model.named_parameters():
         if generator is None:
             generator = torch.Generator(device=param.device).manual_seed(seed)
-        if name.endswith("bias"):
+        if param.dtype == torch.uint8:   # MXFP4 experts: random codes, scales near 2^-6
+            if name.endswith("scales"):
+                param.fill_(121)
+            else:
+                param.random_(0, 256, generator=generator)
+        elif name.endswith("bias"):
             param.zero_()
         elif "norm" in name or "ln_" in name:  # RMSNorm / LayerNorm scales
             param.fill_(1.0)

@@ -161,6 +161,16 @@ class Attention(nn.Module):
         return self.o_proj(self.attn.attend(q, k, v, kv_cache, meta, self.window, self.sinks))
 
 
+def gate_of(cfg: ModelConfig, ops: Ops, expert: bool = False
+            ) -> Callable[[torch.Tensor], torch.Tensor]:
+    """An MLP's gate: SiLU, Gemma's GELU (tanh form), or gpt-oss's experts' clamped
+    SwiGLU."""
+    if expert and cfg.swiglu_limit:
+        return functools.partial(ops.clamped_swiglu, alpha=cfg.swiglu_alpha,
+                                 limit=cfg.swiglu_limit)
+    return ops.gelu_tanh_mul if cfg.hidden_act == "gelu_pytorch_tanh" else ops.silu_mul
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: Ops, intermediate: Optional[int] = None,
                  expert: bool = False) -> None:
@@ -172,11 +182,7 @@ class MLP(nn.Module):
         self.gate_up_proj = linear(cfg.hidden_size, 2 * intermediate, bias)
         self.down_proj = linear(intermediate, cfg.hidden_size, bias)
         self.ops = ops
-        # Gemma's gate: GELU (tanh form) rather than SiLU
-        self.act = ops.gelu_tanh_mul if cfg.hidden_act == "gelu_pytorch_tanh" else ops.silu_mul
-        if expert and cfg.swiglu_limit:
-            self.act = functools.partial(ops.clamped_swiglu, alpha=cfg.swiglu_alpha,
-                                         limit=cfg.swiglu_limit)
+        self.act = gate_of(cfg, ops, expert)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
@@ -194,10 +200,18 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: Ops) -> None:
         super().__init__()
         self.gate = linear(cfg.hidden_size, cfg.num_experts, cfg.expert_bias)   # the router
-        self.experts: Optional[nn.ModuleList] = nn.ModuleList(
-            MLP(cfg, ops, cfg.expert_intermediate_size, expert=True)
-            for _ in range(cfg.num_experts))
+        self.experts: Optional[nn.ModuleList] = None
         self.grouped: Optional[nn.Module] = None
+        if cfg.expert_format == "mxfp4" and getattr(ops, "grouped_experts", False):
+            # gpt-oss's checkpoints' MXFP4 experts, kept so on a GPU (4.25 bits a weight)
+            from engine_worker.gpu.moe import GroupedExperts
+
+            self.grouped = GroupedExperts.mxfp4(
+                cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size,
+                gate_of(cfg, ops, expert=True), cfg.expert_bias)
+        else:
+            self.experts = nn.ModuleList(MLP(cfg, ops, cfg.expert_intermediate_size,
+                                             expert=True) for _ in range(cfg.num_experts))
         self.top_k, self.norm_topk = cfg.experts_per_token, cfg.norm_topk
         self.softmax_chosen = cfg.expert_bias
         # Qwen2-MoE's shared expert, gated by a sigmoid of its own
@@ -259,6 +273,26 @@ class DecoderLayer(nn.Module):
 
     def _normed(self, h: torch.Tensor, norm: Optional[RMSNorm]) -> torch.Tensor:
         return h if norm is None else self.ops.add_rms_norm(h, None, norm.weight, norm.eps)[0]
+
+
+def _load_mxfp4_experts(ckpt: Checkpoint, p: str, grouped: nn.Module,
+                        sizes: tuple[int, int, int]) -> None:
+    """A checkpoint's MXFP4 experts into GroupedExperts.mxfp4's bytes and scales as
+    they are (gate_up's rows, interleaved gate and up, put gate's first), and their
+    biases."""
+    e, c, i = sizes
+
+    def halves(t: torch.Tensor) -> torch.Tensor:   # interleaved rows: gate's, then up's
+        return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1)
+
+    for name, rows, cols, order in (("gate_up_proj", 2 * i, c, halves),
+                                    ("down_proj", c, i, lambda t: t)):
+        blocks = ckpt.take(p + name + "_blocks", (e, rows, cols // 32, 16))
+        scales = ckpt.take(p + name + "_scales", (e, rows, cols // 32))
+        mine = name.removesuffix("_proj")
+        getattr(grouped, mine).copy_(order(blocks).reshape(e, rows, cols // 2))
+        getattr(grouped, mine + "_scales").copy_(order(scales))
+        getattr(grouped, mine + "_bias").copy_(order(ckpt.take(p + name + "_bias", (e, rows))))
 
 
 def _stacked(ckpt: Checkpoint, name: str, shape: tuple[int, int, int]
@@ -418,6 +452,9 @@ class LlamaModel(nn.Module):
         moe.gate.weight.copy_(ckpt.take(p + "router.weight", (e, c)))
         moe.gate.bias.copy_(ckpt.take(p + "router.bias", (e,)))
         p += "experts."
+        if moe.grouped is not None:   # MXFP4 kept
+            _load_mxfp4_experts(ckpt, p, moe.grouped, (e, c, i_size))
+            return
         gate_up = _stacked(ckpt, p + "gate_up_proj", (e, 2 * i_size, c))
         down = _stacked(ckpt, p + "down_proj", (e, c, i_size))
         gate_up_bias = ckpt.take(p + "gate_up_proj_bias", (e, 2 * i_size))

@@ -107,6 +107,22 @@ def test_triton_path_matches_hf_for_other_architectures(request, fixture):
     assert_matches(engine.generate(prompts, greedy(4)), want, f"triton {fixture}")
 
 
+def test_mxfp4_experts_stay_mxfp4_on_the_triton_path(tiny_gpt_oss_mxfp4_dirs):
+    """A gpt-oss checkpoint's MXFP4 experts are kept as they are (bytes and scales,
+    gate's rows put before up's), never made dense, and decoded in the grouped GEMM:
+    Hugging Face's greedy tokens from the same experts dequantized."""
+    packed, plain = tiny_gpt_oss_mxfp4_dirs
+    engine = triton_engine(packed)
+    mixtures = [m for m in engine.runner.model.modules() if isinstance(m, MoE)]
+    assert len(mixtures) == 2 and all(m.experts is None for m in mixtures)
+    grouped = mixtures[0].grouped
+    assert (grouped.gate_up.dtype, tuple(grouped.gate_up.shape),
+            tuple(grouped.down_scales.shape)) == (torch.uint8, (4, 64, 32), (4, 64, 1))
+    prompts = random_prompts([5, 13], seed=9)
+    assert_matches(engine.generate(prompts, greedy(4)), hf_greedy(plain, prompts, 4),
+                   "triton mxfp4")
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="sizes the KV cache from the GPU's memory")
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
 def test_an_engine_of_one_sequence_sizes_its_cache_and_serves(tiny_llama_dir, enforce_eager):

@@ -120,3 +120,38 @@ def test_grouped_experts_replay_from_a_cuda_graph_under_another_routing():
         torch.cuda.synchronize()
         torch.testing.assert_close(out, grouped(x2.to(torch.bfloat16), weights2, chosen2),
                                    rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("tokens", [3, 70], ids=["decode-tiles", "prompt-tiles"])
+def test_mxfp4_experts_compute_as_their_dequantized_weights(tokens):
+    """gpt-oss's experts kept MXFP4 (bytes and a scale byte a 32 inputs, as its
+    checkpoints hold them): the grouped GEMM decodes them in the kernel, each input's
+    nibble by its place (even inputs low, odd high); against the same experts
+    dequantized (engine_worker.weights.mxfp4_to_float) as dense weights. 96 inputs to
+    down: a pass of 64 and a pass of 32, half masked."""
+    from engine_worker.gpu.moe import GroupedExperts
+    from engine_worker.weights import mxfp4_to_float
+
+    c, i, e = 64, 96, 4
+    mlps, x, weights, chosen = _mixture(tokens, experts=e, top_k=2, c=c, i=i, act=CLAMPED,
+                                        bias=True)
+    g = torch.Generator().manual_seed(1)
+    grouped = GroupedExperts.mxfp4(e, c, i, CLAMPED, bias=True)
+    with torch.no_grad():
+        for name, (rows, cols) in (("gate_up", (2 * i, c)), ("down", (c, i))):
+            blocks = torch.randint(0, 256, (e, rows, cols // 32, 16), dtype=torch.uint8,
+                                   generator=g)
+            scales = torch.randint(122, 129, (e, rows, cols // 32), dtype=torch.uint8,
+                                   generator=g)
+            getattr(grouped, name).copy_(blocks.reshape(e, rows, cols // 2))
+            getattr(grouped, name + "_scales").copy_(scales)
+            getattr(grouped, name + "_bias").copy_(torch.randn(e, rows, generator=g))
+            dense = mxfp4_to_float(blocks, scales)
+            for k, mlp in enumerate(mlps):
+                proj = mlp.gate_up_proj if name == "gate_up" else mlp.down_proj
+                proj.weight.copy_(dense[k])
+                proj.bias.copy_(getattr(grouped, name + "_bias")[k])
+        grouped = grouped.to(DEVICE)
+        got = grouped(x, weights, chosen)
+        want = GroupedExperts(mlps)(x, weights, chosen)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
