@@ -469,3 +469,35 @@ def test_building_an_engine_imports_neither_torchs_compiler_nor_sympy(tiny_llama
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True).stdout.split("\n")[-2]
     assert out == "[]"
+
+
+def test_each_layer_is_packed_before_the_next_is_read(tiny_qwen3_moe_dir, monkeypatch):
+    """On the CPU a layer's linear layers are packed as soon as its weights are in, so
+    a checkpoint's float32 weights never stand whole in memory (a 30B mixture's would
+    take 120 GB): when any tensor of layer i is read, every layer before it computes
+    from packed weights, and none of its own or later ones do yet."""
+    from torch import nn
+
+    import engine_worker.models as models
+    from engine_worker.models import PackedLinear
+    from engine_worker.weights import Checkpoint
+
+    built, seen = [], []
+    build, take = models.LlamaModel.__init__, Checkpoint.take
+
+    def remember(self, *args, **kwargs):
+        build(self, *args, **kwargs)
+        built.append(self)
+
+    def watched(self, name, shape=None):
+        if name.startswith("layers."):
+            index, layers = int(name.split(".")[1]), built[0].layers
+            packed = [all(isinstance(m, PackedLinear) for m in layer.modules()
+                          if isinstance(m, (nn.Linear, PackedLinear))) for layer in layers]
+            seen.append(packed == [i < index for i in range(len(layers))])
+        return take(self, name, shape)
+
+    monkeypatch.setattr(models.LlamaModel, "__init__", remember)
+    monkeypatch.setattr(Checkpoint, "take", watched)
+    LLMEngine(EngineConfig(model=str(tiny_qwen3_moe_dir), device="cpu", quantization="int8"))
+    assert len(seen) > 50 and all(seen)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Optional, Union
 
@@ -49,8 +50,13 @@ def load_model(cfg: ModelConfig, model_dir: Path, device: torch.device,
     else:
         prefix = cfg.checkpoint_prefixes if cfg.family == "llama" else ("transformer.",)
         ckpt = Checkpoint(model_dir, strip_prefixes=prefix, skip_prefixes=cfg.checkpoint_skips)
+        # On the CPU each layer is packed as soon as it is read: its float32 weights are
+        # freed then, so a mixture of 30B parameters never stands whole in float32
+        # (untouched, the rest of the model's empty tensors take no memory)
+        pack = None if kernels is None else functools.partial(
+            _pack_linears, kernels=kernels, fmt=weight_format)
         with torch.no_grad():
-            model.load_weights(ckpt)
+            model.load_weights(ckpt, on_layer=pack)
         ckpt.finish()
     if kernels is not None:
         _pack_linears(model, kernels, weight_format)  # an untied lm_head is one of them

@@ -6,7 +6,7 @@ transposed once at load into ordinary linear layers. Runs on a flat batch (N, C)
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -76,7 +76,9 @@ class GPT2Model(nn.Module):
             return F.linear(hidden, self.wte.weight)
         return self.lm_head(hidden)
 
-    def load_weights(self, ckpt: Checkpoint) -> None:
+    def load_weights(self, ckpt: Checkpoint,
+                     on_layer: Optional[Callable[[nn.Module], None]] = None) -> None:
+        """on_layer: called with each block once its weights are in."""
         cfg = self.cfg
         c, inner = cfg.hidden_size, cfg.intermediate_size
         self.wte.weight.copy_(ckpt.take("wte.weight", (cfg.vocab_size, c)))
@@ -98,6 +100,8 @@ class GPT2Model(nn.Module):
                 norm.bias.copy_(ckpt.take(p + name + ".bias", (c,)))
             ckpt.discard(p + "attn.bias")  # causal-mask buffers in old checkpoints
             ckpt.discard(p + "attn.masked_bias")
+            if on_layer is not None:
+                on_layer(block)
         self.ln_f.weight.copy_(ckpt.take("ln_f.weight", (c,)))
         self.ln_f.bias.copy_(ckpt.take("ln_f.bias", (c,)))
         ckpt.discard("lm_head.weight")  # tied to wte

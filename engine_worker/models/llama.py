@@ -354,8 +354,12 @@ class LlamaModel(nn.Module):
             logits = self.lm_head(hidden)
         return soft_cap(logits, self.cfg.logit_softcap)
 
-    def load_weights(self, ckpt: Checkpoint) -> None:
-        """Copy Hugging Face tensors in, fusing q/k/v and gate/up."""
+    def load_weights(self, ckpt: Checkpoint,
+                     on_layer: Optional[Callable[[nn.Module], None]] = None) -> None:
+        """Copy Hugging Face tensors in, fusing q/k/v and gate/up. on_layer: called
+        with each layer once its weights are in, as the model computes with them (the
+        CPU packs its linear layers there, so that no more than a layer of the
+        checkpoint's weights is held unpacked)."""
         cfg = self.cfg
         c = cfg.hidden_size
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -405,17 +409,17 @@ class LlamaModel(nn.Module):
                 layer.post_attention_layernorm.weight.copy_(
                     ckpt.take(p + "post_attention_layernorm.weight", (c,)))
             ckpt.discard(p + "self_attn.rotary_emb.inv_freq")
+            self._finish_layer(layer)
+            if on_layer is not None:
+                on_layer(layer)
         self.norm.weight.copy_(ckpt.take("norm.weight", (c,)))
         if cfg.tie_word_embeddings:
             ckpt.discard("lm_head.weight")  # tied; some checkpoints store the copy anyway
         else:
             self.lm_head.weight.copy_(ckpt.take("lm_head.weight", (cfg.vocab_size, c)))
         if cfg.norm_offset:   # Gemma's norms scale by 1 + weight
-            for module in self.modules():
-                if isinstance(module, RMSNorm):
-                    module.weight += 1.0
+            self.norm.weight += 1.0
         self.fold_scales()
-        self.permute_partial_rotary()
 
     def _load_experts(self, ckpt: Checkpoint, prefix: str, moe: MoE) -> None:
         """A mixture's router and experts: Mixtral's block_sparse_moe.gate and experts'
@@ -476,38 +480,43 @@ class LlamaModel(nn.Module):
                           for name, rows in parts.items()])
 
     @torch.no_grad()
-    def permute_partial_rotary(self) -> None:
-        """Where RoPE turns only a head's first dimensions, q's and k's reordered
-        (partial_rotary_order). v, and so every output, is untouched."""
+    def _finish_layer(self, layer: DecoderLayer) -> None:
+        """A layer's weights, as read, made what the kernels compute with: Gemma's
+        norms' 1 + weight; Granite's residual multiplier folded into o and down, whose
+        outputs join the residual stream; where RoPE turns only a head's first
+        dimensions, q's and k's reordered (partial_rotary_order; v, and so every
+        output, is untouched)."""
         cfg = self.cfg
+        if cfg.norm_offset:
+            for module in layer.modules():
+                if isinstance(module, RMSNorm):
+                    module.weight += 1.0
+        if cfg.residual_multiplier != 1.0:
+            for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                proj.weight *= cfg.residual_multiplier
+                if proj.bias is not None:
+                    proj.bias *= cfg.residual_multiplier
         if cfg.rotary_dim is None:
             return
         rows, order = partial_rotary_order(cfg)
-        for layer in self.layers:
-            attn = layer.self_attn
-            params = [attn.qkv_proj.weight] + (
-                [attn.qkv_proj.bias] if attn.qkv_proj.bias is not None else [])
-            for t in params:
-                t[:len(rows)] = t[rows.to(t.device)]
-            for norm in (attn.q_norm, attn.k_norm):
-                if norm is not None:
-                    norm.weight.copy_(norm.weight[order.to(norm.weight.device)])
+        attn = layer.self_attn
+        params = [attn.qkv_proj.weight] + (
+            [attn.qkv_proj.bias] if attn.qkv_proj.bias is not None else [])
+        for t in params:
+            t[:len(rows)] = t[rows.to(t.device)]
+        for norm in (attn.q_norm, attn.k_norm):
+            if norm is not None:
+                norm.weight.copy_(norm.weight[order.to(norm.weight.device)])
 
     @torch.no_grad()
     def fold_scales(self) -> None:
-        """Granite's constants and Gemma's scales folded into the weights they multiply:
-        the embeddings; o and down, whose outputs join the residual stream; the final
-        norm, whose output only makes the logits (so a tied lm_head can keep the scaled
-        embedding). The scores' scale is the attention kernels' own
-        (ModelConfig.attention_scale), as transformers applies it: a GGUF file's q rows
-        are packed as the file holds them."""
+        """Granite's constants and Gemma's scales of the embeddings folded into the
+        weights they multiply: the embeddings; the final norm, whose output only makes
+        the logits (so a tied lm_head can keep the scaled embedding). (The residual
+        multiplier is each layer's: _finish_layer.) The scores' scale is the attention
+        kernels' own (ModelConfig.attention_scale), as transformers applies it: a GGUF
+        file's q rows are packed as the file holds them."""
         cfg = self.cfg
-        if cfg.residual_multiplier != 1.0:
-            for layer in self.layers:
-                for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
-                    proj.weight *= cfg.residual_multiplier
-                    if proj.bias is not None:
-                        proj.bias *= cfg.residual_multiplier
         multiplier = cfg.embedding_multiplier
         if cfg.norm_offset:   # Gemma's: rounded to the weights' dtype, as transformers has it
             multiplier = float(torch.tensor(multiplier, dtype=self.embed_tokens.weight.dtype))
