@@ -44,10 +44,12 @@ def is_harmony(template: Optional[str]) -> bool:
     return bool(template) and CHANNEL in template and MESSAGE in template
 
 
-def _rfind(ids: list[int], part: list[int]) -> int:
-    """Where the last occurrence of ``part`` in ``ids`` starts, -1 if none."""
-    for i in range(len(ids) - len(part), -1, -1):
-        if ids[i:i + len(part)] == part:
+def _find(ids: list[int], part: tuple[int, ...], start: int) -> int:
+    """Where the first occurrence of ``part`` in ``ids`` from ``start`` on starts, -1
+    if none."""
+    part = list(part)
+    for i in range(start, len(ids) - len(part) + 1):
+        if ids[i] == part[0] and ids[i:i + len(part)] == part:
             return i
     return -1
 
@@ -60,6 +62,9 @@ class Harmony:
     name: str
     # <|channel|>final<|message|>: where the answer starts
     answer_after: tuple[int, ...]
+    # <|channel|>analysis<|message|>: where thinking starts; <|end|>
+    analysis: tuple[int, ...]
+    end_id: int
     keeps_special_tokens = True
 
     @classmethod
@@ -70,8 +75,11 @@ class Harmony:
             if ids[tag] is None:
                 raise ValueError(f"reasoning parser {name}: the model's tokenizer has no {tag} "
                                  f"token; the parser is for gpt-oss's harmony format")
-        final = tokenizer.encode("final", add_special_tokens=False).ids
-        return cls(name, (ids[CHANNEL], *final, ids[MESSAGE]))
+        def header(channel: str) -> tuple[int, ...]:
+            words = tokenizer.encode(channel, add_special_tokens=False).ids
+            return (ids[CHANNEL], *words, ids[MESSAGE])
+
+        return cls(name, header("final"), header("analysis"), ids[END])
 
     def thinking_at_start(self, prompt_ids: list[int]) -> bool:
         """Whether the reply starts at a message's header (as after
@@ -87,12 +95,19 @@ class Harmony:
         return HarmonyParser(calls=calls, in_header=False, channel="final")
 
     def num_tokens(self, thinking: bool, output_ids: list[int]) -> int:
-        """The reply's tokens before its final channel's body (its analysis, and
-        what else came before: all of them when it has no final message)."""
-        if not thinking:
-            return 0
-        at = _rfind(output_ids, list(self.answer_after))
-        return len(output_ids) if at == -1 else at + len(self.answer_after)
+        """The tokens of the reply's analysis messages, each from its <|channel|> to
+        its <|end|> (or the reply's end); none where the reply starts in the answer."""
+        count, at = 0, 0
+        while thinking:
+            at = _find(output_ids, self.analysis, at)
+            if at == -1:
+                break
+            try:
+                end = output_ids.index(self.end_id, at) + 1
+            except ValueError:
+                end = len(output_ids)
+            count, at = count + end - at, end
+        return count
 
 
 @dataclass

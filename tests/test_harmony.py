@@ -56,10 +56,13 @@ def test_where_a_reply_starts_and_what_it_thought(tiny_harmony_dir, tiny_llama_d
     # after <|start|>assistant at a header; after the final header in its body
     assert harmony.thinking_at_start([1, 50257, 5])
     assert not harmony.thinking_at_start([1, 50257, 50258, *final, 50259])
-    ids = tok.encode(THINK + ANSWER, add_special_tokens=False).ids
-    thought = harmony.num_tokens(True, ids)
-    assert tok.decode(ids[thought:], skip_special_tokens=False) == "It is 4.<|return|>"
-    assert harmony.num_tokens(True, ids[:5]) == 5 and harmony.num_tokens(False, ids) == 0
+    # the analysis messages' tokens, <|channel|> to <|end|>: not the call's
+    think = tok.encode(THINK, add_special_tokens=False).ids
+    for reply in (THINK + ANSWER, THINK + CALL, PREAMBLE + THINK + ANSWER + THINK):
+        ids = tok.encode(reply, add_special_tokens=False).ids
+        assert harmony.num_tokens(True, ids) == len(think) * reply.count(THINK)
+        assert harmony.num_tokens(False, ids) == 0
+    assert harmony.num_tokens(True, think[:5]) == 5   # cut short in its analysis
     with pytest.raises(ValueError, match=r"no <\|start\|> token"):
         Reasoning.resolve("gpt_oss", Tokenizer.from_file(str(tiny_llama_dir / "tokenizer.json")))
 
@@ -101,8 +104,7 @@ def test_the_analysis_is_reasoning_and_the_final_channel_the_answer(stack):
     assert (choice["message"]["reasoning_content"], choice["message"]["content"],
             choice["finish_reason"]) == ("Two and two. Four?", "It is 4.", "stop")
     script = tok.encode(QUESTIONS["think"], add_special_tokens=False).ids
-    header = tok.encode("<|channel|>final<|message|>", add_special_tokens=False).ids
-    thought = max(i for i in range(len(script)) if script[i - len(header):i] == header)
+    thought = len(tok.encode(THINK, add_special_tokens=False).ids)
     assert body["usage"]["completion_tokens"] == len(script)   # <|return|> stopped it
     assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": thought}
     with httpx.stream("POST", url + "/v1/chat/completions", timeout=60, json={
@@ -174,6 +176,24 @@ def test_a_message_to_a_function_is_a_tool_call(stack, stream):
         assert message["content"] is None
     assert (name, json.loads(arguments), reasoning, finish) == (
         "get_weather", {"city": "Paris"}, "Two and two. Four?", "tool_calls")
+
+
+def test_a_response_thinks_then_calls(stack):
+    """/v1/responses: the analysis as a reasoning item, the call as a function_call
+    item, with the reasoning tokens counted."""
+    url, tok = stack
+    r = httpx.post(url + "/v1/responses", timeout=60, json={
+        "model": "h", "input": "weather", "max_output_tokens": 40,
+        "tools": [{"type": "function", **WEATHER_TOOL["function"]}]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    kinds = [item["type"] for item in body["output"]]
+    assert kinds == ["reasoning", "function_call"], body["output"]
+    assert body["output"][0]["content"][0]["text"] == "Two and two. Four?"
+    call = body["output"][1]
+    assert (call["name"], json.loads(call["arguments"])) == ("get_weather", {"city": "Paris"})
+    thought = len(tok.encode(THINK, add_special_tokens=False).ids)
+    assert body["usage"]["output_tokens_details"]["reasoning_tokens"] == thought
 
 
 def test_a_call_without_tools_goes_with_the_thinking(stack):
