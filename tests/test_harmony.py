@@ -67,6 +67,19 @@ def test_where_a_reply_starts_and_what_it_thought(tiny_harmony_dir, tiny_llama_d
         Reasoning.resolve("gpt_oss", Tokenizer.from_file(str(tiny_llama_dir / "tokenizer.json")))
 
 
+def test_another_parser_for_a_harmony_model_stops_the_frontend_at_start(tmp_path,
+                                                                          tiny_harmony_dir):
+    front = processes.frontend(tiny_harmony_dir, f"ipc://{tmp_path}/e.sock",
+                               f"ipc://{tmp_path}/t.sock", "--reasoning-parser", "qwen3")
+    try:
+        front.proc.wait(timeout=60)
+        assert front.proc.returncode != 0
+        assert ("writes gpt-oss's harmony format, which the qwen3 reasoning parser does not "
+                "read; use --reasoning-parser gpt_oss") in front.output()
+    finally:
+        front.stop()
+
+
 # -- end to end -----------------------------------------------------------------------
 
 QUESTIONS = {"think": THINK + ANSWER, "weather": THINK + CALL,

@@ -1,5 +1,6 @@
 """The Llama family: Llama, Mistral, Qwen2, Qwen3, Granite, Phi-3, SmolLM3, Gemma 2 and
-Gemma 3 checkpoints, and the mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE.
+Gemma 3 checkpoints, and the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and
+gpt-oss (each head's sink logit, biased routers and experts, a clamped SwiGLU).
 
 RMSNorm, rotary position embeddings (rotate-half convention, as in Hugging Face
 checkpoints), grouped-query attention, SwiGLU MLP; optional q/k/v biases (Qwen2), q and
