@@ -474,6 +474,15 @@ def tiny_qwen3_30b_a3b_dir(tmp_path_factory) -> Path:
         tie_word_embeddings=False))
 
 
+GPT_OSS_TINY = dict(
+    head_dim=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
+    sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+    swiglu_limit=0.5, tie_word_embeddings=False,
+    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
+                     "original_max_position_embeddings": 128, "beta_fast": 32.0,
+                     "beta_slow": 1.0, "truncate": False})
+
+
 @pytest.fixture(scope="session")
 def tiny_gpt_oss_dir(tmp_path_factory) -> Path:
     """gpt-oss: a sliding layer (8 keys) then a full one, each head's sink logit, YaRN
@@ -481,14 +490,8 @@ def tiny_gpt_oss_dir(tmp_path_factory) -> Path:
     router's softmax over the chosen logits; the clamped SwiGLU at a limit of 0.5 (7
     in the published models: random weights would never reach it). Sinks, routers and
     biases drawn at random (transformers starts biases at 0)."""
-    model_dir = _tiny(
-        tmp_path_factory, "tiny-gpt-oss", 24, "GptOssConfig", "GptOssForCausalLM",
-        head_dim=16, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2,
-        sliding_window=8, layer_types=["sliding_attention", "full_attention"],
-        swiglu_limit=0.5, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0,
-                         "original_max_position_embeddings": 128, "beta_fast": 32.0,
-                         "beta_slow": 1.0, "truncate": False})
+    model_dir = _tiny(tmp_path_factory, "tiny-gpt-oss", 24, "GptOssConfig",
+                      "GptOssForCausalLM", **GPT_OSS_TINY)
     from safetensors.torch import load_file, save_file
 
     path = model_dir / "model.safetensors"
@@ -516,6 +519,22 @@ def to_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     code = (x.abs().unsqueeze(-1) - magnitudes).abs().argmin(-1) + 8 * (x < 0)
     code = code.to(torch.uint8)
     return code[..., 0::2] | (code[..., 1::2] << 4), (exponent[..., 0] + 127).to(torch.uint8)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_oss_chat_dir(tmp_path_factory) -> Path:
+    """The tiny gpt-oss's shape with harmony's tags as special tokens, a template that
+    writes harmony and <|return|> and <|call|> among its stop tokens: gpt-oss as its
+    chat is served."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    torch.manual_seed(27)
+    config = GptOssConfig(**{**TINY, **GPT_OSS_TINY, "vocab_size": 50257 + len(HARMONY_TAGS)})
+    model_dir = _save(GptOssForCausalLM(config).eval(), tmp_path_factory.mktemp("oss-chat"),
+                      template=HARMONY_TEMPLATE, special=HARMONY_TAGS)
+    (model_dir / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [EOS, 50261, 50262]}))
+    return model_dir
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,8 @@ pool once refused to start on one: 'declares no context length')."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import requests
 
@@ -28,3 +30,34 @@ def test_a_multimodal_checkpoint_serves_chats_as_its_engine_does(model, request,
     engine = make_engine(model_dir)
     assert choice["token_ids"] == engine.generate([choice["prompt_token_ids"]], greedy(8))[0]
     assert len(choice["token_ids"]) == 8
+
+
+def test_gpt_oss_serves_its_harmony_chat_over_http(tiny_gpt_oss_chat_dir, tmp_path):
+    """gpt-oss over the real processes: its own tokens as the in-process engine's
+    (sinks, biased experts, the clamped gate on the C path), and a chat reply (its first
+    tokens scripted: random weights write no harmony) split by the gpt_oss parser the
+    template chose."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tiny_gpt_oss_chat_dir / "tokenizer.json"))
+    reply = ("<|channel|>analysis<|message|>Hmm.<|end|>"
+             "<|start|>assistant<|channel|>final<|message|>Yes.<|return|>")
+    [trigger] = tok.encode("think", add_special_tokens=False).ids
+    script = {str(trigger): tok.encode(reply, add_special_tokens=False).ids}
+    prompt = list(range(200, 219))
+    with processes.local_stack(tiny_gpt_oss_chat_dir, tmp_path, "--served-model-name", "o",
+                               engine_env={"ROSESERVE_FAULT_SCRIPTS": json.dumps(script)}
+                               ) as front:
+        r = requests.post(f"{front.url}/v1/completions", timeout=120, json={
+            "model": "o", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        tokens = r.json()["choices"][0]["token_ids"]
+        r = requests.post(f"{front.url}/v1/chat/completions", timeout=120, json={
+            "model": "o", "messages": [{"role": "user", "content": "think"}],
+            "max_tokens": 30, "temperature": 0})
+        assert r.status_code == 200, r.text
+    assert tokens == make_engine(tiny_gpt_oss_chat_dir).generate([prompt], greedy(8))[0]
+    message = r.json()["choices"][0]["message"]
+    assert (message["reasoning_content"], message["content"]) == ("Hmm.", "Yes.")
+
