@@ -9,16 +9,16 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from common.config import EngineConfig
 from common.errors import ModelLoadError
 from engine_worker.engine import LLMEngine
 from engine_worker.model_config import load_model_config
-from conftest import to_mxfp4
 from engine_worker.weights import mxfp4_to_float
 from helpers import greedy, random_prompts
 from hf_reference import assert_matches, hf_greedy
+from moe_models import to_mxfp4
 
 
 def test_mxfp4_dequantizes_as_transformers_does():

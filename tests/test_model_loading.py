@@ -13,7 +13,8 @@ from common.config import EngineConfig
 from common.errors import ModelLoadError
 from common.model_files import resolve_model_dir
 from engine_worker.engine import LLMEngine
-from engine_worker.model_config import RopeConfig, load_model_config
+from engine_worker.model_config import load_model_config
+from engine_worker.rope_config import RopeConfig
 from engine_worker.models.llama import rope_inv_freq
 
 
@@ -262,13 +263,13 @@ def test_yarn_matches_transformers(params):
     from transformers import Qwen2Config
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from engine_worker.model_config import _rope_config
+    from engine_worker.rope_config import rope_config
 
     rope = {"rope_type": "yarn", "rope_theta": 1000000.0, **params}
     hf_config = Qwen2Config(hidden_size=1024, num_attention_heads=8, rope_parameters=rope,
                             max_position_embeddings=32768)
     want, want_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_config, "cpu")
-    ours = _rope_config({"rope_parameters": rope, "max_position_embeddings": 32768})
+    ours = rope_config({"rope_parameters": rope, "max_position_embeddings": 32768})
     torch.testing.assert_close(rope_inv_freq(ours, 128), want.float(), rtol=1e-6, atol=0)
     assert ours.attention_factor == pytest.approx(want_factor, rel=1e-12)
     assert ours.attention_factor != 1.0

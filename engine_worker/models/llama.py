@@ -24,7 +24,8 @@ from torch import nn
 
 from engine_worker.attention import AttentionBackend, AttentionMetadata
 from engine_worker.kernels import CpuKernels
-from engine_worker.model_config import ModelConfig, RopeConfig
+from engine_worker.model_config import ModelConfig
+from engine_worker.rope_config import RopeConfig
 from engine_worker.models.layers import embedding, linear
 from engine_worker.ops import TorchOps, soft_cap
 from engine_worker.weights import Checkpoint, mxfp4_to_float
