@@ -49,9 +49,9 @@ def compute_rates(model, kernels, fmt: str, n: int = 1024) -> dict[str, float]:
     rates = {"engine kernel, the model's layers at 256 rows": gemm_rate(model),
              f"engine kernel, {n}^3": sustained_rate(
                  lambda: kernels.linear(x, packed, n, None, fmt), 2 * n**3)}
-    # 4-bit and IQ4 weights are multiplied as bytes (int8 x int8 dot products), as
+    # 4-bit, IQ4 and MXFP4 weights are multiplied as bytes (int8 x int8 dot products), as
     # int8's are
-    arithmetic = "int8" if fmt in ("q4", "iq4") else fmt
+    arithmetic = "int8" if fmt in ("q4", "iq4", "mxfp4") else fmt
     torch_name = {"int8": "torch._int_mm int8"}.get(arithmetic, f"torch.matmul {fmt}")
     try:
         rates[f"{torch_name}, {n}^3"] = matmul_flops(fmt=arithmetic, n=n)

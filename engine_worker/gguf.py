@@ -6,16 +6,17 @@ file); the weights stay in the file and are read from it here, at start:
 
 - Q8_0 tensors are packed as the int8 format, Q4_0 and Q4_1 as the 4-bit one, IQ4_NL
   and IQ4_XS as the IQ4 one (nibbles indexing 16 fixed levels, a float scale per 32
-  weights: IQ4_XS's super-block factor times its sub-block's 6-bit one, exactly), their
-  blocks copied unchanged (engine_worker/csrc/gemm.c: rs_pack_gguf), so every weight
-  is what the file's own dequantization gives;
+  weights: IQ4_XS's super-block factor times its sub-block's 6-bit one, exactly), MXFP4
+  (gpt-oss's experts) as the MXFP4 one (IQ4's of FP4's levels, doubled, and half the
+  block's power-of-two scale), their blocks copied unchanged
+  (engine_worker/csrc/gemm.c: rs_pack_gguf), so every weight is what the file's own
+  dequantization gives;
 - F32 and BF16 linear layers are packed as float32 and bfloat16; F16 ones are widened
   to float32 (exactly: every half is a float);
 - the other types of llama.cpp's files, which most users download (its Q4_K_M of the
   default model holds Q5_0, Q4_K, Q6_K and Q8_0 tensors), are re-stored at start as
   one of those: Q5_0 as Q8_0 blocks, exactly (its 5-bit values less 16 are int8 values
-  of the same scale), and so MXFP4 (gpt-oss's experts: doubled FP4 values are int8
-  values of half its power-of-two scale); Q4_K as Q4_1 blocks, the 4-bit values unchanged and each
+  of the same scale); Q4_K as Q4_1 blocks, the 4-bit values unchanged and each
   32-weight sub-block's scale and offset (its super-block's half-precision factor times
   a 6-bit one) rounded to half precision; every other block type the gguf package
   dequantizes (Q5_1, Q2_K, Q3_K, Q5_K, Q6_K, the other IQ and TQ types...) as Q8_0
@@ -24,7 +25,7 @@ file); the weights stay in the file and are read from it here, at start:
 - norms and the embedding rows are read as float32 (the embedding dequantized);
 - q, k and v (gate and up), one packed weight, whose types pack as different formats
   (llama.cpp's mixes give v more bits) are all made Q8_0: exactly where each block's
-  values are int8 values of its scale (Q4_0, IQ4_NL, Q5_0), else requantized;
+  values are int8 values of its scale (Q4_0, IQ4_NL, Q5_0, MXFP4), else requantized;
 - a tensor of any other type (Q8_K, integers...) is refused at start, by name, as is
   a tensor the architecture does not use, q/k/v mixing dense and block types, or one
   part of a split file (llama-gguf-split joins them).
@@ -164,8 +165,7 @@ def restored_types() -> dict:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     restored = {Q5_0: (Q8_0, q5_0_as_q8_0, "Q8_0, exactly"),
-                Q4_K: (Q4_1, q4_k_as_q4_1, "Q4_1, sub-block scales rounded to half precision"),
-                MXFP4: (Q8_0, mxfp4_as_q8_0, "Q8_0, exactly")}
+                Q4_K: (Q4_1, q4_k_as_q4_1, "Q4_1, sub-block scales rounded to half precision")}
     for t in GGMLQuantizationType:
         if (GGML_QUANT_SIZES[t][0] > 1 and int(t) not in restored
                 and int(t) not in GGUF_FORMATS and _dequantizable(t)):
@@ -177,19 +177,22 @@ def restored_types() -> dict:
 def served() -> str:
     """The types a GGUF file's tensors may have, in words."""
     names = ", ".join(ggml_type_name(t) for t in restored_types())
-    return (f"F32, F16, BF16, Q8_0, Q4_0, Q4_1, IQ4_NL and IQ4_XS as they are, and {names} "
-            f"re-stored")
+    return (f"F32, F16, BF16, Q8_0, Q4_0, Q4_1, IQ4_NL, IQ4_XS and MXFP4 as they are, and "
+            f"{names} re-stored")
 
 
 def as_q8_0(rows: np.ndarray, ggml_type: int) -> np.ndarray:
     """Rows of blocks of ``ggml_type`` as Q8_0 blocks: as they are (Q8_0), exactly where
     each block's values are int8 values of its scale (Q4_0: q - 8; IQ4_NL: its levels;
-    Q5_0: re-stored so anyway), else requantized from the file's values."""
+    Q5_0: re-stored so anyway; MXFP4: its levels doubled), else requantized from the
+    file's values."""
     from gguf import quants
 
     restored = restored_types().get(ggml_type)
     if ggml_type == Q8_0:
         return rows
+    if ggml_type == MXFP4:
+        return mxfp4_as_q8_0(rows)
     if restored is not None and restored[0] == Q8_0:
         return restored[1](rows)
     if ggml_type not in (Q4_0, IQ4_NL):

@@ -111,7 +111,8 @@ class CpuKernels:
         """How products with weights in ``fmt`` are computed here (BF16_PATHS,
         INT8_PATHS), for the formats that have a choice."""
         return {"bfloat16": self.bf16_path, "int8": self.int8_path,
-                "q4": self.int8_path, "iq4": self.int8_path}.get(fmt)
+                "q4": self.int8_path, "iq4": self.int8_path,
+                "mxfp4": self.int8_path}.get(fmt)
 
     # Linear layers (gemm.c).
 
@@ -132,7 +133,7 @@ class CpuKernels:
                   in_features: int) -> tuple[torch.Tensor, str]:
         """A GGUF tensor's raw blocks (uint8, out_features rows of in_features / 32
         blocks) of a type in GGUF_FORMATS -> (its packed form, the format), unchanged:
-        Q8_0 as int8, Q4_0 and Q4_1 as q4, IQ4_NL and IQ4_XS as iq4."""
+        Q8_0 as int8, Q4_0 and Q4_1 as q4, IQ4_NL and IQ4_XS as iq4, MXFP4 as mxfp4."""
         fmt = GGUF_FORMATS[ggml_type]
         blocks = blocks.contiguous()
         packed = torch.empty(self._packed_bytes(out_features, in_features, WEIGHT_FORMATS[fmt]),
@@ -288,14 +289,15 @@ def kv_type(dtype: torch.dtype) -> int:
     return KV_TYPES[dtype]
 
 
-# Packed weight formats (RS_F32 ... RS_IQ4 in kernels.h). int8, q4 and iq4 keep a float
-# (q4: a half scale and offset) per INT8_BLOCK inputs of each output feature; iq4's
-# nibbles index 16 fixed levels (ggml's IQ4_NL and IQ4_XS).
-WEIGHT_FORMATS = {"float32": 0, "bfloat16": 1, "int8": 2, "q4": 3, "iq4": 4}
+# Packed weight formats (RS_F32 ... RS_MXFP4 in kernels.h). int8, q4, iq4 and mxfp4 keep
+# a float (q4: a half scale and offset) per INT8_BLOCK inputs of each output feature;
+# iq4's and mxfp4's nibbles index 16 fixed levels (ggml's IQ4_NL and IQ4_XS; FP4's values,
+# doubled, of gpt-oss's experts, the float a power of two).
+WEIGHT_FORMATS = {"float32": 0, "bfloat16": 1, "int8": 2, "q4": 3, "iq4": 4, "mxfp4": 5}
 INT8_BLOCK = 32
 # GGUF tensor types (ggml's ids) packed as they are, and the format each becomes.
-# Q8_0, Q4_0, Q4_1, IQ4_NL, IQ4_XS
-GGUF_FORMATS = {8: "int8", 2: "q4", 3: "q4", 20: "iq4", 23: "iq4"}
+# Q8_0, Q4_0, Q4_1, IQ4_NL, IQ4_XS, MXFP4
+GGUF_FORMATS = {8: "int8", 2: "q4", 3: "q4", 20: "iq4", 23: "iq4", 39: "mxfp4"}
 # Weights a block of those types holds, where not INT8_BLOCK: IQ4_XS's super-blocks.
 GGUF_BLOCK_WEIGHTS = {23: 256}
 # How bfloat16 weights are multiplied here (rs_bf16_path in gemm.c): AMX tiles (Intel

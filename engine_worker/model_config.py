@@ -128,7 +128,8 @@ class ModelConfig:
     swiglu_limit: float = 0.0
     swiglu_alpha: float = 1.702
     # "mxfp4": the checkpoint's experts are MXFP4 blocks (gpt-oss's published ones),
-    # which a GPU keeps as they are (engine_worker/gpu/moe.py) and the CPU dequantizes
+    # which a GPU keeps as they are (engine_worker/gpu/moe.py) and so do the CPU kernels
+    # (MXFP4 panels, gemm.c; the torch path dequantizes them)
     expert_format: str = ""
     # The checkpoint's tensor layout: "llama" (q, k, v, gate, up apart), "phi3"
     # (qkv_proj and gate_up_proj as one tensor each) or "gpt_oss" (a layer's experts

@@ -40,7 +40,7 @@ from engine_worker.sampler import distribution
 # and proposals at 8 streams gave 0.76-0.95x with 4-bit weights, even on replies
 # that copy, and 0.90-0.94x at 4 streams on replies that copy less. So: up to 7
 # proposals for one stream, one each for four, none from 8; with 4-bit weights, whose
-# kernels are bound by their arithmetic from fewer rows (IQ4's too), up to 4 for one
+# kernels are bound by their arithmetic from fewer rows (IQ4's and MXFP4's too), up to 4 for one
 # stream.
 MAX_STEP_ROWS = 8
 MAX_STEP_ROWS_Q4 = 5
@@ -52,7 +52,7 @@ PREDICTED_TOKENS = MAX_STEP_ROWS - 1
 
 
 def max_step_rows(weight_format: str) -> int:
-    return MAX_STEP_ROWS_Q4 if weight_format in ("q4", "iq4") else MAX_STEP_ROWS
+    return MAX_STEP_ROWS_Q4 if weight_format in ("q4", "iq4", "mxfp4") else MAX_STEP_ROWS
 
 
 def check_sampled(probs: torch.Tensor, draft: torch.Tensor,

@@ -143,7 +143,7 @@ def test_files_it_cannot_serve_are_refused_saying_why(tmp_path):
                                              ("blk.0.attn_q.weight", ok, T.F32)])
     with pytest.raises(ModelLoadError, match=r"k\.gguf has tensors in types roseserve cannot "
                        r"serve as they are: blk\.0\.attn_v\.weight \(Q8_K\); it serves F32.*"
-                       r"IQ4_NL and IQ4_XS as they are, and Q5_0, Q4_K.* re-stored"):
+                       r"IQ4_NL, IQ4_XS and MXFP4 as they are, and Q5_0, Q4_K.* re-stored"):
         GgufWeights(tmp_path / "k.gguf", kernels.cpu_kernels())
     write_gguf(tmp_path / "s.gguf", tensors=[("blk.0.attn_q.weight", ok, T.F32)],
                fields={"split.count": 3})

@@ -16,7 +16,7 @@ from common.errors import ModelLoadError
 from engine_worker.engine import LLMEngine
 from engine_worker.model_config import load_model_config
 from engine_worker.weights import mxfp4_to_float
-from helpers import greedy, random_prompts
+from helpers import greedy, random_prompts, run_to_end
 from hf_reference import assert_matches, hf_greedy
 from moe_models import to_mxfp4
 
@@ -35,22 +35,44 @@ def test_mxfp4_dequantizes_as_transformers_does():
     assert 0 < float((rounded - w).abs().max()) < 0.5
 
 
-def test_mxfp4_experts_serve_as_their_dequantized_copy(tiny_gpt_oss_mxfp4_dirs):
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_mxfp4_experts_serve_as_their_dequantized_copy(tiny_gpt_oss_mxfp4_dirs, quantization):
+    """On the CPU kernels the checkpoint's MXFP4 experts stay MXFP4 whatever the other
+    weights are packed as (their values exactly, 5 bits a weight), x multiplied as int8
+    as it is for the integer formats: HF's greedy tokens on the dequantized copy (the
+    other weights float32), but where that rounding makes a near tie."""
+    from engine_worker.kernels import cpu_kernels
+
     packed, plain = tiny_gpt_oss_mxfp4_dirs
     prompts = random_prompts([6, 19], seed=4)
-    got = LLMEngine(EngineConfig(model=str(packed), device="cpu")).generate(prompts, greedy(8))
-    assert_matches(got, hf_greedy(plain, prompts, 8), "mxfp4")
+    engine = LLMEngine(EngineConfig(model=str(packed), device="cpu", quantization=quantization))
+    if quantization is None:
+        assert_matches(engine.generate(prompts, greedy(8)), hf_greedy(plain, prompts, 8),
+                       "mxfp4", near_tie=2e-3)
+    moe = engine.runner.model.layers[1].mlp
+    assert (moe.gate.fmt, moe.experts[0].down_proj.fmt) == ("float32", "mxfp4")
+    assert engine.runner.model.layers[1].self_attn.o_proj.fmt == quantization or "float32"
+    weights = load_file(plain / "model.safetensors")
+    down = weights["model.layers.1.mlp.experts.down_proj"]
+    for k, expert in enumerate(moe.experts):
+        lin = expert.down_proj
+        assert torch.equal(cpu_kernels().unpack(lin.packed, lin.out_features,
+                                                lin.in_features, "mxfp4"), down[k].T)
 
 
-def test_a_gguf_file_serves_what_its_checkpoint_does(tiny_gpt_oss_mxfp4_dirs, tmp_path):
+def test_a_gguf_file_serves_what_its_checkpoint_does(tiny_gpt_oss_mxfp4_dirs, tmp_path,
+                                                    monkeypatch):
     """llama.cpp's gpt-oss files: gate and up split apart, biases F32, the sinks a
     tensor of their own, the norm before the MLP named post_attention_norm, YaRN and
     the sliding window in the metadata. An F32 file gives Hugging Face's greedy tokens
     (the checkpoint's SwiGLU limit gpt-oss's 7, which llama.cpp takes as given and no
     file holds); in a file of MXFP4 experts, as the published ones are, every expert is
-    re-stored as Q8_0 and computes with exactly the checkpoint's weights (its experts
-    MXFP4 values already)."""
+    packed as MXFP4 (0.56 of int8's bytes) and computes with exactly the checkpoint's
+    weights (its experts MXFP4 values already), the same floats as those experts
+    re-stored as Q8_0 (int8 levels of half the scale, exactly): the same integer
+    products."""
     from common.model_files import resolve_model_dir
+    from engine_worker import gguf
     from engine_worker.kernels import cpu_kernels
     from gguf_files import gguf_from_hf
 
@@ -67,8 +89,22 @@ def test_a_gguf_file_serves_what_its_checkpoint_does(tiny_gpt_oss_mxfp4_dirs, tm
     assert_matches(engine.generate(prompts, greedy(8)), hf_greedy(plain, prompts, 8),
                    "gpt-oss gguf")
     mxfp4 = gguf_from_hf(plain, tmp_path / "mxfp4.gguf", "gpt-oss", experts_type="MXFP4")
-    model = LLMEngine(EngineConfig(model=str(resolve_model_dir(str(mxfp4))),
-                                   device="cpu")).runner.model
+    mxfp4_dir = resolve_model_dir(str(mxfp4))
+    engine = LLMEngine(EngineConfig(model=str(mxfp4_dir), device="cpu"))
+    with monkeypatch.context() as m:   # as the file was served before MXFP4 panels
+        m.delitem(gguf.GGUF_FORMATS, gguf.MXFP4)
+        m.setattr(gguf, "restored_types",
+                  lambda: {gguf.MXFP4: (gguf.Q8_0, gguf.mxfp4_as_q8_0, "Q8_0, exactly")})
+        as_q8_0 = LLMEngine(EngineConfig(model=str(mxfp4_dir), device="cpu"))
+    assert as_q8_0.runner.model.layers[0].mlp.experts[0].down_proj.fmt == "int8"
+
+    def outputs(e: LLMEngine) -> dict:
+        for i, prompt in enumerate(prompts):
+            e.add_request(f"r{i}", prompt, greedy(8, logprobs=3))
+        return {r: [(o.new_token_ids, o.logprobs) for o in outs]
+                for r, outs in run_to_end(e).items()}
+    assert outputs(engine) == outputs(as_q8_0)
+    model = engine.runner.model
     weights = load_file(plain / "model.safetensors")
     kernels = cpu_kernels()
     for layer in (0, 1):
@@ -76,7 +112,9 @@ def test_a_gguf_file_serves_what_its_checkpoint_does(tiny_gpt_oss_mxfp4_dirs, tm
         gate_up, down = weights[p + "gate_up_proj"], weights[p + "down_proj"]
         for k, expert in enumerate(model.layers[layer].mlp.experts):
             lin = expert.gate_up_proj
-            assert lin.fmt == "int8"
+            # 320 bytes a panel's block of 32 inputs: 16 x 32 nibbles, 16 float scales
+            assert lin.fmt == "mxfp4" and \
+                lin.packed.numel() == lin.out_features // 16 * lin.in_features // 32 * 320
             got = kernels.unpack(lin.packed, lin.out_features, lin.in_features, lin.fmt)
             assert torch.equal(got, torch.cat([gate_up[k, :, 0::2].T, gate_up[k, :, 1::2].T]))
             lin = expert.down_proj

@@ -19,7 +19,9 @@ from engine_worker import kernels
 from helpers import greedy, make_engine, random_prompts, run_to_end
 from hf_reference import NEAR_TIE, assert_matches, hf_greedy, quantize_blocks
 
-FORMATS = ["float32", "bfloat16", "int8", "q4", "iq4"]
+FORMATS = ["float32", "bfloat16", "int8", "q4", "iq4", "mxfp4"]
+# The formats whose products quantize x (int8, a scale per block of 32 inputs).
+INTEGER = ("int8", "q4", "iq4", "mxfp4")
 
 
 NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
@@ -197,7 +199,7 @@ def test_bfloat16_weights_need_an_even_number_of_inputs(cpu):
 def rounded_inputs(cpu, fmt: str, x: torch.Tensor) -> torch.Tensor:
     """x as the kernels multiply it: int8 with a scale per block of 32, bfloat16 where
     the CPU multiplies bf16 products, else as it is."""
-    if fmt in ("int8", "q4", "iq4"):
+    if fmt in INTEGER:
         return quantize_blocks(x)
     if fmt == "bfloat16" and cpu.bf16_path != "widened":
         return x.to(torch.bfloat16).float()
@@ -234,12 +236,19 @@ def test_a_packed_weight_is_as_close_as_its_format_allows(cpu, fmt):
         # at most half the widest gap (24 levels), or past the far end (113 against 127)
         assert (err <= d * 14.0001 + 1e-12).all()
         assert torch.equal(got[3], torch.zeros(96))
+    if fmt == "mxfp4":  # as gguf quantizes MXFP4 (the OCP MX format's scale), exactly
+        from gguf import GGMLQuantizationType, quants
+
+        raw = quants.quantize(w.numpy(), GGMLQuantizationType.MXFP4)
+        assert torch.equal(cpu.pack(w, fmt), cpu.pack_gguf(torch.from_numpy(raw), 39, 50, 96)[0])
+        assert torch.equal(got, torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.MXFP4)))
+        assert torch.equal(got[3], torch.zeros(96))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("n,k", [(1, 32), (17, 64), (50, 96), (130, 576), (40, 130)])
 def test_linear_computes_with_the_unpacked_weight(cpu, fmt, n, k):
-    if fmt in ("int8", "q4", "iq4") and k % 32:
+    if fmt in INTEGER and k % 32:
         return  # refused: test_int8_refuses_inputs_that_are_not_whole_blocks
     torch.manual_seed(n * k)
     w, bias = torch.randn(n, k), torch.randn(n)
@@ -256,13 +265,20 @@ def test_linear_computes_with_the_unpacked_weight(cpu, fmt, n, k):
                                    rtol=1e-4, atol=1e-4)
 
 
-def iq4_blocks(ggml_type: str, n: int, k: int) -> np.ndarray:
+def random_blocks(ggml_type: str, n: int, k: int) -> np.ndarray:
     """n rows of k weights in random IQ4_NL blocks (a half scale, 16 bytes of nibbles)
     or IQ4_XS super-blocks of 256 (a half scale, then random 6-bit sub-block scales and
-    nibbles): gguf cannot quantize these types; any such bytes are valid blocks."""
-    size, weights = (18, 32) if ggml_type == "IQ4_NL" else (136, 256)
+    nibbles), which gguf cannot quantize, or MXFP4 blocks (a power-of-two scale byte,
+    16 bytes of nibbles) of every code, the least scale and a large one: any such bytes
+    are valid blocks."""
+    size, weights = {"IQ4_NL": (18, 32), "IQ4_XS": (136, 256), "MXFP4": (17, 32)}[ggml_type]
     rng = np.random.default_rng(n * k)
     raw = rng.integers(0, 256, (n, k // weights, size), dtype=np.uint8)
+    if ggml_type == "MXFP4":
+        raw[:, :, 0] = rng.integers(116, 127, (n, k // weights))   # weights up to 3
+        raw[0, 0, 0], raw[0, -1, 0] = 0, 250   # the least scale (subnormal), and a large one
+        raw[n // 2, :, 1:] = 0   # an all-zero row
+        return raw.reshape(n, -1)
     scale = 0.01 if ggml_type == "IQ4_NL" else 0.0005   # IQ4_XS's times up to 32
     raw[:, :, :2] = (rng.standard_normal((n, k // weights, 1)) * scale).astype(np.float16) \
         .view(np.uint8)
@@ -270,7 +286,7 @@ def iq4_blocks(ggml_type: str, n: int, k: int) -> np.ndarray:
     return raw.reshape(n, -1)
 
 
-@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1", "IQ4_NL", "IQ4_XS"])
+@pytest.mark.parametrize("ggml_type", ["Q8_0", "Q4_0", "Q4_1", "IQ4_NL", "IQ4_XS", "MXFP4"])
 def test_gguf_blocks_are_packed_as_they_are_and_computed_with(cpu, ggml_type):
     """A GGUF tensor's blocks unpack to exactly what gguf's own dequantization gives
     (nothing requantized), and the kernels compute with them, x quantized per 32."""
@@ -283,14 +299,20 @@ def test_gguf_blocks_are_packed_as_they_are_and_computed_with(cpu, ggml_type):
     for n, k in shapes:
         w = torch.randn(n, k) * torch.logspace(-3, 1, k)
         w[n // 2] = 0.0  # an all-zero row
-        raw = iq4_blocks(ggml_type, n, k) if ggml_type.startswith("IQ4") else \
-            quants.quantize(w.numpy(), t)
+        raw = random_blocks(ggml_type, n, k) if ggml_type in ("IQ4_NL", "IQ4_XS", "MXFP4") \
+            else quants.quantize(w.numpy(), t)
         packed, fmt = cpu.pack_gguf(torch.from_numpy(raw), int(t), n, k)
-        assert fmt == {"Q8_0": "int8", "IQ4_NL": "iq4", "IQ4_XS": "iq4"}.get(ggml_type, "q4")
+        assert fmt == {"Q8_0": "int8", "IQ4_NL": "iq4", "IQ4_XS": "iq4",
+                       "MXFP4": "mxfp4"}.get(ggml_type, "q4")
         deq = cpu.unpack(packed, n, k, fmt)
         assert torch.equal(deq, torch.from_numpy(quants.dequantize(raw, t)))
+        if ggml_type == "MXFP4":   # the extreme scales were for unpacking: not products
+            raw = raw.reshape(n, -1, 17).copy()
+            raw[0, 0, 0] = raw[0, -1, 0] = 127
+            packed = cpu.pack_gguf(torch.from_numpy(raw.reshape(n, -1)), int(t), n, k)[0]
+            deq = cpu.unpack(packed, n, k, fmt)
         bias = torch.randn(n)
-        for m in (1, 2, 3, 4, 9, 17, 64):
+        for m in (1, 2, 3, 4, 9, 17, 33, 64):
             x = torch.randn(m, k)
             x[0, :32] = 0.0
             torch.testing.assert_close(cpu.linear(x, packed, n, bias, fmt),
@@ -299,7 +321,7 @@ def test_gguf_blocks_are_packed_as_they_are_and_computed_with(cpu, ggml_type):
 
 
 def test_int8_refuses_inputs_that_are_not_whole_blocks(cpu):
-    for fmt in ("int8", "q4", "iq4"):
+    for fmt in INTEGER:
         with pytest.raises(ValueError, match=f"{fmt} weights need input sizes that are "
                                              f"multiples of 32; a layer has 40"):
             cpu.pack(torch.randn(16, 40), fmt)
@@ -404,11 +426,11 @@ def test_intel_and_other_builds_compute_the_same_floats(isa):
                                reference.linear(x, packed, 100, None, fmt)), (fmt, m)
 
 
-@pytest.mark.parametrize("fmt", ["q4", "iq4"])
+@pytest.mark.parametrize("fmt", ["q4", "iq4", "mxfp4"])
 @pytest.mark.parametrize("isa", ["avx512-bf16", "avx2", "avx2-no-vnni", "portable"])
 def test_unpacked_4bit_panels_give_the_packed_tiles_floats(isa, fmt):
-    """From Q4X_MIN_ROWS rows a thread unpacks each group of 4-bit (or IQ4) panels into
-    bytes once (gemm.c; IQ4's into int8 panels, for the int8 tiles) instead of each row
+    """From Q4X_MIN_ROWS rows a thread unpacks each group of 4-bit (or IQ4, MXFP4) panels
+    into bytes once (gemm.c; IQ4's and MXFP4's into int8 panels, for the int8 tiles) instead of each row
     block unpacking the nibbles: the same products summed in the same order, so the same
     floats."""
     unpacking = kernels._build_and_load(ISAS[isa])   # without AMX, whose tiles take over

@@ -52,6 +52,8 @@
  * the 4-bit layout, each an index into 16 fixed int8 levels (IQ4_LEVELS), then the
  * block's 16 float scales (exactly IQ4_XS's d times a 6-bit factor): the tiles look the
  * levels up with one byte shuffle (vpshufb) and go on as int8's, the levels stored + 128.
+ * MXFP4 panels (gpt-oss's experts, GGUF MXFP4) are IQ4 panels of other levels: FP4's
+ * values doubled (MXFP4_LEVELS, int8), the block's power-of-two scale halved as a float.
  *
  * The work-sharing loops are orphaned `omp for`s: called inside a parallel region
  * (the fused forward, llama.c) they share that region's threads; called outside one
@@ -141,7 +143,8 @@ static int64_t panel_bytes(int64_t K, int format)
     case RS_BF16: return K * RS_PANEL * 2;
     case RS_INT8: return K / RS_INT8_BLOCK * Q8_BLOCK_BYTES;
     case RS_Q4:
-    case RS_IQ4: return K / RS_INT8_BLOCK * Q4_BLOCK_BYTES;
+    case RS_IQ4:
+    case RS_MXFP4: return K / RS_INT8_BLOCK * Q4_BLOCK_BYTES;
     default: return K * RS_PANEL * 4;
     }
 }
@@ -207,15 +210,46 @@ static uint16_t float_to_half(float f)   /* round to nearest even */
 #define GGML_Q8_0 8
 #define GGML_IQ4_NL 20
 #define GGML_IQ4_XS 23
+#define GGML_MXFP4 39
 
 /* The weights an IQ4 nibble stands for, times its block's scale (ggml's kvalues_iq4nl). */
 static const int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                       1, 13, 25, 38, 53, 69, 89, 113};
-/* The levels + 128, as int8 panels hold their weights. */
-static const uint8_t IQ4_BYTES[16] = {1, 24, 45, 63, 79, 93, 106, 118,
+/* The levels + 128, as int8 panels hold their weights (the bytes after the 16 are 0:
+   the portable build's IV_TABLE loads a whole vector). */
+static const uint8_t IQ4_BYTES[64] = {1, 24, 45, 63, 79, 93, 106, 118,
                                       129, 141, 153, 166, 181, 197, 217, 241};
 
-/* Block g's 16 float scales of an IQ4 panel. */
+/* MXFP4's (gpt-oss's experts') FP4 values doubled, by code (ggml's kvalues_mxfp4): int8
+   levels of half the block's power-of-two scale, 2^(e - 128). */
+static const int8_t MXFP4_LEVELS[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+static const uint8_t MXFP4_BYTES[64] = {128, 129, 130, 131, 132, 134, 136, 140,
+                                        128, 127, 126, 125, 124, 122, 120, 116};
+
+/* MXFP4's scale byte e as the float 2^(e - 128) its doubled levels take, bit for bit
+   as ggml makes it (2^-128 and 2^-127 are subnormal: not left to a library's ldexpf,
+   which flushes them under -ffast-math's modes). */
+static float mxfp4_half_scale(uint8_t e)
+{
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* The int8 levels a nibble indexes in a format of levels (IQ4, MXFP4), and the levels
+   + 128 (as int8 panels hold their weights); NULL for other formats. */
+static const int8_t *format_levels(int format)
+{
+    return format == RS_IQ4 ? IQ4_LEVELS : format == RS_MXFP4 ? MXFP4_LEVELS : NULL;
+}
+
+static const uint8_t *format_level_bytes(int format)
+{
+    return format == RS_IQ4 ? IQ4_BYTES : format == RS_MXFP4 ? MXFP4_BYTES : NULL;
+}
+
+/* Block g's 16 float scales of an IQ4 or MXFP4 panel. */
 static inline float *iq4_scales(char *panel, int64_t g)
 {
     return (float *)(panel + g * Q4_BLOCK_BYTES + Q4_WEIGHT_BYTES);
@@ -232,7 +266,7 @@ static inline void put_nibble(char *panel, int64_t k, int64_t j, int q)
 int64_t rs_gguf_block_bytes(int type)
 {
     return type == GGML_Q4_0 ? 18 : type == GGML_Q4_1 ? 20 : type == GGML_Q8_0 ? 34
-         : type == GGML_IQ4_NL ? 18 : type == GGML_IQ4_XS ? 136 : 0;
+         : type == GGML_IQ4_NL ? 18 : type == GGML_IQ4_XS ? 136 : type == GGML_MXFP4 ? 17 : 0;
 }
 
 static int64_t gguf_block_weights(int type)
@@ -254,16 +288,17 @@ static float iq4_xs_scale(const uint8_t *sb, int i, const uint8_t **qs)
 
 /* N rows of K weights in GGUF blocks of `type` (each row K / its block's weights
    blocks) -> packed panels: Q8_0 as RS_INT8, Q4_0 and Q4_1 as RS_Q4, IQ4_NL and
-   IQ4_XS as RS_IQ4. Nothing is requantized: every weight unpacks to what the file's
-   dequantization gives. Returns -1 for another type or K not a multiple of its
+   IQ4_XS as RS_IQ4, MXFP4 as RS_MXFP4 (its scale byte e as the float 2^(e - 128), as
+   ggml reads it for its doubled levels). Nothing is requantized: every weight unpacks
+   to what the file's dequantization gives. Returns -1 for another type or K not a multiple of its
    blocks. */
 int rs_pack_gguf(const uint8_t *raw, int64_t N, int64_t K, int type, void *packed)
 {
     const int64_t bb = rs_gguf_block_bytes(type), blocks = K / RS_INT8_BLOCK;
     if (bb == 0 || K % gguf_block_weights(type) != 0)
         return -1;
-    const int iq4 = type == GGML_IQ4_NL || type == GGML_IQ4_XS;
-    const int format = type == GGML_Q8_0 ? RS_INT8 : iq4 ? RS_IQ4 : RS_Q4;
+    const int iq4 = type == GGML_IQ4_NL || type == GGML_IQ4_XS, mxfp4 = type == GGML_MXFP4;
+    const int format = type == GGML_Q8_0 ? RS_INT8 : iq4 ? RS_IQ4 : mxfp4 ? RS_MXFP4 : RS_Q4;
     const int64_t panels = (N + RS_PANEL - 1) / RS_PANEL, pb = panel_bytes(K, format);
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < panels; p++) {
@@ -277,10 +312,11 @@ int rs_pack_gguf(const uint8_t *raw, int64_t N, int64_t K, int type, void *packe
                 const uint8_t *blk = row + (type == GGML_IQ4_XS ? g / 8 : g) * bb;
                 uint16_t d;
                 memcpy(&d, blk, 2);
-                if (iq4) {   /* ggml: byte i holds weights i (low) and i + 16 */
-                    const uint8_t *qs = blk + 2;
-                    iq4_scales(dst, g)[j] = type == GGML_IQ4_XS
-                        ? iq4_xs_scale(blk, (int)(g % 8), &qs) : half_to_float(d);
+                if (iq4 || mxfp4) {   /* ggml: byte i holds weights i (low) and i + 16 */
+                    const uint8_t *qs = blk + (mxfp4 ? 1 : 2);
+                    iq4_scales(dst, g)[j] = mxfp4 ? mxfp4_half_scale(blk[0])
+                        : type == GGML_IQ4_XS ? iq4_xs_scale(blk, (int)(g % 8), &qs)
+                        : half_to_float(d);
                     for (int t = 0; t < 32; t++)
                         put_nibble(dst, g * 32 + t, j, t < 16 ? qs[t] & 15 : qs[t - 16] >> 4);
                     continue;
@@ -307,13 +343,29 @@ int rs_pack_gguf(const uint8_t *raw, int64_t N, int64_t K, int type, void *packe
     return 0;
 }
 
-/* The IQ4 level nearest w / d (0 for d 0). */
-static int iq4_nearest(float w, float d)
+/* The index of the level nearest w / d (0 for d 0). */
+static int nearest_level(const int8_t *levels, float w, float d)
 {
     int best = 0;
     for (int q = 1; d != 0.0f && q < 16; q++)
-        best = fabsf(w - d * IQ4_LEVELS[q]) < fabsf(w - d * IQ4_LEVELS[best]) ? q : best;
+        best = fabsf(w - d * levels[q]) < fabsf(w - d * levels[best]) ? q : best;
     return best;
+}
+
+static int iq4_nearest(float w, float d) { return nearest_level(IQ4_LEVELS, w, d); }
+
+/* A block of 32 weights' MXFP4 scale byte, as the OCP MX format chooses it: the power
+   of two 2^(e - 127) that puts its largest weight in [4, 8) times it (FP4's largest
+   value is 6, so the largest weights round to 6 or are clamped there). */
+static int mxfp4_scale_byte(const float *w)
+{
+    float top = 0.0f;
+    for (int t = 0; t < RS_INT8_BLOCK; t++)
+        top = fabsf(w[t]) > top ? fabsf(w[t]) : top;
+    int exp2;
+    frexpf(top, &exp2);   /* top = f 2^exp2, f in [0.5, 1) */
+    const int e = top > 0.0f ? exp2 - 1 - 2 + 127 : 0;
+    return e < 0 ? 0 : e > 254 ? 254 : e;
 }
 
 /* A block of 32 weights' IQ4 scale, as ggml chooses IQ4_NL's: its largest weight put
@@ -353,7 +405,8 @@ static float iq4_scale(const float *w)
    with K not a multiple of its block, or bfloat16 with K odd. */
 int rs_pack_weight(const float *w, int64_t N, int64_t K, int format, void *packed)
 {
-    if (((format == RS_INT8 || format == RS_Q4 || format == RS_IQ4) && K % RS_INT8_BLOCK != 0)
+    if (((format == RS_INT8 || format == RS_Q4 || format_levels(format)) &&
+         K % RS_INT8_BLOCK != 0)
         || (format == RS_BF16 && K % 2 != 0))
         return -1;
     const int64_t panels = (N + RS_PANEL - 1) / RS_PANEL;
@@ -374,14 +427,15 @@ int rs_pack_weight(const float *w, int64_t N, int64_t K, int format, void *packe
                 }
                 continue;
             }
-            if (format == RS_IQ4) {   /* as ggml's IQ4_NL, its scale chosen by iq4_scale */
+            if (format_levels(format)) {   /* IQ4 as ggml's IQ4_NL (iq4_scale); MXFP4 */
                 for (int64_t g = 0; g < K / RS_INT8_BLOCK; g++) {
                     const float *blk = row ? row + g * RS_INT8_BLOCK : NULL;
-                    const float d = blk ? iq4_scale(blk) : 0.0f;
+                    const float d = blk == NULL ? 0.0f : format == RS_IQ4 ? iq4_scale(blk)
+                                  : mxfp4_half_scale((uint8_t)mxfp4_scale_byte(blk));
                     iq4_scales(dst, g)[j] = d;
                     for (int t = 0; t < RS_INT8_BLOCK; t++)
                         put_nibble(dst, g * RS_INT8_BLOCK + t, j,
-                                        blk ? iq4_nearest(blk[t], d) : 0);
+                                   blk ? nearest_level(format_levels(format), blk[t], d) : 0);
                 }
                 continue;
             }
@@ -457,9 +511,9 @@ int rs_unpack_weight(const void *packed, int64_t N, int64_t K, int format, float
             } else if (format == RS_BF16) {
                 const uint32_t bits = (uint32_t)((const uint16_t *)panel)[bf16_index(k, j)] << 16;
                 memcpy(&v, &bits, 4);
-            } else if (format == RS_IQ4) {
+            } else if (format_levels(format)) {
                 const uint8_t byte = ((const uint8_t *)panel)[q4_index(k, j)];
-                v = IQ4_LEVELS[k & 4 ? byte >> 4 : byte & 15] *
+                v = format_levels(format)[k & 4 ? byte >> 4 : byte & 15] *
                     iq4_scales((char *)panel, k / RS_INT8_BLOCK)[j];
             } else if (format == RS_Q4) {
                 const uint8_t byte = ((const uint8_t *)panel)[q4_index(k, j)];
@@ -722,19 +776,21 @@ static inline vf halves_to_float(const uint16_t *h)
    alone (AVX-512, Intel Xeon, builds alternating) 1.06 / 1.12 / 1.07x at 40 / 64 / 128
    rows, and 1.13x at 64 on AVX2; at 8-32 rows 0.6-0.97x, the tiles then no longer
    fetching the next panels while they compute. */
-#define RS_Q4X 5
+#define RS_Q4X 6
 #ifndef Q4X_MIN_ROWS
 #define Q4X_MIN_ROWS 33
 #endif
 
-/* Panels [p, p + np) of a 4-bit weight (pb bytes each) into out, as RS_Q4X; of an IQ4
-   one (levels) as int8 panels (RS_INT8: each level + 128, the float scales as they
-   are), on which the int8 tiles run. Both keep 64 bytes of scales a block. */
-static void expand_q4(int levels, const char *packed, int64_t pb, int64_t p, int np,
-                      int64_t K, char *out)
+/* Panels [p, p + np) of a 4-bit weight (pb bytes each) into out, as RS_Q4X; of one of
+   levels (IQ4, MXFP4: level_bytes, its levels + 128) as int8 panels (RS_INT8: each
+   level + 128, the float scales as they are), on which the int8 tiles run. Both keep
+   64 bytes of scales a block. */
+static void expand_q4(const uint8_t *level_bytes, const char *packed, int64_t pb, int64_t p,
+                      int np, int64_t K, char *out)
 {
     const int64_t blocks = K / RS_INT8_BLOCK;
-    const iv table = IV_TABLE(IQ4_BYTES);
+    const int levels = level_bytes != NULL;
+    const iv table = levels ? IV_TABLE(level_bytes) : IV_ZERO;
     for (int q = 0; q < np; q++)
         for (int64_t b = 0; b < blocks; b++) {
             const char *src = packed + (p + q) * pb + b * Q4_BLOCK_BYTES;
@@ -766,15 +822,17 @@ tile_int(const int MR, const int NP, const int FORMAT, const int8_t *xq, const f
          int64_t ahead_lo, int64_t ahead_hi)
 {
     const int64_t blocks = K / RS_INT8_BLOCK;
-    /* nibbles: packed two a byte (4-bit, IQ4); q4: weights q d + c (4-bit, unpacked or
-       not); levels: nibbles that index IQ4's levels */
-    const int levels = FORMAT == RS_IQ4, nibbles = FORMAT == RS_Q4 || levels,
+    /* nibbles: packed two a byte (4-bit, IQ4, MXFP4); q4: weights q d + c (4-bit,
+       unpacked or not); levels: nibbles that index IQ4's or MXFP4's levels */
+    const int levels = FORMAT == RS_IQ4 || FORMAT == RS_MXFP4,
+              nibbles = FORMAT == RS_Q4 || levels,
               q4 = FORMAT == RS_Q4 || FORMAT == RS_Q4X;
     const int step = nibbles ? 8 : 4;   /* inputs per 64-byte load */
     const int64_t block_bytes = nibbles ? Q4_BLOCK_BYTES : Q8_BLOCK_BYTES,
                   weight_bytes = nibbles ? Q4_WEIGHT_BYTES : Q8_WEIGHT_BYTES;   /* then scales */
     const int unsigned_w = q4 || U8_EXACT;   /* dot4u on the bytes as stored */
-    const iv table = levels ? IV_TABLE(IQ4_BYTES) : IV_ZERO;
+    const iv table = FORMAT == RS_IQ4 ? IV_TABLE(IQ4_BYTES)
+                   : FORMAT == RS_MXFP4 ? IV_TABLE(MXFP4_BYTES) : IV_ZERO;
     vf acc[8][NP_MAX * PV];
     for (int m = 0; m < MR; m++)
         for (int v = 0; v < NP * PV; v++)
@@ -798,7 +856,7 @@ tile_int(const int MR, const int NP, const int FORMAT, const int8_t *xq, const f
             iv raw[NP_MAX * PV], w[NP_MAX * PV];
             for (int v = 0; v < NP * PV; v++) {
                 raw[v] = IV_LOAD(block + (v / PV) * pb + at + (v % PV) * VL * 4);
-                /* IQ4's levels + 128, as int8's bytes: signed again without U8_EXACT */
+                /* the levels + 128, as int8's bytes: signed again without U8_EXACT */
                 w[v] = levels ? IV_LOOKUP(table, IV_LO(raw[v]))
                      : nibbles ? IV_LO(raw[v]) : raw[v];
                 w[v] = unsigned_w ? w[v] : IV_SIGNED(w[v]);
@@ -1362,6 +1420,7 @@ TILES_INT_ROWS8(1, RS_INT8, q8_one) TILES_INT_ROWS(NP_MAX, RS_INT8, q8_wide)
 TILES_INT_ROWS8(1, RS_Q4, q4_one) TILES_INT_ROWS(NP_MAX, RS_Q4, q4_wide)
 TILES_INT_ROWS8(1, RS_Q4X, q4x_one) TILES_INT_ROWS(NP_MAX, RS_Q4X, q4x_wide)
 TILES_INT_ROWS8(1, RS_IQ4, iq4_one) TILES_INT_ROWS(NP_MAX, RS_IQ4, iq4_wide)
+TILES_INT_ROWS8(1, RS_MXFP4, mx4_one) TILES_INT_ROWS(NP_MAX, RS_MXFP4, mx4_wide)
 typedef void (*tile_int_fn)(const int8_t *, const float *, const float *, const int32_t *,
                             const char *, int64_t, int64_t, const float *, float *, int64_t,
                             int64_t, int, int64_t, int64_t);
@@ -1369,11 +1428,12 @@ typedef void (*tile_int_fn)(const int8_t *, const float *, const float *, const 
 #define INT_ROW8(name) {NULL, tile_int_1_##name, tile_int_2_##name, tile_int_3_##name, \
                         tile_int_4_##name, tile_int_5_##name, tile_int_6_##name, \
                         tile_int_7_##name, tile_int_8_##name}
-/* TILES_INT[int8, 4-bit, unpacked 4-bit, IQ4][wide][rows] */
-static const tile_int_fn TILES_INT[4][2][9] = {{INT_ROW8(q8_one), INT_ROW(q8_wide)},
+/* TILES_INT[int8, 4-bit, unpacked 4-bit, IQ4, MXFP4][wide][rows] */
+static const tile_int_fn TILES_INT[5][2][9] = {{INT_ROW8(q8_one), INT_ROW(q8_wide)},
                                                {INT_ROW8(q4_one), INT_ROW(q4_wide)},
                                                {INT_ROW8(q4x_one), INT_ROW(q4x_wide)},
-                                               {INT_ROW8(iq4_one), INT_ROW(iq4_wide)}};
+                                               {INT_ROW8(iq4_one), INT_ROW(iq4_wide)},
+                                               {INT_ROW8(mx4_one), INT_ROW(mx4_wide)}};
 
 /* Rows per integer tile: two sets of accumulators (int32 block sums, float totals) must
    fit the registers. On AVX-512, a batch of up to Q8_NARROW_MAX_ROWS rows
@@ -1448,15 +1508,16 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
 {
     const int64_t panels = (N + RS_PANEL - 1) / RS_PANEL;
     const int nthreads = rs_num_threads();
-    const int bf16 = format == RS_BF16, q4 = format == RS_Q4, iq4 = format == RS_IQ4;
-    const int int8 = format == RS_INT8 || q4 || iq4;   /* x quantized: integer tiles */
+    const int bf16 = format == RS_BF16, q4 = format == RS_Q4;
+    const int levels = format_levels(format) != NULL;   /* IQ4, MXFP4 */
+    const int int8 = format == RS_INT8 || q4 || levels;   /* x quantized: integer tiles */
 #if AMX_BF16
     const int amx = bf16 && amx_usable && M >= AMX_MIN_ROWS && K % 32 == 0;
 #else
     const int amx = 0;
 #endif
 #if AMX_INT8
-    const int amx8 = int8 && !iq4 && amx_usable && M >= AMX_MIN_ROWS;   /* int8 and 4-bit */
+    const int amx8 = int8 && !levels && amx_usable && M >= AMX_MIN_ROWS;   /* int8, 4-bit */
 #else
     const int amx8 = 0;
 #endif
@@ -1472,9 +1533,10 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
         bytes = Mp * K + M * (K / RS_INT8_BLOCK) * 4 * 2 + (amx8 ? 2 * 256 * 4 + 1024 : 0);
     else if (dot || amx)
         bytes = Mp * K * 2 + (amx ? 4 * 256 * 4 : 0);
-    const int q4x = (q4 || iq4) && !amx8 && M >= Q4X_MIN_ROWS;   /* and a group unpacked */
-    /* TILES_INT's first index: IQ4 unpacked is int8 */
-    const int int_tiles = q4x ? (iq4 ? 0 : 2) : iq4 ? 3 : q4;
+    const int q4x = (q4 || levels) && !amx8 && M >= Q4X_MIN_ROWS;   /* a group unpacked */
+    /* TILES_INT's first index: levels unpacked are int8 */
+    const int int_tiles = q4x ? (levels ? 0 : 2) : format == RS_IQ4 ? 3
+                        : format == RS_MXFP4 ? 4 : q4;
     const int staged = expand || q4x;   /* tiles read panels from this thread's buffer */
     const int64_t q4x_at = (bytes + 63) / 64 * 64;
     if (q4x)
@@ -1499,7 +1561,7 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
     }
 #endif
     const int64_t pb = panel_bytes(K, format);
-    const int narrow = int8 ? M <= (q4 || iq4 ? Q4_NARROW_MAX_ROWS : Q8_NARROW_MAX_ROWS)
+    const int narrow = int8 ? M <= (q4 || levels ? Q4_NARROW_MAX_ROWS : Q8_NARROW_MAX_ROWS)
                      : dot && M <= BF16_NARROW_MAX_ROWS;
     /* 4 panels at any M in float32; bfloat16 widened in registers keeps one block of
        one panel up to MR_MAX rows, which widens each weight once */
@@ -1543,7 +1605,8 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
                 w_pb = K * RS_PANEL * 4;
                 w_format = RS_F32;
             } else if (q4x) {
-                expand_q4(iq4, packed, pb, p, wide ? NP_MAX : 1, K, (char *)buf + q4x_at);
+                expand_q4(format_level_bytes(format), packed, pb, p, wide ? NP_MAX : 1, K,
+                          (char *)buf + q4x_at);
                 w = (const char *)buf + q4x_at;
                 w_pb = K / RS_INT8_BLOCK * Q8_BLOCK_BYTES;
             }

@@ -25,6 +25,7 @@ typedef uint16_t rs_vh __attribute__((vector_size(RS_VL * 2), aligned(2)));  /* 
 #define RS_INT8 2
 #define RS_Q4 3
 #define RS_IQ4 4
+#define RS_MXFP4 5
 #define RS_INT8_BLOCK 32
 
 /* float32 -> bfloat16, rounded to nearest even as torch rounds (NaN stays NaN). */

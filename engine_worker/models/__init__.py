@@ -142,5 +142,9 @@ def _pack_linears(module: nn.Module, kernels: CpuKernels, fmt: str) -> None:
             router = isinstance(module, MoE) and name in ("gate", "shared_expert_gate")
             setattr(module, name, PackedLinear(kernels, child.weight, child.bias,
                                                "float32" if router else fmt))
+        elif isinstance(module, MoE) and name == "experts" and module.expert_format == "mxfp4":
+            # gpt-oss's MXFP4 experts stay MXFP4 in any format: their values exactly, in
+            # 5 bits a weight (float32 takes 32, int8 9 and rounds them)
+            _pack_linears(child, kernels, "mxfp4")
         else:
             _pack_linears(child, kernels, fmt)

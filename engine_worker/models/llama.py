@@ -204,6 +204,7 @@ class MoE(nn.Module):
         self.gate = linear(cfg.hidden_size, cfg.num_experts, cfg.expert_bias)   # the router
         self.experts: Optional[nn.ModuleList] = None
         self.grouped: Optional[nn.Module] = None
+        self.expert_format = cfg.expert_format   # "mxfp4": the CPU kernels keep them so
         if cfg.expert_format == "mxfp4" and getattr(ops, "grouped_experts", False):
             # gpt-oss's checkpoints' MXFP4 experts, kept so on a GPU (4.25 bits a weight)
             from engine_worker.gpu.moe import GroupedExperts
