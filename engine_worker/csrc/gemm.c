@@ -290,8 +290,8 @@ static float iq4_xs_scale(const uint8_t *sb, int i, const uint8_t **qs)
    blocks) -> packed panels: Q8_0 as RS_INT8, Q4_0 and Q4_1 as RS_Q4, IQ4_NL and
    IQ4_XS as RS_IQ4, MXFP4 as RS_MXFP4 (its scale byte e as the float 2^(e - 128), as
    ggml reads it for its doubled levels). Nothing is requantized: every weight unpacks
-   to what the file's dequantization gives. Returns -1 for another type or K not a multiple of its
-   blocks. */
+   to what the file's dequantization gives. Returns -1 for another type or K not a
+   multiple of its blocks. */
 int rs_pack_gguf(const uint8_t *raw, int64_t N, int64_t K, int type, void *packed)
 {
     const int64_t bb = rs_gguf_block_bytes(type), blocks = K / RS_INT8_BLOCK;
@@ -831,8 +831,7 @@ tile_int(const int MR, const int NP, const int FORMAT, const int8_t *xq, const f
     const int64_t block_bytes = nibbles ? Q4_BLOCK_BYTES : Q8_BLOCK_BYTES,
                   weight_bytes = nibbles ? Q4_WEIGHT_BYTES : Q8_WEIGHT_BYTES;   /* then scales */
     const int unsigned_w = q4 || U8_EXACT;   /* dot4u on the bytes as stored */
-    const iv table = FORMAT == RS_IQ4 ? IV_TABLE(IQ4_BYTES)
-                   : FORMAT == RS_MXFP4 ? IV_TABLE(MXFP4_BYTES) : IV_ZERO;
+    const iv table = levels ? IV_TABLE(format_level_bytes(FORMAT)) : IV_ZERO;
     vf acc[8][NP_MAX * PV];
     for (int m = 0; m < MR; m++)
         for (int v = 0; v < NP * PV; v++)

@@ -40,7 +40,7 @@ struct rs_llama_layer {
     const void *down;                       /* packed [C, I] */
     const float *down_bias;
     void *k_cache, *v_cache;                /* [slots, Hkv, D] of the model's kv_type */
-    int64_t qkv_format, o_format, gate_up_format, down_format;   /* RS_F32 ... RS_Q4 */
+    int64_t qkv_format, o_format, gate_up_format, down_format;   /* RS_F32 ... RS_MXFP4 */
     /* RoPE from the step's cos and sin (1), its local ones (2: Gemma 3's sliding
        layers), or none (0: SmolLM3's NoPE layers) */
     int64_t rope;
