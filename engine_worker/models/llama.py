@@ -235,13 +235,31 @@ class MoE(nn.Module):
         if self.grouped is not None:
             out = self.grouped(x, weights, chosen)
         else:
-            out = torch.zeros_like(x)
-            for expert in torch.unique(chosen).tolist():   # in order, as transformers sums
-                rows, slot = torch.where(chosen == expert)
-                y = self.experts[expert](x[rows]) * weights[rows, slot, None].to(x.dtype)
-                out.index_add_(0, rows, y)
+            out = self._each_expert(x, weights, chosen)
         if self.shared_expert is not None:
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+    def _each_expert(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
+                     ) -> torch.Tensor:
+        """Each chosen expert once, on its rows, in the experts' order and each one's
+        rows in theirs, as transformers sums them. The choices are sorted once by expert
+        (stably: (row, slot) pairs in row order) and each expert takes its run of them:
+        a scan of every choice per expert took 1.25-1.56x the time a layer in Python
+        (32 experts and 4 a token, or 128 and 8; 1 to 64 rows)."""
+        k = chosen.shape[1]
+        flat = chosen.flatten()
+        order = torch.argsort(flat, stable=True)
+        rows_of, weight_of = order // k, weights.flatten()[order, None].to(x.dtype)
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(torch.bincount(flat).tolist()):
+            if count:
+                rows = rows_of[start:start + count]
+                out.index_add_(0, rows, self.experts[expert](x[rows]) *
+                               weight_of[start:start + count])
+                start += count
         return out
 
 
