@@ -352,8 +352,6 @@ static int nearest_level(const int8_t *levels, float w, float d)
     return best;
 }
 
-static int iq4_nearest(float w, float d) { return nearest_level(IQ4_LEVELS, w, d); }
-
 /* A block of 32 weights' MXFP4 scale byte, as the OCP MX format chooses it: the power
    of two 2^(e - 127) that puts its largest weight in [4, 8) times it (FP4's largest
    value is 6, so the largest weights round to 6 or are clamped there). */
@@ -381,16 +379,16 @@ static float iq4_scale(const float *w)
     float best = top / IQ4_LEVELS[0], least = INFINITY;
     for (int step = -7; step <= 7; step++) {
         const float d0 = top / (IQ4_LEVELS[0] + step);
-        float wl = 0.0f, ll = 0.0f;
+        float wl = 0.0f, ll = 0.0f, l[RS_INT8_BLOCK];
         for (int t = 0; t < RS_INT8_BLOCK; t++) {
-            const float l = IQ4_LEVELS[iq4_nearest(w[t], d0)];
-            wl += w[t] * l;
-            ll += l * l;
+            l[t] = IQ4_LEVELS[nearest_level(IQ4_LEVELS, w[t], d0)];
+            wl += w[t] * l[t];
+            ll += l[t] * l[t];
         }
         const float d = wl / ll;
         float err = 0.0f;
         for (int t = 0; t < RS_INT8_BLOCK; t++) {
-            const float e = w[t] - d * IQ4_LEVELS[iq4_nearest(w[t], d0)];
+            const float e = w[t] - d * l[t];
             err += e * e;
         }
         if (err < least) {
