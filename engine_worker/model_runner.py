@@ -123,18 +123,22 @@ class ModelRunner:
             from engine_worker.gpu.moe import group_experts
 
             group_experts(self.model)
+        packed = Counter(m.fmt for m in self.model.modules() if isinstance(m, PackedLinear))
         if gguf_path is not None:  # the format most of its weights are packed in
-            self.weight_format = Counter(
-                m.fmt for m in self.model.modules() if isinstance(m, PackedLinear)
-            ).most_common(1)[0][0]
+            self.weight_format = packed.most_common(1)[0][0]
         if self.kv_dtype is None:
             self.kv_dtype = self._auto_kv_dtype(kernels, dtype)
+        # the layers packed otherwise: a mixture's routers (float32), gpt-oss's experts
+        # (mxfp4), a GGUF file's other types
+        others = ", ".join(f"{n} in {fmt}" for fmt, n in sorted(packed.items())
+                           if fmt != self.weight_format)
+        shown = self.weight_format + (f" ({others} of {packed.total()} linear layers)"
+                                      if others else "")
         products = kernels.products(self.weight_format) if kernels is not None else None
         if products is not None:
-            logger.info("weights: %s, products: %s", self.weight_format, products)
-        elif self.weight_format != "float32":
-            logger.info("weights: %s, computing in %s", self.weight_format,
-                        str(dtype).removeprefix("torch."))
+            logger.info("weights: %s, products: %s", shown, products)
+        elif self.weight_format != "float32" or others:
+            logger.info("weights: %s, computing in %s", shown, str(dtype).removeprefix("torch."))
         max_len = min(model_config.max_model_len, config.max_model_len or 1 << 62)
         self.inputs = StepInputs(scheduler.token_budget, max_seqs,
                                  -(-max_len // self.block_size), self.block_size, device,
@@ -159,10 +163,9 @@ class ModelRunner:
             budget = cache.kv_cache_memory_bytes or _DEFAULT_CPU_KV_BYTES
             self.num_blocks = cache.num_blocks or self._blocks_in(budget)
         self.kv_caches = self._allocate_cache(self.num_blocks)
-        # The whole forward pass in one C call, for the Llama family on the CPU (but a
-        # mixture of experts: its layers run one operation at a time, on the C kernels).
+        # The whole forward pass in one C call, for the Llama family on the CPU.
         if (isinstance(self.attn, CpuAttention) and model_config.family == "llama"
-                and not model_config.moe_layers):
+                and FusedLlama.supports(self.model)):
             self.fused = FusedLlama(kernels, self.model, self.kv_caches, cache.block_size)
         if hasattr(self.attn, "tile_tokens"):  # TritonAttention
             self._compile_kernels(scheduler)

@@ -5,6 +5,7 @@ Hugging Face: tests/test_engine_hf_parity.py)."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 
 import pytest
@@ -36,16 +37,23 @@ def test_mxfp4_dequantizes_as_transformers_does():
 
 
 @pytest.mark.parametrize("quantization", [None, "int8"])
-def test_mxfp4_experts_serve_as_their_dequantized_copy(tiny_gpt_oss_mxfp4_dirs, quantization):
+def test_mxfp4_experts_serve_as_their_dequantized_copy(tiny_gpt_oss_mxfp4_dirs, quantization,
+                                                      caplog):
     """On the CPU kernels the checkpoint's MXFP4 experts stay MXFP4 whatever the other
     weights are packed as (their values exactly, 5 bits a weight), x multiplied as int8
     as it is for the integer formats: HF's greedy tokens on the dequantized copy (the
-    other weights float32), but where that rounding makes a near tie."""
+    other weights float32), but where that rounding makes a near tie. The log names
+    the layers packed otherwise."""
     from engine_worker.kernels import cpu_kernels
 
     packed, plain = tiny_gpt_oss_mxfp4_dirs
     prompts = random_prompts([6, 19], seed=4)
+    caplog.set_level(logging.INFO, logger="engine_worker.model_runner")
     engine = LLMEngine(EngineConfig(model=str(packed), device="cpu", quantization=quantization))
+    # 2 layers: qkv, o, the router and 4 experts' gate_up and down each, and lm_head;
+    # the routers float32 under int8
+    others = ("2 in float32, 16 in mxfp4 of 23" if quantization else "16 in mxfp4 of 23")
+    assert f"weights: {quantization or 'float32'} ({others} linear layers)" in caplog.text
     if quantization is None:
         assert_matches(engine.generate(prompts, greedy(8)), hf_greedy(plain, prompts, 8),
                        "mxfp4", near_tie=2e-3)
