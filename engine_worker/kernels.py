@@ -312,13 +312,27 @@ BF16_PATHS = {2: "amx", 1: "avx512-bf16", 0: "widened"}
 INT8_PATHS = {2: "amx", 1: "vnni", 0: "no-vnni"}
 
 
+class _Moe(ctypes.Structure):
+    _fields_ = [*((name, ctypes.c_int64) for name in (
+        "num_experts", "top_k", "intermediate", "routing", "act")),
+        ("alpha", ctypes.c_float), ("limit", ctypes.c_float),
+        ("router", ctypes.c_void_p), ("router_bias", ctypes.c_void_p),
+        ("router_format", ctypes.c_int64),
+        *((name, ctypes.POINTER(ctypes.c_void_p)) for name in (
+            "gate_up", "down", "gate_up_bias", "down_bias")),
+        ("gate_up_format", ctypes.c_int64), ("down_format", ctypes.c_int64),
+        ("shared_gate", ctypes.c_void_p), ("shared_gate_format", ctypes.c_int64),
+        ("shared_intermediate", ctypes.c_int64)]
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [*((name, ctypes.c_void_p) for name in (
         "attn_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "mlp_norm",
         "gate_up", "gate_up_bias", "down", "down_bias", "k_cache", "v_cache")),
         *((name, ctypes.c_int64) for name in (
             "qkv_format", "o_format", "gate_up_format", "down_format", "rope", "window")),
-        ("attn_out_norm", ctypes.c_void_p), ("mlp_out_norm", ctypes.c_void_p)]
+        ("attn_out_norm", ctypes.c_void_p), ("mlp_out_norm", ctypes.c_void_p),
+        ("moe", ctypes.POINTER(_Moe)), ("sinks", ctypes.c_void_p)]
 
 
 class _Llama(ctypes.Structure):
@@ -329,7 +343,8 @@ class _Llama(ctypes.Structure):
         ("kv_type", ctypes.c_int64),
         ("embed", ctypes.c_void_p), ("lm_head", ctypes.c_void_p), ("norm", ctypes.c_void_p),
         ("layers", ctypes.POINTER(_Layer)), ("gelu", ctypes.c_int64),
-        ("softcap", ctypes.c_float)]
+        ("softcap", ctypes.c_float),
+        *((name, ctypes.c_int64) for name in ("moe_experts", "moe_top_k", "moe_intermediate"))]
 
 
 class _Step(ctypes.Structure):
@@ -351,8 +366,9 @@ def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
 class FusedLlama:
     """A Llama-family forward pass in one C call (llama.c), over the weights of a
     loaded model whose linear layers are packed (each in its own format), and the engine's
-    KV caches. Set ``profile`` to a float64 tensor of 3 to have the seconds spent in
-    linear layers, attention and the rest added to it."""
+    KV caches; mixtures of experts included (each expert a packed gate_up and down).
+    Set ``profile`` to a float64 tensor of 3 to have the seconds spent in linear layers,
+    attention and the rest added to it."""
 
     def __init__(self, kernels: CpuKernels, model, kv_caches: list[torch.Tensor],
                  block_size: int) -> None:
@@ -361,25 +377,34 @@ class FusedLlama:
         self._kernels = kernels
         self._vocab = cfg.vocab_size
         self._logit_softcap = cfg.logit_softcap
+        self._keep: list = [model, kv_caches]  # everything the pointers point into
         layers = []
         for layer, kv in zip(model.layers, kv_caches):
             attn, mlp = layer.self_attn, layer.mlp
+            moe = None
+            if hasattr(mlp, "experts"):   # a mixture: its shared expert (or none) as the MLP
+                moe = self._mixture(cfg, mlp)
+                mlp = mlp.shared_expert
+            dense = (None, None) if mlp is None else (mlp.gate_up_proj, mlp.down_proj)
             layers.append(_Layer(
                 _ptr(layer.input_layernorm.weight), _ptr(attn.qkv_proj.packed),
                 _ptr(attn.qkv_proj.bias),
                 *(_ptr(None if norm is None else norm.weight)
                   for norm in (attn.q_norm, attn.k_norm)),
                 _ptr(attn.o_proj.packed), _ptr(attn.o_proj.bias),
-                _ptr(layer.post_attention_layernorm.weight), _ptr(mlp.gate_up_proj.packed),
-                _ptr(mlp.gate_up_proj.bias), _ptr(mlp.down_proj.packed),
-                _ptr(mlp.down_proj.bias), _ptr(kv[0]), _ptr(kv[1]),
-                *(WEIGHT_FORMATS[lin.fmt] for lin in (attn.qkv_proj, attn.o_proj,
-                                                      mlp.gate_up_proj, mlp.down_proj)),
+                _ptr(layer.post_attention_layernorm.weight),
+                *(ptr for lin in dense
+                  for ptr in ((None, None) if lin is None else (_ptr(lin.packed), _ptr(lin.bias)))),
+                _ptr(kv[0]), _ptr(kv[1]),
+                *(0 if lin is None else WEIGHT_FORMATS[lin.fmt]
+                  for lin in (attn.qkv_proj, attn.o_proj, *dense)),
                 layer.rope_kind, layer.self_attn.window,
                 *(_ptr(None if norm is None else norm.weight)
-                  for norm in (layer.attn_out_norm, layer.mlp_out_norm))))
+                  for norm in (layer.attn_out_norm, layer.mlp_out_norm)),
+                None if moe is None else ctypes.pointer(moe), _ptr(attn.sinks)))
         self._layers = (_Layer * len(layers))(*layers)
         self._local_rope = any(layer.rope_kind == 2 for layer in model.layers)
+        mixtures = [layer.moe.contents for layer in layers if layer.moe]
         self._model = _Llama(
             cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
             cfg.intermediate_size, cfg.vocab_size, block_size, cfg.norm_eps,
@@ -387,9 +412,50 @@ class FusedLlama:
             kv_type(kv_caches[0].dtype),
             _ptr(model.embed_tokens.weight), _ptr(model.lm_head.packed),
             _ptr(model.norm.weight), self._layers, int(cfg.hidden_act != "silu"),
-            cfg.attn_softcap)
-        self._keep = (model, kv_caches)  # everything the pointers point into
+            cfg.attn_softcap, max((m.num_experts for m in mixtures), default=0),
+            max((m.top_k for m in mixtures), default=0),
+            max((max(m.intermediate, m.shared_intermediate) for m in mixtures), default=0))
         self._scratch = torch.empty(0)
+
+    @staticmethod
+    def supports(model) -> bool:
+        """Whether the C forward runs every layer: a mixture's experts must be packed
+        linear layers (not the GPU's grouped experts), each projection's alike."""
+        for layer in model.layers:
+            experts = getattr(layer.mlp, "experts", False)
+            if experts is None:
+                return False
+            if experts and any(len({getattr(lin, "fmt", None) for lin in lins}) != 1
+                               or not hasattr(lins[0], "packed") for lins in (
+                                   [e.gate_up_proj for e in experts],
+                                   [e.down_proj for e in experts])):
+                return False
+        return True
+
+    def _mixture(self, cfg, mlp) -> _Moe:
+        """A layer's mixture of experts as llama.c's struct rs_moe."""
+        def pointers(tensors: list) -> Optional[ctypes.Array]:
+            if all(t is None for t in tensors):
+                return None
+            array = (ctypes.c_void_p * len(tensors))(*(_ptr(t) for t in tensors))
+            self._keep.append(array)
+            return ctypes.cast(array, ctypes.POINTER(ctypes.c_void_p))
+
+        gate_up = [e.gate_up_proj for e in mlp.experts]
+        down = [e.down_proj for e in mlp.experts]
+        shared = mlp.shared_expert
+        routing = 2 if mlp.softmax_chosen else 1 if mlp.norm_topk else 0
+        act = 2 if cfg.swiglu_limit else int(cfg.hidden_act == "gelu_pytorch_tanh")
+        return _Moe(
+            len(gate_up), mlp.top_k, cfg.expert_intermediate_size, routing, act,
+            cfg.swiglu_alpha or 0.0, cfg.swiglu_limit or 0.0,
+            _ptr(mlp.gate.packed), _ptr(mlp.gate.bias), WEIGHT_FORMATS[mlp.gate.fmt],
+            pointers([lin.packed for lin in gate_up]), pointers([lin.packed for lin in down]),
+            pointers([lin.bias for lin in gate_up]), pointers([lin.bias for lin in down]),
+            WEIGHT_FORMATS[gate_up[0].fmt], WEIGHT_FORMATS[down[0].fmt],
+            None if shared is None else _ptr(mlp.shared_expert_gate.packed),
+            0 if shared is None else WEIGHT_FORMATS[mlp.shared_expert_gate.fmt],
+            0 if shared is None else cfg.shared_expert_size)
 
     def forward(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 slots: torch.Tensor, seq: torch.Tensor, ctx_lens: torch.Tensor,

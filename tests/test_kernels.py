@@ -15,7 +15,8 @@ import torch
 
 from engine_worker import kernels
 from engine_worker.attention import TorchAttention
-from helpers import greedy, make_engine, random_prompts
+from common.protocol import SamplingParams
+from helpers import greedy, make_engine, random_prompts, run_to_end
 import hf_reference
 from hf_reference import assert_matches, hf_greedy, hf_model
 
@@ -279,3 +280,37 @@ def test_processes_starting_together_build_the_kernels_once(tmp_path):
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert sum(out.count("building the CPU kernels") for out in outs) == 1, outs
+
+
+def _tokens_and_logprobs(engine, prompts):
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+    outs = run_to_end(engine)
+    return ([[t for o in outs[f"r{i}"] for t in o.new_token_ids] for i in range(len(prompts))],
+            [lp.logprob for i in range(len(prompts)) for o in outs[f"r{i}"]
+             for lp in o.logprobs or []])
+
+
+@pytest.mark.parametrize("model", ["tiny_mixtral_dir", "tiny_qwen3_moe_dir",
+                                   "tiny_qwen2_moe_dir", "tiny_gpt_oss_dir"])
+def test_mixtures_of_experts_run_in_the_fused_forward_as_layer_by_layer(
+        request, model, monkeypatch):
+    """A mixture's layers run inside the one-call C forward: the router, each token's
+    top k (Mixtral's and Qwen3's renormalized, Qwen2-MoE's not, gpt-oss's softmax over
+    the chosen logits), each chosen expert once on its rows, Qwen2-MoE's gated shared
+    expert, gpt-oss's biases, clamped SwiGLU and attention sinks. The same tokens and
+    logprobs as the layers run one operation at a time on the same kernels (prompts
+    of 1 to 33 tokens in one step: experts with one row and with many)."""
+    model_dir = request.getfixturevalue(model)
+    prompts = random_prompts([1, 5, 17, 33], seed=3, vocab=1000)
+    engine = make_engine(model_dir)
+    assert engine.runner.fused is not None
+    fused = _tokens_and_logprobs(engine, prompts)
+    monkeypatch.setattr(kernels.FusedLlama, "supports", staticmethod(lambda model: False))
+    layered = make_engine(model_dir)
+    assert layered.runner.fused is None
+    want = _tokens_and_logprobs(layered, prompts)
+    assert fused[0] == want[0]
+    assert len(fused[1]) == 4 * 6
+    assert torch.allclose(torch.tensor(fused[1]), torch.tensor(want[1]), rtol=0, atol=1e-5)

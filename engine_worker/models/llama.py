@@ -195,9 +195,10 @@ class MoE(nn.Module):
     picks each token's top k, whose SwiGLU MLPs run on it and are summed, weighted by
     their probabilities (renormalized over the k, where the model says; gpt-oss's: a
     softmax over the k chosen logits, as its router has it, the same up to rounding).
-    On the CPU each expert runs once a step on the rows routed to it (the routing read
-    on the host); on the GPU they run grouped (engine_worker/gpu/moe.py: ``grouped``,
-    which replaces ``experts``), routed on the device."""
+    Layer by layer (the torch ops), each expert runs once a step on the rows routed to
+    it; the CPU's fused forward does the same in C (csrc/llama.c, ``mixture``); on the
+    GPU they run grouped (engine_worker/gpu/moe.py: ``grouped``, which replaces
+    ``experts``), routed on the device."""
 
     def __init__(self, cfg: ModelConfig, ops: Ops) -> None:
         super().__init__()
