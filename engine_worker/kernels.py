@@ -384,6 +384,7 @@ class FusedLlama:
             moe = None
             if hasattr(mlp, "experts"):   # a mixture: its shared expert (or none) as the MLP
                 moe = self._mixture(cfg, mlp)
+                self._keep.append(moe)
                 mlp = mlp.shared_expert
             dense = (None, None) if mlp is None else (mlp.gate_up_proj, mlp.down_proj)
             layers.append(_Layer(
