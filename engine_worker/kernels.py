@@ -15,9 +15,9 @@ is bound by streaming its weight, at 64 by FMA throughput; the same kernel serve
 both, and nothing depends on a vendor BLAS. bfloat16 weights are multiplied as bf16
 products where the CPU has them and they are faster (AMX tiles, or AVX-512-BF16's
 vdpbf16ps, which Intel's cores run no faster than widening; see BF16_PATHS), and int8
-and 4-bit weights as AMX tiles from 16 rows where it has them (INT8_PATHS; IQ4 weights
-take the VNNI tiles at every row count); the OS must first allow AMX: loading the
-kernels asks it (rs_init).
+and 4-bit weights as AMX tiles from 16 rows where it has them (INT8_PATHS; IQ4's and
+MXFP4's panels unpacked to int8 ones first, a panel at a time); the OS must first allow
+AMX: loading the kernels asks it (rs_init).
 llama.c runs a whole Llama-family forward pass in one call on top of it.
 """
 

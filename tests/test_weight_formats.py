@@ -106,12 +106,13 @@ def amx_and_vnni_builds():
     return amx, vnni
 
 
-@pytest.mark.parametrize("fmt", ["int8", "q4"])
+@pytest.mark.parametrize("fmt", ["int8", "q4", "iq4", "mxfp4"])
 @pytest.mark.parametrize("n,k", [(1, 32), (17, 64), (50, 96), (130, 576), (40, 1536)])
 def test_amx_integer_tiles_give_the_vnni_tiles_results(n, k, fmt):
     """From 16 rows int8 and 4-bit products run on AMX tiles (a block of 32 inputs per
-    product, odd and even block counts; 4-bit nibbles spread into bytes first), scaled
-    as the VNNI tiles scale them: int8 the same floats, 4-bit within a float32 rounding
+    product, odd and even block counts; 4-bit nibbles spread into bytes first; IQ4's and
+    MXFP4's panels unpacked to int8 ones, a panel at a time), scaled as the VNNI tiles
+    scale them: int8, IQ4 and MXFP4 the same floats, 4-bit within a float32 rounding
     (the compiler orders its sum of two products otherwise there). On a CPU without AMX
     the tile instructions are emulated (csrc/amx_emulate.h)."""
     amx, vnni = amx_and_vnni_builds()
@@ -126,7 +127,7 @@ def test_amx_integer_tiles_give_the_vnni_tiles_results(n, k, fmt):
         for bias in (None, torch.randn(n)):
             got = amx.linear(x, packed, n, bias, fmt)
             want = vnni.linear(x, packed, n, bias, fmt)
-            if fmt == "int8":
+            if fmt != "q4":
                 assert torch.equal(got, want), (m, (got - want).abs().max())
             else:  # float32 roundings of the sum of |products|, far below a block's share
                 bound = 1e-6 * (x.abs() @ deq.abs().T + 1)

@@ -1188,30 +1188,37 @@ amx_int_tile(const int ROWS, const int Q4, const int8_t *xq, const float *xs,
 }
 
 /* Panels [p_begin, p_end) for all M rows, int8 (xo: x's offsets) or 4-bit (xo: x's
-   block sums); xq holds whole tiles of 16 rows. */
+   block sums); xq holds whole tiles of 16 rows. Panels of levels (IQ4, MXFP4:
+   level_bytes) are unpacked one at a time into stage as int8 panels, and run as int8. */
 static void amx_int_panels(const int Q4, const int8_t *xq, const float *xs, const void *xo,
                            int64_t M, int64_t K, const char *packed, int64_t pb,
                            int64_t p_begin, int64_t p_end, const float *bias, float *y,
-                           int64_t N, int accumulate, int32_t *c)
+                           int64_t N, int accumulate, int32_t *c, const uint8_t *level_bytes,
+                           char *stage)
 {
     const int64_t blocks = K / RS_INT8_BLOCK;
     amx_configure(RS_INT8_BLOCK, RS_INT8_BLOCK / 4);
-    for (int64_t p = p_begin; p < p_end; p++)
+    for (int64_t p = p_begin; p < p_end; p++) {
+        const char *panel = packed + p * pb;
+        if (level_bytes != NULL) {
+            expand_q4(level_bytes, packed, pb, p, 1, K, stage);
+            panel = stage;
+        }
         for (int64_t m0 = 0; m0 < M; m0 += 16) {
             const int64_t n0 = p * RS_PANEL, at = m0 * blocks;
             const float *bias_n = bias ? bias + n0 : NULL;
             const int32_t *xo_m = (const int32_t *)xo + at;
             if (M - m0 >= 16 && Q4)
-                amx_int_tile(16, 1, xq + m0 * K, xs + at, xo_m, K, packed + p * pb, bias_n,
+                amx_int_tile(16, 1, xq + m0 * K, xs + at, xo_m, K, panel, bias_n,
                              y + m0 * N + n0, N, N - n0, accumulate, c);
             else if (M - m0 >= 16)
-                amx_int_tile(16, 0, xq + m0 * K, xs + at, xo_m, K, packed + p * pb, bias_n,
+                amx_int_tile(16, 0, xq + m0 * K, xs + at, xo_m, K, panel, bias_n,
                              y + m0 * N + n0, N, N - n0, accumulate, c);
             else
-                amx_int_tile((int)(M - m0), Q4, xq + m0 * K, xs + at, xo_m, K,
-                             packed + p * pb, bias_n, y + m0 * N + n0, N, N - n0,
-                             accumulate, c);
+                amx_int_tile((int)(M - m0), Q4, xq + m0 * K, xs + at, xo_m, K, panel,
+                             bias_n, y + m0 * N + n0, N, N - n0, accumulate, c);
         }
+    }
     _tile_release();
 }
 #endif
@@ -1514,7 +1521,7 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
     const int amx = 0;
 #endif
 #if AMX_INT8
-    const int amx8 = int8 && !levels && amx_usable && M >= AMX_MIN_ROWS;   /* int8, 4-bit */
+    const int amx8 = int8 && amx_usable && M >= AMX_MIN_ROWS;   /* levels: unpacked */
 #else
     const int amx8 = 0;
 #endif
@@ -1531,13 +1538,14 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
     else if (dot || amx)
         bytes = Mp * K * 2 + (amx ? 4 * 256 * 4 : 0);
     const int q4x = (q4 || levels) && !amx8 && M >= Q4X_MIN_ROWS;   /* a group unpacked */
+    const int amx_stage = amx8 && levels;   /* AMX's panel of levels, unpacked */
     /* TILES_INT's first index: levels unpacked are int8 */
     const int int_tiles = q4x ? (levels ? 0 : 2) : format == RS_IQ4 ? 3
                         : format == RS_MXFP4 ? 4 : q4;
     const int staged = expand || q4x;   /* tiles read panels from this thread's buffer */
     const int64_t q4x_at = (bytes + 63) / 64 * 64;
-    if (q4x)
-        bytes = q4x_at + NP_MAX * (K / RS_INT8_BLOCK) * Q8_BLOCK_BYTES;
+    if (q4x || amx_stage)
+        bytes = q4x_at + (q4x ? NP_MAX : 1) * (K / RS_INT8_BLOCK) * Q8_BLOCK_BYTES;
     void *buf = bytes ? thread_buffer(bytes) : NULL;
     int failed = bytes && buf == NULL;
     int8_t *xq = buf;
@@ -1582,7 +1590,9 @@ int rs_linear_ws(const float *x, int64_t M, int64_t K, const void *packed, int64
         if (amx8 && !failed) {
             amx_int_panels(q4, xq, xs, q4 ? (const void *)xsum : xoff, M, K, packed, pb,
                            p_begin, p_end, bias, y, N, accumulate,
-                           (int32_t *)(xs + 2 * M * (K / RS_INT8_BLOCK)));
+                           (int32_t *)(xs + 2 * M * (K / RS_INT8_BLOCK)),
+                           levels ? format_level_bytes(format) : NULL,
+                           (char *)buf + q4x_at);
             continue;
         }
 #endif
