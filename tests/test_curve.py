@@ -38,10 +38,17 @@ def curve_engine(tmp_path_factory, tiny_llama_dir, keys):
     proc.stop()
 
 
+# How long a refused client's start() waits: the handshake fails within milliseconds,
+# but start() reports it only at its timeout (a client keeps retrying: a service may
+# come back with the key), and on 2 cores under load 3 s once passed without the
+# handshake's event
+REFUSED_WAIT_S = 8
+
+
 async def refused(address: str, key) -> str:
     client = EngineClient(address, curve_key=key)
     with pytest.raises(EngineDeadError) as e:
-        await client.start(timeout_s=3)
+        await client.start(timeout_s=REFUSED_WAIT_S)
     return str(e.value)
 
 
@@ -172,7 +179,7 @@ def test_the_tokenizer_pool_takes_only_keyed_clients(tmp_path, tiny_llama_dir, k
         ids = await client.tokenize(prompt="hello there")
         stranger = TokenizerClient(pool.address)
         with pytest.raises(Exception) as e:
-            await stranger.start(timeout_s=3)
+            await stranger.start(timeout_s=REFUSED_WAIT_S)
         pong = await client.ping()
         await client.close()
         return ids, str(e.value), pong
