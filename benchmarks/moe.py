@@ -34,7 +34,7 @@ from common.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E4
 from common.model_files import resolve_model_dir  # noqa: E402
 from common.protocol import SamplingParams  # noqa: E402
 from engine_worker.engine import LLMEngine  # noqa: E402
-from engine_worker.kernels import FusedLlama  # noqa: E402
+from engine_worker.fused import FusedLlama  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

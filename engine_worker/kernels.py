@@ -18,7 +18,8 @@ vdpbf16ps, which Intel's cores run no faster than widening; see BF16_PATHS), and
 and 4-bit weights as AMX tiles from 16 rows where it has them (INT8_PATHS; IQ4's and
 MXFP4's panels unpacked to int8 ones first, a panel at a time); the OS must first allow
 AMX: loading the kernels asks it (rs_init).
-llama.c runs a whole Llama-family forward pass in one call on top of it.
+llama.c runs a whole Llama-family forward pass in one call on top of it
+(engine_worker/fused.py).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from typing import Optional, Sequence
 import torch
 
 from common.config import cache_dir
-from engine_worker.ops import QkNorm, clamped_swiglu, norm_heads, soft_cap, split_qkv
+from engine_worker.ops import QkNorm, clamped_swiglu, norm_heads, split_qkv
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +162,7 @@ class CpuKernels:
         m, k = x.shape
         out = torch.empty(m, out_features, dtype=torch.float32)
         if m and self._linear(x.data_ptr(), m, k, packed.data_ptr(), out_features,
-                              _ptr(bias), out.data_ptr(), 0, WEIGHT_FORMATS[fmt]) != 0:
+                              ptr_or_none(bias), out.data_ptr(), 0, WEIGHT_FORMATS[fmt]) != 0:
             raise MemoryError("the linear kernel could not allocate scratch memory")
         return out
 
@@ -270,7 +271,7 @@ class CpuKernels:
                              kv_type(kv_cache.dtype), seq.data_ptr(), context_lens.data_ptr(),
                              block_tables.data_ptr(), out.data_ptr(), n, hq, hkv, d,
                              block_size, block_tables.shape[1], scale, softcap, window,
-                             _ptr(sinks))
+                             ptr_or_none(sinks))
         if rc == -2:
             raise ValueError(f"paged attention kernel needs head_dim a multiple of 16 "
                              f"and <= 256, got {d}")
@@ -312,180 +313,8 @@ BF16_PATHS = {2: "amx", 1: "avx512-bf16", 0: "widened"}
 INT8_PATHS = {2: "amx", 1: "vnni", 0: "no-vnni"}
 
 
-class _Moe(ctypes.Structure):
-    _fields_ = [*((name, ctypes.c_int64) for name in (
-        "num_experts", "top_k", "intermediate", "routing", "act")),
-        ("alpha", ctypes.c_float), ("limit", ctypes.c_float),
-        ("router", ctypes.c_void_p), ("router_bias", ctypes.c_void_p),
-        ("router_format", ctypes.c_int64),
-        *((name, ctypes.POINTER(ctypes.c_void_p)) for name in (
-            "gate_up", "down", "gate_up_bias", "down_bias")),
-        ("gate_up_format", ctypes.c_int64), ("down_format", ctypes.c_int64),
-        ("shared_gate", ctypes.c_void_p), ("shared_gate_format", ctypes.c_int64),
-        ("shared_intermediate", ctypes.c_int64)]
-
-
-class _Layer(ctypes.Structure):
-    _fields_ = [*((name, ctypes.c_void_p) for name in (
-        "attn_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "mlp_norm",
-        "gate_up", "gate_up_bias", "down", "down_bias", "k_cache", "v_cache")),
-        *((name, ctypes.c_int64) for name in (
-            "qkv_format", "o_format", "gate_up_format", "down_format", "rope", "window")),
-        ("attn_out_norm", ctypes.c_void_p), ("mlp_out_norm", ctypes.c_void_p),
-        ("moe", ctypes.POINTER(_Moe)), ("sinks", ctypes.c_void_p)]
-
-
-class _Llama(ctypes.Structure):
-    _fields_ = [*((name, ctypes.c_int64) for name in (
-        "num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate",
-        "vocab", "block_size")),
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("lm_head_format", ctypes.c_int64),
-        ("kv_type", ctypes.c_int64),
-        ("embed", ctypes.c_void_p), ("lm_head", ctypes.c_void_p), ("norm", ctypes.c_void_p),
-        ("layers", ctypes.POINTER(_Layer)), ("gelu", ctypes.c_int64),
-        ("softcap", ctypes.c_float),
-        *((name, ctypes.c_int64) for name in ("moe_experts", "moe_top_k", "moe_intermediate"))]
-
-
-class _Step(ctypes.Structure):
-    _fields_ = [("num_tokens", ctypes.c_int64),
-                *((name, ctypes.c_void_p) for name in (
-                    "ids", "slots", "seq", "ctx_lens", "cos", "sin", "block_tables")),
-                ("max_blocks", ctypes.c_int64), ("max_ctx", ctypes.c_int64),
-                ("num_samples", ctypes.c_int64), ("sample_rows", ctypes.c_void_p),
-                ("num_threads", ctypes.c_int64),
-                ("scratch", ctypes.c_void_p), ("logits", ctypes.c_void_p),
-                ("profile", ctypes.c_void_p), ("cos_local", ctypes.c_void_p),
-                ("sin_local", ctypes.c_void_p)]
-
-
-def _ptr(t: Optional[torch.Tensor]) -> Optional[int]:
+def ptr_or_none(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
-
-
-class FusedLlama:
-    """A Llama-family forward pass in one C call (llama.c), over the weights of a
-    loaded model whose linear layers are packed (each in its own format), and the engine's
-    KV caches; mixtures of experts included (each expert a packed gate_up and down).
-    Set ``profile`` to a float64 tensor of 3 to have the seconds spent in linear layers,
-    attention and the rest added to it."""
-
-    def __init__(self, kernels: CpuKernels, model, kv_caches: list[torch.Tensor],
-                 block_size: int) -> None:
-        cfg = model.cfg
-        self.profile: Optional[torch.Tensor] = None
-        self._kernels = kernels
-        self._vocab = cfg.vocab_size
-        self._logit_softcap = cfg.logit_softcap
-        self._keep: list = [model, kv_caches]  # everything the pointers point into
-        layers = []
-        for layer, kv in zip(model.layers, kv_caches):
-            attn, mlp = layer.self_attn, layer.mlp
-            moe = None
-            if hasattr(mlp, "experts"):   # a mixture: its shared expert (or none) as the MLP
-                moe = self._mixture(cfg, mlp)
-                self._keep.append(moe)
-                mlp = mlp.shared_expert
-            dense = (None, None) if mlp is None else (mlp.gate_up_proj, mlp.down_proj)
-            layers.append(_Layer(
-                _ptr(layer.input_layernorm.weight), _ptr(attn.qkv_proj.packed),
-                _ptr(attn.qkv_proj.bias),
-                *(_ptr(None if norm is None else norm.weight)
-                  for norm in (attn.q_norm, attn.k_norm)),
-                _ptr(attn.o_proj.packed), _ptr(attn.o_proj.bias),
-                _ptr(layer.post_attention_layernorm.weight),
-                *(ptr for lin in dense
-                  for ptr in ((None, None) if lin is None else (_ptr(lin.packed), _ptr(lin.bias)))),
-                _ptr(kv[0]), _ptr(kv[1]),
-                *(0 if lin is None else WEIGHT_FORMATS[lin.fmt]
-                  for lin in (attn.qkv_proj, attn.o_proj, *dense)),
-                layer.rope_kind, layer.self_attn.window,
-                *(_ptr(None if norm is None else norm.weight)
-                  for norm in (layer.attn_out_norm, layer.mlp_out_norm)),
-                None if moe is None else ctypes.pointer(moe), _ptr(attn.sinks)))
-        self._layers = (_Layer * len(layers))(*layers)
-        self._local_rope = any(layer.rope_kind == 2 for layer in model.layers)
-        mixtures = [layer.moe.contents for layer in layers if layer.moe]
-        self._model = _Llama(
-            cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-            cfg.intermediate_size, cfg.vocab_size, block_size, cfg.norm_eps,
-            cfg.attention_scale, WEIGHT_FORMATS[model.lm_head.fmt],
-            kv_type(kv_caches[0].dtype),
-            _ptr(model.embed_tokens.weight), _ptr(model.lm_head.packed),
-            _ptr(model.norm.weight), self._layers, int(cfg.hidden_act != "silu"),
-            cfg.attn_softcap, max((m.num_experts for m in mixtures), default=0),
-            max((m.top_k for m in mixtures), default=0),
-            max((max(m.intermediate, m.shared_intermediate) for m in mixtures), default=0))
-        self._scratch = torch.empty(0)
-
-    @staticmethod
-    def supports(model) -> bool:
-        """Whether the C forward runs every layer: a mixture's experts must be packed
-        linear layers (not the GPU's grouped experts), each projection's alike."""
-        for layer in model.layers:
-            experts = getattr(layer.mlp, "experts", False)
-            if experts is None:
-                return False
-            if experts and any(len({getattr(lin, "fmt", None) for lin in lins}) != 1
-                               or not hasattr(lins[0], "packed") for lins in (
-                                   [e.gate_up_proj for e in experts],
-                                   [e.down_proj for e in experts])):
-                return False
-        return True
-
-    def _mixture(self, cfg, mlp) -> _Moe:
-        """A layer's mixture of experts as llama.c's struct rs_moe."""
-        def pointers(tensors: list) -> Optional[ctypes.Array]:
-            if all(t is None for t in tensors):
-                return None
-            array = (ctypes.c_void_p * len(tensors))(*(_ptr(t) for t in tensors))
-            self._keep.append(array)
-            return ctypes.cast(array, ctypes.POINTER(ctypes.c_void_p))
-
-        gate_up = [e.gate_up_proj for e in mlp.experts]
-        down = [e.down_proj for e in mlp.experts]
-        shared = mlp.shared_expert
-        routing = 2 if mlp.softmax_chosen else 1 if mlp.norm_topk else 0
-        act = 2 if cfg.swiglu_limit else int(cfg.hidden_act == "gelu_pytorch_tanh")
-        return _Moe(
-            len(gate_up), mlp.top_k, cfg.expert_intermediate_size, routing, act,
-            cfg.swiglu_alpha or 0.0, cfg.swiglu_limit or 0.0,
-            _ptr(mlp.gate.packed), _ptr(mlp.gate.bias), WEIGHT_FORMATS[mlp.gate.fmt],
-            pointers([lin.packed for lin in gate_up]), pointers([lin.packed for lin in down]),
-            pointers([lin.bias for lin in gate_up]), pointers([lin.bias for lin in down]),
-            WEIGHT_FORMATS[gate_up[0].fmt], WEIGHT_FORMATS[down[0].fmt],
-            None if shared is None else _ptr(mlp.shared_expert_gate.packed),
-            0 if shared is None else WEIGHT_FORMATS[mlp.shared_expert_gate.fmt],
-            0 if shared is None else cfg.shared_expert_size)
-
-    def forward(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                slots: torch.Tensor, seq: torch.Tensor, ctx_lens: torch.Tensor,
-                block_tables: torch.Tensor, sample_rows: torch.Tensor, max_ctx: int,
-                num_threads: int, local: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-                ) -> torch.Tensor:
-        """Per token (N,) int64: ids, slots, seq (its row of block_tables) and ctx_lens
-        (keys it attends to, itself included); cos, sin (N, D/2), and ``local`` those of
-        the layers with a RoPE of their own (Gemma 3's sliding ones); sample_rows (S,).
-        Writes the step's keys and values; returns the logits (S, V)."""
-        n, num_samples = ids.shape[0], sample_rows.shape[0]
-        if self._local_rope and local is None:
-            raise ValueError("this model's sliding layers need their own cos and sin (local)")
-        need = self._kernels._llama_scratch(ctypes.byref(self._model), n, num_samples,
-                                            max_ctx, num_threads)
-        if self._scratch.numel() < need:
-            self._scratch = torch.empty(need, dtype=torch.float32)
-        logits = torch.empty(num_samples, self._vocab, dtype=torch.float32)
-        step = _Step(n, ids.data_ptr(), slots.data_ptr(), seq.data_ptr(), ctx_lens.data_ptr(),
-                     cos.data_ptr(), sin.data_ptr(), block_tables.data_ptr(),
-                     block_tables.shape[1], max_ctx, num_samples, sample_rows.data_ptr(),
-                     num_threads, self._scratch.data_ptr(), logits.data_ptr(),
-                     _ptr(self.profile), *(_ptr(t) for t in (local or (None, None))))
-        rc = self._kernels._llama_forward(ctypes.byref(self._model), ctypes.byref(step))
-        if rc == -2:
-            raise ValueError("the fused forward needs head_dim a multiple of 16, <= 256")
-        if rc != 0:
-            raise MemoryError("the fused forward could not allocate scratch memory")
-        return soft_cap(logits, self._logit_softcap)
 
 
 _loaded: dict[str, Optional[CpuKernels]] = {}

@@ -27,7 +27,7 @@ import torch
 from common.config import EngineConfig, SchedulerConfig
 from engine_worker.attention import (AttentionBackend, CpuAttention, TorchAttention,
                                      kv_cache_shape)
-from engine_worker.kernels import FusedLlama
+from engine_worker.fused import FusedLlama
 from engine_worker.kernels import cpu_kernels as load_cpu_kernels
 from engine_worker.model_config import ModelConfig
 from engine_worker.gguf import gguf_file

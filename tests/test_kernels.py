@@ -15,6 +15,7 @@ import torch
 
 from engine_worker import kernels
 from engine_worker.attention import TorchAttention
+from engine_worker.fused import FusedLlama
 from common.protocol import SamplingParams
 from helpers import greedy, make_engine, random_prompts, run_to_end
 import hf_reference
@@ -307,7 +308,7 @@ def test_mixtures_of_experts_run_in_the_fused_forward_as_layer_by_layer(
     engine = make_engine(model_dir)
     assert engine.runner.fused is not None
     fused = _tokens_and_logprobs(engine, prompts)
-    monkeypatch.setattr(kernels.FusedLlama, "supports", staticmethod(lambda model: False))
+    monkeypatch.setattr(FusedLlama, "supports", staticmethod(lambda model: False))
     layered = make_engine(model_dir)
     assert layered.runner.fused is None
     want = _tokens_and_logprobs(layered, prompts)

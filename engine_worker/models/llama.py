@@ -241,7 +241,6 @@ class MoE(nn.Module):
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
-
     def _each_expert(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
                      ) -> torch.Tensor:
         """Each chosen expert once, on its rows, in the experts' order and each one's
