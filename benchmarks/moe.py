@@ -29,9 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.stack import cpu_model  # noqa: E402
+from benchmarks.stack import cpu_model, shape_dir  # noqa: E402
 from common.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
-from common.model_files import resolve_model_dir  # noqa: E402
 from common.protocol import SamplingParams  # noqa: E402
 from engine_worker.engine import LLMEngine  # noqa: E402
 from engine_worker.fused import FusedLlama  # noqa: E402
@@ -53,23 +52,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", dest="json_path", default=None)
     return p.parse_args(argv)
-
-
-def model_dir(args: argparse.Namespace, tmp: Path) -> Path:
-    """The model's folder; with --layers, a copy of its config cut to that many layers."""
-    path = resolve_model_dir(args.model_config)
-    if args.layers is None:
-        return path
-    if args.load_format != "dummy":
-        raise SystemExit("--layers cuts a config: it needs --load-format dummy")
-    config = json.loads((path / "config.json").read_text())
-    config["num_hidden_layers"] = args.layers
-    if isinstance(config.get("layer_types"), list):   # per-layer lists, cut to match
-        config["layer_types"] = config["layer_types"][:args.layers]
-    if isinstance(config.get("mlp_only_layers"), list):
-        config["mlp_only_layers"] = [i for i in config["mlp_only_layers"] if i < args.layers]
-    (tmp / "config.json").write_text(json.dumps(config))
-    return tmp
 
 
 def engine(args: argparse.Namespace, path: Path, fused: bool) -> LLMEngine:
@@ -96,7 +78,7 @@ def concurrencies(args: argparse.Namespace) -> list[int]:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        path = model_dir(args, Path(tmp))
+        path = shape_dir(args.model_config, args.layers, args.load_format, Path(tmp))
         engines = {"fused": engine(args, path, True), "layered": engine(args, path, False)}
     cfg = engines["fused"].model_config
     if not cfg.moe_layers:

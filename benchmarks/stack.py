@@ -3,6 +3,7 @@ routing.py): start, wait, read /metrics and per-process resources, stop."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -12,6 +13,7 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Optional
 
 import httpx
 import psutil
@@ -105,6 +107,26 @@ def metric(text: str, name: str, **labels) -> float:
 
 def scrape(url: str) -> str:
     return httpx.get(f"{url}/metrics", timeout=10).text
+
+
+def shape_dir(model: str, layers: Optional[int], load_format: str, tmp: Path) -> Path:
+    """A model's folder (a shipped shape's name or a path); with ``layers``, a copy of
+    its config in ``tmp`` cut to its first that many layers (random weights only)."""
+    from common.model_files import resolve_model_dir
+
+    path = resolve_model_dir(model)
+    if layers is None:
+        return path
+    if load_format != "dummy":
+        raise SystemExit("--layers cuts a config: it needs --load-format dummy")
+    config = json.loads((path / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    if isinstance(config.get("layer_types"), list):   # per-layer lists, cut to match
+        config["layer_types"] = config["layer_types"][:layers]
+    if isinstance(config.get("mlp_only_layers"), list):
+        config["mlp_only_layers"] = [i for i in config["mlp_only_layers"] if i < layers]
+    (tmp / "config.json").write_text(json.dumps(config))
+    return tmp
 
 
 def cpu_model() -> str:

@@ -117,7 +117,9 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           gpu_memory_utilization=args.gpu_memory_utilization,
                           enable_prefix_caching=not args.no_prefix_cache,
                           kv_transfer_timeout_s=args.kv_transfer_timeout,
-                          kv_transfer_window_bytes=args.kv_transfer_window_bytes),
+                          kv_transfer_window_bytes=args.kv_transfer_window_bytes,
+                          # (roseserve serve checks its flags here, with no role)
+                          window_pool=getattr(args, "role", "mixed") == "mixed"),
         scheduler=SchedulerConfig(max_batch_size=args.max_batch_size,
                                   prefill_max_batch_size=args.prefill_max_batch_size,
                                   max_num_batched_tokens=args.max_num_batched_tokens))

@@ -54,6 +54,9 @@ class AttentionMetadata:
     # The same as host lists, for the reference path, for the unpadded sequences.
     seq_lens_host: list[int]
     query_start_host: list[int]
+    # The sliding-window layers' own view where they have a pool of their own
+    # (window_blocks.py): the same but for its block tables and slots.
+    local: Optional["AttentionMetadata"] = None
 
     @functools.cached_property
     def decode_tables_int64(self) -> torch.Tensor:

@@ -61,10 +61,25 @@ class BlockTable:
     num_registered: int = 0
     # The first block's parent hash: the request's cache salt's (None: unsalted).
     root: Optional[bytes] = None
+    # Leading entries let go of (the null block's id, NULL_BLOCK, in their place):
+    # sliding-window layers' blocks that no query will see again (window_blocks.py).
+    released: int = 0
+    # The sliding-window layers' blocks, where they have a pool of their own
+    # (window_blocks.WindowedBlockManager); None otherwise.
+    window: Optional["BlockTable"] = None
+
+
+# The id in a table's released entries: a block of zeros no one writes (a pool made
+# with null_block=True holds it taken for good), so a kernel that reads past a
+# window's start reads finite keys and values it then masks out.
+NULL_BLOCK = 0
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+                 null_block: bool = False) -> None:
+        """null_block: block NULL_BLOCK is taken for good, never given out (it is not
+        counted in num_blocks)."""
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block")
         self.block_size = block_size
@@ -79,6 +94,11 @@ class BlockManager:
         # Cached (ref 0, hashed) blocks, least recently used first.
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._by_hash: dict[bytes, int] = {}
+        # The null block: taken at once, held for good.
+        self._reserved = int(null_block)
+        if null_block:
+            self._num_blocks += 1
+            self.blocks.append(Block(NULL_BLOCK, ref_count=1))
         # Hash -> held, since the last take_changes(); None: not recording.
         self._changes: Optional[dict[bytes, bool]] = None
 
@@ -86,7 +106,7 @@ class BlockManager:
 
     @property
     def num_blocks(self) -> int:
-        return self._num_blocks
+        return self._num_blocks - self._reserved
 
     @property
     def num_free_blocks(self) -> int:
@@ -100,6 +120,10 @@ class BlockManager:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
+
+    def slide(self, table: BlockTable, num_computed: int) -> None:
+        """Let go of the blocks no query from position ``num_computed`` on will see.
+        With every layer attending to all keys, none (window_blocks.py overrides)."""
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -222,24 +246,28 @@ class BlockManager:
     def free(self, table: BlockTable) -> None:
         """Release the request's blocks. Hashed blocks stay cached; the tail is
         released first so that it is evicted before the shared head."""
-        for block_id in reversed(table.block_ids):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} freed twice"
-            if block.ref_count == 0:
-                if block.block_hash is not None:
-                    self._evictable[block_id] = None
-                else:
-                    self._free[block_id] = None
+        for block_id in reversed(table.block_ids[table.released:]):
+            self._unref(block_id)
         table.block_ids.clear()
-        table.num_registered = 0
+        table.num_registered = table.released = 0
+
+    def release(self, table: BlockTable, num_blocks: int) -> None:
+        """Let go of the table's first ``num_blocks`` blocks, oldest first (hashed ones
+        stay cached); NULL_BLOCK takes their places."""
+        num_blocks = min(num_blocks, len(table.block_ids))
+        for i in range(table.released, num_blocks):
+            self._unref(table.block_ids[i])
+            table.block_ids[i] = NULL_BLOCK
+        table.released = max(table.released, num_blocks)
+        # a block let go of unregistered (a placeholder's) is not offered later
+        table.num_registered = max(table.num_registered, table.released)
 
     def forget_from(self, table: BlockTable, num_tokens: int) -> list[int]:
         """Take the blocks of ``table`` holding tokens at or after ``num_tokens`` out of
         the prefix cache: a step that was filling them failed, so their KV may be
         garbage. Returns their ids (another request of the same step may have
         attached them)."""
-        first = num_tokens // self.block_size
+        first = max(num_tokens // self.block_size, table.released)
         block_ids = table.block_ids[first:]
         for block_id in block_ids:
             block = self.blocks[block_id]
@@ -262,6 +290,16 @@ class BlockManager:
             self._unhash(block_hash)
 
     # -- internals -------------------------------------------------------------
+
+    def _unref(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        assert block.ref_count >= 0, f"block {block_id} freed twice"
+        if block.ref_count == 0:
+            if block.block_hash is not None:
+                self._evictable[block_id] = None
+            else:
+                self._free[block_id] = None
 
     def _ref(self, block_id: int) -> None:
         block = self.blocks[block_id]

@@ -28,6 +28,7 @@ from engine_worker.request import Request, RequestStatus
 from engine_worker.sampler import PendingSamples, Samples, token_logprobs
 from engine_worker.scheduler import ScheduledRequest, Scheduler
 from engine_worker.speculation import PREDICTED_TOKENS, Speculator, max_step_rows
+from engine_worker.window_blocks import WindowedBlockManager
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +67,13 @@ class LLMEngine:
         scheduler_config = config.scheduler.for_device(self.device.type)
         self.runner = ModelRunner(self.model_config, self.model_dir, config, scheduler_config,
                                   self.device, self.dtype)
-        self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
-                                          config.cache.enable_prefix_caching)
+        if self.runner.windowed:  # the sliding layers' blocks in a pool of their own
+            self.block_manager = WindowedBlockManager(
+                self.runner.num_blocks, self.runner.num_local_blocks, config.cache.block_size,
+                self.runner.window, config.cache.enable_prefix_caching)
+        else:
+            self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
+                                              config.cache.enable_prefix_caching)
         # A request must fit in the pool on its own, or it could never finish.
         pool_tokens = self.runner.num_blocks * config.cache.block_size
         self.max_model_len = min(self.model_config.max_model_len, pool_tokens,
@@ -158,6 +164,11 @@ class LLMEngine:
         prompt = checked_prompt(prompt_token_ids, params, self.vocab_size, self.max_model_len)
         _check_continuation(prompt, output_token_ids, params, self.vocab_size,
                             self.max_model_len, kv_lease_s)
+        if self.runner.windowed and kv_lease_s:
+            raise InvalidRequestError(
+                "this engine keeps its sliding-window layers' blocks in a pool of their own "
+                "and cannot lend a prompt's KV to another engine (start it with --role "
+                "prefill)", "kv_lease_s")
         room = self.max_model_len - len(prompt)
         grammar = None
         if params.structured is not None:
@@ -166,8 +177,9 @@ class LLMEngine:
                           self.eos_token_ids, grammar, output_token_ids)
         request.kv_lease_s = kv_lease_s
         self.requests[request_id] = request
-        if kv_source is None or not self.kv_receiver.start(request, kv_source,
-                                                           time.monotonic()):
+        # (an engine of two pools computes the prompt itself: it takes whole tables)
+        if (kv_source is None or self.runner.windowed
+                or not self.kv_receiver.start(request, kv_source, time.monotonic())):
             self.scheduler.add(request)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:

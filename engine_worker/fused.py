@@ -57,7 +57,8 @@ class _Step(ctypes.Structure):
                 ("num_threads", ctypes.c_int64),
                 ("scratch", ctypes.c_void_p), ("logits", ctypes.c_void_p),
                 ("profile", ctypes.c_void_p), ("cos_local", ctypes.c_void_p),
-                ("sin_local", ctypes.c_void_p)]
+                ("sin_local", ctypes.c_void_p), ("local_slots", ctypes.c_void_p),
+                ("local_block_tables", ctypes.c_void_p)]
 
 
 class FusedLlama:
@@ -157,11 +158,14 @@ class FusedLlama:
     def forward(self, ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 slots: torch.Tensor, seq: torch.Tensor, ctx_lens: torch.Tensor,
                 block_tables: torch.Tensor, sample_rows: torch.Tensor, max_ctx: int,
-                num_threads: int, local: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+                num_threads: int, local: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                local_pool: Optional[tuple[torch.Tensor, torch.Tensor]] = None
                 ) -> torch.Tensor:
         """Per token (N,) int64: ids, slots, seq (its row of block_tables) and ctx_lens
         (keys it attends to, itself included); cos, sin (N, D/2), and ``local`` those of
-        the layers with a RoPE of their own (Gemma 3's sliding ones); sample_rows (S,).
+        the layers with a RoPE of their own (Gemma 3's sliding ones); ``local_pool``
+        the sliding layers' slots and block tables where their blocks are a pool of their
+        own (window_blocks.py); sample_rows (S,).
         Writes the step's keys and values; returns the logits (S, V)."""
         n, num_samples = ids.shape[0], sample_rows.shape[0]
         if self._local_rope and local is None:
@@ -175,7 +179,8 @@ class FusedLlama:
                      cos.data_ptr(), sin.data_ptr(), block_tables.data_ptr(),
                      block_tables.shape[1], max_ctx, num_samples, sample_rows.data_ptr(),
                      num_threads, self._scratch.data_ptr(), logits.data_ptr(),
-                     ptr_or_none(self.profile), *(ptr_or_none(t) for t in (local or (None, None))))
+                     ptr_or_none(self.profile), *(ptr_or_none(t) for t in (local or (None, None))),
+                     *(ptr_or_none(t) for t in (local_pool or (None, None))))
         rc = self._kernels._llama_forward(ctypes.byref(self._model), ctypes.byref(step))
         if rc == -2:
             raise ValueError("the fused forward needs head_dim a multiple of 16, <= 256")

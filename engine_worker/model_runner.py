@@ -36,6 +36,7 @@ from engine_worker.ops import FP8, TorchOps
 from engine_worker.sampler import Sampler
 from engine_worker.scheduler import ScheduledRequest
 from engine_worker.step_inputs import StepBatch, StepInputs, step_layout
+from engine_worker.window_blocks import local_pool_blocks, split_pool
 
 logger = logging.getLogger(__name__)
 
@@ -140,9 +141,19 @@ class ModelRunner:
         elif self.weight_format != "float32" or others:
             logger.info("weights: %s, computing in %s", shown, str(dtype).removeprefix("torch."))
         max_len = min(model_config.max_model_len, config.max_model_len or 1 << 62)
+        # Layers of full attention and of a sliding window, mixed: the sliding ones'
+        # blocks in a pool of their own, let go of as the window passes
+        # (window_blocks.py), unless the config says not (CacheConfig.window_pool).
+        windows = model_config.windows or (0,)
+        self.window = max(windows) if 0 in windows and cache.window_pool else 0
+        self.windowed = self.window > 0
         self.inputs = StepInputs(scheduler.token_budget, max_seqs,
                                  -(-max_len // self.block_size), self.block_size, device,
-                                 getattr(self.attn, "tile_tokens", 1))
+                                 getattr(self.attn, "tile_tokens", 1), self.windowed)
+        self._local_needed = (local_pool_blocks(self.window, self.block_size, max_seqs,
+                                                scheduler.token_budget)
+                              if self.windowed else 0)
+        self.num_local_blocks = 0  # the sliding layers' pool's, its null block included
         self.sampler = Sampler(device, config.seed, kernels)
         self.kv_caches: list[torch.Tensor] = []
         self.fused: Optional[FusedLlama] = None
@@ -158,11 +169,14 @@ class ModelRunner:
                   and model_config.family == "llama"
                   and (grouped or not model_config.moe_layers))
         if device.type == "cuda":
-            self.num_blocks = self._size_gpu_cache(cache, scheduler, graphs)
+            self.num_blocks, self.num_local_blocks = self._size_gpu_cache(cache, scheduler,
+                                                                          graphs)
+        elif cache.num_blocks:
+            self.num_blocks, self.num_local_blocks = self._given(cache.num_blocks)
         else:
-            budget = cache.kv_cache_memory_bytes or _DEFAULT_CPU_KV_BYTES
-            self.num_blocks = cache.num_blocks or self._blocks_in(budget)
-        self.kv_caches = self._allocate_cache(self.num_blocks)
+            self.num_blocks, self.num_local_blocks = self._blocks_in(
+                cache.kv_cache_memory_bytes or _DEFAULT_CPU_KV_BYTES)
+        self.kv_caches = self._allocate_cache(self.num_blocks, self.num_local_blocks)
         # The whole forward pass in one C call, for the Llama family on the CPU.
         if (isinstance(self.attn, CpuAttention) and model_config.family == "llama"
                 and FusedLlama.supports(self.model)):
@@ -174,9 +188,13 @@ class ModelRunner:
 
             self.graphs = self.make_graph_runner(scheduler.decode_batch_size, CudaGraphCapture())
             self.graphs.capture_all()
-        logger.info("KV cache: %d blocks x %d tokens, %s (%.0f MiB)", self.num_blocks,
+        local = ""
+        if self.windowed:
+            local = (f"; sliding layers (a window of {self.window}): "
+                     f"{self.num_local_blocks - 1} blocks of their own")
+        logger.info("KV cache: %d blocks x %d tokens, %s (%.0f MiB)%s", self.num_blocks,
                     cache.block_size, str(self.kv_dtype).removeprefix("torch."),
-                    self.num_blocks * self._bytes_per_block() / 2**20)
+                    sum(c.numel() * c.element_size() for c in self.kv_caches) / 2**20, local)
 
     def _auto_kv_dtype(self, kernels, dtype: torch.dtype) -> torch.dtype:
         """--kv-cache-dtype auto: the dtype the model computes in, but bfloat16 where
@@ -220,32 +238,59 @@ class ModelRunner:
             return TorchAttention(*args, softcap=cfg.attn_softcap), kernels
         return CpuAttention(*args, kernels, softcap=cfg.attn_softcap), kernels
 
-    def _bytes_per_block(self) -> int:
+    def _layer_block_bytes(self) -> int:
+        """One layer's keys and values of one block."""
         cfg = self.config
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        return 2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
+        return 2 * self.block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
-    def _blocks_in(self, budget: int) -> int:
-        num_blocks = budget // self._bytes_per_block()
+    def _blocks_in(self, budget: int) -> tuple[int, int]:
+        """(blocks, the sliding layers' own blocks or 0) a KV memory budget holds."""
+        per_layer = self._layer_block_bytes()
+        num_local_layers = sum(1 for w in self.config.windows if w) if self.windowed else 0
+        num_blocks, num_local = split_pool(budget, per_layer,
+                                           self.config.num_layers - num_local_layers,
+                                           num_local_layers, self._local_needed)
         if num_blocks < 1:
             raise ValueError(
                 f"a KV memory budget of {budget} bytes holds no block of "
-                f"{self._bytes_per_block()} bytes")
-        return num_blocks
+                f"{per_layer * self.config.num_layers} bytes")
+        return num_blocks, num_local
 
-    def _allocate_cache(self, num_blocks: int) -> list[torch.Tensor]:
-        shape = kv_cache_shape(num_blocks, self.block_size, self.config.num_kv_heads,
-                               self.config.head_dim)
-        # Zeroed, not empty: padded reads of unused slots are masked out, but garbage
-        # there could be NaN, and 0 * NaN would leak through the softmax.
-        return [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-                for _ in range(self.config.num_layers)]
+    def _given(self, num_blocks: int) -> tuple[int, int]:
+        """--num-blocks: the full layers' pool; the sliding layers' holds what its
+        requests can use of their windows, at most as many."""
+        if not self.windowed:
+            return num_blocks, 0
+        return num_blocks, min(self._local_needed, num_blocks) + 1
 
-    def _size_gpu_cache(self, cache, scheduler: SchedulerConfig, graphs: bool) -> int:
-        """Blocks for the KV cache on the GPU: given, or what is left after profiling
-        (gpu/memory.py); ``graphs``: room for the CUDA graphs' largest steps too."""
+    def _allocate_cache(self, num_blocks: int, num_local: int = 0) -> list[torch.Tensor]:
+        """Each layer's cache: the sliding layers' of ``num_local`` blocks where they
+        have a pool of their own (else of ``num_blocks``)."""
+        cfg = self.config
+
+        def cache(blocks: int) -> torch.Tensor:
+            # Zeroed, not empty: padded reads of unused slots are masked out, but
+            # garbage there could be NaN, and 0 * NaN would leak through the softmax.
+            shape = kv_cache_shape(blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+            return torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        return [cache(num_local if num_local and cfg.windows[i] else num_blocks)
+                for i in range(cfg.num_layers)]
+
+    def _zero_null_block(self) -> None:
+        """The sliding layers' null block after made-up steps wrote there (their
+        requests have no local table): released entries must read zeros."""
+        for i, c in enumerate(self.kv_caches):
+            if self.windowed and self.config.windows[i]:
+                c[:, 0].zero_()
+
+    def _size_gpu_cache(self, cache, scheduler: SchedulerConfig, graphs: bool
+                        ) -> tuple[int, int]:
+        """Blocks for the KV cache on the GPU (and the sliding layers' own, _blocks_in):
+        given, or what is left after profiling (gpu/memory.py); ``graphs``: room for
+        the CUDA graphs' largest steps too."""
         if cache.num_blocks is not None:
-            return cache.num_blocks
+            return self._given(cache.num_blocks)
         if cache.kv_cache_memory_bytes is not None:
             return self._blocks_in(cache.kv_cache_memory_bytes)
         from engine_worker.gpu.memory import MemoryProfile
@@ -285,12 +330,12 @@ class ModelRunner:
         base = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         scheduled, blocks = dummy_step(tokens, seqs, self.block_size, self.inputs.width)
-        self.kv_caches = self._allocate_cache(blocks)
+        self.kv_caches = self._allocate_cache(blocks, 1)  # local tables: the null block
         logits = self.forward(scheduled)
         self.sampler.profile(logits)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
-        cache_bytes = blocks * self._bytes_per_block()
+        cache_bytes = sum(c.numel() * c.element_size() for c in self.kv_caches)
         self.kv_caches = []
         del logits
         torch.cuda.empty_cache()
@@ -325,6 +370,7 @@ class ModelRunner:
                   for b in by_splits.values()]
         for scheduled in steps:
             self.forward(scheduled)
+        self._zero_null_block()
 
     def _splits(self, num_decode: int) -> int:
         """Programs each decode row's context is split over (Triton attention only)."""
@@ -454,47 +500,51 @@ class ModelRunner:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         seq: list[int] = []
-        tables: list[list[int]] = []
         sample_rows: list[int] = []
         first_rows: list[int] = []
+        # per pool (the full layers', then the sliding layers' where windowed): the
+        # tokens' slots and the sequences' block tables
+        pools = [([], []) for _ in range(1 + self.windowed)]
         for i, s in enumerate(scheduled):
             r = s.request
             first_rows.append(len(input_ids))
             start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_tokens
-            block_ids = r.blocks.block_ids
             input_ids.extend(r.token_ids[start:end])
             positions.extend(range(start, end))
-            slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
-            table = block_ids[:-(-end // bs)]
-            if r.num_draft:
-                # A request checking proposed tokens: each of its rows a sequence of its
-                # own, so that it attends as a decode row does (the same sums, in the
-                # same order: the tokens are the ones decoding one at a time gives).
-                seq.extend(range(len(tables), len(tables) + s.num_tokens))
-                tables.extend([table] * s.num_tokens)
-            else:
-                seq.extend([len(tables)] * s.num_tokens)
-                tables.append(table)
+            # A request checking proposed tokens: each of its rows a sequence of its
+            # own, so that it attends as a decode row does (the same sums, in the same
+            # order: the tokens are the ones decoding one at a time gives).
+            rows = s.num_tokens if r.num_draft else 1
+            seq.extend(range(len(pools[0][1]), len(pools[0][1]) + s.num_tokens) if r.num_draft
+                       else [len(pools[0][1])] * s.num_tokens)
+            for (slots, tables), table in zip(pools, (r.blocks, r.blocks.window)):
+                block_ids = table.block_ids
+                slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
+                tables.extend([block_ids[:-(-end // bs)]] * rows)
             if s.samples:
                 sample_rows.append(len(input_ids) - 1)
         extra = self._extra_rows(scheduled, first_rows)
-        width = max(len(t) for t in tables)
-        n = len(input_ids)
+        width = max(len(t) for t in pools[0][1])
+        n, num_seqs = len(input_ids), len(pools[0][1])
         # Every int64 array of the step in one tensor (one host copy), viewed in parts.
-        flat = torch.tensor(input_ids + positions + [p + 1 for p in positions] + slots + seq
-                            + [b for t in tables for b in t + [0] * (width - len(t))]
+        flat = torch.tensor(input_ids + positions + [p + 1 for p in positions] + seq
+                            + [x for slots, tables in pools for x in slots
+                               + [b for t in tables for b in t + [0] * (width - len(t))]]
                             + sample_rows + extra, dtype=torch.int64)
-        ids, positions_t, ctx_lens, slots_t, seq_t = flat[:5 * n].view(5, n)
+        ids, positions_t, ctx_lens, seq_t = flat[:4 * n].view(4, n)
         for i, offset, source in fills:  # placeholders: the ids the last step sampled
             ids[first_rows[i] + offset] = pending[0][source]
-        block_tables = flat[5 * n:5 * n + len(tables) * width].view(len(tables), width)
+        at, views = 4 * n, []
+        for _ in pools:
+            views.append((flat[at:at + n], flat[at + n:at + n + num_seqs * width]
+                          .view(num_seqs, width)))
+            at += n + num_seqs * width
         cos, sin = self.model.rotary(positions_t, torch.float32)
         local = (None if self.model.rotary_local is None
                  else self.model.rotary_local(positions_t, torch.float32))
         logits = self.fused.forward(
-            ids, cos, sin, slots_t, seq_t, ctx_lens, block_tables,
-            flat[5 * n + len(tables) * width:], max(positions) + 1, torch.get_num_threads(),
-            local)
+            ids, cos, sin, views[0][0], seq_t, ctx_lens, views[0][1], flat[at:],
+            max(positions) + 1, torch.get_num_threads(), local,
+            views[1] if self.windowed else None)
         return self._split_extra_logits(logits, len(sample_rows))

@@ -141,6 +141,8 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            # sliding layers' blocks behind every query to come go (window_blocks.py)
+            self.block_manager.slide(request.blocks, request.num_computed_tokens)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if position < len(decodes) and self.drafter is not None:
                 # proposals take no budget the decodes after it need

@@ -23,6 +23,7 @@ them.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -30,6 +31,7 @@ import numpy as np
 import torch
 
 from engine_worker.attention import AttentionMetadata
+from engine_worker.block_manager import NULL_BLOCK
 from engine_worker.scheduler import ScheduledRequest
 
 
@@ -94,9 +96,11 @@ class StepBatch:
 
 class StepInputs:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int,
-                 block_size: int, device: torch.device, tile_tokens: int = 1) -> None:
+                 block_size: int, device: torch.device, tile_tokens: int = 1,
+                 windowed: bool = False) -> None:
         """tile_tokens: query tokens per chunk tile of the attention kernel (1: no
-        tiles are needed)."""
+        tiles are needed). windowed: the sliding layers' blocks are a pool of their
+        own (window_blocks.py): a second block table and slots, in meta.local."""
         self.block_size = block_size
         self.device = device
         self.tile_tokens = tile_tokens
@@ -113,12 +117,16 @@ class StepInputs:
         # start (S + 1), tile sequences and offsets (T each, at most a tile a token),
         # the rows whose ids come from the device and their sources (S each), each
         # starting on an _ALIGN boundary.
-        size = 6 * max_tokens + 4 * max_seqs + 1 + 10 * _ALIGN
+        # (and the local slots, T)
+        size = 7 * max_tokens + 4 * max_seqs + 1 + 11 * _ALIGN
         self._host_ints = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
         self._host_tables = torch.zeros(max_seqs, self.width, dtype=torch.int32,
                                         pin_memory=pin)
         self.ints = self._host_ints.numpy()
         self.tables = self._host_tables.numpy()
+        self._host_local = (torch.zeros(max_seqs, self.width, dtype=torch.int32,
+                                        pin_memory=pin) if windowed else None)
+        self.local_tables = None if self._host_local is None else self._host_local.numpy()
         # Recorded after each step's copies: the host buffers are not written again
         # before the copies have read them (a step that samples nothing never waits
         # for the device otherwise).
@@ -127,12 +135,17 @@ class StepInputs:
             self._device_ints = torch.zeros(size, dtype=torch.int64, device=device)
             self.block_tables = torch.zeros(max_seqs, self.width, dtype=torch.int32,
                                              device=device)
+            self.local_block_tables = (None if self._host_local is None else
+                                       torch.zeros_like(self._host_local, device=device))
         else:  # the host buffers are the inputs
             self._device_ints = self._host_ints
             self.block_tables = self._host_tables
-        # Per block-table row: the request it holds and how many of its block ids.
+            self.local_block_tables = self._host_local
+        # Per block-table row: the request it holds, how many of its block ids, and
+        # how many of its local table's are let go of (NULL_BLOCK).
         self._row_owner: list[Optional[tuple]] = [None] * max_seqs
         self._row_blocks = [0] * max_seqs
+        self._row_released = [0] * max_seqs
 
     def prepare(self, scheduled: Sequence[ScheduledRequest], logits_rows: Sequence[int],
                 num_sampled: int, pad_to: Optional[int] = None,
@@ -175,6 +188,10 @@ class StepInputs:
         bs = self.block_size
         slot = pack.put(t, self.tables[seq_of, positions // bs].astype(np.int64) * bs
                         + positions % bs, pad=-1)
+        local_slot = None
+        if self.local_tables is not None:
+            local_slot = pack.put(t, self.local_tables[seq_of, positions // bs]
+                                  .astype(np.int64) * bs + positions % bs, pad=-1)
         seq_lens = pack.put(s, ends)
         qs = pack.put(s + 1, query_start)
         rows = pack.put(len(logits_rows), logits_rows)
@@ -188,6 +205,8 @@ class StepInputs:
         if dev is not self._host_ints:
             dev[:pack.used].copy_(self._host_ints[:pack.used], non_blocking=True)
             self.block_tables[:s].copy_(self._host_tables[:s], non_blocking=True)
+            if self._host_local is not None:
+                self.local_block_tables[:s].copy_(self._host_local[:s], non_blocking=True)
             self._copied.record()
         meta = AttentionMetadata(
             slot_mapping=dev[slot],
@@ -201,6 +220,9 @@ class StepInputs:
             seq_lens_host=ends.tolist(),
             query_start_host=query_start[:num_seqs + 1].tolist(),
         )
+        if local_slot is not None:
+            meta.local = dataclasses.replace(meta, slot_mapping=dev[local_slot],
+                                             block_tables=self.local_block_tables[:s])
         return StepBatch(dev[ids], dev[pos], meta, dev[rows], num_sampled, num_seqs,
                          num_tokens, dev[fill_rows], dev[fill_sources])
 
@@ -261,8 +283,25 @@ class StepInputs:
             have = self._row_blocks[row] if same else 0
             if needed > have:
                 self.tables[row, have:needed] = r.blocks.block_ids[have:needed]
-                self._row_owner[row] = owner
-                self._row_blocks[row] = needed
+            if self.local_tables is not None:
+                self._write_local(row, r.blocks.window, have, needed, same)
+            self._row_owner[row] = owner
+            self._row_blocks[row] = max(have, needed)
+
+    def _write_local(self, row: int, local, have: int, needed: int, same: bool) -> None:
+        """A row of the local table: its new block ids, and NULL_BLOCK where blocks
+        were let go of since (a kernel may read a window's first block whole). A
+        request with no local table (a made-up step's) reads the null block."""
+        if local is None:
+            self.local_tables[row, have:needed] = NULL_BLOCK
+            return
+        released = local.released
+        first = self._row_released[row] if same else 0
+        if released > first:
+            self.local_tables[row, first:released] = NULL_BLOCK
+        if needed > have:
+            self.local_tables[row, have:needed] = local.block_ids[have:needed]
+        self._row_released[row] = released
 
 
 def chunk_tile_capacity(tokens: int, seqs: int, tile_tokens: int) -> int:

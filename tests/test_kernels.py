@@ -243,7 +243,7 @@ def test_a_bfloat16_kv_cache_holds_twice_the_tokens_and_matches_hf_reading_round
     assert_matches(got, hf_greedy_bf16_kv(tiny_llama_dir, prompts, 12, monkeypatch),
                    "bfloat16 KV")
     f32 = make_engine(tiny_llama_dir, cpu_kernels=cpu_kernels)
-    assert f32.runner._bytes_per_block() == 2 * engine.runner._bytes_per_block()
+    assert f32.runner._layer_block_bytes() == 2 * engine.runner._layer_block_bytes()
 
 
 @pytest.mark.parametrize("weights, kv", [

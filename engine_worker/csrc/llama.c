@@ -110,6 +110,9 @@ struct rs_step {
     float *logits;                                 /* [S, V] */
     double *profile;                               /* [3] seconds added, or NULL */
     const float *cos_local, *sin_local;            /* [N, D / 2] or NULL: layers' rope 2 */
+    /* The sliding layers' own slots [N] and block tables [num_seqs, max_blocks] where
+       their blocks are a pool of their own (window_blocks.py), or NULL */
+    const int64_t *local_slots, *local_block_tables;
 };
 
 enum { PROFILE_LINEAR, PROFILE_ATTENTION, PROFILE_OTHER };
@@ -385,6 +388,9 @@ int rs_llama_forward(const struct rs_llama *m, const struct rs_step *s)
 
         for (int64_t l = 0; l < m->num_layers; l++) {
             const struct rs_llama_layer *L = &m->layers[l];
+            const int own_pool = L->window > 0 && s->local_slots != NULL;
+            const int64_t *slots = own_pool ? s->local_slots : s->slots;
+            const int64_t *tables = own_pool ? s->local_block_tables : s->block_tables;
 
 #pragma omp for schedule(static)
             for (int64_t n = 0; n < N; n++)
@@ -407,13 +413,13 @@ int rs_llama_forward(const struct rs_llama *m, const struct rs_step *s)
                 rs_rope_write_kv_row(qkv + n * QKV,
                                      L->rope ? (local ? s->cos_local : s->cos) + n * half : NULL,
                                      (local ? s->sin_local : s->sin) + n * half,
-                                     L->k_cache, L->v_cache, (int)m->kv_type, s->slots[n],
+                                     L->k_cache, L->v_cache, (int)m->kv_type, slots[n],
                                      Hq, Hkv, D);
             }
             PHASE(PROFILE_OTHER);
 
             rs_attention_ws(qkv, QKV, L->k_cache, L->v_cache, (int)m->kv_type, s->seq,
-                            s->ctx_lens, s->block_tables, s->max_blocks, tiles, num_tiles,
+                            s->ctx_lens, tables, s->max_blocks, tiles, num_tiles,
                             attn, QD, Hq, Hkv, D, m->block_size, m->scale, m->softcap,
                             L->sinks, L->window, my_scratch, partial);
             PHASE(PROFILE_ATTENTION);

@@ -155,6 +155,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.window and meta.local is not None:
+            meta = meta.local  # its blocks in the sliding layers' pool
         qkv = self.qkv_proj(x)  # (N, (Hq + 2 Hkv) D)
         qk_norm = (None if self.q_norm is None
                    else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps))

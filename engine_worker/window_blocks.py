@@ -1,0 +1,146 @@
+"""Sliding-window layers' KV blocks in a pool of their own, let go of as the window
+passes them.
+
+Model. In a model whose layers mix full attention with a sliding window (Gemma 2 and
+3, gpt-oss, Qwen2 with use_sliding_window), a query at position p of a sliding layer
+sees only keys p - W + 1 .. p. Kept in one pool, every layer holds a request's whole
+context; here the sliding layers' caches have blocks of their own, in a second pool
+(``local``), and a request's second block table (``BlockTable.window``, indexed as the
+first) lets go of each block once no query to come sees it: its entry becomes
+NULL_BLOCK, a block of zeros no one writes. So a sliding layer holds about W tokens a
+request, whatever the context, and the full layers' pool takes the memory saved.
+
+The local pool is sized (``local_pool_blocks``) so that every request that may run at
+once holds its window and a step's chunks: it never runs short before the full pool
+does. Should it, ``allocate`` refuses as the full pool does, and the scheduler
+preempts.
+
+The prefix cache covers both pools with the same chained hashes: a block let go of
+while hashed stays cached in its pool, as a finished request's do. A prefix of n
+blocks is a hit when the full layers' pool holds all n and the local pool holds the
+ones a query at its end still sees (the last W keys); else the longest shorter prefix
+that is. Routers hear of the full layers' blocks (``take_changes``).
+
+Block ids of the two pools are separate spaces; step_inputs.py gives each its table
+and its cache slots, and each layer takes its group's (AttentionMetadata.local).
+Disaggregated engines keep one pool (kv_transfer.py moves whole tables).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from engine_worker.block_manager import NULL_BLOCK, BlockManager, BlockTable
+
+
+def local_pool_blocks(window: int, block_size: int, max_running: int, token_budget: int
+                      ) -> int:
+    """Blocks the sliding layers' pool needs so that it never runs short: each of
+    ``max_running`` requests holds the blocks its window's keys and its step's tokens
+    span (at most ceil((W - 1) / bs) + 2 with one token; a step's chunks add at most
+    ceil(budget / bs) over all requests)."""
+    per_request = -(-(window - 1) // block_size) + 2
+    return max_running * per_request + -(-token_budget // block_size)
+
+
+def split_pool(budget_bytes: int, layer_block_bytes: int, num_full_layers: int,
+               num_local_layers: int, local_needed: int) -> tuple[int, int]:
+    """A KV memory budget in blocks: (the full layers' pool's, the sliding layers' pool's
+    with its null block). The local pool gets what it needs (``local_needed``: 0 for
+    no pool of its own), the full one the rest; where that would leave the full pool
+    fewer blocks than the local one, both get as many."""
+    layers = num_full_layers + num_local_layers
+    if not local_needed:
+        return budget_bytes // (layers * layer_block_bytes), 0
+    same = max(0, budget_bytes - num_local_layers * layer_block_bytes) // (
+        layers * layer_block_bytes)
+    if local_needed >= same:
+        return same, same + 1
+    left = budget_bytes - (local_needed + 1) * num_local_layers * layer_block_bytes
+    return left // (num_full_layers * layer_block_bytes), local_needed + 1
+
+
+class WindowedBlockManager(BlockManager):
+    """The full-attention layers' pool (this manager's own, as BlockManager's) and the
+    sliding layers' (``local``, of ``num_local_blocks``, the null block among them),
+    both grown and freed through the full table (its ``window`` holds the local one)."""
+
+    def __init__(self, num_blocks: int, num_local_blocks: int, block_size: int,
+                 window: int, enable_prefix_caching: bool) -> None:
+        super().__init__(num_blocks, block_size, enable_prefix_caching)
+        if window < 1 or num_local_blocks < 2:
+            raise ValueError(f"a window pool needs a window and blocks, got {window} and "
+                             f"{num_local_blocks}")
+        self.window = window
+        self.local = BlockManager(num_local_blocks - 1, block_size, enable_prefix_caching,
+                                  null_block=True)
+
+    def _first_seen(self, position: int) -> int:
+        """The first block holding a key a query at ``position`` sees."""
+        return max(0, position - self.window + 1) // self.block_size
+
+    def _local_table(self, table: BlockTable) -> BlockTable:
+        if table.window is None:  # the hashes are the same list: computed once
+            table.window = BlockTable(block_hashes=table.block_hashes, root=table.root)
+        return table.window
+
+    def _local_hits(self, table: BlockTable, num_blocks: int) -> Optional[list[int]]:
+        """The local pool's cached blocks that a prefix of ``num_blocks`` full blocks
+        (hashed in ``table``, found in this pool) needs, None when one is missing."""
+        hits = []
+        for i in range(self._first_seen(num_blocks * self.block_size), num_blocks):
+            block_id = self.local.lookup(table.block_hashes[i])
+            if block_id is None:
+                return None
+            hits.append(block_id)
+        return hits
+
+    def find_cached_prefix(self, table: BlockTable, token_ids: Sequence[int]) -> list[int]:
+        hits = super().find_cached_prefix(table, token_ids)
+        n = len(hits)
+        while n and self._local_hits(table, n) is None:
+            n -= 1
+        return hits[:n]
+
+    def slide(self, table: BlockTable, num_computed: int) -> None:
+        if table.window is not None:
+            self.local.release(table.window, self._first_seen(num_computed))
+
+    def allocate(self, table: BlockTable, token_ids: Sequence[int], num_tokens: int,
+                 cached_block_ids: Sequence[int] = (), num_known: Optional[int] = None
+                 ) -> bool:
+        local = self._local_table(table)
+        hits: list[int] = []
+        fresh = not local.block_ids
+        if cached_block_ids:
+            assert fresh, "prefix hits attach to a request holding no blocks"
+            found = self._local_hits(table, len(cached_block_ids))
+            assert found is not None, "hits that find_cached_prefix did not give"
+            hits = found
+            skipped = len(cached_block_ids) - len(hits)  # keys no query will see
+            local.block_ids.extend([NULL_BLOCK] * skipped)
+            local.released = local.num_registered = skipped
+        if not (self.local.can_allocate(local, num_tokens, hits)
+                and super().allocate(table, token_ids, num_tokens, cached_block_ids,
+                                     num_known)):
+            if fresh:
+                local.block_ids.clear()
+                local.released = local.num_registered = 0
+            return False
+        done = self.local.allocate(local, token_ids, num_tokens, hits, num_known)
+        assert done, "the local pool could give the blocks a moment ago"
+        return True
+
+    def free(self, table: BlockTable) -> None:
+        super().free(table)
+        if table.window is not None:
+            self.local.free(table.window)
+
+    def forget_from(self, table: BlockTable, num_tokens: int) -> list[int]:
+        if table.window is not None:
+            self.local.forget_from(table.window, num_tokens)
+        return super().forget_from(table, num_tokens)
+
+    def reset_prefix_cache(self) -> None:
+        super().reset_prefix_cache()
+        self.local.reset_prefix_cache()
