@@ -174,6 +174,24 @@ def test_a_mixture_of_experts_steps_from_graphs(tiny_qwen3_moe_dir):
     assert replays.counts == {32: 1, 4: 4}
 
 
+def test_sliding_layers_of_their_own_pool_step_from_graphs(tiny_gemma3_dir):
+    """Gemma 3's sliding layers read their own block table and slots (window_blocks.py)
+    from the graphs' fixed buffers: decode steps that let blocks go (a window of 9
+    keys, blocks of 4) replay to the eager steps' tokens."""
+    prompts = random_prompts([13, 20, 9], seed=9)
+    eager = triton_engine(tiny_gemma3_dir, budget=512).generate(prompts, greedy(8))
+    engine = triton_engine(tiny_gemma3_dir, budget=512)
+    assert engine.runner.windowed and engine.runner.inputs.local_block_tables is not None
+    replays = Replays()
+    engine.runner.graphs = engine.runner.make_graph_runner(8, replays)
+    engine.runner.graphs.capture_all()
+    assert engine.generate(prompts, greedy(8)) == eager
+    assert replays.counts == {64: 1, 4: 7}
+    # every request's sliding blocks went back to the local pool, cached
+    local = engine.block_manager.local
+    assert local.num_used_blocks == 0 and local.num_cached_blocks > 0
+
+
 def test_graph_batch_sizes():
     assert graph_batch_sizes(256) == [1, 2, 4, 8] + list(range(16, 257, 16))
     assert graph_batch_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
