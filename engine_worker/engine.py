@@ -28,7 +28,8 @@ from engine_worker.request import Request, RequestStatus
 from engine_worker.sampler import PendingSamples, Samples, token_logprobs
 from engine_worker.scheduler import ScheduledRequest, Scheduler
 from engine_worker.speculation import PREDICTED_TOKENS, Speculator, max_step_rows
-from engine_worker.window_blocks import WindowedBlockManager
+from engine_worker.window_blocks import (SlidingBlockManager, WindowedBlockManager,
+                                        local_pool_blocks)
 
 logger = logging.getLogger(__name__)
 
@@ -67,15 +68,24 @@ class LLMEngine:
         scheduler_config = config.scheduler.for_device(self.device.type)
         self.runner = ModelRunner(self.model_config, self.model_dir, config, scheduler_config,
                                   self.device, self.dtype)
-        if self.runner.windowed:  # the sliding layers' blocks in a pool of their own
+        cache, runner = config.cache, self.runner
+        # sliding layers' blocks let go of as the window passes (window_blocks.py)
+        if runner.windowed:  # in a pool of their own
             self.block_manager = WindowedBlockManager(
-                self.runner.num_blocks, self.runner.num_local_blocks, config.cache.block_size,
-                self.runner.window, config.cache.enable_prefix_caching)
+                runner.num_blocks, runner.num_local_blocks, cache.block_size, runner.window,
+                cache.enable_prefix_caching)
+        elif runner.sliding:  # every layer's, in the one pool
+            self.block_manager = SlidingBlockManager(
+                runner.num_blocks, cache.block_size, runner.window, cache.enable_prefix_caching)
         else:
-            self.block_manager = BlockManager(self.runner.num_blocks, config.cache.block_size,
-                                              config.cache.enable_prefix_caching)
-        # A request must fit in the pool on its own, or it could never finish.
-        pool_tokens = self.runner.num_blocks * config.cache.block_size
+            self.block_manager = BlockManager(runner.num_blocks, cache.block_size,
+                                              cache.enable_prefix_caching)
+        # A request must fit in the pool on its own, or it could never finish; where
+        # every layer slides, any length fits once the pool holds a window and a chunk.
+        pool_tokens = runner.num_blocks * cache.block_size
+        if runner.sliding and runner.num_blocks >= local_pool_blocks(
+                runner.window, cache.block_size, 1, scheduler_config.token_budget):
+            pool_tokens = self.model_config.max_model_len
         self.max_model_len = min(self.model_config.max_model_len, pool_tokens,
                                  config.max_model_len or self.model_config.max_model_len)
         if self.max_model_len < self.model_config.max_model_len:
@@ -87,7 +97,6 @@ class LLMEngine:
         # Prefill/decode disaggregation: prompt blocks held for decode engines, and
         # transfers from prefill engines (kv_transfer.py).
         store = KvBlockStore(self.runner.kv_caches, self.model_config.kv_signature)
-        cache = config.cache
         self.kv_leases = KvLeases(self.block_manager, store)
         self.kv_receiver = KvReceiver(self.block_manager, store, cache.kv_transfer_timeout_s,
                                       cache.kv_transfer_window_bytes,
@@ -164,11 +173,11 @@ class LLMEngine:
         prompt = checked_prompt(prompt_token_ids, params, self.vocab_size, self.max_model_len)
         _check_continuation(prompt, output_token_ids, params, self.vocab_size,
                             self.max_model_len, kv_lease_s)
-        if self.runner.windowed and kv_lease_s:
+        if self.runner.window and kv_lease_s:
             raise InvalidRequestError(
-                "this engine keeps its sliding-window layers' blocks in a pool of their own "
-                "and cannot lend a prompt's KV to another engine (start it with --role "
-                "prefill)", "kv_lease_s")
+                "this engine lets go of its sliding-window layers' blocks as the window "
+                "passes and cannot lend a prompt's KV to another engine (start it with "
+                "--role prefill)", "kv_lease_s")
         room = self.max_model_len - len(prompt)
         grammar = None
         if params.structured is not None:
@@ -177,8 +186,9 @@ class LLMEngine:
                           self.eos_token_ids, grammar, output_token_ids)
         request.kv_lease_s = kv_lease_s
         self.requests[request_id] = request
-        # (an engine of two pools computes the prompt itself: it takes whole tables)
-        if (kv_source is None or self.runner.windowed
+        # (an engine that lets blocks go computes the prompt itself: a transfer moves
+        # whole tables)
+        if (kv_source is None or self.runner.window
                 or not self.kv_receiver.start(request, kv_source, time.monotonic())):
             self.scheduler.add(request)
 

@@ -141,12 +141,14 @@ class ModelRunner:
         elif self.weight_format != "float32" or others:
             logger.info("weights: %s, computing in %s", shown, str(dtype).removeprefix("torch."))
         max_len = min(model_config.max_model_len, config.max_model_len or 1 << 62)
-        # Layers of full attention and of a sliding window, mixed: the sliding ones'
-        # blocks in a pool of their own, let go of as the window passes
-        # (window_blocks.py), unless the config says not (CacheConfig.window_pool).
+        # Sliding layers' blocks let go of as the window passes (window_blocks.py),
+        # unless the config says not (CacheConfig.window_pool): mixed with full
+        # layers, in a pool of their own (windowed); every layer sliding, in the one
+        # pool (sliding).
         windows = model_config.windows or (0,)
-        self.window = max(windows) if 0 in windows and cache.window_pool else 0
-        self.windowed = self.window > 0
+        self.window = max(windows) if cache.window_pool else 0
+        self.windowed = self.window > 0 and 0 in windows
+        self.sliding = self.window > 0 and 0 not in windows
         self.inputs = StepInputs(scheduler.token_budget, max_seqs,
                                  -(-max_len // self.block_size), self.block_size, device,
                                  getattr(self.attn, "tile_tokens", 1), self.windowed)
@@ -176,7 +178,8 @@ class ModelRunner:
         else:
             self.num_blocks, self.num_local_blocks = self._blocks_in(
                 cache.kv_cache_memory_bytes or _DEFAULT_CPU_KV_BYTES)
-        self.kv_caches = self._allocate_cache(self.num_blocks, self.num_local_blocks)
+        self.kv_caches = self._allocate_cache(self.num_blocks + self.sliding,  # null block
+                                              self.num_local_blocks)
         # The whole forward pass in one C call, for the Llama family on the CPU.
         if (isinstance(self.attn, CpuAttention) and model_config.family == "llama"
                 and FusedLlama.supports(self.model)):
@@ -192,6 +195,8 @@ class ModelRunner:
         if self.windowed:
             local = (f"; sliding layers (a window of {self.window}): "
                      f"{self.num_local_blocks - 1} blocks of their own")
+        elif self.sliding:
+            local = f"; every layer slides (a window of {self.window}): blocks let go of"
         logger.info("KV cache: %d blocks x %d tokens, %s (%.0f MiB)%s", self.num_blocks,
                     cache.block_size, str(self.kv_dtype).removeprefix("torch."),
                     sum(c.numel() * c.element_size() for c in self.kv_caches) / 2**20, local)
@@ -251,6 +256,7 @@ class ModelRunner:
         num_blocks, num_local = split_pool(budget, per_layer,
                                            self.config.num_layers - num_local_layers,
                                            num_local_layers, self._local_needed)
+        num_blocks -= self.sliding  # the null block
         if num_blocks < 1:
             raise ValueError(
                 f"a KV memory budget of {budget} bytes holds no block of "
@@ -278,10 +284,11 @@ class ModelRunner:
                 for i in range(cfg.num_layers)]
 
     def _zero_null_block(self) -> None:
-        """The sliding layers' null block after made-up steps wrote there (their
-        requests have no local table): released entries must read zeros."""
+        """The null block after made-up steps wrote there (their requests have no
+        local table, or own block 0 where every layer slides): released entries must
+        read zeros."""
         for i, c in enumerate(self.kv_caches):
-            if self.windowed and self.config.windows[i]:
+            if self.sliding or (self.windowed and self.config.windows[i]):
                 c[:, 0].zero_()
 
     def _size_gpu_cache(self, cache, scheduler: SchedulerConfig, graphs: bool
@@ -330,7 +337,8 @@ class ModelRunner:
         base = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         scheduled, blocks = dummy_step(tokens, seqs, self.block_size, self.inputs.width)
-        self.kv_caches = self._allocate_cache(blocks, 1)  # local tables: the null block
+        # (the made-up requests' local tables read the null block)
+        self.kv_caches = self._allocate_cache(blocks, 1 if self.windowed else 0)
         logits = self.forward(scheduled)
         self.sampler.profile(logits)
         torch.cuda.synchronize(self.device)

@@ -246,7 +246,8 @@ class Scheduler:
         while running > self.max_running - 1 or needed > free:
             if taken == len(victims):
                 return  # not enough room even then: nothing is preempted for it
-            free += sum(1 for b in victims[taken].blocks.block_ids
+            table = victims[taken].blocks  # (its released entries hold nothing)
+            free += sum(1 for b in table.block_ids[table.released:]
                         if self.block_manager.blocks[b].ref_count == 1)
             running -= 1
             taken += 1

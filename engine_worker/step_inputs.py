@@ -146,6 +146,7 @@ class StepInputs:
         self._row_owner: list[Optional[tuple]] = [None] * max_seqs
         self._row_blocks = [0] * max_seqs
         self._row_released = [0] * max_seqs
+        self._row_local_released = [0] * max_seqs
 
     def prepare(self, scheduled: Sequence[ScheduledRequest], logits_rows: Sequence[int],
                 num_sampled: int, pad_to: Optional[int] = None,
@@ -281,27 +282,29 @@ class StepInputs:
             owner = (r, r.num_preemptions)
             same = self._row_owner[row] == owner
             have = self._row_blocks[row] if same else 0
-            if needed > have:
-                self.tables[row, have:needed] = r.blocks.block_ids[have:needed]
+            self._write_row(self.tables, self._row_released, row, r.blocks, have, needed,
+                            same)
             if self.local_tables is not None:
-                self._write_local(row, r.blocks.window, have, needed, same)
+                self._write_row(self.local_tables, self._row_local_released, row,
+                                r.blocks.window, have, needed, same)
             self._row_owner[row] = owner
             self._row_blocks[row] = max(have, needed)
 
-    def _write_local(self, row: int, local, have: int, needed: int, same: bool) -> None:
-        """A row of the local table: its new block ids, and NULL_BLOCK where blocks
-        were let go of since (a kernel may read a window's first block whole). A
-        request with no local table (a made-up step's) reads the null block."""
-        if local is None:
-            self.local_tables[row, have:needed] = NULL_BLOCK
+    @staticmethod
+    def _write_row(tables: np.ndarray, released_by_row: list[int], row: int, table,
+                   have: int, needed: int, same: bool) -> None:
+        """A row of a block table: its new block ids, and NULL_BLOCK where blocks were
+        let go of since (window_blocks.py: a kernel may read a window's first block
+        whole). A made-up step's request with no local table reads the null block."""
+        if table is None:
+            tables[row, have:needed] = NULL_BLOCK
             return
-        released = local.released
-        first = self._row_released[row] if same else 0
-        if released > first:
-            self.local_tables[row, first:released] = NULL_BLOCK
+        first = released_by_row[row] if same else 0
+        if table.released > first:
+            tables[row, first:table.released] = NULL_BLOCK
         if needed > have:
-            self.local_tables[row, have:needed] = local.block_ids[have:needed]
-        self._row_released[row] = released
+            tables[row, have:needed] = table.block_ids[have:needed]
+        released_by_row[row] = table.released
 
 
 def chunk_tile_capacity(tokens: int, seqs: int, tile_tokens: int) -> int:

@@ -23,7 +23,12 @@ that is. Routers hear of the full layers' blocks (``take_changes``).
 
 Block ids of the two pools are separate spaces; step_inputs.py gives each its table
 and its cache slots, and each layer takes its group's (AttentionMetadata.local).
-Disaggregated engines keep one pool (kv_transfer.py moves whole tables).
+
+Where every layer slides (Mistral 7B v0.1, Phi-3-mini-4k), the one pool's tables let
+go of blocks the same way (SlidingBlockManager): a request holds a window and a step's
+tokens, so a pool that holds that much serves the model's whole context.
+
+Disaggregated engines let go of nothing (kv_transfer.py moves whole tables).
 """
 
 from __future__ import annotations
@@ -60,6 +65,77 @@ def split_pool(budget_bytes: int, layer_block_bytes: int, num_full_layers: int,
     return left // (num_full_layers * layer_block_bytes), local_needed + 1
 
 
+def first_seen(position: int, window: int, block_size: int) -> int:
+    """The first block holding a key a query at ``position`` sees."""
+    return max(0, position - window + 1) // block_size
+
+
+def window_hits(pool: BlockManager, table: BlockTable, token_ids: Sequence[int],
+                num_blocks: int, window: int) -> Optional[list[int]]:
+    """The blocks of ``pool`` caching the keys a query after a prefix of ``num_blocks``
+    blocks (hashed in ``table``) sees, from its window's first block on; None when
+    one is missing (tokens verified, as BlockManager.find_cached_prefix does)."""
+    bs = pool.block_size
+    hits = []
+    for i in range(first_seen(num_blocks * bs, window, bs), num_blocks):
+        block_id = pool.lookup(table.block_hashes[i])
+        if (block_id is None
+                or pool.blocks[block_id].token_ids != tuple(token_ids[i * bs:(i + 1) * bs])):
+            return None
+        hits.append(block_id)
+    return hits
+
+
+def _skip(table: BlockTable, num_blocks: int) -> None:
+    """A fresh table's first blocks, which no query will see: released from the
+    start."""
+    assert not table.block_ids, "prefix hits attach to a request holding no blocks"
+    table.block_ids.extend([NULL_BLOCK] * num_blocks)
+    table.released = table.num_registered = num_blocks
+
+
+def _unskip(table: BlockTable) -> None:
+    table.block_ids.clear()
+    table.released = table.num_registered = 0
+
+
+class SlidingBlockManager(BlockManager):
+    """Every layer slides (Mistral 7B v0.1, Phi-3-mini-4k): one pool, with the null
+    block, whose tables let go of blocks as the window passes. A prefix hit is the
+    longest prefix whose last window is cached; ``find_cached_prefix`` gives
+    NULL_BLOCK for the blocks before it."""
+
+    def __init__(self, num_blocks: int, block_size: int, window: int,
+                 enable_prefix_caching: bool) -> None:
+        super().__init__(num_blocks, block_size, enable_prefix_caching, null_block=True)
+        self.window = window
+
+    def find_cached_prefix(self, table: BlockTable, token_ids: Sequence[int]) -> list[int]:
+        if not self.enable_prefix_caching:
+            return []
+        for n in range(self.hash_blocks(table, token_ids, len(token_ids) - 1), 0, -1):
+            hits = window_hits(self, table, token_ids, n, self.window)
+            if hits is not None:
+                return [NULL_BLOCK] * (n - len(hits)) + hits
+        return []
+
+    def slide(self, table: BlockTable, num_computed: int) -> None:
+        self.release(table, first_seen(num_computed, self.window, self.block_size))
+
+    def allocate(self, table: BlockTable, token_ids: Sequence[int], num_tokens: int,
+                 cached_block_ids: Sequence[int] = (), num_known: Optional[int] = None
+                 ) -> bool:
+        skipped = sum(1 for b in cached_block_ids if b == NULL_BLOCK)
+        if skipped:
+            _skip(table, skipped)
+        if super().allocate(table, token_ids, num_tokens, cached_block_ids[skipped:],
+                            num_known):
+            return True
+        if skipped:
+            _unskip(table)
+        return False
+
+
 class WindowedBlockManager(BlockManager):
     """The full-attention layers' pool (this manager's own, as BlockManager's) and the
     sliding layers' (``local``, of ``num_local_blocks``, the null block among them),
@@ -75,57 +151,39 @@ class WindowedBlockManager(BlockManager):
         self.local = BlockManager(num_local_blocks - 1, block_size, enable_prefix_caching,
                                   null_block=True)
 
-    def _first_seen(self, position: int) -> int:
-        """The first block holding a key a query at ``position`` sees."""
-        return max(0, position - self.window + 1) // self.block_size
-
     def _local_table(self, table: BlockTable) -> BlockTable:
         if table.window is None:  # the hashes are the same list: computed once
             table.window = BlockTable(block_hashes=table.block_hashes, root=table.root)
         return table.window
 
-    def _local_hits(self, table: BlockTable, num_blocks: int) -> Optional[list[int]]:
-        """The local pool's cached blocks that a prefix of ``num_blocks`` full blocks
-        (hashed in ``table``, found in this pool) needs, None when one is missing."""
-        hits = []
-        for i in range(self._first_seen(num_blocks * self.block_size), num_blocks):
-            block_id = self.local.lookup(table.block_hashes[i])
-            if block_id is None:
-                return None
-            hits.append(block_id)
-        return hits
-
     def find_cached_prefix(self, table: BlockTable, token_ids: Sequence[int]) -> list[int]:
         hits = super().find_cached_prefix(table, token_ids)
         n = len(hits)
-        while n and self._local_hits(table, n) is None:
+        while n and window_hits(self.local, table, token_ids, n, self.window) is None:
             n -= 1
         return hits[:n]
 
     def slide(self, table: BlockTable, num_computed: int) -> None:
         if table.window is not None:
-            self.local.release(table.window, self._first_seen(num_computed))
+            self.local.release(table.window,
+                               first_seen(num_computed, self.window, self.block_size))
 
     def allocate(self, table: BlockTable, token_ids: Sequence[int], num_tokens: int,
                  cached_block_ids: Sequence[int] = (), num_known: Optional[int] = None
                  ) -> bool:
         local = self._local_table(table)
         hits: list[int] = []
-        fresh = not local.block_ids
         if cached_block_ids:
-            assert fresh, "prefix hits attach to a request holding no blocks"
-            found = self._local_hits(table, len(cached_block_ids))
+            found = window_hits(self.local, table, token_ids, len(cached_block_ids),
+                                self.window)
             assert found is not None, "hits that find_cached_prefix did not give"
             hits = found
-            skipped = len(cached_block_ids) - len(hits)  # keys no query will see
-            local.block_ids.extend([NULL_BLOCK] * skipped)
-            local.released = local.num_registered = skipped
+            _skip(local, len(cached_block_ids) - len(hits))  # keys no query will see
         if not (self.local.can_allocate(local, num_tokens, hits)
                 and super().allocate(table, token_ids, num_tokens, cached_block_ids,
                                      num_known)):
-            if fresh:
-                local.block_ids.clear()
-                local.released = local.num_registered = 0
+            if cached_block_ids:
+                _unskip(local)
             return False
         done = self.local.allocate(local, token_ids, num_tokens, hits, num_known)
         assert done, "the local pool could give the blocks a moment ago"

@@ -13,7 +13,8 @@ from engine_worker.block_manager import NULL_BLOCK, BlockManager, BlockTable
 from engine_worker.request import Request
 from engine_worker.scheduler import ScheduledRequest
 from engine_worker.step_inputs import StepInputs
-from engine_worker.window_blocks import WindowedBlockManager, local_pool_blocks, split_pool
+from engine_worker.window_blocks import (SlidingBlockManager, WindowedBlockManager,
+                                        local_pool_blocks, split_pool)
 from helpers import greedy, make_engine, random_prompts, run_to_end
 
 
@@ -184,3 +185,46 @@ def test_an_engine_of_two_pools_lends_no_kv_and_computes_what_it_would_pull(tiny
     outputs = run_to_end(engine)["pulled"]
     assert [t for out in outputs for t in out.new_token_ids] == engine.generate(
         [prompt], greedy(4))[0]
+
+
+def test_where_every_layer_slides_one_pool_lets_blocks_go():
+    bm = SlidingBlockManager(num_blocks=8, block_size=4, window=6, enable_prefix_caching=True)
+    assert bm.num_blocks == 8 and refs(bm)[0] == 1  # the null block, held for good
+    a = BlockTable()
+    prompt = list(range(300, 317))  # 4 full blocks and a token
+    assert bm.allocate(a, prompt, 17)
+    assert a.block_ids == [1, 2, 3, 4, 5]
+    bm.slide(a, 17)  # keys 12..17: blocks 0-2 are behind every query to come
+    assert a.block_ids == [NULL_BLOCK] * 3 + [4, 5] and a.released == 3
+    assert bm.num_free_blocks == 8 - 2 and bm.num_cached_blocks == 3
+    bm.free(a)
+    # a hit: the prefix's last window cached; the blocks before it are not attached
+    b = BlockTable()
+    hits = bm.find_cached_prefix(b, prompt[:16] + [7])
+    assert hits == [NULL_BLOCK, NULL_BLOCK, 3, 4]
+    assert bm.allocate(b, prompt[:16] + [7], 17, hits)
+    assert b.block_ids[:4] == [NULL_BLOCK, NULL_BLOCK, 3, 4] and b.released == 2
+    assert refs(bm)[1:7] == [0, 0, 1, 1, 0, 1]  # and an untouched block for its tail
+    bm.free(b)
+    assert refs(bm) == [1] + [0] * 8
+    # a pool that cannot give the blocks refuses and keeps the table empty
+    c = BlockTable()
+    hits = bm.find_cached_prefix(c, prompt[:16] + list(range(30)))
+    assert not bm.allocate(c, prompt[:16] + list(range(30)), 46, hits)
+    assert c.block_ids == [] and c.released == 0
+
+
+def test_where_every_layer_slides_a_context_needs_only_a_window_of_the_pool(tiny_sliding_dir):
+    # Mistral's window of 16 keys, blocks of 4: a request holds at most 4 + 2 blocks
+    # and a step's chunk (8 tokens: 2), so 16 blocks hold a context of any length
+    engine = make_engine(tiny_sliding_dir, num_blocks=16, budget=8)
+    assert isinstance(engine.block_manager, SlidingBlockManager)
+    assert engine.max_model_len == engine.model_config.max_model_len > 16 * 4
+    prompt = random_prompts([100])[0]
+    want = make_engine(tiny_sliding_dir, num_blocks=64, window_pool=False).generate(
+        [prompt], greedy(20))
+    assert engine.generate([prompt], greedy(20)) == want
+    assert engine.stats().num_preemptions == 0
+    # with a step of 512 tokens one request may need 130 blocks: the context stays
+    # within the pool
+    assert make_engine(tiny_sliding_dir, num_blocks=16).max_model_len == 16 * 4
