@@ -41,9 +41,9 @@ from engine_worker.block_manager import NULL_BLOCK, BlockManager, BlockTable
 def local_pool_blocks(window: int, block_size: int, max_running: int, token_budget: int
                       ) -> int:
     """Blocks the sliding layers' pool needs so that it never runs short: each of
-    ``max_running`` requests holds the blocks its window's keys and its step's tokens
-    span (at most ceil((W - 1) / bs) + 2 with one token; a step's chunks add at most
-    ceil(budget / bs) over all requests)."""
+    ``max_running`` requests holds the blocks its window's keys and its step's n
+    tokens span, at most ceil((W - 1) / bs) + 1 + ceil(n / bs), under
+    ceil((W - 1) / bs) + 2 + n / bs; a step's n add up to its token budget at most."""
     per_request = -(-(window - 1) // block_size) + 2
     return max_running * per_request + -(-token_budget // block_size)
 
