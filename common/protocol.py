@@ -76,6 +76,11 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     num_blocks_free: int  # not referenced by any request (includes cached blocks)
     num_blocks_used: int  # referenced by at least one request
     num_blocks_cached: int  # unreferenced but holding a reusable prefix
+    # The sliding-window layers' own pool (engine_worker/window_blocks.py), the same
+    # counts; 0 where they have none.
+    num_window_blocks_total: int = 0
+    num_window_blocks_used: int = 0
+    num_window_blocks_cached: int = 0
     prefix_cache_query_tokens: int  # prompt tokens looked up in the prefix cache
     prefix_cache_hit_tokens: int  # of those, served from it
     num_preemptions: int
@@ -138,7 +143,7 @@ class MessageType(enum.IntEnum):
 # two ends of a connection refuse each other when theirs differ (an older peer would
 # silently drop fields a newer one sends). A peer whose messages lack the field is
 # version 0.
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 
 def version_mismatch(peer: str, theirs: int) -> Optional[str]:

@@ -513,6 +513,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         bm, sched, kv = self.block_manager, self.scheduler, self.kv_receiver.stats
+        local = getattr(bm, "local", None)  # the sliding layers' pool (window_blocks.py)
         return EngineStats(
             num_running=len(sched.running),
             num_waiting=len(sched.waiting),
@@ -520,6 +521,9 @@ class LLMEngine:
             num_blocks_free=bm.num_free_blocks,
             num_blocks_used=bm.num_used_blocks,
             num_blocks_cached=bm.num_cached_blocks,
+            num_window_blocks_total=local.num_blocks if local else 0,
+            num_window_blocks_used=local.num_used_blocks if local else 0,
+            num_window_blocks_cached=local.num_cached_blocks if local else 0,
             prefix_cache_query_tokens=sched.prefix_cache_query_tokens,
             prefix_cache_hit_tokens=sched.prefix_cache_hit_tokens,
             num_preemptions=sched.num_preemptions,

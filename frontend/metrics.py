@@ -179,7 +179,8 @@ def _engine_families(snap: "PipelineSnapshot", model: str, index: Callable[[str]
     waiting = family(GaugeMetricFamily, "vllm:num_requests_waiting",
                      "Requests queued in the engine (last heartbeat)")
     kv = family(GaugeMetricFamily, "vllm:kv_cache_usage_perc",
-                "Fraction of the engine's KV blocks in use by requests (0-1)")
+                "Fraction of the engine's KV blocks in use by requests (0-1; with a pool "
+                "for sliding-window layers, the fuller pool's)")
     queries = family(CounterMetricFamily, "vllm:prefix_cache_queries",
                      "Prompt tokens looked up in the engine's prefix cache")
     hits = family(CounterMetricFamily, "vllm:prefix_cache_hits", "Of those, tokens served from it")
@@ -203,6 +204,10 @@ def _engine_families(snap: "PipelineSnapshot", model: str, index: Callable[[str]
                                "The engine's KV blocks (last heartbeat): used by requests, "
                                "cached (free, holding a reusable prefix), free in all",
                                labels=["engine", "state"])
+    window_blocks = GaugeMetricFamily(
+        "roseserve_engine_window_kv_blocks", "The KV blocks of the engine's sliding-window "
+        "layers where they are a pool of their own (last heartbeat): used, cached, free in "
+        "all", labels=["engine", "state"])
     known = GaugeMetricFamily("roseserve_engine_cached_blocks_known",
                               "Blocks this frontend knows the engine's prefix cache holds "
                               "(from the engine's cache events; routing uses them)",
@@ -223,7 +228,9 @@ def _engine_families(snap: "PipelineSnapshot", model: str, index: Callable[[str]
         s, labels = e.stats, [model, index(e.address)]
         running.add_metric(labels, s.num_running if e.healthy else 0)  # a gone engine runs nothing
         waiting.add_metric(labels, s.num_waiting if e.healthy else 0)
-        kv.add_metric(labels, s.num_blocks_used / max(1, s.num_blocks_total) if e.healthy else 0.0)
+        usage = max(s.num_blocks_used / max(1, s.num_blocks_total),
+                    s.num_window_blocks_used / max(1, s.num_window_blocks_total))
+        kv.add_metric(labels, usage if e.healthy else 0.0)
         queries.add_metric(labels, s.prefix_cache_query_tokens)
         hits.add_metric(labels, s.prefix_cache_hit_tokens)
         preemptions.add_metric(labels, s.num_preemptions)
@@ -232,8 +239,13 @@ def _engine_families(snap: "PipelineSnapshot", model: str, index: Callable[[str]
         blocks.add_metric([e.address, "used"], s.num_blocks_used)
         blocks.add_metric([e.address, "cached"], s.num_blocks_cached)
         blocks.add_metric([e.address, "free"], s.num_blocks_free)
+        if s.num_window_blocks_total:
+            window_blocks.add_metric([e.address, "used"], s.num_window_blocks_used)
+            window_blocks.add_metric([e.address, "cached"], s.num_window_blocks_cached)
+            window_blocks.add_metric([e.address, "free"],
+                                     s.num_window_blocks_total - s.num_window_blocks_used)
     return [running, waiting, kv, queries, hits, preemptions, drafted, accepted, healthy,
-            draining, load, routed, blocks, known, resyncs]
+            draining, load, routed, blocks, window_blocks, known, resyncs]
 
 
 def _kv_transfer_families(snap: "PipelineSnapshot") -> list:

@@ -4,6 +4,8 @@ it never runs short first; and an engine over a model of both kinds of layers.""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -15,6 +17,8 @@ from engine_worker.scheduler import ScheduledRequest
 from engine_worker.step_inputs import StepInputs
 from engine_worker.window_blocks import (SlidingBlockManager, WindowedBlockManager,
                                         local_pool_blocks, split_pool)
+from frontend.metrics import _engine_families
+from frontend.serving import EngineSnapshot, PipelineSnapshot
 from helpers import greedy, make_engine, random_prompts, run_to_end
 
 
@@ -228,3 +232,32 @@ def test_where_every_layer_slides_a_context_needs_only_a_window_of_the_pool(tiny
     # with a step of 512 tokens one request may need 130 blocks: the context stays
     # within the pool
     assert make_engine(tiny_sliding_dir, num_blocks=16).max_model_len == 16 * 4
+
+
+def test_the_sliding_layers_pool_is_in_the_stats_and_the_metrics(tiny_gemma3_dir):
+    engine = make_engine(tiny_gemma3_dir)
+    engine.add_request("r", random_prompts([60])[0], greedy(3))
+    engine.step()  # the prompt: 15 blocks in each pool
+    engine.step()  # a decode step: 3 of them in the local one
+    stats = engine.stats()
+    local = engine.block_manager.local
+    assert (stats.num_blocks_used, stats.num_window_blocks_used) == (16, 3)
+    assert stats.num_window_blocks_total == local.num_blocks
+    assert stats.num_window_blocks_cached == 13  # let go of, hashed
+    snap = PipelineSnapshot(engines=[EngineSnapshot(
+        address="tcp://e:1", role="mixed", healthy=True, draining=False, load=1,
+        num_routed=1, num_prefix_routed=0, num_blocks_known=0, num_cache_resyncs=0,
+        stats=stats)], num_jobs=1, admitted_requests=0, admitted_tokens=0,
+        tokenizer_queue=0, num_retries=0)
+    families = {f.name: f for f in _engine_families(snap, "m", lambda address: "0")}
+    window = {s.labels["state"]: s.value
+              for s in families["roseserve_engine_window_kv_blocks"].samples}
+    assert window == {"used": 3, "cached": 13, "free": local.num_blocks - 3}
+    usage = families["vllm:kv_cache_usage_perc"].samples[0].value
+    assert usage == max(16 / 512, 3 / local.num_blocks)
+    # an engine of one pool has no such samples
+    one = make_engine(tiny_gemma3_dir, window_pool=False).stats()
+    assert one.num_window_blocks_total == 0
+    snap.engines[0] = dataclasses.replace(snap.engines[0], stats=one)
+    families = {f.name: f for f in _engine_families(snap, "m", lambda address: "0")}
+    assert families["roseserve_engine_window_kv_blocks"].samples == []
