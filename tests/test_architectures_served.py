@@ -6,6 +6,7 @@ pool once refused to start on one: 'declares no context length')."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import requests
@@ -57,6 +58,13 @@ def test_gpt_oss_serves_its_harmony_chat_over_http(tiny_gpt_oss_chat_dir, tmp_pa
             "model": "o", "messages": [{"role": "user", "content": "think"}],
             "max_tokens": 30, "temperature": 0})
         assert r.status_code == 200, r.text
+        # its sliding layers' own pool (a window of 8 keys), in the engine's heartbeat:
+        # once both requests ended, every block of theirs is cached, none used
+        deadline = time.monotonic() + 30
+        while [processes.metric(front.url, "roseserve_engine_window_kv_blocks", state=state)
+               > 0 for state in ("used", "cached")] != [False, True]:
+            assert time.monotonic() < deadline, "the window blocks are not in the metrics"
+            time.sleep(0.2)
     assert tokens == make_engine(tiny_gpt_oss_chat_dir).generate([prompt], greedy(8))[0]
     message = r.json()["choices"][0]["message"]
     assert (message["reasoning_content"], message["content"]) == ("Hmm.", "Yes.")
