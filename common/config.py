@@ -71,10 +71,10 @@ class CacheConfig:
     kv_transfer_timeout_s: float = 5.0
     kv_transfer_window_bytes: int = 8 << 20
     kv_transfer_max_inflight_bytes: int = 64 << 20
-    # A model whose layers mix full attention and a sliding window: the sliding ones'
-    # blocks in a pool of their own, let go of as the window passes
-    # (engine_worker/window_blocks.py). Off, every layer holds the whole context, as a
-    # disaggregated engine's must (a KV transfer moves whole block tables).
+    # Sliding-window layers' blocks let go of as the window passes, in a pool of their
+    # own where full-attention layers mix in (engine_worker/window_blocks.py). Off,
+    # every layer holds the whole context, as a disaggregated engine's must (a KV
+    # transfer moves whole block tables).
     window_pool: bool = True
 
     def __post_init__(self) -> None:

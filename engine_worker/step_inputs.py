@@ -115,9 +115,9 @@ class StepInputs:
         pin = device.type == "cuda"
         # Vectors: ids, positions, slots, logits rows (T each), seq_lens (S), query
         # start (S + 1), tile sequences and offsets (T each, at most a tile a token),
-        # the rows whose ids come from the device and their sources (S each), each
-        # starting on an _ALIGN boundary.
-        # (and the local slots, T)
+        # the rows whose ids come from the device and their sources (S each), and the
+        # local slots (T: the sliding layers' pool's), each starting on an _ALIGN
+        # boundary.
         size = 7 * max_tokens + 4 * max_seqs + 1 + 11 * _ALIGN
         self._host_ints = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
         self._host_tables = torch.zeros(max_seqs, self.width, dtype=torch.int32,
@@ -142,7 +142,7 @@ class StepInputs:
             self.block_tables = self._host_tables
             self.local_block_tables = self._host_local
         # Per block-table row: the request it holds, how many of its block ids, and
-        # how many of its local table's are let go of (NULL_BLOCK).
+        # how many entries of each table are let go of (NULL_BLOCK).
         self._row_owner: list[Optional[tuple]] = [None] * max_seqs
         self._row_blocks = [0] * max_seqs
         self._row_released = [0] * max_seqs
