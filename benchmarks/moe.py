@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.stack import cpu_model, shape_dir  # noqa: E402
+from benchmarks.stack import add_shape_args, cpu_model, shape_dir  # noqa: E402
 from common.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from common.protocol import SamplingParams  # noqa: E402
 from engine_worker.engine import LLMEngine  # noqa: E402
@@ -39,12 +39,7 @@ from engine_worker.fused import FusedLlama  # noqa: E402
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-config", default="qwen3-30b-a3b",
-                   help="a shipped model shape (common/model_configs) or a model directory")
-    p.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
-    p.add_argument("--layers", type=int, default=None,
-                   help="keep the first N layers (dummy weights only)")
-    p.add_argument("--quantization", default=None, choices=["int8", "q4", "iq4"])
+    add_shape_args(p, "qwen3-30b-a3b")
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--input-len", type=int, default=16)
     p.add_argument("--output-len", type=int, default=32)

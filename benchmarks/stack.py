@@ -109,6 +109,19 @@ def scrape(url: str) -> str:
     return httpx.get(f"{url}/metrics", timeout=10).text
 
 
+def add_shape_args(p, model: str) -> None:
+    """A benchmark's model arguments: a shipped shape or a folder, random weights or
+    its own, cut to its first layers (shape_dir), and the CPU kernels' weight format."""
+    from common.config import QUANTIZATIONS
+
+    p.add_argument("--model-config", default=model,
+                   help="a shipped model shape (common/model_configs) or a model directory")
+    p.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
+    p.add_argument("--layers", type=int, default=None,
+                   help="keep the first N layers (dummy weights only)")
+    p.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
+
+
 def shape_dir(model: str, layers: Optional[int], load_format: str, tmp: Path) -> Path:
     """A model's folder (a shipped shape's name or a path); with ``layers``, a copy of
     its config in ``tmp`` cut to its first that many layers (random weights only)."""

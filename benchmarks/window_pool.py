@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.stack import cpu_model, shape_dir  # noqa: E402
+from benchmarks.stack import add_shape_args, cpu_model, shape_dir  # noqa: E402
 from common.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from common.protocol import SamplingParams  # noqa: E402
 from engine_worker.engine import LLMEngine  # noqa: E402
@@ -40,12 +40,7 @@ KINDS = ("two pools", "one pool")
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-config", default="gemma-3-1b",
-                   help="a shipped model shape (common/model_configs) or a model directory")
-    p.add_argument("--load-format", default="dummy", choices=["auto", "dummy"])
-    p.add_argument("--layers", type=int, default=None,
-                   help="keep the first N layers (dummy weights only)")
-    p.add_argument("--quantization", default=None, choices=["int8", "q4", "iq4"])
+    add_shape_args(p, "gemma-3-1b")
     p.add_argument("--kv-cache-memory-mb", type=float, default=96)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-batch-size", type=int, default=16)

@@ -121,6 +121,11 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
 
+    def longest_context(self, token_budget: int) -> int:
+        """The most tokens one request can hold alone: the pool's (window_blocks.py's
+        sliding pool holds more)."""
+        return self.num_blocks * self.block_size
+
     def slide(self, table: BlockTable, num_computed: int) -> None:
         """Let go of the blocks no query from position ``num_computed`` on will see.
         With every layer attending to all keys, none (window_blocks.py overrides)."""

@@ -28,8 +28,7 @@ from engine_worker.request import Request, RequestStatus
 from engine_worker.sampler import PendingSamples, Samples, token_logprobs
 from engine_worker.scheduler import ScheduledRequest, Scheduler
 from engine_worker.speculation import PREDICTED_TOKENS, Speculator, max_step_rows
-from engine_worker.window_blocks import (SlidingBlockManager, WindowedBlockManager,
-                                        local_pool_blocks)
+from engine_worker.window_blocks import SlidingBlockManager, WindowedBlockManager
 
 logger = logging.getLogger(__name__)
 
@@ -80,12 +79,8 @@ class LLMEngine:
         else:
             self.block_manager = BlockManager(runner.num_blocks, cache.block_size,
                                               cache.enable_prefix_caching)
-        # A request must fit in the pool on its own, or it could never finish; where
-        # every layer slides, any length fits once the pool holds a window and a chunk.
-        pool_tokens = runner.num_blocks * cache.block_size
-        if runner.sliding and runner.num_blocks >= local_pool_blocks(
-                runner.window, cache.block_size, 1, scheduler_config.token_budget):
-            pool_tokens = self.model_config.max_model_len
+        # A request must fit in the pool on its own, or it could never finish.
+        pool_tokens = self.block_manager.longest_context(scheduler_config.token_budget)
         self.max_model_len = min(self.model_config.max_model_len, pool_tokens,
                                  config.max_model_len or self.model_config.max_model_len)
         if self.max_model_len < self.model_config.max_model_len:

@@ -523,9 +523,9 @@ class ModelRunner:
             # A request checking proposed tokens: each of its rows a sequence of its
             # own, so that it attends as a decode row does (the same sums, in the same
             # order: the tokens are the ones decoding one at a time gives).
-            rows = s.num_tokens if r.num_draft else 1
-            seq.extend(range(len(pools[0][1]), len(pools[0][1]) + s.num_tokens) if r.num_draft
-                       else [len(pools[0][1])] * s.num_tokens)
+            rows, first = (s.num_tokens if r.num_draft else 1), len(pools[0][1])
+            seq.extend(range(first, first + s.num_tokens) if r.num_draft
+                       else [first] * s.num_tokens)
             for (slots, tables), table in zip(pools, (r.blocks, r.blocks.window)):
                 block_ids = table.block_ids
                 slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))

@@ -119,6 +119,13 @@ class SlidingBlockManager(BlockManager):
                 return [NULL_BLOCK] * (n - len(hits)) + hits
         return []
 
+    def longest_context(self, token_budget: int) -> int:
+        """Any length, once the pool holds a window and a step's tokens."""
+        if self.num_blocks >= local_pool_blocks(self.window, self.block_size, 1,
+                                                token_budget):
+            return 1 << 62
+        return super().longest_context(token_budget)
+
     def slide(self, table: BlockTable, num_computed: int) -> None:
         self.release(table, first_seen(num_computed, self.window, self.block_size))
 

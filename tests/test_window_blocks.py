@@ -261,3 +261,19 @@ def test_the_sliding_layers_pool_is_in_the_stats_and_the_metrics(tiny_gemma3_dir
     snap.engines[0] = dataclasses.replace(snap.engines[0], stats=one)
     families = {f.name: f for f in _engine_families(snap, "m", lambda address: "0")}
     assert families["roseserve_engine_window_kv_blocks"].samples == []
+
+
+def test_disaggregated_engines_let_go_of_nothing():
+    """`python -m engine_worker --role prefill|decode` keeps every layer's blocks (a KV
+    transfer moves whole tables); a mixed engine, and `roseserve serve`'s own check of
+    the flags (no --role), let them go."""
+    from engine_worker.__main__ import build_parser, engine_config_from_args
+
+    def window_pool(*argv: str) -> bool:
+        return engine_config_from_args(build_parser().parse_args(list(argv))).cache.window_pool
+
+    assert window_pool() and window_pool("--role", "mixed")
+    assert not window_pool("--role", "prefill") and not window_pool("--role", "decode")
+    args = build_parser().parse_args([])
+    del args.role
+    assert engine_config_from_args(args).cache.window_pool
