@@ -471,7 +471,11 @@ class TritonAttention(AttentionBackend):
                sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
         """q (N, Hq, D) -> (N, Hq * D); k and v are already in the cache."""
         n = q.shape[0]
-        out = q.new_empty(n, self.num_heads, self.head_dim)
+        # A prompt graph's padded tokens past its last padded sequence are in no chunk
+        # tile, so nothing writes their rows: zeros, not whatever the memory held, go
+        # on through the layers (decode rows are written, padded or not)
+        padded = meta.num_decode < n and meta.query_start_host[-1] < n
+        out = (q.new_zeros if padded else q.new_empty)(n, self.num_heads, self.head_dim)
         paged_attention(q, kv_cache[0], value_blocks(kv_cache), out, meta.block_tables,
                         meta.seq_lens, meta.query_start, meta.num_decode, meta.tile_seq,
                         meta.tile_offset, self.scale, meta.num_splits, self.split_buffers,

@@ -138,6 +138,12 @@ def test_an_engine_of_one_sequence_sizes_its_cache_and_serves(tiny_llama_dir, en
                    "one sequence")
 
 
+# A padded row of a graph that computed from uninitialized memory overflows in the
+# interpreter (its outputs are dropped, but it should compute from zeros)
+padded_rows_stay_finite = pytest.mark.filterwarnings("error::RuntimeWarning")
+
+
+@padded_rows_stay_finite
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_graph_runner_pads_to_buckets_and_matches_eager(tiny_llama_dir, async_scheduling):
     """With run-ahead, each graph step reads the tokens the step before sampled
@@ -161,6 +167,7 @@ def test_graph_runner_pads_to_buckets_and_matches_eager(tiny_llama_dir, async_sc
     assert engine.num_steps_ahead == (4 if async_scheduling else 0)
 
 
+@padded_rows_stay_finite
 def test_a_mixture_of_experts_steps_from_graphs(tiny_qwen3_moe_dir):
     """Its experts routed on the device, a mixture's decode steps and prompt chunks
     replay from graphs like a dense model's, and give the eager steps' tokens."""
@@ -174,6 +181,7 @@ def test_a_mixture_of_experts_steps_from_graphs(tiny_qwen3_moe_dir):
     assert replays.counts == {32: 1, 4: 4}
 
 
+@padded_rows_stay_finite
 def test_sliding_layers_of_their_own_pool_step_from_graphs(tiny_gemma3_dir):
     """Gemma 3's sliding layers read their own block table and slots (window_blocks.py)
     from the graphs' fixed buffers: decode steps that let blocks go (a window of 9
