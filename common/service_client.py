@@ -134,7 +134,9 @@ class ServiceClient:
         self._say_hello()
 
     async def start(self, timeout_s: float = 120.0):
-        """Connect and wait for the service's Ready (it may still be loading)."""
+        """Connect and wait for the service's Ready (it may still be loading). A service
+        that refuses this client, at the CURVE handshake or for another protocol
+        version, fails it at once."""
         await self.connect()
         try:
             await asyncio.wait_for(self._ready_event.wait(), timeout_s)
@@ -143,9 +145,10 @@ class ServiceClient:
             why = "" if self.dead_reason == "not started" else f" ({self.dead_reason})"
             raise self.dead_error(f"{self.service} at {self.address} did not answer within "
                                   f"{timeout_s:.0f} s{why}") from None
-        if self.refusal is not None:
+        if self.refusal is not None or self.ready is None:
+            reason = self.refusal or self.dead_reason
             await self.close()
-            raise self.dead_error(self.refusal)
+            raise self.dead_error(reason)
         return self.ready
 
     async def close(self) -> None:
@@ -342,8 +345,10 @@ class ServiceClient:
                           "it requires a CURVE key (--curve-key-file)"))
             if self.ready is None and self.dead_reason != reason:
                 logger.error("%s", reason)  # once, not at every reconnection
-                self.dead_reason = reason  # what start() reports
+                self.dead_reason = reason  # what start() reports, at once
             self._mark_dead(reason)
+            if self.ready is None:
+                self._ready_event.set()   # a client that only connected keeps trying
         elif (event == zmq.EVENT_CONNECTED and self.ready is not None
               and time.monotonic() - self._last_hello >= self.heartbeat_interval_s):
             self._say_hello()   # reconnected (not every 100 ms to a service that refuses us)
