@@ -401,7 +401,11 @@ def _compile(compiler: str, flags: list[str], out: Path) -> Optional[tuple[str, 
                 _, error = job.communicate()
                 if job.returncode != 0:
                     return " ".join(cmd), error.strip()
-            link = [compiler, *flags, *objects, "-o", str(out), "-lm"]
+            # linked without -ffast-math: GCC would add its start-up code, which sets
+            # flush-to-zero for the whole process that loads the library (the kernels
+            # set it in their own threads, kernels.h's RS_FAST_MODES)
+            link = [compiler, *(f for f in flags if f != "-ffast-math"), *objects,
+                    "-o", str(out), "-lm"]
             result = subprocess.run(link, capture_output=True, text=True)
         except OSError as e:  # the compiler vanished, or is not executable
             return compiler, str(e)

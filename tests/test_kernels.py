@@ -283,6 +283,39 @@ def test_processes_starting_together_build_the_kernels_once(tmp_path):
     assert sum(out.count("building the CPU kernels") for out in outs) == 1, outs
 
 
+def test_the_kernels_leave_the_process_its_ieee_arithmetic(tiny_llama_dir):
+    """The kernels flush subnormals to zero in their own threads only: once a process
+    has loaded them and run engine steps (the fused forward, attention, argmax), its own
+    arithmetic, torch's and numpy's, in its threads and torch's, keeps subnormals. GCC's
+    -ffast-math start-up code, linked in, set flush-to-zero for the whole process."""
+    code = f"""
+import sys, threading
+sys.path.insert(0, {str(ROOT / "tests")!r})
+import numpy as np, torch
+from helpers import greedy, make_engine, random_prompts
+engine = make_engine({str(tiny_llama_dir)!r})
+assert engine.runner.fused is not None
+print(engine.generate(random_prompts([5, 9], seed=1), greedy(4)))
+tiny = 1e-39   # a float32 subnormal
+checks = {{"torch": (torch.tensor([tiny]) * 1.0).item(),
+          "numpy": float(np.float32(tiny) * np.float32(1.0)),
+          "torch's threads": (torch.full((1 << 20,), tiny) * 1.0).min().item()}}
+thread = threading.Thread(target=lambda: checks.update(
+    {{"a new thread": (torch.tensor([tiny]) * 1.0).item()}}))
+thread.start(); thread.join()
+print(checks)
+assert all(v > 0 for v in checks.values()), checks
+# and the kernels, in their own threads, still take subnormals as zeros
+from engine_worker.kernels import cpu_kernels
+k = cpu_kernels()
+y = k.linear(torch.full((2, 32), tiny), k.pack(torch.ones(16, 32)), 16, None)
+assert not y.any(), y
+"""
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, text=True,
+                            capture_output=True, timeout=600)
+    assert result.returncode == 0, result.stdout + result.stderr[-3000:]
+
+
 def _tokens_and_logprobs(engine, prompts):
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
     for i, prompt in enumerate(prompts):

@@ -300,43 +300,47 @@ int rs_pack_gguf(const uint8_t *raw, int64_t N, int64_t K, int type, void *packe
     const int iq4 = type == GGML_IQ4_NL || type == GGML_IQ4_XS, mxfp4 = type == GGML_MXFP4;
     const int format = type == GGML_Q8_0 ? RS_INT8 : iq4 ? RS_IQ4 : mxfp4 ? RS_MXFP4 : RS_Q4;
     const int64_t panels = (N + RS_PANEL - 1) / RS_PANEL, pb = panel_bytes(K, format);
-#pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < panels; p++) {
-        char *dst = (char *)packed + p * pb;
-        memset(dst, 0, pb);   /* the last panel's padding rows: weight 0 */
-        for (int64_t g = 0; format == RS_INT8 && g < blocks; g++)
-            memset(dst + g * Q8_BLOCK_BYTES, 128, Q8_WEIGHT_BYTES);
-        for (int64_t j = 0; j < RS_PANEL && p * RS_PANEL + j < N; j++) {
-            const uint8_t *row = raw + (p * RS_PANEL + j) * (K / gguf_block_weights(type)) * bb;
-            for (int64_t g = 0; g < blocks; g++) {
-                const uint8_t *blk = row + (type == GGML_IQ4_XS ? g / 8 : g) * bb;
-                uint16_t d;
-                memcpy(&d, blk, 2);
-                if (iq4 || mxfp4) {   /* ggml: byte i holds weights i (low) and i + 16 */
-                    const uint8_t *qs = blk + (mxfp4 ? 1 : 2);
-                    iq4_scales(dst, g)[j] = mxfp4 ? mxfp4_half_scale(blk[0])
-                        : type == GGML_IQ4_XS ? iq4_xs_scale(blk, (int)(g % 8), &qs)
-                        : half_to_float(d);
-                    for (int t = 0; t < 32; t++)
+#pragma omp parallel
+    {
+        RS_FAST_MODES;
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            char *dst = (char *)packed + p * pb;
+            memset(dst, 0, pb);   /* the last panel's padding rows: weight 0 */
+            for (int64_t g = 0; format == RS_INT8 && g < blocks; g++)
+                memset(dst + g * Q8_BLOCK_BYTES, 128, Q8_WEIGHT_BYTES);
+            for (int64_t j = 0; j < RS_PANEL && p * RS_PANEL + j < N; j++) {
+                const uint8_t *row = raw + (p * RS_PANEL + j) * (K / gguf_block_weights(type)) * bb;
+                for (int64_t g = 0; g < blocks; g++) {
+                    const uint8_t *blk = row + (type == GGML_IQ4_XS ? g / 8 : g) * bb;
+                    uint16_t d;
+                    memcpy(&d, blk, 2);
+                    if (iq4 || mxfp4) {   /* ggml: byte i holds weights i (low) and i + 16 */
+                        const uint8_t *qs = blk + (mxfp4 ? 1 : 2);
+                        iq4_scales(dst, g)[j] = mxfp4 ? mxfp4_half_scale(blk[0])
+                            : type == GGML_IQ4_XS ? iq4_xs_scale(blk, (int)(g % 8), &qs)
+                            : half_to_float(d);
+                        for (int t = 0; t < 32; t++)
+                            put_nibble(dst, g * 32 + t, j, t < 16 ? qs[t] & 15 : qs[t - 16] >> 4);
+                        continue;
+                    }
+                    if (format == RS_INT8) {
+                        int8_scales(dst, g)[j] = half_to_float(d);
+                        for (int t = 0; t < 32; t++)
+                            ((uint8_t *)dst)[int8_index(g * 32 + t, j)] = blk[2 + t] ^ 0x80;
+                        continue;
+                    }
+                    uint16_t c;
+                    if (type == GGML_Q4_1)
+                        memcpy(&c, blk + 2, 2);
+                    else
+                        c = float_to_half(-8.0f * half_to_float(d));
+                    q4_scales(dst, g)[j] = d;
+                    q4_scales(dst, g)[RS_PANEL + j] = c;
+                    const uint8_t *qs = blk + (type == GGML_Q4_1 ? 4 : 2);
+                    for (int t = 0; t < 32; t++)   /* ggml: byte i holds i (low), i + 16 */
                         put_nibble(dst, g * 32 + t, j, t < 16 ? qs[t] & 15 : qs[t - 16] >> 4);
-                    continue;
                 }
-                if (format == RS_INT8) {
-                    int8_scales(dst, g)[j] = half_to_float(d);
-                    for (int t = 0; t < 32; t++)
-                        ((uint8_t *)dst)[int8_index(g * 32 + t, j)] = blk[2 + t] ^ 0x80;
-                    continue;
-                }
-                uint16_t c;
-                if (type == GGML_Q4_1)
-                    memcpy(&c, blk + 2, 2);
-                else
-                    c = float_to_half(-8.0f * half_to_float(d));
-                q4_scales(dst, g)[j] = d;
-                q4_scales(dst, g)[RS_PANEL + j] = c;
-                const uint8_t *qs = blk + (type == GGML_Q4_1 ? 4 : 2);
-                for (int t = 0; t < 32; t++)   /* ggml: byte i holds i (low), i + 16 */
-                    put_nibble(dst, g * 32 + t, j, t < 16 ? qs[t] & 15 : qs[t - 16] >> 4);
             }
         }
     }
@@ -409,61 +413,65 @@ int rs_pack_weight(const float *w, int64_t N, int64_t K, int format, void *packe
         return -1;
     const int64_t panels = (N + RS_PANEL - 1) / RS_PANEL;
     const int64_t pb = panel_bytes(K, format);
-#pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < panels; p++) {
-        char *dst = (char *)packed + p * pb;
-        for (int64_t j = 0; j < RS_PANEL; j++) {
-            const int64_t n = p * RS_PANEL + j;
-            const float *row = n < N ? w + n * K : NULL;
-            if (format == RS_F32 || format == RS_BF16) {
-                for (int64_t k = 0; k < K; k++) {
-                    const float v = row ? row[k] : 0.0f;
-                    if (format == RS_F32)
-                        ((float *)dst)[k * RS_PANEL + j] = v;
-                    else
-                        ((uint16_t *)dst)[bf16_index(k, j)] = rs_to_bf16(v);
-                }
-                continue;
-            }
-            if (format_levels(format)) {   /* IQ4 as ggml's IQ4_NL (iq4_scale); MXFP4 */
-                for (int64_t g = 0; g < K / RS_INT8_BLOCK; g++) {
-                    const float *blk = row ? row + g * RS_INT8_BLOCK : NULL;
-                    const float d = blk == NULL ? 0.0f : format == RS_IQ4 ? iq4_scale(blk)
-                                  : mxfp4_half_scale((uint8_t)mxfp4_scale_byte(blk));
-                    iq4_scales(dst, g)[j] = d;
-                    for (int t = 0; t < RS_INT8_BLOCK; t++)
-                        put_nibble(dst, g * RS_INT8_BLOCK + t, j,
-                                   blk ? nearest_level(format_levels(format), blk[t], d) : 0);
-                }
-                continue;
-            }
-            if (format == RS_Q4) {   /* as GGUF's Q4_1: q * d + min, q in 0..15 */
-                for (int64_t g = 0; g < K / RS_INT8_BLOCK; g++) {
-                    float lo = 0.0f, hi = 0.0f;
-                    for (int64_t k = g * RS_INT8_BLOCK; row && k < (g + 1) * RS_INT8_BLOCK; k++) {
-                        lo = k == g * RS_INT8_BLOCK || row[k] < lo ? row[k] : lo;
-                        hi = k == g * RS_INT8_BLOCK || row[k] > hi ? row[k] : hi;
+#pragma omp parallel
+    {
+        RS_FAST_MODES;
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            char *dst = (char *)packed + p * pb;
+            for (int64_t j = 0; j < RS_PANEL; j++) {
+                const int64_t n = p * RS_PANEL + j;
+                const float *row = n < N ? w + n * K : NULL;
+                if (format == RS_F32 || format == RS_BF16) {
+                    for (int64_t k = 0; k < K; k++) {
+                        const float v = row ? row[k] : 0.0f;
+                        if (format == RS_F32)
+                            ((float *)dst)[k * RS_PANEL + j] = v;
+                        else
+                            ((uint16_t *)dst)[bf16_index(k, j)] = rs_to_bf16(v);
                     }
-                    const uint16_t dh = float_to_half((hi - lo) / 15.0f), mh = float_to_half(lo);
-                    const float d = half_to_float(dh), m = half_to_float(mh);
-                    q4_scales(dst, g)[j] = dh;
-                    q4_scales(dst, g)[RS_PANEL + j] = mh;
-                    for (int64_t k = g * RS_INT8_BLOCK; k < (g + 1) * RS_INT8_BLOCK; k++) {
-                        const long q = row && d > 0.0f ? lrintf((row[k] - m) / d) : 0;
-                        put_nibble(dst, k, j, (int)(q < 0 ? 0 : q > 15 ? 15 : q));
-                    }
+                    continue;
                 }
-                continue;
-            }
-            uint8_t *q = (uint8_t *)dst;
-            for (int64_t g = 0; g < K / RS_INT8_BLOCK; g++) {
-                float amax = 0.0f;
-                for (int64_t k = g * RS_INT8_BLOCK; row && k < (g + 1) * RS_INT8_BLOCK; k++)
-                    amax = fabsf(row[k]) > amax ? fabsf(row[k]) : amax;
-                const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-                int8_scales(dst, g)[j] = scale;
-                for (int64_t k = g * RS_INT8_BLOCK; k < (g + 1) * RS_INT8_BLOCK; k++)
-                    q[int8_index(k, j)] = (uint8_t)(128 + (row ? lrintf(row[k] * inv) : 0));
+                if (format_levels(format)) {   /* IQ4 as ggml's IQ4_NL (iq4_scale); MXFP4 */
+                    for (int64_t g = 0; g < K / RS_INT8_BLOCK; g++) {
+                        const float *blk = row ? row + g * RS_INT8_BLOCK : NULL;
+                        const float d = blk == NULL ? 0.0f : format == RS_IQ4 ? iq4_scale(blk)
+                                      : mxfp4_half_scale((uint8_t)mxfp4_scale_byte(blk));
+                        iq4_scales(dst, g)[j] = d;
+                        for (int t = 0; t < RS_INT8_BLOCK; t++)
+                            put_nibble(dst, g * RS_INT8_BLOCK + t, j,
+                                       blk ? nearest_level(format_levels(format), blk[t], d) : 0);
+                    }
+                    continue;
+                }
+                if (format == RS_Q4) {   /* as GGUF's Q4_1: q * d + min, q in 0..15 */
+                    for (int64_t g = 0; g < K / RS_INT8_BLOCK; g++) {
+                        float lo = 0.0f, hi = 0.0f;
+                        for (int64_t k = g * RS_INT8_BLOCK; row && k < (g + 1) * RS_INT8_BLOCK; k++) {
+                            lo = k == g * RS_INT8_BLOCK || row[k] < lo ? row[k] : lo;
+                            hi = k == g * RS_INT8_BLOCK || row[k] > hi ? row[k] : hi;
+                        }
+                        const uint16_t dh = float_to_half((hi - lo) / 15.0f), mh = float_to_half(lo);
+                        const float d = half_to_float(dh), m = half_to_float(mh);
+                        q4_scales(dst, g)[j] = dh;
+                        q4_scales(dst, g)[RS_PANEL + j] = mh;
+                        for (int64_t k = g * RS_INT8_BLOCK; k < (g + 1) * RS_INT8_BLOCK; k++) {
+                            const long q = row && d > 0.0f ? lrintf((row[k] - m) / d) : 0;
+                            put_nibble(dst, k, j, (int)(q < 0 ? 0 : q > 15 ? 15 : q));
+                        }
+                    }
+                    continue;
+                }
+                uint8_t *q = (uint8_t *)dst;
+                for (int64_t g = 0; g < K / RS_INT8_BLOCK; g++) {
+                    float amax = 0.0f;
+                    for (int64_t k = g * RS_INT8_BLOCK; row && k < (g + 1) * RS_INT8_BLOCK; k++)
+                        amax = fabsf(row[k]) > amax ? fabsf(row[k]) : amax;
+                    const float scale = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+                    int8_scales(dst, g)[j] = scale;
+                    for (int64_t k = g * RS_INT8_BLOCK; k < (g + 1) * RS_INT8_BLOCK; k++)
+                        q[int8_index(k, j)] = (uint8_t)(128 + (row ? lrintf(row[k] * inv) : 0));
+                }
             }
         }
     }
@@ -1668,7 +1676,10 @@ int rs_linear(const float *x, int64_t M, int64_t K, const void *packed, int64_t 
 {
     int failed = 0;
 #pragma omp parallel reduction(|| : failed)
-    failed = rs_linear_ws(x, M, K, packed, N, bias, y, accumulate, format) != 0;
+    {
+        RS_FAST_MODES;
+        failed = rs_linear_ws(x, M, K, packed, N, bias, y, accumulate, format) != 0;
+    }
     return failed ? -1 : 0;
 }
 
@@ -1679,6 +1690,7 @@ float rs_read_all(const float *x, int64_t n)
     float total = 0.0f;
 #pragma omp parallel reduction(+ : total)
     {
+        RS_FAST_MODES;
         vf acc[64 / VL] = {{0}};
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < n; i += 64)

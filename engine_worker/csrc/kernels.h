@@ -37,6 +37,28 @@ static inline uint16_t rs_to_bf16(float f)
     return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);
 }
 
+/* Flush-to-zero and denormals-are-zero for one thread's part of a parallel region, and
+   its own modes back when the region's scope ends: the kernels compute with subnormals
+   as zeros (as -ffast-math builds assume), and the process that loads them keeps IEEE
+   arithmetic in its own code (torch's, numpy's). The library is linked without
+   -ffast-math, whose start-up code would set those modes for the whole process. Every
+   parallel region of the kernels begins with RS_FAST_MODES. */
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#define RS_FTZ_DAZ 0x8040u
+static inline void rs_restore_modes(const unsigned *csr) { _mm_setcsr(*csr); }
+static inline unsigned rs_fast_modes(void)
+{
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr | RS_FTZ_DAZ);
+    return csr;
+}
+#define RS_FAST_MODES \
+    const unsigned rs_modes_ __attribute__((cleanup(rs_restore_modes))) = rs_fast_modes()
+#else
+#define RS_FAST_MODES do { } while (0)
+#endif
+
 /* Threads of the enclosing parallel region (1 outside one). */
 static inline int rs_num_threads(void) { return omp_get_num_threads(); }
 

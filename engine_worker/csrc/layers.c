@@ -17,28 +17,32 @@
 void rs_add_rms_norm(const float *x, const float *residual_in, float *residual_out,
                      float *out, const float *weight, int64_t N, int64_t C, float eps)
 {
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-        const float *xr = x + n * C;
-        float *rr = residual_out + n * C;
-        float *orow = out + n * C;
-        float sumsq = 0.0f;
-        if (residual_in != NULL) {
-            const float *ri = residual_in + n * C;
-            for (int64_t c = 0; c < C; c++) {
-                const float h = xr[c] + ri[c];
-                rr[c] = h;
-                sumsq += h * h;
+#pragma omp parallel
+    {
+        RS_FAST_MODES;
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++) {
+            const float *xr = x + n * C;
+            float *rr = residual_out + n * C;
+            float *orow = out + n * C;
+            float sumsq = 0.0f;
+            if (residual_in != NULL) {
+                const float *ri = residual_in + n * C;
+                for (int64_t c = 0; c < C; c++) {
+                    const float h = xr[c] + ri[c];
+                    rr[c] = h;
+                    sumsq += h * h;
+                }
+            } else {
+                for (int64_t c = 0; c < C; c++) {
+                    rr[c] = xr[c];
+                    sumsq += xr[c] * xr[c];
+                }
             }
-        } else {
-            for (int64_t c = 0; c < C; c++) {
-                rr[c] = xr[c];
-                sumsq += xr[c] * xr[c];
-            }
+            const float inv = 1.0f / sqrtf(sumsq / (float)C + eps);
+            for (int64_t c = 0; c < C; c++)
+                orow[c] = weight[c] * (rr[c] * inv);
         }
-        const float inv = 1.0f / sqrtf(sumsq / (float)C + eps);
-        for (int64_t c = 0; c < C; c++)
-            orow[c] = weight[c] * (rr[c] * inv);
     }
 }
 
@@ -85,10 +89,14 @@ void rs_rope_write_kv(float *qkv, const float *cos, const float *sin,
 {
     const int64_t half = D / 2;
     const int64_t row = (Hq + 2 * Hkv) * D;
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++)
-        rs_rope_write_kv_row(qkv + n * row, cos + n * half, sin + n * half, k_cache, v_cache,
-                             kv_type, slots[n], Hq, Hkv, D);
+#pragma omp parallel
+    {
+        RS_FAST_MODES;
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++)
+            rs_rope_write_kv_row(qkv + n * row, cos + n * half, sin + n * half, k_cache, v_cache,
+                                 kv_type, slots[n], Hq, Hkv, D);
+    }
 }
 
 /* out = act(gate) * up for one row (gate then up, I each): act silu, or with gelu
@@ -109,7 +117,11 @@ void rs_act_mul_row(const float *g, float *o, int64_t I, int gelu)
    row. */
 void rs_silu_mul(const float *gate_up, float *out, int64_t N, int64_t I, int gelu)
 {
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++)
-        rs_act_mul_row(gate_up + n * 2 * I, out + n * I, I, gelu);
+#pragma omp parallel
+    {
+        RS_FAST_MODES;
+#pragma omp for schedule(static)
+        for (int64_t n = 0; n < N; n++)
+            rs_act_mul_row(gate_up + n * 2 * I, out + n * I, I, gelu);
+    }
 }

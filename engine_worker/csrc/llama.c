@@ -376,6 +376,7 @@ int rs_llama_forward(const struct rs_llama *m, const struct rs_step *s)
 
 #pragma omp parallel num_threads(s->num_threads)
     {
+        RS_FAST_MODES;
         float *my_scratch = scratch + (int64_t)omp_get_thread_num() * per_thread;
         double *profile = omp_get_thread_num() == 0 ? s->profile : NULL;
         double since = profile != NULL ? omp_get_wtime() : 0.0;

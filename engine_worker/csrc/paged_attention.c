@@ -767,6 +767,7 @@ int rs_paged_attention(const float *q, const void *k_cache, const void *v_cache,
     int failed = partial == NULL;
 #pragma omp parallel
     {
+        RS_FAST_MODES;
         float *scratch = (float *)aligned_alloc(64, sizeof(float)
                                                         * (size_t)((floats + 15) / 16 * 16));
         if (scratch == NULL) {
