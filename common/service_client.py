@@ -348,7 +348,7 @@ class ServiceClient:
                 self.dead_reason = reason  # what start() reports, at once
             self._mark_dead(reason)
             if self.ready is None:
-                self._ready_event.set()   # a client that only connected keeps trying
+                self._ready_event.set()   # start() fails; connect() alone keeps trying
         elif (event == zmq.EVENT_CONNECTED and self.ready is not None
               and time.monotonic() - self._last_hello >= self.heartbeat_interval_s):
             self._say_hello()   # reconnected (not every 100 ms to a service that refuses us)
