@@ -353,6 +353,13 @@ def _build_flags(extra_flags: Sequence[str]) -> list[str]:
     return [*_FLAGS, *_vendor_flags(), *extra_flags]
 
 
+def _link_flags(flags: Sequence[str]) -> list[str]:
+    """The link's flags: the build's, without -ffast-math, for which GCC would add its
+    start-up code that sets flush-to-zero for the whole process loading the library
+    (the kernels set it in their own threads: kernels.h's RS_FAST_MODES)."""
+    return [f for f in flags if f != "-ffast-math"]
+
+
 def _find_compiler() -> Optional[str]:
     """$CC if it names a program that exists, else cc or gcc on the PATH."""
     named = os.environ.get("CC")
@@ -376,10 +383,11 @@ def use_extra_flags(flags: list[str]) -> None:
 
 def cached_path(extra_flags: Sequence[str] = ()) -> Path:
     """Where the kernels built from this source, with the standard flags plus
-    ``extra_flags``, for this CPU are cached."""
+    ``extra_flags`` (as compiled and as linked), for this CPU are cached."""
     source = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
     flags = _build_flags(extra_flags)
-    key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_signature().encode())
+    key = hashlib.sha256(source + " ".join(flags).encode() + b" | "
+                         + " ".join(_link_flags(flags)).encode() + _cpu_signature().encode())
     return Path(cache_dir()) / "kernels" / f"roseserve-kernels-{key.hexdigest()[:16]}.so"
 
 
@@ -401,11 +409,7 @@ def _compile(compiler: str, flags: list[str], out: Path) -> Optional[tuple[str, 
                 _, error = job.communicate()
                 if job.returncode != 0:
                     return " ".join(cmd), error.strip()
-            # linked without -ffast-math: GCC would add its start-up code, which sets
-            # flush-to-zero for the whole process that loads the library (the kernels
-            # set it in their own threads, kernels.h's RS_FAST_MODES)
-            link = [compiler, *(f for f in flags if f != "-ffast-math"), *objects,
-                    "-o", str(out), "-lm"]
+            link = [compiler, *_link_flags(flags), *objects, "-o", str(out), "-lm"]
             result = subprocess.run(link, capture_output=True, text=True)
         except OSError as e:  # the compiler vanished, or is not executable
             return compiler, str(e)

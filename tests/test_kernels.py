@@ -316,6 +316,16 @@ assert not y.any(), y
     assert result.returncode == 0, result.stdout + result.stderr[-3000:]
 
 
+def test_a_build_linked_otherwise_is_cached_apart(monkeypatch):
+    """The cache's key covers how the library is linked, not only how its sources are
+    compiled: a link that changed alone does not load the old build."""
+    before = kernels.cached_path()
+    assert "-ffast-math" in kernels._build_flags([])
+    assert "-ffast-math" not in kernels._link_flags(kernels._build_flags([]))
+    monkeypatch.setattr(kernels, "_link_flags", lambda flags: list(flags))
+    assert kernels.cached_path() != before
+
+
 def _tokens_and_logprobs(engine, prompts):
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
     for i, prompt in enumerate(prompts):
