@@ -103,7 +103,7 @@ def window_nll(engine, token_ids: list[int]) -> float:
 def measure(fmt: str, args, prompts: list[list[int]], text_ids: list[int],
             kv_dtype: str) -> dict:
     from engine_worker.engine import LLMEngine
-    from engine_worker.kernels import WEIGHT_FORMATS
+    from engine_worker.cpu.kernels import WEIGHT_FORMATS
 
     model = args.model
     if fmt == "gguf":

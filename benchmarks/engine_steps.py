@@ -73,7 +73,7 @@ def last_level_cache_bytes(caches: Path = Path("/sys/devices/system/cpu/cpu0/cac
 
 def read_bandwidth(kernels, nbytes: int = 0, repeats: int = 5) -> float:
     """Bytes/s this machine reads with all threads: the best of a few vectorized sums
-    (engine_worker/csrc/gemm.c) over a buffer of ``nbytes``, read once before they are
+    (engine_worker/cpu/csrc/gemm.c) over a buffer of ``nbytes``, read once before they are
     timed (0: from memory, a buffer far larger than any cache: 256 MiB or 4 times the
     last-level cache, which on a large Xeon is 260 MiB)."""
     nbytes = nbytes or max(2**28, 4 * last_level_cache_bytes())

@@ -7,7 +7,7 @@ called layer by layer from Python, in one run.
 Loads the model twice in this process (random weights from a shipped model shape with
 ``--load-format dummy``, the default, its first ``--layers`` layers only so that it
 fits in memory; or a checkpoint with ``--load-format auto``): once on the fused forward
-(engine_worker/csrc/llama.c) and once layer by layer. For each concurrency it
+(engine_worker/cpu/csrc/llama.c) and once layer by layer. For each concurrency it
 alternates the two, ``--repeats`` rounds each, and prints output tokens/s, the median
 of each and of the ratio of the rounds' pairs, and whether the tokens are the same. With
 random weights the router's logits are nearly tied and the two paths' softmaxes round
@@ -33,7 +33,7 @@ from benchmarks.stack import add_shape_args, cpu_model, shape_dir  # noqa: E402
 from common.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from common.protocol import SamplingParams  # noqa: E402
 from engine_worker.engine import LLMEngine  # noqa: E402
-from engine_worker.fused import FusedLlama  # noqa: E402
+from engine_worker.cpu.fused import FusedLlama  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

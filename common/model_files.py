@@ -9,7 +9,7 @@ from the file's metadata. Later uses read that folder.
 Concurrent first uses (the engine and the tokenizer pool start together) are
 serialized by a file lock; the folder appears atomically by rename.
 
-``--model FILE.gguf`` serves a GGUF file's weights as they are (engine_worker/gguf.py).
+``--model FILE.gguf`` serves a GGUF file's weights as they are (engine_worker/models/gguf.py).
 Its folder, made once under the cache folder and named after the file, holds what the
 tokenizer pool, the frontend and the engine read from a model folder (config.json,
 the tokenizer and chat template from the file's metadata, generation_config.json) and

@@ -220,7 +220,7 @@ def context_length(model_dir: Path) -> int:
     a multimodal model's, its text_config's), as far as a YaRN scaling extends it (the
     original context times its factor) and the tokenizer pool needs it: the longest
     prompt it takes is so many tokens' characters. (The engine reads the context it
-    serves with its model: engine_worker/model_config.py.)"""
+    serves with its model: engine_worker/models/config.py.)"""
     config = _json_object(model_dir / "config.json")
     text = config.get("text_config")
     if isinstance(text, dict):

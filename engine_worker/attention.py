@@ -16,7 +16,7 @@ Backends, chosen once at start (model_runner.py):
   * ``TorchAttention``: the reference, on any device. A sequence's blocks are gathered
     and SDPA runs on them.
   * ``CpuAttention``: single-token queries through the C kernel that reads keys and
-    values in place (engine_worker/kernels.py); chunks as the reference.
+    values in place (engine_worker/cpu/kernels.py); chunks as the reference.
   * ``TritonAttention`` (engine_worker/gpu/attention.py): one kernel family for every
     sequence of the step, reading the cache in place.
 """
@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from engine_worker.kernels import CpuKernels
+from engine_worker.cpu.kernels import CpuKernels
 from engine_worker.ops import FP8, from_value_blocks, soft_cap, value_blocks, write_kv
 
 

@@ -22,7 +22,7 @@ from common.structured import GrammarCompiler
 from common.validation import check_token_ids, checked_prompt
 from engine_worker.block_manager import BlockManager
 from engine_worker.kv_transfer import KvBlockStore, KvLeases, KvReceiver, KvTransfer
-from engine_worker.model_config import load_model_config
+from engine_worker.models.config import load_model_config
 from engine_worker.model_runner import ModelRunner, resolve_device, resolve_dtype
 from engine_worker.request import Request, RequestStatus
 from engine_worker.sampler import PendingSamples, Samples, token_logprobs

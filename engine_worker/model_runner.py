@@ -27,10 +27,10 @@ import torch
 from common.config import EngineConfig, SchedulerConfig
 from engine_worker.attention import (AttentionBackend, CpuAttention, TorchAttention,
                                      kv_cache_shape)
-from engine_worker.fused import FusedLlama
-from engine_worker.kernels import cpu_kernels as load_cpu_kernels
-from engine_worker.model_config import ModelConfig
-from engine_worker.gguf import gguf_file
+from engine_worker.cpu.fused import FusedLlama
+from engine_worker.cpu.kernels import cpu_kernels as load_cpu_kernels
+from engine_worker.models.config import ModelConfig
+from engine_worker.models.gguf import gguf_file
 from engine_worker.models import PackedLinear, load_model
 from engine_worker.ops import FP8, TorchOps
 from engine_worker.sampler import Sampler

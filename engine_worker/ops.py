@@ -1,7 +1,7 @@
 """Fused layer operations, with a pure-torch implementation for every device.
 
 The Llama family's forward pass calls these through an ``ops`` object: ``TorchOps``
-below (any device), or ``CpuKernels`` (engine_worker/kernels.py), which implements the
+below (any device), or ``CpuKernels`` (engine_worker/cpu/kernels.py), which implements the
 same methods in C and is chosen for float32 on the CPU when it builds.
 """
 

@@ -40,7 +40,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from common.protocol import SamplingParams, TokenLogprobs
-from engine_worker.kernels import CpuKernels
+from engine_worker.cpu.kernels import CpuKernels
 from engine_worker.request import Request
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine_worker.weights import FP4_E2M1, mxfp4_to_float
+from engine_worker.models.checkpoint import FP4_E2M1, mxfp4_to_float
 
 
 def _random_routers(model_dir: Path) -> Path:

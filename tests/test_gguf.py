@@ -1,4 +1,4 @@
-"""Serving a GGUF file as it is (engine_worker/gguf.py, common/model_files.py): the
+"""Serving a GGUF file as it is (engine_worker/models/gguf.py, common/model_files.py): the
 default model's own file (SmolLM2-135M-Instruct, Q4_1 layers and a Q8_0 embedding),
 whose weights must be exactly what the file's dequantization gives (the default model's
 folder holds them so), served through the real processes
@@ -21,7 +21,7 @@ from common.protocol import SamplingParams
 from common.model_files import (_convert_gguf, _find_gguf, end_of_generation_ids,
                                 materialize_default_model, resolve_model_dir)
 from common.tokenizer import load_tokenizer
-from engine_worker import kernels
+from engine_worker.cpu import kernels
 from helpers import greedy, make_engine
 from gguf_files import gguf_from_hf
 from hf_reference import hf_model, quantize_blocks
@@ -135,7 +135,7 @@ def write_gguf(path, arch="llama", tensors=(), fields=None):
 def test_files_it_cannot_serve_are_refused_saying_why(tmp_path):
     from gguf import GGMLQuantizationType as T
 
-    from engine_worker.gguf import GgufWeights
+    from engine_worker.models.gguf import GgufWeights
 
     q8_k = np.zeros((64, 292), dtype=np.uint8)  # 64 rows of 256 Q8_K weights (activations')
     ok = np.zeros((64, 256), dtype=np.float32)
@@ -162,7 +162,7 @@ def test_q_k_v_of_types_of_other_formats_become_one_int8_weight(tmp_path):
     (q - 8 are int8 values of its scale); a dense tensor beside a block one is refused."""
     from gguf import GGMLQuantizationType as T, quants
 
-    from engine_worker.gguf import GgufWeights
+    from engine_worker.models.gguf import GgufWeights
 
     w = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
     tensors = [("blk.0.attn_q.weight", quants.quantize(w, T.Q4_0), T.Q4_0),
@@ -188,7 +188,7 @@ def test_one_weight_of_types_that_cannot_pack_together(tmp_path):
     whole super-blocks of 256."""
     from gguf import GGMLQuantizationType as T, quants
 
-    from engine_worker.gguf import GgufWeights
+    from engine_worker.models.gguf import GgufWeights
 
     rng = np.random.default_rng(2)
     w = rng.standard_normal((16, 256)).astype(np.float32)
@@ -237,8 +237,8 @@ def test_k_quant_files_tensors_are_re_stored_as_types_the_kernels_compute(tmp_pa
     time here (RESTORE_CHUNK_BYTES), as large ones are."""
     from gguf import GGMLQuantizationType as T, quants
 
-    from engine_worker import gguf as gguf_module
-    from engine_worker.gguf import GgufWeights
+    from engine_worker.models import gguf as gguf_module
+    from engine_worker.models.gguf import GgufWeights
 
     monkeypatch.setattr(gguf_module, "RESTORE_CHUNK_BYTES", 600)   # 3 Q5_0, 4 Q4_K rows
 
@@ -295,7 +295,7 @@ def test_iq4_files_tensors_are_packed_as_they_are(tmp_path):
     panels)."""
     from gguf import GGMLQuantizationType as T, quants
 
-    from engine_worker.gguf import GgufWeights
+    from engine_worker.models.gguf import GgufWeights
 
     rng = np.random.default_rng(1)
     tensors = {"blk.0.attn_q.weight": (random_blocks(rng, 32, 8, 18, (0,)), T.IQ4_NL),
@@ -322,8 +322,8 @@ def test_other_k_quant_types_are_requantized_as_q8_0(tmp_path, monkeypatch, type
     block of 32, requantized a few rows at a time (the 48 rows in 10 chunks)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-    from engine_worker import gguf as gguf_module
-    from engine_worker.gguf import GgufWeights
+    from engine_worker.models import gguf as gguf_module
+    from engine_worker.models.gguf import GgufWeights
 
     t = GGMLQuantizationType[type_name]
     size, halves = REQUANTIZED[type_name]

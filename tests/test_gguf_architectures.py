@@ -14,7 +14,7 @@ import torch
 
 from common.errors import ModelLoadError
 from common.model_files import resolve_model_dir
-from engine_worker import kernels
+from engine_worker.cpu import kernels
 from gguf_files import gguf_from_hf
 from helpers import greedy, make_engine
 from hf_reference import assert_matches, hf_greedy
@@ -254,7 +254,7 @@ def test_what_a_gemma_files_metadata_leaves_out_is_read_as_llama_cpp_reads_it():
     from transformers import Gemma2Config, Gemma3TextConfig
 
     from common.model_files import _gemma_reading
-    from engine_worker.model_config import _gemma
+    from engine_worker.models.config import _gemma
 
     big = Gemma3TextConfig(num_hidden_layers=62, hidden_size=5376, num_attention_heads=32,
                            head_dim=128, sliding_window=1024)
@@ -315,7 +315,7 @@ def test_a_mixture_stored_an_expert_a_tensor_is_refused_by_name(tmp_path):
     file that lacks blk.0.ffn_gate_exps.weight."""
     from gguf import GGUFWriter
 
-    from engine_worker.gguf import GgufWeights
+    from engine_worker.models.gguf import GgufWeights
 
     path = tmp_path / "mixtral.gguf"
     w = GGUFWriter(str(path), "llama")

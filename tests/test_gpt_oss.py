@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 from common.config import EngineConfig
 from common.errors import ModelLoadError
 from engine_worker.engine import LLMEngine
-from engine_worker.model_config import load_model_config
-from engine_worker.weights import mxfp4_to_float
+from engine_worker.models.config import load_model_config
+from engine_worker.models.checkpoint import mxfp4_to_float
 from helpers import greedy, random_prompts, run_to_end
 from hf_reference import assert_matches, hf_greedy
 from moe_models import to_mxfp4
@@ -44,7 +44,7 @@ def test_mxfp4_experts_serve_as_their_dequantized_copy(tiny_gpt_oss_mxfp4_dirs, 
     as it is for the integer formats: HF's greedy tokens on the dequantized copy (the
     other weights float32), but where that rounding makes a near tie. The log names
     the layers packed otherwise."""
-    from engine_worker.kernels import cpu_kernels
+    from engine_worker.cpu.kernels import cpu_kernels
 
     packed, plain = tiny_gpt_oss_mxfp4_dirs
     prompts = random_prompts([6, 19], seed=4)
@@ -80,8 +80,8 @@ def test_a_gguf_file_serves_what_its_checkpoint_does(tiny_gpt_oss_mxfp4_dirs, tm
     re-stored as Q8_0 (int8 levels of half the scale, exactly): the same integer
     products."""
     from common.model_files import resolve_model_dir
-    from engine_worker import gguf
-    from engine_worker.kernels import cpu_kernels
+    from engine_worker.models import gguf
+    from engine_worker.cpu.kernels import cpu_kernels
     from gguf_files import gguf_from_hf
 
     plain = tmp_path / "plain"

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_worker import kernels
+from engine_worker.cpu import kernels
 from engine_worker.attention import TorchAttention
-from engine_worker.fused import FusedLlama
+from engine_worker.cpu.fused import FusedLlama
 from common.protocol import SamplingParams
 from helpers import greedy, make_engine, random_prompts, run_to_end
 import hf_reference
@@ -273,7 +273,7 @@ def test_processes_starting_together_build_the_kernels_once(tmp_path):
     """Engines started together on a fresh machine: one builds, the others wait for it
     (each compiling too would make them all slower on the same cores)."""
     code = ("import logging; logging.basicConfig(level=logging.INFO); "
-            "from engine_worker.kernels import cpu_kernels; assert cpu_kernels() is not None")
+            "from engine_worker.cpu.kernels import cpu_kernels; assert cpu_kernels() is not None")
     env = {**os.environ, "ROSESERVE_CACHE_DIR": str(tmp_path)}
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -306,7 +306,7 @@ thread.start(); thread.join()
 print(checks)
 assert all(v > 0 for v in checks.values()), checks
 # and the kernels, in their own threads, still take subnormals as zeros
-from engine_worker.kernels import cpu_kernels
+from engine_worker.cpu.kernels import cpu_kernels
 k = cpu_kernels()
 y = k.linear(torch.full((2, 32), tiny), k.pack(torch.ones(16, 32)), 16, None)
 assert not y.any(), y

@@ -328,7 +328,7 @@ def test_a_first_start_builds_the_cpu_kernels_while_the_model_folder_is_made(
     and the engines run on the CPU kernels; the build's process fills the cache the
     engines then read."""
     from common import model_files
-    from engine_worker import kernels
+    from engine_worker.cpu import kernels
     from roseserve import cli, launcher
 
     monkeypatch.setenv("ROSESERVE_CACHE_DIR", str(tmp_path))

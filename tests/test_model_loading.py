@@ -13,8 +13,8 @@ from common.config import EngineConfig
 from common.errors import ModelLoadError
 from common.model_files import resolve_model_dir
 from engine_worker.engine import LLMEngine
-from engine_worker.model_config import load_model_config
-from engine_worker.rope_config import RopeConfig
+from engine_worker.models.config import load_model_config
+from engine_worker.models.rope import RopeConfig
 from engine_worker.models.llama import rope_inv_freq
 
 
@@ -263,7 +263,7 @@ def test_yarn_matches_transformers(params):
     from transformers import Qwen2Config
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from engine_worker.rope_config import rope_config
+    from engine_worker.models.rope import rope_config
 
     rope = {"rope_type": "yarn", "rope_theta": 1000000.0, **params}
     hf_config = Qwen2Config(hidden_size=1024, num_attention_heads=8, rope_parameters=rope,
@@ -481,7 +481,7 @@ def test_each_layer_is_packed_before_the_next_is_read(tiny_qwen3_moe_dir, monkey
 
     import engine_worker.models as models
     from engine_worker.models import PackedLinear
-    from engine_worker.weights import Checkpoint
+    from engine_worker.models.checkpoint import Checkpoint
 
     built, seen = [], []
     build, take = models.LlamaModel.__init__, Checkpoint.take

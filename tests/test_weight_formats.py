@@ -1,4 +1,4 @@
-"""The packed weight formats of the CPU kernels (engine_worker/csrc/gemm.c): float32,
+"""The packed weight formats of the CPU kernels (engine_worker/cpu/csrc/gemm.c): float32,
 bfloat16 and int8 with one scale per 32 inputs. Each computes exactly with the weights
 it unpacks to (int8 with its input quantized the same way), those are as close to the
 original as the format allows, and the engine on them gives Hugging Face's greedy output
@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine_worker import kernels
+from engine_worker.cpu import kernels
 from helpers import greedy, make_engine, random_prompts, run_to_end
 from hf_reference import NEAR_TIE, assert_matches, hf_greedy, quantize_blocks
 
@@ -141,7 +141,7 @@ def test_amx_tiles_that_disagree_at_load_are_not_used(caplog):
     flags = cpu_flags()
     if int8_dot_products(flags) != "vnni" and "avx512_bf16" not in flags:
         pytest.skip("AMX's tiles are built only with VNNI or AVX-512-BF16 beside them")
-    with caplog.at_level(logging.WARNING, logger="engine_worker.kernels"):
+    with caplog.at_level(logging.WARNING, logger="engine_worker.cpu.kernels"):
         faulty = kernels._build_and_load(["-DRS_AMX_EMULATE", "-DRS_AMX_EMULATE_FAULT",
                                           *NO_AMX])
     assert "AMX tiles gave other results than its vector instructions" in caplog.text
@@ -155,7 +155,7 @@ def test_amx_tiles_that_disagree_at_load_are_not_used(caplog):
         assert torch.equal(faulty.linear(x, packed, 40, None, fmt),
                            plain.linear(x, packed, 40, None, fmt))
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="engine_worker.kernels"):
+    with caplog.at_level(logging.WARNING, logger="engine_worker.cpu.kernels"):
         assert kernels._build_and_load(ISAS["amx-emulated"]).int8_path in ("amx", "no-vnni")
     assert "AMX tiles" not in caplog.text
 

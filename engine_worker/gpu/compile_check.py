@@ -58,7 +58,7 @@ def _dtype_name(dtype: str) -> str:
 
 def variants(cfg, dtype: str = "bfloat16", block_size: int = 16) -> list[tuple]:
     """(label, kernel, argument types by name, constexprs, options) of every launch
-    the engine makes for model config ``cfg`` (engine_worker.model_config.ModelConfig);
+    the engine makes for model config ``cfg`` (engine_worker.models.config.ModelConfig);
     options: num_warps and num_stages."""
     t = f"*{_dtype_name(dtype)}"
     group = cfg.num_heads // cfg.num_kv_heads
@@ -231,7 +231,7 @@ def loop_instructions(sass: str) -> int:
 
 def check(model: str, arch: int, dtype: str) -> list[dict]:
     from common.model_files import resolve_model_dir
-    from engine_worker.model_config import load_model_config
+    from engine_worker.models.config import load_model_config
 
     cfg = load_model_config(resolve_model_dir(model))
     rows = []

@@ -11,12 +11,12 @@ from torch import nn
 
 from common.errors import ModelLoadError
 from engine_worker.attention import AttentionBackend
-from engine_worker.gguf import gguf_file, load_gguf
-from engine_worker.kernels import CpuKernels
-from engine_worker.model_config import ModelConfig
+from engine_worker.models.gguf import gguf_file, load_gguf
+from engine_worker.cpu.kernels import CpuKernels
+from engine_worker.models.config import ModelConfig
 from engine_worker.models.gpt2 import GPT2Model
 from engine_worker.models.llama import LlamaModel, MoE, Ops
-from engine_worker.weights import Checkpoint
+from engine_worker.models.checkpoint import Checkpoint
 
 Model = Union[LlamaModel, GPT2Model]
 
@@ -106,7 +106,7 @@ def dummy_weights(model: nn.Module, seed: int) -> None:
 
 class PackedLinear(nn.Module):
     """A linear layer computing from a packed copy of its weight (CPU, float32; see
-    engine_worker/csrc/gemm.c). The packed copy replaces the weight."""
+    engine_worker/cpu/csrc/gemm.c). The packed copy replaces the weight."""
 
     def __init__(self, kernels: CpuKernels, weight: torch.Tensor,
                  bias: Optional[torch.Tensor], fmt: str = "float32") -> None:
@@ -120,7 +120,7 @@ class PackedLinear(nn.Module):
     @classmethod
     def from_packed(cls, kernels: CpuKernels, packed: torch.Tensor, fmt: str,
                     out_features: int, in_features: int) -> "PackedLinear":
-        """One over a weight packed already (engine_worker/gguf.py: a file's blocks)."""
+        """One over a weight packed already (engine_worker/models/gguf.py: a file's blocks)."""
         layer = cls.__new__(cls)
         nn.Module.__init__(layer)
         layer.kernels, layer.fmt, layer.bias = kernels, fmt, None

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_worker.attention import AttentionBackend, AttentionMetadata
-from engine_worker.model_config import ModelConfig
+from engine_worker.models.config import ModelConfig
 from engine_worker.models.layers import embedding, linear
-from engine_worker.weights import Checkpoint
+from engine_worker.models.checkpoint import Checkpoint
 
 
 def _layer_norm(size: int, eps: float) -> nn.LayerNorm:

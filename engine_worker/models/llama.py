@@ -23,12 +23,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_worker.attention import AttentionBackend, AttentionMetadata
-from engine_worker.kernels import CpuKernels
-from engine_worker.model_config import ModelConfig
-from engine_worker.rope_config import RopeConfig
+from engine_worker.cpu.kernels import CpuKernels
+from engine_worker.models.config import ModelConfig
+from engine_worker.models.rope import RopeConfig
 from engine_worker.models.layers import embedding, linear
 from engine_worker.ops import TorchOps, soft_cap
-from engine_worker.weights import Checkpoint, mxfp4_to_float
+from engine_worker.models.checkpoint import Checkpoint, mxfp4_to_float
 
 Ops = Union[TorchOps, CpuKernels]
 

@@ -401,7 +401,7 @@ def test_decode_batch_and_token_budget_default_by_device():
 def test_shipped_shapes_resolve_by_name_and_need_dummy_weights():
     from common.errors import ModelLoadError
     from common.model_files import model_shapes, resolve_model_dir
-    from engine_worker.model_config import load_model_config
+    from engine_worker.models.config import load_model_config
 
     assert model_shapes() == ["gemma-2-2b", "gemma-3-1b", "gpt-oss-20b", "llama-3-8b",
                               "qwen2.5-7b", "qwen3-0.6b", "qwen3-30b-a3b", "smollm2-135m"]

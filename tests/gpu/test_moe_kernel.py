@@ -127,10 +127,10 @@ def test_mxfp4_experts_compute_as_their_dequantized_weights(tokens):
     """gpt-oss's experts kept MXFP4 (bytes and a scale byte a 32 inputs, as its
     checkpoints hold them): the grouped GEMM decodes them in the kernel, each input's
     nibble by its place (even inputs low, odd high); against the same experts
-    dequantized (engine_worker.weights.mxfp4_to_float) as dense weights. 96 inputs to
+    dequantized (engine_worker.models.checkpoint.mxfp4_to_float) as dense weights. 96 inputs to
     down: a pass of 64 and a pass of 32, half masked."""
     from engine_worker.gpu.moe import GroupedExperts
-    from engine_worker.weights import mxfp4_to_float
+    from engine_worker.models.checkpoint import mxfp4_to_float
 
     c, i, e = 64, 96, 4
     mlps, x, weights, chosen = _mixture(tokens, experts=e, top_k=2, c=c, i=i, act=CLAMPED,

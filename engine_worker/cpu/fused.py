@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from engine_worker.kernels import WEIGHT_FORMATS, CpuKernels, kv_type, ptr_or_none
+from engine_worker.cpu.kernels import WEIGHT_FORMATS, CpuKernels, kv_type, ptr_or_none
 from engine_worker.ops import soft_cap
 
 

@@ -14,7 +14,7 @@ layer's outputs and sliding layers, Gemma 2 soft-capped scores and logits, Gemma
 sliding layers a RoPE of their own; gpt-oss a learned sink logit per head, biased
 routers and experts, a clamped SwiGLU and MXFP4 experts) and GPT2LMHeadModel. Anything
 else is a ModelLoadError that names the architecture and what is supported. RoPE's
-scalings are read in engine_worker/rope_config.py.
+scalings are read in engine_worker/models/rope.py.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from common.errors import ModelLoadError
-from engine_worker.rope_config import RopeConfig, rope_config
+from engine_worker.models.rope import RopeConfig, rope_config
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ file); the weights stay in the file and are read from it here, at start:
   weights: IQ4_XS's super-block factor times its sub-block's 6-bit one, exactly), MXFP4
   (gpt-oss's experts) as the MXFP4 one (IQ4's of FP4's levels, doubled, and half the
   block's power-of-two scale), their blocks copied unchanged
-  (engine_worker/csrc/gemm.c: rs_pack_gguf), so every weight is what the file's own
+  (engine_worker/cpu/csrc/gemm.c: rs_pack_gguf), so every weight is what the file's own
   dequantization gives;
 - F32 and BF16 linear layers are packed as float32 and bfloat16; F16 ones are widened
   to float32 (exactly: every half is a float);
@@ -60,7 +60,7 @@ import torch
 from common.errors import ModelLoadError
 from common.gguf_reader import GgufReader, ggml_type_name, unpermute_rows
 from common.model_files import GGUF_ARCHITECTURES, GGUF_POINTER, unserved_gguf_architecture
-from engine_worker.kernels import GGUF_FORMATS, CpuKernels
+from engine_worker.cpu.kernels import GGUF_FORMATS, CpuKernels
 
 logger = logging.getLogger(__name__)
 

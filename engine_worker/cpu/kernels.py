@@ -1,6 +1,6 @@
 """CPU kernels called through ctypes: our C kernels (attention, GEMM, the fused forward).
 
-Ours (engine_worker/csrc/): paged decode attention, and a row-wise argmax (torch's
+Ours (engine_worker/cpu/csrc/): paged decode attention, and a row-wise argmax (torch's
 is single-threaded and unvectorized on the CPU, ~10x slower over a vocabulary). The C
 sources have no Python or torch headers, so they compile in about a second with the
 system's C compiler. The shared object is cached
@@ -19,7 +19,7 @@ and 4-bit weights as AMX tiles from 16 rows where it has them (INT8_PATHS; IQ4's
 MXFP4's panels unpacked to int8 ones first, a panel at a time); the OS must first allow
 AMX: loading the kernels asks it (rs_init).
 llama.c runs a whole Llama-family forward pass in one call on top of it
-(engine_worker/fused.py).
+(engine_worker/cpu/fused.py).
 """
 
 from __future__ import annotations
