@@ -93,7 +93,7 @@ def window_nll(engine, token_ids: list[int]) -> float:
     local = (None if runner.model.rotary_local is None
              else runner.model.rotary_local(positions, torch.float32))
     table = torch.arange(-(-n // bs)).unsqueeze(0)
-    logits = runner.fused.forward(
+    logits = runner.step.fused.forward(   # (the fused forward: cpu/fused.py)
         torch.tensor(token_ids), cos, sin, positions.clone(), torch.zeros(n, dtype=torch.int64),
         positions + 1, table, torch.arange(n - 1), n, torch.get_num_threads(), local)
     logprobs = torch.log_softmax(logits.double(), dim=-1)
@@ -102,8 +102,9 @@ def window_nll(engine, token_ids: list[int]) -> float:
 
 def measure(fmt: str, args, prompts: list[list[int]], text_ids: list[int],
             kv_dtype: str) -> dict:
-    from engine_worker.engine import LLMEngine
+    from engine_worker.cpu.fused import FusedForward
     from engine_worker.cpu.kernels import WEIGHT_FORMATS
+    from engine_worker.engine import LLMEngine
 
     model = args.model
     if fmt == "gguf":
@@ -115,7 +116,8 @@ def measure(fmt: str, args, prompts: list[list[int]], text_ids: list[int],
         cache=CacheConfig(kv_cache_memory_bytes=256 << 20, kv_cache_dtype=kv_dtype)))
     # a GGUF file's layers take the format their type packs as
     expected = tuple(WEIGHT_FORMATS) if fmt == "gguf" else (fmt,)
-    if engine.runner.fused is None or engine.runner.weight_format not in expected:
+    if (not isinstance(engine.runner.step, FusedForward)
+            or engine.runner.weight_format not in expected):
         raise SystemExit(f"{fmt}: needs the fused CPU forward (Llama family, C kernels)")
     start = time.perf_counter()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)

@@ -231,9 +231,9 @@ def main(argv=None) -> int:
     from engine_worker.engine import LLMEngine
 
     if args.kernel_isa == "avx2":
-        from engine_worker.cpu import kernels
+        from engine_worker.cpu import build
 
-        kernels.use_extra_flags(["-mno-avx512f", "-mno-avxvnni"])
+        build.use_extra_flags(["-mno-avx512f", "-mno-avxvnni"])
     concurrency = args.max_batch_size or args.num_requests
 
     def make_engine(dtype: str, quantization) -> LLMEngine:

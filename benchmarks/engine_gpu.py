@@ -42,7 +42,8 @@ from common.config import (KV_CACHE_DTYPES, CacheConfig, EngineConfig,  # noqa: 
                            SchedulerConfig)
 from common.protocol import SamplingParams  # noqa: E402
 from engine_worker.gpu.compile_check import compiled_kernels  # noqa: E402
-from engine_worker.models.llama import MoE  # noqa: E402
+from engine_worker.gpu.graphs import GraphForward  # noqa: E402
+from engine_worker.models.layers.moe import MoE  # noqa: E402
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
@@ -254,7 +255,7 @@ def main(argv=None) -> int:
     print(f"device: {name}; model: {args.model_config} ({cfg.num_params / 1e9:.2f}B params, "
           f"{str(runner.dtype).removeprefix('torch.')}, {args.load_format} weights, "
           f"KV cache {str(runner.kv_dtype).removeprefix('torch.')}); "
-          f"graphs: {runner.graphs is not None}; run-ahead: {engine.async_scheduling}; "
+          f"graphs: {isinstance(runner.step, GraphForward)}; run-ahead: {engine.async_scheduling}; "
           f"{args.input_len} in / {args.output_len} out", flush=True)
 
     element = torch.empty((), dtype=runner.kv_dtype).element_size()
@@ -270,7 +271,7 @@ def main(argv=None) -> int:
     report = {"device": name, "model": args.model_config, "dtype": str(runner.dtype),
               "kv_cache_dtype": str(runner.kv_dtype),
               "load_format": args.load_format, "input_len": args.input_len,
-              "output_len": args.output_len, "cuda_graphs": runner.graphs is not None,
+              "output_len": args.output_len, "cuda_graphs": isinstance(runner.step, GraphForward),
               "async_scheduling": engine.async_scheduling,
               "bandwidth_bytes_per_s": bandwidth, "gemm_flops_per_s": rate,
               "tokens_per_s": {}, "floor_fraction": {}, "hf_tokens_per_s": {}, "runs": {}}

@@ -88,9 +88,18 @@ def read_bandwidth(kernels, nbytes: int = 0, repeats: int = 5) -> float:
 
 
 def linear_layers(model) -> list:
-    from engine_worker.models import PackedLinear
+    from engine_worker.cpu.formats import PackedMethod
+    from engine_worker.models.layers.linear import Linear
 
-    return [m for m in model.modules() if isinstance(m, PackedLinear)]
+    return [m for m in model.modules()
+            if isinstance(m, Linear) and isinstance(m.method, PackedMethod)]
+
+
+def fused_of(runner):
+    """The runner's fused CPU forward (cpu/fused.py: FusedLlama), or None."""
+    from engine_worker.cpu.fused import FusedForward
+
+    return runner.step.fused if isinstance(runner.step, FusedForward) else None
 
 
 def gemm_rate(model, rows: int = 256, repeats: int = 3) -> float:
@@ -149,7 +158,8 @@ def decode_steps(engine, batch: int, input_len: int, seed: int, wanted: int = 32
         engine.add_request(request_id, prompt, params)
     forward, sampler = _Timed(runner.forward), _Timed(runner.sampler.launch)
     runner.forward, runner.sampler.launch = forward, sampler  # (on the CPU it samples)
-    runner.fused.profile = profile = torch.zeros(3, dtype=torch.float64)
+    fused = fused_of(runner)
+    fused.profile = profile = torch.zeros(3, dtype=torch.float64)
     rows = []
     try:
         while engine.has_unfinished_requests() and len(rows) < wanted:
@@ -168,7 +178,7 @@ def decode_steps(engine, batch: int, input_len: int, seed: int, wanted: int = 32
                              "forward_python": f - lin - att - oth, "sampling": smp,
                              "engine_rest": step - f - smp, "context": context})
     finally:
-        runner.forward, runner.fused.profile = forward.fn, None
+        runner.forward, fused.profile = forward.fn, None
         del runner.sampler.launch  # the class's again
         engine.abort_requests(ids)
     engine.block_manager.reset_prefix_cache()
@@ -187,7 +197,7 @@ def roofline_batches(args) -> list[int]:
 
 def roofline(engine, args) -> dict:
     runner = engine.runner
-    if runner.fused is None:
+    if fused_of(runner) is None:
         raise SystemExit("--roofline needs the fused CPU forward (a Llama-family model, "
                          "CPU kernels)")
     cfg = engine.model_config
@@ -196,7 +206,7 @@ def roofline(engine, args) -> dict:
     params = sum(m.in_features * m.out_features for m in layers)
     kv_bytes_per_token = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
                           * runner.kv_caches[0].element_size())
-    kernels = runner.model.lm_head.kernels
+    kernels = runner.model.lm_head.method.kernels   # (cpu/formats.py: PackedMethod)
     rates = compute_rates(runner.model, kernels, runner.weight_format)
     rate_from, rate = max(rates.items(), key=lambda item: item[1])
     out = {"gemm_gflops": rate / 1e9,
@@ -233,8 +243,8 @@ def long_context(engine, args) -> list[dict]:
     """Per prompt length, one request alone (--repeats runs, medians): seconds to its
     first token and per later decode step, each with the fused forward's split (linear
     layers, attention, the rest)."""
-    runner = engine.runner
-    if runner.fused is None:
+    fused = fused_of(engine.runner)
+    if fused is None:
         raise SystemExit("--long-context needs the fused CPU forward (a Llama-family model, "
                          "CPU kernels)")
     rng = random.Random(args.seed)
@@ -245,7 +255,7 @@ def long_context(engine, args) -> list[dict]:
         for _ in range(args.repeats):
             prompt = [rng.randrange(100, engine.model_config.vocab_size) for _ in range(length)]
             engine.add_request(f"long-{length}-{time.monotonic_ns()}", prompt, params)
-            runner.fused.profile = profile = torch.zeros(3, dtype=torch.float64)
+            fused.profile = profile = torch.zeros(3, dtype=torch.float64)
             try:
                 start, chunks = time.perf_counter(), 0
                 while not any(out.new_token_ids for out in engine.step()):
@@ -260,7 +270,7 @@ def long_context(engine, args) -> list[dict]:
                 decode = (time.perf_counter() - start) / steps
                 per_step = [x / steps for x in profile.tolist()]
             finally:
-                runner.fused.profile = None
+                fused.profile = None
             engine.block_manager.reset_prefix_cache()
             runs.append({"prefill_s": prefill, "prefill_steps": chunks + 1,
                          "prefill_linear_s": split[0], "prefill_attention_s": split[1],

@@ -136,7 +136,7 @@ def cpu_seconds(process: psutil.Process) -> float:
 def measure_format(fmt: str, args, concurrencies: list[int]) -> dict:
     from common.model_files import resolve_model_dir
     from engine_worker.engine import LLMEngine
-    from engine_worker.models.config import load_model_config
+    from engine_worker.models.registry import load_model_config
 
     model = str(resolve_model_dir(args.model))
     flags = ["--model", model, "--device", "cpu", "--threads", str(args.threads),

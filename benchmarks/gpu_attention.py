@@ -35,7 +35,7 @@ import torch  # noqa: E402
 from benchmarks.engine_gpu import copy_bandwidth, graph_timed  # noqa: E402
 from common.model_files import resolve_model_dir  # noqa: E402
 from engine_worker.gpu import attention  # noqa: E402
-from engine_worker.models.config import load_model_config  # noqa: E402
+from engine_worker.models.registry import load_model_config  # noqa: E402
 from engine_worker.ops import FP8, to_cache_dtype, to_value_blocks  # noqa: E402
 
 # Candidates that compile for Hopper without spills at head_dim 128

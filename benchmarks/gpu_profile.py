@@ -40,6 +40,7 @@ from common.config import (KV_CACHE_DTYPES, CacheConfig, EngineConfig,  # noqa: 
                            SchedulerConfig)
 from common.model_files import resolve_model_dir  # noqa: E402
 from common.protocol import SamplingParams  # noqa: E402
+from engine_worker.gpu.graphs import GraphForward  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -170,9 +171,10 @@ def profile_batch(engine, clock: Clock, batch: int, args) -> None:
           f"forward call {per_step['forward']:.3f} ms, sampling queued "
           f"{per_step['_sample']:.3f} ms, tokens read (waits for the device) "
           f"{per_step['_read_samples']:.3f} ms")
-    bucket = runner.graphs.bucket(batch) if runner.graphs is not None else None
+    graphs = runner.step if isinstance(runner.step, GraphForward) else None
+    bucket = graphs.bucket(batch) if graphs is not None else None
     if bucket is not None:
-        replay = runner.graphs.graphs[bucket]
+        replay = graphs.graphs[bucket]
         print(f"decode graph (bucket {bucket}): {clock.ms(replay, 20):.3f} ms of device time")
         print(kernel_table(replay))
     print(host_profile(lambda: [engine.step() for _ in range(10)]))
@@ -248,7 +250,8 @@ def main(argv=None) -> int:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"device: {name}; model: {args.model_config}; KV cache "
           f"{str(engine.runner.kv_dtype).removeprefix('torch.')}; engine built in "
-          f"{time.perf_counter() - start:.1f} s; graphs: {engine.runner.graphs is not None}")
+          f"{time.perf_counter() - start:.1f} s; graphs: "
+          f"{isinstance(engine.runner.step, GraphForward)}")
     clock = Clock(device)
     for batch in batches:
         profile_batch(engine, clock, batch, args)

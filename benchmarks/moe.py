@@ -33,7 +33,7 @@ from benchmarks.stack import add_shape_args, cpu_model, shape_dir  # noqa: E402
 from common.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
 from common.protocol import SamplingParams  # noqa: E402
 from engine_worker.engine import LLMEngine  # noqa: E402
-from engine_worker.cpu.fused import FusedLlama  # noqa: E402
+from engine_worker.cpu.fused import FusedForward, FusedLlama  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -61,7 +61,7 @@ def engine(args: argparse.Namespace, path: Path, fused: bool) -> LLMEngine:
             scheduler=SchedulerConfig(max_batch_size=max(64, *concurrencies(args)))))
     finally:
         FusedLlama.supports = supports
-    if (made.runner.fused is not None) != fused:
+    if isinstance(made.runner.step, FusedForward) != fused:
         raise SystemExit(f"{path}: the fused forward does not run this model")
     return made
 

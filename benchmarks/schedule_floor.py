@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.engine_gpu import run_floor  # noqa: E402
 from common.model_files import resolve_model_dir  # noqa: E402
-from engine_worker.models.config import load_model_config  # noqa: E402
+from engine_worker.models.registry import load_model_config  # noqa: E402
 
 
 def scheduled_floor(weight_bytes: float, kv_bytes_per_token: float, flops_per_token: float,

@@ -9,12 +9,14 @@ from the file's metadata. Later uses read that folder.
 Concurrent first uses (the engine and the tokenizer pool start together) are
 serialized by a file lock; the folder appears atomically by rename.
 
-``--model FILE.gguf`` serves a GGUF file's weights as they are (engine_worker/models/gguf.py).
-Its folder, made once under the cache folder and named after the file, holds what the
-tokenizer pool, the frontend and the engine read from a model folder (config.json,
-the tokenizer and chat template from the file's metadata, generation_config.json) and
-gguf.json, which names the file; no weights. A changed file (size or mtime) gets a new
-folder.
+``--model FILE.gguf`` serves a GGUF file's weights as they are
+(engine_worker/models/gguf.py). Its folder, made once under the cache folder and named
+after the file, holds what the tokenizer pool, the frontend and the engine read from a
+model folder (config.json as transformers reads the file's metadata, the tokenizer and
+chat template, generation_config.json) and gguf.json, which names the file; no weights.
+What transformers' reading misses of an architecture's metadata the engine reads from
+the file itself (the family's GGUF reading: engine_worker/models/). A changed file (size
+or mtime) gets a new folder.
 """
 
 from __future__ import annotations
@@ -46,20 +48,11 @@ _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _LAYOUT_VERSION = "1"
 # Bump when what a GGUF file's folder holds changes (2: every end-of-generation token
 # in generation_config.json; 3: the head size and YaRN of qwen3moe files read by
-# llama.cpp's architecture name), so that those folders alone are rebuilt.
-_GGUF_FOLDER_VERSION = "3"
+# llama.cpp's architecture name; 4: config.json as transformers reads the file, the
+# families' own readings moved to the engine), so that those folders alone are rebuilt.
+_GGUF_FOLDER_VERSION = "4"
 # In a model folder: the GGUF file its weights are read from.
 GGUF_POINTER = "gguf.json"
-# The GGUF architectures served (a file's general.architecture, llama.cpp's name) -> the
-# checkpoint architecture the folder's config.json names. llama.cpp stores Mistral and
-# SmolLM as llama, and Mixtral as llama with experts.
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                      "qwen3": "Qwen3ForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
-                      "qwen2moe": "Qwen2MoeForCausalLM",
-                      "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
-                      "phi3": "Phi3ForCausalLM", "gpt-oss": "GptOssForCausalLM"}
-
-
 # The texts of control tokens that end a reply or a document in the chat formats of the
 # models served from GGUF files: Llama 3's end of turn, end of message (after a tool
 # call) and end of text; ChatML's (Qwen, SmolLM) end of turn and end of text; Phi's and
@@ -85,14 +78,6 @@ def end_of_generation_ids(fields: dict) -> list[int]:
                                        and types[token_id] == _CONTROL_TOKEN))):
             ids.append(token_id)
     return ids
-
-
-def unserved_gguf_architecture(file_name: str, arch: object) -> ModelLoadError:
-    return ModelLoadError(f"{file_name}: roseserve serves GGUF files of the llama, qwen2, "
-                          f"qwen3, qwen2moe, qwen3moe, gemma2, gemma3, phi3 and gpt-oss "
-                          f"architectures (Llama, SmolLM, Mistral, Mixtral, Qwen2, Qwen2.5, "
-                          f"Qwen3, Qwen1.5-MoE, Qwen3-30B-A3B, Gemma 2, Gemma 3, Phi-3, "
-                          f"Phi-4, gpt-oss...), not {arch!r}")
 
 
 # Architectures' config.json without weights, for --load-format dummy.
@@ -212,52 +197,14 @@ def _gguf_metadata(path: Path, reader: GgufReader, out_dir: Path,
 
     fields = reader.fields
     folder, name = str(path.parent), path.name
-    # transformers (5.24) reads each of gpt-oss's rope.scaling fields as its key's length;
-    # ours read them (_yarn_parameters)
-    hidden = "gpt-oss.rope.scaling." if fields.get("general.architecture") == "gpt-oss" else ""
+    arch = fields.get("general.architecture")
     try:
-        with _fields_hidden(hidden):
+        with _fields_hidden(f"{arch}.rope.scaling."):
             config = AutoConfig.from_pretrained(folder, gguf_file=name)
             tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     except Exception as e:  # transformers' GGUF reader raises many kinds
-        raise ModelLoadError(f"{path}: its metadata does not describe a model that can be "
-                             f"served ({type(e).__name__}: {e})") from e
-    # llama.cpp's name for it (transformers makes a llama file named "mistral" a Mistral
-    # config: llama, as its weights and llama.cpp have it)
-    arch = fields.get("general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise unserved_gguf_architecture(path.name, arch)
-    config.architectures = [GGUF_ARCHITECTURES[arch]]
-    if arch == "llama" and fields.get("llama.expert_count"):
-        # llama.cpp stores Mixtral as llama, each layer's MLP a mixture of experts of the
-        # MLP's width; transformers' reading keeps none of it
-        config.architectures = ["MixtralForCausalLM"]
-        config.num_local_experts = fields["llama.expert_count"]
-        config.num_experts_per_tok = fields["llama.expert_used_count"]
-    # transformers takes no head size from the file (Qwen3's config defaults to 128)
-    head_dim = fields.get(f"{arch}.attention.key_length")
-    if head_dim:
-        config.head_dim = head_dim
-    yarn = _yarn_parameters(path.name, fields, arch)
-    if yarn:
-        config.rope_parameters = {**(config.rope_parameters or {}), **yarn}
-    if arch in ("gemma2", "gemma3"):
-        _gemma_reading(config, fields, arch)
-    if arch == "phi3":
-        _phi3_reading(config, reader)
-    if arch == "gpt-oss":
-        _gpt_oss_reading(config, fields, yarn)
-    if arch in ("qwen2moe", "qwen3moe"):
-        # transformers reads neither the experts' sizes (and Qwen2-MoE's shared expert's)
-        # nor whether llama.cpp renormalizes the chosen experts' weights: Qwen3-MoE's,
-        # as its own configs say; not Qwen2-MoE's (Qwen1.5-MoE's config)
-        config.moe_intermediate_size = fields.get(f"{arch}.expert_feed_forward_length",
-                                                  config.moe_intermediate_size)
-        config.norm_topk_prob = arch == "qwen3moe"
-        if arch == "qwen2moe":
-            config.shared_expert_intermediate_size = fields.get(
-                "qwen2moe.expert_shared_feed_forward_length",
-                config.shared_expert_intermediate_size)
+        raise ModelLoadError(f"{path}: its metadata (architecture {arch!r}) does not describe "
+                             f"a model that can be served ({type(e).__name__}: {e})") from e
     config.save_pretrained(out_dir)
     generation = GenerationConfig.from_model_config(config)
     if end_of_turn_tokens:
@@ -267,56 +214,12 @@ def _gguf_metadata(path: Path, reader: GgufReader, out_dir: Path,
     (out_dir / GGUF_POINTER).write_text(json.dumps({"file": str(path)}))
 
 
-def _gemma_reading(config, fields: dict, arch: str) -> None:
-    """What llama.cpp takes a gemma2 or gemma3 file to mean, which its metadata does not
-    say: the scores scaled by head_dim^-1/2, but hidden_size / heads for the 27B models
-    (Gemma 2's 46 layers, Gemma 3's 62); a sliding window where the file gives one (in
-    every other layer of Gemma 2, five of six of Gemma 3, the sliding layers' RoPE base
-    10,000: transformers' defaults), none where it does not; the soft caps the file
-    gives (Gemma 2's; Gemma 3 has none, and one the file gives is refused by the
-    engine, by name)."""
-    big = {"gemma2": 46, "gemma3": 62}[arch]
-    config.query_pre_attn_scalar = (
-        config.hidden_size // config.num_attention_heads if config.num_hidden_layers == big
-        else config.head_dim)
-    if not fields.get(f"{arch}.attention.sliding_window"):
-        config.sliding_window = None
-    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if fields.get(f"{arch}.{name}"):
-            setattr(config, name, fields[f"{arch}.{name}"])
-
-
-def _phi3_reading(config, reader: GgufReader) -> None:
-    """What a phi3 file holds that transformers' reading leaves out: the share of each
-    head RoPE turns (Phi-4-mini's 3/4: rope.dimension_count), the sliding window
-    (Phi-3-mini-4k's) and LongRoPE (the 128k models, Phi-3.5, Phi-4-mini): its long
-    and short factors, tensors of their own, with the original context and the
-    attention factor."""
-    fields = reader.fields
-    head_dim = config.hidden_size // config.num_attention_heads
-    turned = fields.get("phi3.rope.dimension_count", head_dim)
-    if turned != head_dim:
-        config.partial_rotary_factor = turned / head_dim
-        config.rope_parameters = {**(config.rope_parameters or {}),
-                                  "partial_rotary_factor": turned / head_dim}
-    config.sliding_window = fields.get("phi3.attention.sliding_window") or None
-    factors = {t.name: np.array(t.data).view(np.float32).reshape(-1).tolist()
-               for t in reader.tensors
-               if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")}
-    if len(factors) == 2:
-        longrope = {"rope_type": "longrope", "long_factor": factors["rope_factors_long.weight"],
-                    "short_factor": factors["rope_factors_short.weight"]}
-        for key, name in (("original_context_length", "original_max_position_embeddings"),
-                          ("attn_factor", "attention_factor")):
-            if f"phi3.rope.scaling.{key}" in fields:
-                longrope[name] = fields[f"phi3.rope.scaling.{key}"]
-        config.rope_parameters = {**(config.rope_parameters or {}), **longrope}
-
-
 @contextlib.contextmanager
 def _fields_hidden(prefix: str):
     """The gguf package's reader, while this lasts, without a file's fields whose keys
-    start with ``prefix`` ("": all kept), for transformers' reading of the file."""
+    start with ``prefix``, for transformers' reading of the file: it takes none of a
+    RoPE scaling's fields right (it keeps none, or reads each of gpt-oss's as its
+    key's length), and the engine reads them from the file (models/gguf.py)."""
     import gguf
 
     original = gguf.GGUFReader
@@ -324,7 +227,7 @@ def _fields_hidden(prefix: str):
     class Reader(original):
         def __init__(self, *args, **kwargs) -> None:
             super().__init__(*args, **kwargs)
-            for key in [k for k in self.fields if prefix and k.startswith(prefix)]:
+            for key in [k for k in self.fields if k.startswith(prefix)]:
                 del self.fields[key]
 
     gguf.GGUFReader = Reader
@@ -332,40 +235,6 @@ def _fields_hidden(prefix: str):
         yield
     finally:
         gguf.GGUFReader = original
-
-
-def _gpt_oss_reading(config, fields: dict, yarn: dict) -> None:
-    """What transformers' reading of a gpt-oss file misses: the sliding window (under
-    attention.), the experts' width where the file gives it apart, and YaRN's ramp
-    unrounded, as gpt-oss's own config has it (truncate false; a file cannot say)."""
-    window = fields.get("gpt-oss.attention.sliding_window")
-    if window:
-        config.sliding_window = window
-    config.intermediate_size = fields.get("gpt-oss.expert_feed_forward_length",
-                                          config.intermediate_size)
-    if yarn:
-        config.rope_parameters = {**config.rope_parameters, "truncate": False}
-
-
-def _yarn_parameters(file_name: str, fields: dict, arch: str) -> dict:
-    """A file's YaRN scaling as a config's rope parameters (transformers' reading of
-    the file keeps none of it); {} for a file without. Its attention factor is the one
-    the factor implies (0.1 ln(factor) + 1), as llama.cpp's converter writes Qwen's
-    files; a file that says another is refused."""
-    scaling = f"{arch}.rope.scaling."
-    if fields.get(scaling + "type") != "yarn":
-        return {}
-    odd = sorted(k[len(scaling):] for k in fields if k.startswith(scaling) and k[len(scaling):]
-                 in ("attn_factor", "yarn_attn_factor", "yarn_ext_factor", "yarn_log_multiplier"))
-    if odd:
-        raise ModelLoadError(f"{file_name}: YaRN scaling with {', '.join(odd)} is not served "
-                             f"(only the factor, the original context and the betas)")
-    params = {"rope_type": "yarn", "factor": float(fields.get(scaling + "factor", 1.0))}
-    for key, name in (("original_context_length", "original_max_position_embeddings"),
-                      ("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
-        if scaling + key in fields:
-            params[name] = fields[scaling + key]
-    return params
 
 
 def _find_gguf() -> Path:
@@ -406,6 +275,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     (out_dir / GGUF_POINTER).unlink()   # the weights are in the folder
     config = json.loads((out_dir / "config.json").read_text())
     config["dtype"] = "float32"
+    config["architectures"] = ["LlamaForCausalLM"]   # (the file's tensors are llama's)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     weights = {}

@@ -12,11 +12,11 @@ prefills that had all but their last token cached), one per sequence, then the
 multi-token chunks one after another (step_inputs.step_layout). The metadata is built
 once per step (step_inputs.StepInputs) and passed explicitly to every layer.
 
-Backends, chosen once at start (model_runner.py):
+Backends, chosen once at start by the platform (platform.py):
   * ``TorchAttention``: the reference, on any device. A sequence's blocks are gathered
     and SDPA runs on them.
-  * ``CpuAttention``: single-token queries through the C kernel that reads keys and
-    values in place (engine_worker/cpu/kernels.py); chunks as the reference.
+  * ``CpuAttention`` (engine_worker/cpu/attention.py): single-token queries through the
+    C kernel that reads keys and values in place; chunks as the reference.
   * ``TritonAttention`` (engine_worker/gpu/attention.py): one kernel family for every
     sequence of the step, reading the cache in place.
 """
@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-from engine_worker.cpu.kernels import CpuKernels
 from engine_worker.ops import FP8, from_value_blocks, soft_cap, value_blocks, write_kv
 
 
@@ -79,6 +78,12 @@ class AttentionBackend:
     """The interface every backend implements. One instance serves every layer (they
     share head counts and scale)."""
 
+    # Query tokens per chunk tile of the backend's kernel, and how it tiles a step's
+    # chunks ((chunk lengths, first sequence, tile_tokens) -> each tile's sequence and
+    # first query token); 1 and None: it takes no tiles (step_inputs.py)
+    tile_tokens = 1
+    chunk_tiles: Optional[Callable] = None
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  softcap: float = 0.0) -> None:
         self.num_heads = num_heads
@@ -95,6 +100,11 @@ class AttentionBackend:
         -> (N, Hq * D)."""
         write_kv(kv_cache, k, v, meta.slot_mapping)
         return self.attend(q, k, v, kv_cache, meta, window, sinks)
+
+    def decode_splits(self, num_decode: int) -> int:
+        """Programs each decode row's context is split over, for a step of
+        ``num_decode`` decode rows."""
+        return 1
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_cache: torch.Tensor, meta: AttentionMetadata, window: int = 0,
@@ -204,18 +214,3 @@ class TorchAttention(AttentionBackend):
             return torch.softmax(scores, -1) @ v
         sink = sinks.to(scores.dtype).view(-1, 1, 1).expand(*scores.shape[:-1], 1)
         return torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1] @ v
-
-
-class CpuAttention(TorchAttention):
-    """Single-token queries through the C kernel, which reads the cache in place."""
-
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 kernels: CpuKernels, softcap: float = 0.0) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale, softcap)
-        self.kernels = kernels
-
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                window: int = 0, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
-        return self.kernels.paged_decode_attention(
-            q, kv_cache, meta.decode_tables_int64, meta.decode_lens_int64, self.scale,
-            window, self.softcap, sinks)

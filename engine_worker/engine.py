@@ -22,8 +22,9 @@ from common.structured import GrammarCompiler
 from common.validation import check_token_ids, checked_prompt
 from engine_worker.block_manager import BlockManager
 from engine_worker.kv_transfer import KvBlockStore, KvLeases, KvReceiver, KvTransfer
-from engine_worker.models.config import load_model_config
-from engine_worker.model_runner import ModelRunner, resolve_device, resolve_dtype
+from engine_worker.model_runner import ModelRunner
+from engine_worker.models.registry import load_model_config
+from engine_worker.platform import make_platform
 from engine_worker.request import Request, RequestStatus
 from engine_worker.sampler import PendingSamples, Samples, token_logprobs
 from engine_worker.scheduler import ScheduledRequest, Scheduler
@@ -62,11 +63,12 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.model_dir = resolve_model_dir(config.model)
         self.model_config = load_model_config(self.model_dir, config.max_model_len)
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        # the device and its kernels, chosen once (platform.py)
+        self.platform = make_platform(config)
+        self.device = self.platform.device
         scheduler_config = config.scheduler.for_device(self.device.type)
         self.runner = ModelRunner(self.model_config, self.model_dir, config, scheduler_config,
-                                  self.device, self.dtype)
+                                  self.platform)
         cache, runner = config.cache, self.runner
         # sliding layers' blocks let go of as the window passes (window_blocks.py)
         if runner.windowed:  # in a pool of their own
@@ -99,7 +101,7 @@ class LLMEngine:
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
-                                 else self.device.type == "cuda")
+                                 else self.platform.runs_ahead)
         # The step queued ahead whose tokens the host has not read yet (step()), and
         # how many steps were queued while the one before was in flight.
         self._inflight: Optional[_Step] = None
@@ -109,16 +111,16 @@ class LLMEngine:
         # carries a prediction (OpenAI's predicted output), its prediction's.
         self.speculator: Optional[Speculator] = None
         k = config.speculative_tokens
-        if k and (self.device.type == "cuda" or self.async_scheduling):
+        if k and (not self.platform.speculates or self.async_scheduling):
             raise ValueError("speculative tokens run on the CPU engine, without async "
                              "scheduling")
-        if k or (self.device.type == "cpu" and not self.async_scheduling):
+        if k or (self.platform.speculates and not self.async_scheduling):
             self.speculator = Speculator(k or PREDICTED_TOKENS, self.max_model_len,
                                          self.runner.sampler.generator, own_text=bool(k))
             self.scheduler.drafter = self.speculator.propose
             self.scheduler.max_step_rows = max_step_rows(self.runner.weight_format)
         logger.info("engine ready: %s (%s, %s, %s weights), context %d, %d KV blocks",
-                    self.model_config.name, self.model_config.family, self.device,
+                    self.model_config.name, self.model_config.architecture, self.device,
                     self.runner.weight_format,
                     self.max_model_len, self.runner.num_blocks)
 

@@ -1,13 +1,13 @@
 """Fused layer operations, with a pure-torch implementation for every device.
 
-The Llama family's forward pass calls these through an ``ops`` object: ``TorchOps``
-below (any device), or ``CpuKernels`` (engine_worker/cpu/kernels.py), which implements the
-same methods in C and is chosen for float32 on the CPU when it builds.
+The decoder layers call these through an ``ops`` object (``Ops``): ``TorchOps`` below
+(any device), ``CpuKernels`` (engine_worker/cpu/kernels.py: the same methods in C) or
+``TritonOps`` (engine_worker/gpu/ops.py), as the platform chose (platform.py).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -112,6 +112,25 @@ def norm_heads(ops, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_d
         heads = qkv[:, first * head_dim:(first + count) * head_dim]
         heads.copy_(ops.add_rms_norm(heads.reshape(-1, head_dim), None, weight, eps)[0]
                     .view(n, -1))
+
+
+class Ops(Protocol):
+    def add_rms_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor],
+                     weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        ...
+
+    def rope_write_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      num_heads: int, num_kv_heads: int, head_dim: int,
+                      kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      qk_norm: Optional[QkNorm] = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
+
+    def clamped_swiglu(self, gate_up: torch.Tensor, alpha: float, limit: float
+                       ) -> torch.Tensor: ...
 
 
 class TorchOps:

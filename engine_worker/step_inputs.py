@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -97,18 +97,15 @@ class StepBatch:
 class StepInputs:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int,
                  block_size: int, device: torch.device, tile_tokens: int = 1,
-                 windowed: bool = False) -> None:
-        """tile_tokens: query tokens per chunk tile of the attention kernel (1: no
-        tiles are needed). windowed: the sliding layers' blocks are a pool of their
-        own (window_blocks.py): a second block table and slots, in meta.local."""
+                 windowed: bool = False, chunk_tiles: Optional[Callable] = None) -> None:
+        """tile_tokens and chunk_tiles: the attention kernel's tiles of a step's chunks
+        (AttentionBackend's; 1 and None: no tiles are needed). windowed: the sliding
+        layers' blocks are a pool of their own (window_blocks.py): a second block table
+        and slots, in meta.local."""
         self.block_size = block_size
         self.device = device
         self.tile_tokens = tile_tokens
-        self._chunk_tiles = None
-        if tile_tokens > 1:  # the Triton kernel's chunk programs
-            from engine_worker.gpu.attention import chunk_tiles
-
-            self._chunk_tiles = chunk_tiles
+        self._chunk_tiles = chunk_tiles
         self.max_seqs = max_seqs
         self.max_tokens = max_tokens
         self.width = max_blocks_per_seq

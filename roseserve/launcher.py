@@ -231,7 +231,7 @@ def prebuild_cpu_kernels(args: argparse.Namespace) -> Optional[subprocess.Popen]
     # SIGTERM ends it as an exception would: its compilers stopped, its files removed
     code = ("import logging, signal, sys; signal.signal(signal.SIGTERM, lambda *_: sys.exit(1)); "
             "logging.basicConfig(level=logging.INFO, format='%(message)s'); "
-            "from engine_worker.cpu.kernels import cpu_kernels; cpu_kernels()")
+            "from engine_worker.cpu.build import cpu_kernels; cpu_kernels()")
     return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.DEVNULL,
                             start_new_session=True)
 

@@ -123,7 +123,7 @@ def main() -> int:
     # file looked for is the one this image's source builds (a volume kept from an
     # earlier image may hold others).
     built = subprocess.run(compose + ["exec", "-T", "engine-0", "python", "-c",
-                                      "from engine_worker.cpu.kernels import cached_path; "
+                                      "from engine_worker.cpu.build import cached_path; "
                                       "p = cached_path(); print(p); assert p.is_file()"],
                            capture_output=True, text=True)
     assert built.returncode == 0 and built.stdout.strip(), (

@@ -10,6 +10,7 @@ import torch
 
 from common.protocol import FinishReason, SamplingParams
 from engine_worker.engine import FatalDeviceError
+from engine_worker.cpu.fused import FusedForward
 from helpers import greedy, make_engine, random_prompts, run_to_end, tokens
 
 PROMPTS = random_prompts([9, 14, 5], seed=11)
@@ -136,7 +137,8 @@ MARKER = 4242
 def forward_pass(engine):
     """What runs a step's forward pass: the one-call C path when it is on, else the
     model layer by layer. Both take the step's input ids first."""
-    return engine.runner.fused or engine.runner.model
+    step = engine.runner.step
+    return step.fused if isinstance(step, FusedForward) else engine.runner.model
 
 
 def test_a_forward_pass_one_request_breaks_fails_only_that_request(tiny_llama_dir):

@@ -21,7 +21,8 @@ from common.protocol import SamplingParams
 from common.model_files import (_convert_gguf, _find_gguf, end_of_generation_ids,
                                 materialize_default_model, resolve_model_dir)
 from common.tokenizer import load_tokenizer
-from engine_worker.cpu import kernels
+from engine_worker.cpu import build
+from engine_worker.cpu.fused import FusedForward
 from helpers import greedy, make_engine
 from gguf_files import gguf_from_hf
 from hf_reference import hf_model, quantize_blocks
@@ -58,9 +59,9 @@ def test_a_missing_gguf_file_is_named():
 def test_every_weight_is_what_the_file_holds(gguf_engine):
     """Unpacked, each packed layer equals transformers' dequantization of the same file
     (the default model's folder), q and k rows back in Hugging Face's order."""
-    model, k = gguf_engine.runner.model, kernels.cpu_kernels()
+    model, k = gguf_engine.runner.model, build.cpu_kernels()
     cfg = gguf_engine.model_config
-    assert gguf_engine.runner.weight_format == "q4" and gguf_engine.runner.fused is not None
+    assert gguf_engine.runner.weight_format == "q4" and isinstance(gguf_engine.runner.step, FusedForward)
     assert gguf_engine.runner.kv_dtype == torch.bfloat16   # auto, for 4-bit weights
     ref_dir = materialize_default_model()
     with safe_open(str(ref_dir / "model.safetensors"), framework="pt") as ref:
@@ -136,6 +137,7 @@ def test_files_it_cannot_serve_are_refused_saying_why(tmp_path):
     from gguf import GGMLQuantizationType as T
 
     from engine_worker.models.gguf import GgufWeights
+    from engine_worker.models.registry import gguf_architecture
 
     q8_k = np.zeros((64, 292), dtype=np.uint8)  # 64 rows of 256 Q8_K weights (activations')
     ok = np.zeros((64, 256), dtype=np.float32)
@@ -144,17 +146,16 @@ def test_files_it_cannot_serve_are_refused_saying_why(tmp_path):
     with pytest.raises(ModelLoadError, match=r"k\.gguf has tensors in types roseserve cannot "
                        r"serve as they are: blk\.0\.attn_v\.weight \(Q8_K\); it serves F32.*"
                        r"IQ4_NL, IQ4_XS and MXFP4 as they are, and Q5_0, Q4_K.* re-stored"):
-        GgufWeights(tmp_path / "k.gguf", kernels.cpu_kernels())
+        GgufWeights(tmp_path / "k.gguf", build.cpu_kernels())
     write_gguf(tmp_path / "s.gguf", tensors=[("blk.0.attn_q.weight", ok, T.F32)],
                fields={"split.count": 3})
     with pytest.raises(ModelLoadError, match=r"s\.gguf is one of 3 parts of a split GGUF "
                        r"file; join them first \(llama.cpp's llama-gguf-split --merge"):
-        GgufWeights(tmp_path / "s.gguf", kernels.cpu_kernels())
-    write_gguf(tmp_path / "q.gguf", arch="seed_oss", tensors=[("blk.0.attn_q.weight", ok, T.F32)])
+        GgufWeights(tmp_path / "s.gguf", build.cpu_kernels())
     with pytest.raises(ModelLoadError, match=r"q\.gguf: roseserve serves GGUF files of the "
-                       r"llama, qwen2, qwen3, qwen2moe, qwen3moe, gemma2, gemma3, phi3 and "
+                       r"llama, qwen2, qwen2moe, qwen3, qwen3moe, phi3, gemma2, gemma3 and "
                        r"gpt-oss architectures \(.*\), not 'seed_oss'"):
-        GgufWeights(tmp_path / "q.gguf", kernels.cpu_kernels())
+        gguf_architecture("q.gguf", {"general.architecture": "seed_oss"})
 
 
 def test_q_k_v_of_types_of_other_formats_become_one_int8_weight(tmp_path):
@@ -169,16 +170,16 @@ def test_q_k_v_of_types_of_other_formats_become_one_int8_weight(tmp_path):
                ("blk.0.attn_k.weight", quants.quantize(w, T.Q8_0), T.Q8_0),
                ("blk.0.attn_v.weight", w, T.F32)]
     write_gguf(tmp_path / "mix.gguf", tensors=tensors)
-    weights = GgufWeights(tmp_path / "mix.gguf", kernels.cpu_kernels())
-    lin = weights.linear(["blk.0.attn_q.weight", "blk.0.attn_k.weight"], 64)
+    weights = GgufWeights(tmp_path / "mix.gguf", build.cpu_kernels())
+    lin = weights.pack(["blk.0.attn_q.weight", "blk.0.attn_k.weight"], 64)
     assert lin.fmt == "int8"
     want = np.concatenate([quants.dequantize(a, t) for _, a, t in tensors[:2]])
-    assert torch.equal(kernels.cpu_kernels().unpack(lin.packed, 128, 64, "int8"),
+    assert torch.equal(build.cpu_kernels().unpack(lin.packed, 128, 64, "int8"),
                        torch.from_numpy(want))
     with pytest.raises(ModelLoadError, match=r"blk\.0\.attn_k\.weight \(Q8_0\), "
                        r"blk\.0\.attn_v\.weight \(F32\) are computed as one weight and "
                        r"must all be dense or all in blocks"):
-        weights.linear(["blk.0.attn_k.weight", "blk.0.attn_v.weight"], 64)
+        weights.pack(["blk.0.attn_k.weight", "blk.0.attn_v.weight"], 64)
 
 
 def test_one_weight_of_types_that_cannot_pack_together(tmp_path):
@@ -198,22 +199,22 @@ def test_one_weight_of_types_that_cannot_pack_together(tmp_path):
                "blk.0.ffn_up.weight": (torch.from_numpy(w).bfloat16().view(torch.int16)
                                        .numpy(), T.BF16)}
     write_gguf(tmp_path / "m.gguf", tensors=[(n, a, t) for n, (a, t) in tensors.items()])
-    weights = GgufWeights(tmp_path / "m.gguf", kernels.cpu_kernels())
-    lin = weights.linear(["blk.0.attn_q.weight", "blk.0.attn_k.weight"], 256)
+    weights = GgufWeights(tmp_path / "m.gguf", build.cpu_kernels())
+    lin = weights.pack(["blk.0.attn_q.weight", "blk.0.attn_k.weight"], 256)
     assert (lin.fmt, lin.out_features) == ("int8", 40)
-    got = kernels.cpu_kernels().unpack(lin.packed, 40, 256, "int8")
+    got = build.cpu_kernels().unpack(lin.packed, 40, 256, "int8")
     nl, xs = (torch.from_numpy(quants.dequantize(*tensors[n])).view(-1, 256)
               for n in ("blk.0.attn_q.weight", "blk.0.attn_k.weight"))
     assert torch.equal(got[:24], nl)
     err = (got[24:] - xs).view(-1, 32).abs().amax(-1)
     assert (err <= xs.view(-1, 32).abs().amax(-1) / 250).all() and err.max() > 0
-    dense = weights.linear(["blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"], 256)
+    dense = weights.pack(["blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"], 256)
     assert (dense.fmt, dense.out_features) == ("float32", 32)
-    assert torch.equal(kernels.cpu_kernels().unpack(dense.packed, 32, 256, "float32"),
+    assert torch.equal(build.cpu_kernels().unpack(dense.packed, 32, 256, "float32"),
                        torch.cat([torch.from_numpy(w),
                                   torch.from_numpy(w).bfloat16().float()]))
     with pytest.raises(ValueError, match="multiples of 256; a tensor has 288"):
-        kernels.cpu_kernels().pack_gguf(torch.zeros(16, 136 + 17, dtype=torch.uint8), 23,
+        build.cpu_kernels().pack_gguf(torch.zeros(16, 136 + 17, dtype=torch.uint8), 23,
                                         16, 288)
 
 
@@ -237,10 +238,10 @@ def test_k_quant_files_tensors_are_re_stored_as_types_the_kernels_compute(tmp_pa
     time here (RESTORE_CHUNK_BYTES), as large ones are."""
     from gguf import GGMLQuantizationType as T, quants
 
-    from engine_worker.models import gguf as gguf_module
+    from engine_worker.models import gguf_types
     from engine_worker.models.gguf import GgufWeights
 
-    monkeypatch.setattr(gguf_module, "RESTORE_CHUNK_BYTES", 600)   # 3 Q5_0, 4 Q4_K rows
+    monkeypatch.setattr(gguf_types, "RESTORE_CHUNK_BYTES", 600)   # 3 Q5_0, 4 Q4_K rows
 
     rng = np.random.default_rng(0)
     w = rng.standard_normal((64, 256)).astype(np.float32)
@@ -250,7 +251,7 @@ def test_k_quant_files_tensors_are_re_stored_as_types_the_kernels_compute(tmp_pa
                "blk.0.ffn_gate.weight": (random_blocks(rng, 32, 1, 144, (0, 2)), T.Q4_K),
                "blk.0.ffn_up.weight": (random_blocks(rng, 16, 1, 144, (0, 2)), T.Q4_K)}
     write_gguf(tmp_path / "km.gguf", tensors=[(n, a, t) for n, (a, t) in tensors.items()])
-    weights, k = GgufWeights(tmp_path / "km.gguf", kernels.cpu_kernels()), kernels.cpu_kernels()
+    weights, k = GgufWeights(tmp_path / "km.gguf", build.cpu_kernels()), build.cpu_kernels()
 
     def dequantized(*names):
         return torch.from_numpy(np.concatenate(
@@ -259,12 +260,12 @@ def test_k_quant_files_tensors_are_re_stored_as_types_the_kernels_compute(tmp_pa
     def unpacked(lin):
         return k.unpack(lin.packed, lin.out_features, lin.in_features, lin.fmt)
 
-    qkv = weights.linear(["blk.0.attn_q.weight", "blk.0.attn_k.weight",
+    qkv = weights.pack(["blk.0.attn_q.weight", "blk.0.attn_k.weight",
                           "blk.0.attn_v.weight"], 256)
     assert (qkv.fmt, qkv.out_features) == ("int8", 128)
     assert torch.equal(unpacked(qkv), dequantized("blk.0.attn_q.weight", "blk.0.attn_k.weight",
                                                   "blk.0.attn_v.weight"))
-    gate_up = weights.linear(["blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"], 256)
+    gate_up = weights.pack(["blk.0.ffn_gate.weight", "blk.0.ffn_up.weight"], 256)
     assert gate_up.fmt == "q4"
     want = dequantized("blk.0.ffn_gate.weight", "blk.0.ffn_up.weight")
     # a weight d sc q - dmin m, with d sc and dmin m each off by at most half an ulp of
@@ -279,7 +280,7 @@ def test_k_quant_files_tensors_are_re_stored_as_types_the_kernels_compute(tmp_pa
     assert (err <= bound + 1e-12).all() and err.max() > 0  # rounded, not exact
     # Q4_K (4-bit) beside Q8_0 (int8), as llama.cpp's mixes give v more bits than q and
     # k: one int8 weight, Q4_K's values requantized within half a step of 127 a block
-    mixed = weights.linear(["blk.0.ffn_up.weight", "blk.0.attn_v.weight"], 256)
+    mixed = weights.pack(["blk.0.ffn_up.weight", "blk.0.attn_v.weight"], 256)
     assert (mixed.fmt, mixed.out_features) == ("int8", 48)
     want = dequantized("blk.0.ffn_up.weight", "blk.0.attn_v.weight").view(-1, 32)
     err = (unpacked(mixed).view(-1, 32) - want).abs().amax(-1)
@@ -301,11 +302,11 @@ def test_iq4_files_tensors_are_packed_as_they_are(tmp_path):
     tensors = {"blk.0.attn_q.weight": (random_blocks(rng, 32, 8, 18, (0,)), T.IQ4_NL),
                "blk.0.attn_k.weight": (random_blocks(rng, 16, 1, 136, (0,)), T.IQ4_XS)}
     write_gguf(tmp_path / "iq4.gguf", tensors=[(n, a, t) for n, (a, t) in tensors.items()])
-    lin = GgufWeights(tmp_path / "iq4.gguf", kernels.cpu_kernels()).linear(
+    lin = GgufWeights(tmp_path / "iq4.gguf", build.cpu_kernels()).pack(
         ["blk.0.attn_q.weight", "blk.0.attn_k.weight"], 256)
     assert (lin.fmt, lin.out_features) == ("iq4", 48)
     want = np.concatenate([quants.dequantize(*tensors[n]) for n in tensors])
-    assert torch.equal(kernels.cpu_kernels().unpack(lin.packed, 48, 256, "iq4"),
+    assert torch.equal(build.cpu_kernels().unpack(lin.packed, 48, 256, "iq4"),
                        torch.from_numpy(want))
 
 
@@ -322,20 +323,20 @@ def test_other_k_quant_types_are_requantized_as_q8_0(tmp_path, monkeypatch, type
     block of 32, requantized a few rows at a time (the 48 rows in 10 chunks)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-    from engine_worker.models import gguf as gguf_module
+    from engine_worker.models import gguf_types
     from engine_worker.models.gguf import GgufWeights
 
     t = GGMLQuantizationType[type_name]
     size, halves = REQUANTIZED[type_name]
     raw = random_blocks(np.random.default_rng(int(t)), 48, 256 // GGML_QUANT_SIZES[t][0],
                         size, halves)
-    monkeypatch.setattr(gguf_module, "RESTORE_CHUNK_BYTES", 5 * raw.shape[1])
+    monkeypatch.setattr(gguf_types, "RESTORE_CHUNK_BYTES", 5 * raw.shape[1])
     write_gguf(tmp_path / "r.gguf", tensors=[("blk.0.ffn_down.weight", raw, t)])
-    lin = GgufWeights(tmp_path / "r.gguf", kernels.cpu_kernels()).linear(
+    lin = GgufWeights(tmp_path / "r.gguf", build.cpu_kernels()).pack(
         ["blk.0.ffn_down.weight"], 256)
     assert lin.fmt == "int8"
     want = torch.from_numpy(quants.dequantize(raw, t)).view(-1, 32)
-    got = kernels.cpu_kernels().unpack(lin.packed, 48, 256, "int8").view(-1, 32)
+    got = build.cpu_kernels().unpack(lin.packed, 48, 256, "int8").view(-1, 32)
     err = (got - want).abs().amax(-1)
     # half a step, and where the block's scale is below half precision's normal range
     # (2^-14: a largest weight under 0.002, as some of TQ2_0's random ones), 127 times

@@ -14,7 +14,8 @@ import torch
 
 from common.errors import ModelLoadError
 from common.model_files import resolve_model_dir
-from engine_worker.cpu import kernels
+from engine_worker.models.registry import read_config
+from engine_worker.cpu import build
 from gguf_files import gguf_from_hf
 from helpers import greedy, make_engine
 from hf_reference import assert_matches, hf_greedy
@@ -34,12 +35,12 @@ def test_a_file_as_llama_cpp_converts_a_checkpoint_serves_what_the_checkpoint_do
     model_dir = request.getfixturevalue(model)
     path = gguf_from_hf(model_dir, tmp_path / f"{arch}.gguf", arch, name=name)
     folder = resolve_model_dir(str(path))
-    config = json.loads((folder / "config.json").read_text())
+    served, config, _ = read_config(folder)
     assert config["model_type"] == (name or arch)
-    assert config["architectures"] == [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                                        "qwen3": "Qwen3ForCausalLM"}[arch]]
+    assert served.name == {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                           "qwen3": "Qwen3ForCausalLM"}[arch]
     ours, theirs = make_engine(folder), make_engine(model_dir)
-    k = kernels.cpu_kernels()
+    k = build.cpu_kernels()
     for a, b in zip(ours.runner.model.layers, theirs.runner.model.layers):
         qkv_a, qkv_b = a.self_attn.qkv_proj, b.self_attn.qkv_proj
         assert torch.equal(k.unpack(qkv_a.packed, qkv_a.out_features, qkv_a.in_features, "float32"),
@@ -66,8 +67,8 @@ def test_a_qwen3moe_file_serves_its_experts_as_they_are(tiny_qwen3_30b_a3b_dir, 
 
     f32 = gguf_from_hf(tiny_qwen3_30b_a3b_dir, tmp_path / "moe.f32.gguf", "qwen3moe")
     folder = resolve_model_dir(str(f32))
-    config = json.loads((folder / "config.json").read_text())
-    assert config["architectures"] == ["Qwen3MoeForCausalLM"]
+    served, config, _ = read_config(folder)
+    assert served.name == "Qwen3MoeForCausalLM"
     assert (config["moe_intermediate_size"], config["norm_topk_prob"]) == (32, True)
     prompts = [[1, 2, 3, 4], list(range(100, 140))]
     assert make_engine(folder).generate(prompts, greedy(12)) == \
@@ -76,7 +77,7 @@ def test_a_qwen3moe_file_serves_its_experts_as_they_are(tiny_qwen3_30b_a3b_dir, 
     q8 = gguf_from_hf(tiny_qwen3_30b_a3b_dir, tmp_path / "moe.q8_0.gguf", "qwen3moe", "Q8_0")
     engine = make_engine(resolve_model_dir(str(q8)))
     tensors = {t.name: t for t in GgufReader(q8).tensors}
-    k = kernels.cpu_kernels()
+    k = build.cpu_kernels()
 
     def rows(name: str, expert: int) -> torch.Tensor:
         t = tensors[name]
@@ -153,7 +154,7 @@ def test_a_rope_scaling_not_served_is_refused_by_name(tiny_llama_dir, tmp_path):
 def test_a_yarn_file_with_fields_not_served_is_refused_by_name(tiny_llama_dir, tmp_path):
     """A YaRN file that sets its own attention factor: refused, not served with the
     factor the scaling implies."""
-    from common.model_files import _yarn_parameters
+    from engine_worker.models.gguf import _yarn_parameters
 
     fields = {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
               "llama.rope.scaling.original_context_length": 256,
@@ -181,8 +182,8 @@ def test_a_gemma3_file_serves_what_its_checkpoint_does(tiny_gemma3_six_dir, tmp_
 
     f32 = gguf_from_hf(tiny_gemma3_six_dir, tmp_path / "gemma3.f32.gguf", "gemma3")
     folder = resolve_model_dir(str(f32))
-    config = json.loads((folder / "config.json").read_text())
-    assert config["architectures"] == ["Gemma3ForCausalLM"]
+    served, config, _ = read_config(folder)
+    assert served.name == "Gemma3ForCausalLM"
     assert (config["query_pre_attn_scalar"], config["sliding_window"]) == (16, 9)
     assert config["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"]
     prompts = [[1, 2, 3, 4], list(range(100, 140))]
@@ -215,8 +216,7 @@ def test_a_phi3_file_serves_what_its_checkpoint_does(model_fixture, request, tmp
     path = gguf_from_hf(model_dir, tmp_path / "phi3.gguf", "phi3")
     folder = resolve_model_dir(str(path))
     ours, theirs = make_engine(folder), make_engine(model_dir)
-    config = json.loads((folder / "config.json").read_text())
-    assert config["architectures"] == ["Phi3ForCausalLM"]
+    assert read_config(folder)[0].name == "Phi3ForCausalLM"
     for field in ("windows", "rotary_dim", "max_model_len", "tie_word_embeddings"):
         assert getattr(ours.model_config, field) == getattr(theirs.model_config, field), field
     # LongRoPE's factors and attention factor as the file holds them: float32
@@ -238,8 +238,8 @@ def test_a_gemma2_file_serves_what_its_checkpoint_does(tiny_gemma2_dir, tmp_path
     logits, which its metadata holds: an F32 file gives Hugging Face's greedy tokens."""
     path = gguf_from_hf(tiny_gemma2_dir, tmp_path / "gemma2.gguf", "gemma2")
     folder = resolve_model_dir(str(path))
-    config = json.loads((folder / "config.json").read_text())
-    assert config["architectures"] == ["Gemma2ForCausalLM"]
+    served, config, _ = read_config(folder)
+    assert served.name == "Gemma2ForCausalLM"
     assert (config["attn_logit_softcapping"], config["final_logit_softcapping"]) == (1.5, 2.5)
     assert (config["query_pre_attn_scalar"], config["sliding_window"]) == (16, 9)
     prompts = [[1, 2, 3, 4], list(range(100, 140))]
@@ -251,36 +251,40 @@ def test_what_a_gemma_files_metadata_leaves_out_is_read_as_llama_cpp_reads_it():
     """The 27B models' query scale is hidden / heads, not head_dim (Gemma 3's 62 layers:
     168, not 128; Gemma 2's 46: 144); a file without a sliding window has none; a final
     logit soft cap in a gemma3 file is carried to the config, where it is refused."""
+    from types import SimpleNamespace
+
     from transformers import Gemma2Config, Gemma3TextConfig
 
-    from common.model_files import _gemma_reading
-    from engine_worker.models.config import _gemma
+    from engine_worker.models.config import ConfigSource
+    from engine_worker.models.gemma import gguf_reading, read_gemma3
 
-    big = Gemma3TextConfig(num_hidden_layers=62, hidden_size=5376, num_attention_heads=32,
-                           head_dim=128, sliding_window=1024)
-    _gemma_reading(big, {"gemma3.attention.sliding_window": 1024}, "gemma3")
-    assert (big.query_pre_attn_scalar, big.sliding_window) == (168, 1024)
-    big2 = Gemma2Config(num_hidden_layers=46, hidden_size=4608, num_attention_heads=32,
-                        head_dim=128)
-    _gemma_reading(big2, {"gemma2.attention.sliding_window": 4096}, "gemma2")
-    assert big2.query_pre_attn_scalar == 144
-    small = Gemma3TextConfig(num_hidden_layers=26, hidden_size=1152, num_attention_heads=4,
-                             head_dim=256, sliding_window=512)
-    _gemma_reading(small, {"gemma3.final_logit_softcapping": 30.0}, "gemma3")
-    assert (small.query_pre_attn_scalar, small.sliding_window) == (256, None)
+    def reading(config, arch: str, fields: dict) -> dict:
+        return gguf_reading(arch)(config.to_dict(), SimpleNamespace(fields=fields))
+
+    big = reading(Gemma3TextConfig(num_hidden_layers=62, hidden_size=5376,
+                                   num_attention_heads=32, head_dim=128, sliding_window=1024),
+                  "gemma3", {"gemma3.attention.sliding_window": 1024})
+    assert (big["query_pre_attn_scalar"], big["sliding_window"]) == (168, 1024)
+    big2 = reading(Gemma2Config(num_hidden_layers=46, hidden_size=4608, num_attention_heads=32,
+                                head_dim=128), "gemma2", {"gemma2.attention.sliding_window": 4096})
+    assert big2["query_pre_attn_scalar"] == 144
+    small = reading(Gemma3TextConfig(num_hidden_layers=26, hidden_size=1152,
+                                     num_attention_heads=4, head_dim=256, sliding_window=512),
+                    "gemma3", {"gemma3.final_logit_softcapping": 30.0})
+    assert (small["query_pre_attn_scalar"], small["sliding_window"]) == (256, None)
     with pytest.raises(ModelLoadError, match="final_logit_softcapping is not supported for "
                                              "Gemma 3"):
-        _gemma(small.to_dict(), "gemma3", 256, 256, None)
+        read_gemma3(ConfigSource(small, "small", ()))
 
 
 def test_a_mixtral_file_serves_what_its_checkpoint_does(tiny_mixtral_dir, tmp_path):
     """llama.cpp stores Mixtral as llama with experts: q and k rows in its RoPE order,
-    each layer's experts in three tensors of all of them, the router F32. Its folder's
-    config is Mixtral's, and it gives the checkpoint's greedy tokens."""
+    each layer's experts in three tensors of all of them, the router F32. It is read as
+    Mixtral, and it gives the checkpoint's greedy tokens."""
     path = gguf_from_hf(tiny_mixtral_dir, tmp_path / "mixtral.gguf", "llama")
     folder = resolve_model_dir(str(path))
-    config = json.loads((folder / "config.json").read_text())
-    assert config["architectures"] == ["MixtralForCausalLM"]
+    served, config, _ = read_config(folder)
+    assert served.name == "MixtralForCausalLM"
     assert (config["num_local_experts"], config["num_experts_per_tok"]) == (4, 2)
     engine = make_engine(folder)
     assert all(len(layer.mlp.experts) == 4 for layer in engine.runner.model.layers)
@@ -296,8 +300,8 @@ def test_a_qwen2moe_file_serves_what_its_checkpoint_does(tiny_qwen2_moe_dir, tmp
     greedy tokens; a Q8_0 one packs the shared expert as int8, its gate float32."""
     path = gguf_from_hf(tiny_qwen2_moe_dir, tmp_path / "qwen2moe.gguf", "qwen2moe")
     folder = resolve_model_dir(str(path))
-    config = json.loads((folder / "config.json").read_text())
-    assert config["architectures"] == ["Qwen2MoeForCausalLM"]
+    served, config, _ = read_config(folder)
+    assert served.name == "Qwen2MoeForCausalLM"
     assert (config["moe_intermediate_size"], config["shared_expert_intermediate_size"],
             config["norm_topk_prob"]) == (32, 48, False)
     prompts = [[1, 2, 3, 4], list(range(100, 140))]
@@ -331,4 +335,4 @@ def test_a_mixture_stored_an_expert_a_tensor_is_refused_by_name(tmp_path):
                                              r"experts a layer\) that stores each expert as "
                                              r"tensors of its own .* convert its checkpoint "
                                              r"again"):
-        GgufWeights(path, kernels.cpu_kernels())
+        GgufWeights(path, build.cpu_kernels())

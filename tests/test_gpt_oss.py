@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from common.config import EngineConfig
 from common.errors import ModelLoadError
 from engine_worker.engine import LLMEngine
-from engine_worker.models.config import load_model_config
+from engine_worker.models.registry import load_model_config
 from engine_worker.models.checkpoint import mxfp4_to_float
 from helpers import greedy, random_prompts, run_to_end
 from hf_reference import assert_matches, hf_greedy
@@ -44,7 +44,7 @@ def test_mxfp4_experts_serve_as_their_dequantized_copy(tiny_gpt_oss_mxfp4_dirs, 
     as it is for the integer formats: HF's greedy tokens on the dequantized copy (the
     other weights float32), but where that rounding makes a near tie. The log names
     the layers packed otherwise."""
-    from engine_worker.cpu.kernels import cpu_kernels
+    from engine_worker.cpu.build import cpu_kernels
 
     packed, plain = tiny_gpt_oss_mxfp4_dirs
     prompts = random_prompts([6, 19], seed=4)
@@ -80,8 +80,8 @@ def test_a_gguf_file_serves_what_its_checkpoint_does(tiny_gpt_oss_mxfp4_dirs, tm
     re-stored as Q8_0 (int8 levels of half the scale, exactly): the same integer
     products."""
     from common.model_files import resolve_model_dir
-    from engine_worker.models import gguf
-    from engine_worker.cpu.kernels import cpu_kernels
+    from engine_worker.models import gguf, gguf_types
+    from engine_worker.cpu.build import cpu_kernels
     from gguf_files import gguf_from_hf
 
     plain = tmp_path / "plain"
@@ -100,9 +100,9 @@ def test_a_gguf_file_serves_what_its_checkpoint_does(tiny_gpt_oss_mxfp4_dirs, tm
     mxfp4_dir = resolve_model_dir(str(mxfp4))
     engine = LLMEngine(EngineConfig(model=str(mxfp4_dir), device="cpu"))
     with monkeypatch.context() as m:   # as the file was served before MXFP4 panels
-        m.delitem(gguf.GGUF_FORMATS, gguf.MXFP4)
-        m.setattr(gguf, "restored_types",
-                  lambda: {gguf.MXFP4: (gguf.Q8_0, gguf.mxfp4_as_q8_0, "Q8_0, exactly")})
+        m.delitem(gguf_types.GGUF_FORMATS, gguf_types.MXFP4)
+        m.setattr(gguf, "restored_types", lambda: {gguf_types.MXFP4: (
+            gguf_types.Q8_0, gguf_types.mxfp4_as_q8_0, "Q8_0, exactly")})
         as_q8_0 = LLMEngine(EngineConfig(model=str(mxfp4_dir), device="cpu"))
     assert as_q8_0.runner.model.layers[0].mlp.experts[0].down_proj.fmt == "int8"
 
@@ -136,8 +136,8 @@ def test_gpt_oss_config(tiny_gpt_oss_dir, tmp_path):
 
     config = load_model_config(tiny_gpt_oss_dir)
     assert (config.attn_sinks, config.expert_bias, config.swiglu_limit, config.windows,
-            config.moe_layers, config.intermediate_size, config.layout) == (
-        True, True, 0.5, (8, 0), (0, 1), 0, "gpt_oss")
+            config.moe_layers, config.intermediate_size, config.architecture) == (
+        True, True, 0.5, (8, 0), (0, 1), 0, "GptOssForCausalLM")
     # parameters as transformers counts them, less the norms, biases and sinks
     model = AutoModelForCausalLM.from_pretrained(tiny_gpt_oss_dir)
     small = sum(p.numel() for n, p in model.named_parameters()

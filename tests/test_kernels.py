@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine_worker.cpu import kernels
-from engine_worker.attention import TorchAttention
-from engine_worker.cpu.fused import FusedLlama
 from common.protocol import SamplingParams
+from engine_worker.attention import TorchAttention
+from engine_worker.cpu import build, kernels
+from engine_worker.cpu.fused import FusedForward, FusedLlama
 from helpers import greedy, make_engine, random_prompts, run_to_end
 import hf_reference
 from hf_reference import assert_matches, hf_greedy, hf_model
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_a_cc_naming_no_program_falls_back_to_cc_on_the_path(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("ROSESERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "/nonexistent/bin/cc")
-    assert kernels._build_and_load() is not None
+    assert build.build_and_load() is not None
     assert "CC=/nonexistent/bin/cc names no program" in caplog.text
 
 
@@ -35,14 +35,14 @@ def test_no_compiler_at_all_means_the_torch_path(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("ROSESERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "/nonexistent/bin/cc")
     monkeypatch.setenv("PATH", str(tmp_path))  # no cc, no gcc
-    assert kernels._build_and_load() is None
+    assert build.build_and_load() is None
     assert "no C compiler found" in caplog.text
 
 
 def test_a_compiler_that_fails_means_the_torch_path(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("ROSESERVE_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "false")
-    assert kernels._build_and_load() is None
+    assert build.build_and_load() is None
     assert "building the CPU kernels failed" in caplog.text
     # no half-written file left (the build's lock file stays)
     assert [p.suffix for p in (tmp_path / "kernels").glob("*")] == [".lock"]
@@ -104,7 +104,7 @@ def test_the_paged_decode_attention_kernel_matches_softmax_over_the_context(isa,
     a shuffled block table, against softmax(q k^T) v over each sequence's gathered keys
     and values (a bfloat16 cache's widened exactly). 7 query heads a KV head are scored
     4 and 3 at a time, and their values summed 2 at a time with 128-float heads."""
-    k = kernels._build_and_load(isa)
+    k = build.build_and_load(isa)
     torch.manual_seed(hq * d + bs)
     lens = [1, 2, 3, 4, 5, 7, 15, 16, 17, 31, 33, 48, 50]
     cache, tables = paged_cache(len(lens), max(lens), bs, hkv, d, kv_dtype)
@@ -132,7 +132,7 @@ def test_prompt_chunks_are_attended_in_tiles_as_softmax_over_each_tokens_context
     32 more than a tile holds (each token attended alone). With a sliding window, each
     token's last keys only: tiles whose rows' windows start inside a group of keys,
     and chunks whose first rows see all they have."""
-    k = kernels._build_and_load(isa)
+    k = build.build_and_load(isa)
     torch.manual_seed(hq * d + bs + hkv)
     # (sequence, first token's context length, tokens)
     runs = [(0, 40, 1), (1, 20, 37), (2, 1, 70), (3, 1, 1), (4, 33, 1), (5, 17, 2)]
@@ -161,7 +161,7 @@ def test_few_decode_rows_over_long_contexts_split_their_keys_and_merge(isa, hq, 
     """A step of so few decode rows that each row's keys are split into parts across
     threads (some of a short row's parts empty), merged: softmax(q k^T) v over each
     row's whole context, or its window's keys (split from the window's block on)."""
-    k = kernels._build_and_load(isa)
+    k = build.build_and_load(isa)
     torch.manual_seed(len(lens) * d + bs)
     cache, tables = paged_cache(len(lens), max(lens), bs, hkv, d, kv_dtype)
     q = torch.randn(len(lens), hq, d) * 3  # peaked: the parts' maxima differ
@@ -180,7 +180,7 @@ def test_sink_logits_join_every_attention_path(isa, kv_dtype):
     prompt chunks in tiles (a sliding window too), and few rows over long contexts,
     their keys split into parts (the sinks join where the parts merge); one head's
     sink far above its scores (its output near 0)."""
-    k = kernels._build_and_load(isa)
+    k = build.build_and_load(isa)
     torch.manual_seed(5)
     hq, hkv, d, bs = 8, 2, 64, 16
     sinks = torch.tensor([0.5, 30.0, -30.0, -1.0, 2.0, 0.0, 1.0, -2.0])
@@ -238,12 +238,12 @@ def test_a_bfloat16_kv_cache_holds_twice_the_tokens_and_matches_hf_reading_round
     engine = make_engine(tiny_llama_dir, cpu_kernels=cpu_kernels, budget=16,
                          kv_cache_dtype="bfloat16")
     assert engine.runner.kv_caches[0].dtype == torch.bfloat16
-    assert (engine.runner.fused is not None) == cpu_kernels
+    assert isinstance(engine.runner.step, FusedForward) == cpu_kernels
     got = engine.generate(prompts, greedy(12))
     assert_matches(got, hf_greedy_bf16_kv(tiny_llama_dir, prompts, 12, monkeypatch),
                    "bfloat16 KV")
     f32 = make_engine(tiny_llama_dir, cpu_kernels=cpu_kernels)
-    assert f32.runner._layer_block_bytes() == 2 * engine.runner._layer_block_bytes()
+    assert f32.runner.kv.layer_block_bytes() == 2 * engine.runner.kv.layer_block_bytes()
 
 
 @pytest.mark.parametrize("weights, kv", [
@@ -273,7 +273,7 @@ def test_processes_starting_together_build_the_kernels_once(tmp_path):
     """Engines started together on a fresh machine: one builds, the others wait for it
     (each compiling too would make them all slower on the same cores)."""
     code = ("import logging; logging.basicConfig(level=logging.INFO); "
-            "from engine_worker.cpu.kernels import cpu_kernels; assert cpu_kernels() is not None")
+            "from engine_worker.cpu.build import cpu_kernels; assert cpu_kernels() is not None")
     env = {**os.environ, "ROSESERVE_CACHE_DIR": str(tmp_path)}
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -292,9 +292,10 @@ def test_the_kernels_leave_the_process_its_ieee_arithmetic(tiny_llama_dir):
 import sys, threading
 sys.path.insert(0, {str(ROOT / "tests")!r})
 import numpy as np, torch
+from engine_worker.cpu.fused import FusedForward
 from helpers import greedy, make_engine, random_prompts
 engine = make_engine({str(tiny_llama_dir)!r})
-assert engine.runner.fused is not None
+assert isinstance(engine.runner.step, FusedForward)
 print(engine.generate(random_prompts([5, 9], seed=1), greedy(4)))
 tiny = 1e-39   # a float32 subnormal
 checks = {{"torch": (torch.tensor([tiny]) * 1.0).item(),
@@ -306,7 +307,8 @@ thread.start(); thread.join()
 print(checks)
 assert all(v > 0 for v in checks.values()), checks
 # and the kernels, in their own threads, still take subnormals as zeros
-from engine_worker.cpu.kernels import cpu_kernels
+from engine_worker.cpu.build import cpu_kernels
+from engine_worker.cpu.fused import FusedForward
 k = cpu_kernels()
 y = k.linear(torch.full((2, 32), tiny), k.pack(torch.ones(16, 32)), 16, None)
 assert not y.any(), y
@@ -319,11 +321,11 @@ assert not y.any(), y
 def test_a_build_linked_otherwise_is_cached_apart(monkeypatch):
     """The cache's key covers how the library is linked, not only how its sources are
     compiled: a link that changed alone does not load the old build."""
-    before = kernels.cached_path()
-    assert "-ffast-math" in kernels._build_flags([])
-    assert "-ffast-math" not in kernels._link_flags(kernels._build_flags([]))
-    monkeypatch.setattr(kernels, "_link_flags", lambda flags: list(flags))
-    assert kernels.cached_path() != before
+    before = build.cached_path()
+    assert "-ffast-math" in build.build_flags([])
+    assert "-ffast-math" not in build.link_flags(build.build_flags([]))
+    monkeypatch.setattr(build, "link_flags", lambda flags: list(flags))
+    assert build.cached_path() != before
 
 
 def _tokens_and_logprobs(engine, prompts):
@@ -349,11 +351,11 @@ def test_mixtures_of_experts_run_in_the_fused_forward_as_layer_by_layer(
     model_dir = request.getfixturevalue(model)
     prompts = random_prompts([1, 5, 17, 33], seed=3, vocab=1000)
     engine = make_engine(model_dir)
-    assert engine.runner.fused is not None
+    assert isinstance(engine.runner.step, FusedForward)
     fused = _tokens_and_logprobs(engine, prompts)
     monkeypatch.setattr(FusedLlama, "supports", staticmethod(lambda model: False))
     layered = make_engine(model_dir)
-    assert layered.runner.fused is None
+    assert not isinstance(layered.runner.step, FusedForward)
     want = _tokens_and_logprobs(layered, prompts)
     assert fused[0] == want[0]
     assert len(fused[1]) == 4 * 6

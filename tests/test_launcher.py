@@ -328,7 +328,7 @@ def test_a_first_start_builds_the_cpu_kernels_while_the_model_folder_is_made(
     and the engines run on the CPU kernels; the build's process fills the cache the
     engines then read."""
     from common import model_files
-    from engine_worker.cpu import kernels
+    from engine_worker.cpu.build import cached_path
     from roseserve import cli, launcher
 
     monkeypatch.setenv("ROSESERVE_CACHE_DIR", str(tmp_path))
@@ -344,7 +344,7 @@ def test_a_first_start_builds_the_cpu_kernels_while_the_model_folder_is_made(
     assert launcher.prebuild_cpu_kernels(args("--no-cpu-kernels")) is None
     build = launcher.prebuild_cpu_kernels(args("--device", "cpu"))
     assert build is not None and build.wait(timeout=600) == 0
-    assert kernels.cached_path().is_file()
+    assert cached_path().is_file()
 
 
 def test_a_start_that_cannot_make_the_model_folder_stops_its_kernel_build(

@@ -13,9 +13,9 @@ from common.config import EngineConfig
 from common.errors import ModelLoadError
 from common.model_files import resolve_model_dir
 from engine_worker.engine import LLMEngine
-from engine_worker.models.config import load_model_config
+from engine_worker.models.layers.rotary import rope_inv_freq
+from engine_worker.models.registry import load_model_config
 from engine_worker.models.rope import RopeConfig
-from engine_worker.models.llama import rope_inv_freq
 
 
 def copy_model(src, tmp_path):
@@ -33,14 +33,15 @@ def edit_config(model_dir, **changes):
 
 def test_configs_of_supported_families(tiny_llama_dir, tiny_qwen2_dir, tiny_gpt2_dir):
     llama = load_model_config(tiny_llama_dir)
-    assert (llama.family, llama.num_heads, llama.num_kv_heads, llama.head_dim) == ("llama", 4, 2, 16)
+    assert (llama.architecture, llama.num_heads, llama.num_kv_heads, llama.head_dim) == (
+        "LlamaForCausalLM", 4, 2, 16)
     assert not llama.tie_word_embeddings and not llama.qkv_bias
     assert llama.eos_token_ids == (50256,)
     qwen = load_model_config(tiny_qwen2_dir)
     assert qwen.qkv_bias and not qwen.o_bias and qwen.tie_word_embeddings
     assert qwen.rope.theta == 1000000.0
     gpt2 = load_model_config(tiny_gpt2_dir)
-    assert (gpt2.family, gpt2.max_model_len, gpt2.rope) == ("gpt2", 512, None)
+    assert (gpt2.architecture, gpt2.max_model_len, gpt2.rope) == ("GPT2LMHeadModel", 512, None)
 
 
 def test_unsupported_architecture_names_it(tiny_llama_dir, tmp_path):
@@ -241,9 +242,9 @@ def test_configs_of_granite_and_phi3(tiny_granite_dir, tiny_phi3_dir, tmp_path):
     granite = load_model_config(tiny_granite_dir)
     assert (granite.embedding_multiplier, granite.attention_multiplier,
             granite.residual_multiplier, granite.logits_scaling) == (12.0, 0.09, 0.22, 16.0)
-    assert granite.layout == "llama" and granite.tie_word_embeddings
+    assert granite.architecture == "GraniteForCausalLM" and granite.tie_word_embeddings
     phi3 = load_model_config(tiny_phi3_dir)
-    assert phi3.layout == "phi3" and phi3.attention_multiplier is None
+    assert phi3.architecture == "Phi3ForCausalLM" and phi3.attention_multiplier is None
     assert phi3.max_model_len == 512 and phi3.windows == (255, 255)
     model = copy_model(tiny_granite_dir, tmp_path)
     edit_config(model, logits_scaling=0)
@@ -477,14 +478,12 @@ def test_each_layer_is_packed_before_the_next_is_read(tiny_qwen3_moe_dir, monkey
     a checkpoint's float32 weights never stand whole in memory (a 30B mixture's would
     take 120 GB): when any tensor of layer i is read, every layer before it computes
     from packed weights, and none of its own or later ones do yet."""
-    from torch import nn
-
-    import engine_worker.models as models
-    from engine_worker.models import PackedLinear
     from engine_worker.models.checkpoint import Checkpoint
+    from engine_worker.models.layers.decoder import DecoderModel
+    from engine_worker.models.layers.linear import Linear
 
     built, seen = [], []
-    build, take = models.LlamaModel.__init__, Checkpoint.take
+    build, take = DecoderModel.__init__, Checkpoint.take
 
     def remember(self, *args, **kwargs):
         build(self, *args, **kwargs)
@@ -493,12 +492,12 @@ def test_each_layer_is_packed_before_the_next_is_read(tiny_qwen3_moe_dir, monkey
     def watched(self, name, shape=None):
         if name.startswith("layers."):
             index, layers = int(name.split(".")[1]), built[0].layers
-            packed = [all(isinstance(m, PackedLinear) for m in layer.modules()
-                          if isinstance(m, (nn.Linear, PackedLinear))) for layer in layers]
+            packed = [all(hasattr(m, "packed") for m in layer.modules()
+                          if isinstance(m, Linear)) for layer in layers]
             seen.append(packed == [i < index for i in range(len(layers))])
         return take(self, name, shape)
 
-    monkeypatch.setattr(models.LlamaModel, "__init__", remember)
+    monkeypatch.setattr(DecoderModel, "__init__", remember)
     monkeypatch.setattr(Checkpoint, "take", watched)
     LLMEngine(EngineConfig(model=str(tiny_qwen3_moe_dir), device="cpu", quantization="int8"))
     assert len(seen) > 50 and all(seen)

@@ -186,7 +186,7 @@ def test_greedy_rows_on_the_c_kernels_match_the_torch_path(width):
     """An all-greedy batch on the CPU kernels takes each row's token and validity code
     in one C pass; the tokens and errors must be the torch path's exactly: the first
     index of a tie, and NaN, +inf and all -inf rows failed with their own messages."""
-    from engine_worker.cpu.kernels import cpu_kernels
+    from engine_worker.cpu.build import cpu_kernels
 
     kernels = cpu_kernels()
     if kernels is None:

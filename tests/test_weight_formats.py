@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine_worker.cpu import kernels
+from engine_worker.cpu import build
+from engine_worker.cpu.fused import FusedForward
 from helpers import greedy, make_engine, random_prompts, run_to_end
 from hf_reference import NEAR_TIE, assert_matches, hf_greedy, quantize_blocks
 
@@ -44,7 +45,7 @@ def cpu(request):
     path this CPU can execute is checked whichever CPU runs the tests. AMX's tiles run
     only where the CPU has them; built with them elsewhere, the kernels must fall back.
     And the AMX paths with the tile instructions emulated, which run on any CPU."""
-    k = kernels._build_and_load(ISAS[request.param])
+    k = build.build_and_load(ISAS[request.param])
     assert k is not None, "the C kernels must build on the test machines"
     return k
 
@@ -57,21 +58,21 @@ def cpu_flags() -> set[str]:
 def bf16_dot_products(flags: set[str]) -> str:
     """The bfloat16 path a build without AMX takes on this CPU: vdpbf16ps where it has
     the instruction, but on Intel's, whose cores widen faster (gemm.c)."""
-    intel = "-DRS_INTEL" in kernels._vendor_flags()
+    intel = "-DRS_INTEL" in build.vendor_flags()
     return "avx512-bf16" if "avx512_bf16" in flags and not intel else "widened"
 
 
 def test_bfloat16_takes_the_best_products_this_cpu_has():
     flags = cpu_flags()
     best = "amx" if "amx_bf16" in flags else bf16_dot_products(flags)
-    assert kernels._build_and_load([]).bf16_path == best
-    assert kernels._build_and_load(NO_AMX).bf16_path == bf16_dot_products(flags)
-    assert kernels._build_and_load(ISAS["avx512-bf16"]).bf16_path == (
+    assert build.build_and_load([]).bf16_path == best
+    assert build.build_and_load(NO_AMX).bf16_path == bf16_dot_products(flags)
+    assert build.build_and_load(ISAS["avx512-bf16"]).bf16_path == (
         "avx512-bf16" if "avx512_bf16" in flags else "widened")
-    assert kernels._build_and_load(ISAS["avx512-no-bf16"]).bf16_path == "widened"
-    assert kernels._build_and_load(ISAS["amx-built"]).bf16_path == best
+    assert build.build_and_load(ISAS["avx512-no-bf16"]).bf16_path == "widened"
+    assert build.build_and_load(ISAS["amx-built"]).bf16_path == best
     emulated = "amx" if "avx512_bf16" in flags else "widened"  # AMX's bf16 tiles take vdpbf16ps' x
-    assert kernels._build_and_load(ISAS["amx-emulated"]).bf16_path == emulated
+    assert build.build_and_load(ISAS["amx-emulated"]).bf16_path == emulated
     if "amx_bf16" not in flags:
         pytest.skip("this CPU has no AMX: its tiles were built and fell back, not run")
 
@@ -85,10 +86,10 @@ def int8_dot_products(flags: set[str]) -> str:
 def test_int8_takes_the_best_products_this_cpu_has():
     flags = cpu_flags()
     best = "amx" if "amx_int8" in flags else int8_dot_products(flags)
-    assert kernels._build_and_load([]).int8_path == best
-    assert kernels._build_and_load(NO_AMX).int8_path == int8_dot_products(flags)
-    assert kernels._build_and_load(ISAS["avx512-no-vnni"]).int8_path == "no-vnni"
-    assert kernels._build_and_load(ISAS["amx-built"]).int8_path == best
+    assert build.build_and_load([]).int8_path == best
+    assert build.build_and_load(NO_AMX).int8_path == int8_dot_products(flags)
+    assert build.build_and_load(ISAS["avx512-no-vnni"]).int8_path == "no-vnni"
+    assert build.build_and_load(ISAS["amx-built"]).int8_path == best
     if "amx_int8" not in flags:
         pytest.skip("this CPU has no AMX: its int8 tiles were built and fell back, not run "
                     "(test_amx_integer_tiles_give_the_vnni_tiles_results runs them "
@@ -99,9 +100,9 @@ def amx_and_vnni_builds():
     """The kernels with AMX's int8 tiles (this CPU's, else emulated) and without them."""
     if int8_dot_products(cpu_flags()) != "vnni":
         pytest.skip("AMX's int8 tiles are built only with VNNI (every AMX CPU has it)")
-    vnni = kernels._build_and_load(NO_AMX)
-    native = kernels._build_and_load([])
-    amx = native if native.int8_path == "amx" else kernels._build_and_load(ISAS["amx-emulated"])
+    vnni = build.build_and_load(NO_AMX)
+    native = build.build_and_load([])
+    amx = native if native.int8_path == "amx" else build.build_and_load(ISAS["amx-emulated"])
     assert (amx.int8_path, vnni.int8_path) == ("amx", "vnni")
     return amx, vnni
 
@@ -142,12 +143,12 @@ def test_amx_tiles_that_disagree_at_load_are_not_used(caplog):
     if int8_dot_products(flags) != "vnni" and "avx512_bf16" not in flags:
         pytest.skip("AMX's tiles are built only with VNNI or AVX-512-BF16 beside them")
     with caplog.at_level(logging.WARNING, logger="engine_worker.cpu.kernels"):
-        faulty = kernels._build_and_load(["-DRS_AMX_EMULATE", "-DRS_AMX_EMULATE_FAULT",
+        faulty = build.build_and_load(["-DRS_AMX_EMULATE", "-DRS_AMX_EMULATE_FAULT",
                                           *NO_AMX])
     assert "AMX tiles gave other results than its vector instructions" in caplog.text
     assert faulty.int8_path == int8_dot_products(flags)
     assert faulty.bf16_path == bf16_dot_products(flags)
-    plain = kernels._build_and_load(NO_AMX)
+    plain = build.build_and_load(NO_AMX)
     torch.manual_seed(1)
     w, x = torch.randn(40, 96), torch.randn(33, 96)
     for fmt in ("int8", "q4", "bfloat16"):
@@ -156,7 +157,7 @@ def test_amx_tiles_that_disagree_at_load_are_not_used(caplog):
                            plain.linear(x, packed, 40, None, fmt))
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="engine_worker.cpu.kernels"):
-        assert kernels._build_and_load(ISAS["amx-emulated"]).int8_path in ("amx", "no-vnni")
+        assert build.build_and_load(ISAS["amx-emulated"]).int8_path in ("amx", "no-vnni")
     assert "AMX tiles" not in caplog.text
 
 
@@ -171,7 +172,7 @@ def test_the_engine_on_amx_integer_tiles_gives_the_vnni_engines_tokens_and_logpr
     results = []
     try:
         for k in (amx, vnni):
-            kernels._loaded["cpu"] = k
+            build.loaded["cpu"] = k
             # a float32 cache: keys within a rounding of each other could round to
             # different bfloat16 ones
             engine = make_engine(tiny_llama_dir, quantization=fmt, kv_cache_dtype="float32")
@@ -180,7 +181,7 @@ def test_the_engine_on_amx_integer_tiles_gives_the_vnni_engines_tokens_and_logpr
             results.append({r: [(o.new_token_ids, o.logprobs) for o in outs]
                             for r, outs in run_to_end(engine).items()})
     finally:
-        kernels._loaded.pop("cpu", None)
+        build.loaded.pop("cpu", None)
     if fmt == "int8":
         assert results[0] == results[1]
     tokens = [{r: [ids for ids, _ in outs] for r, outs in res.items()} for res in results]
@@ -361,7 +362,7 @@ def unpacked_checkpoint(engine, src_dir, dst_dir) -> None:
 
 
 def cpu_kernels():
-    return kernels.cpu_kernels()
+    return build.cpu_kernels()
 
 
 @pytest.mark.parametrize("fmt", ["bfloat16", "int8", "q4", "iq4"])
@@ -370,7 +371,7 @@ def test_the_engine_on_packed_weights_matches_hf_on_the_same_weights(tiny_llama_
     engine = make_engine(tiny_llama_dir, kv_cache_dtype="float32",   # HF's float32 keys
                          **({"dtype": "bfloat16"} if fmt == "bfloat16"
                             else {"quantization": fmt}))
-    assert engine.runner.weight_format == fmt and engine.runner.fused is not None
+    assert engine.runner.weight_format == fmt and isinstance(engine.runner.step, FusedForward)
     prompts = random_prompts([1, 5, 17, 33], seed=9)
     out = engine.generate(prompts, greedy(10))
     unpacked_checkpoint(engine, tiny_llama_dir, tmp_path / fmt)
@@ -412,9 +413,9 @@ def test_intel_and_other_builds_compute_the_same_floats(isa):
     Their bfloat16 weights are widened (in registers up to 16 rows, into float32 panels
     above), where other builds may multiply with vdpbf16ps: the floats of a build that
     widens (one without AVX-512-BF16)."""
-    intel = kernels._build_and_load([*ISAS[isa], "-DRS_INTEL"])
-    other = kernels._build_and_load([*ISAS[isa], "-URS_INTEL"])   # after the vendor's -D
-    widened = kernels._build_and_load(
+    intel = build.build_and_load([*ISAS[isa], "-DRS_INTEL"])
+    other = build.build_and_load([*ISAS[isa], "-URS_INTEL"])   # after the vendor's -D
+    widened = build.build_and_load(
         [*ISAS["avx512-no-bf16" if isa == "native" else isa], "-URS_INTEL"])
     assert intel is not None and other is not None and widened is not None
     torch.manual_seed(0)
@@ -434,8 +435,8 @@ def test_unpacked_4bit_panels_give_the_packed_tiles_floats(isa, fmt):
     into bytes once (gemm.c; IQ4's and MXFP4's into int8 panels, for the int8 tiles) instead of each row
     block unpacking the nibbles: the same products summed in the same order, so the same
     floats."""
-    unpacking = kernels._build_and_load(ISAS[isa])   # without AMX, whose tiles take over
-    packed_only = kernels._build_and_load([*ISAS[isa], "-DQ4X_MIN_ROWS=1000000"])
+    unpacking = build.build_and_load(ISAS[isa])   # without AMX, whose tiles take over
+    packed_only = build.build_and_load([*ISAS[isa], "-DQ4X_MIN_ROWS=1000000"])
     assert unpacking is not None and packed_only is not None
     torch.manual_seed(0)
     w = torch.randn(100, 160)   # a partial panel; 5 blocks of 32 inputs
@@ -449,8 +450,8 @@ def test_unpacked_4bit_panels_give_the_packed_tiles_floats(isa, fmt):
 def test_only_intel_cpus_build_with_the_intel_flag(monkeypatch):
     for vendor, flags in (("vendor_id\t: GenuineIntel\n", ("-DRS_INTEL",)),
                           ("vendor_id\t: AuthenticAMD\n", ()), ("", ())):
-        monkeypatch.setattr(kernels, "_cpuinfo", lambda field, v=vendor: v)
-        kernels._vendor_flags.cache_clear()
-        assert kernels._vendor_flags() == flags
-        assert kernels._build_flags(["-DX"])[-len(flags) - 1:] == [*flags, "-DX"]
-    kernels._vendor_flags.cache_clear()
+        monkeypatch.setattr(build, "_cpuinfo", lambda field, v=vendor: v)
+        build.vendor_flags.cache_clear()
+        assert build.vendor_flags() == flags
+        assert build.build_flags(["-DX"])[-len(flags) - 1:] == [*flags, "-DX"]
+    build.vendor_flags.cache_clear()

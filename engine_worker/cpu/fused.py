@@ -1,16 +1,24 @@
-"""The fused CPU forward (csrc/llama.c) from Python: a loaded Llama-family model's
-packed weights, norms, KV caches and mixtures described in llama.c's structs, and one
-call a step."""
+"""The fused CPU forward (csrc/llama.c) from Python: a loaded decoder's packed
+weights, norms, KV caches and mixtures described in llama.c's structs, and one call a
+step (``FusedForward``: the step's tokens as flat arrays, in the scheduler's order)."""
 
 from __future__ import annotations
 
 import ctypes
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
+from engine_worker.cpu.formats import PackedMethod
 from engine_worker.cpu.kernels import WEIGHT_FORMATS, CpuKernels, kv_type, ptr_or_none
+from engine_worker.forward import Fill, Row
+from engine_worker.models.layers.attention import Attention
+from engine_worker.models.layers.decoder import DecoderLayer, DecoderModel
+from engine_worker.models.layers.linear import Linear
+from engine_worker.models.layers.mlp import MLP
+from engine_worker.models.layers.moe import MoE
 from engine_worker.ops import soft_cap
+from engine_worker.scheduler import ScheduledRequest
 
 
 class _Moe(ctypes.Structure):
@@ -80,7 +88,7 @@ class FusedLlama:
         for layer, kv in zip(model.layers, kv_caches):
             attn, mlp = layer.self_attn, layer.mlp
             moe = None
-            if hasattr(mlp, "experts"):   # a mixture: its shared expert (or none) as the MLP
+            if isinstance(mlp, MoE):   # a mixture: its shared expert (or none) as the MLP
                 moe = self._mixture(cfg, mlp)
                 self._keep.append(moe)
                 mlp = mlp.shared_expert
@@ -118,17 +126,26 @@ class FusedLlama:
 
     @staticmethod
     def supports(model) -> bool:
-        """Whether the C forward runs every layer: a mixture's experts must be packed
-        linear layers (not the GPU's grouped experts), each projection's alike."""
+        """Whether the C forward computes this model as its modules do: the shared
+        decoder's layers (a family's own layer or attention computes otherwise: OLMo-2's
+        norms), every linear layer packed, a mixture's experts each projection's in one
+        format (not the GPU's grouped experts)."""
+        if type(model) is not DecoderModel:
+            return False
         for layer in model.layers:
-            experts = getattr(layer.mlp, "experts", ())   # a dense MLP has none
+            if (type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention
+                    or type(layer.mlp) not in (MLP, MoE)):
+                return False
+            if not all(isinstance(m.method, PackedMethod) for m in layer.modules()
+                       if isinstance(m, Linear)):
+                return False
+            experts = layer.mlp.experts if isinstance(layer.mlp, MoE) else ()
             if experts is None:   # the GPU's grouped experts
                 return False
             for lins in ([e.gate_up_proj for e in experts], [e.down_proj for e in experts]):
-                if lins and (len({getattr(lin, "fmt", None) for lin in lins}) != 1
-                             or not hasattr(lins[0], "packed")):
+                if lins and len({lin.fmt for lin in lins}) != 1:
                     return False
-        return True
+        return isinstance(model.lm_head.method, PackedMethod)
 
     def _mixture(self, cfg, mlp) -> _Moe:
         """A layer's mixture of experts as llama.c's struct rs_moe."""
@@ -187,3 +204,67 @@ class FusedLlama:
         if rc != 0:
             raise MemoryError("the fused forward could not allocate scratch memory")
         return soft_cap(logits, self._logit_softcap)
+
+
+class FusedForward:
+    """A step through llama.c: its tokens as flat per-token arrays, in the scheduler's
+    order (forward.py's Forward)."""
+
+    def __init__(self, fused: FusedLlama, model: DecoderModel, block_size: int,
+                 windowed: bool) -> None:
+        """windowed: the sliding layers' blocks are a pool of their own (kv_cache.py)."""
+        self.fused, self.model, self.block_size, self.windowed = fused, model, block_size, windowed
+
+    def __call__(self, scheduled: Sequence[ScheduledRequest], fills: Sequence[Fill],
+                 tokens: Optional[torch.Tensor], extra: Sequence[Row]
+                 ) -> Optional[torch.Tensor]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        seq: list[int] = []
+        sample_rows: list[int] = []
+        first_rows: list[int] = []
+        # per pool (the full layers', then the sliding layers' where windowed): the
+        # tokens' slots and the sequences' block tables
+        pools: list[tuple[list, list]] = [([], []) for _ in range(1 + self.windowed)]
+        for s in scheduled:
+            r = s.request
+            first_rows.append(len(input_ids))
+            start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_tokens
+            input_ids.extend(r.token_ids[start:end])
+            positions.extend(range(start, end))
+            # A request checking proposed tokens: each of its rows a sequence of its
+            # own, so that it attends as a decode row does (the same sums, in the same
+            # order: the tokens are the ones decoding one at a time gives).
+            rows, first = (s.num_tokens if r.num_draft else 1), len(pools[0][1])
+            seq.extend(range(first, first + s.num_tokens) if r.num_draft
+                       else [first] * s.num_tokens)
+            for (slots, tables), table in zip(pools, (r.blocks, r.blocks.window)):
+                block_ids = table.block_ids
+                slots.extend(block_ids[p // bs] * bs + p % bs for p in range(start, end))
+                tables.extend([block_ids[:-(-end // bs)]] * rows)
+            if s.samples:
+                sample_rows.append(len(input_ids) - 1)
+        wanted = [first_rows[i] + offset for i, offset in extra]
+        width = max(len(t) for t in pools[0][1])
+        n, num_seqs = len(input_ids), len(pools[0][1])
+        # Every int64 array of the step in one tensor (one host copy), viewed in parts.
+        flat = torch.tensor(input_ids + positions + [p + 1 for p in positions] + seq
+                            + [x for slots, tables in pools for x in slots
+                               + [b for t in tables for b in t + [0] * (width - len(t))]]
+                            + sample_rows + wanted, dtype=torch.int64)
+        ids, positions_t, ctx_lens, seq_t = flat[:4 * n].view(4, n)
+        for i, offset, source in fills:  # placeholders: the ids the last step sampled
+            ids[first_rows[i] + offset] = tokens[source]
+        at, views = 4 * n, []
+        for _ in pools:
+            views.append((flat[at:at + n], flat[at + n:at + n + num_seqs * width]
+                          .view(num_seqs, width)))
+            at += n + num_seqs * width
+        cos, sin = self.model.rotary(positions_t, torch.float32)
+        local = (None if self.model.rotary_local is None
+                 else self.model.rotary_local(positions_t, torch.float32))
+        return self.fused.forward(
+            ids, cos, sin, views[0][0], seq_t, ctx_lens, views[0][1], flat[at:],
+            max(positions) + 1, torch.get_num_threads(), local,
+            views[1] if self.windowed else None)

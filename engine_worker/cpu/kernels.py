@@ -1,12 +1,7 @@
-"""CPU kernels called through ctypes: our C kernels (attention, GEMM, the fused forward).
-
-Ours (engine_worker/cpu/csrc/): paged decode attention, and a row-wise argmax (torch's
-is single-threaded and unvectorized on the CPU, ~10x slower over a vocabulary). The C
-sources have no Python or torch headers, so they compile in about a second with the
-system's C compiler. The shared object is cached
-under the cache folder, keyed by the source, the flags and this CPU's feature flags
-(it is built with -march=native). Without a compiler, callers fall back to the
-pure-torch path; that choice is logged.
+"""The CPU's C kernels (cpu/csrc/), called through ctypes: paged attention, the packed
+GEMM and its weight formats, the fused layer ops, a row-wise argmax, and the one-call
+forward of the Llama family (llama.c; cpu/fused.py drives it). cpu/build.py compiles
+them for this CPU and loads them (``cpu_kernels()``).
 
 GEMM (gemm.c): every linear layer computes from a weight packed once at load time into
 panels of 16 output features, register-tiled for the CPU's vector width (AVX-512 or
@@ -17,38 +12,21 @@ products where the CPU has them and they are faster (AMX tiles, or AVX-512-BF16'
 vdpbf16ps, which Intel's cores run no faster than widening; see BF16_PATHS), and int8
 and 4-bit weights as AMX tiles from 16 rows where it has them (INT8_PATHS; IQ4's and
 MXFP4's panels unpacked to int8 ones first, a panel at a time); the OS must first allow
-AMX: loading the kernels asks it (rs_init).
-llama.c runs a whole Llama-family forward pass in one call on top of it
-(engine_worker/cpu/fused.py).
+AMX: loading the kernels asks it (rs_init). The row-wise argmax is there because
+torch's is single-threaded and unvectorized on the CPU, ~10x slower over a vocabulary.
 """
 
 from __future__ import annotations
 
 import ctypes
-import fcntl
-import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import time
-from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
-from common.config import cache_dir
 from engine_worker.ops import QkNorm, clamped_swiglu, norm_heads, split_qkv
 
 logger = logging.getLogger(__name__)
-
-_CSRC = Path(__file__).parent / "csrc"
-_SOURCES = sorted(_CSRC.glob("*.c"))
-_HEADERS = sorted(_CSRC.glob("*.h"))
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
 
 
 class CpuKernels:
@@ -315,151 +293,3 @@ INT8_PATHS = {2: "amx", 1: "vnni", 0: "no-vnni"}
 
 def ptr_or_none(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
-
-
-_loaded: dict[str, Optional[CpuKernels]] = {}
-
-
-def cpu_kernels() -> Optional[CpuKernels]:
-    """The compiled kernels, or None when they cannot be built here."""
-    if "cpu" not in _loaded:
-        _loaded["cpu"] = _build_and_load(_extra_flags)
-    return _loaded["cpu"]
-
-
-def _cpuinfo(field: str) -> str:
-    """The first /proc/cpuinfo line of ``field`` ("" where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(field)), "")
-    except OSError:
-        return ""
-
-
-def _cpu_signature() -> str:
-    return platform.machine() + _cpuinfo("flags")
-
-
-@functools.lru_cache(maxsize=None)
-def _vendor_flags() -> tuple[str, ...]:
-    """-DRS_INTEL on Intel CPUs: their float tiles fetch the next panel into L2, not
-    L1, and without AMX their bfloat16 weights are widened, not multiplied with
-    vdpbf16ps (gemm.c)."""
-    return ("-DRS_INTEL",) if "GenuineIntel" in _cpuinfo("vendor_id") else ()
-
-
-def _build_flags(extra_flags: Sequence[str]) -> list[str]:
-    """The compiler's flags: the standard ones, the vendor's, then ``extra_flags``."""
-    return [*_FLAGS, *_vendor_flags(), *extra_flags]
-
-
-def _link_flags(flags: Sequence[str]) -> list[str]:
-    """The link's flags: the build's, without -ffast-math, for which GCC would add its
-    start-up code that sets flush-to-zero for the whole process loading the library
-    (the kernels set it in their own threads: kernels.h's RS_FAST_MODES)."""
-    return [f for f in flags if f != "-ffast-math"]
-
-
-def _find_compiler() -> Optional[str]:
-    """$CC if it names a program that exists, else cc or gcc on the PATH."""
-    named = os.environ.get("CC")
-    if named:
-        found = shutil.which(named.split()[0])
-        if found is not None:
-            return found
-        logger.warning("CC=%s names no program on this machine; looking for cc or gcc", named)
-    return shutil.which("cc") or shutil.which("gcc")
-
-
-_extra_flags: list[str] = []
-
-
-def use_extra_flags(flags: list[str]) -> None:
-    """Build the kernels with these compiler flags too (before the first use), e.g.
-    ["-mno-avx512f"] to measure the AVX2 path on an AVX-512 machine (benchmarks)."""
-    _extra_flags[:] = flags
-    _loaded.pop("cpu", None)
-
-
-def cached_path(extra_flags: Sequence[str] = ()) -> Path:
-    """Where the kernels built from this source, with the standard flags plus
-    ``extra_flags`` (as compiled and as linked), for this CPU are cached."""
-    source = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
-    flags = _build_flags(extra_flags)
-    key = hashlib.sha256(source + " ".join(flags).encode() + b" | "
-                         + " ".join(_link_flags(flags)).encode() + _cpu_signature().encode())
-    return Path(cache_dir()) / "kernels" / f"roseserve-kernels-{key.hexdigest()[:16]}.so"
-
-
-def _compile(compiler: str, flags: list[str], out: Path) -> Optional[tuple[str, str]]:
-    """Build the library ``out``: every source compiled at once, each by its own
-    process, then linked (gemm.c and paged_attention.c take 6 and 10 s on a Xeon: 10
-    s on two cores where one command took 16). The failing command and its complaint,
-    or None."""
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        objects = [str(Path(tmp) / f"{source.stem}.o") for source in _SOURCES]
-        compiles = [[compiler, *(f for f in flags if f != "-shared"), "-c", str(source),
-                     "-o", obj] for source, obj in zip(_SOURCES, objects)]
-        jobs: list[subprocess.Popen] = []
-        try:
-            for cmd in compiles:
-                jobs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
-                                             stderr=subprocess.PIPE, text=True))
-            for cmd, job in zip(compiles, jobs):
-                _, error = job.communicate()
-                if job.returncode != 0:
-                    return " ".join(cmd), error.strip()
-            link = [compiler, *_link_flags(flags), *objects, "-o", str(out), "-lm"]
-            result = subprocess.run(link, capture_output=True, text=True)
-        except OSError as e:  # the compiler vanished, or is not executable
-            return compiler, str(e)
-        finally:   # the others, when one failed
-            for job in jobs:
-                if job.poll() is None:
-                    job.kill()
-                    job.wait()
-        return (" ".join(link), result.stderr.strip()) if result.returncode != 0 else None
-
-
-def _build(compiler: str, extra_flags: Sequence[str], target: Path) -> bool:
-    logger.info("building the CPU kernels for this CPU, once (cached in %s)", target.parent)
-    started = time.monotonic()
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        failed = _compile(compiler, _build_flags(extra_flags), Path(tmp))
-        if failed is None:
-            os.replace(tmp, target)  # atomic: a reader never sees half a file
-    finally:   # failed, or stopped (roseserve serve ends its build with SIGTERM)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    if failed is not None:
-        logger.warning("building the CPU kernels failed (%s): using the torch path\n%s",
-                       *failed)
-        return False
-    logger.info("built the CPU kernels in %.1f s", time.monotonic() - started)
-    return True
-
-
-def _build_and_load(extra_flags: Sequence[str] = ()) -> Optional[CpuKernels]:
-    """Build (or find in the cache) and load the kernels, compiled with the standard
-    flags plus ``extra_flags``."""
-    compiler = _find_compiler()
-    if compiler is None:
-        logger.warning("no C compiler found: CPU attention uses the slower torch path")
-        return None
-    target = cached_path(extra_flags)
-    out_dir = target.parent
-    if not target.is_file():
-        out_dir.mkdir(parents=True, exist_ok=True)
-        # One build at a time: a process that finds another building waits for it
-        # (engines started together; roseserve serve's build during a first start)
-        with open(target.with_suffix(".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not target.is_file() and not _build(compiler, extra_flags, target):
-                return None
-    try:
-        return CpuKernels(ctypes.CDLL(str(target)))
-    except OSError as e:
-        logger.warning("loading %s failed (%s): using the torch path", target, e)
-        return None

@@ -455,16 +455,23 @@ class TritonAttention(AttentionBackend):
     """The attention backend of the CUDA engine: paged_attention for every sequence of
     the step."""
 
+    chunk_tiles = staticmethod(chunk_tiles)
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
                  max_decode_rows: int, device: torch.device, fp8_cache: bool = False,
-                 softcap: float = 0.0) -> None:
+                 softcap: float = 0.0, num_sms: int = 1) -> None:
+        """num_sms: the GPU's multiprocessors, which split decode rows fill."""
         super().__init__(num_heads, num_kv_heads, head_dim, scale, softcap)
         self.split_buffers = SplitBuffers.allocate(max_decode_rows, num_heads, head_dim, device)
         self.tiles = tilings(head_dim, fp8_cache)
+        self.num_sms = num_sms
 
     @property
     def tile_tokens(self) -> int:
         return chunk_block_q(self.num_heads // self.num_kv_heads, self.tiles[1])
+
+    def decode_splits(self, num_decode: int) -> int:
+        return num_splits(num_decode, self.num_kv_heads, self.num_sms)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                kv_cache: torch.Tensor, meta: AttentionMetadata, window: int = 0,

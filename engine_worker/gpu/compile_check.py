@@ -231,7 +231,7 @@ def loop_instructions(sass: str) -> int:
 
 def check(model: str, arch: int, dtype: str) -> list[dict]:
     from common.model_files import resolve_model_dir
-    from engine_worker.models.config import load_model_config
+    from engine_worker.models.registry import load_model_config
 
     cfg = load_model_config(resolve_model_dir(model))
     rows = []

@@ -38,8 +38,8 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from engine_worker.attention import AttentionMetadata
-from engine_worker.step_inputs import StepBatch, StepInputs
+from engine_worker.forward import EagerForward, Fill, Row, StepRows
+from engine_worker.scheduler import ScheduledRequest
 
 logger = logging.getLogger(__name__)
 
@@ -108,21 +108,19 @@ class CudaGraphCapture:
         return replay
 
 
-class GraphRunner:
-    def __init__(self, step: Callable[[torch.Tensor, torch.Tensor, AttentionMetadata,
-                                       Optional[torch.Tensor]], torch.Tensor],
-                 inputs: StepInputs, max_batch: int, splits: Callable[[int], int],
-                 capture: Capture, prompt_sizes: Sequence[int] = ()) -> None:
-        """step(input_ids, positions, meta, logits_rows) -> the logits of those rows
-        (of every row when None): what a graph holds. splits(batch) -> the decode
-        splits of a bucket. prompt_sizes: the token buckets of prompt graphs (none:
-        decode graphs only)."""
-        self.step = step
-        self.inputs = inputs
-        self.sizes = graph_batch_sizes(max_batch)
+class GraphForward:
+    """A forward that replays a captured graph where the step fits one (a decode
+    batch's bucket, or a prompt graph's), and runs ``eager`` otherwise."""
+
+    def __init__(self, eager: EagerForward, max_batch: int, capture: Capture,
+                 prompt_sizes: Sequence[int] = ()) -> None:
+        """max_batch: the largest decode graph's batch; prompt_sizes: the token buckets
+        of prompt graphs (none: decode graphs only)."""
+        self.eager = eager
+        self.inputs = eager.inputs
+        self.sizes = graph_batch_sizes(min(max_batch, self.inputs.max_seqs))
         self.prompt_sizes = list(prompt_sizes)
-        self.prompt_seqs = prompt_graph_seqs(inputs.max_seqs)
-        self.splits = splits
+        self.prompt_seqs = prompt_graph_seqs(self.inputs.max_seqs)
         self.capture = capture
         self.graphs: dict[int, Callable[[], torch.Tensor]] = {}
         self.prompt_graphs: dict[int, Callable[[], torch.Tensor]] = {}
@@ -131,20 +129,22 @@ class GraphRunner:
         """Captures every bucket, largest first (smaller ones reuse its memory): the
         prompt graphs, then the decode graphs."""
         start = time.monotonic()
+        step = self.eager.logits_of
         try:
             for size in reversed(self.prompt_sizes):
                 batch = self.inputs.prepare([], [], 0, pad_chunks=(size, self.prompt_seqs))
                 self.prompt_graphs[size] = self.capture(
-                    lambda b=batch: self.step(b.input_ids, b.positions, b.meta, b.logits_rows))
+                    lambda b=batch: step(b.input_ids, b.positions, b.meta, b.logits_rows))
         except Exception as e:  # prompt steps can run eagerly: not worth failing the start
             logger.warning("prompt steps run eagerly: capturing their CUDA graphs failed "
                            "(%s: %s)", type(e).__name__, e)
             self.prompt_graphs.clear()
             self.prompt_sizes = []
         for size in reversed(self.sizes):
-            batch = self.inputs.prepare([], [], 0, pad_to=size, num_splits=self.splits(size))
+            batch = self.inputs.prepare([], [], 0, pad_to=size,
+                                        num_splits=self.eager.splits(size))
             self.graphs[size] = self.capture(
-                lambda b=batch: self.step(b.input_ids, b.positions, b.meta, None))
+                lambda b=batch: step(b.input_ids, b.positions, b.meta, None))
         logger.info("captured %d CUDA graphs (decode batches %s; prompt steps of %s tokens) "
                     "in %.1f s", len(self.sizes) + len(self.prompt_sizes),
                     ", ".join(map(str, self.sizes)),
@@ -163,14 +163,29 @@ class GraphRunner:
             return None
         return self.prompt_sizes[i]
 
-    def run(self, batch: StepBatch) -> torch.Tensor:
-        """Replays the decode graph the batch was prepared for (prepare(...,
-        pad_to=bucket)); returns the logits of its real rows, (num_seqs, V)."""
-        size = batch.meta.num_decode
-        return self.graphs[size]()[:batch.num_seqs]
-
-    def run_prompt(self, batch: StepBatch, size: int) -> torch.Tensor:
-        """Replays the prompt graph of ``size`` tokens the batch was prepared for
-        (prepare(..., pad_chunks=(size, prompt_seqs))); returns the logits of its
-        sampled rows, (num_sampled, V)."""
-        return self.prompt_graphs[size]()[:batch.num_sampled]
+    def __call__(self, scheduled: Sequence[ScheduledRequest], fills: Sequence[Fill],
+                 tokens: Optional[torch.Tensor], extra: Sequence[Row]
+                 ) -> Optional[torch.Tensor]:
+        rows = StepRows.of(scheduled, fills, extra)
+        layout, sampled = rows.layout, rows.sampled
+        if rows.extra:
+            return self.eager.run(rows, tokens)
+        if len(sampled) == len(layout) and all(s.num_tokens == 1 for s in layout):
+            # every row of a decode step samples, in layout order = schedule order
+            size = self.bucket(len(layout))
+            if size is not None:
+                batch = self.inputs.prepare(layout, sampled, len(sampled), pad_to=size,
+                                            num_splits=self.eager.splits(size),
+                                            fills=rows.fills)
+                batch.fill_ids(tokens)
+                return self.graphs[size]()[:batch.num_seqs]
+        elif all(s.num_tokens > 1 for s in layout):
+            size = self.prompt_bucket(sum(s.num_tokens for s in layout), len(layout))
+            if size is not None:
+                batch = self.inputs.prepare(layout, sampled, len(sampled), fills=rows.fills,
+                                            pad_chunks=(size, self.prompt_seqs))
+                batch.fill_ids(tokens)
+                # (the logits of its sampled rows)
+                logits = self.prompt_graphs[size]()[:batch.num_sampled]
+                return logits if sampled else None
+        return self.eager.run(rows, tokens)

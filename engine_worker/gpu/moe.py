@@ -247,18 +247,3 @@ class GroupedExperts(nn.Module):
                         route=weights.float().flatten(), bias=self.down_bias,
                         scales=self.down_scales)
         return y.view(n, top_k, c).sum(1)
-
-
-def group_experts(model: nn.Module) -> int:
-    """Every mixture of ``model`` (engine_worker.models.llama.MoE) given its experts
-    stacked, their per-expert copies freed. Returns the mixtures grouped."""
-    from engine_worker.models.llama import MoE
-
-    grouped = 0
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, MoE) and module.experts is not None:
-                module.grouped = GroupedExperts(module.experts)
-                module.experts = None
-                grouped += 1
-    return grouped

@@ -70,6 +70,11 @@ class Checkpoint:
     def discard(self, name: str) -> None:
         self._where.pop(name, None)
 
+    def discard_suffixes(self, suffixes: tuple[str, ...]) -> None:
+        """Tensors nothing reads (a family's Architecture.unused)."""
+        for name in [n for n in self._where if n.endswith(suffixes)]:
+            del self._where[name]
+
     def finish(self) -> None:
         left = sorted(self._where)
         if left:

@@ -17,10 +17,10 @@ from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.protocol import SamplingParams
 from engine_worker.block_manager import BlockTable
 from engine_worker.engine import LLMEngine
-from engine_worker.gpu.attention import TritonAttention
-from engine_worker.gpu.graphs import graph_batch_sizes
+from engine_worker.gpu.attention import TritonAttention, chunk_tiles
+from engine_worker.gpu.graphs import GraphForward, graph_batch_sizes, prompt_graph_sizes
 from engine_worker.gpu.memory import MemoryProfile
-from engine_worker.models.llama import MoE
+from engine_worker.models.layers.moe import MoE
 from engine_worker.request import Request
 from engine_worker.scheduler import ScheduledRequest
 from engine_worker.step_inputs import StepInputs, step_layout
@@ -37,6 +37,16 @@ def triton_engine(model_dir, budget=None, max_batch=8, enforce_eager=True,
         enforce_eager=enforce_eager, async_scheduling=async_scheduling,
         cache=CacheConfig(block_size=4, num_blocks=num_blocks),
         scheduler=SchedulerConfig(max_batch_size=max_batch, max_num_batched_tokens=budget)))
+
+
+def with_graphs(runner, capture, max_batch: int = 8) -> GraphForward:
+    """The runner's steps from graphs ``capture`` makes, as CudaPlatform.forward has
+    them (capture: CUDA graphs, or an eager stand-in)."""
+    graphs = GraphForward(runner.eager, max_batch, capture,
+                          prompt_graph_sizes(runner.token_budget))
+    graphs.capture_all()
+    runner.step = graphs
+    return graphs
 
 
 class Replays:
@@ -132,7 +142,7 @@ def test_an_engine_of_one_sequence_sizes_its_cache_and_serves(tiny_llama_dir, en
     engine = triton_engine(tiny_llama_dir, max_batch=1, enforce_eager=enforce_eager,
                            num_blocks=None)
     assert engine.runner.num_blocks > 0
-    assert (engine.runner.graphs is None) == enforce_eager
+    assert isinstance(engine.runner.step, GraphForward) != enforce_eager
     prompts = random_prompts([5, 9], seed=3)
     assert_matches(engine.generate(prompts, greedy(4)), hf_greedy(tiny_llama_dir, prompts, 4),
                    "one sequence")
@@ -154,11 +164,9 @@ def test_graph_runner_pads_to_buckets_and_matches_eager(tiny_llama_dir, async_sc
         prompts, greedy(5))
     engine = triton_engine(tiny_llama_dir, budget=512, async_scheduling=async_scheduling)
     replays = Replays()
-    runner = engine.runner
-    runner.graphs = runner.make_graph_runner(8, replays)
-    runner.graphs.capture_all()
-    assert runner.graphs.sizes == [1, 2, 4, 8]
-    assert runner.graphs.prompt_sizes == [16, 32, 64, 128, 256, 512]
+    graphs = with_graphs(engine.runner, replays)
+    assert graphs.sizes == [1, 2, 4, 8]
+    assert graphs.prompt_sizes == [16, 32, 64, 128, 256, 512]
     assert engine.generate(prompts, greedy(5)) == eager
     # The three prompts (17 tokens) ran as the prompt graph of 32 tokens (4 sequences,
     # one padded); then three sequences decode at the bucket of 4 (one padded row)
@@ -175,8 +183,7 @@ def test_a_mixture_of_experts_steps_from_graphs(tiny_qwen3_moe_dir):
     eager = triton_engine(tiny_qwen3_moe_dir, budget=512).generate(prompts, greedy(5))
     engine = triton_engine(tiny_qwen3_moe_dir, budget=512)
     replays = Replays()
-    engine.runner.graphs = engine.runner.make_graph_runner(8, replays)
-    engine.runner.graphs.capture_all()
+    with_graphs(engine.runner, replays)
     assert engine.generate(prompts, greedy(5)) == eager
     assert replays.counts == {32: 1, 4: 4}
 
@@ -194,8 +201,7 @@ def test_sliding_layers_of_their_own_pool_step_from_graphs(tiny_gemma3_dir):
     local = [c for c, w in zip(engine.runner.kv_caches, engine.model_config.windows) if w]
     assert local and all(not c[:, 0].any() for c in local)
     replays = Replays()
-    engine.runner.graphs = engine.runner.make_graph_runner(8, replays)
-    engine.runner.graphs.capture_all()
+    with_graphs(engine.runner, replays)
     assert engine.generate(prompts, greedy(8)) == eager
     assert replays.counts == {64: 1, 4: 7}
     # every request's sliding blocks went back to the local pool, cached
@@ -218,7 +224,7 @@ def _request(prompt_len: int, block_ids: list[int], computed: int) -> Request:
 
 def test_step_inputs_pack_a_mixed_step_and_pad_a_decode_step():
     inputs = StepInputs(max_tokens=32, max_seqs=4, max_blocks_per_seq=8, block_size=4,
-                        device=torch.device("cpu"), tile_tokens=4)
+                        device=torch.device("cpu"), tile_tokens=4, chunk_tiles=chunk_tiles)
     decode = _request(6, [7, 3], computed=5)  # token 5 at position 5: block 3, offset 1
     chunk = _request(10, [2, 9, 4], computed=4)  # positions 4..9 in blocks 9, 4
     scheduled = [ScheduledRequest(chunk, 6), ScheduledRequest(decode, 1)]
@@ -257,7 +263,7 @@ def test_step_vectors_start_aligned_whatever_the_step_holds():
     step's token, sequence, logits-row and tile counts (else a step of a new parity
     pattern compiles kernels while serving)."""
     inputs = StepInputs(max_tokens=64, max_seqs=8, max_blocks_per_seq=8, block_size=4,
-                        device=torch.device("cpu"), tile_tokens=4)
+                        device=torch.device("cpu"), tile_tokens=4, chunk_tiles=chunk_tiles)
     for num_decode, chunk_lens, extra_rows in [(1, [], 0), (3, [5], 0), (0, [7, 2], 3),
                                                 (5, [3, 11, 6], 1), (2, [9], 4)]:
         scheduled = [ScheduledRequest(_request(6, [0, 1], computed=5), 1)
@@ -401,7 +407,7 @@ def test_decode_batch_and_token_budget_default_by_device():
 def test_shipped_shapes_resolve_by_name_and_need_dummy_weights():
     from common.errors import ModelLoadError
     from common.model_files import model_shapes, resolve_model_dir
-    from engine_worker.models.config import load_model_config
+    from engine_worker.models.registry import load_model_config
 
     assert model_shapes() == ["gemma-2-2b", "gemma-3-1b", "gpt-oss-20b", "llama-3-8b",
                               "qwen2.5-7b", "qwen3-0.6b", "qwen3-30b-a3b", "smollm2-135m"]
@@ -443,9 +449,7 @@ def test_prompt_graphs_run_chunks_and_cached_prefixes_as_eager_steps_do(tiny_lla
     eager = triton_engine(tiny_llama_dir, budget=16).generate(prompts, greedy(4))
     engine = triton_engine(tiny_llama_dir, budget=16)
     replays = Replays()
-    engine.runner.graphs = engine.runner.make_graph_runner(8, replays)
-    engine.runner.graphs.capture_all()
-    assert engine.runner.graphs.prompt_sizes == [16]
+    assert with_graphs(engine.runner, replays).prompt_sizes == [16]
     assert engine.generate(prompts, greedy(4)) == eager
     assert replays.counts.get(16, 0) >= 1
     assert engine.scheduler.prefix_cache_hit_tokens >= 12
@@ -456,7 +460,7 @@ def test_cuda_graphs_equal_eager_exactly(tiny_llama_dir):
     prompts = random_prompts([5, 9, 3, 17], seed=10)
     eager = triton_engine(tiny_llama_dir, enforce_eager=True).generate(prompts, greedy(8))
     graphed = triton_engine(tiny_llama_dir, enforce_eager=False)
-    assert graphed.runner.graphs is not None
+    assert isinstance(graphed.runner.step, GraphForward)
     assert graphed.generate(prompts, greedy(8)) == eager
 
 
@@ -564,14 +568,13 @@ def test_run_ahead_with_graphs_matches_one_step_at_a_time(tiny_llama_dir):
         e = triton_engine(tiny_llama_dir, budget=32, enforce_eager=False,
                           async_scheduling=async_scheduling)
         if DEVICE == "cpu":  # the eager stand-in for CUDA graphs
-            e.runner.graphs = e.runner.make_graph_runner(8, Replays())
-            e.runner.graphs.capture_all()
+            with_graphs(e.runner, Replays())
         return e
 
     stop = serve(engine(False))["r0"][5]
     base = serve(engine(False), stop)
     fast = engine(True)
-    assert fast.runner.graphs is not None and fast.runner.graphs.prompt_graphs
+    assert isinstance(fast.runner.step, GraphForward) and fast.runner.step.prompt_graphs
     assert serve(fast, stop) == base
     assert fast.num_steps_ahead > 10
 

@@ -30,6 +30,7 @@ from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.model_files import resolve_model_dir
 from common.protocol import SamplingParams
 from engine_worker.engine import LLMEngine
+from engine_worker.gpu.graphs import GraphForward
 from helpers import random_prompts
 
 pytestmark = pytest.mark.cuda
@@ -186,7 +187,8 @@ def test_graph_replay_equals_the_same_step_run_eagerly(smollm2_dir):
     # must not find placeholders for tokens still on the device.
     engine = engine_for(smollm2_dir, async_scheduling=False)
     runner = engine.runner
-    assert runner.graphs is not None
+    graphs = runner.step
+    assert isinstance(graphs, GraphForward)
     prompts = random_prompts([40, 9, 130], seed=2, vocab=49152)
     for i, p in enumerate(prompts):
         engine.add_request(f"g-{i}", p, SamplingParams(max_tokens=20, temperature=0,
@@ -196,12 +198,12 @@ def test_graph_replay_equals_the_same_step_run_eagerly(smollm2_dir):
         engine.step()
     scheduled = engine.scheduler.schedule()
     layout = scheduled.scheduled
-    bucket = runner.graphs.bucket(len(layout))
+    bucket = graphs.bucket(len(layout))
     batch = runner.inputs.prepare(layout, list(range(len(layout))), len(layout), pad_to=bucket,
-                                  num_splits=runner.graphs.splits(bucket))
-    replayed = runner.graphs.run(batch).clone()
-    eager = runner.graphs.step(batch.input_ids, batch.positions, batch.meta,
-                               None)[:len(layout)]
+                                  num_splits=graphs.eager.splits(bucket))
+    replayed = graphs.graphs[bucket]()[:len(layout)].clone()
+    eager = graphs.eager.logits_of(batch.input_ids, batch.positions, batch.meta,
+                                   None)[:len(layout)]
     equal = bool(torch.equal(replayed, eager))
     report("graphs", {"graph_equals_eager": equal, "bucket": bucket, "rows": len(layout)})
     assert equal

@@ -1,0 +1,62 @@
+"""A decoder layer's self-attention: q, k and v in one projection, RoPE and the KV
+cache write in one op (the platform's ``rope_write_kv``), the platform's attention
+backend over the paged cache (engine_worker/attention.py), the output projection.
+
+Options, from the config: q/k/v and output biases (Qwen2, gpt-oss); each head of q and
+k RMS-normed before RoPE (``qk_norm``: Qwen3, Gemma 3); a sliding window (the layer's
+entry of ``windows``); a learned sink logit per head (gpt-oss). A family whose
+attention differs overrides ``project`` (OLMo-2 norms q and k whole)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import torch
+from torch import nn
+
+from engine_worker.attention import AttentionMetadata
+from engine_worker.models.layers.norm import RMSNorm
+
+if TYPE_CHECKING:
+    from engine_worker.models.config import ModelConfig
+    from engine_worker.models.layers import Backends
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backends: Backends, window: int = 0) -> None:
+        super().__init__()
+        self.window = window  # > 0: a sliding window of that many keys
+        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = backends.linear(cfg.hidden_size, (q_size, kv_size, kv_size),
+                                        cfg.qkv_bias)
+        self.o_proj = backends.linear(q_size, cfg.hidden_size, cfg.o_bias)
+        # each head of q and k RMS-normed before RoPE
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        # gpt-oss: each head's sink logit
+        self.sinks = (nn.Parameter(torch.zeros(cfg.num_heads), requires_grad=False)
+                      if cfg.attn_sinks else None)
+        self.attn = backends.attn
+        self.ops = backends.ops
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.window and meta.local is not None:
+            meta = meta.local  # its blocks in the sliding layers' pool
+        qkv = self.project(x)
+        q, k, v = self.ops.rope_write_kv(qkv, *rope, self.num_heads, self.num_kv_heads,
+                                         self.head_dim, kv_cache, meta.slot_mapping,
+                                         self.head_norms())
+        return self.o_proj(self.attn.attend(q, k, v, kv_cache, meta, self.window, self.sinks))
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, C) -> q, k and v side by side, (N, (Hq + 2 Hkv) D)."""
+        return self.qkv_proj(x)
+
+    def head_norms(self) -> Optional[tuple[torch.Tensor, torch.Tensor, float]]:
+        """The per-head norms of q and k for rope_write_kv, or None."""
+        if self.q_norm is None:
+            return None
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps

@@ -1,0 +1,139 @@
+"""Linear layers and the weight formats they hold.
+
+A ``Linear`` is one projection, or several fused into one matmul (q, k and v; gate and
+up: ``output_sizes``, its output their concatenation). What it holds and how it
+multiplies is its ``method``, a ``LinearMethod`` per weight format: torch's dense
+weight in the model's dtype on any device (``DenseMethod``), or the CPU kernels'
+packed panels in float32, bfloat16, int8, q4, iq4 or mxfp4
+(engine_worker/cpu/formats.py). Every layer is built with a dense weight (on the meta
+device, then given memory, then the checkpoint's values: models/loader.py), and as soon
+as its block's weights are in, ``finish`` makes that what it computes with (the packed
+formats pack it and let the dense copy go); a GGUF file's blocks go to ``load_packed``
+as they are.
+
+Which method a layer gets is ``WeightFormats``'s choice, made once for the model by the
+platform from --dtype, --quantization and the file (engine_worker/platform.py), with
+the exceptions a layer's role asks for (``Role``).
+
+Room for what comes next: a layer split across ranks (tensor parallelism) loads its
+shard of each part (``output_sizes`` say where the parts lie), and per-request adapters
+add their low-rank update to ``forward``'s result.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Role(enum.Enum):
+    """What a layer is for, where that changes its format."""
+    # most layers: the model's format
+    WEIGHT = "weight"
+    # a mixture's router: kept float32 where the model's format would round it (as
+    # vLLM's and llama.cpp's files keep it): a rounded score can send a token to another
+    # expert
+    ROUTER = "router"
+    # weights whose values are MXFP4's (gpt-oss's experts): kept MXFP4 where a method
+    # holds that exactly (5 bits a weight, where int8 takes 9 and rounds them)
+    MXFP4 = "mxfp4"
+
+
+class LinearMethod:
+    """How one weight format holds a linear layer's weight and multiplies by it."""
+
+    # the format's name ("float32", "bfloat16", "int8", ...), as the logs and
+    # --quantization name it
+    name: str
+
+    def finish(self, layer: "Linear") -> None:
+        """The loaded dense weight made what ``apply`` computes with."""
+
+    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        """x (..., in) -> x @ weight.T + bias, (..., out)."""
+        raise NotImplementedError
+
+
+class DenseMethod(LinearMethod):
+    """The weight as a torch tensor in the model's dtype: torch's matmul (any device)."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.name = str(dtype).removeprefix("torch.")
+
+    def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+
+class WeightFormats:
+    """The methods of a model's linear layers: its format's, and where a role asks for
+    another, that one."""
+
+    def __init__(self, method: LinearMethod,
+                 by_role: Optional[dict[Role, LinearMethod]] = None,
+                 packing: Any = None) -> None:
+        """packing: the CPU kernels' packed formats (cpu/formats.py: Packing), which a
+        GGUF file's blocks are served in; None where they are not."""
+        self.method = method
+        self.by_role = by_role or {}
+        self.packing = packing
+
+    def __call__(self, role: Role = Role.WEIGHT) -> LinearMethod:
+        return self.by_role.get(role, self.method)
+
+
+class Linear(nn.Module):
+    """A linear layer; ``output_sizes``: the parts of its output, fused into one matmul
+    (their weights stacked in that order)."""
+
+    def __init__(self, in_features: int, output_sizes: Union[int, Sequence[int]],
+                 bias: bool, method: LinearMethod) -> None:
+        super().__init__()
+        self.output_sizes = ((output_sizes,) if isinstance(output_sizes, int)
+                             else tuple(output_sizes))
+        self.in_features, self.out_features = in_features, sum(self.output_sizes)
+        self.method = method
+        # made on the meta device and given memory by the loader; empty until loaded
+        self.weight: Optional[nn.Parameter] = nn.Parameter(
+            torch.empty(self.out_features, in_features), requires_grad=False)
+        self.bias: Optional[nn.Parameter] = (
+            nn.Parameter(torch.empty(self.out_features), requires_grad=False) if bias else None)
+
+    @property
+    def fmt(self) -> str:
+        return self.method.name
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)
+
+    def finish(self) -> None:
+        """Called once its weight is loaded (models/loader.py)."""
+        self.method.finish(self)
+
+    def tie(self, weight: torch.Tensor) -> None:
+        """Computes with ``weight`` (a tied lm_head: the embedding's), finished: the
+        dense method shares it, a packed one packs a copy."""
+        self.weight = weight
+        self.finish()
+
+    def load_packed(self, packed: torch.Tensor, method: LinearMethod) -> None:
+        """Computes with ``packed``, a weight already in ``method``'s form (a GGUF
+        file's blocks, engine_worker/models/gguf.py); the dense weight is let go."""
+        self.method = method
+        self.weight = None
+        self.register_buffer("packed", packed, persistent=False)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.in_features}, out={self.output_sizes}, "
+                f"bias={self.bias is not None}, format={self.fmt}")
+
+
+def finish_linears(module: nn.Module) -> None:
+    """Every linear layer of ``module`` that holds a dense weight, finished (again:
+    a no-op, for those that compute with it)."""
+    for layer in module.modules():
+        if isinstance(layer, Linear) and layer.weight is not None:
+            layer.finish()

@@ -1,0 +1,156 @@
+"""Building a model: its architecture's class on the meta device, given memory, and
+its weights from a checkpoint (safetensors), a GGUF file (models/gguf.py) or made up
+(--load-format dummy).
+
+A checkpoint is read a block at a time (``load_checkpoint``): every module's tensors by
+the architecture's names (models/names.py), the block's checkpoint fix-ups
+(``finish_layer``: Gemma's 1 + weight norms, Granite's residual scale, a partial
+RoPE's row order), then its linear layers finished (packed, on the CPU), so that no
+more than a block's dense weights stand at once: a 30B mixture's would take 120 GB in
+float32 (untouched, the rest of the model's empty tensors take no memory).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+import torch
+from torch import nn
+
+from common.errors import ModelLoadError
+from engine_worker.models import registry
+from engine_worker.models.checkpoint import Checkpoint
+from engine_worker.models.config import ModelConfig
+from engine_worker.models.gguf import load_gguf
+from engine_worker.models.layers import Backends
+from engine_worker.models.layers.linear import Linear, finish_linears
+from engine_worker.models.names import SPLIT, TensorNames
+from engine_worker.models.spec import Architecture
+
+logger = logging.getLogger(__name__)
+
+
+def load_model(cfg: ModelConfig, model_dir: Path, backends: Backends, device: torch.device,
+               dtype: torch.dtype, load_format: str = "auto", seed: int = 0) -> nn.Module:
+    """The model of ``cfg`` on ``device``, its floating-point tensors in ``dtype``, its
+    weights read from ``model_dir`` (load_format "dummy": random ones, made on the
+    device)."""
+    arch = registry.architecture(cfg.architecture)
+    # Built on the meta device, then given uninitialized memory: random init of
+    # weights that are overwritten next would be wasted work.
+    with torch.device("meta"):
+        model = arch.model(cfg, backends)
+    _to_empty(model, device, dtype)
+    gguf_path = registry.gguf_file(model_dir) if load_format != "dummy" else None
+    with torch.no_grad():
+        if gguf_path is not None:
+            load_gguf(model, gguf_path, arch, backends.formats)
+        elif load_format == "dummy":
+            dummy_weights(model, seed)
+            finish_linears(model)
+            tie_lm_head(model)
+        else:
+            ckpt = Checkpoint(model_dir, strip_prefixes=cfg.checkpoint_prefixes,
+                              skip_prefixes=cfg.checkpoint_skips)
+            load_checkpoint(model, ckpt, arch)
+            ckpt.finish()
+    return model.eval()
+
+
+def load_checkpoint(model: nn.Module, ckpt: Checkpoint, arch: Architecture) -> None:
+    """Every weight of ``model`` from ``ckpt``, a block at a time (the module docstring)."""
+    names = TensorNames(arch.names, SPLIT)
+    loaders = arch.loaders
+    transposed = set(arch.transposed)
+
+    def load(path: str, module: nn.Module) -> None:
+        family_loader = loaders.get(_wildcard(path))
+        if family_loader is not None:
+            family_loader(module, ckpt, names(path)[0][0], model.cfg)
+        elif isinstance(module, Linear):
+            _load_linear(module, names(path)[0], ckpt, _wildcard(path) in transposed)
+        else:
+            for name, param in module.named_parameters(recurse=False):
+                param.copy_(ckpt.take(names(f"{path}.{name}")[0][0], tuple(param.shape)))
+            for name, child in module.named_children():
+                load(f"{path}.{name}", child)
+
+    for name, child in model.named_children():
+        if name != model.blocks:
+            load(name, child)
+            continue
+        for i, block in enumerate(child):
+            load(f"{name}.{i}", block)
+            model.finish_layer(block)
+            finish_linears(block)
+    if model.cfg.tie_word_embeddings:
+        ckpt.discard("lm_head.weight")  # tied; some checkpoints store the copy anyway
+    ckpt.discard_suffixes(arch.unused)
+    model.finish_checkpoint()
+    finish_linears(model)   # the lm_head (untied)
+    tie_lm_head(model)
+
+
+def _load_linear(linear: Linear, parts: tuple[str, ...], ckpt: Checkpoint,
+                 transposed: bool) -> None:
+    """A linear layer's weight (and bias) from its tensors: one for the layer, or one
+    for each part of a fused one, stacked; (in, out) where ``transposed``."""
+    if linear.weight is None:   # a tied lm_head
+        return
+    sizes = (linear.out_features,) if len(parts) == 1 else linear.output_sizes
+    if len(parts) != len(sizes):
+        raise ModelLoadError(f"{parts} are not the {len(sizes)} parts of a layer")
+    weights = [ckpt.take(f"{p}.weight", (linear.in_features, rows) if transposed
+                         else (rows, linear.in_features)) for p, rows in zip(parts, sizes)]
+    linear.weight.copy_(torch.cat([w.t() if transposed else w for w in weights]))
+    if linear.bias is not None:
+        linear.bias.copy_(torch.cat([ckpt.take(f"{p}.bias", (rows,))
+                                     for p, rows in zip(parts, sizes)]))
+
+
+def tie_lm_head(model: nn.Module) -> None:
+    """A tied lm_head computes with the embeddings (as finished: Gemma's scaled)."""
+    if model.lm_head.weight is None and not hasattr(model.lm_head, "packed"):
+        model.lm_head.tie(model.embeddings.weight)
+
+
+def _wildcard(path: str) -> str:
+    return ".".join("*" if p.isdigit() else p for p in path.split("."))
+
+
+def _to_empty(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Every parameter and buffer of a model built on the meta device made an
+    uninitialized tensor of its shape on ``device``, in ``dtype`` if it is floating
+    point. (nn.Module.to_empty does this through torch's Python reference ops, whose
+    first use imports sympy and torch.fx: 0.43 s of every engine start.)"""
+    for module in model.modules():
+        for tensors in (module._parameters, module._buffers):
+            for name, t in tensors.items():
+                if t is None:
+                    continue
+                empty = torch.empty(t.shape, device=device,
+                                    dtype=dtype if t.is_floating_point() else t.dtype)
+                tensors[name] = nn.Parameter(empty, requires_grad=False) \
+                    if isinstance(t, nn.Parameter) else empty
+
+
+def dummy_weights(model: nn.Module, seed: int) -> None:
+    """Random weights in place, made on the model's device from ``seed``: normal with
+    std 0.02 (Hugging Face's initializer range), norm scales 1, biases 0. For
+    benchmarks: the numbers flow like a real model's, the tokens mean nothing."""
+    generator = None
+    for name, param in model.named_parameters():
+        if generator is None:
+            generator = torch.Generator(device=param.device).manual_seed(seed)
+        if param.dtype == torch.uint8:   # MXFP4 experts: random codes, scales near 2^-6
+            if name.endswith("scales"):
+                param.fill_(121)
+            else:
+                param.random_(0, 256, generator=generator)
+        elif name.endswith("bias"):
+            param.zero_()
+        elif "norm" in name or "ln_" in name:  # RMSNorm / LayerNorm scales
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02, generator=generator)
+
