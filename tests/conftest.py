@@ -283,6 +283,14 @@ def _tiny(tmp_path_factory, name: str, seed: int, config_class: str, model_class
 
 
 @pytest.fixture(scope="session")
+def tiny_olmo2_dir(tmp_path_factory) -> Path:
+    """OLMo 2: norms after the attention and the MLP (none before), q and k normed over
+    the whole projection; its norms random, so that each one's place shows."""
+    return _tiny(tmp_path_factory, "tiny-olmo2", 27, "Olmo2Config", "Olmo2ForCausalLM",
+                 random_norms=True, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
 def tiny_granite_dir(tmp_path_factory) -> Path:
     """Granite: Granite 3's constants (embeddings x12, residual branches x0.22, logits
     / 16, an attention scale that is not 1/sqrt(head_dim)), tied embeddings."""

@@ -12,7 +12,8 @@ import pytest
 import requests
 
 import processes
-from helpers import greedy, make_engine
+from helpers import greedy, make_engine, random_prompts
+from hf_reference import assert_matches, hf_greedy
 
 
 @pytest.mark.parametrize("model", ["tiny_gemma3_vision_dir", "tiny_mistral3_vision_dir"])
@@ -69,3 +70,19 @@ def test_gpt_oss_serves_its_harmony_chat_over_http(tiny_gpt_oss_chat_dir, tmp_pa
     message = r.json()["choices"][0]["message"]
     assert (message["reasoning_content"], message["content"]) == ("Hmm.", "Yes.")
 
+
+def test_olmo2_over_http_gives_hugging_faces_greedy_tokens(tiny_olmo2_dir, tmp_path):
+    """OLMo 2, served by its family file and its line in the registry alone
+    (engine_worker/models/olmo2.py: norms after the attention and the MLP, q and k normed
+    over the whole projection): over the real processes and HTTP, each completion's
+    tokens are Hugging Face's greedy ones."""
+    prompts = random_prompts([7, 21], seed=27)
+    got = []
+    with processes.local_stack(tiny_olmo2_dir, tmp_path, "--served-model-name", "o") as front:
+        for prompt in prompts:
+            r = requests.post(f"{front.url}/v1/completions", timeout=120, json={
+                "model": "o", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            got.append(r.json()["choices"][0]["token_ids"])
+    assert_matches(got, hf_greedy(tiny_olmo2_dir, prompts, 8), "olmo2 over HTTP")

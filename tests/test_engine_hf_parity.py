@@ -19,12 +19,13 @@ GREEDY = greedy(MAX_NEW)
 # and logits; gemma3: Gemma 3's layers; gemma3_vision and mistral3_vision: the language
 # model of a multimodal Gemma 3 or Mistral Small 3 checkpoint; mixtral, qwen3_moe and
 # qwen2_moe (with a shared expert): mixtures of experts; gpt_oss: sinks, a sliding
-# layer, biased routers and experts, the clamped SwiGLU
+# layer, biased routers and experts, the clamped SwiGLU; olmo2: norms after each part,
+# q and k normed whole (layer by layer on the C kernels: the one C call has no such norms)
 ARCHS = ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_gpt2_dir",
          "tiny_granite_dir", "tiny_phi3_dir", "tiny_smollm3_dir", "tiny_yarn_dir",
          "tiny_sliding_dir", "tiny_qwen2_sliding_dir", "tiny_gemma2_dir", "tiny_gemma3_dir",
          "tiny_gemma3_vision_dir", "tiny_mistral3_vision_dir", "tiny_mixtral_dir",
-         "tiny_qwen3_moe_dir", "tiny_qwen2_moe_dir", "tiny_gpt_oss_dir"]
+         "tiny_qwen3_moe_dir", "tiny_qwen2_moe_dir", "tiny_gpt_oss_dir", "tiny_olmo2_dir"]
 
 
 PROMPTS = random_prompts([1, 5, 17, 33, 60])

@@ -360,3 +360,23 @@ def test_mixtures_of_experts_run_in_the_fused_forward_as_layer_by_layer(
     assert fused[0] == want[0]
     assert len(fused[1]) == 4 * 6
     assert torch.allclose(torch.tensor(fused[1]), torch.tensor(want[1]), rtol=0, atol=1e-5)
+
+
+def test_a_family_whose_layers_the_c_forward_does_not_compute_runs_them_on_the_kernels(
+        tiny_olmo2_dir):
+    """OLMo 2's layers (norms after each part, q and k normed whole) are not the shared
+    decoder's, which the one C call computes: its steps run layer by layer, on the same
+    packed weights, C attention and fused ops (its parity with Hugging Face:
+    test_engine_hf_parity.py)."""
+    from engine_worker.cpu.attention import CpuAttention
+    from engine_worker.cpu.formats import PackedMethod
+    from engine_worker.models.layers.linear import Linear
+
+    engine = make_engine(tiny_olmo2_dir, quantization="int8")
+    assert not FusedLlama.supports(engine.runner.model)
+    assert not isinstance(engine.runner.step, FusedForward)
+    assert isinstance(engine.runner.attn, CpuAttention)
+    linears = [m for m in engine.runner.model.modules() if isinstance(m, Linear)]
+    assert len(linears) == 2 * 4 + 1 and all(
+        isinstance(m.method, PackedMethod) and m.fmt == "int8" for m in linears)
+    assert len(engine.generate(random_prompts([9], seed=2), greedy(3))[0]) == 3

@@ -17,15 +17,15 @@ from typing import Any, Optional
 
 from common.errors import ModelLoadError
 from common.gguf_reader import GgufReader
-from engine_worker.models import (gemma, gpt2, gpt_oss, granite, llama, mixtral, phi3,
-                                  qwen2, qwen3)
+from engine_worker.models import (gemma, gpt2, gpt_oss, granite, llama, mixtral, olmo2,
+                                  phi3, qwen2, qwen3)
 from engine_worker.models.config import ConfigSource, ModelConfig
 from engine_worker.models.gguf import gguf_config, gguf_file
 from engine_worker.models.spec import Architecture, LanguageModel
 
 logger = logging.getLogger(__name__)
 
-FAMILIES = (llama, qwen2, qwen3, mixtral, granite, phi3, gemma, gpt_oss, gpt2)
+FAMILIES = (llama, qwen2, qwen3, mixtral, granite, phi3, gemma, gpt_oss, gpt2, olmo2)
 
 ARCHITECTURES: dict[str, Architecture] = {
     a.name: a for family in FAMILIES for a in family.ARCHITECTURES}

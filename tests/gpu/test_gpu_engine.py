@@ -90,7 +90,7 @@ def test_triton_path_matches_hf_for_qwen3s_per_head_norms(tiny_qwen3_dir):
                                      "tiny_qwen2_sliding_dir", "tiny_gemma3_dir",
                                      "tiny_qwen3_moe_dir", "tiny_mixtral_dir",
                                      "tiny_qwen2_moe_dir", "tiny_gemma2_dir",
-                                     "tiny_gpt_oss_dir"])
+                                     "tiny_gpt_oss_dir", "tiny_olmo2_dir"])
 def test_triton_path_matches_hf_for_other_architectures(request, fixture):
     """Granite's constants folded into the weights on the device; YaRN's and LongRoPE's
     attention factor carried by cos and sin into the Triton RoPE; Phi-4-mini's partial
@@ -101,7 +101,8 @@ def test_triton_path_matches_hf_for_other_architectures(request, fixture):
     output norms and two RoPEs; mixtures of experts, grouped (Qwen3-MoE's dense layer
     among them; Qwen2-MoE's shared expert beside them); Gemma 2's soft-capped scores
     (the Triton kernels') and logits; gpt-oss's sinks (the Triton kernels'), biased
-    grouped experts and clamped SwiGLU."""
+    grouped experts and clamped SwiGLU; OLMo 2's norms after each part, q and k normed
+    whole (the Triton norm over the whole projection)."""
     model_dir = request.getfixturevalue(fixture)
     engine = triton_engine(model_dir)
     mixtures = [m for m in engine.runner.model.modules() if isinstance(m, MoE)]
