@@ -12,7 +12,7 @@ alternates the two, ``--repeats`` rounds each, and prints output tokens/s, the m
 of each and of the ratio of the rounds' pairs, and whether the tokens are the same. With
 random weights the router's logits are nearly tied and the two paths' softmaxes round
 differently, so the tokens may part after a while; the tiny checkpoints of the tests
-give the same tokens and logprobs within 1e-5 (tests/test_kernels.py).
+give the same tokens and logprobs within 1e-5 (tests/models/test_kernels.py).
 """
 
 from __future__ import annotations

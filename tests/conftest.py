@@ -99,6 +99,12 @@ HARMONY_TEMPLATE = (
     "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
 HARMONY_TAGS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>",
                 "<|call|>", "<|constrain|>")   # the tiny harmony model's, from 50257 on
+# A harmony reply's parts: thinking on the analysis channel, an answer on the final one,
+# a call to a function
+HARMONY_THINK = "<|channel|>analysis<|message|>Two and two. Four?<|end|>"
+HARMONY_ANSWER = "<|start|>assistant<|channel|>final<|message|>It is 4.<|return|>"
+HARMONY_CALL = ("<|start|>assistant<|channel|>commentary to=functions.get_weather "
+                '<|constrain|>json<|message|>{"city": "Paris"}<|call|>')
 
 
 def _gpt2_tokenizer(out_dir: Path, template: str = CHAT_TEMPLATE,

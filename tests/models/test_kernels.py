@@ -21,7 +21,7 @@ from helpers import greedy, make_engine, random_prompts, run_to_end
 import hf_reference
 from hf_reference import assert_matches, hf_greedy, hf_model
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_cc_naming_no_program_falls_back_to_cc_on_the_path(monkeypatch, tmp_path, caplog):

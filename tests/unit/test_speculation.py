@@ -1,11 +1,10 @@
 """N-gram speculation (--speculative-tokens): proposals from a request's own text,
 checked in one step; the output is exactly what decoding token by token gives, in
 fewer steps where the text repeats itself (a tiny random model's greedy output falls
-into loops, which it copies)."""
+into loops, which it copies). In process; through the engine process and HTTP:
+tests/e2e/test_speculation_served.py."""
 
 from __future__ import annotations
-
-import time
 
 import pytest
 
@@ -207,44 +206,6 @@ def test_a_check_on_logits_that_are_not_finite_fails_its_request_alone(tiny_llam
     assert engine.stats().num_blocks_used == 0
 
 
-def test_the_benchmark_runs(tiny_llama_dir, tmp_path):
-    """benchmarks/speculation.py as docs/performance.md runs it, on the tiny model."""
-    import json
-    import subprocess
-    import sys
-
-    out = tmp_path / "speculation.json"
-    proc = subprocess.run([sys.executable, "benchmarks/speculation.py", "--model",
-                           str(tiny_llama_dir), "--max-tokens", "12", "--repeats", "1",
-                           "--concurrency", "1,2", "--speculative-tokens", "2,4",
-                           "--json", str(out)], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = json.loads(out.read_text())["rows"]
-    assert len(rows) == 2 * 3 * 2 and all(r["same_output"] for r in rows)
-    assert all(r["output_tokens"] == 12 * r["concurrency"] for r in rows)
-
-
-def test_through_the_engine_process_and_http(tiny_llama_dir, tmp_path):
-    """--speculative-tokens on the engine worker: the same tokens over HTTP as the
-    in-process engine without it, and the frontend's metrics count what was kept."""
-    import httpx
-
-    import processes
-
-    expected = make_engine(tiny_llama_dir).generate([LOOPS[0]], greedy(30))[0]
-    with processes.local_stack(tiny_llama_dir, tmp_path, "--served-model-name", "t",
-                               engine_args=("--speculative-tokens", "4")) as front:
-        r = httpx.post(front.url + "/v1/completions", timeout=60, json={
-            "model": "t", "prompt": LOOPS[0], "max_tokens": 30, "temperature": 0,
-            "ignore_eos": True, "return_token_ids": True})
-        assert r.json()["choices"][0]["token_ids"] == expected
-        deadline = time.monotonic() + 10  # the engine's next heartbeat carries them
-        while processes.metric(front.url, "vllm:spec_decode_num_accepted_tokens_total") == 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
-        assert processes.metric(front.url, "vllm:spec_decode_num_draft_tokens_total") > 0
-
-
 def test_a_sampled_check_draws_each_token_with_its_probability():
     """check_sampled over 200,000 rows of one distribution: whatever the proposal (a
     likely token, an unlikely one, one the distribution excludes), each token comes
@@ -371,53 +332,6 @@ def test_a_prediction_saves_steps_on_an_engine_that_does_not_speculate(tiny_llam
     steps, outs = run_counting(engine, {"r": (prompt, greedy(48))})
     assert outs["r"] == expected and steps == 48
     assert engine.stats().num_draft_tokens == 0
-
-
-def test_a_prediction_through_http(tiny_llama_dir, tmp_path):
-    """OpenAI's prediction field, on chat and completions: the same tokens as without
-    it, in far fewer steps where it is right (the engine's count of kept proposals)."""
-    import httpx
-
-    import processes
-
-    with processes.local_stack(tiny_llama_dir, tmp_path,
-                               engine_args=("--speculative-tokens", "8")) as front:
-        def ask(path, **body):
-            body = {"max_tokens": 40, "temperature": 0, "ignore_eos": True,
-                    "return_token_ids": True, **body}
-            r = httpx.post(front.url + path, json=body, timeout=60)
-            assert r.status_code == 200, r.text
-            choice, usage = r.json()["choices"][0], r.json()["usage"]
-            text = choice["text"] if "text" in choice else choice["message"]["content"]
-            return choice["token_ids"], text, usage.get("completion_tokens_details")
-
-        def kept():
-            time.sleep(1.2)   # the engine's next heartbeat carries its counts
-            return processes.metric(front.url, "vllm:spec_decode_num_accepted_tokens_total")
-
-        for path, body in (("/v1/completions", {"prompt": "Once upon"}),
-                           ("/v1/chat/completions",
-                            {"messages": [{"role": "user", "content": "Once upon"}]})):
-            ids, text, details = ask(path, **body)
-            assert details is None
-            before = kept()
-            again, _, details = ask(path, **body, prediction={"type": "content", "content": text})
-            assert again == ids and kept() - before >= 30
-            # OpenAI's counts: the prediction's tokens the output holds, and the rest.
-            predicted = httpx.post(front.url + "/tokenize", timeout=60, json={
-                "prompt": text, "add_special_tokens": False}).json()["count"]
-            assert details["accepted_prediction_tokens"] >= 30
-            assert details["accepted_prediction_tokens"] + details[
-                "rejected_prediction_tokens"] == predicted
-            _, _, details = ask(path, **body, prediction={"type": "content",
-                                                          "content": "Nothing like it."})
-            assert details["accepted_prediction_tokens"] == 0
-            assert details["rejected_prediction_tokens"] > 0
-            parts = [{"type": "text", "text": text[:5]}, {"type": "text", "text": text[5:]}]
-            assert ask(path, **body, prediction={"type": "content", "content": parts})[0] == ids
-        r = httpx.post(front.url + "/v1/completions", timeout=60, json={
-            "prompt": "x", "prediction": {"type": "other", "content": "y"}})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "prediction.type"
 
 
 def test_a_prediction_past_the_limit_is_refused():

@@ -1,10 +1,10 @@
 """Serving a GGUF file as it is (engine_worker/models/gguf.py, common/model_files.py): the
 default model's own file (SmolLM2-135M-Instruct, Q4_1 layers and a Q8_0 embedding),
 whose weights must be exactly what the file's dequantization gives (the default model's
-folder holds them so), served through the real processes
-with the tokenizer and chat template from the file's metadata; each block type packed
-as it is or re-stored; and files the engine must refuse, by name, at start. Each
-architecture's files: tests/test_gguf_architectures.py."""
+folder holds them so); each block type packed as it is or re-stored; and files the
+engine must refuse, by name, at start. Served through the real processes:
+tests/e2e/test_gguf_served.py; each architecture's files:
+tests/models/test_gguf_architectures.py."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import json
 
 import numpy as np
 import pytest
-import requests
 import torch
 from safetensors import safe_open
 
@@ -20,13 +19,11 @@ from common.errors import ModelLoadError
 from common.protocol import SamplingParams
 from common.model_files import (_convert_gguf, _find_gguf, end_of_generation_ids,
                                 materialize_default_model, resolve_model_dir)
-from common.tokenizer import load_tokenizer
 from engine_worker.cpu import build
 from engine_worker.cpu.fused import FusedForward
 from helpers import greedy, make_engine
 from gguf_files import gguf_from_hf
 from hf_reference import hf_model, quantize_blocks
-from processes import local_stack
 
 
 @pytest.fixture(scope="module")
@@ -349,32 +346,6 @@ def test_a_gguf_file_is_not_requantized(gguf_path):
         make_engine(resolve_model_dir(str(gguf_path)), quantization="int8")
 
 
-CHAT_IDS = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28,
-            7018, 411, 407, 19712, 8182, 2, 198, 1, 4093, 198, 1780, 314, 216, 34, 1232,
-            216, 34, 47, 2, 198, 1, 520, 9531, 198]
-
-
-def test_a_gguf_file_served_through_the_real_processes(gguf_path, tmp_path):
-    """Engine, tokenizer pool and frontend all given the file: a chat completion uses
-    the chat template from its metadata, and the text is the engine's greedy tokens."""
-    with local_stack(str(gguf_path), tmp_path) as front:
-        models = requests.get(f"{front.url}/v1/models", timeout=30).json()["data"]
-        assert [m["id"] for m in models] == ["SmolLM2-135M-Instruct.Q4_1"]
-        r = requests.post(f"{front.url}/v1/chat/completions", json={
-            "model": "SmolLM2-135M-Instruct.Q4_1", "messages": [{"role": "user", "content": "What is 2 + 2?"}],
-            "max_tokens": 8, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}, timeout=120)
-        assert r.status_code == 200, r.text
-        body = r.json()
-        assert body["usage"]["completion_tokens"] == 8
-        choice = body["choices"][0]
-        # the file's template: its system prompt, then <|im_start|>user\n ... and
-        # <|im_start|>assistant\n
-        assert choice["prompt_token_ids"] == CHAT_IDS
-        assert choice["token_ids"] == \
-            make_engine(resolve_model_dir(str(gguf_path))).generate([CHAT_IDS], greedy(8))[0]
-
-
 def test_every_end_of_turn_token_of_a_gguf_file_ends_generation(tiny_llama3_dir, gguf_path,
                                                                 tmp_path, caplog):
     """A file names one EOS; its other control tokens that end a turn (Llama 3's
@@ -431,26 +402,3 @@ def test_a_llama_file_dequantized_into_a_folder_is_the_checkpoint_it_came_from(
     config = json.loads((out / "config.json").read_text())
     assert (config["architectures"], config["dtype"]) == (["LlamaForCausalLM"], "float32")
     assert not (out / "gguf.json").exists()
-
-
-def test_a_qwen2_file_with_q8_0_blocks_serves_through_the_real_processes(tiny_qwen2_dir,
-                                                                         tmp_path):
-    """Its matrices as Q8_0 (the int8 format, as they are), its biases and norms F32, the
-    tokenizer and chat template from its metadata: a chat through HTTP gives the tokens
-    the engine gives in process."""
-    path = gguf_from_hf(tiny_qwen2_dir, tmp_path / "qwen2.q8_0.gguf", "qwen2", "Q8_0")
-    folder = resolve_model_dir(str(path))
-    engine = make_engine(folder)
-    assert engine.runner.weight_format == "int8"
-    assert engine.runner.model.layers[0].self_attn.qkv_proj.fmt == "int8"
-    with local_stack(str(path), tmp_path) as front:
-        r = requests.post(f"{front.url}/v1/chat/completions", json={
-            "model": "qwen2.q8_0", "messages": [{"role": "user", "content": "Hi there"}],
-            "max_tokens": 8, "temperature": 0, "ignore_eos": True,
-            "return_token_ids": True}, timeout=120)
-        assert r.status_code == 200, r.text
-        choice = r.json()["choices"][0]
-    # the tiny models' template: <|user|>\nHi there\n<|assistant|>\n, GPT-2's BPE
-    prompt = choice["prompt_token_ids"]
-    assert prompt == load_tokenizer(tiny_qwen2_dir).encode("<|user|>\nHi there\n<|assistant|>\n")
-    assert choice["token_ids"] == engine.generate([prompt], greedy(8))[0]

@@ -1,7 +1,7 @@
 """Prefill/decode disaggregation inside the engines (engine_worker/kv_transfer.py): a
 prefill engine computes the prompt and the first token, a decode engine pulls the
 prompt's blocks and continues. Messages are carried by hand here, so that every fault
-can be placed exactly; tests/test_disaggregation.py runs the real processes."""
+can be placed exactly; tests/e2e/test_disaggregation.py runs the real processes."""
 
 from __future__ import annotations
 

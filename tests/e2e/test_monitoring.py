@@ -16,7 +16,7 @@ import pytest
 
 import processes
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "monitoring" / "grafana" / "dashboards" / "roseserve.json"
 # vLLM's TTFT buckets (frontend/metrics.py).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0)

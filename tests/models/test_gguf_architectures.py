@@ -2,7 +2,7 @@
 (tests/gguf_files.py writes them from the tiny Hugging Face models): the same greedy
 tokens as the checkpoint (or Hugging Face), what each file's metadata says or leaves
 out read as llama.cpp reads it, its RoPE scaling, and what is refused, by name. The
-default model's own file and the formats: tests/test_gguf.py."""
+default model's own file and the formats: tests/models/test_gguf.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """gpt-oss: its config read, its MXFP4 experts dequantized as transformers does, and a
 checkpoint of MXFP4 experts served as its dequantized copy is (token for token against
-Hugging Face: tests/test_engine_hf_parity.py)."""
+Hugging Face: tests/models/test_engine_hf_parity.py)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from roseserve.cli import build_parser as roseserve_parser
 from roseserve.healthcheck import build_parser as healthcheck_parser
 from tokenizer_worker.__main__ import build_parser as tokenizer_parser
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KUBERNETES = sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml"))
 KUBERNETES_VERSION = "1.31"
 PARSERS = {"engine_worker": engine_parser, "frontend": frontend_parser,

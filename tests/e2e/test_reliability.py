@@ -4,7 +4,7 @@ Each kill test runs 32 streaming requests, kills one process kind with SIGKILL w
 they run, and checks that every request ends with its full output or with an explicit
 error (an SSE error event or an OpenAI-shaped 5xx) within 5 s of the kill, that nothing
 hangs, and that the supervisor brings the stack back. The disconnect test checks that
-clients that go away leak nothing (hostile HTTP bodies: tests/test_hostile_http.py).
+clients that go away leak nothing (hostile HTTP bodies: tests/e2e/test_hostile_http.py).
 Recovery times are printed (``-s``) for docs/reliability.md.
 """
 

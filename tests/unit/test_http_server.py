@@ -1,6 +1,6 @@
 """The frontend's listening socket as it stops: new handshakes dropped, those the kernel
 had begun completed and queued (frontend/http_server.py). The whole stop under load is
-tests/test_reliability.py's."""
+tests/e2e/test_reliability.py's."""
 
 from __future__ import annotations
 
