@@ -48,8 +48,8 @@ _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _LAYOUT_VERSION = "1"
 # Bump when what a GGUF file's folder holds changes (2: every end-of-generation token
 # in generation_config.json; 3: the head size and YaRN of qwen3moe files read by
-# llama.cpp's architecture name; 4: config.json as transformers reads the file, the
-# families' own readings moved to the engine), so that those folders alone are rebuilt.
+# llama.cpp's architecture name; 4: the families' own readings of the file moved to the
+# engine), so that those folders alone are rebuilt.
 _GGUF_FOLDER_VERSION = "4"
 # In a model folder: the GGUF file its weights are read from.
 GGUF_POINTER = "gguf.json"
@@ -205,6 +205,16 @@ def _gguf_metadata(path: Path, reader: GgufReader, out_dir: Path,
     except Exception as e:  # transformers' GGUF reader raises many kinds
         raise ModelLoadError(f"{path}: its metadata (architecture {arch!r}) does not describe "
                              f"a model that can be served ({type(e).__name__}: {e})") from e
+    # what every architecture's file says that transformers' reading misses (the
+    # family's own readings are the engine's: engine_worker/models/): the head size
+    # (Qwen3's config defaults to 128) and a YaRN scaling (the tokenizer pool's
+    # context is the one it extends to)
+    head_dim = fields.get(f"{arch}.attention.key_length")
+    if head_dim:
+        config.head_dim = head_dim
+    yarn = _yarn_parameters(path.name, fields, arch)
+    if yarn:
+        config.rope_parameters = {**(config.rope_parameters or {}), **yarn}
     config.save_pretrained(out_dir)
     generation = GenerationConfig.from_model_config(config)
     if end_of_turn_tokens:
@@ -235,6 +245,26 @@ def _fields_hidden(prefix: str):
         yield
     finally:
         gguf.GGUFReader = original
+
+
+def _yarn_parameters(file_name: str, fields: dict, arch: str) -> dict:
+    """A file's YaRN scaling as a config's rope parameters ({} for a file without). Its
+    attention factor is the one the factor implies (0.1 ln(factor) + 1), as llama.cpp's
+    converter writes Qwen's files; a file that says another is refused."""
+    scaling = f"{arch}.rope.scaling."
+    if fields.get(scaling + "type") != "yarn":
+        return {}
+    odd = sorted(k[len(scaling):] for k in fields if k.startswith(scaling) and k[len(scaling):]
+                 in ("attn_factor", "yarn_attn_factor", "yarn_ext_factor", "yarn_log_multiplier"))
+    if odd:
+        raise ModelLoadError(f"{file_name}: YaRN scaling with {', '.join(odd)} is not served "
+                             f"(only the factor, the original context and the betas)")
+    params = {"rope_type": "yarn", "factor": float(fields.get(scaling + "factor", 1.0))}
+    for key, name in (("original_context_length", "original_max_position_embeddings"),
+                      ("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+        if scaling + key in fields:
+            params[name] = fields[scaling + key]
+    return params
 
 
 def _find_gguf() -> Path:

@@ -47,7 +47,8 @@ class ModelRunner:
         formats, self.dtype, kv_dtype = platform.formats(config, gguf_path)
         self.attn, ops = platform.attention(model_config, kv_dtype, cache.block_size, max_seqs)
         self.model = load_model(model_config, model_dir, platform.backends(self.attn, ops, formats),
-                                self.device, self.dtype, config.load_format, config.seed)
+                                self.device, self.dtype, gguf_path, config.load_format,
+                                config.seed)
         platform.prepare(self.model)
         self.weight_format = self._weight_format(formats, gguf_path is not None, platform)
         self.kv_dtype = kv_dtype or platform.auto_kv_dtype(self.weight_format, self.dtype)

@@ -95,7 +95,8 @@ def make_platform(config: EngineConfig) -> Platform:
 
         return InterpretedPlatform(device, dtype)
     kernels = (cpu_kernels() if config.cpu_kernels and config.attention_backend == "auto"
-               and dtype in (torch.float32, torch.bfloat16) else None)
+               and device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+               else None)
     return CpuPlatform(device, dtype, kernels)
 
 

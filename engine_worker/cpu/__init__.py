@@ -1,2 +1,4 @@
-"""The CPU engine's parts: the C kernels (csrc/, their build and ctypes bindings in
-kernels.py) and the one-call forward of the Llama family (fused.py)."""
+"""The CPU platform (platform.py): the C kernels (csrc/; built for this CPU by build.py,
+bound by kernels.py), their packed weight formats as linear methods (formats.py), their
+decode attention (attention.py) and the shared decoder's whole step in one C call
+(fused.py)."""

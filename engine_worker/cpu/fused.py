@@ -70,8 +70,9 @@ class _Step(ctypes.Structure):
 
 
 class FusedLlama:
-    """A Llama-family forward pass in one C call (llama.c), over the weights of a
-    loaded model whose linear layers are packed (each in its own format), and the engine's
+    """A decoder's forward pass in one C call (llama.c: the shared decoder's layers,
+    models/layers/decoder.py), over the weights of a loaded model whose linear layers
+    are packed (each in its own format), and the engine's
     KV caches; mixtures of experts included (each expert a packed gate_up and down).
     Set ``profile`` to a float64 tensor of 3 to have the seconds spent in linear layers,
     attention and the rest added to it."""

@@ -1,6 +1,6 @@
 """The CPU's C kernels (cpu/csrc/), called through ctypes: paged attention, the packed
 GEMM and its weight formats, the fused layer ops, a row-wise argmax, and the one-call
-forward of the Llama family (llama.c; cpu/fused.py drives it). cpu/build.py compiles
+forward of the shared decoder (llama.c; cpu/fused.py drives it). cpu/build.py compiles
 them for this CPU and loads them (``cpu_kernels()``).
 
 GEMM (gemm.c): every linear layer computes from a weight packed once at load time into

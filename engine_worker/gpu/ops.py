@@ -139,9 +139,6 @@ def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, WIDTH: tl.constexpr,
 class TritonOps:
     """engine_worker.ops.TorchOps's methods, on the GPU (or Triton's interpreter)."""
 
-    # A mixture's experts run grouped (engine_worker/gpu/moe.py), MXFP4 ones as they are
-    grouped_experts = True
-
     def add_rms_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor],
                      weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """h = x + residual (x alone when None); returns (RMSNorm(h) * weight, h)."""

@@ -60,12 +60,15 @@ class CudaPlatform:
     def formats(self, config: EngineConfig, gguf_path: Optional[Path]
                 ) -> tuple[WeightFormats, torch.dtype, Optional[torch.dtype]]:
         """Dense weights in the model's dtype; the KV cache in that dtype or fp8."""
+        if gguf_path is not None:
+            raise ValueError(f"{gguf_path.name}: a GGUF file is served as it is by the CPU "
+                             f"kernels (--device cpu); on a GPU, serve its checkpoint")
         if config.quantization is not None:
             raise ValueError(f"{config.quantization} weights need the CPU C kernels (--device "
                              f"cpu, a C compiler, not --no-cpu-kernels)")
         name = config.cache.kv_cache_dtype
         kv_dtype = kv_cache_dtype(name)
-        if kv_dtype not in (None, self.dtype, FP8):
+        if self.device.type == "cuda" and kv_dtype not in (None, self.dtype, FP8):
             raise ValueError(f"--kv-cache-dtype {name}: on {self.device.type} the KV cache is "
                              f"kept in the dtype the model computes in "
                              f"({str(self.dtype).removeprefix('torch.')}) or in fp8; use "
@@ -159,6 +162,7 @@ class CudaPlatform:
         torch.cuda.empty_cache()
         return max(0, peak - cache_bytes)
 
+    @torch.inference_mode()
     def warm_up(self, eager: EagerForward, kv: KvCache, scheduler: SchedulerConfig) -> None:
         """Runs a step of one prompt chunk and a decode step at each split count a
         step can take, so that no Triton kernel compiles while serving (a compile

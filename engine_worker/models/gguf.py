@@ -53,7 +53,7 @@ import json
 import logging
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -105,43 +105,6 @@ def gguf_file(model_dir: Path) -> Optional[Path]:
     if not pointer.is_file():
         return None
     return Path(json.loads(pointer.read_text())["file"])
-
-
-def gguf_config(raw: dict[str, Any], reader: GgufReader) -> dict[str, Any]:
-    """What a file's metadata says that transformers' reading of it into the folder's
-    config misses, for every architecture: the head size (transformers takes none from
-    the file: Qwen3's config defaults to 128) and YaRN's scaling (the family's GgufSpec
-    adds its own)."""
-    fields, raw = reader.fields, dict(raw)
-    arch = fields.get("general.architecture")
-    head_dim = fields.get(f"{arch}.attention.key_length")
-    if head_dim:
-        raw["head_dim"] = head_dim
-    yarn = _yarn_parameters(reader.path.name, fields, arch)
-    if yarn:
-        raw["rope_parameters"] = {**(raw.get("rope_parameters") or {}), **yarn}
-    return raw
-
-
-def _yarn_parameters(file_name: str, fields: dict[str, Any], arch: str) -> dict[str, Any]:
-    """A file's YaRN scaling as a config's rope parameters ({} for a file without). Its
-    attention factor is the one the factor implies (0.1 ln(factor) + 1), as llama.cpp's
-    converter writes Qwen's files; a file that says another is refused."""
-    scaling = f"{arch}.rope.scaling."
-    if fields.get(scaling + "type") != "yarn":
-        return {}
-    odd = sorted(k[len(scaling):] for k in fields if k.startswith(scaling) and k[len(scaling):]
-                 in ("attn_factor", "yarn_attn_factor", "yarn_ext_factor", "yarn_log_multiplier"))
-    if odd:
-        raise ModelLoadError(f"{file_name}: YaRN scaling with {', '.join(odd)} is not served "
-                             f"(only the factor, the original context and the betas)")
-    params: dict[str, Any] = {"rope_type": "yarn",
-                              "factor": float(fields.get(scaling + "factor", 1.0))}
-    for key, name in (("original_context_length", "original_max_position_embeddings"),
-                      ("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
-        if scaling + key in fields:
-            params[name] = fields[scaling + key]
-    return params
 
 
 class Packed(NamedTuple):

@@ -8,7 +8,6 @@ experts)."""
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import torch
@@ -18,7 +17,7 @@ from common.errors import ModelLoadError
 from common.gguf_reader import GgufReader
 from engine_worker.models.checkpoint import Checkpoint, mxfp4_to_float
 from engine_worker.models.config import (ConfigSource, ModelConfig, SlidingWindows,
-                                         decoder_config, mixture_fields)
+                                         decoder_config, mixture_fields, positive_numbers)
 from engine_worker.models.layers.decoder import DecoderModel
 from engine_worker.models.spec import Architecture, GgufSpec
 
@@ -32,15 +31,11 @@ def read_gpt_oss(source: ConfigSource) -> ModelConfig:
     if quant and quant.get("quant_method") != "mxfp4":
         raise ModelLoadError(f"gpt-oss checkpoints are served dequantized or in MXFP4, not "
                              f"{quant.get('quant_method')!r}")
-    limit, alpha = raw.get("swiglu_limit", 7.0), raw.get("swiglu_alpha", 1.702)
-    for name, value in (("swiglu_limit", limit), ("swiglu_alpha", alpha)):
-        if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-            raise ModelLoadError(f"{name} must be a positive number, not {value!r}")
     return decoder_config(
         source, windows=SlidingWindows(default_on=True, pattern=2),
         **mixture_fields(raw, every_layer=True), intermediate_size=0, attn_sinks=True,
-        expert_bias=True, swiglu_limit=float(limit), swiglu_alpha=float(alpha),
-        expert_format="mxfp4" if quant else "")
+        expert_bias=True, expert_format="mxfp4" if quant else "",
+        **positive_numbers(raw, {"swiglu_limit": 7.0, "swiglu_alpha": 1.702}))
 
 
 def load_experts(moe: nn.Module, ckpt: Checkpoint, p: str, cfg: ModelConfig) -> None:

@@ -12,8 +12,9 @@ float32 (untouched, the rest of the model's empty tensors take no memory).
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -27,21 +28,19 @@ from engine_worker.models.layers.linear import Linear, finish_linears
 from engine_worker.models.names import SPLIT, TensorNames
 from engine_worker.models.spec import Architecture
 
-logger = logging.getLogger(__name__)
-
 
 def load_model(cfg: ModelConfig, model_dir: Path, backends: Backends, device: torch.device,
-               dtype: torch.dtype, load_format: str = "auto", seed: int = 0) -> nn.Module:
+               dtype: torch.dtype, gguf_path: Optional[Path] = None, load_format: str = "auto",
+               seed: int = 0) -> nn.Module:
     """The model of ``cfg`` on ``device``, its floating-point tensors in ``dtype``, its
-    weights read from ``model_dir`` (load_format "dummy": random ones, made on the
-    device)."""
+    weights read from ``model_dir``'s checkpoint, or from ``gguf_path`` where the folder
+    stands for a GGUF file (load_format "dummy": random ones, made on the device)."""
     arch = registry.architecture(cfg.architecture)
     # Built on the meta device, then given uninitialized memory: random init of
     # weights that are overwritten next would be wasted work.
     with torch.device("meta"):
         model = arch.model(cfg, backends)
     _to_empty(model, device, dtype)
-    gguf_path = registry.gguf_file(model_dir) if load_format != "dummy" else None
     with torch.no_grad():
         if gguf_path is not None:
             load_gguf(model, gguf_path, arch, backends.formats)
@@ -59,7 +58,17 @@ def load_model(cfg: ModelConfig, model_dir: Path, backends: Backends, device: to
 
 def load_checkpoint(model: nn.Module, ckpt: Checkpoint, arch: Architecture) -> None:
     """Every weight of ``model`` from ``ckpt``, a block at a time (the module docstring)."""
-    names = TensorNames(arch.names, SPLIT)
+    family, plain = TensorNames(arch.names, SPLIT), TensorNames({}, SPLIT)
+
+    def names(path: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """The family's names, or Hugging Face's Llama-style ones where the checkpoint
+        has those instead (Mixtral's experts under mlp., say)."""
+        found = family(path)
+        if _has(ckpt, found[0]):
+            return found
+        other = plain(path)
+        return other if _has(ckpt, other[0]) else found
+
     loaders = arch.loaders
     transposed = set(arch.transposed)
 
@@ -112,6 +121,11 @@ def tie_lm_head(model: nn.Module) -> None:
     """A tied lm_head computes with the embeddings (as finished: Gemma's scaled)."""
     if model.lm_head.weight is None and not hasattr(model.lm_head, "packed"):
         model.lm_head.tie(model.embeddings.weight)
+
+
+def _has(ckpt: Checkpoint, names: tuple[str, ...]) -> bool:
+    """Whether the checkpoint holds the tensor ``names[0]`` or its weight."""
+    return names[0] in ckpt or f"{names[0]}.weight" in ckpt
 
 
 def _wildcard(path: str) -> str:

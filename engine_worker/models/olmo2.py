@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from common.errors import ModelLoadError
 from engine_worker.attention import AttentionMetadata
 from engine_worker.models.config import ConfigSource, ModelConfig, decoder_config
 from engine_worker.models.layers import Backends
@@ -70,7 +71,11 @@ class Olmo2Model(DecoderModel):
 
 
 def read_olmo2(source: ConfigSource) -> ModelConfig:
-    return decoder_config(source)
+    config = decoder_config(source)
+    if config.rotary_dim is not None:
+        raise ModelLoadError("OLMo 2 with a partial_rotary_factor is not served (its q and "
+                             "k norms span the whole projection)")
+    return config
 
 
 ARCHITECTURES = (

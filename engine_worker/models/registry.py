@@ -20,7 +20,7 @@ from common.gguf_reader import GgufReader
 from engine_worker.models import (gemma, gpt2, gpt_oss, granite, llama, mixtral, olmo2,
                                   phi3, qwen2, qwen3)
 from engine_worker.models.config import ConfigSource, ModelConfig
-from engine_worker.models.gguf import gguf_config, gguf_file
+from engine_worker.models.gguf import gguf_file
 from engine_worker.models.spec import Architecture, LanguageModel
 
 logger = logging.getLogger(__name__)
@@ -44,10 +44,10 @@ _LANGUAGE_MODEL_PLACES = {
 def load_model_config(model_dir: Path, max_model_len: Optional[int] = None) -> ModelConfig:
     """max_model_len: the context to serve, where the user caps it (LongRoPE picks its
     factors by it)."""
-    arch, raw, places = read_config(model_dir)
-    source = ConfigSource(raw, str(model_dir.resolve().name), _eos_token_ids(raw, model_dir),
-                          max_model_len)
     try:
+        arch, raw, places = read_config(model_dir)
+        source = ConfigSource(raw, str(model_dir.resolve().name),
+                              _eos_token_ids(raw, model_dir), max_model_len)
         config = arch.read_config(source)
     except KeyError as e:
         raise ModelLoadError(f"{model_dir / 'config.json'} lacks the field {e.args[0]!r}") \
@@ -71,7 +71,6 @@ def read_config(model_dir: Path) -> tuple[Architecture, dict[str, Any], dict[str
     if gguf is not None:   # the config transformers read from the file, and the family's
         reader = GgufReader(gguf)
         arch = gguf_architecture(gguf.name, reader.fields)
-        raw = gguf_config(raw, reader)
         return arch, arch.gguf.read(raw, reader) if arch.gguf.read else raw, {}
     archs = raw.get("architectures") or []
     multimodal = next((LANGUAGE_MODELS[a] for a in archs if a in LANGUAGE_MODELS), None)

@@ -1,6 +1,6 @@
 """RoPE as a config describes it: its base and its scaling (linear, Llama 3.1's,
-YaRN, LongRoPE), read as Hugging Face reads them (engine_worker/models/config.py reads
-the rest of a config; engine_worker/models/llama.py turns this into frequencies)."""
+YaRN, LongRoPE), read as Hugging Face reads them (models/config.py and the family files
+read the rest of a config; models/layers/rotary.py turns this into frequencies)."""
 
 from __future__ import annotations
 

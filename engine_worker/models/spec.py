@@ -57,8 +57,9 @@ class Architecture:
     loaders: dict[str, Callable] = field(default_factory=dict)
     # linear layers a checkpoint stores transposed, (in, out) (GPT-2's Conv1D)
     transposed: tuple[str, ...] = ()
-    # tensors its checkpoints may hold that nothing reads (name suffixes)
-    unused: tuple[str, ...] = ()
+    # tensors its checkpoints may hold that nothing reads (name suffixes): the RoPE
+    # buffers of checkpoints saved by transformers before 4.31 (Llama 2's conversions)
+    unused: tuple[str, ...] = (".rotary_emb.inv_freq",)
     gguf: Optional[GgufSpec] = None
 
 

@@ -14,6 +14,7 @@ import torch
 
 from common.errors import ModelLoadError
 from common.model_files import resolve_model_dir
+from common.tokenizer import context_length
 from engine_worker.models.registry import read_config
 from engine_worker.cpu import build
 from gguf_files import gguf_from_hf
@@ -132,6 +133,8 @@ def test_a_files_rope_scaling_is_served_as_the_checkpoints(rope, arch, model_fix
     torch.testing.assert_close(ours.runner.model.rotary.inv_freq, inv_freq, rtol=1e-6, atol=0)
     assert ours.runner.model.rotary.scale == theirs.runner.model.rotary.scale
     assert ours.model_config.max_model_len == theirs.model_config.max_model_len
+    # the tokenizer pool reads the context from the folder's config: YaRN's too
+    assert context_length(resolve_model_dir(str(path))) == context_length(model)
     prompts = [[1, 2, 3, 4], list(range(100, 180))]
     assert ours.generate(prompts, greedy(12)) == theirs.generate(prompts, greedy(12))
 
@@ -154,7 +157,7 @@ def test_a_rope_scaling_not_served_is_refused_by_name(tiny_llama_dir, tmp_path):
 def test_a_yarn_file_with_fields_not_served_is_refused_by_name(tiny_llama_dir, tmp_path):
     """A YaRN file that sets its own attention factor: refused, not served with the
     factor the scaling implies."""
-    from engine_worker.models.gguf import _yarn_parameters
+    from common.model_files import _yarn_parameters
 
     fields = {"llama.rope.scaling.type": "yarn", "llama.rope.scaling.factor": 4.0,
               "llama.rope.scaling.original_context_length": 256,

@@ -501,3 +501,45 @@ def test_each_layer_is_packed_before_the_next_is_read(tiny_qwen3_moe_dir, monkey
     monkeypatch.setattr(Checkpoint, "take", watched)
     LLMEngine(EngineConfig(model=str(tiny_qwen3_moe_dir), device="cpu", quantization="int8"))
     assert len(seen) > 50 and all(seen)
+
+
+def test_a_checkpoint_with_ropes_buffers_loads_and_reads_none_of_them(tiny_llama_dir, tmp_path):
+    """Checkpoints saved by transformers before 4.31 (Llama 2's conversions) hold each
+    layer's self_attn.rotary_emb.inv_freq: nothing reads it (the frequencies come from
+    the config), and the checkpoint is served as without it."""
+    from safetensors.torch import load_file, save_file
+
+    from helpers import greedy
+
+    model = copy_model(tiny_llama_dir, tmp_path)
+    weights = load_file(model / "model.safetensors")
+    for i in range(2):
+        weights[f"model.layers.{i}.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    save_file(weights, model / "model.safetensors")
+    prompts = [[1, 2, 3], list(range(100, 120))]
+    ours = LLMEngine(EngineConfig(model=str(model), device="cpu"))
+    reference = LLMEngine(EngineConfig(model=str(tiny_llama_dir), device="cpu"))
+    assert ours.generate(prompts, greedy(6)) == reference.generate(prompts, greedy(6))
+
+
+def test_a_mixtral_checkpoint_is_served_by_either_naming_of_its_experts(tiny_mixtral_dir,
+                                                                          tmp_path):
+    """Mixtral's experts as its checkpoints name them (block_sparse_moe.experts.N.w1, w3,
+    w2) or as Hugging Face's Llama-style ones do (mlp.experts.N.gate_proj, up_proj,
+    down_proj; the router mlp.gate): the same model."""
+    from safetensors.torch import load_file, save_file
+
+    from helpers import greedy
+
+    model = copy_model(tiny_mixtral_dir, tmp_path)
+    names = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+    renamed = {}
+    for name, tensor in load_file(model / "model.safetensors").items():
+        parts = name.replace("block_sparse_moe", "mlp").split(".")
+        renamed[".".join(names.get(p, p) for p in parts)] = tensor
+    assert "model.layers.0.mlp.experts.1.up_proj.weight" in renamed
+    save_file(renamed, model / "model.safetensors")
+    prompts = [[1, 2, 3], list(range(100, 130))]
+    ours = LLMEngine(EngineConfig(model=str(model), device="cpu"))
+    reference = LLMEngine(EngineConfig(model=str(tiny_mixtral_dir), device="cpu"))
+    assert ours.generate(prompts, greedy(6)) == reference.generate(prompts, greedy(6))
