@@ -140,7 +140,8 @@ class SchedulerConfig:
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOAD_FORMATS = ("auto", "dummy")
-QUANTIZATIONS = ("int8", "q4", "iq4")   # --quantization: weight formats of the CPU kernels
+# --quantization: weight formats of the CPU kernels (int8, q4, iq4) and of CUDA (fp8)
+QUANTIZATIONS = ("int8", "q4", "iq4", "fp8")
 _ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 

@@ -40,7 +40,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="int8: 8-bit weights and layer inputs, a scale per 32 values, "
                         "integer dot products (CPU kernels; as llama.cpp's Q8_0); q4: "
                         "4-bit weights, a scale and a minimum per 32 (as Q4_1); iq4: "
-                        "4-bit indices into 16 fixed levels, a scale per 32 (as IQ4_NL)")
+                        "4-bit indices into 16 fixed levels, a scale per 32 (as IQ4_NL); fp8 (CUDA): "
+                        "e4m3 weights, a scale per output channel, activations quantized "
+                        "per token (W8A8). An fp8 checkpoint is served in fp8 on CUDA and "
+                        "as int8 on the CPU by itself")
     g.add_argument("--threads", type=int, default=None, help="CPU threads for the model")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-batch-size", type=int, default=None,

@@ -44,7 +44,7 @@ class ModelRunner:
         self.token_budget = scheduler.token_budget
         max_seqs = max(scheduler.decode_batch_size, scheduler.prefill_batch_size)
         gguf_path = gguf_file(model_dir) if config.load_format != "dummy" else None
-        formats, self.dtype, kv_dtype = platform.formats(config, gguf_path)
+        formats, self.dtype, kv_dtype = platform.formats(config, model_config, gguf_path)
         self.attn, ops = platform.attention(model_config, kv_dtype, cache.block_size, max_seqs)
         self.model = load_model(model_config, model_dir, platform.backends(self.attn, ops, formats),
                                 self.device, self.dtype, gguf_path, config.load_format,

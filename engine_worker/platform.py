@@ -45,9 +45,10 @@ class Platform(Protocol):
     # the CPU's C kernels, where they run (the sampler's argmax)
     kernels: Optional[CpuKernels]
 
-    def formats(self, config: EngineConfig, gguf_path: Optional[Path]
+    def formats(self, config: EngineConfig, model: ModelConfig, gguf_path: Optional[Path]
                 ) -> tuple[WeightFormats, torch.dtype, Optional[torch.dtype]]:
-        """The linear layers' formats, the dtype the model computes in, and the KV
+        """The linear layers' formats (from --dtype, --quantization and the checkpoint's
+        own: ``model.weight_format``), the dtype the model computes in, and the KV
         cache's (None: auto_kv_dtype's, once the weights are loaded); ValueError for a
         combination not served."""
 

@@ -44,15 +44,21 @@ class CpuPlatform:
         self.device, self.dtype, self.kernels = device, dtype, kernels
         self.packing = Packing(kernels) if kernels is not None else None
 
-    def formats(self, config: EngineConfig, gguf_path: Optional[Path]
+    def formats(self, config: EngineConfig, model: ModelConfig, gguf_path: Optional[Path]
                 ) -> tuple[WeightFormats, torch.dtype, Optional[torch.dtype]]:
         """The weights' formats, the dtype the model computes in and the KV cache's
         (None: auto, decided once the weights are loaded), each checked against the
         others. On the C kernels, bfloat16 and int8 are formats of the packed weights;
-        activations stay float32."""
+        activations stay float32. An fp8 checkpoint is served as int8 unless
+        --quantization names another format (its weights dequantized as they load);
+        without the kernels, in the model's dtype."""
         if gguf_path is not None and (config.quantization or self.dtype != torch.float32):
             raise ValueError(f"{gguf_path.name} is served as it is: --quantization and "
                              f"--dtype (other than auto or float32) do not apply to it")
+        if config.quantization == "fp8":
+            raise ValueError("--quantization fp8 is a CUDA format (its products need fp8 "
+                             "tensor cores); on the CPU use --quantization int8 (an fp8 "
+                             "checkpoint is served as int8 here by itself)")
         kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype)
         if self.packing is None:
             if config.quantization is not None:
@@ -63,7 +69,8 @@ class CpuPlatform:
             raise ValueError("--kv-cache-dtype fp8 is for CUDA: the CPU kernels read a float32 "
                              "or bfloat16 cache (on the CPU only the torch reference path, "
                              "--attention-backend torch, reads fp8)")
-        fmt = config.quantization or ("bfloat16" if self.dtype == torch.bfloat16 else "float32")
+        fmt = config.quantization or ("int8" if model.weight_format == "fp8" else
+                                      "bfloat16" if self.dtype == torch.bfloat16 else "float32")
         return self.packing.formats(fmt), torch.float32, kv_dtype
 
     def attention(self, cfg: ModelConfig, kv_dtype: Optional[torch.dtype], block_size: int,

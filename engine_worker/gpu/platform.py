@@ -30,7 +30,8 @@ from engine_worker.gpu.ops import TritonOps
 from engine_worker.kv_cache import KvCache, kv_cache_dtype
 from engine_worker.models.config import ModelConfig
 from engine_worker.models.layers import Backends
-from engine_worker.models.layers.linear import DenseMethod, WeightFormats
+from engine_worker.models.layers.fp8 import Fp8Method
+from engine_worker.models.layers.linear import DenseMethod, Role, WeightFormats
 from engine_worker.models.layers.moe import MoE
 from engine_worker.ops import FP8, Ops, TorchOps
 from engine_worker.profile_step import dummy_step
@@ -57,15 +58,17 @@ class CudaPlatform:
         self.num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self.graphs = False   # whether the model's steps replay from graphs (prepare)
 
-    def formats(self, config: EngineConfig, gguf_path: Optional[Path]
+    def formats(self, config: EngineConfig, model: ModelConfig, gguf_path: Optional[Path]
                 ) -> tuple[WeightFormats, torch.dtype, Optional[torch.dtype]]:
-        """Dense weights in the model's dtype; the KV cache in that dtype or fp8."""
+        """Dense weights in the model's dtype, or fp8 (--quantization fp8, or an fp8
+        checkpoint): then the lm_head, a mixture's routers and its experts (the grouped
+        GEMM's) dense; the KV cache in the model's dtype or fp8."""
         if gguf_path is not None:
             raise ValueError(f"{gguf_path.name}: a GGUF file is served as it is by the CPU "
                              f"kernels (--device cpu); on a GPU, serve its checkpoint")
-        if config.quantization is not None:
+        if config.quantization not in (None, "fp8"):
             raise ValueError(f"{config.quantization} weights need the CPU C kernels (--device "
-                             f"cpu, a C compiler, not --no-cpu-kernels)")
+                             f"cpu, a C compiler, not --no-cpu-kernels); on CUDA, fp8")
         name = config.cache.kv_cache_dtype
         kv_dtype = kv_cache_dtype(name)
         if self.device.type == "cuda" and kv_dtype not in (None, self.dtype, FP8):
@@ -73,7 +76,11 @@ class CudaPlatform:
                              f"kept in the dtype the model computes in "
                              f"({str(self.dtype).removeprefix('torch.')}) or in fp8; use "
                              f"auto or fp8")
-        return WeightFormats(DenseMethod(self.dtype)), self.dtype, kv_dtype
+        dense = DenseMethod(self.dtype)
+        if config.quantization == "fp8" or model.weight_format == "fp8":
+            kept = {role: dense for role in (Role.LM_HEAD, Role.ROUTER, Role.EXPERT, Role.MXFP4)}
+            return WeightFormats(Fp8Method(), kept), self.dtype, kv_dtype
+        return WeightFormats(dense), self.dtype, kv_dtype
 
     def attention(self, cfg: ModelConfig, kv_dtype: Optional[torch.dtype], block_size: int,
                   max_seqs: int) -> tuple[AttentionBackend, Ops]:

@@ -104,6 +104,8 @@ class ModelConfig:
     logits_scaling: float = 1.0
     # Hugging Face's name of the architecture (its spec's, models/registry.py)
     architecture: str = ""
+    # "fp8": the checkpoint's linear weights are fp8 with scales (models/quantization.py)
+    weight_format: str = ""
 
     @property
     def attention_scale(self) -> float:

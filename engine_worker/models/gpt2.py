@@ -17,6 +17,7 @@ from engine_worker.attention import AttentionMetadata
 from engine_worker.models.config import ConfigSource, ModelConfig
 from engine_worker.models.layers import Backends
 from engine_worker.models.layers.embedding import embedding
+from engine_worker.models.layers.linear import Role
 from engine_worker.models.layers.norm import layer_norm
 from engine_worker.models.spec import Architecture
 
@@ -93,7 +94,7 @@ class GPT2Model(nn.Module):
         self.wpe = embedding(cfg.max_model_len, cfg.hidden_size)
         self.h = nn.ModuleList(Block(cfg, backends) for _ in range(cfg.num_layers))
         self.ln_f = layer_norm(cfg.hidden_size, cfg.norm_eps)
-        self.lm_head = backends.linear(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head = backends.linear(cfg.hidden_size, cfg.vocab_size, role=Role.LM_HEAD)
         self.lm_head.weight = None   # tied to wte (models/loader.py)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -24,9 +24,11 @@ from engine_worker.models.checkpoint import Checkpoint
 from engine_worker.models.config import ModelConfig
 from engine_worker.models.gguf import load_gguf
 from engine_worker.models.layers import Backends
+from engine_worker.models.layers.fp8 import quantize_rows
 from engine_worker.models.layers.linear import Linear, finish_linears
 from engine_worker.models.names import SPLIT, TensorNames
 from engine_worker.models.spec import Architecture
+from engine_worker.ops import FP8
 
 
 def load_model(cfg: ModelConfig, model_dir: Path, backends: Backends, device: torch.device,
@@ -111,10 +113,35 @@ def _load_linear(linear: Linear, parts: tuple[str, ...], ckpt: Checkpoint,
         raise ModelLoadError(f"{parts} are not the {len(sizes)} parts of a layer")
     weights = [ckpt.take(f"{p}.weight", (linear.in_features, rows) if transposed
                          else (rows, linear.in_features)) for p, rows in zip(parts, sizes)]
-    linear.weight.copy_(torch.cat([w.t() if transposed else w for w in weights]))
+    weights = [w.t() if transposed else w for w in weights]
+    scales = [_fp8_scale(ckpt, p, w) for p, w in zip(parts, weights)]
+    if all(s is None for s in scales):
+        linear.load(torch.cat(weights))
+    else:   # an fp8 checkpoint's (a part in another dtype: quantized as it loads)
+        quantized = [(w, s) if s is not None else quantize_rows(w)
+                     for w, s in zip(weights, scales)]
+        linear.load(torch.cat([w for w, _ in quantized]),
+                    torch.cat([s.reshape(-1) for _, s in quantized]))
     if linear.bias is not None:
         linear.bias.copy_(torch.cat([ckpt.take(f"{p}.bias", (rows,))
                                      for p, rows in zip(parts, sizes)]))
+
+
+def _fp8_scale(ckpt: Checkpoint, part: str, weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """An fp8 weight's scales, a row's each (float32): its checkpoint's per-channel
+    ones, or its one per-tensor scale repeated; None for a weight in another dtype."""
+    if weight.dtype != FP8:
+        return None
+    name = f"{part}.weight_scale"
+    if name not in ckpt:
+        raise ModelLoadError(f"{part}.weight is fp8 but the checkpoint has no {name}")
+    scale = ckpt.take(name).float().reshape(-1)
+    if scale.numel() not in (1, weight.shape[0]):
+        raise ModelLoadError(f"{name} has {scale.numel()} values; an fp8 weight of "
+                             f"{weight.shape[0]} rows takes one per row or one in all")
+    for other in ("input_scale", "input_scale_ub"):   # (activations are scaled per token)
+        ckpt.discard(f"{part}.{other}")
+    return scale.expand(weight.shape[0])
 
 
 def tie_lm_head(model: nn.Module) -> None:
@@ -134,16 +161,17 @@ def _wildcard(path: str) -> str:
 
 def _to_empty(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
     """Every parameter and buffer of a model built on the meta device made an
-    uninitialized tensor of its shape on ``device``, in ``dtype`` if it is floating
-    point. (nn.Module.to_empty does this through torch's Python reference ops, whose
-    first use imports sympy and torch.fx: 0.43 s of every engine start.)"""
+    uninitialized tensor of its shape on ``device``, in ``dtype`` if it was made in
+    torch's default (float32; a weight made in its format's dtype keeps that: fp8).
+    (nn.Module.to_empty does this through torch's Python reference ops, whose first use
+    imports sympy and torch.fx: 0.43 s of every engine start.)"""
     for module in model.modules():
         for tensors in (module._parameters, module._buffers):
             for name, t in tensors.items():
                 if t is None:
                     continue
                 empty = torch.empty(t.shape, device=device,
-                                    dtype=dtype if t.is_floating_point() else t.dtype)
+                                    dtype=dtype if t.dtype == torch.float32 else t.dtype)
                 tensors[name] = nn.Parameter(empty, requires_grad=False) \
                     if isinstance(t, nn.Parameter) else empty
 
@@ -151,12 +179,17 @@ def _to_empty(model: nn.Module, device: torch.device, dtype: torch.dtype) -> Non
 def dummy_weights(model: nn.Module, seed: int) -> None:
     """Random weights in place, made on the model's device from ``seed``: normal with
     std 0.02 (Hugging Face's initializer range), norm scales 1, biases 0. For
-    benchmarks: the numbers flow like a real model's, the tokens mean nothing."""
+    benchmarks: the numbers flow like a real model's, the tokens mean nothing. An fp8
+    layer quantizes its own (Linear.load)."""
     generator = None
     for name, param in model.named_parameters():
         if generator is None:
             generator = torch.Generator(device=param.device).manual_seed(seed)
-        if param.dtype == torch.uint8:   # MXFP4 experts: random codes, scales near 2^-6
+        if param.dtype == FP8:
+            layer = model.get_submodule(name.rpartition(".")[0])
+            layer.load(torch.empty(param.shape, device=param.device).normal_(
+                0.0, 0.02, generator=generator))
+        elif param.dtype == torch.uint8:   # MXFP4 experts: random codes, scales near 2^-6
             if name.endswith("scales"):
                 param.fill_(121)
             else:

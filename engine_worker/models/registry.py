@@ -21,6 +21,7 @@ from engine_worker.models import (gemma, gpt2, gpt_oss, granite, llama, mixtral,
                                   phi3, qwen2, qwen3)
 from engine_worker.models.config import ConfigSource, ModelConfig
 from engine_worker.models.gguf import gguf_file
+from engine_worker.models.quantization import checkpoint_format
 from engine_worker.models.spec import Architecture, LanguageModel
 
 logger = logging.getLogger(__name__)
@@ -52,7 +53,8 @@ def load_model_config(model_dir: Path, max_model_len: Optional[int] = None) -> M
     except KeyError as e:
         raise ModelLoadError(f"{model_dir / 'config.json'} lacks the field {e.args[0]!r}") \
             from None
-    return dataclasses.replace(config, architecture=arch.name, **places)
+    return dataclasses.replace(config, architecture=arch.name,
+                               weight_format=checkpoint_format(raw), **places)
 
 
 def read_config(model_dir: Path) -> tuple[Architecture, dict[str, Any], dict[str, Any]]:
@@ -119,6 +121,8 @@ def _language_model_config(raw: dict[str, Any], model: LanguageModel) -> dict[st
 
     full = getattr(transformers, model.config_class)(**text).to_dict()
     full["architectures"] = [model.text_architecture]
+    if "quantization_config" in raw:   # (the checkpoint's, whole)
+        full["quantization_config"] = raw["quantization_config"]
     return full
 
 

@@ -17,13 +17,13 @@ def test_every_kernel_variant_compiles_for_sm90_without_spills():
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     lines = proc.stdout.splitlines()
-    # eight shapes, fourteen variants each (three: fp8 cache; two: a sliding window;
+    # nine shapes, fourteen variants each (three: fp8 cache; two: a sliding window;
     # one: Gemma's GELU gate), and the mixtures' five more (their grouped GEMMs at two
     # tilings, their experts' gate), but gpt-oss's dense gates (it has no dense MLP);
     # Gemma 3's and Qwen3's RoPE with their norms; Gemma 2 2B's and Gemma 3 1B's heads
     # of 256 (the fp8 cache's chunk tiles of 64 rows there, 128 spilled), Gemma 2's
     # attention soft-capped; gpt-oss's with sinks, its experts' GEMMs with biases
-    assert len(lines) == 8 * 14 + 2 * 5 - 2
+    assert len(lines) == 9 * 14 + 2 * 5 - 2
     assert [line.split()[0] for line in lines if "q/k norms" in line] == (
         ["gemma-3-1b"] * 2 + ["qwen3-0.6b"] * 2 + ["qwen3-30b-a3b"] * 2)
     experts = [line for line in lines if re.search(r" experts (gate_up|down), ", line)]
@@ -34,7 +34,7 @@ def test_every_kernel_variant_compiles_for_sm90_without_spills():
     # flight. (Compiled without the JIT's divisibility specializations, as this check
     # once did, Triton loaded them element by element and pipelined nothing.)
     attention = [line for line in lines if "attention" in line]
-    assert len(attention) == 8 * 7
+    assert len(attention) == 9 * 7
     assert all(" 0 async copies" not in line for line in attention), proc.stdout
     # Shared memory read in vectors: an fp8 cache's values, laid out along the keys
     # (engine_worker.ops.value_blocks), reach the tensor cores without byte loads.

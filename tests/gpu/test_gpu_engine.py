@@ -410,8 +410,12 @@ def test_shipped_shapes_resolve_by_name_and_need_dummy_weights():
     from common.model_files import model_shapes, resolve_model_dir
     from engine_worker.models.registry import load_model_config
 
-    assert model_shapes() == ["gemma-2-2b", "gemma-3-1b", "gpt-oss-20b", "llama-3-8b",
-                              "qwen2.5-7b", "qwen3-0.6b", "qwen3-30b-a3b", "smollm2-135m"]
+    assert model_shapes() == ["gemma-2-2b", "gemma-3-1b", "gpt-oss-20b", "llama-3-70b",
+                              "llama-3-8b", "qwen2.5-7b", "qwen3-0.6b", "qwen3-30b-a3b",
+                              "smollm2-135m"]
+    big = load_model_config(resolve_model_dir("llama-3-70b"))
+    assert (big.num_params, big.num_layers, big.num_heads, big.num_kv_heads) == (
+        70_552_387_584, 80, 64, 8)
     llama = load_model_config(resolve_model_dir("llama-3-8b"))
     assert (llama.num_params, llama.num_heads, llama.num_kv_heads, llama.head_dim) == (
         8_029_995_008, 32, 8, 128)

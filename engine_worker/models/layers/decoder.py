@@ -18,6 +18,7 @@ from torch import nn
 from engine_worker.attention import AttentionMetadata
 from engine_worker.models.layers.attention import Attention
 from engine_worker.models.layers.embedding import embedding
+from engine_worker.models.layers.linear import Role
 from engine_worker.models.layers.mlp import MLP
 from engine_worker.models.layers.moe import MoE
 from engine_worker.models.layers.norm import RMSNorm
@@ -89,7 +90,7 @@ class DecoderModel(nn.Module):
                              else Rotary(cfg.rope_local, cfg.head_dim, cfg.rotary_dim))
         self.layers = nn.ModuleList(layer(cfg, backends, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.lm_head = backends.linear(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head = backends.linear(cfg.hidden_size, cfg.vocab_size, role=Role.LM_HEAD)
         if cfg.tie_word_embeddings:   # the loader ties it to the embeddings
             self.lm_head.weight = None
 
@@ -130,9 +131,7 @@ class DecoderModel(nn.Module):
                     module.weight += 1.0
         if cfg.residual_multiplier != 1.0:
             for proj in (layer.self_attn.o_proj, layer.mlp.down_proj):
-                proj.weight *= cfg.residual_multiplier
-                if proj.bias is not None:
-                    proj.bias *= cfg.residual_multiplier
+                proj.scale_outputs(cfg.residual_multiplier)
         if cfg.rotary_dim is not None:
             reorder_partial_rotary(layer.self_attn, cfg)
 

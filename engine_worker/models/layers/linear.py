@@ -41,6 +41,12 @@ class Role(enum.Enum):
     # weights whose values are MXFP4's (gpt-oss's experts): kept MXFP4 where a method
     # holds that exactly (5 bits a weight, where int8 takes 9 and rounds them)
     MXFP4 = "mxfp4"
+    # a mixture's experts: where the platform multiplies them otherwise (the GPU's
+    # grouped GEMM), in a format that multiplication takes
+    EXPERT = "expert"
+    # the logits' projection: kept in the model's dtype by fp8 (as fp8 checkpoints
+    # keep it: its rounding moves every logit)
+    LM_HEAD = "lm_head"
 
 
 class LinearMethod:
@@ -49,6 +55,25 @@ class LinearMethod:
     # the format's name ("float32", "bfloat16", "int8", ...), as the logs and
     # --quantization name it
     name: str
+    # the dtype the layer's weight is made in; None: the model's (loaded dense)
+    weight_dtype: Optional[torch.dtype] = None
+
+    def load(self, layer: "Linear", weight: torch.Tensor,
+             scale: Optional[torch.Tensor]) -> None:
+        """The checkpoint's weight (out, in) into the layer; ``scale``: an fp8
+        weight's, a row's each (models/layers/fp8.py), which a dense weight takes
+        dequantized."""
+        if scale is not None:
+            weight = weight.float() * scale.float().reshape(-1, 1)
+        layer.weight.copy_(weight)
+
+    def rows(self, layer: "Linear") -> list[torch.Tensor]:
+        """The loaded tensors whose rows are its output features'."""
+        return [layer.weight]
+
+    def scale_rows(self, layer: "Linear", factor: float) -> None:
+        """The loaded weight's every row multiplied by ``factor``."""
+        layer.weight *= factor
 
     def finish(self, layer: "Linear") -> None:
         """The loaded dense weight made what ``apply`` computes with."""
@@ -98,7 +123,8 @@ class Linear(nn.Module):
         self.method = method
         # made on the meta device and given memory by the loader; empty until loaded
         self.weight: Optional[nn.Parameter] = nn.Parameter(
-            torch.empty(self.out_features, in_features), requires_grad=False)
+            torch.empty(self.out_features, in_features,
+                        dtype=method.weight_dtype or torch.float32), requires_grad=False)
         self.bias: Optional[nn.Parameter] = (
             nn.Parameter(torch.empty(self.out_features), requires_grad=False) if bias else None)
 
@@ -108,6 +134,25 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)
+
+    def load(self, weight: torch.Tensor, scale: Optional[torch.Tensor] = None) -> None:
+        """Its weight (out, in) from a checkpoint, in the method's form; ``scale``: an
+        fp8 weight's row scales."""
+        self.method.load(self, weight, scale)
+
+    def scale_outputs(self, factor: float) -> None:
+        """Every output multiplied by ``factor``, folded into the loaded weight and bias
+        (before ``finish``)."""
+        self.method.scale_rows(self, factor)
+        if self.bias is not None:
+            self.bias *= factor
+
+    def reorder_outputs(self, rows: torch.Tensor) -> None:
+        """Its first len(rows) outputs taken in the order of ``rows`` (before
+        ``finish``)."""
+        tensors = self.method.rows(self) + ([self.bias] if self.bias is not None else [])
+        for t in tensors:
+            t[:len(rows)] = t[rows.to(t.device)]
 
     def finish(self) -> None:
         """Called once its weight is loaded (models/loader.py)."""

@@ -117,10 +117,7 @@ def reorder_partial_rotary(attn, cfg: ModelConfig) -> None:
     rows of the fused q/k/v weight (and bias), and a head's dimensions of the q and k
     norms (v, and so every output, is untouched)."""
     rows, order = partial_rotary_order(cfg)
-    params = [attn.qkv_proj.weight] + (
-        [attn.qkv_proj.bias] if attn.qkv_proj.bias is not None else [])
-    for t in params:
-        t[:len(rows)] = t[rows.to(t.device)]
+    attn.qkv_proj.reorder_outputs(rows)
     for norm in (attn.q_norm, attn.k_norm):
         if norm is not None:
             norm.weight.copy_(norm.weight[order.to(norm.weight.device)])
