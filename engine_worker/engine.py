@@ -93,7 +93,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         # Prefill/decode disaggregation: prompt blocks held for decode engines, and
         # transfers from prefill engines (kv_transfer.py).
-        store = KvBlockStore(self.runner.kv_caches, self.model_config.kv_signature)
+        store = KvBlockStore(self.runner.kv_caches, self.model_config.kv_signature,
+                             self.runner.kv_scales)
         self.kv_leases = KvLeases(self.block_manager, store)
         self.kv_receiver = KvReceiver(self.block_manager, store, cache.kv_transfer_timeout_s,
                                       cache.kv_transfer_window_bytes,

@@ -41,6 +41,7 @@ import torch
 
 from common.protocol import KvBlock, KvBlocks, KvPull, KvSource
 from engine_worker.block_manager import BlockManager, BlockTable
+from engine_worker.kv_scales import KvScales
 from engine_worker.ops import FP8, value_blocks
 from engine_worker.request import Request
 
@@ -54,17 +55,26 @@ def checksum(data: bytes) -> int:
 class KvBlockStore:
     """One engine's KV cache seen as blocks of bytes: every layer's keys, then values."""
 
-    def __init__(self, kv_caches: Sequence[torch.Tensor], name: str) -> None:
+    def __init__(self, kv_caches: Sequence[torch.Tensor], name: str,
+                 scales: Optional[KvScales] = None) -> None:
+        """scales: an fp8 cache's (kv_scales.py), which a peer's blocks must share."""
         # Each layer's cache is (2, num_blocks, block_size, H_kv, D) (attention.py).
         self.kv_caches = list(kv_caches)
         first = self.kv_caches[0]
         _, _, block_size, heads, head_dim = first.shape
         self.block_bytes = (len(self.kv_caches) * 2 * block_size * heads * head_dim
                             * first.element_size())
-        # What a peer's block bytes must mean to be usable here.
-        self.layout = (f"{name}|{first.dtype}|layers={len(self.kv_caches)}|"
-                       f"block={block_size}|kv_heads={heads}|head_dim={head_dim}|"
-                       f"values={tuple(value_blocks(first).shape[1:])}")
+        self._layout = (f"{name}|{first.dtype}|layers={len(self.kv_caches)}|"
+                        f"block={block_size}|kv_heads={heads}|head_dim={head_dim}|"
+                        f"values={tuple(value_blocks(first).shape[1:])}")
+        self.scales = scales
+
+    @property
+    def layout(self) -> str:
+        """What a peer's block bytes must mean to be usable here."""
+        if self.scales is None:
+            return self._layout
+        return f"{self._layout}|{self.scales.signature()}"
 
     def read(self, block_id: int) -> bytes:
         one = torch.stack([c[:, block_id] for c in self.kv_caches])

@@ -21,10 +21,12 @@ import torch
 from common.config import EngineConfig, SchedulerConfig
 from engine_worker.forward import EagerForward, Fill, Row
 from engine_worker.kv_cache import KvCache
+from engine_worker.kv_scales import KvScales
 from engine_worker.models.loader import load_model
 from engine_worker.models.config import ModelConfig
 from engine_worker.models.gguf import gguf_file
 from engine_worker.models.layers.linear import Linear, WeightFormats
+from engine_worker.ops import FP8
 from engine_worker.platform import Platform
 from engine_worker.sampler import Sampler
 from engine_worker.scheduler import ScheduledRequest
@@ -54,6 +56,7 @@ class ModelRunner:
         self.kv_dtype = kv_dtype or platform.auto_kv_dtype(self.weight_format, self.dtype)
         self.kv = KvCache(model_config, cache.block_size, self.kv_dtype, self.device,
                           cache.window_pool, max_seqs, scheduler.token_budget)
+        self.kv_scales = KvScales(self.model, self.device) if self.kv_dtype == FP8 else None
         max_len = min(model_config.max_model_len, config.max_model_len or 1 << 62)
         self.inputs = StepInputs(scheduler.token_budget, max_seqs, -(-max_len // self.block_size),
                                  self.block_size, self.device, self.attn.tile_tokens,
@@ -71,6 +74,8 @@ class ModelRunner:
         self.kv.allocate(self.num_blocks + self.sliding, self.num_local_blocks)  # null block
         platform.warm_up(self.eager, self.kv, scheduler)
         self.step = platform.forward(self.eager, self.attn, self.kv, scheduler)
+        if self.kv_scales is not None:
+            self.kv_scales.calibrate_next()   # (from the first real prompts, not the above)
         self._log_cache()
 
     # The KV cache's shape, as the engine's block managers take it (kv_cache.py)
@@ -128,8 +133,12 @@ class ModelRunner:
         self.prompt_logits, self.draft_logits = [], []
         fills = self._fills(scheduled, pending)
         extra = self._extra_rows(scheduled)
-        logits = self.step(scheduled, fills, pending[0] if pending is not None else None,
-                           extra)
+        calibrating = self.kv_scales is not None and self.kv_scales.calibrating
+        # (the first step sets an fp8 cache's scales, eagerly)
+        step = self.eager if calibrating else self.step
+        logits = step(scheduled, fills, pending[0] if pending is not None else None, extra)
+        if calibrating:
+            self.kv_scales.calibrated()
         return self._split_extra_logits(logits, sum(1 for s in scheduled if s.samples))
 
     @staticmethod

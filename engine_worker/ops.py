@@ -98,6 +98,23 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         v.view(torch.uint8))
 
 
+# An fp8 cache's first prompts' largest key or value maps to 448 / HEADROOM: room for
+# later ones up to HEADROOM times larger before they saturate (fp8 keeps 3 mantissa
+# bits at every magnitude down to 2^-6 of its scale, so the headroom costs no precision)
+HEADROOM = 2.0
+
+
+def calibrate_kv_scale(scale: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Sets a layer's fp8 cache's (key, value) scales from this step's keys and values
+    (on the device, no sync; engine_worker/kv_scales.py) and rewrites them into the
+    cache by the new scales."""
+    amax = torch.stack((k.abs().amax(), v.abs().amax())).float()
+    scale.copy_((amax * HEADROOM / FP8_MAX).clamp(min=1e-8))
+    written = slot_mapping >= 0   # (a padded row writes nothing)
+    write_kv(kv_cache, k[written] / scale[0], v[written] / scale[1], slot_mapping[written])
+
+
 # Qwen3's q and k norms: (q's weight, k's weight, eps); each head RMS-normed before RoPE.
 QkNorm = tuple[torch.Tensor, torch.Tensor, float]
 
@@ -122,7 +139,7 @@ class Ops(Protocol):
     def rope_write_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       num_heads: int, num_kv_heads: int, head_dim: int,
                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                      qk_norm: Optional[QkNorm] = None
+                      qk_norm: Optional[QkNorm] = None, kv_scale: Optional[torch.Tensor] = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor: ...
@@ -145,11 +162,12 @@ class TorchOps:
     def rope_write_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       num_heads: int, num_kv_heads: int, head_dim: int,
                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                      qk_norm: Optional[QkNorm] = None
+                      qk_norm: Optional[QkNorm] = None, kv_scale: Optional[torch.Tensor] = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """qkv (N, (Hq + 2 Hkv) D); cos, sin (N, D/2). Norms each head of q and k (with
-        ``qk_norm``), rotates them, writes k and v into their cache slots; returns q
-        (N, Hq, D), k and v (N, Hkv, D)."""
+        ``qk_norm``), rotates them, writes k and v into their cache slots (an fp8
+        cache's divided by ``kv_scale``'s key and value scales: kv_scales.py); returns
+        q (N, Hq, D), k and v (N, Hkv, D), unscaled."""
         if qk_norm is not None:
             norm_heads(self, qkv, num_heads, num_kv_heads, head_dim, qk_norm)
         n = qkv.shape[0]
@@ -159,7 +177,10 @@ class TorchOps:
         qk = apply_rotary(qk, cos.unsqueeze(1), sin.unsqueeze(1))
         q, k = qk[:, :num_heads], qk[:, num_heads:]
         v = qkv[:, k_end:].view(n, num_kv_heads, head_dim)
-        write_kv(kv_cache, k, v, slot_mapping)
+        if kv_scale is None:
+            write_kv(kv_cache, k, v, slot_mapping)
+        else:
+            write_kv(kv_cache, k / kv_scale[0], v / kv_scale[1], slot_mapping)
         return q, k, v
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -162,8 +162,9 @@ class CpuKernels:
     def rope_write_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       num_heads: int, num_kv_heads: int, head_dim: int,
                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                      qk_norm: Optional[QkNorm] = None
+                      qk_norm: Optional[QkNorm] = None, kv_scale: Optional[torch.Tensor] = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        assert kv_scale is None, "the C kernels write no fp8 cache"
         qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
         if qk_norm is not None:
             norm_heads(self, qkv, num_heads, num_kv_heads, head_dim, qk_norm)

@@ -110,14 +110,16 @@ def variants(cfg, dtype: str = "bfloat16", block_size: int = 16) -> list[tuple]:
     heads_pad = triton.next_power_of_2(cfg.num_heads + 2 * cfg.num_kv_heads)
     # Qwen3's q and k norms inside
     norms = ", q/k norms" if cfg.qk_norm else ""
-    for label, cache in ((f"rope_write_kv{norms}", t),
-                         (f"rope_write_kv{norms}, fp8 cache", "*fp8e4nv")):
+    # (an fp8 cache's keys and values scaled: kv_scales.py)
+    for label, cache, scale in ((f"rope_write_kv{norms}", t, t),
+                                (f"rope_write_kv{norms}, fp8 cache", "*fp8e4nv", "*fp32")):
         out.append((label, ops._rope_write_kv_kernel,
                     dict(qkv_ptr=t, cos_ptr=t, sin_ptr=t, k_cache_ptr=cache, v_cache_ptr=cache,
-                         slot_ptr="*i64", q_norm_ptr=t, k_norm_ptr=t, eps="fp32"),
+                         slot_ptr="*i64", q_norm_ptr=t, k_norm_ptr=t, scale_ptr=scale,
+                         eps="fp32"),
                     dict(NUM_HEADS=cfg.num_heads, NUM_KV_HEADS=cfg.num_kv_heads,
                          HEADS_PAD=heads_pad, HALF=half, HALF_PAD=triton.next_power_of_2(half),
-                         PAGE=block_size, QK_NORM=cfg.qk_norm),
+                         PAGE=block_size, QK_NORM=cfg.qk_norm, SCALED=scale != t),
                     _options(num_warps=ops._rope_warps(heads_pad * half))))
     i = cfg.intermediate_size
     # gelu: Gemma's gate (none where every MLP is a mixture's: gpt-oss)

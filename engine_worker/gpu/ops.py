@@ -52,14 +52,16 @@ def _to_cache(x, cache_ptr):
 
 @triton.jit
 def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-                          q_norm_ptr, k_norm_ptr, eps, stride_t, stride_cs, stride_slot,
-                          stride_head, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
-                          HEADS_PAD: tl.constexpr, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-                          PAGE: tl.constexpr, QK_NORM: tl.constexpr):
+                          q_norm_ptr, k_norm_ptr, scale_ptr, eps, stride_t, stride_cs,
+                          stride_slot, stride_head, NUM_HEADS: tl.constexpr,
+                          NUM_KV_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
+                          HALF: tl.constexpr, HALF_PAD: tl.constexpr, PAGE: tl.constexpr,
+                          QK_NORM: tl.constexpr, SCALED: tl.constexpr = False):
     """One program per token, all its heads at once (rows: q heads, then k, then v).
     QK_NORM: each head of q and k RMS-normed first (Qwen3), rounded as add_rms_norm
     rounds. The caches are contiguous; an fp8 cache's values lie (Hkv, D, PAGE) in each
-    block (engine_worker.ops.value_blocks)."""
+    block (engine_worker.ops.value_blocks). SCALED: keys and values divided by the
+    layer's scales (scale_ptr: the key's, the value's) as they are written."""
     t = tl.program_id(0)
     head = tl.arange(0, HEADS_PAD)[:, None]
     i = tl.arange(0, HALF_PAD)[None, :]
@@ -95,8 +97,13 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, s
     # (Folded into a bound, not and-ed as a scalar: the interpreter turns tensor &
     # scalar-bool into integers.)
     write = ok & (i < tl.where(slot >= 0, HALF, 0))
-    tl.store(k_cache_ptr + dst, _to_cache(y1, k_cache_ptr), mask=write & is_k)
-    tl.store(k_cache_ptr + dst + HALF, _to_cache(y2, k_cache_ptr), mask=write & is_k)
+    k1, k2, v1, v2 = y1, y2, y1, y2
+    if SCALED:
+        k_scale, v_scale = tl.load(scale_ptr), tl.load(scale_ptr + 1)
+        k1, k2 = y1.to(tl.float32) / k_scale, y2.to(tl.float32) / k_scale
+        v1, v2 = y1.to(tl.float32) / v_scale, y2.to(tl.float32) / v_scale
+    tl.store(k_cache_ptr + dst, _to_cache(k1, k_cache_ptr), mask=write & is_k)
+    tl.store(k_cache_ptr + dst + HALF, _to_cache(k2, k_cache_ptr), mask=write & is_k)
     if v_cache_ptr.dtype.element_ty.is_fp8():
         at = slot.to(tl.int64)
         dst = ((at // PAGE) * (stride_slot * PAGE) + kv_head * (stride_head * PAGE)
@@ -104,8 +111,8 @@ def _rope_write_kv_kernel(qkv_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, s
         second = HALF * PAGE
     else:
         second = HALF
-    tl.store(v_cache_ptr + dst, _to_cache(y1, v_cache_ptr), mask=write & is_v)
-    tl.store(v_cache_ptr + dst + second, _to_cache(y2, v_cache_ptr), mask=write & is_v)
+    tl.store(v_cache_ptr + dst, _to_cache(v1, v_cache_ptr), mask=write & is_v)
+    tl.store(v_cache_ptr + dst + second, _to_cache(v2, v_cache_ptr), mask=write & is_v)
 
 
 @triton.jit
@@ -156,10 +163,11 @@ class TritonOps:
     def rope_write_kv(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       num_heads: int, num_kv_heads: int, head_dim: int,
                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                      qk_norm: Optional[QkNorm] = None
+                      qk_norm: Optional[QkNorm] = None, kv_scale: Optional[torch.Tensor] = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """qkv (N, (Hq + 2 Hkv) D), normed (with ``qk_norm``) and rotated in place; cos,
-        sin (N, D/2); kv_cache (2, num_blocks, page, Hkv, D). Returns views q (N, Hq,
+        sin (N, D/2); kv_cache (2, num_blocks, page, Hkv, D), an fp8 one's keys and
+        values divided by ``kv_scale``'s as they are written. Returns views q (N, Hq,
         D), k and v (N, Hkv, D)."""
         n = qkv.shape[0]
         assert qkv.stride(1) == 1 and kv_cache.is_contiguous()
@@ -170,11 +178,13 @@ class TritonOps:
             heads_pad = triton.next_power_of_2(num_heads + 2 * num_kv_heads)
             q_norm, k_norm, eps = qk_norm or (qkv, qkv, 0.0)   # (not read without)
             _rope_write_kv_kernel[(n,)](
-                qkv, cos, sin, k_cache, v_cache, slot_mapping, q_norm, k_norm, eps,
+                qkv, cos, sin, k_cache, v_cache, slot_mapping, q_norm, k_norm,
+                kv_scale if kv_scale is not None else cos, eps,
                 qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1),
                 NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEADS_PAD=heads_pad,
                 HALF=half, HALF_PAD=triton.next_power_of_2(half), PAGE=kv_cache.shape[2],
-                QK_NORM=qk_norm is not None, num_warps=_rope_warps(heads_pad * half))
+                QK_NORM=qk_norm is not None, SCALED=kv_scale is not None,
+                num_warps=_rope_warps(heads_pad * half))
         return split_qkv(qkv, num_heads, num_kv_heads, head_dim)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ float32 (untouched, the rest of the model's empty tensors take no memory).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -24,6 +24,7 @@ from engine_worker.models.checkpoint import Checkpoint
 from engine_worker.models.config import ModelConfig
 from engine_worker.models.gguf import load_gguf
 from engine_worker.models.layers import Backends
+from engine_worker.models.layers.attention import Attention
 from engine_worker.models.layers.fp8 import quantize_rows
 from engine_worker.models.layers.linear import Linear, finish_linears
 from engine_worker.models.names import SPLIT, TensorNames
@@ -92,6 +93,7 @@ def load_checkpoint(model: nn.Module, ckpt: Checkpoint, arch: Architecture) -> N
             continue
         for i, block in enumerate(child):
             load(f"{name}.{i}", block)
+            _take_kv_scales(ckpt, block, lambda sub: names(f"{name}.{i}.{sub}")[0][0])
             model.finish_layer(block)
             finish_linears(block)
     if model.cfg.tie_word_embeddings:
@@ -142,6 +144,22 @@ def _fp8_scale(ckpt: Checkpoint, part: str, weight: torch.Tensor) -> Optional[to
     for other in ("input_scale", "input_scale_ub"):   # (activations are scaled per token)
         ckpt.discard(f"{part}.{other}")
     return scale.expand(weight.shape[0])
+
+
+def _take_kv_scales(ckpt: Checkpoint, block: nn.Module, where: Callable[[str], str]) -> None:
+    """A block's fp8 KV cache scales, where the checkpoint has them (compressed-tensors'
+    kv_cache_scheme: the attention's k_scale and v_scale, or its k and v projections'
+    output_scale; one per head taken as their largest), kept for an fp8 cache
+    (engine_worker/kv_scales.py). ``where``: a module's checkpoint name."""
+    for path, module in block.named_modules():
+        if not isinstance(module, Attention):
+            continue
+        p = where(path)
+        for k, v in ((f"{p}.k_scale", f"{p}.v_scale"),
+                     (f"{p}.k_proj.output_scale", f"{p}.v_proj.output_scale")):
+            if k in ckpt and v in ckpt:
+                module.checkpoint_kv_scale = torch.stack(
+                    [ckpt.take(k).float().amax(), ckpt.take(v).float().amax()])
 
 
 def tie_lm_head(model: nn.Module) -> None:

@@ -83,6 +83,27 @@ def test_rope_write_kv_into_an_fp8_cache_saturates_as_the_torch_path_does():
         assert torch.equal(got.float(), want.clamp(-448, 448))
 
 
+def test_rope_write_kv_divides_by_an_fp8_caches_scales_as_it_writes():
+    """Keys and values written as k / k_scale and v / v_scale (engine_worker/kv_scales.py),
+    by both paths; the returned ones as computed. Scales of powers of two keep the
+    interpreter's conversions exact (as above)."""
+    hq, hkv, d, n = 4, 2, 16, 5
+    qkv = to_cache_dtype(randn(n, (hq + 2 * hkv) * d, seed=3) * 100, FP8).float()
+    cos = torch.ones(n, d // 2, device=DEVICE)
+    sin = torch.zeros(n, d // 2, device=DEVICE)
+    slots = torch.tensor([3, 4, 5, 6, 7], device=DEVICE)
+    scale = torch.tensor([0.5, 4.0], device=DEVICE)
+    ref_cache = torch.zeros(2, 3, 4, hkv, d, device=DEVICE, dtype=torch.float8_e4m3fn)
+    cache = torch.zeros_like(ref_cache)
+    TorchOps().rope_write_kv(qkv.clone(), cos, sin, hq, hkv, d, ref_cache, slots, None, scale)
+    _, k, v = TritonOps().rope_write_kv(qkv, cos, sin, hq, hkv, d, cache, slots, None, scale)
+    assert torch.equal(cache.float(), ref_cache.float())
+    got_k, got_v = slot_contents(cache, slots)
+    assert torch.equal(got_k.float(), (k / 0.5).clamp(-448, 448))
+    assert torch.equal(got_v.float(), v / 4.0)
+    assert (k.abs() > 224).any()   # (held at 448 once doubled)
+
+
 def test_an_fp8_cache_is_written_no_nan():
     """A NaN key or value is written to an fp8 cache as 0 and an infinite one as +-448,
     by both paths: the attention kernel reads the values of keys past a context

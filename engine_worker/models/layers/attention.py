@@ -16,6 +16,7 @@ from torch import nn
 
 from engine_worker.attention import AttentionMetadata
 from engine_worker.models.layers.norm import RMSNorm
+from engine_worker.ops import calibrate_kv_scale
 
 if TYPE_CHECKING:
     from engine_worker.models.config import ModelConfig
@@ -40,16 +41,32 @@ class Attention(nn.Module):
                       if cfg.attn_sinks else None)
         self.attn = backends.attn
         self.ops = backends.ops
+        # An fp8 cache's scales (engine_worker/kv_scales.py): (key's, value's), float32
+        # on the device; None for a cache of another dtype. A checkpoint's own, where
+        # it has them, wait in checkpoint_kv_scale; ``kv_calibrating``: this step's keys
+        # and values set them.
+        self.kv_scale: Optional[torch.Tensor] = None
+        self.checkpoint_kv_scale: Optional[torch.Tensor] = None
+        self.kv_calibrating = False
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         if self.window and meta.local is not None:
             meta = meta.local  # its blocks in the sliding layers' pool
         qkv = self.project(x)
+        scale = self.kv_scale
         q, k, v = self.ops.rope_write_kv(qkv, *rope, self.num_heads, self.num_kv_heads,
                                          self.head_dim, kv_cache, meta.slot_mapping,
-                                         self.head_norms())
-        return self.o_proj(self.attn.attend(q, k, v, kv_cache, meta, self.window, self.sinks))
+                                         self.head_norms(), scale)
+        if scale is None:
+            return self.o_proj(self.attn.attend(q, k, v, kv_cache, meta, self.window,
+                                                self.sinks))
+        if self.kv_calibrating:
+            calibrate_kv_scale(scale, k, v, kv_cache, meta.slot_mapping)
+        # The cache holds k / k_scale and v / v_scale: q k = (q k_scale) (k / k_scale),
+        # and the output, a mean of values, is v_scale times the cached values'.
+        out = self.attn.attend(q * scale[0], k, v, kv_cache, meta, self.window, self.sinks)
+        return self.o_proj(out * scale[1])
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """(N, C) -> q, k and v side by side, (N, (Hq + 2 Hkv) D)."""
