@@ -47,6 +47,7 @@ import random
 import statistics
 import sys
 import time
+from typing import Optional
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -123,8 +124,10 @@ def make_prompts(args, vocab_size: int) -> list[list[int]]:
 STAT_FIELDS = ("num_prompt_tokens_computed", "prefix_cache_hit_tokens", "num_preemptions")
 
 
-def run_engine(engine, prompts, output_len: int) -> dict:
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+def run_engine(engine, prompts, output_len: int,
+               params: Optional[SamplingParams] = None) -> dict:
+    """Every prompt at once, greedy unless ``params`` say otherwise."""
+    params = params or SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     before = engine.stats()
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):

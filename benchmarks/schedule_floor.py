@@ -9,7 +9,8 @@ Arithmetic only (no GPU): the bandwidth and matmul rate are a run's own roofline
 together, as in that benchmark. Each step takes decode rows first (one token each, at
 most a decode batch), then prompt chunks in arrival order, up to the budget; it costs
 max(bytes / bandwidth, FLOPs / rate), bytes being the weights plus the keys and values
-every sequence of the step reads, FLOPs 2 x parameters per token. Beside it, the
+every sequence of the step reads (of the embedding table, its tokens' rows), FLOPs 2 x
+parameters per token (the lm_head's only for rows that sample). Beside it, the
 benchmark's own floor (engine_gpu.run_floor: every prompt first, then the decode
 steps), which ignores how the steps interleave.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -27,10 +29,13 @@ from common.model_files import resolve_model_dir  # noqa: E402
 from engine_worker.models.registry import load_model_config  # noqa: E402
 
 
-def scheduled_floor(weight_bytes: float, kv_bytes_per_token: float, flops_per_token: float,
-                    concurrency: int, input_len: int, output_len: int, budget: int,
-                    bandwidth: float, rate: float) -> tuple[float, int]:
-    """(seconds, steps) of the run step by step at this token budget."""
+def scheduled_floor(weight_bytes: Callable[[int], float], kv_bytes_per_token: float,
+                    flops_per_token: float, lm_head_flops: float, concurrency: int,
+                    input_len: int, output_len: int, budget: int, bandwidth: float,
+                    rate: float) -> tuple[float, int]:
+    """(seconds, steps) of the run step by step at this token budget; weight_bytes:
+    of a step of so many tokens (engine_gpu.weight_reads); the lm_head's FLOPs only for
+    the rows that sample (decode rows, prompts' last tokens)."""
     prefilled = [0] * concurrency
     generated = [0] * concurrency
     seconds, steps = 0.0, 0
@@ -49,8 +54,10 @@ def scheduled_floor(weight_bytes: float, kv_bytes_per_token: float, flops_per_to
                 room -= n
                 kv_tokens += prefilled[i] + n
         tokens = budget - room
-        seconds += max((weight_bytes + kv_tokens * kv_bytes_per_token) / bandwidth,
-                       tokens * flops_per_token / rate)
+        sampled = len(decoding) + sum(1 for i, n in chunks if prefilled[i] + n == input_len)
+        flops = tokens * (flops_per_token - lm_head_flops) + sampled * lm_head_flops
+        seconds += max((weight_bytes(tokens) + kv_tokens * kv_bytes_per_token) / bandwidth,
+                       flops / rate)
         steps += 1
         for i in decoding:
             generated[i] += 1
@@ -77,7 +84,16 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     cfg = load_model_config(resolve_model_dir(args.model_config))
-    weight_bytes = cfg.num_params * args.bytes_per_value
+    # Of the embedding table a step reads its tokens' rows (the table whole where the
+    # lm_head is tied to it), as engine_gpu.weight_reads counts
+    row = cfg.hidden_size * args.bytes_per_value
+    table = 0 if cfg.tie_word_embeddings else cfg.vocab_size * row
+    weight_bytes = cfg.num_params * args.bytes_per_value - table
+
+    def reads(tokens: int) -> float:
+        return weight_bytes + (0 if cfg.tie_word_embeddings else tokens * row)
+
+    lm_head = 2 * cfg.vocab_size * cfg.hidden_size
     kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * args.kv_bytes_per_value
     print(f"{args.model_config}: {weight_bytes / 1e9:.2f} GB of weights, {kv} bytes of K/V "
           f"a token; {args.bandwidth / 1e12:.2f} TB/s, {args.gemm_rate / 1e12:.0f} TFLOP/s; "
@@ -85,11 +101,11 @@ def main(argv=None) -> int:
     for c in (int(x) for x in args.concurrency.split(",")):
         tokens = c * args.output_len
         for budget in (int(b) for b in args.budgets.split(",")):
-            seconds, steps = scheduled_floor(weight_bytes, kv, cfg.flops_per_token, c,
+            seconds, steps = scheduled_floor(reads, kv, cfg.flops_per_token, lm_head, c,
                                              args.input_len, args.output_len, budget,
                                              args.bandwidth, args.gemm_rate)
-            two_phase = run_floor(cfg, lambda tokens: weight_bytes, kv, c, args.input_len,
-                                  args.output_len, budget, args.bandwidth, args.gemm_rate)
+            two_phase = run_floor(cfg, reads, kv, c, args.input_len, args.output_len, budget,
+                                  args.bandwidth, args.gemm_rate)
             print(f"{c:4d} streams, budget {budget:5d}: step by step {seconds:5.2f} s "
                   f"({steps} steps, {tokens / seconds:7.0f} tokens/s); the benchmark's "
                   f"floor {two_phase:5.2f} s ({tokens / two_phase:7.0f} tokens/s)")

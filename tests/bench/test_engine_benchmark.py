@@ -94,16 +94,22 @@ def test_gpu_benchmark_smoke_on_the_cpu(tiny_llama_dir, tmp_path, kv):
     args = ["--device", "cpu", "--model-config", str(tiny_llama_dir), "--load-format", "auto",
             "--attention-backend", "torch", "--dtype", "float32", "--concurrency", "1,3",
             "--input-len", "8", "--output-len", "4", "--hf-batches", "1,3", "--json", str(out),
-            "--kv-cache-dtype", kv]
+            "--kv-cache-dtype", kv, "--hf-static-compile", "--hf-compile-backend", "eager"]
     proc = subprocess.run([sys.executable, "benchmarks/engine_gpu.py", *args],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert set(report["tokens_per_s"]) == set(report["floor_fraction"]) == {"1", "3"}
-    assert set(report["hf_tokens_per_s"]) == {"1", "3"}
+    assert set(report["hf_tokens_per_s"]) == set(report["hf_static_compile_tokens_per_s"]) \
+        == {"1", "3"}
     assert report["runs"]["3"]["output_tokens"] == 12
     assert all(0 < f for f in report["floor_fraction"].values())
+    assert report["spec_fraction"] == {}   # (no spec sheet for a CPU)
     assert report["ttft_ms_one_stream"] > 0 and report["bandwidth_bytes_per_s"] > 0
+    staggered, top_p = report["workloads"]["staggered"], report["workloads"]["top_p"]
+    assert staggered["concurrency"] == 3 and staggered["requests"] == 12
+    assert staggered["output_tokens"] > 12 and top_p["output_tokens"] == 12
+    assert staggered["vs_greedy"] > 0 and top_p["vs_greedy"] > 0
     assert report["kernels_compiled_while_serving"] == 0  # the torch path compiles none
     assert report["kv_cache_dtype"] == ("torch.float8_e4m3fn" if kv == "fp8" else "torch.float32")
 
@@ -136,10 +142,30 @@ def test_a_mixtures_roofline_reads_the_experts_its_tokens_choose(tiny_qwen3_moe_
     model, cfg = engine.runner.model, engine.model_config
     reads = weight_reads(model, cfg)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    # 2 MoE layers of 8 experts, each 3 x 64 x 32 float32 weights
+    # 2 MoE layers of 8 experts, each 3 x 64 x 32 float32 weights; the embedding table
+    # whole (the lm_head is tied to it)
     experts = 2 * 8 * 3 * 64 * 32 * 4
+    assert cfg.tie_word_embeddings
     assert reads(1) == pytest.approx(total - experts + experts * 2 / 8)
     assert reads(10_000) == pytest.approx(total)
+
+
+def test_an_untied_embedding_table_is_read_a_row_a_token(tiny_llama_dir):
+    """A step reads its tokens' rows of the table (50257 x 64 float32), not the whole:
+    1.05 GB of the Llama-3-8B shape's 16 GB were once counted every decode step."""
+    from benchmarks.engine_gpu import weight_reads
+    from common.config import CacheConfig, EngineConfig
+    from engine_worker.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama_dir), device="cpu",
+                                    attention_backend="torch",
+                                    cache=CacheConfig(num_blocks=16)))
+    model, cfg = engine.runner.model, engine.model_config
+    assert not cfg.tie_word_embeddings
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    table, row = 50257 * 64 * 4, 64 * 4
+    reads = weight_reads(model, cfg)
+    assert reads(1) == total - table + row and reads(64) == total - table + 64 * row
 
 
 def test_the_zmq_comparison_runs_the_engine_process_in_the_same_format(monkeypatch):
@@ -198,9 +224,11 @@ def test_schedule_floor_as_the_docs_quote_it():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    assert "budget   512: step by step  5.50 s (597 steps,   11917 tokens/s)" in lines[1]
-    assert "budget  8192: step by step  5.70 s (272 steps,   11496 tokens/s)" in lines[2]
-    assert "the benchmark's floor  5.71 s" in lines[2]
+    # (before the embedding table and the prompts' lm_head rows were counted right:
+    # 5.50 s, 5.70 s and 5.71 s)
+    assert "budget   512: step by step  5.25 s (597 steps,   12486 tokens/s)" in lines[1]
+    assert "budget  8192: step by step  5.44 s (272 steps,   12052 tokens/s)" in lines[2]
+    assert "the benchmark's floor  5.45 s" in lines[2]
 
 
 def test_kv_accuracy_benchmark_smoke(tmp_path):
@@ -303,3 +331,40 @@ def test_a_roofline_batch_above_the_token_budget_is_refused_at_once(tiny_llama_d
     assert proc.returncode == 1
     assert ("--roofline-batches 16: a step computes at most 8 tokens "
             "(--max-num-batched-tokens), so no step can decode 16 requests") in proc.stderr
+
+
+def test_gpu_report_gathers_what_the_steps_wrote(tmp_path):
+    """benchmarks/gpu_report.py (scripts/gpu-check's report): the issue's keys from the
+    steps' JSON, null where a step did not run (a run cut short), TensorRT-LLM's table
+    beside ours, and the tests' outcome from pytest's junit XML."""
+    from benchmarks.gpu_report import TRTLLM_H200, gather
+
+    def write(name, report):
+        (tmp_path / f"{name}.json").write_text(json.dumps(report))
+
+    write("llama-3-8b", {"device": "NVIDIA H200", "tokens_per_s": {"1": 200.0, "64": 9000.0},
+                         "floor_fraction": {"1": 0.9}, "workloads": {"top_p": {"vs_greedy": 0.95}}})
+    write("llama-3-8b-fp8", {"tokens_per_s": {"1": 340.0, "64": 12600.0}})
+    write("llama-3-70b-fp8", {"tokens_per_s": {"1": 40.0}, "max_streams_4k": 90})
+    write("trtllm-8b-1000-1000", {"tokens_per_s": {"512": 17744.0}})
+    write("parity_fp8", {"rel_l2": 0.05, "top1_agreement": 0.9})
+    (tmp_path / "tests.xml").write_text(
+        '<testsuites><testsuite tests="120" failures="0" errors="0" skipped="3"/></testsuites>')
+    report = gather(tmp_path, passed=True)
+    assert report["device"] == "NVIDIA H200" and report["tokens_per_s"]["64"] == 9000.0
+    assert report["fp8"]["speedup"] == {"1": 1.7, "64": 1.4}
+    assert (report["fp8"]["rel_l2"], report["fp8"]["top1_agreement"]) == (0.05, 0.9)
+    assert report["llama_3_70b_fp8"] == {"tokens_per_s": {"1": 40.0}, "floor_fraction": None,
+                                         "max_streams_4k": 90}
+    assert report["workloads"]["top_p"]["vs_greedy"] == 0.95
+    assert report["trtllm_table"]["ours"] == {"8b_fp8_1000_1000": 17744.0,
+                                              "8b_fp8_500_2000": None,
+                                              "70b_fp8_1000_1000": None}
+    assert report["trtllm_table"]["ratio"] == {"8b_fp8_1000_1000": 1.0}
+    assert report["trtllm_table"]["theirs"] == TRTLLM_H200
+    assert report["hf"] == {"generate": None, "static_compile": None}
+    assert report["tests"] == {"tests": 120, "failures": 0, "errors": 0, "skipped": 3,
+                               "passed": True}
+    assert set(report["runs"]) == {"llama-3-8b", "llama-3-8b-fp8", "llama-3-70b-fp8",
+                                   "trtllm-8b-1000-1000", "parity_fp8"}
+    assert gather(tmp_path, passed=False)["tests"]["passed"] is False
