@@ -145,13 +145,17 @@ def _expert_variants(cfg, t: str) -> list[tuple]:
         sizes = dict(TOP_K=cfg.experts_per_token, PRECISION="tf32", BLOCK_M=tiles.block_m,
                      BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k)
         options = {"num_warps": tiles.num_warps, "num_stages": tiles.num_stages}
-        for label, n, k, weighted in (("gate_up", 2 * i, c, False), ("down", c, i, True)):
-            out.append((f"experts {label}, {size} tiles", moe._expert_gemm_kernel,
-                        dict(a_ptr=t, w_ptr=w, out_ptr=t, rows_ptr="*i32",
-                             tile_expert_ptr="*i32", route_ptr="*fp32" if weighted else t,
-                             bias_ptr=t, scale_ptr=w),
-                        dict(sizes, N=n, K=k, PER_TOKEN=not weighted, WEIGHTED=weighted,
-                             HAS_BIAS=cfg.expert_bias, MXFP4=mxfp4), options))
+        # (fp8 weights, --quantization fp8, where the checkpoint's are not MXFP4)
+        for fp8 in (False, True) if not mxfp4 else (False,):
+            for label, n, k, weighted in (("gate_up", 2 * i, c, False), ("down", c, i, True)):
+                out.append((f"experts {label}{' fp8' if fp8 else ''}, {size} tiles",
+                            moe._expert_gemm_kernel,
+                            dict(a_ptr=t, w_ptr="*fp8e4nv" if fp8 else w, out_ptr=t,
+                                 rows_ptr="*i32", tile_expert_ptr="*i32",
+                                 route_ptr="*fp32" if weighted else t, bias_ptr=t,
+                                 scale_ptr="*fp32" if fp8 else w),
+                            dict(sizes, N=n, K=k, PER_TOKEN=not weighted, WEIGHTED=weighted,
+                                 HAS_BIAS=cfg.expert_bias, MXFP4=mxfp4, FP8=fp8), options))
     # (gpt-oss's: clamped)
     out.append(("silu_mul, experts", ops._silu_mul_kernel, dict(x_ptr=t, out_ptr=t),
                 dict(WIDTH=i, BLOCK=min(1024, triton.next_power_of_2(i)), GELU=False,

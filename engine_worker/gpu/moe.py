@@ -41,7 +41,8 @@ def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, tile_expert_ptr, route_
                         PER_TOKEN: tl.constexpr, WEIGHTED: tl.constexpr,
                         PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        HAS_BIAS: tl.constexpr = False, MXFP4: tl.constexpr = False):
+                        HAS_BIAS: tl.constexpr = False, MXFP4: tl.constexpr = False,
+                        FP8: tl.constexpr = False):
     """out[row] = a[row's input] @ w[expert].T (+ bias[expert], (E, N), with HAS_BIAS)
     for the BLOCK_M rows of this program's tile, BLOCK_N output columns. rows: the
     sorted rows, a row r being token r // TOP_K's (r % TOP_K)-th choice, num_rows where
@@ -50,7 +51,9 @@ def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, tile_expert_ptr, route_
     MXFP4: w holds bytes (E, N, K / 2), input 2j in byte j's low nibble and 2j + 1 in
     its high one (gpt-oss's checkpoints' order), each run of 32 inputs scaled by
     2^(s - 127) for its byte s of scale (E, N, K / 32): the inputs' even and odd
-    halves are multiplied apart, so no nibbles are interleaved."""
+    halves are multiplied apart, so no nibbles are interleaved. FP8: w holds float8
+    e4m3 (E, N, K), widened to the activations' dtype as it is read (exact), each
+    output column times its float32 scale (scale: (E, N)) once the sums are done."""
     tile = tl.program_id(0)
     expert = tl.load(tile_expert_ptr + tile)
     if expert < 0:   # past the last expert's tiles
@@ -73,9 +76,14 @@ def _expert_gemm_kernel(a_ptr, w_ptr, out_ptr, rows_ptr, tile_expert_ptr, route_
             inside = ks < K - k0
             a = tl.load(a_ptrs, mask=valid[:, None] & inside[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=(cols < N)[None, :] & inside[:, None], other=0.0)
+            if FP8:
+                w = w.to(a.dtype)
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
+        if FP8:
+            acc *= tl.load(scale_ptr + expert.to(tl.int64) * stride_se + cols * stride_sn,
+                           mask=cols < N, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + expert.to(tl.int64) * N + cols, mask=cols < N,
                        other=0.0).to(tl.float32)[None, :]
@@ -167,9 +175,13 @@ def expert_gemm(a: torch.Tensor, w: torch.Tensor, rows: torch.Tensor,
     """One projection of every expert: (T, out) for the T = N k rows, from a (N, in)
     (a row per token) or (T, in) (a row per row, ``route``-weighted); ``bias`` (E,
     out): each expert's, added before the weighting. With ``scales`` (E, out, in /
-    32) uint8, w is MXFP4 bytes (E, out, in / 2) (_expert_gemm_kernel)."""
+    32) uint8, w is MXFP4 bytes (E, out, in / 2); with (E, out) float32, w is fp8 (E,
+    out, in), a scale per output channel (_expert_gemm_kernel)."""
     experts, n_out, k_in = w.shape
-    if scales is not None:
+    fp8 = w.dtype == torch.float8_e4m3fn
+    if fp8:
+        assert scales is not None and scales.shape == (experts, n_out)
+    elif scales is not None:
         k_in *= 2
         assert w.dtype == torch.uint8 and scales.shape == (experts, n_out, k_in // 32)
     per_token = route is None
@@ -187,29 +199,33 @@ def expert_gemm(a: torch.Tensor, w: torch.Tensor, rows: torch.Tensor,
             N=n_out, K=k_in, TOP_K=top_k, PER_TOKEN=per_token, WEIGHTED=not per_token,
             PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
             BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
-            HAS_BIAS=bias is not None, MXFP4=scales is not None, num_warps=tiles.num_warps,
-            num_stages=tiles.num_stages)
+            HAS_BIAS=bias is not None, MXFP4=scales is not None and not fp8, FP8=fp8,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return out
 
 
 class GroupedExperts(nn.Module):
     """A mixture's experts, their weights (and biases, gpt-oss's) stacked, taken from
-    its per-expert MLPs, which it replaces; or (``mxfp4``) made empty for a checkpoint's
-    MXFP4 experts, kept so."""
+    its per-expert MLPs, which it replaces (fp8 ones with their row scales); or
+    (``mxfp4``) made empty for a checkpoint's MXFP4 experts, kept so."""
 
     def __init__(self, experts: nn.ModuleList) -> None:
         super().__init__()
         self.act: Callable[[torch.Tensor], torch.Tensor] = experts[0].act
-        self.gate_up_scales: Optional[nn.Parameter] = None   # (dense weights)
-        self.down_scales: Optional[nn.Parameter] = None
 
         def stacked(tensors: list[Optional[torch.Tensor]]) -> Optional[nn.Parameter]:
             if tensors[0] is None:
                 return None
             return nn.Parameter(torch.stack(tensors), requires_grad=False)
 
+        fp8 = experts[0].gate_up_proj.weight.dtype == torch.float8_e4m3fn
         self.gate_up = stacked([e.gate_up_proj.weight for e in experts])
         self.down = stacked([e.down_proj.weight for e in experts])
+        # (E, out) float32 for fp8 weights; None for dense ones
+        self.gate_up_scales = stacked([e.gate_up_proj.weight_scale for e in experts]
+                                      if fp8 else [None])
+        self.down_scales = stacked([e.down_proj.weight_scale for e in experts]
+                                   if fp8 else [None])
         self.gate_up_bias = stacked([e.gate_up_proj.bias for e in experts])
         self.down_bias = stacked([e.down_proj.bias for e in experts])
 

@@ -61,8 +61,8 @@ class CudaPlatform:
     def formats(self, config: EngineConfig, model: ModelConfig, gguf_path: Optional[Path]
                 ) -> tuple[WeightFormats, torch.dtype, Optional[torch.dtype]]:
         """Dense weights in the model's dtype, or fp8 (--quantization fp8, or an fp8
-        checkpoint): then the lm_head, a mixture's routers and its experts (the grouped
-        GEMM's) dense; the KV cache in the model's dtype or fp8."""
+        checkpoint; a mixture's experts too, in the grouped GEMM): then the lm_head and
+        a mixture's routers dense; the KV cache in the model's dtype or fp8."""
         if gguf_path is not None:
             raise ValueError(f"{gguf_path.name}: a GGUF file is served as it is by the CPU "
                              f"kernels (--device cpu); on a GPU, serve its checkpoint")
@@ -78,7 +78,7 @@ class CudaPlatform:
                              f"auto or fp8")
         dense = DenseMethod(self.dtype)
         if config.quantization == "fp8" or model.weight_format == "fp8":
-            kept = {role: dense for role in (Role.LM_HEAD, Role.ROUTER, Role.EXPERT, Role.MXFP4)}
+            kept = {role: dense for role in (Role.LM_HEAD, Role.ROUTER, Role.MXFP4)}
             return WeightFormats(Fp8Method(), kept), self.dtype, kv_dtype
         return WeightFormats(dense), self.dtype, kv_dtype
 

@@ -23,11 +23,14 @@ def test_every_kernel_variant_compiles_for_sm90_without_spills():
     # Gemma 3's and Qwen3's RoPE with their norms; Gemma 2 2B's and Gemma 3 1B's heads
     # of 256 (the fp8 cache's chunk tiles of 64 rows there, 128 spilled), Gemma 2's
     # attention soft-capped; gpt-oss's with sinks, its experts' GEMMs with biases
-    assert len(lines) == 9 * 14 + 2 * 5 - 2
+    # (and Qwen3-30B-A3B's grouped GEMMs with fp8 weights, at both tilings)
+    assert len(lines) == 9 * 14 + 2 * 5 - 2 + 4
     assert [line.split()[0] for line in lines if "q/k norms" in line] == (
         ["gemma-3-1b"] * 2 + ["qwen3-0.6b"] * 2 + ["qwen3-30b-a3b"] * 2)
     experts = [line for line in lines if re.search(r" experts (gate_up|down), ", line)]
     assert [line.split()[0] for line in experts] == ["gpt-oss-20b"] * 4 + ["qwen3-30b-a3b"] * 4
+    assert [line.split()[0] for line in lines if re.search(r" experts (gate_up|down) fp8, ",
+                                                           line)] == ["qwen3-30b-a3b"] * 4
     assert all(" 0 async copies" not in line for line in experts), proc.stdout
     assert all("0 bytes spilled" in line for line in lines), proc.stdout
     # The attention loop is pipelined: K/V tiles copied asynchronously, several in

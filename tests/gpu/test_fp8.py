@@ -99,13 +99,18 @@ def test_fp8_logits_are_hfs_with_the_same_roundings(model, request, tmp_path):
     the same numbers, but for the order of sums (and a rounding they tip). Granite's
     residual multiplier goes into the row scales, Phi-4-mini's partial RoPE reorders
     the rows of q and k with theirs, Qwen2's biases are added after the product.
-    Mixtral's experts are dequantized for the grouped GEMM, their inputs not rounded."""
+    Mixtral's experts are fp8 in the grouped GEMM, widened there (weights only: their
+    inputs are not rounded)."""
     fp8 = fp8_checkpoint(request.getfixturevalue(model), tmp_path / "fp8")
     plain = dequantized(fp8, tmp_path / "plain")
     prompts = random_prompts([24, 17], seed=6)
     # (a context of 64: Phi-4-mini's LongRoPE takes its short factors, as HF's does on
     # prompts this short)
-    ours = teacher_forced(fp8_engine(fp8, max_model_len=64), prompts)
+    engine = fp8_engine(fp8, max_model_len=64)
+    if model == "tiny_mixtral_dir":   # its experts fp8 in the grouped GEMM
+        grouped = engine.runner.model.layers[0].mlp.grouped
+        assert grouped.gate_up.dtype == torch.float8_e4m3fn
+    ours = teacher_forced(engine, prompts)
     hf = hf_model(plain)
     quantized = {n.removesuffix(".weight_scale") for n in load_file(fp8 / "model.safetensors")
                  if n.endswith(".weight_scale") and ".experts." not in n}

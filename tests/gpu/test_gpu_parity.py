@@ -257,3 +257,53 @@ def test_engine_process_serves_over_zeromq_on_cuda(tmp_path):
         log = proc.communicate(timeout=60)[0]
     assert len(tokens) == 16, log[-3000:]
     report("zmq", {"tokens": tokens, "ready": str(ready)})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the 8B shape needs a GPU")
+def test_the_llama_3_8b_shape_against_hf_on_random_weights():
+    """End to end at the 8B shape (head_dim 128, GQA 4:1, vocabulary 128256), its random
+    weights made on the GPU (--load-format dummy) and copied into HF float32 and
+    bfloat16 models: the engine's teacher-forced logits held to HF bfloat16's own error
+    against float32, as SmolLM2's are above."""
+    from benchmarks.engine_gpu import hf_model_with_engine_weights
+
+    model_dir = resolve_model_dir("llama-3-8b")
+    engine = LLMEngine(EngineConfig(
+        model=str(model_dir), device="cuda", dtype="bfloat16", load_format="dummy",
+        cache=CacheConfig(kv_cache_memory_bytes=4 << 30),
+        scheduler=SchedulerConfig(max_batch_size=8)))
+    prompts = random_prompts([200, 37], seed=8, vocab=128256)
+    ours = teacher_forced(engine, prompts).cuda()
+    cfg, model = engine.model_config, engine.runner.model
+    figures = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        hf = hf_model_with_engine_weights(model, cfg, model_dir, torch.device("cuda"), dtype)
+        figures[dtype] = hf_logits(hf, prompts)
+        del hf
+    theirs, base = figures[torch.float32], figures[torch.bfloat16]
+    rel_l2 = float((ours - theirs).norm() / theirs.norm())
+    hf_bf16_rel_l2 = float((base - theirs).norm() / theirs.norm())
+    top1 = float((ours.argmax(-1) == theirs.argmax(-1)).float().mean())
+    hf_bf16_top1 = float((base.argmax(-1) == theirs.argmax(-1)).float().mean())
+    report("parity_8b", {"rel_l2": rel_l2, "top1_agreement": top1,
+                         "hf_bf16_rel_l2": hf_bf16_rel_l2, "hf_bf16_top1_agreement": hf_bf16_top1})
+    assert rel_l2 < max(1e-2, 1.5 * hf_bf16_rel_l2)
+    assert top1 >= hf_bf16_top1 - 0.02
+
+
+@pytest.mark.skipif(not os.environ.get("ROSESERVE_PARITY_MODEL"),
+                    reason="a perplexity means something on real weights alone")
+def test_fp8_weights_perplexity_on_real_weights_within_1_percent_of_bf16(smollm2_dir):
+    """--quantization fp8 on the real SmolLM2 (ROSESERVE_PARITY_MODEL): its perplexity
+    on a fixed text (the repository's docs) within 1% of bfloat16 weights'."""
+    prompts = parity_prompts(smollm2_dir, [1000, 1000], seed=5)
+    targets = torch.cat([torch.tensor(p[1:]) for p in prompts]).cuda()
+    perplexity = {}
+    for quantization in (None, "fp8"):
+        engine = engine_for(smollm2_dir, quantization=quantization)
+        logits = teacher_forced(engine, prompts).cuda()
+        nll = torch.nn.functional.cross_entropy(logits, targets)
+        perplexity[quantization or "bfloat16"] = float(nll.exp())
+        del engine
+    report("perplexity_fp8", perplexity)
+    assert perplexity["fp8"] < 1.01 * perplexity["bfloat16"], perplexity

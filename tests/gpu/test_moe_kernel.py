@@ -155,3 +155,31 @@ def test_mxfp4_experts_compute_as_their_dequantized_weights(tokens):
         got = grouped(x, weights, chosen)
         want = GroupedExperts(mlps)(x, weights, chosen)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("tokens", [3, 70], ids=["decode-tiles", "prompt-tiles"])
+def test_fp8_experts_compute_as_their_dequantized_weights(tokens):
+    """--quantization fp8 in a mixture: its experts' e4m3 weights (a scale per output
+    channel) stacked and widened in the grouped GEMM, each column scaled after its sums;
+    against the same weights dequantized, dense. 96 inputs to down: a pass of 64 and a
+    masked one of 32."""
+    import copy
+
+    from engine_worker.models.layers.fp8 import quantize_rows
+
+    mlps, x, weights, chosen = _mixture(tokens, experts=4, top_k=2, c=64, i=96)
+    fp8 = copy.deepcopy(mlps)
+    with torch.no_grad():
+        for dense, quantized in zip(mlps, fp8):
+            for name in ("gate_up_proj", "down_proj"):
+                q, scale = quantize_rows(getattr(dense, name).weight)
+                proj = getattr(quantized, name)
+                proj.weight = nn.Parameter(q, requires_grad=False)
+                proj.weight_scale = scale.view(-1)
+                getattr(dense, name).weight.copy_(q.float() * scale)
+        grouped = GroupedExperts(fp8)
+        assert grouped.gate_up.dtype == torch.float8_e4m3fn
+        assert grouped.down_scales.shape == (4, 64)
+        got = grouped(x, weights, chosen)
+        want = GroupedExperts(mlps)(x, weights, chosen)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

@@ -41,9 +41,6 @@ class Role(enum.Enum):
     # weights whose values are MXFP4's (gpt-oss's experts): kept MXFP4 where a method
     # holds that exactly (5 bits a weight, where int8 takes 9 and rounds them)
     MXFP4 = "mxfp4"
-    # a mixture's experts: where the platform multiplies them otherwise (the GPU's
-    # grouped GEMM), in a format that multiplication takes
-    EXPERT = "expert"
     # the logits' projection: kept in the model's dtype by fp8 (as fp8 checkpoints
     # keep it: its rounding moves every logit)
     LM_HEAD = "lm_head"

@@ -39,7 +39,7 @@ class MoE(nn.Module):
                 cfg.num_experts, cfg.hidden_size, cfg.expert_intermediate_size,
                 gate_of(cfg, backends.ops, expert=True), cfg.expert_bias)
         else:
-            role = Role.MXFP4 if mxfp4 else Role.EXPERT
+            role = Role.MXFP4 if mxfp4 else Role.WEIGHT
             self.experts = nn.ModuleList(
                 MLP(cfg, backends, cfg.expert_intermediate_size, expert=True, role=role)
                 for _ in range(cfg.num_experts))
