@@ -25,6 +25,7 @@ from engine_worker.forward import EagerForward, Forward
 from engine_worker.kv_cache import KvCache, kv_cache_dtype
 from engine_worker.models.config import ModelConfig
 from engine_worker.models.layers import Backends
+from engine_worker.models.layers.fp8 import fp8_formats
 from engine_worker.models.layers.linear import DenseMethod, WeightFormats
 from engine_worker.ops import FP8, Ops, TorchOps
 from engine_worker.sampler import Sampler
@@ -55,11 +56,15 @@ class CpuPlatform:
         if gguf_path is not None and (config.quantization or self.dtype != torch.float32):
             raise ValueError(f"{gguf_path.name} is served as it is: --quantization and "
                              f"--dtype (other than auto or float32) do not apply to it")
-        if config.quantization == "fp8":
-            raise ValueError("--quantization fp8 is a CUDA format (its products need fp8 "
-                             "tensor cores); on the CPU use --quantization int8 (an fp8 "
-                             "checkpoint is served as int8 here by itself)")
         kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype)
+        if config.quantization == "fp8":
+            if self.packing is not None:
+                raise ValueError("--quantization fp8 is a CUDA format (its products need fp8 "
+                                 "tensor cores); on the CPU kernels use --quantization int8 "
+                                 "(an fp8 checkpoint is served as int8 here by itself), or "
+                                 "--no-cpu-kernels for torch's own fp8 products (slow: for "
+                                 "accuracy)")
+            return fp8_formats(self.dtype), self.dtype, kv_dtype
         if self.packing is None:
             if config.quantization is not None:
                 raise ValueError(f"{config.quantization} weights need the CPU C kernels "

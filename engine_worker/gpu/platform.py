@@ -30,8 +30,8 @@ from engine_worker.gpu.ops import TritonOps
 from engine_worker.kv_cache import KvCache, kv_cache_dtype
 from engine_worker.models.config import ModelConfig
 from engine_worker.models.layers import Backends
-from engine_worker.models.layers.fp8 import Fp8Method
-from engine_worker.models.layers.linear import DenseMethod, Role, WeightFormats
+from engine_worker.models.layers.fp8 import fp8_formats
+from engine_worker.models.layers.linear import DenseMethod, WeightFormats
 from engine_worker.models.layers.moe import MoE
 from engine_worker.ops import FP8, Ops, TorchOps
 from engine_worker.profile_step import dummy_step
@@ -76,11 +76,9 @@ class CudaPlatform:
                              f"kept in the dtype the model computes in "
                              f"({str(self.dtype).removeprefix('torch.')}) or in fp8; use "
                              f"auto or fp8")
-        dense = DenseMethod(self.dtype)
         if config.quantization == "fp8" or model.weight_format == "fp8":
-            kept = {role: dense for role in (Role.LM_HEAD, Role.ROUTER, Role.MXFP4)}
-            return WeightFormats(Fp8Method(), kept), self.dtype, kv_dtype
-        return WeightFormats(dense), self.dtype, kv_dtype
+            return fp8_formats(self.dtype), self.dtype, kv_dtype
+        return WeightFormats(DenseMethod(self.dtype)), self.dtype, kv_dtype
 
     def attention(self, cfg: ModelConfig, kv_dtype: Optional[torch.dtype], block_size: int,
                   max_seqs: int) -> tuple[AttentionBackend, Ops]:

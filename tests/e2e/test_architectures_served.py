@@ -86,3 +86,25 @@ def test_olmo2_over_http_gives_hugging_faces_greedy_tokens(tiny_olmo2_dir, tmp_p
             assert r.status_code == 200, r.text
             got.append(r.json()["choices"][0]["token_ids"])
     assert_matches(got, hf_greedy(tiny_olmo2_dir, prompts, 8), "olmo2 over HTTP")
+
+
+def test_an_fp8_checkpoint_over_http_is_its_dequantized_weights(tiny_llama_dir, tmp_path):
+    """A compressed-tensors fp8 checkpoint served on a CPU (models/quantization.py): its
+    weights dequantized as they load; without the C kernels (float32) each completion's
+    tokens over the real processes and HTTP are Hugging Face's greedy ones on the
+    dequantized checkpoint."""
+    from fp8_checkpoints import dequantized, fp8_checkpoint
+
+    fp8 = fp8_checkpoint(tiny_llama_dir, tmp_path / "fp8")
+    plain = dequantized(fp8, tmp_path / "plain")
+    prompts = random_prompts([9, 16], seed=12)
+    got = []
+    with processes.local_stack(fp8, tmp_path, "--served-model-name", "f",
+                               engine_args=("--no-cpu-kernels",)) as front:
+        for prompt in prompts:
+            r = requests.post(f"{front.url}/v1/completions", timeout=120, json={
+                "model": "f", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            got.append(r.json()["choices"][0]["token_ids"])
+    assert_matches(got, hf_greedy(plain, prompts, 8), "fp8 checkpoint over HTTP")

@@ -62,3 +62,16 @@ def test_an_fp8_weight_without_its_scale_is_refused(tiny_llama_dir, tmp_path):
     with pytest.raises(ModelLoadError, match=r"layers\.1\.mlp\.up_proj\.weight is fp8 but the "
                                              r"checkpoint has no .*up_proj\.weight_scale"):
         make_engine(fp8)
+
+
+def test_torchs_path_runs_fp8_products_on_the_cpu(tiny_llama_dir, tmp_path):
+    """--quantization fp8 --no-cpu-kernels: W8A8 through torch's own fp8 products, the
+    same arithmetic as CUDA's (for accuracy, not speed): the same tokens as an fp8
+    checkpoint made by the tools' rule."""
+    at_load = make_engine(tiny_llama_dir, cpu_kernels=False, quantization="fp8")
+    saved = make_engine(fp8_checkpoint(tiny_llama_dir, tmp_path / "fp8"), cpu_kernels=False,
+                        quantization="fp8")
+    assert at_load.runner.weight_format == "fp8"
+    assert at_load.runner.model.lm_head.fmt == "float32"
+    prompts = random_prompts([7, 12], seed=9)
+    assert at_load.generate(prompts, greedy(5)) == saved.generate(prompts, greedy(5))

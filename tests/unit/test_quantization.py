@@ -12,6 +12,7 @@ from common.config import EngineConfig
 from common.errors import ModelLoadError
 from common.model_files import resolve_model_dir
 from engine_worker.cpu.platform import CpuPlatform
+from engine_worker.models.layers.linear import Role
 from engine_worker.models.quantization import checkpoint_format
 from engine_worker.models.registry import load_model_config
 from fp8_checkpoints import _config
@@ -62,12 +63,16 @@ def test_the_model_config_carries_the_checkpoints_format(tmp_path):
     assert load_model_config(tmp_path).weight_format == "fp8"
 
 
-def test_the_cpu_refuses_quantization_fp8_and_names_what_it_serves():
+def test_the_cpu_kernels_refuse_quantization_fp8_and_name_what_they_serve():
     cfg = load_model_config(resolve_model_dir("smollm2-135m"))
     cpu = CpuPlatform(torch.device("cpu"), torch.float32, None)
+    kernels = CpuPlatform(torch.device("cpu"), torch.float32, object())
     with pytest.raises(ValueError, match=r"--quantization fp8 is a CUDA format .* use "
-                                         r"--quantization int8"):
-        cpu.formats(EngineConfig(quantization="fp8"), cfg, None)
+                                         r"--quantization int8 .* or --no-cpu-kernels"):
+        kernels.formats(EngineConfig(quantization="fp8"), cfg, None)
+    # torch's path: torch's own fp8 products (for accuracy), the lm_head dense
+    formats, _, _ = cpu.formats(EngineConfig(quantization="fp8"), cfg, None)
+    assert formats.method.name == "fp8" and formats(Role.LM_HEAD).name == "float32"
     # an fp8 checkpoint without the C kernels: its weights dequantized, in float32
     formats, dtype, _ = cpu.formats(EngineConfig(), dataclasses.replace(
         cfg, weight_format="fp8"), None)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from engine_worker.models.layers.linear import LinearMethod
+from engine_worker.models.layers.linear import DenseMethod, LinearMethod, Role, WeightFormats
 from engine_worker.ops import FP8, FP8_MAX
 
 if TYPE_CHECKING:
@@ -62,3 +62,12 @@ class Fp8Method(LinearMethod):
         if layer.bias is not None:   # (added apart: not every row-wise GEMM takes a bias)
             y += layer.bias
         return y.view(*x.shape[:-1], layer.out_features)
+
+
+def fp8_formats(dtype: torch.dtype) -> WeightFormats:
+    """A model's formats in fp8: every linear layer but the lm_head and a mixture's
+    routers (kept in ``dtype``, as fp8 checkpoints keep them); MXFP4 experts dense
+    where the platform does not keep them so."""
+    dense = DenseMethod(dtype)
+    return WeightFormats(Fp8Method(), {role: dense for role in
+                                       (Role.LM_HEAD, Role.ROUTER, Role.MXFP4)})
