@@ -77,15 +77,21 @@ def test_olmo2_over_http_gives_hugging_faces_greedy_tokens(tiny_olmo2_dir, tmp_p
     over the whole projection): over the real processes and HTTP, each completion's
     tokens are Hugging Face's greedy ones."""
     prompts = random_prompts([7, 21], seed=27)
-    got = []
     with processes.local_stack(tiny_olmo2_dir, tmp_path, "--served-model-name", "o") as front:
-        for prompt in prompts:
-            r = requests.post(f"{front.url}/v1/completions", timeout=120, json={
-                "model": "o", "prompt": prompt, "max_tokens": 8, "temperature": 0,
-                "ignore_eos": True, "return_token_ids": True})
-            assert r.status_code == 200, r.text
-            got.append(r.json()["choices"][0]["token_ids"])
+        got = greedy_completions(front, "o", prompts, 8)
     assert_matches(got, hf_greedy(tiny_olmo2_dir, prompts, 8), "olmo2 over HTTP")
+
+
+def greedy_completions(front, model: str, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Each prompt's n greedy tokens from /v1/completions."""
+    got = []
+    for prompt in prompts:
+        r = requests.post(f"{front.url}/v1/completions", timeout=120, json={
+            "model": model, "prompt": prompt, "max_tokens": n, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        got.append(r.json()["choices"][0]["token_ids"])
+    return got
 
 
 def test_an_fp8_checkpoint_over_http_is_its_dequantized_weights(tiny_llama_dir, tmp_path):
@@ -98,13 +104,7 @@ def test_an_fp8_checkpoint_over_http_is_its_dequantized_weights(tiny_llama_dir, 
     fp8 = fp8_checkpoint(tiny_llama_dir, tmp_path / "fp8")
     plain = dequantized(fp8, tmp_path / "plain")
     prompts = random_prompts([9, 16], seed=12)
-    got = []
     with processes.local_stack(fp8, tmp_path, "--served-model-name", "f",
                                engine_args=("--no-cpu-kernels",)) as front:
-        for prompt in prompts:
-            r = requests.post(f"{front.url}/v1/completions", timeout=120, json={
-                "model": "f", "prompt": prompt, "max_tokens": 8, "temperature": 0,
-                "ignore_eos": True, "return_token_ids": True})
-            assert r.status_code == 200, r.text
-            got.append(r.json()["choices"][0]["token_ids"])
+        got = greedy_completions(front, "f", prompts, 8)
     assert_matches(got, hf_greedy(plain, prompts, 8), "fp8 checkpoint over HTTP")
