@@ -78,7 +78,11 @@ class EagerForward:
         batch = self.inputs.prepare(rows.layout, rows.sampled + rows.extra, len(rows.sampled),
                                     num_splits=self.splits(rows.num_decode), fills=rows.fills)
         batch.fill_ids(tokens)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+        return self.logits(self.model(batch.input_ids, batch.positions, self.kv_caches,
+                                      batch.meta), batch)
+
+    def logits(self, hidden: torch.Tensor, batch) -> Optional[torch.Tensor]:
+        """The logits of a step's rows that want them, from its final hidden states."""
         if not batch.logits_rows.numel():
             return None
         return self.model.compute_logits(hidden.index_select(0, batch.logits_rows))

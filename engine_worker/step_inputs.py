@@ -148,13 +148,16 @@ class StepInputs:
     def prepare(self, scheduled: Sequence[ScheduledRequest], logits_rows: Sequence[int],
                 num_sampled: int, pad_to: Optional[int] = None,
                 num_splits: int = 1, fills: Sequence[tuple[int, int]] = (),
-                pad_chunks: Optional[tuple[int, int]] = None) -> StepBatch:
+                pad_chunks: Optional[tuple[int, int]] = None,
+                pad_tokens: Optional[int] = None) -> StepBatch:
         """``scheduled`` in the step's layout (step_layout): single-token queries
         first, then chunks. ``logits_rows``: the rows whose logits are computed, the
         ``num_sampled`` sampled ones first. ``pad_to``: a decode-only step's padded
         size (a CUDA graph's batch). ``pad_chunks``: a prompt-only step's padded
         (tokens, sequences) (a prompt graph's): its logits rows are padded to the
-        sequences, its chunk tiles to chunk_tile_capacity. ``fills``: (row, source)
+        sequences, its chunk tiles to chunk_tile_capacity. ``pad_tokens``: any step's
+        tokens padded to this many, its sequences as they are (a piecewise graph's:
+        gpu/graphs.py). ``fills``: (row, source)
         of the tokens whose ids are on the device only (placeholders in the requests'
         token ids): the caller copies them into ``input_ids`` (fill_rows,
         fill_sources)."""
@@ -164,7 +167,8 @@ class StepInputs:
                              count=num_seqs)
         num_tokens = int(q_lens.sum())
         num_decode = int(np.argmax(q_lens > 1)) if (q_lens > 1).any() else num_seqs
-        t, s = self._padded_sizes(num_tokens, num_seqs, num_decode, pad_to, pad_chunks)
+        t, s = self._padded_sizes(num_tokens, num_seqs, num_decode, pad_to, pad_chunks,
+                                  pad_tokens)
         if pad_chunks is not None:
             logits_rows = list(logits_rows) + [0] * (s - len(logits_rows))
         ends = starts + q_lens
@@ -225,10 +229,13 @@ class StepInputs:
                          num_tokens, dev[fill_rows], dev[fill_sources])
 
     def _padded_sizes(self, num_tokens: int, num_seqs: int, num_decode: int,
-                      pad_to: Optional[int], pad_chunks: Optional[tuple[int, int]]
-                      ) -> tuple[int, int]:
+                      pad_to: Optional[int], pad_chunks: Optional[tuple[int, int]],
+                      pad_tokens: Optional[int] = None) -> tuple[int, int]:
         """The step's (tokens, sequences) with a graph's padding."""
         tokens, seqs = num_tokens, num_seqs
+        if pad_tokens is not None:
+            assert num_tokens <= pad_tokens <= self.max_tokens
+            tokens = pad_tokens
         if pad_to is not None:
             assert num_decode == num_seqs and pad_to >= num_seqs
             tokens = seqs = pad_to

@@ -19,9 +19,18 @@ than the GPU's work. A graph replays fixed kernels on fixed addresses, so:
     step's inputs at the addresses they were captured with;
   * the number of splits of each decode row's context (attention.num_splits) is
     fixed per bucket.
-Any other step (decode rows and prompt chunks mixed, more sequences or tokens than the
-largest buckets, prompt logprobs) runs eagerly. A graph computes the hidden states and
-the logits of its sampled rows; the sampler runs after it, eagerly.
+  * any other step of up to the largest prompt bucket's tokens (decode rows and prompt
+    chunks mixed, as staggered arrivals make them; more sequences than a prompt graph
+    holds; prompt logprobs) replays piecewise graphs (``PiecewiseGraphs``) captured at
+    the same token buckets: the model in pieces around each layer's attention (the
+    embeddings and the first layer's projections, RoPE and KV write; each layer's
+    output projection and MLP with the next one's projections; the last with the final
+    norm), the attention between them run eagerly on the step's own metadata, which
+    no graph could hold for every mix. What passes from a piece to the next lives in
+    buffers of their own. The logits are computed after, eagerly.
+Larger steps run eagerly (their device time hides their launches). A graph computes
+the hidden states and the logits of its sampled rows; the sampler runs after it,
+eagerly.
 
 ``capture`` is how a callable becomes a replayable one: a CUDA graph on the GPU;
 tests pass an eager stand-in (the callable itself) to check this bookkeeping on a CPU.
@@ -108,14 +117,105 @@ class CudaGraphCapture:
         return replay
 
 
+class PiecewiseGraphs:
+    """The model's steps at bucketed token counts, captured in pieces around each
+    layer's attention, which runs eagerly between them (the module docstring). Needs a
+    model of layers with two parts (DecoderModel's: ``embed``, each layer's
+    ``before_attention`` and ``after_attention``, ``final_norm``)."""
+
+    def __init__(self, eager: EagerForward, capture: Capture, sizes: Sequence[int]) -> None:
+        self.eager, self.capture, self.sizes = eager, capture, list(sizes)
+        self.pieces: dict[int, list[Callable[[], torch.Tensor]]] = {}
+        # what passes between the pieces, by name: one buffer for every bucket (made
+        # at the largest, captured first; a bucket's are its first rows), and by bucket
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.kept: dict[int, dict[str, torch.Tensor]] = {}
+
+    def bucket(self, num_tokens: int) -> Optional[int]:
+        i = bisect.bisect_left(self.sizes, num_tokens)
+        return self.sizes[i] if i < len(self.sizes) else None
+
+    def capture_all(self, inputs) -> None:
+        for size in reversed(self.sizes):
+            self._capture(size, inputs.prepare([], [], 0, pad_tokens=size))
+
+    def _capture(self, size: int, batch) -> None:
+        model, caches, meta = self.eager.model, self.eager.kv_caches, batch.meta
+        layers = model.layers
+        kept = self.kept.setdefault(size, {})
+
+        def keep(name: str, t: torch.Tensor) -> torch.Tensor:
+            """t copied into the buffer ``name`` (made by the first, uncaptured run)."""
+            if name not in kept:
+                if name not in self.buffers:
+                    self.buffers[name] = torch.empty_like(t)
+                kept[name] = self.buffers[name][:t.shape[0]]
+            return kept[name].copy_(t)
+
+        def rope(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            kind = layers[i].rope_kind
+            return kept[f"cos{kind}"], kept[f"sin{kind}"]
+
+        def before(i: int, x: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
+            q, k, v, carry = layers[i].before_attention(x, residual, rope(i), caches[i], meta)
+            for name, t in (("q", q), ("k", k), ("v", v), ("carry", carry)):
+                keep(name, t)
+            return kept["q"]
+
+        def first() -> torch.Tensor:
+            x, ropes = model.embed(batch.input_ids, batch.positions)
+            for kind, (cos, sin) in enumerate(ropes):
+                keep(f"cos{kind}", cos)
+                keep(f"sin{kind}", sin)
+            return before(0, x, None)
+
+        def middle(i: int) -> torch.Tensor:
+            x, residual = layers[i - 1].after_attention(kept["out"], kept["carry"])
+            return before(i, x, residual)
+
+        def last() -> torch.Tensor:
+            x, residual = layers[-1].after_attention(kept["out"], kept["carry"])
+            return keep("hidden", model.final_norm(x, residual))
+
+        def captured(fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+            fn()   # once as it is, outside the capture: the buffers it keeps made
+            return self.capture(fn)
+
+        with torch.inference_mode():
+            pieces = [captured(first)]
+            for i in range(len(layers)):
+                keep("out", self._attend(size, i, meta))   # (its buffer, before a capture)
+                pieces.append(captured(lambda i=i: middle(i + 1) if i + 1 < len(layers)
+                                       else last()))
+        self.pieces[size] = pieces
+
+    def _attend(self, size: int, i: int, meta) -> torch.Tensor:
+        kept = self.kept[size]
+        return self.eager.model.layers[i].self_attn.attend(
+            kept["q"], kept["k"], kept["v"], self.eager.kv_caches[i], meta)
+
+    def hidden(self, size: int, batch) -> torch.Tensor:
+        """The final hidden states (size, C) of a step in ``batch`` (prepared with
+        pad_tokens=size): the pieces replayed, each layer's attention run between."""
+        kept, pieces = self.kept[size], self.pieces[size]
+        with torch.inference_mode():
+            pieces[0]()
+            for i in range(len(pieces) - 1):
+                kept["out"].copy_(self._attend(size, i, batch.meta))
+                pieces[i + 1]()
+        return kept["hidden"]
+
+
 class GraphForward:
     """A forward that replays a captured graph where the step fits one (a decode
-    batch's bucket, or a prompt graph's), and runs ``eager`` otherwise."""
+    batch's bucket, or a prompt graph's), piecewise graphs where it fits their token
+    buckets, and runs ``eager`` otherwise."""
 
     def __init__(self, eager: EagerForward, max_batch: int, capture: Capture,
-                 prompt_sizes: Sequence[int] = ()) -> None:
+                 prompt_sizes: Sequence[int] = (), piecewise: bool = False) -> None:
         """max_batch: the largest decode graph's batch; prompt_sizes: the token buckets
-        of prompt graphs (none: decode graphs only)."""
+        of prompt graphs (none: decode graphs only) and, with ``piecewise``, of the
+        piecewise graphs."""
         self.eager = eager
         self.inputs = eager.inputs
         self.sizes = graph_batch_sizes(min(max_batch, self.inputs.max_seqs))
@@ -124,6 +224,7 @@ class GraphForward:
         self.capture = capture
         self.graphs: dict[int, Callable[[], torch.Tensor]] = {}
         self.prompt_graphs: dict[int, Callable[[], torch.Tensor]] = {}
+        self.piecewise = PiecewiseGraphs(eager, capture, prompt_sizes) if piecewise else None
 
     def capture_all(self) -> None:
         """Captures every bucket, largest first (smaller ones reuse its memory): the
@@ -145,10 +246,19 @@ class GraphForward:
                                         num_splits=self.eager.splits(size))
             self.graphs[size] = self.capture(
                 lambda b=batch: step(b.input_ids, b.positions, b.meta, None))
-        logger.info("captured %d CUDA graphs (decode batches %s; prompt steps of %s tokens) "
-                    "in %.1f s", len(self.sizes) + len(self.prompt_sizes),
-                    ", ".join(map(str, self.sizes)),
-                    ", ".join(map(str, self.prompt_sizes)) or "none",
+        pieces = 0
+        if self.piecewise is not None:
+            try:
+                self.piecewise.capture_all(self.inputs)
+                pieces = sum(len(p) for p in self.piecewise.pieces.values())
+            except Exception as e:  # mixed steps can run eagerly
+                logger.warning("mixed steps run eagerly: capturing their piecewise CUDA "
+                               "graphs failed (%s: %s)", type(e).__name__, e)
+                self.piecewise = None
+        logger.info("captured %d CUDA graphs (decode batches %s; prompt steps of %s tokens; "
+                    "%d pieces of mixed steps) in %.1f s",
+                    len(self.sizes) + len(self.prompt_sizes), ", ".join(map(str, self.sizes)),
+                    ", ".join(map(str, self.prompt_sizes)) or "none", pieces,
                     time.monotonic() - start)
 
     def bucket(self, num_seqs: int) -> Optional[int]:
@@ -188,4 +298,12 @@ class GraphForward:
                 # (the logits of its sampled rows)
                 logits = self.prompt_graphs[size]()[:batch.num_sampled]
                 return logits if sampled else None
+        num_tokens = sum(s.num_tokens for s in layout)
+        size = self.piecewise.bucket(num_tokens) if self.piecewise is not None else None
+        if size is not None:
+            batch = self.inputs.prepare(layout, sampled, len(sampled),
+                                        num_splits=self.eager.splits(rows.num_decode),
+                                        fills=rows.fills, pad_tokens=size)
+            batch.fill_ids(tokens)
+            return self.eager.logits(self.piecewise.hidden(size, batch), batch)
         return self.eager.run(rows, tokens)

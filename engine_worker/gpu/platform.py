@@ -186,11 +186,12 @@ class CudaPlatform:
 
     def forward(self, eager: EagerForward, attn: AttentionBackend, kv: KvCache,
                 scheduler: SchedulerConfig) -> Forward:
-        """Decode steps, and steps of a few short prompt chunks alone, from CUDA graphs."""
+        """Decode steps, steps of a few short prompt chunks alone, and mixed steps of up
+        to 2,048 tokens (piecewise) from CUDA graphs."""
         if not self.graphs:
             return eager
         graphs = GraphForward(eager, scheduler.decode_batch_size, CudaGraphCapture(),
-                              prompt_graph_sizes(scheduler.token_budget))
+                              prompt_graph_sizes(scheduler.token_budget), piecewise=True)
         graphs.capture_all()
         return graphs
 

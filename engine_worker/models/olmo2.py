@@ -57,10 +57,21 @@ class Olmo2Layer(nn.Module):
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output (or the embeddings, with residual None) ->
         (this layer's output, the residual stream before it)."""
+        q, k, v, carry = self.before_attention(x, residual, rope, kv_cache, meta)
+        return self.after_attention(self.self_attn.attend(q, k, v, kv_cache, meta), carry)
+
+    def before_attention(self, x: torch.Tensor, residual: Optional[torch.Tensor],
+                         rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
+                         meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
+        """(DecoderLayer's two parts; the carry is the layer's input, whole)"""
         h = x if residual is None else x + residual
+        return (*self.self_attn.prepare(h, rope, kv_cache, meta), h)
+
+    def after_attention(self, out: torch.Tensor, h: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
         norm = self.post_attention_layernorm
-        h = h + self.ops.add_rms_norm(self.self_attn(h, rope, kv_cache, meta), None,
-                                      norm.weight, norm.eps)[0]
+        h = h + self.ops.add_rms_norm(self.self_attn.finish(out), None, norm.weight,
+                                      norm.eps)[0]
         norm = self.post_feedforward_layernorm
         return self.ops.add_rms_norm(self.mlp(h), None, norm.weight, norm.eps)[0], h
 

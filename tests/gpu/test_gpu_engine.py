@@ -43,7 +43,7 @@ def with_graphs(runner, capture, max_batch: int = 8) -> GraphForward:
     """The runner's steps from graphs ``capture`` makes, as CudaPlatform.forward has
     them (capture: CUDA graphs, or an eager stand-in)."""
     graphs = GraphForward(runner.eager, max_batch, capture,
-                          prompt_graph_sizes(runner.token_budget))
+                          prompt_graph_sizes(runner.token_budget), piecewise=True)
     graphs.capture_all()
     runner.step = graphs
     return graphs
@@ -56,7 +56,9 @@ class Replays:
         self.counts: dict[int, int] = {}
 
     def __call__(self, fn):
-        size = len(fn.__defaults__[0].input_ids)  # the captured batch's padded size
+        batch = (fn.__defaults__ or (None,))[0]
+        # the captured batch's padded size; a piece of a piecewise graph: "piece"
+        size = len(batch.input_ids) if hasattr(batch, "input_ids") else "piece"
 
         def replay():
             self.counts[size] = self.counts.get(size, 0) + 1
@@ -447,7 +449,7 @@ def test_shipped_shapes_resolve_by_name_and_need_dummy_weights():
 def test_prompt_graphs_run_chunks_and_cached_prefixes_as_eager_steps_do(tiny_llama_dir):
     """Prompt steps within the graphs' buckets (a token budget of 16: one bucket) run
     as graphs, with padded tokens, sequences and chunk tiles; mixed steps and steps of
-    more sequences than a prompt graph holds run eagerly; outputs equal eager ones."""
+    more sequences than a prompt graph holds run piecewise; outputs equal eager ones."""
     shared = random_prompts([12], seed=7)[0]
     prompts = [shared + [11, 12], random_prompts([30], seed=8)[0], shared + [13, 14, 15],
                *random_prompts([3, 2, 4, 2, 3], seed=4)]
@@ -457,7 +459,46 @@ def test_prompt_graphs_run_chunks_and_cached_prefixes_as_eager_steps_do(tiny_lla
     assert with_graphs(engine.runner, replays).prompt_sizes == [16]
     assert engine.generate(prompts, greedy(4)) == eager
     assert replays.counts.get(16, 0) >= 1
+    assert replays.counts.get("piece", 0) >= 3   # (a layer's 2 pieces and the last)
     assert engine.scheduler.prefix_cache_hit_tokens >= 12
+
+
+@padded_rows_stay_finite
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen3_moe_dir", "tiny_gemma3_dir",
+                                   "tiny_olmo2_dir"])
+def test_staggered_arrivals_step_from_piecewise_graphs(model, request):
+    """Requests arriving while others decode make mixed steps (decode rows and a prompt
+    chunk), which no whole graph takes: they replay piecewise graphs (each layer's
+    attention run eagerly between its pieces) at their token bucket, and give the
+    eager steps' tokens. A mixture's experts routed on the device, Gemma 3's sliding
+    layers of their own pool and OLMo 2's own layers alike."""
+    model_dir = request.getfixturevalue(model)
+    prompts = random_prompts([9, 14, 5, 21], seed=13)
+
+    def staggered(engine) -> list[list[int]]:
+        got: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+
+        def step() -> None:
+            for out in engine.step():
+                got[out.request_id] += out.new_token_ids
+
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, greedy(6))
+            step()   # one arrives every step, while the others decode
+        while engine.has_unfinished_requests():
+            step()
+        return list(got.values())
+
+    eager = triton_engine(model_dir, budget=64)
+    engine = triton_engine(model_dir, budget=64)
+    replays = Replays()
+    graphs = with_graphs(engine.runner, replays)
+    assert graphs.piecewise is not None and graphs.piecewise.sizes == [16, 32, 64]
+    layers = engine.model_config.num_layers
+    assert all(len(p) == layers + 1 for p in graphs.piecewise.pieces.values())
+    assert staggered(engine) == staggered(eager)
+    # mixed steps: a piece per layer and the last, each time
+    assert replays.counts["piece"] >= 2 * (layers + 1)
 
 
 @pytest.mark.cuda

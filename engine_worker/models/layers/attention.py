@@ -51,22 +51,43 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.prepare(x, rope, kv_cache, meta)
+        return self.finish(self.attend(q, k, v, kv_cache, meta))
+
+    # A forward's three parts: the projection, RoPE and the KV write; the attention
+    # itself; the output projection (a piecewise CUDA graph captures the first and the
+    # last and runs the attention eagerly: gpu/graphs.py).
+
+    def prepare(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                kv_cache: torch.Tensor, meta: AttentionMetadata
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(N, C) -> q (N, Hq, D), k and v (N, Hkv, D), k and v written to the cache."""
         if self.window and meta.local is not None:
             meta = meta.local  # its blocks in the sliding layers' pool
-        qkv = self.project(x)
         scale = self.kv_scale
-        q, k, v = self.ops.rope_write_kv(qkv, *rope, self.num_heads, self.num_kv_heads,
-                                         self.head_dim, kv_cache, meta.slot_mapping,
-                                         self.head_norms(), scale)
+        q, k, v = self.ops.rope_write_kv(self.project(x), *rope, self.num_heads,
+                                         self.num_kv_heads, self.head_dim, kv_cache,
+                                         meta.slot_mapping, self.head_norms(), scale)
         if scale is None:
-            return self.o_proj(self.attn.attend(q, k, v, kv_cache, meta, self.window,
-                                                self.sinks))
+            return q, k, v
         if self.kv_calibrating:
             calibrate_kv_scale(scale, k, v, kv_cache, meta.slot_mapping)
         # The cache holds k / k_scale and v / v_scale: q k = (q k_scale) (k / k_scale),
         # and the output, a mean of values, is v_scale times the cached values'.
-        out = self.attn.attend(q * scale[0], k, v, kv_cache, meta, self.window, self.sinks)
-        return self.o_proj(out * scale[1])
+        return q * scale[0], k, v
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """-> (N, Hq D)."""
+        if self.window and meta.local is not None:
+            meta = meta.local
+        return self.attn.attend(q, k, v, kv_cache, meta, self.window, self.sinks)
+
+    def finish(self, out: torch.Tensor) -> torch.Tensor:
+        """(N, Hq D) -> (N, C)."""
+        if self.kv_scale is not None:
+            out = out * self.kv_scale[1]
+        return self.o_proj(out)
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """(N, C) -> q, k and v side by side, (N, (Hq + 2 Hkv) D)."""

@@ -59,9 +59,22 @@ class DecoderLayer(nn.Module):
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output (or the embeddings, with residual None) ->
         (this layer's output, the residual stream before it)."""
+        q, k, v, carry = self.before_attention(x, residual, rope, kv_cache, meta)
+        return self.after_attention(self.self_attn.attend(q, k, v, kv_cache, meta), carry)
+
+    # The layer in two parts around its attention (what a piecewise CUDA graph captures:
+    # gpu/graphs.py); ``carry``: what the second takes of the first (here the residual).
+
+    def before_attention(self, x: torch.Tensor, residual: Optional[torch.Tensor],
+                         rope: tuple[torch.Tensor, torch.Tensor], kv_cache: torch.Tensor,
+                         meta: AttentionMetadata) -> tuple[torch.Tensor, ...]:
         norm = self.input_layernorm
         h, residual = self.ops.add_rms_norm(x, residual, norm.weight, norm.eps)
-        h = self._normed(self.self_attn(h, rope, kv_cache, meta), self.attn_out_norm)
+        return (*self.self_attn.prepare(h, rope, kv_cache, meta), residual)
+
+    def after_attention(self, out: torch.Tensor, residual: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self._normed(self.self_attn.finish(out), self.attn_out_norm)
         norm = self.post_attention_layernorm
         h, residual = self.ops.add_rms_norm(h, residual, norm.weight, norm.eps)
         return self._normed(self.mlp(h), self.mlp_out_norm), residual
@@ -97,6 +110,15 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions (N,) -> final hidden states (N, C)."""
+        x, ropes = self.embed(input_ids, positions)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(x, residual, ropes[layer.rope_kind], kv_cache, meta)
+        return self.final_norm(x, residual)
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor
+              ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The embeddings, and the RoPE of each kind (rope_kind) at ``positions``."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary(positions, x.dtype)
         ropes = [
@@ -104,11 +126,10 @@ class DecoderModel(nn.Module):
             (torch.ones_like(rope[0]), torch.zeros_like(rope[1])) if self.cfg.nope_layers
             else rope, rope,
             rope if self.rotary_local is None else self.rotary_local(positions, x.dtype)]
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, ropes[layer.rope_kind], kv_cache, meta)
-        x, _ = self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)
-        return x
+        return x, ropes
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.ops.add_rms_norm(x, residual, self.norm.weight, self.norm.eps)[0]
 
     @property
     def embeddings(self) -> nn.Embedding:
