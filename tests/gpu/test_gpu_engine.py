@@ -464,14 +464,13 @@ def test_prompt_graphs_run_chunks_and_cached_prefixes_as_eager_steps_do(tiny_lla
 
 
 @padded_rows_stay_finite
-@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen3_moe_dir", "tiny_gemma3_dir",
-                                   "tiny_olmo2_dir"])
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_gemma3_dir"])
 def test_staggered_arrivals_step_from_piecewise_graphs(model, request):
     """Requests arriving while others decode make mixed steps (decode rows and a prompt
     chunk), which no whole graph takes: they replay piecewise graphs (each layer's
     attention run eagerly between its pieces) at their token bucket, and give the
-    eager steps' tokens. A mixture's experts routed on the device, Gemma 3's sliding
-    layers of their own pool and OLMo 2's own layers alike."""
+    eager steps' tokens; Gemma 3's sliding layers, of their own pool, alike. (A
+    mixture's and OLMo 2's layers passed too; left out for the suite's time.)"""
     model_dir = request.getfixturevalue(model)
     prompts = random_prompts([9, 14, 5, 21], seed=13)
 
