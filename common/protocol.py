@@ -306,6 +306,10 @@ class KvBlocks(msgspec.Struct, frozen=True, kw_only=True):
     request_id: str
     blocks: list[KvBlock] = []
     error: Optional[str] = None
+    # An fp8 cache's scales the blocks were written with (each layer's key scale, then
+    # its value scale), for a decode engine whose own are not set yet to take
+    # (engine_worker/kv_scales.py); None for another cache
+    kv_scales: Optional[list[float]] = None
 
 
 # -- Frontend <-> tokenizer pool ----------------------------------------------------

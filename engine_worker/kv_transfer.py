@@ -41,7 +41,7 @@ import torch
 
 from common.protocol import KvBlock, KvBlocks, KvPull, KvSource
 from engine_worker.block_manager import BlockManager, BlockTable
-from engine_worker.kv_scales import KvScales
+from engine_worker.kv_scales import UNCALIBRATED, KvScales
 from engine_worker.ops import FP8, value_blocks
 from engine_worker.request import Request
 
@@ -75,6 +75,13 @@ class KvBlockStore:
         if self.scales is None:
             return self._layout
         return f"{self._layout}|{self.scales.signature()}"
+
+    def serves(self, layout: str) -> bool:
+        """Whether this engine's blocks are of use to a peer of ``layout``: the same,
+        or (an fp8 cache) the same but for scales the peer has not set yet, which it
+        takes with the blocks (KvBlocks.kv_scales)."""
+        return layout == self.layout or (
+            self.scales is not None and layout == f"{self._layout}|{UNCALIBRATED}")
 
     def read(self, block_id: int) -> bytes:
         one = torch.stack([c[:, block_id] for c in self.kv_caches])
@@ -133,7 +140,7 @@ class KvLeases:
     def answer(self, pull: KvPull, window_bytes: int) -> KvBlocks:
         """The blocks a pull asks for that this engine holds, in order, at most
         window_bytes of them."""
-        if pull.layout != self.store.layout:  # of no use to that engine: let go
+        if not self.store.serves(pull.layout):  # of no use to that engine: let go
             self.release(pull.request_id)
             return KvBlocks(request_id=pull.request_id, error=(
                 f"KV layout mismatch: the decode engine has {pull.layout}, this prefill "
@@ -152,7 +159,9 @@ class KvLeases:
         self.num_bytes_sent += len(blocks) * self.store.block_bytes
         if error is not None or (pull.release and len(blocks) == len(pull.hashes)):
             self.release(pull.request_id)
-        return KvBlocks(request_id=pull.request_id, blocks=blocks, error=error)
+        scales = self.store.scales
+        return KvBlocks(request_id=pull.request_id, blocks=blocks, error=error,
+                        kv_scales=scales.values() if scales is not None and blocks else None)
 
 
 @dataclass
@@ -276,6 +285,9 @@ class KvReceiver:
         if not t.unanswered or len(reply.blocks) > t.unanswered[0]:
             return [self._end(t, "protocol", now)]  # more than was asked for
         asked = t.unanswered.popleft()
+        scales = self.store.scales
+        if reply.blocks and scales is not None and not scales.adopt(reply.kv_scales or []):
+            return [self._end(t, "source", now)]   # written with other scales
         for block in reply.blocks:
             reason = self._store(t, block)
             if reason is not None:

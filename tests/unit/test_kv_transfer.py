@@ -382,3 +382,32 @@ def test_engines_that_took_other_longrope_factors_do_not_share_blocks(tiny_phi4_
     layouts = [e.kv_leases.store.layout for e in (short, long, again)]
     assert layouts[0] != layouts[1] and layouts[1] == layouts[2]
     assert "longrope=" in layouts[0]
+
+
+def test_fp8_engines_share_their_scales_through_the_blocks(tiny_llama_dir):
+    """An fp8 cache's scales are set by an engine's first prompt (kv_scales.py): a decode
+    engine that has computed none takes its prefill engine's with their first blocks,
+    so both read the same bytes alike (the tokens of an engine that ran it all); one
+    whose scales are set otherwise gets no blocks and computes the prompt itself."""
+    def fp8():
+        return make_engine(tiny_llama_dir, num_blocks=96, max_model_len=256,
+                           cpu_kernels=False, kv_cache_dtype="fp8")
+
+    mixed, p, d = fp8(), fp8(), fp8()
+    prompt = random_prompts([21], seed=14)[0]
+    expected = mixed.generate([prompt], greedy(6))[0]
+    assert d.kv_leases.store.layout.endswith("|uncalibrated")
+    got, first_out = disaggregated(p, d, "s", prompt, greedy(6))
+    assert got == expected and first_out.kv_outcome == "complete"
+    assert d.runner.kv_scales.values() == p.runner.kv_scales.values() != [1.0] * 4
+    assert d.kv_leases.store.layout == p.kv_leases.store.layout
+    # an engine whose scales came from another prompt: its pulls are refused, and it
+    # computes the prompt by its own scales (as a twin set by the same prompt does)
+    other, twin = fp8(), fp8()
+    for e in (other, twin):
+        e.generate([random_prompts([9], seed=15)[0]], greedy(1))
+    assert other.runner.kv_scales.values() != p.runner.kv_scales.values()
+    second = random_prompts([17], seed=16)[0]
+    got, first_out = disaggregated(p, other, "t", second, greedy(4))
+    assert first_out.kv_outcome == "source"
+    assert got[1:] == twin.generate([second], greedy(4))[0][1:]   # (its first: p's)
