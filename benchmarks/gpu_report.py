@@ -2,7 +2,7 @@
 of docs/bench/gpu-<device>.json. Written after every step, so that a run cut short by
 its time limit still leaves what it had (a step that did not run leaves its keys null).
 
-    python benchmarks/gpu_report.py WORK_DIR TARGET.json STATUS
+    python benchmarks/gpu_report.py WORK_DIR TARGET.json STATUS [TESTS_STATUS]
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from pathlib import Path
 TRTLLM_H200 = {"8b_fp8_1000_1000": 17744, "8b_fp8_500_2000": 20770, "70b_fp8_1000_1000": 2909}
 
 
-def gather(work: Path, passed: bool) -> dict:
+def gather(work: Path, passed: bool, tests_passed: bool = True) -> dict:
+    """passed: every step ran to its end; tests_passed: the tests' step did."""
     def read(name: str) -> dict:
         path = work / f"{name}.json"
         return json.loads(path.read_text()) if path.exists() else {}
@@ -60,15 +61,18 @@ def gather(work: Path, passed: bool) -> dict:
                "static_compile": hf.get("hf_static_compile_tokens_per_s")},
         "parity": {**parity, "llama_3_8b": read("parity_8b") or None},
         "parity_fp8_kv_cache": parity_fp8_kv,
-        "tests": {**tests, "passed": passed and bool(tests) and not (
+        "tests": {**tests, "passed": tests_passed and bool(tests) and not (
             tests.get("failures") or tests.get("errors"))},
+        "passed": passed,
         "runs": {name.stem: json.loads(name.read_text()) for name in sorted(work.glob("*.json"))},
     }
 
 
 def main(argv=None) -> int:
-    work, target, status = (argv or sys.argv[1:])[:3]
-    report = gather(Path(work), int(status) == 0)
+    args = argv or sys.argv[1:]
+    work, target, status = args[:3]
+    tests_status = args[3] if len(args) > 3 else status
+    report = gather(Path(work), int(status) == 0, int(tests_status) == 0)
     Path(target).write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=1))
     print("report:", target)

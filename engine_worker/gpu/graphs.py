@@ -21,7 +21,7 @@ than the GPU's work. A graph replays fixed kernels on fixed addresses, so:
     fixed per bucket.
   * any other step of up to the largest prompt bucket's tokens (decode rows and prompt
     chunks mixed, as staggered arrivals make them; more sequences than a prompt graph
-    holds; prompt logprobs) replays piecewise graphs (``PiecewiseGraphs``) captured at
+    holds) but one that wants prompt logprobs replays piecewise graphs (``PiecewiseGraphs``) captured at
     the same token buckets: the model in pieces around each layer's attention (the
     embeddings and the first layer's projections, RoPE and KV write; each layer's
     output projection and MLP with the next one's projections; the last with the final

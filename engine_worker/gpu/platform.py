@@ -77,8 +77,23 @@ class CudaPlatform:
                              f"({str(self.dtype).removeprefix('torch.')}) or in fp8; use "
                              f"auto or fp8")
         if config.quantization == "fp8" or model.weight_format == "fp8":
+            self._check_fp8()
             return fp8_formats(self.dtype), self.dtype, kv_dtype
         return WeightFormats(DenseMethod(self.dtype)), self.dtype, kv_dtype
+
+    def _check_fp8(self) -> None:
+        """fp8 weights' products (cuBLASLt's row-wise scaled GEMM) need fp8 tensor
+        cores (Ada, Hopper: compute capability 8.9 and up) and give bfloat16."""
+        if self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) < (8, 9):
+            name = torch.cuda.get_device_name(self.device)
+            raise ValueError(f"fp8 weights need fp8 tensor cores (compute capability 8.9 or "
+                             f"later: Ada, Hopper); {name} has none: serve the checkpoint "
+                             f"in bfloat16 (without --quantization fp8)")
+        if self.device.type == "cuda" and self.dtype != torch.bfloat16:
+            raise ValueError(f"fp8 weights compute in bfloat16 on CUDA (its fp8 GEMM's "
+                             f"row-wise scales give bfloat16), not "
+                             f"{str(self.dtype).removeprefix('torch.')}: use --dtype auto "
+                             f"or bfloat16")
 
     def attention(self, cfg: ModelConfig, kv_dtype: Optional[torch.dtype], block_size: int,
                   max_seqs: int) -> tuple[AttentionBackend, Ops]:

@@ -26,7 +26,7 @@ from engine_worker.models.gguf import load_gguf
 from engine_worker.models.layers import Backends
 from engine_worker.models.layers.attention import Attention
 from engine_worker.models.layers.fp8 import quantize_rows
-from engine_worker.models.layers.linear import Linear, finish_linears
+from engine_worker.models.layers.linear import DenseMethod, Linear, finish_linears
 from engine_worker.models.names import SPLIT, TensorNames
 from engine_worker.models.spec import Architecture
 from engine_worker.ops import FP8
@@ -54,14 +54,18 @@ def load_model(cfg: ModelConfig, model_dir: Path, backends: Backends, device: to
         else:
             ckpt = Checkpoint(model_dir, strip_prefixes=cfg.checkpoint_prefixes,
                               skip_prefixes=cfg.checkpoint_skips)
-            load_checkpoint(model, ckpt, arch)
+            load_checkpoint(model, ckpt, arch, dtype)
             ckpt.finish()
     return model.eval()
 
 
-def load_checkpoint(model: nn.Module, ckpt: Checkpoint, arch: Architecture) -> None:
-    """Every weight of ``model`` from ``ckpt``, a block at a time (the module docstring)."""
+def load_checkpoint(model: nn.Module, ckpt: Checkpoint, arch: Architecture,
+                    dtype: Optional[torch.dtype] = None) -> None:
+    """Every weight of ``model`` from ``ckpt``, a block at a time (the module
+    docstring). dtype: the model's, which an fp8 checkpoint's layers left unquantized
+    keep (its ignore list, FBGEMM's modules_to_not_convert)."""
     family, plain = TensorNames(arch.names, SPLIT), TensorNames({}, SPLIT)
+    dense = dtype if model.cfg.weight_format == "fp8" else None
 
     def names(path: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
         """The family's names, or Hugging Face's Llama-style ones where the checkpoint
@@ -80,7 +84,7 @@ def load_checkpoint(model: nn.Module, ckpt: Checkpoint, arch: Architecture) -> N
         if family_loader is not None:
             family_loader(module, ckpt, names(path)[0][0], model.cfg)
         elif isinstance(module, Linear):
-            _load_linear(module, names(path)[0], ckpt, _wildcard(path) in transposed)
+            _load_linear(module, names(path)[0], ckpt, _wildcard(path) in transposed, dense)
         else:
             for name, param in module.named_parameters(recurse=False):
                 param.copy_(ckpt.take(names(f"{path}.{name}")[0][0], tuple(param.shape)))
@@ -105,9 +109,10 @@ def load_checkpoint(model: nn.Module, ckpt: Checkpoint, arch: Architecture) -> N
 
 
 def _load_linear(linear: Linear, parts: tuple[str, ...], ckpt: Checkpoint,
-                 transposed: bool) -> None:
+                 transposed: bool, dense: Optional[torch.dtype] = None) -> None:
     """A linear layer's weight (and bias) from its tensors: one for the layer, or one
-    for each part of a fused one, stacked; (in, out) where ``transposed``."""
+    for each part of a fused one, stacked; (in, out) where ``transposed``. ``dense``:
+    an fp8 checkpoint's model dtype, which a layer it left unquantized keeps."""
     if linear.weight is None:   # a tied lm_head
         return
     sizes = (linear.out_features,) if len(parts) == 1 else linear.output_sizes
@@ -118,6 +123,8 @@ def _load_linear(linear: Linear, parts: tuple[str, ...], ckpt: Checkpoint,
     weights = [w.t() if transposed else w for w in weights]
     scales = [_fp8_scale(ckpt, p, w) for p, w in zip(parts, weights)]
     if all(s is None for s in scales):
+        if dense is not None and linear.fmt == "fp8":
+            linear.keep_dense(DenseMethod(dense))
         linear.load(torch.cat(weights))
     else:   # an fp8 checkpoint's (a part in another dtype: quantized as it loads)
         quantized = [(w, s) if s is not None else quantize_rows(w)

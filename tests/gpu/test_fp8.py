@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from benchmarks.kv_accuracy import teacher_forced
 from common.config import CacheConfig, EngineConfig
@@ -66,6 +66,26 @@ def test_an_fp8_checkpoints_weights_load_as_they_are(tiny_llama_dir, tmp_path, p
         file[f"{p}.weight"].shape[0]) for p in parts])
     assert torch.equal(qkv.weight_scale.cpu(), scales)
     assert engine.runner.model.lm_head.fmt == DTYPE   # (the checkpoint keeps it so)
+
+
+def test_layers_an_fp8_checkpoint_left_unquantized_stay_dense(tiny_llama_dir, tmp_path):
+    """FBGEMM's modules_to_not_convert, compressed-tensors' ignore list: a layer the
+    checkpoint keeps in bf16 is served so, not quantized at load."""
+    fp8 = fp8_checkpoint(tiny_llama_dir, tmp_path / "fp8", style="fbgemm")
+    plain = load_file(tiny_llama_dir / "model.safetensors")
+    tensors = load_file(fp8 / "model.safetensors")
+    for name in [n for n in tensors if ".self_attn.o_proj." in n]:
+        del tensors[name]
+    for i in range(2):
+        name = f"model.layers.{i}.self_attn.o_proj.weight"
+        tensors[name] = plain[name]
+    save_file(tensors, fp8 / "model.safetensors")
+    engine = fp8_engine(fp8)
+    layer = engine.runner.model.layers[0].self_attn
+    assert (layer.o_proj.fmt, layer.qkv_proj.fmt) == (DTYPE, "fp8")
+    assert torch.equal(layer.o_proj.weight.cpu().float(),
+                       plain["model.layers.0.self_attn.o_proj.weight"].float())
+    assert len(engine.generate(random_prompts([5], seed=3), greedy(3))[0]) == 3
 
 
 def test_dummy_weights_are_made_in_fp8(tiny_llama_dir):

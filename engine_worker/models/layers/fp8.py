@@ -42,6 +42,11 @@ class Fp8Method(LinearMethod):
              scale: Optional[torch.Tensor]) -> None:
         """The checkpoint's fp8 weight and its row scales as they are; a weight in
         another dtype quantized a row at a time."""
+        if layer.weight.is_cuda and (layer.in_features % 16 or layer.out_features % 16):
+            raise ValueError(f"fp8 weights on CUDA need layers whose sizes are multiples of "
+                             f"16 (cuBLASLt's fp8 GEMM); this model has one of "
+                             f"{layer.in_features} -> {layer.out_features}: serve it in "
+                             f"bfloat16")
         if scale is None:
             weight, scale = quantize_rows(weight.to(layer.weight.device))
         layer.weight.copy_(weight)

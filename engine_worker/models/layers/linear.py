@@ -84,7 +84,7 @@ class DenseMethod(LinearMethod):
     """The weight as a torch tensor in the model's dtype: torch's matmul (any device)."""
 
     def __init__(self, dtype: torch.dtype) -> None:
-        self.name = str(dtype).removeprefix("torch.")
+        self.dtype, self.name = dtype, str(dtype).removeprefix("torch.")
 
     def apply(self, layer: "Linear", x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
@@ -137,6 +137,14 @@ class Linear(nn.Module):
         fp8 weight's row scales."""
         self.method.load(self, weight, scale)
 
+    def keep_dense(self, method: "DenseMethod") -> None:
+        """Computes with a dense weight in ``method``'s dtype instead (a layer an fp8
+        checkpoint left unquantized), its memory made anew."""
+        self.method = method
+        self.weight = nn.Parameter(torch.empty(self.out_features, self.in_features,
+                                               dtype=method.dtype, device=self.weight.device),
+                                   requires_grad=False)
+
     def scale_outputs(self, factor: float) -> None:
         """Every output multiplied by ``factor``, folded into the loaded weight and bias
         (before ``finish``)."""
@@ -149,6 +157,8 @@ class Linear(nn.Module):
         ``finish``)."""
         tensors = self.method.rows(self) + ([self.bias] if self.bias is not None else [])
         for t in tensors:
+            if t.element_size() == 1:   # fp8: moved as bytes (not every index op takes it)
+                t = t.view(torch.uint8)
             t[:len(rows)] = t[rows.to(t.device)]
 
     def finish(self) -> None:
