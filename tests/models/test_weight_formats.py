@@ -399,7 +399,7 @@ def test_int8_without_the_c_kernels_is_refused(tiny_llama_dir):
 def test_an_unknown_quantization_is_refused_by_name():
     from common.config import EngineConfig
 
-    with pytest.raises(ValueError, match="quantization must be int8, q4, iq4 or unset, got 'int4'"):
+    with pytest.raises(ValueError, match="quantization must be int8, q4, iq4, fp8 or unset, got 'int4'"):
         EngineConfig(quantization="int4")
 
 
