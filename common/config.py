@@ -76,9 +76,18 @@ class CacheConfig:
     # every layer holds the whole context, as a disaggregated engine's must (a KV
     # transfer moves whole block tables).
     window_pool: bool = True
+    # Tiers below the pool (engine_worker/kv_offload.py): blocks it evicts kept in host
+    # memory (this many bytes; None: no host tier) and in files under a directory
+    # (None: no disk tier; at most kv_offload_disk_bytes there), and copied back
+    # instead of computed.
+    kv_offload_memory_bytes: Optional[int] = None
+    kv_offload_dir: Optional[str] = None
+    kv_offload_disk_bytes: int = 8 << 30
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
+        _positive("kv_offload_memory_bytes", self.kv_offload_memory_bytes)
+        _positive("kv_offload_disk_bytes", self.kv_offload_disk_bytes)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")

@@ -111,6 +111,16 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     kv_blocks_sent: int = 0
     kv_bytes_sent: int = 0
     kv_leases: int = 0
+    # The tiers below the KV pool (engine_worker/kv_offload.py), by tier ("host",
+    # "disk"): blocks and bytes held now, blocks copied in as the pool evicted them
+    # and copied back instead of computed; prompt blocks looked up there and not
+    # found (computed); blocks refused or lost, by why.
+    kv_offload_blocks: dict[str, int] = {}
+    kv_offload_bytes: dict[str, int] = {}
+    kv_offload_stored: dict[str, int] = {}
+    kv_offload_loaded: dict[str, int] = {}
+    kv_offload_missed: int = 0
+    kv_offload_errors: dict[str, int] = {}
 
 
 # -- Engine worker <-> its clients (frontends, benchmarks, tests) ------------------

@@ -99,15 +99,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-transfer-window-bytes", type=int, default=8 << 20,
                    help="decode engine: the most KV bytes one pull from a prefill engine "
                         "asks for")
+    g.add_argument("--kv-offload-memory", "--kv-offload-memory-gb", dest="kv_offload_memory_gb", type=float,
+                   default=None, metavar="GIB",
+                   help="a host-memory tier below the KV pool: blocks the pool evicts are "
+                        "kept there (up to GIB) and copied back when a prompt needs them, "
+                        "instead of computed (pinned memory and a side stream on CUDA)")
+    g.add_argument("--kv-offload-dir", default=env_default("KV_OFFLOAD_DIR"), metavar="DIR",
+                   help="a disk tier below those: evicted blocks in files under DIR (a "
+                        "directory per model and KV layout), found again after a restart")
+    g.add_argument("--kv-offload-disk", "--kv-offload-disk-gb", dest="kv_offload_disk_gb", type=float, default=8.0,
+                   metavar="GIB", help="the most the disk tier keeps (default 8)")
     g.add_argument("--per-token-output-frames", action="store_true",
                    help="experiment: one output frame per request per step, not one per "
                         "client per step")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    memory = None
-    if args.kv_cache_memory_gb is not None:
-        memory = int(args.kv_cache_memory_gb * 2**30)
+    memory = _bytes(args.kv_cache_memory_gb)
     return EngineConfig(
         model=args.model, device=args.device, dtype=args.dtype,
         quantization=args.quantization, num_threads=args.threads,
@@ -121,11 +129,23 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           enable_prefix_caching=not args.no_prefix_cache,
                           kv_transfer_timeout_s=args.kv_transfer_timeout,
                           kv_transfer_window_bytes=args.kv_transfer_window_bytes,
+                          kv_offload_memory_bytes=_bytes(args.kv_offload_memory_gb),
+                          kv_offload_dir=args.kv_offload_dir,
+                          kv_offload_disk_bytes=_bytes(args.kv_offload_disk_gb),
                           # (roseserve serve checks its flags here, with no role)
                           window_pool=getattr(args, "role", "mixed") == "mixed"),
         scheduler=SchedulerConfig(max_batch_size=args.max_batch_size,
                                   prefill_max_batch_size=args.prefill_max_batch_size,
                                   max_num_batched_tokens=args.max_num_batched_tokens))
+
+
+def _bytes(gib: Optional[float]) -> Optional[int]:
+    """GiB given on the command line, in bytes (ValueError below one byte)."""
+    if gib is None:
+        return None
+    if not gib * 2**30 >= 1:  # NaN fails too
+        raise ValueError(f"a size in GiB must be positive, got {gib}")
+    return int(gib * 2**30)
 
 
 def build_parser() -> argparse.ArgumentParser:

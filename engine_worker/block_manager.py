@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from common.prefix_hash import chain_hash
 
@@ -67,6 +67,10 @@ class BlockTable:
     # The sliding-window layers' blocks, where they have a pool of their own
     # (window_blocks.WindowedBlockManager); None otherwise.
     window: Optional["BlockTable"] = None
+
+
+# A cached block taken for other tokens: (block id, its hash, its token ids).
+Evicted = tuple[int, bytes, tuple[int, ...]]
 
 
 # The id in a table's released entries: a block of zeros no one writes (a pool made
@@ -101,6 +105,10 @@ class BlockManager:
             self.blocks.append(Block(NULL_BLOCK, ref_count=1))
         # Hash -> held, since the last take_changes(); None: not recording.
         self._changes: Optional[dict[bytes, bool]] = None
+        # Told of the cached blocks a call evicted, at the end of that call, before
+        # anything is written into them (kv_offload.py keeps their bytes).
+        self.on_evict: Optional[Callable[[list[Evicted]], None]] = None
+        self._evicted: list[Evicted] = []
 
     # -- queries ---------------------------------------------------------------
 
@@ -217,6 +225,7 @@ class BlockManager:
             table.block_ids.append(block_id)
         if self.enable_prefix_caching:
             self._register(table, token_ids, registrable)
+        self._hand_over()
         return True
 
     def hold(self, block_ids: Sequence[int]) -> BlockTable:
@@ -235,6 +244,7 @@ class BlockManager:
             block_id = self._take_fresh()
             self.blocks[block_id].ref_count = 1
             table.block_ids.append(block_id)
+        self._hand_over()
         return table
 
     def register(self, block_id: int, block_hash: bytes, token_ids: Sequence[int]) -> None:
@@ -321,12 +331,20 @@ class BlockManager:
             return block_id
         block_id, _ = self._evictable.popitem(last=False)  # least recently used
         block = self.blocks[block_id]
-        assert block.block_hash is not None
+        assert block.block_hash is not None and block.token_ids is not None
+        if self.on_evict is not None:
+            self._evicted.append((block_id, block.block_hash, block.token_ids))
         if self._by_hash.get(block.block_hash) == block_id:
             self._unhash(block.block_hash)
         block.block_hash = None
         block.token_ids = None
         return block_id
+
+    def _hand_over(self) -> None:
+        if self._evicted:
+            evicted, self._evicted = self._evicted, []
+            assert self.on_evict is not None
+            self.on_evict(evicted)
 
     def _unhash(self, block_hash: bytes) -> None:
         del self._by_hash[block_hash]

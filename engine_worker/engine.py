@@ -21,6 +21,7 @@ from common.protocol import (EngineStats, FinishReason, KvBlocks, KvPull, KvSour
 from common.structured import GrammarCompiler
 from common.validation import check_token_ids, checked_prompt
 from engine_worker.block_manager import BlockManager
+from engine_worker.kv_offload import KvOffload
 from engine_worker.kv_transfer import KvBlockStore, KvLeases, KvReceiver, KvTransfer
 from engine_worker.model_runner import ModelRunner
 from engine_worker.models.registry import load_model_config
@@ -99,6 +100,17 @@ class LLMEngine:
         self.kv_receiver = KvReceiver(self.block_manager, store, cache.kv_transfer_timeout_s,
                                       cache.kv_transfer_window_bytes,
                                       cache.kv_transfer_max_inflight_bytes)
+        # Tiers below the pool: evicted blocks kept and copied back (kv_offload.py).
+        self.kv_offload: Optional[KvOffload] = None
+        if cache.kv_offload_memory_bytes or cache.kv_offload_dir:
+            if self.runner.window or not cache.enable_prefix_caching:
+                raise ValueError("the KV offload tiers keep prefix-cache blocks of whole "
+                                 "tables: they need the prefix cache, and an engine that "
+                                 "holds every layer's blocks (no sliding-window pool)")
+            self.kv_offload = KvOffload(self.block_manager, store,
+                                        cache.kv_offload_memory_bytes, cache.kv_offload_dir,
+                                        cache.kv_offload_disk_bytes)
+            self.scheduler.onload = self.kv_offload.onload
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
@@ -538,7 +550,25 @@ class LLMEngine:
             kv_blocks_sent=self.kv_leases.num_blocks_sent,
             kv_bytes_sent=self.kv_leases.num_bytes_sent,
             kv_leases=len(self.kv_leases.leases),
+            **self._offload_stats(),
         )
+
+    def _offload_stats(self) -> dict:
+        tiers = self.kv_offload
+        if tiers is None:
+            return {}
+        held = tiers.snapshot()
+        return dict(kv_offload_blocks=held["blocks"], kv_offload_bytes=held["bytes"],
+                    kv_offload_stored=dict(tiers.stats.stored),
+                    kv_offload_loaded=dict(tiers.stats.loaded),
+                    kv_offload_missed=tiers.stats.missed, kv_offload_errors=tiers.errors())
+
+    def shutdown(self) -> None:
+        """Before the process exits: the prefix cache left on the disk tier, if any,
+        for the next engine on its directory."""
+        if self.kv_offload is not None and self.kv_offload.disk is not None:
+            count = self.kv_offload.persist()
+            logger.info("KV disk tier: %d cached block(s) written for the next engine", count)
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: Optional[SamplingParams] = None) -> list[list[int]]:

@@ -84,17 +84,31 @@ class KvBlockStore:
             self.scales is not None and layout == f"{self._layout}|{UNCALIBRATED}")
 
     def read(self, block_id: int) -> bytes:
-        one = torch.stack([c[:, block_id] for c in self.kv_caches])
-        return one.view(torch.uint8).cpu().numpy().tobytes()
+        return self.read_rows([block_id]).cpu().numpy().tobytes()
 
     def write(self, block_id: int, data: bytes) -> None:
+        self.write_rows([block_id], torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                        .view(1, -1))
+
+    def read_rows(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """The blocks' bytes, (len(block_ids), block_bytes) uint8 on the cache's device:
+        each row every layer's keys then values, layer by layer."""
+        ids = torch.tensor(list(block_ids), dtype=torch.long, device=self.kv_caches[0].device)
+        return torch.cat([c.view(torch.uint8)[:, ids].movedim(1, 0).reshape(len(ids), -1)
+                          for c in self.kv_caches], dim=1)
+
+    def write_rows(self, block_ids: Sequence[int], rows: torch.Tensor) -> None:
+        """Write rows of block bytes (read_rows' layout, on any device) into the blocks."""
         first = self.kv_caches[0]
-        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        rows = rows.to(first.device)
         if first.dtype == FP8:  # an fp8 cache holds no NaN (ops.to_cache_dtype): made 0
-            raw[(raw & 0x7F) == 0x7F] = 0
-        layers = raw.view(first.dtype).view(len(self.kv_caches), *first[:, block_id].shape)
-        for cache, layer in zip(self.kv_caches, layers.to(first.device)):
-            cache[:, block_id].copy_(layer)
+            rows = rows.masked_fill((rows & 0x7F) == 0x7F, 0)
+        ids = torch.tensor(list(block_ids), dtype=torch.long, device=first.device)
+        per_layer = rows.shape[1] // len(self.kv_caches)
+        for i, cache in enumerate(self.kv_caches):
+            raw = cache.view(torch.uint8)
+            layer = rows[:, i * per_layer:(i + 1) * per_layer]
+            raw[:, ids] = layer.reshape(len(ids), *raw[:, 0].shape).movedim(0, 1)
 
 
 @dataclass

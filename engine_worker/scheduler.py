@@ -22,7 +22,8 @@ Order of service each step:
      max(max_batch_size, prefill_max_batch_size) requests run, this step's admissions
      are under prefill_max_batch_size, the budget lasts, and no running request was
      preempted for blocks this step. An admitted request first attaches the blocks the
-     prefix cache holds for its prompt and computes only the rest.
+     prefix cache holds for its prompt, then those the tiers below the pool hold
+     (kv_offload.py: copied back), and computes only the rest.
 
 Before both, priority preempts: a waiting request that finds no room (the running
 set full, or too few blocks for its first chunk) while running requests have higher
@@ -43,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from common.config import SchedulerConfig
-from engine_worker.block_manager import BlockManager
+from engine_worker.block_manager import BlockManager, BlockTable
 from engine_worker.request import Request, RequestStatus
 
 
@@ -114,6 +115,10 @@ class Scheduler:
         self.drafter: Optional[Callable[[Request, int], list[int]]] = None
         # ... while a step's decodes and proposals stay within this many rows.
         self.max_step_rows = 0
+        # The KV tiers below the pool (kv_offload.py): (request, its cached block ids)
+        # -> a table holding the prompt blocks after those copied back into the pool,
+        # or None.
+        self.onload: Optional[Callable[[Request, list[int]], Optional[BlockTable]]] = None
 
     def add(self, request: Request) -> None:
         self.waiting.add(request)
@@ -184,11 +189,20 @@ class Scheduler:
             # logits are not cached) until it has them.
             cached = ([] if request.needs_prompt_logits else
                       self.block_manager.find_cached_prefix(request.blocks, request.token_ids))
+            onloaded = None
+            if self.onload is not None and not request.needs_prompt_logits:
+                onloaded = self.onload(request, cached)
+                if onloaded is not None:  # now in the pool: found there
+                    cached = self.block_manager.find_cached_prefix(request.blocks,
+                                                                   request.token_ids)
             num_cached = len(cached) * self.block_manager.block_size
             num_new = min(request.num_tokens - num_cached, budget)
-            if not self.block_manager.allocate(request.blocks, request.token_ids,
-                                               num_cached + num_new, cached,
-                                               request.num_tokens - request.num_pending):
+            allocated = self.block_manager.allocate(request.blocks, request.token_ids,
+                                                    num_cached + num_new, cached,
+                                                    request.num_tokens - request.num_pending)
+            if onloaded is not None:  # attached, or cached in the pool for the next try
+                self.block_manager.free(onloaded)
+            if not allocated:
                 break  # the pool is full; running requests free blocks as they finish
             self.waiting.pop()
             self._release_staged(request)

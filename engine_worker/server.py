@@ -132,6 +132,10 @@ class EngineServer:
             return 1
         failed = self.io.failed
         self._broadcast(Dead(reason="engine I/O failed" if failed else "engine stopped"))
+        try:
+            self.engine.shutdown()
+        except Exception:  # its cache is lost to the next engine, nothing else
+            logger.exception("saving the KV cache on the way out failed")
         self._close()
         return 1 if failed else 0
 

@@ -148,6 +148,7 @@ class _StateCollector:
         snap = self.snapshot()
         yield from _engine_families(snap, self.model_name, self.index)
         yield from _kv_transfer_families(snap)
+        yield from _kv_offload_families(snap)
         yield GaugeMetricFamily("roseserve_requests_in_progress",
                                 "HTTP completion requests being served (admitted, not ended)",
                                 value=snap.num_jobs)
@@ -283,3 +284,32 @@ def _kv_transfer_families(snap: "PipelineSnapshot") -> list:
             fallbacks.add_metric([e.address, reason], n)
         leases.add_metric([e.address], s.kv_leases)
     return [role, transfers, blocks, data, seconds, fallbacks, leases]
+
+
+def _kv_offload_families(snap: "PipelineSnapshot") -> list:
+    """The tiers below each engine's KV pool (engine_worker/kv_offload.py), by tier."""
+    labels = ["engine", "tier"]
+    held = GaugeMetricFamily("roseserve_kv_offload_blocks", "KV blocks a tier below the "
+                             "pool holds", labels=labels)
+    data = GaugeMetricFamily("roseserve_kv_offload_bytes", "Bytes of KV blocks a tier below "
+                             "the pool holds", labels=labels)
+    stored = CounterMetricFamily("roseserve_kv_offload_stored_blocks", "KV blocks copied into "
+                                 "a tier as the pool evicted them", labels=labels)
+    loaded = CounterMetricFamily("roseserve_kv_offload_loaded_blocks", "KV blocks copied back "
+                                 "from a tier instead of computed", labels=labels)
+    missed = CounterMetricFamily("roseserve_kv_offload_missed_blocks", "Prompt blocks looked "
+                                 "up below the pool and found in no tier", labels=["engine"])
+    errors = CounterMetricFamily("roseserve_kv_offload_errors", "KV blocks a tier refused or "
+                                 "lost (computed instead), by why", labels=["engine", "reason"])
+    for e in snap.engines:
+        s = e.stats
+        if s is None or not s.kv_offload_blocks:
+            continue
+        for family, counts in ((held, s.kv_offload_blocks), (data, s.kv_offload_bytes),
+                               (stored, s.kv_offload_stored), (loaded, s.kv_offload_loaded)):
+            for tier in sorted(s.kv_offload_blocks):
+                family.add_metric([e.address, tier], counts.get(tier, 0))
+        missed.add_metric([e.address], s.kv_offload_missed)
+        for reason, n in sorted(s.kv_offload_errors.items()):
+            errors.add_metric([e.address, reason], n)
+    return [held, data, stored, loaded, missed, errors]

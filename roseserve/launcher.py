@@ -146,7 +146,8 @@ ENGINE_FLAGS = ["device", "dtype", "quantization", "max_model_len", "max_batch_s
                 "kv_cache_memory_gb", "kv_cache_dtype", "gpu_memory_utilization", "load_format",
                 "enforce_eager", "speculative_tokens", "attention_backend", "no_prefix_cache",
                 "no_cpu_kernels", "seed", "per_token_output_frames", "kv_transfer_timeout",
-                "kv_transfer_window_bytes", "drain_timeout"]
+                "kv_transfer_window_bytes", "kv_offload_memory_gb", "kv_offload_dir",
+                "kv_offload_disk_gb", "drain_timeout"]
 # The API key is not among them: a command line is visible to every local user, so
 # the key reaches the frontend through its environment.
 FRONTEND_FLAGS = ["host", "api_key_file", "served_model_name", "max_body_bytes",

@@ -13,7 +13,8 @@ def make_engine(model_dir, block_size=4, num_blocks=512, budget=None, max_batch=
                 prefill_batch=None, prefix_caching=True, cpu_kernels=True,
                 max_model_len=None, dtype="auto", quantization=None,
                 kv_cache_dtype="auto", async_scheduling=None,
-                speculative_tokens=0, window_pool=True) -> LLMEngine:
+                speculative_tokens=0, window_pool=True, **cache) -> LLMEngine:
+    """A CPU engine on a small pool; ``cache``: further CacheConfig fields."""
     return LLMEngine(EngineConfig(
         model=str(model_dir), device="cpu", cpu_kernels=cpu_kernels, dtype=dtype,
         quantization=quantization, async_scheduling=async_scheduling,
@@ -21,7 +22,7 @@ def make_engine(model_dir, block_size=4, num_blocks=512, budget=None, max_batch=
         max_model_len=max_model_len,
         cache=CacheConfig(block_size=block_size, num_blocks=num_blocks,
                           enable_prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype,
-                          window_pool=window_pool),
+                          window_pool=window_pool, **cache),
         scheduler=SchedulerConfig(max_batch_size=max_batch, prefill_max_batch_size=prefill_batch,
                                   max_num_batched_tokens=budget)))
 
