@@ -2,7 +2,9 @@
 
 The C sources have no Python or torch headers, so they compile in about a second with
 the system's C compiler. The shared object is cached under the cache folder, keyed by
-the source, the flags and this CPU's feature flags (it is built with -march=native).
+the source, the flags and this CPU's feature flags (it is built with -march=native);
+so are its objects (under kernels/objects), by what each is compiled from, which builds
+with other flags share where these change nothing in a source (the tests build some 20).
 Without a compiler, callers fall back to the pure-torch path; that choice is logged.
 """
 
@@ -20,7 +22,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 from common.config import cache_dir
 from engine_worker.cpu.kernels import CpuKernels
@@ -106,34 +108,160 @@ def cached_path(extra_flags: Sequence[str] = ()) -> Path:
     return Path(cache_dir()) / "kernels" / f"roseserve-kernels-{key.hexdigest()[:16]}.so"
 
 
-def _compile(compiler: str, flags: list[str], out: Path) -> Optional[tuple[str, str]]:
-    """Build the library ``out``: every source compiled at once, each by its own
-    process, then linked (gemm.c and paged_attention.c take 6 and 10 s on a Xeon: 10
-    s on two cores where one command took 16). The failing command and its complaint,
-    or None."""
+def _objects_dir() -> Path:
+    return Path(cache_dir()) / "kernels" / "objects"
+
+
+def _key_flags(flags: Sequence[str], target_options: str) -> list[str]:
+    """Of a compile's flags, those its object's cache key names: not -D or -U, whose
+    effect the preprocessed source shows, nor an -m switch whose effect the compiler's
+    resolved target options show (-mno-amx-tile on a CPU without AMX changes nothing:
+    the same object)."""
+    listed = {line.split()[0] for line in target_options.splitlines()
+              if line.lstrip().startswith("-m")}
+
+    def shown(f: str) -> bool:
+        return f.startswith("-m") and "=" not in f and "-m" + f[2:].removeprefix("no-") in listed
+    return [f for f in flags if not ((f[:2] in ("-D", "-U") and len(f) > 2) or shown(f))]
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler_id(compiler: str) -> bytes:
+    try:
+        return subprocess.run([compiler, "--version"], capture_output=True).stdout
+    except OSError:
+        return b""
+
+
+class _Job(NamedTuple):
+    cmd: list[str]
+    source: str = ""   # the source it compiles (timed, to start the longest first)
+    stdout: Optional[str] = None   # the file its output goes to
+
+
+# How long each source took to compile in this process
+_seconds: dict[str, float] = {}
+
+
+def _run_all(jobs: list[_Job], parallel: Optional[int],
+             stop_at_failure: bool) -> dict[int, tuple[str, str]]:
+    """Run the commands, ``parallel`` at a time (None: all at once), the sources that
+    took longest to compile first. Those that failed (by index: the command and its
+    complaint); with ``stop_at_failure``, the first one, the others stopped."""
+    queue = list(range(len(jobs)))
+    running: list[tuple[int, subprocess.Popen, Any, float]] = []
+    failed: dict[int, tuple[str, str]] = {}
+    try:
+        while queue or running:
+            while queue and len(running) < (parallel or len(jobs)):
+                i = max(queue, key=lambda j: _seconds.get(jobs[j].source, float("inf")))
+                queue.remove(i)
+                err = tempfile.TemporaryFile()
+                out = open(jobs[i].stdout, "wb") if jobs[i].stdout else subprocess.DEVNULL
+                try:
+                    running.append((i, subprocess.Popen(jobs[i].cmd, stdout=out, stderr=err),
+                                    err, time.monotonic()))
+                except OSError as e:  # the compiler vanished, or is not executable
+                    err.close()
+                    failed[i] = jobs[i].cmd[0], str(e)
+                    if stop_at_failure:
+                        return failed
+                finally:
+                    if jobs[i].stdout:
+                        out.close()
+            done = [r for r in running if r[1].poll() is not None]
+            if not done:
+                time.sleep(0.02)
+            for job in done:
+                running.remove(job)
+                i, proc, err, started = job
+                if proc.returncode != 0:
+                    err.seek(0)
+                    failed[i] = (" ".join(jobs[i].cmd),
+                                 err.read().decode(errors="replace").strip())
+                elif jobs[i].source:
+                    _seconds[jobs[i].source] = time.monotonic() - started
+                err.close()
+                if proc.returncode != 0 and stop_at_failure:
+                    return failed
+        return failed
+    finally:   # the others, when one failed or this process was stopped
+        for _, proc, err, _ in running:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            err.close()
+
+
+def _objects(compiler: str, flag_lists: Sequence[list[str]], parallel: Optional[int],
+             stop_at_failure: bool) -> list[Any]:
+    """For each build's flags, its objects (in _SOURCES' order), or the command that
+    failed and its complaint. An object is cached by what it is compiled from: the
+    source as the flags preprocess it, the flags that are not the preprocessor's, and
+    the target options they leave on, so builds that differ only in macros a source
+    does not read, or in instructions this CPU lacks anyway, share it. Each missing
+    object is compiled once, ``parallel`` at a time (None: all at once)."""
+    out = _objects_dir()
+    results: list[Any] = []
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        objects = [str(Path(tmp) / f"{source.stem}.o") for source in _SOURCES]
-        compiles = [[compiler, *(f for f in flags if f != "-shared"), "-c", str(source),
-                     "-o", obj] for source, obj in zip(_SOURCES, objects)]
-        jobs: list[subprocess.Popen] = []
-        try:
-            for cmd in compiles:
-                jobs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
-                                             stderr=subprocess.PIPE, text=True))
-            for cmd, job in zip(compiles, jobs):
-                _, error = job.communicate()
-                if job.returncode != 0:
-                    return " ".join(cmd), error.strip()
-            link = [compiler, *link_flags(flags), *objects, "-o", str(out), "-lm"]
-            result = subprocess.run(link, capture_output=True, text=True)
-        except OSError as e:  # the compiler vanished, or is not executable
-            return compiler, str(e)
-        finally:   # the others, when one failed
-            for job in jobs:
-                if job.poll() is None:
-                    job.kill()
-                    job.wait()
-        return (" ".join(link), result.stderr.strip()) if result.returncode != 0 else None
+        def compile_cmd(flags: list[str]) -> list[str]:
+            return [compiler, *(f for f in flags if f != "-shared")]
+
+        # a compiler without -Q --help=target (not GCC): each -m flag in the keys
+        target_failed = _run_all([_Job(compile_cmd(flags) + ["-Q", "--help=target"],
+                                       stdout=f"{tmp}/{b}.target")
+                                  for b, flags in enumerate(flag_lists)], parallel, False)
+        preprocess = [_Job(compile_cmd(flags) + ["-E", str(s), "-o", f"{tmp}/{b}-{s.stem}.i"])
+                      for b, flags in enumerate(flag_lists) for s in _SOURCES]
+        failed = _run_all(preprocess, parallel, stop_at_failure)
+        compiles: dict[Path, _Job] = {}
+        for b, flags in enumerate(flag_lists):
+            complaints = [failed[i] for i in range(b * len(_SOURCES), (b + 1) * len(_SOURCES))
+                          if i in failed]
+            if complaints or (stop_at_failure and failed):
+                results.append(complaints[0] if complaints else None)
+                continue
+            target = "" if b in target_failed else \
+                Path(f"{tmp}/{b}.target").read_text(errors="replace")
+            key_flags = " ".join(_key_flags(flags, target)).encode()
+            objects = []
+            for s in _SOURCES:
+                key = hashlib.sha256(b"\0".join([
+                    _compiler_id(compiler), _cpu_signature().encode(), key_flags,
+                    target.encode(), Path(f"{tmp}/{b}-{s.stem}.i").read_bytes()]))
+                obj = out / f"{s.stem}-{key.hexdigest()[:16]}.o"
+                objects.append(obj)
+                if not obj.is_file():
+                    compiles.setdefault(obj, _Job(compile_cmd(flags) + [
+                        "-c", str(s), "-o", f"{tmp}/{obj.name}"], s.name))
+            results.append(objects)
+        missing = list(compiles)
+        failed = _run_all([compiles[obj] for obj in missing], parallel, stop_at_failure)
+        for i, obj in enumerate(missing):
+            if i not in failed and os.path.exists(f"{tmp}/{obj.name}"):
+                out.mkdir(exist_ok=True)
+                os.replace(f"{tmp}/{obj.name}", obj)  # atomic: never half an object
+    for b, objects in enumerate(results):
+        if isinstance(objects, list) and not all(obj.is_file() for obj in objects):
+            results[b] = next((failed[i] for i, obj in enumerate(missing)
+                               if obj in objects and i in failed), None)
+    return results
+
+
+def _compile(compiler: str, flags: list[str], out: Path) -> Optional[tuple[str, str]]:
+    """Build the library ``out``: every source not in the cache of objects compiled at
+    once, each by its own process, then linked (gemm.c and paged_attention.c take 6 and
+    10 s on a Xeon: 10 s on two cores where one command took 16). The failing command
+    and its complaint, or None."""
+    objects = _objects(compiler, [flags], None, stop_at_failure=True)[0]
+    if not isinstance(objects, list):
+        return objects or (compiler, "the build stopped")
+    link = [compiler, *link_flags(flags), *map(str, objects), "-o", str(out), "-lm"]
+    try:
+        result = subprocess.run(link, capture_output=True, text=True)
+    except OSError as e:  # the compiler vanished, or is not executable
+        return compiler, str(e)
+    return (" ".join(link), result.stderr.strip()) if result.returncode != 0 else None
 
 
 def _build(compiler: str, extra_flags: Sequence[str], target: Path) -> bool:
@@ -156,6 +284,42 @@ def _build(compiler: str, extra_flags: Sequence[str], target: Path) -> bool:
     return True
 
 
+def _built(compiler: str, extra_flags: Sequence[str], target: Path) -> bool:
+    """Whether ``target`` is in the cache, built now if it was not."""
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # One build at a time: a process that finds another building waits for it
+        # (engines started together; roseserve serve's build during a first start)
+        with open(target.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not target.is_file() and not _build(compiler, extra_flags, target):
+                return False
+    return True
+
+
+def build_all(flag_lists: Sequence[Sequence[str]], parallel: Optional[int] = None) -> None:
+    """Build into the cache the kernels with each of these extra flags that are not
+    there yet, all together: every object they lack compiled once, ``parallel`` at a
+    time (by default as many as this machine has cores), the longest first, then each
+    linked. For the tests' many builds, which one at a time leave a core idle while
+    the longest source compiles. A build that fails is left to build_and_load to
+    report."""
+    compiler = _find_compiler()
+    pending = {cached_path(extra): list(extra) for extra in flag_lists}
+    pending = {target: extra for target, extra in pending.items() if not target.is_file()}
+    if compiler is None or not pending:
+        return
+    started = time.monotonic()
+    next(iter(pending)).parent.mkdir(parents=True, exist_ok=True)
+    objects = _objects(compiler, [build_flags(extra) for extra in pending.values()],
+                       parallel or os.cpu_count(), stop_at_failure=False)
+    for (target, extra), built in zip(pending.items(), objects):
+        if isinstance(built, list):
+            _built(compiler, extra, target)   # linked: its objects are in the cache
+    logger.info("built %d variants of the CPU kernels in %.1f s", len(pending),
+                time.monotonic() - started)
+
+
 def build_and_load(extra_flags: Sequence[str] = ()) -> Optional[CpuKernels]:
     """Build (or find in the cache) and load the kernels, compiled with the standard
     flags plus ``extra_flags``."""
@@ -164,15 +328,8 @@ def build_and_load(extra_flags: Sequence[str] = ()) -> Optional[CpuKernels]:
         logger.warning("no C compiler found: CPU attention uses the slower torch path")
         return None
     target = cached_path(extra_flags)
-    out_dir = target.parent
-    if not target.is_file():
-        out_dir.mkdir(parents=True, exist_ok=True)
-        # One build at a time: a process that finds another building waits for it
-        # (engines started together; roseserve serve's build during a first start)
-        with open(target.with_suffix(".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            if not target.is_file() and not _build(compiler, extra_flags, target):
-                return None
+    if not _built(compiler, extra_flags, target):
+        return None
     try:
         return CpuKernels(ctypes.CDLL(str(target)))
     except OSError as e:

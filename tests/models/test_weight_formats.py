@@ -35,6 +35,33 @@ ISAS = {"native": [], "avx2": ["-mno-avx512f"], "avx2-no-vnni": ["-mno-avx512f",
         "amx-built": ["-mamx-tile", "-mamx-bf16", "-mamx-int8"],
         # AMX's tile instructions in plain C (csrc/amx_emulate.h): the AMX paths run here
         "amx-emulated": ["-DRS_AMX_EMULATE", *NO_AMX]}
+# AMX's tiles emulated with every product off by one
+FAULTY_AMX = ["-DRS_AMX_EMULATE", "-DRS_AMX_EMULATE_FAULT", *NO_AMX]
+# test_intel_and_other_builds_compute_the_same_floats's and
+# test_unpacked_4bit_panels_give_the_packed_tiles_floats's ISAs
+INTEL_ISAS = ["native", "avx2", "avx512-no-bf16"]
+UNPACKING_ISAS = ["avx512-bf16", "avx2", "avx2-no-vnni", "portable"]
+PACKED_ONLY = "-DQ4X_MIN_ROWS=1000000"   # 4-bit panels never unpacked
+
+
+def intel_builds(isa: str) -> tuple[list[str], list[str], list[str]]:
+    """An ISA's build for Intel CPUs, for others, and the other that widens bfloat16."""
+    return ([*ISAS[isa], "-DRS_INTEL"], [*ISAS[isa], "-URS_INTEL"],   # after the vendor's -D
+            [*ISAS["avx512-no-bf16" if isa == "native" else isa], "-URS_INTEL"])
+
+
+# Every build the tests here load
+BUILDS = [*ISAS.values(), NO_AMX, FAULTY_AMX,
+          *(flags for isa in INTEL_ISAS for flags in intel_builds(isa)),
+          *([*ISAS[isa], PACKED_ONLY] for isa in UNPACKING_ISAS)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def builds():
+    """The kernels the tests here load, built before them all together: on a fresh
+    machine, each object compiled once, as many at once as it has cores (built one
+    after the other, the longest source of each left a core idle)."""
+    build.build_all(BUILDS)
 
 
 @pytest.fixture(scope="module", params=list(ISAS))
@@ -143,8 +170,7 @@ def test_amx_tiles_that_disagree_at_load_are_not_used(caplog):
     if int8_dot_products(flags) != "vnni" and "avx512_bf16" not in flags:
         pytest.skip("AMX's tiles are built only with VNNI or AVX-512-BF16 beside them")
     with caplog.at_level(logging.WARNING, logger="engine_worker.cpu.kernels"):
-        faulty = build.build_and_load(["-DRS_AMX_EMULATE", "-DRS_AMX_EMULATE_FAULT",
-                                          *NO_AMX])
+        faulty = build.build_and_load(FAULTY_AMX)
     assert "AMX tiles gave other results than its vector instructions" in caplog.text
     assert faulty.int8_path == int8_dot_products(flags)
     assert faulty.bf16_path == bf16_dot_products(flags)
@@ -403,7 +429,7 @@ def test_an_unknown_quantization_is_refused_by_name():
         EngineConfig(quantization="int4")
 
 
-@pytest.mark.parametrize("isa", ["native", "avx2", "avx512-no-bf16"])
+@pytest.mark.parametrize("isa", INTEL_ISAS)
 def test_intel_and_other_builds_compute_the_same_floats(isa):
     """The kernels for Intel CPUs (RS_INTEL, which kernels.py sets from the vendor)
     fetch float tiles' next panels into L2 instead of L1 and take 4 panels at every row
@@ -413,10 +439,7 @@ def test_intel_and_other_builds_compute_the_same_floats(isa):
     Their bfloat16 weights are widened (in registers up to 16 rows, into float32 panels
     above), where other builds may multiply with vdpbf16ps: the floats of a build that
     widens (one without AVX-512-BF16)."""
-    intel = build.build_and_load([*ISAS[isa], "-DRS_INTEL"])
-    other = build.build_and_load([*ISAS[isa], "-URS_INTEL"])   # after the vendor's -D
-    widened = build.build_and_load(
-        [*ISAS["avx512-no-bf16" if isa == "native" else isa], "-URS_INTEL"])
+    intel, other, widened = map(build.build_and_load, intel_builds(isa))
     assert intel is not None and other is not None and widened is not None
     torch.manual_seed(0)
     for fmt, reference in (("float32", other), ("bfloat16", widened)):
@@ -429,14 +452,14 @@ def test_intel_and_other_builds_compute_the_same_floats(isa):
 
 
 @pytest.mark.parametrize("fmt", ["q4", "iq4", "mxfp4"])
-@pytest.mark.parametrize("isa", ["avx512-bf16", "avx2", "avx2-no-vnni", "portable"])
+@pytest.mark.parametrize("isa", UNPACKING_ISAS)
 def test_unpacked_4bit_panels_give_the_packed_tiles_floats(isa, fmt):
     """From Q4X_MIN_ROWS rows a thread unpacks each group of 4-bit (or IQ4, MXFP4) panels
     into bytes once (gemm.c; IQ4's and MXFP4's into int8 panels, for the int8 tiles) instead of each row
     block unpacking the nibbles: the same products summed in the same order, so the same
     floats."""
     unpacking = build.build_and_load(ISAS[isa])   # without AMX, whose tiles take over
-    packed_only = build.build_and_load([*ISAS[isa], "-DQ4X_MIN_ROWS=1000000"])
+    packed_only = build.build_and_load([*ISAS[isa], PACKED_ONLY])
     assert unpacking is not None and packed_only is not None
     torch.manual_seed(0)
     w = torch.randn(100, 160)   # a partial panel; 5 blocks of 32 inputs
