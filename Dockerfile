@@ -15,6 +15,7 @@ COPY common/ /src/common/
 COPY engine_worker/ /src/engine_worker/
 COPY frontend/ /src/frontend/
 COPY tokenizer_worker/ /src/tokenizer_worker/
+COPY kv_store/ /src/kv_store/
 COPY roseserve/ /src/roseserve/
 # torch pinned and first: 2.13.0 from the CPU index (or the wheelhouse) is the CPU
 # build; GPU images install their CUDA build the same way with another pin.

@@ -42,6 +42,8 @@ MAX_THREADS = 1024
 
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "fp8")
+# How a frontend spreads requests over engines (frontend/router.py).
+ROUTING_POLICIES = ("prefix", "least-loaded", "round-robin")
 
 
 @dataclass(frozen=True)
@@ -83,9 +85,19 @@ class CacheConfig:
     kv_offload_memory_bytes: Optional[int] = None
     kv_offload_dir: Optional[str] = None
     kv_offload_disk_bytes: int = 8 << 30
+    # The shared KV store (kv_store/) below those: None, none. Its transfers end after
+    # kv_store_timeout_s (the rest computed), and a store that timed out or dropped the
+    # connection is left alone for a while (engine_worker/kv_offload.py).
+    kv_store_address: Optional[str] = None
+    kv_store_timeout_s: float = 1.0
 
     def __post_init__(self) -> None:
         _positive("block_size", self.block_size)
+        if self.kv_store_address is not None:
+            _check_address("kv_store_address", self.kv_store_address)
+        if not self.kv_store_timeout_s > 0:
+            raise ValueError(f"kv_store_timeout_s must be positive, got "
+                             f"{self.kv_store_timeout_s}")
         _positive("kv_offload_memory_bytes", self.kv_offload_memory_bytes)
         _positive("kv_offload_disk_bytes", self.kv_offload_disk_bytes)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -230,6 +242,7 @@ class EngineConfig:
 
 DEFAULT_ENGINE_ADDRESS = "tcp://127.0.0.1:5557"
 DEFAULT_TOKENIZER_ADDRESS = "tcp://127.0.0.1:5558"
+DEFAULT_KV_STORE_ADDRESS = "tcp://127.0.0.1:5559"
 DEFAULT_MAX_FRAME_BYTES = 16 << 20
 
 
@@ -282,6 +295,31 @@ class EngineServerConfig:
             raise ValueError(f"role must be one of {', '.join(ENGINE_ROLES)}, got {self.role!r}")
         if self.drain_timeout_s < 0 or self.client_timeout_s <= 0:
             raise ValueError("drain_timeout_s must be >= 0 and client_timeout_s > 0")
+        _positive("max_frame_bytes", self.max_frame_bytes)
+
+
+@dataclass(frozen=True)
+class KvStoreConfig:
+    """The shared KV store (kv_store/)."""
+
+    # Where its ROUTER socket binds. Loopback unless asked otherwise.
+    bind: str = DEFAULT_KV_STORE_ADDRESS
+    # Blocks kept in memory, least recently used first out (to disk_dir, if any).
+    memory_bytes: int = 4 << 30
+    disk_dir: Optional[str] = None
+    disk_bytes: int = 32 << 30
+    # An answer to a pull holds at most this many bytes of blocks.
+    window_bytes: int = 8 << 20
+    # A peer that sends a larger frame is disconnected (a put of a window of blocks
+    # and its framing fit).
+    max_frame_bytes: int = 4 * DEFAULT_MAX_FRAME_BYTES
+    curve_key: Optional["CurveKey"] = None
+
+    def __post_init__(self) -> None:
+        _check_address("bind", self.bind)
+        _positive("memory_bytes", self.memory_bytes)
+        _positive("disk_bytes", self.disk_bytes)
+        _positive("window_bytes", self.window_bytes)
         _positive("max_frame_bytes", self.max_frame_bytes)
 
 
@@ -402,8 +440,9 @@ class FrontendConfig:
             raise ValueError(f"kv_lease_s must be in (0, 600], got {self.kv_lease_s}")
         if self.request_retries < 0:
             raise ValueError(f"request_retries must be 0 or more, got {self.request_retries}")
-        if self.routing not in ("prefix", "least-loaded"):
-            raise ValueError(f"routing must be prefix or least-loaded, got {self.routing!r}")
+        if self.routing not in ROUTING_POLICIES:
+            raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got "
+                             f"{self.routing!r}")
         for key in self.api_keys:
             if not key or any(c.isspace() or c == "," for c in key):
                 raise ValueError("an API key must be non-empty, without whitespace or commas "

@@ -121,6 +121,14 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     kv_offload_loaded: dict[str, int] = {}
     kv_offload_missed: int = 0
     kv_offload_errors: dict[str, int] = {}
+    # The shared KV store (kv_store/, engine_worker/kv_store_link.py): blocks put;
+    # blocks pulled, asked for and not held; transfers that failed, by why; whether
+    # the engine uses it now (not while it backs off after a failure; None: no store).
+    kv_store_put_blocks: int = 0
+    kv_store_hits: int = 0
+    kv_store_misses: int = 0
+    kv_store_errors: dict[str, int] = {}
+    kv_store_up: Optional[bool] = None
 
 
 # -- Engine worker <-> its clients (frontends, benchmarks, tests) ------------------
@@ -138,7 +146,8 @@ class MessageType(enum.IntEnum):
     ABORT = 3  # AbortRequests
     PING = 4  # Ping: answered by Pong (from the I/O thread), with stats
     CACHE_SYNC = 5  # CacheSync: send me a snapshot of your prefix cache
-    KV_PULL = 6  # KvPull: a decode engine asks a prefill engine for KV blocks
+    KV_PULL = 6  # KvPull: a decode engine asks a prefill engine (or the KV store) for blocks
+    KV_PUT = 7  # KvPut: an engine gives the KV store blocks to keep
     # engine -> client
     READY = 16  # Ready
     OUTPUTS = 17  # OutputBatch: everything one step produced for this client
@@ -147,6 +156,7 @@ class MessageType(enum.IntEnum):
     DEAD = 20  # Dead: the engine is going down
     CACHE_EVENTS = 21  # CacheEvents: the prefix cache's changes, or a snapshot of it
     KV_BLOCKS = 22  # KvBlocks: the answer to a KvPull
+    STORE_PONG = 23  # StorePong: the KV store's answer to a Ping
 
 
 # The version of every message in this module. Bump it when a message changes: the
@@ -308,6 +318,33 @@ class KvBlock(msgspec.Struct, frozen=True, array_like=True):
     data: bytes
 
 
+class KvPut(msgspec.Struct, frozen=True, kw_only=True):
+    """Engine -> KV store (kv_store/): keep these full blocks, of ``layout`` (KvPull's).
+    No answer: a block the store refuses (a bad checksum, another size than its
+    layout's) or has no room for is simply not kept."""
+
+    layout: str
+    blocks: list[KvBlock]
+
+
+class StoreStats(msgspec.Struct, frozen=True, kw_only=True):
+    """The KV store's contents and what it has done: blocks and bytes held, by tier
+    ("memory", "disk"); blocks put, served, asked for and not held; blocks refused,
+    by why."""
+
+    blocks: dict[str, int] = {}
+    bytes: dict[str, int] = {}
+    num_put: int = 0
+    num_hits: int = 0
+    num_misses: int = 0
+    refused: dict[str, int] = {}
+
+
+class StorePong(msgspec.Struct, frozen=True, kw_only=True):
+    nonce: int
+    stats: StoreStats
+
+
 class KvBlocks(msgspec.Struct, frozen=True, kw_only=True):
     """Prefill engine -> decode engine: the blocks a KvPull asked for, in its order,
     stopping at the first one the engine no longer holds. ``error``: why none or not
@@ -424,6 +461,16 @@ ENGINE_MESSAGES: dict[int, type] = {
     MessageType.PONG: Pong,
     MessageType.DEAD: Dead,
     MessageType.CACHE_EVENTS: CacheEvents,
+    MessageType.KV_BLOCKS: KvBlocks,
+}
+# An engine (or a health check) -> the KV store (kv_store/), and back.
+STORE_REQUESTS: dict[int, type] = {
+    MessageType.PING: Ping,
+    MessageType.KV_PULL: KvPull,
+    MessageType.KV_PUT: KvPut,
+}
+STORE_REPLIES: dict[int, type] = {
+    MessageType.STORE_PONG: StorePong,
     MessageType.KV_BLOCKS: KvBlocks,
 }
 POOL_REQUESTS: dict[int, type] = {

@@ -109,6 +109,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "directory per model and KV layout), found again after a restart")
     g.add_argument("--kv-offload-disk", "--kv-offload-disk-gb", dest="kv_offload_disk_gb", type=float, default=8.0,
                    metavar="GIB", help="the most the disk tier keeps (default 8)")
+    g.add_argument("--kv-store-address", default=env_default("KV_STORE_ADDRESS"),
+                   metavar="ADDRESS",
+                   help="the shared KV store (python -m kv_store) at ADDRESS: blocks this "
+                        "engine evicts or its requests leave are put there, and prompt "
+                        "blocks it lacks are pulled from there, checked, instead of "
+                        "computed (a store that fails costs recomputation, never output)")
+    g.add_argument("--kv-store-timeout", type=float, default=1.0,
+                   help="a pull from the KV store not complete after this many seconds "
+                        "ends; the rest is computed")
     g.add_argument("--per-token-output-frames", action="store_true",
                    help="experiment: one output frame per request per step, not one per "
                         "client per step")
@@ -132,6 +141,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                           kv_offload_memory_bytes=_bytes(args.kv_offload_memory_gb),
                           kv_offload_dir=args.kv_offload_dir,
                           kv_offload_disk_bytes=_bytes(args.kv_offload_disk_gb),
+                          kv_store_address=args.kv_store_address,
+                          kv_store_timeout_s=args.kv_store_timeout,
                           # (roseserve serve checks its flags here, with no role)
                           window_pool=getattr(args, "role", "mixed") == "mixed"),
         scheduler=SchedulerConfig(max_batch_size=args.max_batch_size,

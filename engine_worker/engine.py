@@ -11,6 +11,7 @@ import logging
 import time
 from typing import Iterable, Optional, Sequence
 
+import msgspec
 import torch
 
 from common.config import EngineConfig
@@ -22,6 +23,7 @@ from common.structured import GrammarCompiler
 from common.validation import check_token_ids, checked_prompt
 from engine_worker.block_manager import BlockManager
 from engine_worker.kv_offload import KvOffload
+from engine_worker.kv_store_link import KvStoreLink
 from engine_worker.kv_transfer import KvBlockStore, KvLeases, KvReceiver, KvTransfer
 from engine_worker.model_runner import ModelRunner
 from engine_worker.models.registry import load_model_config
@@ -100,16 +102,23 @@ class LLMEngine:
         self.kv_receiver = KvReceiver(self.block_manager, store, cache.kv_transfer_timeout_s,
                                       cache.kv_transfer_window_bytes,
                                       cache.kv_transfer_max_inflight_bytes)
-        # Tiers below the pool: evicted blocks kept and copied back (kv_offload.py).
+        # Tiers below the pool: evicted blocks kept and copied back (kv_offload.py),
+        # and the shared KV store (kv_store_link.py).
         self.kv_offload: Optional[KvOffload] = None
-        if cache.kv_offload_memory_bytes or cache.kv_offload_dir:
+        self.kv_store: Optional[KvStoreLink] = None
+        if cache.kv_offload_memory_bytes or cache.kv_offload_dir or cache.kv_store_address:
             if self.runner.window or not cache.enable_prefix_caching:
-                raise ValueError("the KV offload tiers keep prefix-cache blocks of whole "
-                                 "tables: they need the prefix cache, and an engine that "
-                                 "holds every layer's blocks (no sliding-window pool)")
+                raise ValueError("the KV offload tiers and the KV store keep prefix-cache "
+                                 "blocks of whole tables: they need the prefix cache, and an "
+                                 "engine that holds every layer's blocks (no sliding-window "
+                                 "pool)")
+            if cache.kv_store_address:
+                self.kv_store = KvStoreLink(cache.kv_store_address, self.block_manager, store,
+                                            cache.kv_store_timeout_s,
+                                            cache.kv_transfer_window_bytes)
             self.kv_offload = KvOffload(self.block_manager, store,
                                         cache.kv_offload_memory_bytes, cache.kv_offload_dir,
-                                        cache.kv_offload_disk_bytes)
+                                        cache.kv_offload_disk_bytes, self.kv_store)
             self.scheduler.onload = self.kv_offload.onload
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
@@ -198,9 +207,22 @@ class LLMEngine:
         self.requests[request_id] = request
         # (an engine that lets blocks go computes the prompt itself: a transfer moves
         # whole tables)
-        if (kv_source is None or self.runner.window
-                or not self.kv_receiver.start(request, kv_source, time.monotonic())):
+        now = time.monotonic()
+        if kv_source is not None and not self.runner.window:
+            if not self.kv_receiver.start(request, kv_source, now):
+                self.scheduler.add(request)
+        elif not self._pull_from_store(request, now):
             self.scheduler.add(request)
+
+    def _pull_from_store(self, request: Request, now: float) -> bool:
+        """Ask the KV store for the prompt blocks neither the pool nor the tiers below
+        it hold; whether the request now waits for them."""
+        if self.kv_store is None or request.needs_prompt_logits or not self.kv_store.up(now):
+            return False
+        assert self.kv_offload is not None
+        cached = self.block_manager.find_cached_prefix(request.blocks, request.token_ids)
+        return self.kv_store.start(request, self.kv_offload.tier_run(request, len(cached)),
+                                   now)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
         """Stop requests and free their blocks. Returns the ids that were active."""
@@ -211,7 +233,8 @@ class LLMEngine:
             request = self.requests.pop(request_id, None)
             if request is None:
                 continue
-            if self.kv_receiver.cancel(request_id):
+            if self.kv_receiver.cancel(request_id) or (
+                    self.kv_store is not None and self.kv_store.receiver.cancel(request_id)):
                 request.status = RequestStatus.FINISHED
             else:
                 self.scheduler.finish(request)
@@ -229,30 +252,59 @@ class LLMEngine:
 
     # -- KV transfers (prefill/decode disaggregation) ----------------------------
 
-    def kv_pulls(self) -> list[tuple[str, KvPull]]:
-        """(prefill engine address, KvPull) to send now."""
-        return self.kv_receiver.pulls()
+    def kv_pulls(self) -> list[tuple[str, msgspec.Struct]]:
+        """(address, KvPull or KvPut) to send now: to prefill engines, and to the KV
+        store."""
+        store = self.kv_store.messages() if self.kv_store is not None else []
+        return self.kv_receiver.pulls() + store
 
     def answer_kv_pull(self, pull: KvPull) -> KvBlocks:
         return self.kv_leases.answer(pull, self.config.cache.kv_transfer_window_bytes)
 
     def receive_kv(self, address: str, reply: KvBlocks) -> None:
-        self._kv_ended(self.kv_receiver.receive(address, reply, time.monotonic()))
+        now = time.monotonic()
+        if self._is_store(address):
+            assert self.kv_store is not None
+            self._kv_ended(self.kv_store.receive(reply, now), store=True)
+        else:
+            self._kv_ended(self.kv_receiver.receive(address, reply, now))
 
     def kv_source_failed(self, address: str, reason: str) -> None:
-        """A prefill engine is gone: its transfers end, the rest computed here."""
-        self._kv_ended(self.kv_receiver.fail_source(address, reason, time.monotonic()))
+        """A prefill engine (or the KV store) is gone: its transfers end, the rest
+        computed here."""
+        now = time.monotonic()
+        if self._is_store(address):
+            assert self.kv_store is not None
+            logger.warning("the KV store at %s is unreachable (%s): computing without it "
+                           "for a while", address, reason)
+            self._kv_ended(self.kv_store.failed(reason, now), store=True)
+        else:
+            self._kv_ended(self.kv_receiver.fail_source(address, reason, now))
+
+    def _is_store(self, address: str) -> bool:
+        return self.kv_store is not None and address == self.kv_store.address
 
     def expire_kv(self) -> Optional[float]:
         """End leases and transfers past their time; the next transfer deadline."""
         now = time.monotonic()
         self.kv_leases.expire(now)
         self._kv_ended(self.kv_receiver.expire(now))
-        return self.kv_receiver.next_deadline()
+        deadlines = [self.kv_receiver.next_deadline()]
+        if self.kv_store is not None:
+            self._kv_ended(self.kv_store.expire(now), store=True)
+            deadlines.append(self.kv_store.receiver.next_deadline())
+        return min((d for d in deadlines if d is not None), default=None)
 
-    def _kv_ended(self, transfers: list[KvTransfer]) -> None:
+    def _kv_ended(self, transfers: list[KvTransfer], store: bool = False) -> None:
         for t in transfers:
             request = t.request
+            if store:   # (the KV store's: counted by kv_store_link, not reported)
+                if t.outcome not in ("complete", "source"):
+                    logger.warning("KV store transfer for %s ended early (%s) after %d of "
+                                   "%d block(s); computing the rest", request.request_id,
+                                   t.outcome, t.num_done, len(t.hashes))
+                self.scheduler.add(request)
+                continue
             request.kv_outcome = t.outcome
             request.kv_blocks_received = t.num_done
             request.kv_transfer_ms = (t.finished - t.started) * 1e3
@@ -397,6 +449,8 @@ class LLMEngine:
                 request.finish_reason = reason
                 if request.kv_lease_s:
                     self.kv_leases.hold(request, request.kv_lease_s, now)
+                if self.kv_offload is not None:
+                    self.kv_offload.finished(request)
                 self.scheduler.finish(request)
                 del self.requests[request.request_id]
                 break
@@ -561,7 +615,8 @@ class LLMEngine:
         return dict(kv_offload_blocks=held["blocks"], kv_offload_bytes=held["bytes"],
                     kv_offload_stored=dict(tiers.stats.stored),
                     kv_offload_loaded=dict(tiers.stats.loaded),
-                    kv_offload_missed=tiers.stats.missed, kv_offload_errors=tiers.errors())
+                    kv_offload_missed=tiers.stats.missed, kv_offload_errors=tiers.errors(),
+                    **(self.kv_store.stats() if self.kv_store is not None else {}))
 
     def shutdown(self) -> None:
         """Before the process exits: the prefix cache left on the disk tier, if any,

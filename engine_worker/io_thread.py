@@ -37,12 +37,16 @@ from common.config import EngineServerConfig
 from common.curve import CurveServer, client_security
 from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, Codec, Dead, EngineStats, KvBlocks,
                              Ping, Pong, ProtocolError, RequestError)
-from common.sockets import HANDSHAKE_FAILED, make_socket, read_refusal, waiting_messages
+from common.sockets import (DEFAULT_HWM, HANDSHAKE_FAILED, make_socket, read_refusal,
+                            waiting_messages)
 
 logger = logging.getLogger(__name__)
 
-# The loop's frames to other engines (KV pulls): [address, type, payload].
+# The loop's frames to other engines (KV pulls) and the KV store: [address, type, payload].
 PEER_OUTBOX_ADDRESS = "inproc://engine-peer-outbox"
+# Frames queued for the KV store (KvPuts of up to a window of blocks each) before more
+# are dropped.
+STORE_HWM = 32
 
 
 class Wake:
@@ -65,7 +69,10 @@ class IOThread(threading.Thread):
     replies go out through ``send``."""
 
     def __init__(self, ctx: zmq.Context, config: EngineServerConfig, inbox: "queue.Queue",
-                 stats: EngineStats, curve: Optional[CurveServer]) -> None:
+                 stats: EngineStats, curve: Optional[CurveServer],
+                 store_address: Optional[str] = None) -> None:
+        """store_address: the shared KV store's, whose socket queues few frames (puts of
+        many blocks each) before it drops them."""
         super().__init__(name="engine-io", daemon=True)
         self.ctx = ctx
         self.inbox = inbox
@@ -87,6 +94,10 @@ class IOThread(threading.Thread):
         self.peer_outbox = make_socket(ctx, PEER_OUTBOX_ADDRESS, zmq.PULL, bind=True)
         self.peer_codec = Codec(CLIENT_MESSAGES, ENGINE_MESSAGES)
         self.peers: dict[str, zmq.Socket] = {}
+        self.store_address = store_address
+        # Frames to other engines or the store dropped: the peer is not reading (the
+        # transfer's deadline, or the store link's backoff, takes it from there).
+        self.num_peer_frames_dropped = 0
         self.peer_monitors: dict[zmq.Socket, str] = {}
         self.curve_key = config.curve_key
         self.max_frame_bytes = config.max_frame_bytes
@@ -169,13 +180,17 @@ class IOThread(threading.Thread):
 
     def _to_peers(self) -> None:
         for address, *frames in waiting_messages(self.peer_outbox):
-            self._peer(address.decode()).send_multipart(frames, zmq.NOBLOCK)
+            try:
+                self._peer(address.decode()).send_multipart(frames, zmq.NOBLOCK)
+            except zmq.Again:  # its queue is full: the peer is not reading
+                self.num_peer_frames_dropped += 1
 
     def _peer(self, address: str) -> zmq.Socket:
         sock = self.peers.get(address)
         if sock is None:
             sock = make_socket(self.ctx, address, zmq.DEALER, bind=False,
                                max_message_bytes=self.max_frame_bytes,
+                               hwm=STORE_HWM if address == self.store_address else DEFAULT_HWM,
                                secure=client_security(self.curve_key))
             monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
             self.peers[address] = sock

@@ -28,28 +28,20 @@ deleted and computed instead. A tier fault costs recomputation, never a wrong to
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import queue
-import struct
-import threading
-import zlib
+import time
 from collections import Counter, OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import torch
 
+from common.kv_disk import DiskTier, Tokens
 from engine_worker.block_manager import BlockManager, BlockTable, Evicted
+from engine_worker.kv_store_link import KvStoreLink, request_blocks
 from engine_worker.kv_transfer import KvBlockStore
 from engine_worker.request import Request
 
-logger = logging.getLogger(__name__)
-
-Tokens = tuple[int, ...]
 
 
 @dataclass
@@ -109,172 +101,15 @@ class HostTier:
         return slot, victim
 
 
-_MAGIC = b"RSKV1\0"
-_HEADER = struct.Struct("<6s16sIQI")  # magic, hash, CRC-32, data bytes, token count
-
-
-class DiskTier:
-    """Evicted blocks in files, one a block, under a directory of the KV layout's;
-    least recently used first out past a byte budget. Written by a thread of its own;
-    read, and checked, by the caller."""
-
-    # Blocks waiting for the writer: beyond these, a block is dropped.
-    QUEUE_BLOCKS = 256
-
-    def __init__(self, root: str, layout: str, budget_bytes: int, block_bytes: int) -> None:
-        self.block_bytes = block_bytes
-        self.budget_bytes = budget_bytes
-        self.dir = Path(root) / hashlib.blake2b(layout.encode(), digest_size=8).hexdigest()
-        self.dir.mkdir(parents=True, exist_ok=True)
-        marker = self.dir / "LAYOUT"
-        if marker.exists() and marker.read_text() != layout:
-            raise ValueError(f"{self.dir} holds KV blocks of another layout")
-        marker.write_text(layout)
-        self.lock = threading.Lock()
-        # hash -> file size, least recently used first (the files' times at start)
-        self.entries: OrderedDict[bytes, int] = OrderedDict()
-        self.nbytes = 0
-        found = []
-        for path in self.dir.glob("*.kv"):
-            try:
-                found.append((path.stat().st_mtime, bytes.fromhex(path.stem), path.stat().st_size))
-            except (OSError, ValueError):
-                continue
-        for _, block_hash, size in sorted(found):
-            self.entries[block_hash] = size
-            self.nbytes += size
-        self.errors: Counter = Counter()
-        # blocks to write, and events to set once those before them are written
-        self._queue: queue.Queue = queue.Queue(self.QUEUE_BLOCKS)
-        self._writer = threading.Thread(target=self._write_loop, name="kv-disk", daemon=True)
-        self._writer.start()
-        self._trim()
-        if self.entries:
-            logger.info("KV disk tier %s: %d block(s) found", self.dir, len(self.entries))
-
-    def __len__(self) -> int:
-        return len(self.entries)
-
-    def path(self, block_hash: bytes) -> Path:
-        return self.dir / f"{block_hash.hex()}.kv"
-
-    def holds(self, block_hash: bytes) -> bool:
-        with self.lock:
-            return block_hash in self.entries
-
-    def put(self, block_hash: bytes, token_ids: Tokens, data: bytes) -> None:
-        """Queue a block for writing (dropped, and counted, when the writer is behind)."""
-        with self.lock:
-            if block_hash in self.entries:
-                self.entries.move_to_end(block_hash)
-                return
-        try:
-            self._queue.put_nowait((block_hash, token_ids, data))
-        except queue.Full:
-            self.errors["disk_queue_full"] += 1
-
-    def get(self, block_hash: bytes, token_ids: Tokens) -> Optional[bytes]:
-        """The block's bytes, if its file is there and passes every check; a file that
-        fails one is deleted."""
-        path = self.path(block_hash)
-        try:
-            raw = path.read_bytes()
-        except OSError:
-            self._forget(block_hash, None)
-            return None
-        reason = _check(raw, block_hash, token_ids, self.block_bytes)
-        if reason is not None:
-            logger.warning("KV disk tier: %s failed its check (%s); deleted", path.name, reason)
-            self.errors[reason] += 1
-            self._forget(block_hash, path)
-            return None
-        with self.lock:
-            if block_hash in self.entries:
-                self.entries.move_to_end(block_hash)
-        return raw[-self.block_bytes:]
-
-    def flush(self, timeout_s: float = 30.0) -> None:
-        """Wait until every block queued so far is written (or timeout_s passes)."""
-        done = threading.Event()
-        self._queue.put(done)
-        done.wait(timeout_s)
-
-    # -- the writer thread -----------------------------------------------------
-
-    def _write_loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if isinstance(item, threading.Event):
-                item.set()
-                continue
-            block_hash, token_ids, data = item
-            path = self.path(block_hash)
-            tokens = struct.pack(f"<{len(token_ids)}q", *token_ids)
-            header = _HEADER.pack(_MAGIC, block_hash, zlib.crc32(data), len(data),
-                                  len(token_ids))
-            # (engines may share the directory: each writes its own temporary file)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            try:
-                with open(tmp, "wb") as f:
-                    f.write(header + tokens + data)
-                os.replace(tmp, path)
-            except OSError as e:
-                logger.warning("KV disk tier: writing %s failed: %s", path.name, e)
-                self.errors["disk_write"] += 1
-                continue
-            size = _HEADER.size + len(tokens) + len(data)
-            with self.lock:
-                self.nbytes += size - self.entries.pop(block_hash, 0)
-                self.entries[block_hash] = size
-            self._trim()
-
-    def _trim(self) -> None:
-        while True:
-            with self.lock:
-                if self.nbytes <= self.budget_bytes or not self.entries:
-                    return
-                block_hash, size = self.entries.popitem(last=False)
-                self.nbytes -= size
-            try:
-                self.path(block_hash).unlink()
-            except OSError:
-                pass
-
-    def _forget(self, block_hash: bytes, path: Optional[Path]) -> None:
-        with self.lock:
-            self.nbytes -= self.entries.pop(block_hash, 0)
-        if path is not None:
-            try:
-                path.unlink()
-            except OSError:
-                pass
-
-
-def _check(raw: bytes, block_hash: bytes, token_ids: Tokens, block_bytes: int
-           ) -> Optional[str]:
-    """Why a disk block's file is not this block's, or None."""
-    if len(raw) < _HEADER.size:
-        return "disk_size"
-    magic, stored_hash, crc, size, num_tokens = _HEADER.unpack_from(raw)
-    if magic != _MAGIC or size != block_bytes:
-        return "disk_size"
-    if len(raw) != _HEADER.size + 8 * num_tokens + size:
-        return "disk_size"
-    if stored_hash != block_hash:
-        return "disk_hash"
-    if struct.unpack_from(f"<{num_tokens}q", raw, _HEADER.size) != token_ids:
-        return "disk_tokens"
-    if zlib.crc32(memoryview(raw)[-size:]) != crc:
-        return "disk_checksum"
-    return None
-
-
 class KvOffload:
     """The tiers below one engine's pool: blocks in as the pool evicts them, back out
     on admission."""
 
     def __init__(self, block_manager: BlockManager, store: KvBlockStore,
-                 host_bytes: Optional[int], disk_dir: Optional[str], disk_bytes: int) -> None:
+                 host_bytes: Optional[int], disk_dir: Optional[str], disk_bytes: int,
+                 link: Optional[KvStoreLink] = None) -> None:
+        """link: the shared KV store's (kv_store_link.py), which evicted blocks and
+        those of requests that end are put to."""
         self.block_manager = block_manager
         self.store = store
         device = store.kv_caches[0].device
@@ -283,6 +118,7 @@ class KvOffload:
                      if host_bytes else None)
         self.disk = (DiskTier(disk_dir, store.layout, disk_bytes, store.block_bytes)
                      if disk_dir else None)
+        self.link = link
         self.stats = OffloadStats()
         # CUDA: the tiers' copies run here; the step's stream waits for them.
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -293,14 +129,15 @@ class KvOffload:
     def evicted(self, blocks: list[Evicted]) -> None:
         """Keep the bytes of blocks the pool is about to reuse."""
         new = [b for b in blocks if not self._touch(b[1])]
-        if not new:
+        if self.link is not None:   # (the store is told even of blocks a tier holds)
+            self._put([b[0] for b in blocks], [b[1] for b in blocks])
+        if not new or (self.host is None and self.disk is None):
             return
         with self._copies():
             rows = self.store.read_rows([b[0] for b in new])
             if self.host is None:
                 assert self.disk is not None
-                host_rows = rows.cpu()
-                for (_, block_hash, tokens), row in zip(new, host_rows):
+                for (_, block_hash, tokens), row in zip(new, rows.cpu()):
                     self.disk.put(block_hash, tokens, row.numpy().tobytes())
                 self.stats.stored["disk"] += len(new)
                 return
@@ -312,6 +149,32 @@ class KvOffload:
                     self.stats.stored["disk"] += 1
                 self.host.slab[slot].copy_(row, non_blocking=True)
             self.stats.stored["host"] += len(new)
+
+    def finished(self, request: Request) -> None:
+        """A request ends: its blocks in the prefix cache go to the shared store."""
+        if self.link is not None:
+            self._put(*request_blocks(request))
+
+    def _put(self, block_ids: list[int], hashes: list[bytes]) -> None:
+        assert self.link is not None
+        if not self.link.up(time.monotonic()):
+            return
+        todo = self.link.unknown(hashes)
+        if todo:
+            rows = self.store.read_rows([block_ids[i] for i in todo]).cpu()
+            self.link.put([(hashes[i], row.numpy().tobytes()) for i, row in zip(todo, rows)])
+
+    def tier_run(self, request: Request, num_cached: int) -> int:
+        """How many of the request's prompt blocks after its first ``num_cached`` the
+        host and disk tiers hold, in a run."""
+        bs, token_ids = self.block_manager.block_size, request.token_ids
+        hashes = request.blocks.block_hashes
+        n = 0
+        for i in range(num_cached, (len(token_ids) - 1) // bs):
+            if not self._holds(hashes[i], tuple(token_ids[i * bs:(i + 1) * bs]), touch=False):
+                break
+            n += 1
+        return n
 
     def persist(self, timeout_s: float = 30.0) -> int:
         """Write every block the pool and the host tier hold to the disk tier (an engine
@@ -414,14 +277,14 @@ class KvOffload:
             if entry is not None:
                 self.host.entries.move_to_end(block_hash)
             return entry is not None
-        assert self.disk is not None
-        return self.disk.holds(block_hash)
+        return self.disk is not None and self.disk.holds(block_hash)
 
-    def _holds(self, block_hash: bytes, tokens: Tokens) -> bool:
+    def _holds(self, block_hash: bytes, tokens: Tokens, touch: bool = True) -> bool:
         if self.host is not None:
             entry = self.host.entries.get(block_hash)
             if entry is not None and entry[1] == tokens:
-                self.host.entries.move_to_end(block_hash)
+                if touch:
+                    self.host.entries.move_to_end(block_hash)
                 return True
         return self.disk is not None and self.disk.holds(block_hash)
 

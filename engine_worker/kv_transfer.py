@@ -222,7 +222,12 @@ class KvReceiver:
     """The decode side: transfers in flight, the pulls to send, blocks verified in."""
 
     def __init__(self, block_manager: BlockManager, store: KvBlockStore, timeout_s: float,
-                 window_bytes: int, max_inflight_bytes: int) -> None:
+                 window_bytes: int, max_inflight_bytes: int, scales_sent: bool = True
+                 ) -> None:
+        """scales_sent: an fp8 cache's blocks come with the scales they were written
+        with (a prefill engine's do; the KV store's are kept under a layout that names
+        them, so they are this engine's)."""
+        self.scales_sent = scales_sent
         self.block_manager = block_manager
         self.store = store
         self.timeout_s = timeout_s
@@ -245,15 +250,17 @@ class KvReceiver:
     def next_deadline(self) -> Optional[float]:
         return min((t.deadline for t in self.transfers.values()), default=None)
 
-    def start(self, request: Request, source: KvSource, now: float) -> bool:
-        """Begin pulling the prompt blocks this engine lacks; False when there is
+    def start(self, request: Request, source: KvSource, now: float, skip: int = 0) -> bool:
+        """Begin pulling the prompt blocks this engine lacks (beyond the ``skip``
+        blocks after its cached prefix, which it has elsewhere); False when there is
         nothing to pull (or no room to receive it): schedule the request now."""
         bm = self.block_manager
         cached = bm.find_cached_prefix(request.blocks, request.token_ids)
+        first = len(cached) + skip
         # find_cached_prefix hashed every full block before the last token, which
         # for a continued request is exactly the prompt's full blocks.
-        wanted = request.blocks.block_hashes[len(cached):]
-        self.stats.num_blocks_skipped += len(cached)
+        wanted = request.blocks.block_hashes[first:]
+        self.stats.num_blocks_skipped += first
         # Room for the rest of the request's first step, beyond the pulled blocks.
         tail = bm.blocks_for(request.num_tokens) - len(request.blocks.block_hashes) + 1
         staged = bm.reserve(min(len(wanted), bm.num_free_blocks - tail))
@@ -261,7 +268,7 @@ class KvReceiver:
             return False
         self.stats.num_transfers += 1
         self.transfers[request.request_id] = KvTransfer(
-            request, source, len(cached), wanted[:len(staged.block_ids)], staged,
+            request, source, first, wanted[:len(staged.block_ids)], staged,
             deadline=now + self.timeout_s, started=now)
         return True
 
@@ -300,7 +307,8 @@ class KvReceiver:
             return [self._end(t, "protocol", now)]  # more than was asked for
         asked = t.unanswered.popleft()
         scales = self.store.scales
-        if reply.blocks and scales is not None and not scales.adopt(reply.kv_scales or []):
+        if (reply.blocks and scales is not None and self.scales_sent
+                and not scales.adopt(reply.kv_scales or [])):
             return [self._end(t, "source", now)]   # written with other scales
         for block in reply.blocks:
             reason = self._store(t, block)

@@ -52,7 +52,8 @@ from common.errors import InvalidRequestError
 from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, PROTOCOL_VERSION,
                              AbortRequests, AddRequest, CacheEvents, CacheSync, Codec, Dead,
                              FinishReason, KvBlocks, KvPull, Hello, OutputBatch, Pong, Ready,
-                             RequestError, RequestErrorKind, RequestOutput, version_mismatch)
+                             RequestError, RequestErrorKind, RequestOutput, STORE_REQUESTS,
+                             version_mismatch)
 from common.sockets import make_socket
 from engine_worker.engine import FatalDeviceError, LLMEngine
 from engine_worker.io_thread import PEER_OUTBOX_ADDRESS, IOThread, Peer, Wake
@@ -77,13 +78,14 @@ class EngineServer:
         self.curve = CurveServer(self.ctx, config.curve_key) if config.curve_key else None
         self.inbox: "queue.Queue" = queue.Queue()
         try:
-            self.io = IOThread(self.ctx, config, self.inbox, engine.stats(), self.curve)
+            self.io = IOThread(self.ctx, config, self.inbox, engine.stats(), self.curve,
+                               store_address=engine.config.cache.kv_store_address)
         except Exception:
             self._stop_curve()
             raise
         self.codec = Codec(ENGINE_MESSAGES, CLIENT_MESSAGES)
         self.peer_outbox = make_socket(self.ctx, PEER_OUTBOX_ADDRESS, zmq.PUSH, bind=False)
-        self.peer_codec = Codec(CLIENT_MESSAGES, ENGINE_MESSAGES)
+        self.peer_codec = Codec({**CLIENT_MESSAGES, **STORE_REQUESTS}, ENGINE_MESSAGES)
         self.clients: dict[bytes, _Client] = {}
         self._next_prune = 0.0
         self.owner: dict[str, bytes] = {}  # request_id -> client identity
@@ -193,6 +195,7 @@ class EngineServer:
                 outputs = self.engine.step()
                 self._publish_cache_changes()  # before the outputs they explain
                 self._send_outputs(outputs)
+                self._send_kv_pulls()  # (blocks of requests that ended, to the KV store)
             self.io.stats = self.engine.stats()
 
     def _signalled(self) -> bool:

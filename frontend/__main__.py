@@ -11,8 +11,8 @@ import logging
 import sys
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from common.config import (DEFAULT_ENGINE_ADDRESS, DEFAULT_TOKENIZER_ADDRESS, FrontendConfig,
-                           env_default)
+from common.config import (DEFAULT_ENGINE_ADDRESS, DEFAULT_TOKENIZER_ADDRESS,
+                           ROUTING_POLICIES, FrontendConfig, env_default)
 from common.curve import CurveKey, add_curve_args
 from common.errors import ModelLoadError
 from common.logging_setup import setup_logging
@@ -53,7 +53,7 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--request-timeout", type=float, default=None,
                    help="seconds before an unfinished request ends in 504 and is aborted "
                         "(default: no limit)")
-    g.add_argument("--routing", choices=["prefix", "least-loaded"], default="prefix",
+    g.add_argument("--routing", choices=ROUTING_POLICIES, default="prefix",
                    help="how requests are spread over engines")
     g.add_argument("--disagg-min-prompt-tokens", type=int, default=256,
                    help="with prefill and decode engines: prompts whose blocks the decode "

@@ -301,6 +301,7 @@ def _kv_offload_families(snap: "PipelineSnapshot") -> list:
                                  "up below the pool and found in no tier", labels=["engine"])
     errors = CounterMetricFamily("roseserve_kv_offload_errors", "KV blocks a tier refused or "
                                  "lost (computed instead), by why", labels=["engine", "reason"])
+    store_families = _kv_store_families(snap)
     for e in snap.engines:
         s = e.stats
         if s is None or not s.kv_offload_blocks:
@@ -312,4 +313,30 @@ def _kv_offload_families(snap: "PipelineSnapshot") -> list:
         missed.add_metric([e.address], s.kv_offload_missed)
         for reason, n in sorted(s.kv_offload_errors.items()):
             errors.add_metric([e.address, reason], n)
-    return [held, data, stored, loaded, missed, errors]
+    return [held, data, stored, loaded, missed, errors, *store_families]
+
+
+def _kv_store_families(snap: "PipelineSnapshot") -> list:
+    """Each engine's use of the shared KV store (engine_worker/kv_store_link.py)."""
+    up = GaugeMetricFamily("roseserve_kv_store_up", "1 while the engine uses the KV store, 0 "
+                           "while it backs off after a failure", labels=["engine"])
+    put = CounterMetricFamily("roseserve_kv_store_put_blocks", "KV blocks the engine put to "
+                              "the store", labels=["engine"])
+    hits = CounterMetricFamily("roseserve_kv_store_hits", "Prompt blocks the engine pulled "
+                               "from the store (checked) instead of computing them",
+                               labels=["engine"])
+    misses = CounterMetricFamily("roseserve_kv_store_misses", "Prompt blocks the engine asked "
+                                 "the store for that it did not hold", labels=["engine"])
+    errors = CounterMetricFamily("roseserve_kv_store_errors", "Pulls from the store that "
+                                 "failed (the rest computed), by why", labels=["engine", "reason"])
+    for e in snap.engines:
+        s = e.stats
+        if s is None or s.kv_store_up is None:
+            continue
+        up.add_metric([e.address], float(s.kv_store_up))
+        put.add_metric([e.address], s.kv_store_put_blocks)
+        hits.add_metric([e.address], s.kv_store_hits)
+        misses.add_metric([e.address], s.kv_store_misses)
+        for reason, n in sorted(s.kv_store_errors.items()):
+            errors.add_metric([e.address, reason], n)
+    return [up, put, hits, misses, errors]

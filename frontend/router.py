@@ -14,7 +14,9 @@ and not yet finished) is within the imbalance bound of the least loaded one,
 ``min_load + max(MIN_SLACK, SLACK_FRACTION * min_load)``, the request goes to the one
 holding the longest run of its leading blocks; when no engine holds any, or every
 holder is over the bound, to the least loaded. Policy "least-loaded" ignores
-prefixes. A request counts toward its engine's load from the pick on, so a burst
+prefixes; "round-robin" takes the healthy engines in turn (what a balancer that knows
+nothing of the engines does: with a shared KV store, every engine finds what any
+computed). A request counts toward its engine's load from the pick on, so a burst
 still being tokenized spreads out. Only engines that accept work (ready, answering
 heartbeats, not draining, not retired by membership: frontend/membership.py) are
 picked; an engine that comes back as a new instance is known to hold nothing until
@@ -36,12 +38,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from common.config import ROUTING_POLICIES
 from common.prefix_hash import prefix_hashes
 from common.protocol import Ready
 from engine_worker.client import EngineClient
 from frontend.errors import APIError
 
-POLICIES = ("prefix", "least-loaded")
+POLICIES = ROUTING_POLICIES
 # Imbalance bound: an engine may take a request for its prefix while its load is at
 # most this much above the least loaded engine's.
 MIN_SLACK = 4
@@ -89,6 +92,7 @@ class EngineRouter:
         self.min_prefill_tokens = min_prefill_tokens
         self.engines: list[RoutedEngine] = []
         self._by_client: dict[int, RoutedEngine] = {}
+        self._turn = 0   # round-robin's next
         for client in clients:
             self.add(client)
 
@@ -161,6 +165,9 @@ class EngineRouter:
                     best, chosen = n, e
             if chosen is not None:
                 chosen.num_prefix_routed += 1
+        if self.policy == "round-robin":
+            chosen = healthy[self._turn % len(healthy)]
+            self._turn += 1
         if chosen is None:
             chosen = min(healthy, key=lambda e: (e.load, e.num_routed))
         prefill = None

@@ -67,6 +67,11 @@ def _serve(args: argparse.Namespace) -> int:
         if args.tokenizer_workers is not None and args.tokenizer_workers < 1:
             raise ValueError(f"--tokenizer-workers must be at least 1, got "
                              f"{args.tokenizer_workers} (default: half the cores)")
+        if args.kv_store and args.kv_store_address:
+            raise ValueError("--kv-store runs a KV store here; --kv-store-address names "
+                             "another: give one or the other")
+        if not args.kv_store_memory * 2**30 >= 1:
+            raise ValueError(f"--kv-store-memory must be positive, got {args.kv_store_memory}")
         engine_config_from_args(args)
         frontend_config_from_args(args, ["ipc://check"], "ipc://check")
     except ValueError as e:
@@ -121,6 +126,15 @@ def build_parser() -> argparse.ArgumentParser:
                           "for a load balancer in front of them")
     srv.add_argument("--tokenizer-workers", type=int, default=None,
                      help="tokenizer processes (default: half the cores, at least 1)")
+    srv.add_argument("--kv-store", action="store_true",
+                     help="run a shared KV store (python -m kv_store) beside the engines: "
+                          "each puts the blocks it evicts or its requests leave there and "
+                          "pulls a prompt's blocks it lacks from there, so that a prefix "
+                          "computed on one engine serves them all, restarts included")
+    srv.add_argument("--kv-store-memory", type=float, default=4.0, metavar="GIB",
+                     help="the KV store's memory (default 4)")
+    srv.add_argument("--kv-store-dir", default=None, metavar="DIR",
+                     help="where the KV store spills what memory does not hold")
     srv.add_argument("--log-level", default=None)
     srv.set_defaults(func=_serve)
     gen = sub.add_parser("generate", help="generate from prompts with the in-process engine")

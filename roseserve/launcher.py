@@ -147,7 +147,7 @@ ENGINE_FLAGS = ["device", "dtype", "quantization", "max_model_len", "max_batch_s
                 "enforce_eager", "speculative_tokens", "attention_backend", "no_prefix_cache",
                 "no_cpu_kernels", "seed", "per_token_output_frames", "kv_transfer_timeout",
                 "kv_transfer_window_bytes", "kv_offload_memory_gb", "kv_offload_dir",
-                "kv_offload_disk_gb", "drain_timeout"]
+                "kv_offload_disk_gb", "kv_store_address", "kv_store_timeout", "drain_timeout"]
 # The API key is not among them: a command line is visible to every local user, so
 # the key reaches the frontend through its environment.
 FRONTEND_FLAGS = ["host", "api_key_file", "served_model_name", "max_body_bytes",
@@ -177,10 +177,19 @@ def engine_threads(args: argparse.Namespace) -> Optional[int]:
 
 
 def components(args: argparse.Namespace, model_dir: str, run_dir: str) -> list[Component]:
-    """Engines first, then the tokenizer pool, then the frontend."""
+    """The KV store (with --kv-store), the engines, then the tokenizer pool, then the
+    frontend."""
     py = [sys.executable, "-m"]
     log = ["--log-level", args.log_level] if args.log_level else []
     threads = engine_threads(args)
+    store = []
+    engine_flags = _forward(args, ENGINE_FLAGS)
+    if args.kv_store:
+        store_address = f"ipc://{run_dir}/kv-store.sock"
+        store.append(Component("kv-store", py + [
+            "kv_store", "--bind", store_address, "--memory", str(args.kv_store_memory),
+            *(["--disk-dir", args.kv_store_dir] if args.kv_store_dir else []), *log]))
+        engine_flags += ["--kv-store-address", store_address]
     engines = []
     roles = engine_roles(args)
     for i, role in enumerate(roles):
@@ -192,7 +201,7 @@ def components(args: argparse.Namespace, model_dir: str, run_dir: str) -> list[C
         engines.append(Component(f"engine-{i}", py + [
             "engine_worker", "--model", model_dir, "--bind", address, "--role", role,
             *(["--threads", str(threads)] if threads else []),
-            *_forward(args, ENGINE_FLAGS), *log], env=env, address=address))
+            *engine_flags, *log], env=env, address=address))
     tokenizer_addr = f"ipc://{run_dir}/tokenizer.sock"
     tokenizer = Component("tokenizer", py + [
         "tokenizer_worker", "--model", model_dir, "--bind", tokenizer_addr,
@@ -207,7 +216,7 @@ def components(args: argparse.Namespace, model_dir: str, run_dir: str) -> list[C
         if args.api_key:
             frontend.env = {**os.environ, "ROSESERVE_API_KEY": ",".join(args.api_key)}
         frontends.append(frontend)
-    stack = [*engines, tokenizer, *frontends]
+    stack = [*store, *engines, tokenizer, *frontends]
     for c in stack:
         c.stop_timeout_s = args.drain_timeout + STOP_MARGIN_S
     return stack

@@ -158,11 +158,11 @@ class Serve:
 
     def pids(self) -> dict[str, list[int]]:
         """Live component processes by kind: engine, tokenizer (the pool),
-        tokenizer_worker, frontend."""
+        tokenizer_worker, frontend, kv_store."""
         import psutil
 
         out: dict[str, list[int]] = {"engine": [], "tokenizer": [], "tokenizer_worker": [],
-                                     "frontend": []}
+                                     "frontend": [], "kv_store": []}
         for child in psutil.Process(self.proc.pid).children(recursive=True):
             try:
                 cmd = " ".join(child.cmdline())
@@ -176,6 +176,8 @@ class Serve:
                 out["tokenizer"].append(child.pid)
             elif "-m frontend" in cmd:
                 out["frontend"].append(child.pid)
+            elif "-m kv_store" in cmd:
+                out["kv_store"].append(child.pid)
             elif "spawn_main" in cmd:
                 out["tokenizer_worker"].append(child.pid)
         return out

@@ -1,9 +1,13 @@
-"""The tiers below the KV pool, served (``roseserve serve --kv-offload-memory
---kv-offload-dir``): a prompt's blocks evicted from a small pool come back from host
-memory, then, after the whole server restarts, from disk, and every output is HF's."""
+"""The tiers below the KV pool and the shared KV store, served (``roseserve serve
+--kv-offload-memory --kv-offload-dir``, ``--kv-store``): a prompt's blocks evicted from
+a small pool come back from host memory, then, after the whole server restarts, from
+disk; a prefix one engine computed is pulled by another from the store; every output
+is HF's, the store killed or not."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import httpx
@@ -54,5 +58,34 @@ def test_evicted_blocks_come_back_from_memory_then_from_disk_after_a_restart(
         assert complete(serve.url, A) == expected[0]
         assert loaded(serve.url, "disk") == FULL
         assert metric(serve.url, "vllm:prefix_cache_hits_total") == FULL * 4
+    finally:
+        serve.stop()
+
+
+def test_a_prefix_computed_on_one_engine_is_served_on_the_other_from_the_store(
+        tiny_llama_dir, tmp_path):
+    """Two engines in turn (round-robin) and ``--kv-store``: the second turn of a
+    conversation lands on the other engine and pulls the first turn's blocks from the
+    store; then the store is killed (its supervisor restarts it, empty) and every
+    request still completes with HF's tokens."""
+    second = A + [101, 102, 103, 104, 105]
+    expected = [ref.token_ids for ref in hf_greedy(tiny_llama_dir, [A, second, B], 6)]
+    serve = Serve(tiny_llama_dir, tmp_path / "serve.log", "--routing", "round-robin",
+                  "--kv-store", "--kv-store-memory", "0.01", engines=2)
+    try:
+        serve.wait_ready()
+        assert complete(serve.url, A) == expected[0]         # engine 0 computes it
+        assert complete(serve.url, second) == expected[1]    # engine 1: A's blocks pulled
+        time.sleep(1.5)
+        assert metric(serve.url, "roseserve_kv_store_hits_total") == FULL
+        assert metric(serve.url, "roseserve_kv_store_up") == 2
+        [store] = serve.pids()["kv_store"]
+        os.kill(store, signal.SIGKILL)
+        for prompt, tokens in ((B, expected[2]), (second, expected[1]), (A, expected[0])):
+            assert complete(serve.url, prompt) == tokens
+        deadline = time.monotonic() + 30   # restarted by the supervisor
+        while serve.pids()["kv_store"] in ([], [store]):
+            assert time.monotonic() < deadline, serve.log()[-3000:]
+            time.sleep(0.2)
     finally:
         serve.stop()

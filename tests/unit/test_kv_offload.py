@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine_worker.kv_offload import DiskTier, HostTier
+from common.kv_disk import DiskTier
+from engine_worker.kv_offload import HostTier
 from helpers import greedy, make_engine, random_prompts
 
 # Blocks of 4 tokens; a pool of 16 holds one 41-token prompt and its reply, not two.

@@ -151,6 +151,14 @@ def test_the_router_skips_a_draining_engine_and_refuses_when_all_drain():
     assert "fake://a: draining; fake://b: draining" in e.value.message
 
 
+def test_round_robin_takes_the_healthy_engines_in_turn():
+    a, b, c = FakeEngine("a"), FakeEngine("b"), FakeEngine("c")
+    router = EngineRouter([a, b, c], policy="round-robin")
+    assert [router.pick(PROMPT) for _ in range(4)] == [a, b, c, a]   # loads ignored
+    b.draining = True
+    assert [router.pick(PROMPT) for _ in range(3)] == [a, c, a]
+
+
 def test_a_request_refused_by_a_draining_engine_completes_on_another(tokenizer):
     def scenario():
         a, b = FakeEngine("a"), FakeEngine("b")

@@ -1,0 +1,159 @@
+"""One engine's side of the shared KV store (kv_store/): blocks put, prompt blocks
+pulled, and a store that fails left alone for a while.
+
+Put: the blocks the pool evicts (kv_offload.py) and the full blocks of every request
+that ends, unless this engine put or pulled them lately (``known``), in KvPut frames of
+at most a window's bytes, sent by the I/O thread without waiting (a store that is not
+reading has them dropped: it is a cache).
+
+Pull: a request that arrives with prompt blocks neither the pool nor the tiers below it
+hold asks the store for the rest, through a KvReceiver of its own (kv_transfer.py), so
+that every block is checked as a prefill engine's are (order, chained hash, size,
+CRC-32) and the request waits at most ``timeout_s``; the store answers with the leading
+blocks it holds and stops at the first it does not (a miss: the rest is computed).
+
+Fails closed: a transfer that ends by its deadline, or a connection to the store that
+drops, trips the link: nothing is pulled or put for a backoff (1 s, doubling to 30 s;
+reset by the next answer), so a store that is down or slow costs each request at most
+one deadline, and the engine serves on meanwhile. What the engine remembers as being in
+the store is forgotten then too (a store that restarts may have come back empty).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, OrderedDict
+from typing import Sequence
+
+from common.protocol import KvBlock, KvBlocks, KvPut, KvSource
+from engine_worker.block_manager import BlockManager
+from engine_worker.kv_transfer import KvBlockStore, KvReceiver, KvTransfer, checksum
+from engine_worker.request import Request
+
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 30.0
+# Hashes remembered as put to or pulled from the store (not put again).
+KNOWN_HASHES = 1 << 20
+# Outcomes that say the store is unreachable or too slow.
+_TRIPS = ("deadline", "disconnected", "source_dead")
+
+
+class KvStoreLink:
+    def __init__(self, address: str, block_manager: BlockManager, store: KvBlockStore,
+                 timeout_s: float, window_bytes: int) -> None:
+        self.address = address
+        self.store = store
+        self.receiver = KvReceiver(block_manager, store, timeout_s, window_bytes,
+                                   max_inflight_bytes=8 * window_bytes, scales_sent=False)
+        self.window_blocks = max(1, window_bytes // store.block_bytes)
+        self.known: OrderedDict[bytes, None] = OrderedDict()
+        self._pending: list[KvBlock] = []
+        self._puts: list[KvPut] = []
+        self.down_until = 0.0
+        self.backoff = 0.0
+        # Blocks put; blocks pulled (hits), asked for and not held (misses); transfers
+        # that failed, by why; blocks not put or pulled while the link was down.
+        self.num_put = 0
+        self.num_hits = 0
+        self.num_misses = 0
+        self.errors: Counter = Counter()
+        self.num_skipped = 0
+
+    def up(self, now: float) -> bool:
+        return now >= self.down_until
+
+    # -- put ---------------------------------------------------------------------
+
+    def put(self, blocks: Sequence[tuple[bytes, bytes]]) -> None:
+        """Offer (hash, bytes) blocks to the store; those it is known to hold are not
+        sent again."""
+        if not self.up(time.monotonic()):
+            self.num_skipped += len(blocks)
+            return
+        for block_hash, data in blocks:
+            if block_hash in self.known:
+                self.known.move_to_end(block_hash)
+                continue
+            self._remember(block_hash)
+            self._pending.append(KvBlock(block_hash, checksum(data), data))
+            if len(self._pending) >= self.window_blocks:
+                self._flush()
+
+    def unknown(self, hashes: Sequence[bytes]) -> list[int]:
+        """The indexes of ``hashes`` the store is not known to hold."""
+        return [i for i, h in enumerate(hashes) if h not in self.known]
+
+    def messages(self) -> list[tuple[str, object]]:
+        """(the store's address, KvPut or KvPull) to send now."""
+        self._flush()
+        out: list[tuple[str, object]] = [(self.address, put) for put in self._puts]
+        self._puts = []
+        return out + self.receiver.pulls()
+
+    # -- pull --------------------------------------------------------------------
+
+    def start(self, request: Request, skip: int, now: float) -> bool:
+        """Ask the store for the request's prompt blocks after its cached prefix and
+        the ``skip`` blocks after that (held by the tiers below the pool); False when
+        nothing is asked (schedule the request now)."""
+        if not self.up(now):
+            return False
+        source = KvSource(address=self.address, request_id=request.request_id)
+        return self.receiver.start(request, source, now, skip)
+
+    def receive(self, reply: KvBlocks, now: float) -> list[KvTransfer]:
+        return self._ended(self.receiver.receive(self.address, reply, now), now)
+
+    def failed(self, reason: str, now: float) -> list[KvTransfer]:
+        """The connection to the store dropped: its transfers end, and the link trips."""
+        self._trip(now)
+        return self._ended(self.receiver.fail_source(self.address, reason, now), now)
+
+    def expire(self, now: float) -> list[KvTransfer]:
+        return self._ended(self.receiver.expire(now), now)
+
+    # -- internals ---------------------------------------------------------------
+
+    def _ended(self, transfers: list[KvTransfer], now: float) -> list[KvTransfer]:
+        for t in transfers:
+            self.num_hits += t.num_done
+            for block_hash in t.hashes[:t.num_done]:
+                self._remember(block_hash)
+            if t.outcome in ("complete", "source"):   # answered ("source": a miss)
+                self.num_misses += len(t.hashes) - t.num_done
+                self.backoff = 0.0
+                continue
+            self.errors[t.outcome] += 1
+            if t.outcome in _TRIPS:
+                self._trip(now)
+        return transfers
+
+    def _trip(self, now: float) -> None:
+        self.backoff = min(BACKOFF_MAX_S, max(BACKOFF_FIRST_S, 2 * self.backoff))
+        self.down_until = now + self.backoff
+        self.known.clear()
+        self._pending.clear()
+        self._puts.clear()
+
+    def _remember(self, block_hash: bytes) -> None:
+        self.known[block_hash] = None
+        if len(self.known) > KNOWN_HASHES:
+            self.known.popitem(last=False)
+
+    def _flush(self) -> None:
+        if self._pending:
+            self._puts.append(KvPut(layout=self.store.layout, blocks=self._pending))
+            self.num_put += len(self._pending)
+            self._pending = []
+
+    def stats(self) -> dict:
+        return dict(kv_store_put_blocks=self.num_put, kv_store_hits=self.num_hits,
+                    kv_store_misses=self.num_misses, kv_store_errors=dict(self.errors),
+                    kv_store_up=self.up(time.monotonic()))
+
+
+def request_blocks(request: Request) -> tuple[list[int], list[bytes]]:
+    """A request's blocks registered in the prefix cache: their ids and hashes."""
+    table = request.blocks
+    n = min(table.num_registered, len(table.block_hashes), len(table.block_ids))
+    return table.block_ids[table.released:n], table.block_hashes[table.released:n]
