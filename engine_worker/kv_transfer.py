@@ -190,6 +190,8 @@ class KvTransfer:
     first_block: int
     hashes: list[bytes]
     staged: BlockTable
+    # the request's cached prefix, held until its admission
+    held: BlockTable
     deadline: float
     started: float
     # Blocks received and verified; blocks asked for beyond those, and how many each
@@ -263,12 +265,17 @@ class KvReceiver:
         self.stats.num_blocks_skipped += first
         # Room for the rest of the request's first step, beyond the pulled blocks.
         tail = bm.blocks_for(request.num_tokens) - len(request.blocks.block_hashes) + 1
+        # The cached prefix is held until the request's admission: evicted meanwhile (by
+        # this reserve, or by other requests while the blocks arrive), the blocks
+        # pulled after it would be of no use.
+        held = bm.hold(cached)
         staged = bm.reserve(min(len(wanted), bm.num_free_blocks - tail))
         if not staged.block_ids:
+            bm.free(held)
             return False
         self.stats.num_transfers += 1
         self.transfers[request.request_id] = KvTransfer(
-            request, source, first, wanted[:len(staged.block_ids)], staged,
+            request, source, first, wanted[:len(staged.block_ids)], staged, held,
             deadline=now + self.timeout_s, started=now)
         return True
 
@@ -340,6 +347,7 @@ class KvReceiver:
         if t is None:
             return False
         self.block_manager.free(t.staged)
+        self.block_manager.free(t.held)
         self._release(t)
         return True
 
@@ -387,6 +395,8 @@ class KvReceiver:
             s.fallbacks[outcome] += 1
             if outcome not in ("source", "disconnected", "source_dead"):
                 self._release(t)  # the source is alive and may still hold the lease
+        t.staged.block_ids[:0] = t.held.block_ids   # (admission lets go of both)
+        t.held.block_ids.clear()
         t.request.staged_blocks = t.staged
         return t
 

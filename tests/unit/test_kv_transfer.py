@@ -100,6 +100,26 @@ def test_only_blocks_the_decode_engine_lacks_are_pulled(engines):
     assert first_out.num_cached_tokens == 24
 
 
+def test_the_cached_prefix_is_held_while_the_rest_arrives(engines):
+    """The decode engine holds a prompt's first blocks and pulls the rest; requests run
+    meanwhile evict every block the pool can give: the cached prefix stays (held with
+    the transfer), so the pulled blocks after it are used."""
+    mixed, p, d = engines
+    prompt = random_prompts([40], seed=5)[0]
+    d.generate([prompt[:20]], greedy(1))          # its first 5 blocks cached on d
+    first = prefill(p, "held", prompt, greedy(6))
+    d.add_request("held", prompt, greedy(6), output_token_ids=first,
+                  kv_source=KvSource(address=ADDRESS, request_id="held"))
+    for i, other in enumerate(random_prompts([250, 250], seed=6)):   # 63 blocks each
+        d.add_request(f"other-{i}", other, greedy(1))
+        while f"other-{i}" in d.requests:
+            d.step()
+    carry(p, d)
+    outs = run_to_end(d)["held"]
+    assert first + tokens(outs) == mixed.generate([prompt], greedy(6))[0]
+    assert outs[0].num_cached_tokens == 40        # 5 blocks held, 5 pulled (0 unheld)
+
+
 def test_seeded_sampling_continues_the_same_random_stream(engines):
     mixed, p, d = engines
     prompt = random_prompts([13], seed=4)[0]
