@@ -3,9 +3,10 @@ health checks; exit status 0 when it is, 1 (with the reason) when not.
 
     python -m roseserve.healthcheck engine tcp://127.0.0.1:5557
     python -m roseserve.healthcheck tokenizer tcp://127.0.0.1:5558
+    python -m roseserve.healthcheck kv-store tcp://127.0.0.1:5559
     python -m roseserve.healthcheck http http://127.0.0.1:8000/metrics
 
-engine / tokenizer: a Ping over the service's own socket and wire protocol, answered
+engine / tokenizer / kv-store: a Ping over the service's own socket and wire protocol, answered
 within the timeout. An engine's pong (answered by its I/O thread) says how long its
 loop has been in its current iteration (a step; about a second at most when idle):
 longer than ``--stall`` (default 300 s, the frontend's own limit) is a hung loop and
@@ -29,7 +30,7 @@ from typing import Optional, Sequence
 import zmq
 
 from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, POOL_REPLIES, POOL_REQUESTS,
-                             Codec, Ping, ProtocolError)
+                             STORE_REPLIES, STORE_REQUESTS, Codec, Ping, ProtocolError)
 from common.curve import CurveKey, add_curve_args, client_security
 from common.sockets import make_socket
 
@@ -38,8 +39,9 @@ def check_service(kind: str, address: str, timeout_s: float, stall_s: float,
                   ready: bool = False, curve_key: Optional[CurveKey] = None) -> Optional[str]:
     """None when healthy (and, with ``ready``, not draining), else why not.
     ``curve_key``: the cluster's, for a service that requires it."""
-    codec = (Codec(CLIENT_MESSAGES, ENGINE_MESSAGES) if kind == "engine"
-             else Codec(POOL_REQUESTS, POOL_REPLIES))
+    codec = {"engine": Codec(CLIENT_MESSAGES, ENGINE_MESSAGES),
+             "kv-store": Codec(STORE_REQUESTS, STORE_REPLIES)}.get(
+        kind, Codec(POOL_REQUESTS, POOL_REPLIES))
     ctx = zmq.Context()
     sock = make_socket(ctx, address, zmq.DEALER, bind=False,
                        identity=f"healthcheck-{uuid.uuid4().hex[:8]}".encode(),
@@ -86,7 +88,7 @@ def check_http(url: str, timeout_s: float) -> Optional[str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m roseserve.healthcheck", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("kind", choices=["engine", "tokenizer", "http"])
+    parser.add_argument("kind", choices=["engine", "tokenizer", "kv-store", "http"])
     parser.add_argument("address", help="the service's socket address, or a URL for http")
     parser.add_argument("--timeout", type=float, default=5.0)
     parser.add_argument("--stall", type=float, default=300.0)

@@ -151,6 +151,15 @@ def main() -> int:
     assert response.output_text and response.usage.output_tokens >= 1, response
     phases.done(f"completion, streamed chat and a response served ({model})")
 
+    # A prompt for the KV store: its blocks are put there as it ends; asked again once
+    # both engines have restarted (below), it is pulled from there.
+    store_prompt = list(range(1000, 1256))   # 15 full blocks of 16 before its last token
+    stored = client.completions.create(model=model, prompt=store_prompt, max_tokens=8,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    wait_for(lambda: metric(url, "roseserve_kv_store_put_blocks_total") >= 15, 30,
+             "the prompt's blocks put to the KV store")
+    assert metric(url, "roseserve_kv_store_up") == 2
+
     # Streams on both engines (distinct short prompts spread by load), then a crash.
     results: list[dict] = [{} for _ in range(8)]
 
@@ -222,6 +231,16 @@ def main() -> int:
     routed_again(url, client, model, engine_address(compose, "engine-1"))
     phases.done(f"engine-1 process crashed: container restarted by its policy after "
                 f"{restarted:.1f} s, serving again {rejoined:.1f} s after the crash")
+    # Both engines have restarted since the store's prompt: their pools are empty, and
+    # the one it goes to pulls its blocks from the store.
+    again = client.completions.create(model=model, prompt=store_prompt, max_tokens=8,
+                                      temperature=0, extra_body={"ignore_eos": True})
+    assert again.choices[0].text == stored.choices[0].text, (again, stored)
+    assert again.usage.prompt_tokens_details.cached_tokens == 240, again.usage
+    wait_for(lambda: metric(url, "roseserve_kv_store_hits_total") >= 15, 10,
+             "15 blocks pulled from the KV store")
+    phases.done("a prompt computed before both engines restarted pulled from the KV store "
+                "(240 of 256 tokens), the same output")
     print("[compose-check] passed: " + ", ".join(f"{n} {s:.1f} s" for n, s in phases.rows))
     return 0
 

@@ -140,6 +140,18 @@ class Load:
                 or r["tokens"] != MAX_TOKENS]
 
 
+def store_prompt(url: str, model: str) -> dict:
+    """A 256-token prompt (15 full blocks of 16 before its last token), greedy: its text
+    and the prompt tokens served from a cache."""
+    r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "model": model, "prompt": list(range(1000, 1256)), "max_tokens": 8,
+        "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    return {"text": body["choices"][0]["text"],
+            "cached": body["usage"]["prompt_tokens_details"]["cached_tokens"]}
+
+
 def engines_everywhere(frontends: Frontends, n: int) -> bool:
     """Every frontend reports ``n`` healthy engines (through the mesh: a few scrapes,
     each through a new connection, land on each of them)."""
@@ -194,10 +206,19 @@ def main() -> int:
         docker("service", "scale", "--detach", f"{engine}={n}")
         wait_for(lambda: engines_everywhere(frontends, n), 600, f"{n} engines on every frontend")
         phase(f"engines scaled to {n}")
+    # A prompt whose blocks go to the KV store; once the update has replaced every
+    # engine (empty pools), it is pulled from there.
+    stored = store_prompt(frontends.next(), model)
     for service in (engine, frontend):
         docker("service", "update", "--force", "--detach=false", "--quiet", service)
         wait_for(lambda: engines_everywhere(frontends, 2), 600, "2 engines on every frontend")
         phase(f"docker service update --force {service}")
+        if service == engine:
+            again = store_prompt(frontends.next(), model)
+            assert again["text"] == stored["text"], (again, stored)
+            assert again["cached"] == 240, again
+            phase("every engine replaced: a prompt computed before pulled from the KV store "
+                  "(240 of 256 tokens), the same output")
     load.stop.set()
     for t in threads:
         t.join(180)

@@ -14,6 +14,7 @@ import yaml
 
 from engine_worker.__main__ import build_parser as engine_parser
 from frontend.__main__ import build_parser as frontend_parser
+from kv_store.__main__ import build_parser as kv_store_parser
 from roseserve.cli import build_parser as roseserve_parser
 from roseserve.healthcheck import build_parser as healthcheck_parser
 from tokenizer_worker.__main__ import build_parser as tokenizer_parser
@@ -21,7 +22,7 @@ from tokenizer_worker.__main__ import build_parser as tokenizer_parser
 ROOT = Path(__file__).resolve().parents[2]
 KUBERNETES = sorted((ROOT / "deploy" / "kubernetes").glob("*.yaml"))
 KUBERNETES_VERSION = "1.31"
-PARSERS = {"engine_worker": engine_parser, "frontend": frontend_parser,
+PARSERS = {"engine_worker": engine_parser, "frontend": frontend_parser, "kv_store": kv_store_parser,
            "tokenizer_worker": tokenizer_parser, "roseserve.healthcheck": healthcheck_parser,
            "roseserve": roseserve_parser}
 
@@ -101,6 +102,16 @@ def test_the_kubernetes_commands_and_probes_are_ours_and_drain_within_the_grace_
         "terminationGracePeriodSeconds"]
     assert pause + args.drain_timeout + 10 <= grace
     assert objects["Deployment/frontend"]["spec"]["replicas"] >= 2
+    # The engines use the shared KV store, one pod behind a headless Service.
+    (store,) = containers(objects["Deployment/kv-store"])
+    assert parse(store["command"]).bind == "tcp://0.0.0.0:5559"
+    assert objects["Service/kv-store"]["spec"]["clusterIP"] == "None"
+    for probe in ("readinessProbe", "livenessProbe"):
+        check = parse(store[probe]["exec"]["command"])
+        assert (check.kind, check.address) == ("kv-store", "tcp://127.0.0.1:5559")
+    for name in ("Deployment/engine", "Deployment/engine-gpu"):
+        env = {e["name"]: e.get("value") for e in containers(objects[name])[0]["env"]}
+        assert env.get("ROSESERVE_KV_STORE_ADDRESS") == "tcp://kv-store:5559", name
     (tokenizer,) = containers(objects["Deployment/tokenizer"])
     assert parse(tokenizer["command"]).bind == "tcp://0.0.0.0:5558"
     assert objects["Service/tokenizer"]["spec"]["clusterIP"] == "None"
@@ -120,8 +131,8 @@ def test_the_kubernetes_commands_and_probes_are_ours_and_drain_within_the_grace_
 
 
 def interpolated(text: str) -> str:
-    """A compose file's ${VAR:-default} replaced by the default."""
-    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", text)
+    """A compose file's ${VAR:-default} and ${VAR-default} replaced by the default."""
+    return re.sub(r"\$\{[A-Z_]+:?-([^}]*)\}", r"\1", text)
 
 
 def test_the_swarm_stack_and_the_compose_file_run_our_commands():
@@ -133,6 +144,9 @@ def test_the_swarm_stack_and_the_compose_file_run_our_commands():
     for name, args in (("engine", engine), ("frontend", frontend)):
         assert args.drain_timeout + 10 <= int(services[name]["stop_grace_period"].rstrip("s"))
     assert services["engine"]["deploy"]["update_config"]["parallelism"] == 1
+    assert parse(services["kv-store"]["command"]).bind == "tcp://0.0.0.0:5559"
+    assert services["engine"]["environment"]["ROSESERVE_KV_STORE_ADDRESS"] == \
+        "tcp://kv-store:5559"
     assert int(services["frontend"]["deploy"]["replicas"]) >= 2
     for service in services.values():
         parse(service["command"])
@@ -144,6 +158,10 @@ def test_the_swarm_stack_and_the_compose_file_run_our_commands():
     assert stack["secrets"][secret["source"]] == {"external": True}
     compose = yaml.safe_load(interpolated((ROOT / "docker-compose.yml").read_text()))
     keygen = parse(compose["services"]["keygen"]["command"])
+    assert parse(compose["services"]["kv-store"]["command"]).bind == "tcp://0.0.0.0:5559"
+    for name in ("engine-0", "engine-1"):
+        assert compose["services"][name]["environment"]["ROSESERVE_KV_STORE_ADDRESS"] == \
+            "tcp://kv-store:5559"
     for name, service in compose["services"].items():
         if "command" in service and name != "keygen":
             drain = getattr(parse(service["command"]), "drain_timeout", None)
