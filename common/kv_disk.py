@@ -12,6 +12,7 @@ import os
 import queue
 import struct
 import threading
+import uuid
 import zlib
 from collections import Counter, OrderedDict
 from pathlib import Path
@@ -81,16 +82,22 @@ class DiskTier:
         with self.lock:
             return block_hash in self.entries
 
-    def put(self, block_hash: bytes, token_ids: Tokens, data: bytes) -> None:
-        """Queue a block for writing (dropped, and counted, when the writer is behind)."""
+    def put(self, block_hash: bytes, token_ids: Tokens, data: bytes, wait_s: float = 0.0
+            ) -> bool:
+        """Queue a block for writing, waiting up to ``wait_s`` for room; whether it was
+        queued (or is on disk already). A block the writer has no room for is dropped
+        and counted."""
         with self.lock:
             if block_hash in self.entries:
                 self.entries.move_to_end(block_hash)
-                return
+                return True
         try:
-            self._queue.put_nowait((block_hash, token_ids, data))
+            self._queue.put((block_hash, token_ids, data), timeout=wait_s) if wait_s > 0 \
+                else self._queue.put_nowait((block_hash, token_ids, data))
         except queue.Full:
             self.errors["disk_queue_full"] += 1
+            return False
+        return True
 
     def get(self, block_hash: bytes, token_ids: Tokens) -> Optional[bytes]:
         """The block's bytes, if its file is there and passes every check; a file that
@@ -115,7 +122,10 @@ class DiskTier:
     def flush(self, timeout_s: float = 30.0) -> None:
         """Wait until every block queued so far is written (or timeout_s passes)."""
         done = threading.Event()
-        self._queue.put(done)
+        try:
+            self._queue.put(done, timeout=timeout_s)
+        except queue.Full:
+            return
         done.wait(timeout_s)
 
     # -- the writer thread -----------------------------------------------------
@@ -128,18 +138,19 @@ class DiskTier:
                 continue
             block_hash, token_ids, data = item
             path = self.path(block_hash)
-            tokens = struct.pack(f"<{len(token_ids)}q", *token_ids)
-            header = _HEADER.pack(_MAGIC, block_hash, zlib.crc32(data), len(data),
-                                  len(token_ids))
             # (engines may share the directory: each writes its own temporary file)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp = path.with_suffix(f".{uuid.uuid4().hex}.tmp")
             try:
+                tokens = struct.pack(f"<{len(token_ids)}q", *token_ids)
+                header = _HEADER.pack(_MAGIC, block_hash, zlib.crc32(data), len(data),
+                                      len(token_ids))
                 with open(tmp, "wb") as f:
                     f.write(header + tokens + data)
                 os.replace(tmp, path)
-            except OSError as e:
+            except Exception as e:  # (a full disk, a directory gone): this block is lost
                 logger.warning("KV disk tier: writing %s failed: %s", path.name, e)
                 self.errors["disk_write"] += 1
+                tmp.unlink(missing_ok=True)
                 continue
             size = _HEADER.size + len(tokens) + len(data)
             with self.lock:

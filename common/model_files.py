@@ -323,3 +323,31 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> None:
             values = values[unpermute_rows(len(values), heads[parts[-2]])]
         weights[name] = np.ascontiguousarray(values.reshape(t.shape[::-1]))
     save_file(weights, out_dir / _DEFAULT_MARKER, metadata={"format": "pt"})
+
+
+# Weight files a fingerprint reads (their names, sizes, first and last MiB).
+_WEIGHT_SUFFIXES = (".safetensors", ".gguf", ".bin", ".pt", ".pth")
+
+
+def weights_fingerprint(model_dir: Path, load_format: str = "auto", seed: int = 0) -> str:
+    """A short name for the weights ``model_dir`` holds, for the keys of KV blocks kept
+    beyond one engine (engine_worker/kv_offload.py, kv_store/): weights updated in
+    place (a new fine-tune under the same name) change it, so that their KV is never
+    taken for the old weights'. Each weight file's name, size, and first and last MiB
+    (its header and the bytes of its first and last tensors, which any fine-tune
+    changes): a few milliseconds for any model."""
+    if load_format == "dummy":
+        return f"dummy-seed{seed}"
+    files = [model_dir] if model_dir.is_file() else sorted(
+        p for p in model_dir.iterdir() if p.suffix in _WEIGHT_SUFFIXES and p.is_file())
+    h = hashlib.blake2b(digest_size=8)
+    for path in files:
+        size = path.stat().st_size
+        h.update(f"{path.name}\0{size}\0".encode())
+        with open(path, "rb") as f:
+            h.update(f.read(1 << 20))
+            if size > 1 << 20:
+                f.seek(max(1 << 20, size - (1 << 20)))
+                h.update(f.read())
+    return h.hexdigest()
+

@@ -16,7 +16,7 @@ import torch
 
 from common.config import EngineConfig
 from common.errors import InvalidRequestError
-from common.model_files import resolve_model_dir
+from common.model_files import resolve_model_dir, weights_fingerprint
 from common.protocol import (EngineStats, FinishReason, KvBlocks, KvPull, KvSource,
                              RequestOutput, SamplingParams, TokenLogprobs)
 from common.structured import GrammarCompiler
@@ -96,7 +96,11 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         # Prefill/decode disaggregation: prompt blocks held for decode engines, and
         # transfers from prefill engines (kv_transfer.py).
-        store = KvBlockStore(self.runner.kv_caches, self.model_config.kv_signature,
+        # (the layout names the weights: KV of other weights, or of these in another
+        # format, is never taken for theirs)
+        weights = weights_fingerprint(self.model_dir, config.load_format, config.seed)
+        store = KvBlockStore(self.runner.kv_caches, f"{self.model_config.kv_signature}|"
+                             f"weights={self.runner.weight_format}:{weights}",
                              self.runner.kv_scales)
         self.kv_leases = KvLeases(self.block_manager, store)
         self.kv_receiver = KvReceiver(self.block_manager, store, cache.kv_transfer_timeout_s,

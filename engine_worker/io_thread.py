@@ -44,9 +44,11 @@ logger = logging.getLogger(__name__)
 
 # The loop's frames to other engines (KV pulls) and the KV store: [address, type, payload].
 PEER_OUTBOX_ADDRESS = "inproc://engine-peer-outbox"
-# Frames queued for the KV store (KvPuts of up to a window of blocks each) before more
-# are dropped.
-STORE_HWM = 32
+# The KV store's puts go to PUT_CHANNEL + its address (_peer); at most STORE_PUT_HWM
+# of them (each of at most kv_store_link.PUT_FRAME_BYTES) wait there before more are
+# dropped.
+PUT_CHANNEL = "put+"
+STORE_PUT_HWM = 32
 
 
 class Wake:
@@ -69,10 +71,7 @@ class IOThread(threading.Thread):
     replies go out through ``send``."""
 
     def __init__(self, ctx: zmq.Context, config: EngineServerConfig, inbox: "queue.Queue",
-                 stats: EngineStats, curve: Optional[CurveServer],
-                 store_address: Optional[str] = None) -> None:
-        """store_address: the shared KV store's, whose socket queues few frames (puts of
-        many blocks each) before it drops them."""
+                 stats: EngineStats, curve: Optional[CurveServer]) -> None:
         super().__init__(name="engine-io", daemon=True)
         self.ctx = ctx
         self.inbox = inbox
@@ -94,7 +93,6 @@ class IOThread(threading.Thread):
         self.peer_outbox = make_socket(ctx, PEER_OUTBOX_ADDRESS, zmq.PULL, bind=True)
         self.peer_codec = Codec(CLIENT_MESSAGES, ENGINE_MESSAGES)
         self.peers: dict[str, zmq.Socket] = {}
-        self.store_address = store_address
         # Frames to other engines or the store dropped: the peer is not reading (the
         # transfer's deadline, or the store link's backoff, takes it from there).
         self.num_peer_frames_dropped = 0
@@ -186,17 +184,23 @@ class IOThread(threading.Thread):
                 self.num_peer_frames_dropped += 1
 
     def _peer(self, address: str) -> zmq.Socket:
+        """The DEALER to a peer (made on first use). ``PUT_CHANNEL + address``: a second
+        one to the KV store for puts, which queues few frames (of many blocks each)
+        before it drops them, so that puts never crowd out pulls; it is answered
+        nothing, and a dropped connection is the pulls' socket's to report."""
         sock = self.peers.get(address)
         if sock is None:
-            sock = make_socket(self.ctx, address, zmq.DEALER, bind=False,
-                               max_message_bytes=self.max_frame_bytes,
-                               hwm=STORE_HWM if address == self.store_address else DEFAULT_HWM,
+            puts = address.startswith(PUT_CHANNEL)
+            sock = make_socket(self.ctx, address.removeprefix(PUT_CHANNEL), zmq.DEALER,
+                               bind=False, max_message_bytes=self.max_frame_bytes,
+                               hwm=STORE_PUT_HWM if puts else DEFAULT_HWM,
                                secure=client_security(self.curve_key))
-            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
             self.peers[address] = sock
-            self.peer_monitors[monitor] = address
-            self.poller.register(sock, zmq.POLLIN)
-            self.poller.register(monitor, zmq.POLLIN)
+            if not puts:
+                monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
+                self.peer_monitors[monitor] = address
+                self.poller.register(sock, zmq.POLLIN)
+                self.poller.register(monitor, zmq.POLLIN)
         return sock
 
     def _from_peer(self, sock: zmq.Socket) -> None:

@@ -28,6 +28,7 @@ deleted and computed instead. A tier fault costs recomputation, never a wrong to
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter, OrderedDict
 from contextlib import contextmanager
@@ -41,6 +42,11 @@ from engine_worker.block_manager import BlockManager, BlockTable, Evicted
 from engine_worker.kv_store_link import KvStoreLink, request_blocks
 from engine_worker.kv_transfer import KvBlockStore
 from engine_worker.request import Request
+
+logger = logging.getLogger(__name__)
+
+# Blocks copied at a time: a temporary of this many blocks on the device, at most.
+CHUNK_BLOCKS = 64
 
 
 
@@ -116,53 +122,86 @@ class KvOffload:
         self.device = device
         self.host = (HostTier(host_bytes, store.block_bytes, pin=device.type == "cuda")
                      if host_bytes else None)
-        self.disk = (DiskTier(disk_dir, store.layout, disk_bytes, store.block_bytes)
-                     if disk_dir else None)
+        self._disk_dir, self._disk_bytes = disk_dir, disk_bytes
+        self._disk: Optional[DiskTier] = None
         self.link = link
         self.stats = OffloadStats()
         # CUDA: the tiers' copies run here; the step's stream waits for them.
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         block_manager.on_evict = self.evicted
 
+    @property
+    def disk(self) -> Optional[DiskTier]:
+        """The disk tier, made on first use under the KV layout as it is then: never
+        while an fp8 cache's scales are not set (blocks written with one run's scales
+        would be read with another's)."""
+        if self._disk is None and self._disk_dir is not None and self.store.settled:
+            self._disk = DiskTier(self._disk_dir, self.store.layout, self._disk_bytes,
+                                  self.store.block_bytes)
+        return self._disk
+
     # -- into the tiers --------------------------------------------------------
 
     def evicted(self, blocks: list[Evicted]) -> None:
-        """Keep the bytes of blocks the pool is about to reuse."""
+        """Keep the bytes of blocks the pool is about to reuse. Never raises: a block
+        not kept is computed when next needed."""
+        try:
+            for start in range(0, len(blocks), CHUNK_BLOCKS):   # bounded temporaries
+                self._evicted(blocks[start:start + CHUNK_BLOCKS])
+        except Exception as e:
+            self._failed("evict", e)
+
+    def _evicted(self, blocks: list[Evicted]) -> None:
         new = [b for b in blocks if not self._touch(b[1])]
         if self.link is not None:   # (the store is told even of blocks a tier holds)
             self._put([b[0] for b in blocks], [b[1] for b in blocks])
-        if not new or (self.host is None and self.disk is None):
+        disk = self.disk
+        if not new or (self.host is None and disk is None):
             return
         with self._copies():
             rows = self.store.read_rows([b[0] for b in new])
             if self.host is None:
-                assert self.disk is not None
+                assert disk is not None
                 for (_, block_hash, tokens), row in zip(new, rows.cpu()):
-                    self.disk.put(block_hash, tokens, row.numpy().tobytes())
+                    disk.put(block_hash, tokens, row.numpy().tobytes())
                 self.stats.stored["disk"] += len(new)
                 return
             for (_, block_hash, tokens), row in zip(new, rows):
                 slot, victim = self.host.slot_for(block_hash, tokens)
-                if victim is not None and self.disk is not None:
+                if victim is not None and disk is not None:
                     self._sync()   # the victim's bytes reached the slab
-                    self.disk.put(victim[0], victim[1], self.host.slab[slot].numpy().tobytes())
+                    disk.put(victim[0], victim[1], self.host.slab[slot].numpy().tobytes())
                     self.stats.stored["disk"] += 1
                 self.host.slab[slot].copy_(row, non_blocking=True)
             self.stats.stored["host"] += len(new)
 
     def finished(self, request: Request) -> None:
-        """A request ends: its blocks in the prefix cache go to the shared store."""
-        if self.link is not None:
-            self._put(*request_blocks(request))
+        """A request ends: its blocks in the prefix cache go to the shared store. Never
+        raises (the request has its tokens)."""
+        if self.link is None:
+            return
+        try:
+            block_ids, hashes = request_blocks(request)
+            for start in range(0, len(block_ids), CHUNK_BLOCKS):
+                self._put(block_ids[start:start + CHUNK_BLOCKS],
+                          hashes[start:start + CHUNK_BLOCKS])
+        except Exception as e:
+            self._failed("put", e)
 
     def _put(self, block_ids: list[int], hashes: list[bytes]) -> None:
         assert self.link is not None
-        if not self.link.up(time.monotonic()):
+        if not self.link.up(time.monotonic()) or not self.store.settled:
             return
         todo = self.link.unknown(hashes)
         if todo:
             rows = self.store.read_rows([block_ids[i] for i in todo]).cpu()
             self.link.put([(hashes[i], row.numpy().tobytes()) for i, row in zip(todo, rows)])
+
+    def _failed(self, what: str, e: Exception) -> None:
+        if not self.stats.errors[what]:
+            logger.warning("KV offload: %s failed (%s: %s); the blocks are computed when "
+                           "next needed", what, type(e).__name__, e)
+        self.stats.errors[what] += 1
 
     def tier_run(self, request: Request, num_cached: int) -> int:
         """How many of the request's prompt blocks after its first ``num_cached`` the
@@ -180,7 +219,8 @@ class KvOffload:
         """Write every block the pool and the host tier hold to the disk tier (an engine
         that stops leaves its cache for the next one on the same directory); how many
         were queued."""
-        if self.disk is None:
+        disk = self.disk
+        if disk is None:
             return 0
         bm = self.block_manager
         cached = []
@@ -190,18 +230,17 @@ class KvOffload:
             cached.append((block_hash, block.token_ids, block.block_id))
         count = 0
         with self._copies():
-            for start in range(0, len(cached), 64):
-                part = cached[start:start + 64]
+            for start in range(0, len(cached), CHUNK_BLOCKS):
+                part = cached[start:start + CHUNK_BLOCKS]
                 rows = self.store.read_rows([i for _, _, i in part]).cpu()
                 for (block_hash, tokens, _), row in zip(part, rows):
-                    self.disk.put(block_hash, tokens, row.numpy().tobytes())
-                count += len(part)
+                    count += disk.put(block_hash, tokens, row.numpy().tobytes(), wait_s=1.0)
         if self.host is not None:
             self._sync()
             for block_hash, (slot, tokens) in self.host.entries.items():
-                self.disk.put(block_hash, tokens, self.host.slab[slot].numpy().tobytes())
-                count += 1
-        self.disk.flush(timeout_s)
+                count += disk.put(block_hash, tokens, self.host.slab[slot].numpy().tobytes(),
+                                  wait_s=1.0)
+        disk.flush(timeout_s)
         return count
 
     # -- back into the pool ------------------------------------------------------
@@ -258,11 +297,13 @@ class KvOffload:
         if not sources:
             return 0
         with self._copies():
-            rows = torch.empty((len(sources), self.store.block_bytes), dtype=torch.uint8,
-                               device=self.device)
-            for row, source in zip(rows, sources):
-                row.copy_(source, non_blocking=True)
-            self.store.write_rows(block_ids[:len(sources)], rows)
+            for start in range(0, len(sources), CHUNK_BLOCKS):   # bounded temporaries
+                part = sources[start:start + CHUNK_BLOCKS]
+                rows = torch.empty((len(part), self.store.block_bytes), dtype=torch.uint8,
+                                   device=self.device)
+                for row, source in zip(rows, part):
+                    row.copy_(source, non_blocking=True)
+                self.store.write_rows(block_ids[start:start + len(part)], rows)
         for block_id, i in zip(block_ids, wanted[:len(sources)]):
             bm.register(block_id, hashes[i], token_ids[i * bs:(i + 1) * bs])
         self.stats.loaded.update(tiers)
@@ -312,12 +353,14 @@ class KvOffload:
         held: dict[str, dict[str, int]] = {"blocks": {}, "bytes": {}}
         if self.host is not None:
             held["blocks"]["host"], held["bytes"]["host"] = len(self.host), self.host.nbytes
-        if self.disk is not None:
-            held["blocks"]["disk"], held["bytes"]["disk"] = len(self.disk), self.disk.nbytes
+        if self._disk_dir is not None:
+            disk = self._disk
+            held["blocks"]["disk"] = len(disk) if disk is not None else 0
+            held["bytes"]["disk"] = disk.nbytes if disk is not None else 0
         return held
 
     def errors(self) -> dict[str, int]:
         errors = Counter(self.stats.errors)
-        if self.disk is not None:
-            errors.update(self.disk.errors)
-        return dict(errors)
+        if self._disk is not None:
+            errors.update(self._disk.errors)
+        return dict(+errors)

@@ -3,8 +3,9 @@ pulled, and a store that fails left alone for a while.
 
 Put: the blocks the pool evicts (kv_offload.py) and the full blocks of every request
 that ends, unless this engine put or pulled them lately (``known``), in KvPut frames of
-at most a window's bytes, sent by the I/O thread without waiting (a store that is not
-reading has them dropped: it is a cache).
+at most PUT_FRAME_BYTES, sent by the I/O thread without waiting on a socket of their
+own (a store that is not reading has them dropped: it is a cache; pulls are never
+queued behind them).
 
 Pull: a request that arrives with prompt blocks neither the pool nor the tiers below it
 hold asks the store for the rest, through a KvReceiver of its own (kv_transfer.py), so
@@ -27,9 +28,13 @@ from typing import Sequence
 
 from common.protocol import KvBlock, KvBlocks, KvPut, KvSource
 from engine_worker.block_manager import BlockManager
+from engine_worker.io_thread import PUT_CHANNEL
 from engine_worker.kv_transfer import KvBlockStore, KvReceiver, KvTransfer, checksum
 from engine_worker.request import Request
 
+# A KvPut frame holds at most this many bytes of blocks (one block, where a block is
+# more), well within any peer's frame limit.
+PUT_FRAME_BYTES = 4 << 20
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
 # Hashes remembered as put to or pulled from the store (not put again).
@@ -45,7 +50,7 @@ class KvStoreLink:
         self.store = store
         self.receiver = KvReceiver(block_manager, store, timeout_s, window_bytes,
                                    max_inflight_bytes=8 * window_bytes, scales_sent=False)
-        self.window_blocks = max(1, window_bytes // store.block_bytes)
+        self.put_blocks = max(1, PUT_FRAME_BYTES // store.block_bytes)
         self.known: OrderedDict[bytes, None] = OrderedDict()
         self._pending: list[KvBlock] = []
         self._puts: list[KvPut] = []
@@ -76,7 +81,7 @@ class KvStoreLink:
                 continue
             self._remember(block_hash)
             self._pending.append(KvBlock(block_hash, checksum(data), data))
-            if len(self._pending) >= self.window_blocks:
+            if len(self._pending) >= self.put_blocks:
                 self._flush()
 
     def unknown(self, hashes: Sequence[bytes]) -> list[int]:
@@ -86,7 +91,8 @@ class KvStoreLink:
     def messages(self) -> list[tuple[str, object]]:
         """(the store's address, KvPut or KvPull) to send now."""
         self._flush()
-        out: list[tuple[str, object]] = [(self.address, put) for put in self._puts]
+        out: list[tuple[str, object]] = [(PUT_CHANNEL + self.address, put)
+                                         for put in self._puts]
         self._puts = []
         return out + self.receiver.pulls()
 

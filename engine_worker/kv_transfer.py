@@ -76,6 +76,12 @@ class KvBlockStore:
             return self._layout
         return f"{self._layout}|{self.scales.signature()}"
 
+    @property
+    def settled(self) -> bool:
+        """Whether the layout is final (an fp8 cache's scales are set): blocks kept
+        beyond this engine's life are kept under it."""
+        return self.scales is None or self.scales.signature() != UNCALIBRATED
+
     def serves(self, layout: str) -> bool:
         """Whether this engine's blocks are of use to a peer of ``layout``: the same,
         or (an fp8 cache) the same but for scales the peer has not set yet, which it

@@ -97,6 +97,9 @@ class WaitingQueue:
     def __len__(self) -> int:
         return len(self._heap)
 
+    def __iter__(self):
+        return (entry[2] for entry in self._heap)
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
@@ -203,6 +206,11 @@ class Scheduler:
             if onloaded is not None:  # attached, or cached in the pool for the next try
                 self.block_manager.free(onloaded)
             if not allocated:
+                # Blocks other waiting requests hold (received for them: kv_transfer.py)
+                # go back to the cache first: they must never keep the first in line
+                # out (with nothing running, nothing else would free any).
+                if self._release_staged_of_others(request):
+                    continue
                 break  # the pool is full; running requests free blocks as they finish
             self.waiting.pop()
             self._release_staged(request)
@@ -299,6 +307,15 @@ class Scheduler:
             self.waiting.remove(request)
         self._release_staged(request)
         request.status = RequestStatus.FINISHED
+
+    def _release_staged_of_others(self, first: Request) -> bool:
+        """Let go of the blocks held for waiting requests other than ``first`` (they
+        stay in the prefix cache while nothing else needs their room); whether any
+        were held."""
+        holders = [r for r in self.waiting if r is not first and r.staged_blocks is not None]
+        for request in holders:
+            self._release_staged(request)
+        return bool(holders)
 
     def _release_staged(self, request: Request) -> None:
         """Blocks received for the request (kv_transfer.py) were attached by its

@@ -78,8 +78,7 @@ class EngineServer:
         self.curve = CurveServer(self.ctx, config.curve_key) if config.curve_key else None
         self.inbox: "queue.Queue" = queue.Queue()
         try:
-            self.io = IOThread(self.ctx, config, self.inbox, engine.stats(), self.curve,
-                               store_address=engine.config.cache.kv_store_address)
+            self.io = IOThread(self.ctx, config, self.inbox, engine.stats(), self.curve)
         except Exception:
             self._stop_curve()
             raise

@@ -76,13 +76,17 @@ class KvStoreServer:
             self.num_frames_dropped += 1
             logger.warning("dropped a frame from %r: %s", identity, e)
             return
-        if isinstance(message, KvPut):
-            for block in message.blocks:
-                self.store.put(message.layout, block)
-        elif isinstance(message, KvPull):
-            self._send(identity, self.answer(message))
-        elif isinstance(message, Ping):
-            self._send(identity, StorePong(nonce=message.nonce, stats=self.store.stats()))
+        try:
+            if isinstance(message, KvPut):
+                for block in message.blocks:
+                    self.store.put(message.layout, block)
+            elif isinstance(message, KvPull):
+                self._send(identity, self.answer(message))
+            elif isinstance(message, Ping):
+                self._send(identity, StorePong(nonce=message.nonce, stats=self.store.stats()))
+        except Exception:  # (a disk that failed): this message's loss, not the store's
+            logger.exception("handling a %s from %r failed", type(message).__name__, identity)
+            self.num_frames_dropped += 1
 
     def answer(self, pull: KvPull) -> KvBlocks:
         """The leading blocks of those asked for that the store holds, at most a

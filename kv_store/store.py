@@ -23,6 +23,8 @@ from common.protocol import KvBlock, StoreStats
 # A layout's name is a few hundred characters (KvBlockStore.layout); a hash 16 bytes.
 MAX_LAYOUT_CHARS = 4096
 HASH_BYTES = 16
+# Layouts (models, dtypes, block sizes...) kept at once; a put of another is refused.
+MAX_LAYOUTS = 64
 
 
 class BlockStore:
@@ -40,7 +42,8 @@ class BlockStore:
 
     def put(self, layout: str, block: KvBlock) -> Optional[str]:
         """Keep a block; why not, if not."""
-        if not layout or len(layout) > MAX_LAYOUT_CHARS:
+        if not layout or len(layout) > MAX_LAYOUT_CHARS or (
+                layout not in self.block_bytes and len(self.block_bytes) >= MAX_LAYOUTS):
             return self._refuse("layout")
         if len(block.block_hash) != HASH_BYTES:
             return self._refuse("hash")

@@ -5,6 +5,8 @@ engine of another layout."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from common.kv_disk import DiskTier
@@ -124,10 +126,18 @@ def test_a_disk_tier_of_another_layout_is_never_read(tiny_llama_dir, tiny_llama_
     first = make_engine(tiny_llama_dir, **POOL, kv_offload_dir=str(tmp_path))
     first.generate([A], greedy(6))
     first.shutdown()
-    # another model, and the same model in blocks of another size: their own directories
+    # Another model; the same in blocks of another size; the same with other weights
+    # (one value of its last tensor changed in place): their own directories.
+    retrained = tmp_path / "retrained" / tiny_llama_dir.name   # (the same model name)
+    shutil.copytree(tiny_llama_dir, retrained)
+    [weights] = retrained.glob("*.safetensors")
+    raw = bytearray(weights.read_bytes())
+    raw[-2] ^= 0x01
+    weights.write_bytes(bytes(raw))
     for other in (make_engine(tiny_llama_hd8_dir, **POOL, kv_offload_dir=str(tmp_path)),
                   make_engine(tiny_llama_dir, **{**POOL, "block_size": 8},
-                              kv_offload_dir=str(tmp_path))):
+                              kv_offload_dir=str(tmp_path)),
+                  make_engine(retrained, **POOL, kv_offload_dir=str(tmp_path))):
         assert other.kv_offload.disk.dir != first.kv_offload.disk.dir
         assert len(other.kv_offload.disk) == 0
         other.generate([A], greedy(6))

@@ -18,6 +18,7 @@ import zmq
 
 from common.protocol import (STORE_REPLIES, STORE_REQUESTS, Codec, KvBlock, KvPull, KvPut,
                              Ping)
+from engine_worker.io_thread import PUT_CHANNEL
 from engine_worker.kv_store_link import BACKOFF_FIRST_S
 from helpers import greedy, make_engine, random_prompts
 from kv_store.store import BlockStore
@@ -97,7 +98,9 @@ class Pump:
 
     def carry(self, wait_ms: int = 20) -> None:
         for address, message in self.engine.kv_pulls():
-            assert address == self.address
+            # (puts on a socket of their own: PUT_CHANNEL)
+            assert address.removeprefix(PUT_CHANNEL) == self.address
+            assert isinstance(message, KvPut) == address.startswith(PUT_CHANNEL)
             self.sock.send_multipart(self.codec.encode(message))
         while self.sock.poll(wait_ms):
             self.engine.receive_kv(self.address, self.codec.decode(self.sock.recv_multipart()))

@@ -120,6 +120,31 @@ def test_the_cached_prefix_is_held_while_the_rest_arrives(engines):
     assert outs[0].num_cached_tokens == 40        # 5 blocks held, 5 pulled (0 unheld)
 
 
+def test_blocks_received_for_a_waiting_request_never_keep_the_first_out(engines,
+                                                                        tiny_llama_dir):
+    """A transfer fills most of a small pool for one request while another, queued
+    first, needs more than is left: the received blocks go back to the cache (as
+    they must: nothing runs, nothing else would free any) and both complete."""
+    mixed, p, _ = engines
+    d = make_engine(tiny_llama_dir, num_blocks=24, max_model_len=64)
+    pulled, direct = random_prompts([60, 50], seed=8)
+    first = prefill(p, "pulled", pulled, greedy(2))
+    d.add_request("pulled", pulled, greedy(2), output_token_ids=first,
+                  kv_source=KvSource(address=ADDRESS, request_id="pulled"))
+    d.add_request("direct", direct, greedy(2))      # queued while the blocks arrive
+    carry(p, d)                                     # 15 of 24 blocks now held for "pulled"
+    outs: dict = {}
+    for _ in range(200):
+        if not d.has_unfinished_requests():
+            break
+        for out in d.step():
+            outs.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert not d.has_unfinished_requests(), "stuck"
+    assert outs["direct"] == mixed.generate([direct], greedy(2))[0]
+    assert first + outs["pulled"] == mixed.generate([pulled], greedy(2))[0]
+    assert d.block_manager.num_used_blocks == 0
+
+
 def test_seeded_sampling_continues_the_same_random_stream(engines):
     mixed, p, d = engines
     prompt = random_prompts([13], seed=4)[0]
