@@ -68,6 +68,17 @@ class Stack:
                 continue
         return out
 
+    def rolling_restart(self, timeout_s: float = 300.0) -> None:
+        """SIGHUP: the engines restarted one at a time; back once all are."""
+        done = "rolling restart of"
+        before = Path(self.log.name).read_text(errors="replace").count(done)
+        self.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + timeout_s
+        while Path(self.log.name).read_text(errors="replace").count(done) == before:
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise SystemExit(f"the rolling restart did not finish:\n{self.tail()}")
+            time.sleep(0.3)
+
     def stop(self) -> int:
         self.proc.send_signal(signal.SIGINT)
         try:
