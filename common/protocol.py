@@ -129,6 +129,10 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     kv_store_misses: int = 0
     kv_store_errors: dict[str, int] = {}
     kv_store_up: Optional[bool] = None
+    # The store's own figures, as it last answered this engine: blocks and bytes it
+    # holds, by tier ("memory", "disk").
+    kv_store_blocks: dict[str, int] = {}
+    kv_store_bytes: dict[str, int] = {}
 
 
 # -- Engine worker <-> its clients (frontends, benchmarks, tests) ------------------
@@ -237,6 +241,8 @@ class Ready(msgspec.Struct, frozen=True, kw_only=True):
     # "mixed" (prompts and generation), "prefill" or "decode" (disaggregated serving:
     # routers send each role its part of a request).
     role: str = "mixed"
+    # It uses the shared KV store: a prompt's blocks the store holds reach it too.
+    kv_store: bool = False
 
 
 class OutputBatch(msgspec.Struct, frozen=True, kw_only=True):
@@ -295,6 +301,12 @@ class CacheEvents(msgspec.Struct, frozen=True, kw_only=True):
     stored: list[bytes] = []
     removed: list[bytes] = []
     snapshot: bool = False
+    # The shared KV store (kv_store/) as this engine sees it: the hashes of blocks it
+    # put there since its last CacheEvents, and whether it lost the store since (a
+    # store that restarted may have come back empty). Routers count what the store
+    # holds as held by every engine that uses it (frontend/router.py).
+    store_put: list[bytes] = []
+    store_lost: bool = False
 
 
 class KvPull(msgspec.Struct, frozen=True, kw_only=True):

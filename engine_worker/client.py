@@ -109,16 +109,43 @@ class CacheView:
                 self.expected.pop(h, None)
 
 
+class StoreView:
+    """The blocks the shared KV store (kv_store/) is thought to hold, as the engines
+    that use it report their puts (CacheEvents.store_put); forgotten when one reports
+    the store lost. A router's hint, never a promise: the store's own evictions are
+    not reported, and a block it no longer holds is computed by the engine that asks.
+    At most ``capacity`` hashes, the oldest reported first out."""
+
+    def __init__(self, capacity: int = 1 << 18) -> None:
+        self.capacity = capacity
+        self.held: dict[bytes, None] = {}   # in the order reported
+
+    def holds(self, block_hash: bytes) -> bool:
+        return block_hash in self.held
+
+    def apply(self, events: CacheEvents) -> None:
+        if events.store_lost:
+            self.held.clear()
+        for h in events.store_put:
+            self.held.pop(h, None)
+            self.held[h] = None
+        while len(self.held) > self.capacity:
+            del self.held[next(iter(self.held))]
+
+
 class EngineClient(ServiceClient):
     service = "engine"
     ready_type = Ready
     pong_type = Pong
     dead_error = EngineDeadError
 
-    def __init__(self, address: str, **kw) -> None:
+    def __init__(self, address: str, store: Optional[StoreView] = None, **kw) -> None:
+        """store: the frontend's view of the shared KV store, which this engine's
+        reports of its puts feed."""
         super().__init__(address, Codec(CLIENT_MESSAGES, ENGINE_MESSAGES), **kw)
         self._sinks: dict[str, Sink] = {}
         self.cache = CacheView()
+        self.store = store
 
     def submit(self, request_id: str, prompt_token_ids: Sequence[int],
                params: Optional[SamplingParams], sink: Sink, **disaggregation) -> None:
@@ -185,6 +212,8 @@ class EngineClient(ServiceClient):
             if sink is not None:
                 sink(EngineRequestError(message))
         elif isinstance(message, CacheEvents):
+            if self.store is not None and (message.store_put or message.store_lost):
+                self.store.apply(message)
             if self.cache.apply(message, time.monotonic()):
                 logger.info("missed prefix-cache changes of the engine at %s (%d after "
                             "%s): asking for a snapshot", self.address, message.seq,

@@ -35,8 +35,9 @@ import zmq
 
 from common.config import EngineServerConfig
 from common.curve import CurveServer, client_security
-from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, Codec, Dead, EngineStats, KvBlocks,
-                             Ping, Pong, ProtocolError, RequestError)
+from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, STORE_REPLIES, Codec, Dead,
+                             EngineStats, KvBlocks, Ping, Pong, ProtocolError, RequestError,
+                             StorePong)
 from common.sockets import (DEFAULT_HWM, HANDSHAKE_FAILED, make_socket, read_refusal,
                             waiting_messages)
 
@@ -91,7 +92,7 @@ class IOThread(threading.Thread):
         self.monitor = self.router.get_monitor_socket(zmq.EVENT_DISCONNECTED | HANDSHAKE_FAILED)
         # Other engines this one pulls KV from: a DEALER each, made on first use.
         self.peer_outbox = make_socket(ctx, PEER_OUTBOX_ADDRESS, zmq.PULL, bind=True)
-        self.peer_codec = Codec(CLIENT_MESSAGES, ENGINE_MESSAGES)
+        self.peer_codec = Codec(CLIENT_MESSAGES, {**ENGINE_MESSAGES, **STORE_REPLIES})
         self.peers: dict[str, zmq.Socket] = {}
         # Frames to other engines or the store dropped: the peer is not reading (the
         # transfer's deadline, or the store link's backoff, takes it from there).
@@ -212,7 +213,7 @@ class IOThread(threading.Thread):
                 self.num_frames_dropped += 1
                 logger.warning("dropped a frame from engine %s: %s", address, e)
                 continue
-            if isinstance(message, (KvBlocks, Dead)):
+            if isinstance(message, (KvBlocks, Dead, StorePong)):
                 self.inbox.put((Peer(address), message))
 
     def _pong(self, identity: bytes, ping: Ping) -> None:

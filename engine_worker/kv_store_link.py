@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import time
 from collections import Counter, OrderedDict
-from typing import Sequence
+from typing import Optional, Sequence
 
-from common.protocol import KvBlock, KvBlocks, KvPut, KvSource
+from common.protocol import KvBlock, KvBlocks, KvPut, KvSource, Ping, StorePong, StoreStats
 from engine_worker.block_manager import BlockManager
 from engine_worker.io_thread import PUT_CHANNEL
 from engine_worker.kv_transfer import KvBlockStore, KvReceiver, KvTransfer, checksum
@@ -35,6 +35,8 @@ from engine_worker.request import Request
 # A KvPut frame holds at most this many bytes of blocks (one block, where a block is
 # more), well within any peer's frame limit.
 PUT_FRAME_BYTES = 4 << 20
+# How often the store is asked for its figures (a Ping; its StorePong).
+PING_S = 5.0
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
 # Hashes remembered as put to or pulled from the store (not put again).
@@ -54,6 +56,14 @@ class KvStoreLink:
         self.known: OrderedDict[bytes, None] = OrderedDict()
         self._pending: list[KvBlock] = []
         self._puts: list[KvPut] = []
+        # For routers (CacheEvents.store_put, store_lost): hashes put since last told,
+        # and whether the store was lost since.
+        self._announced: list[bytes] = []
+        self._lost = False
+        # The store's own figures (blocks and bytes by tier), as its last answer to the
+        # pings this link sends every PING_S.
+        self.store_stats: Optional[StoreStats] = None
+        self._next_ping = 0.0
         self.down_until = 0.0
         self.backoff = 0.0
         # Blocks put; blocks pulled (hits), asked for and not held (misses); transfers
@@ -80,9 +90,17 @@ class KvStoreLink:
                 self.known.move_to_end(block_hash)
                 continue
             self._remember(block_hash)
+            self._announced.append(block_hash)
             self._pending.append(KvBlock(block_hash, checksum(data), data))
             if len(self._pending) >= self.put_blocks:
                 self._flush()
+
+    def news(self) -> tuple[list[bytes], bool]:
+        """What routers should hear since they were last told: the hashes put, and
+        whether the store was lost (forget what it was thought to hold)."""
+        announced, lost = self._announced, self._lost
+        self._announced, self._lost = [], False
+        return announced, lost
 
     def unknown(self, hashes: Sequence[bytes]) -> list[int]:
         """The indexes of ``hashes`` the store is not known to hold."""
@@ -94,7 +112,14 @@ class KvStoreLink:
         out: list[tuple[str, object]] = [(PUT_CHANNEL + self.address, put)
                                          for put in self._puts]
         self._puts = []
+        now = time.monotonic()
+        if now >= self._next_ping and self.up(now):
+            self._next_ping = now + PING_S
+            out.append((self.address, Ping(nonce=0)))
         return out + self.receiver.pulls()
+
+    def pong(self, pong: StorePong) -> None:
+        self.store_stats = pong.stats
 
     # -- pull --------------------------------------------------------------------
 
@@ -140,6 +165,8 @@ class KvStoreLink:
         self.known.clear()
         self._pending.clear()
         self._puts.clear()
+        self._announced.clear()
+        self._lost = True
 
     def _remember(self, block_hash: bytes) -> None:
         self.known[block_hash] = None
@@ -153,9 +180,11 @@ class KvStoreLink:
             self._pending = []
 
     def stats(self) -> dict:
+        held = self.store_stats or StoreStats()
         return dict(kv_store_put_blocks=self.num_put, kv_store_hits=self.num_hits,
                     kv_store_misses=self.num_misses, kv_store_errors=dict(self.errors),
-                    kv_store_up=self.up(time.monotonic()))
+                    kv_store_up=self.up(time.monotonic()), kv_store_blocks=held.blocks,
+                    kv_store_bytes=held.bytes)
 
 
 def request_blocks(request: Request) -> tuple[list[int], list[bytes]]:

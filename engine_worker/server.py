@@ -53,7 +53,7 @@ from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, PROTOCOL_VERSION,
                              AbortRequests, AddRequest, CacheEvents, CacheSync, Codec, Dead,
                              FinishReason, KvBlocks, KvPull, Hello, OutputBatch, Pong, Ready,
                              RequestError, RequestErrorKind, RequestOutput, STORE_REQUESTS,
-                             version_mismatch)
+                             StorePong, version_mismatch)
 from common.sockets import make_socket
 from engine_worker.engine import FatalDeviceError, LLMEngine
 from engine_worker.io_thread import PEER_OUTBOX_ADDRESS, IOThread, Peer, Wake
@@ -105,7 +105,8 @@ class EngineServer:
             num_kv_blocks=engine.block_manager.num_blocks,
             block_size=engine.block_manager.block_size,
             eos_token_ids=sorted(engine.eos_token_ids),
-            prefix_caching=engine.block_manager.enable_prefix_caching, role=config.role)
+            prefix_caching=engine.block_manager.enable_prefix_caching, role=config.role,
+            kv_store=engine.kv_store is not None)
         # The number of the last CacheEvents change sent (0: none yet).
         self.cache_seq = 0
         if self.ready.prefix_caching:
@@ -260,6 +261,9 @@ class EngineServer:
     def _from_peer(self, address: str, message) -> None:
         if isinstance(message, KvBlocks):
             self.engine.receive_kv(address, message)
+        elif isinstance(message, StorePong):
+            if self.engine.kv_store is not None:
+                self.engine.kv_store.pong(message)
         elif isinstance(message, Dead):
             self.engine.kv_source_failed(address, "source_dead")
         else:  # PeerLost
@@ -373,9 +377,11 @@ class EngineServer:
         if not self.ready.prefix_caching:
             return
         stored, removed = self.engine.block_manager.take_changes()
-        if stored or removed:
+        put, lost = self.engine.kv_store.news() if self.engine.kv_store else ([], False)
+        if stored or removed or put or lost:
             self.cache_seq += 1
-            self._broadcast(CacheEvents(seq=self.cache_seq, stored=stored, removed=removed))
+            self._broadcast(CacheEvents(seq=self.cache_seq, stored=stored, removed=removed,
+                                        store_put=put, store_lost=lost))
 
     def _send_cache_snapshot(self, identity: bytes) -> None:
         if not self.ready.prefix_caching:

@@ -30,7 +30,7 @@ from common.model_files import resolve_model_dir
 from common.sampling_params import recommended_sampling
 from common.structured import GrammarCompiler
 from common.tokenizer import chat_template_text, load_decoder, read_chat_template
-from engine_worker.client import EngineClient
+from engine_worker.client import EngineClient, StoreView
 from frontend.admission import Admission
 from frontend.errors import APIError
 from frontend.harmony import is_harmony
@@ -237,14 +237,16 @@ async def start_pipeline(config: FrontendConfig, metrics: Metrics,
     model_names = list(config.served_model_names) or [model_dir.resolve().name]
     tok_client = TokenizerClient(config.tokenizer_address, curve_key=config.curve_key)
     await tok_client.connect()
-    engines = EngineRouter([], config.routing, config.disagg_min_prompt_tokens)
+    store = StoreView()   # the shared KV store, as the engines that use it report it
+    engines = EngineRouter([], config.routing, config.disagg_min_prompt_tokens, store)
     tracer = Tracer(config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None
     pipe = Pipeline(engines, tok_client, tokenizer, metrics,
                     Admission(config.max_waiting_requests, config.max_waiting_tokens),
                     model_names, config, template, grammars, reasoning, sampling, tracer)
     pipe.membership = Membership(
         config.engine_addresses, engines,
-        lambda address: EngineClient(address, heartbeat_timeout_s=config.engine_heartbeat_timeout_s,
+        lambda address: EngineClient(address, store=store,
+                                     heartbeat_timeout_s=config.engine_heartbeat_timeout_s,
                                      stall_timeout_s=config.engine_stall_timeout_s,
                                      curve_key=config.curve_key),
         interval_s=config.dns_refresh_s)

@@ -164,6 +164,10 @@ class _StateCollector:
                                   "Requests sent to another engine: theirs refused them "
                                   "(draining) or failed before any output",
                                   value=snap.num_retries)
+        yield GaugeMetricFamily("roseserve_kv_store_blocks_known",
+                                "KV blocks the shared store is thought to hold (as the "
+                                "engines report their puts): routed as held by every engine "
+                                "that uses it", value=snap.store_blocks_known)
         yield GaugeMetricFamily("roseserve_tokenizer_queue",
                                 "Tokenize jobs waiting or running in the pool",
                                 value=snap.tokenizer_queue)
@@ -329,6 +333,10 @@ def _kv_store_families(snap: "PipelineSnapshot") -> list:
                                  "the store for that it did not hold", labels=["engine"])
     errors = CounterMetricFamily("roseserve_kv_store_errors", "Pulls from the store that "
                                  "failed (the rest computed), by why", labels=["engine", "reason"])
+    held = GaugeMetricFamily("roseserve_kv_store_blocks", "KV blocks the store holds, by tier, "
+                             "as it last told the engine", labels=["engine", "tier"])
+    data = GaugeMetricFamily("roseserve_kv_store_bytes", "Bytes of KV blocks the store holds, "
+                             "by tier, as it last told the engine", labels=["engine", "tier"])
     for e in snap.engines:
         s = e.stats
         if s is None or s.kv_store_up is None:
@@ -339,4 +347,7 @@ def _kv_store_families(snap: "PipelineSnapshot") -> list:
         misses.add_metric([e.address], s.kv_store_misses)
         for reason, n in sorted(s.kv_store_errors.items()):
             errors.add_metric([e.address, reason], n)
-    return [up, put, hits, misses, errors]
+        for tier in sorted(s.kv_store_blocks):
+            held.add_metric([e.address, tier], s.kv_store_blocks[tier])
+            data.add_metric([e.address, tier], s.kv_store_bytes.get(tier, 0))
+    return [up, put, hits, misses, errors, held, data]

@@ -13,7 +13,10 @@ Policy "prefix" (the default): among healthy engines whose load (requests assign
 and not yet finished) is within the imbalance bound of the least loaded one,
 ``min_load + max(MIN_SLACK, SLACK_FRACTION * min_load)``, the request goes to the one
 holding the longest run of its leading blocks; when no engine holds any, or every
-holder is over the bound, to the least loaded. Policy "least-loaded" ignores
+holder is over the bound, to the least loaded. Blocks the shared KV store is thought
+to hold (as the engines that use it report their puts: StoreView) count as held by
+every engine that uses it, so a prefix any engine computed ties them all, and the
+least loaded of those takes it. Policy "least-loaded" ignores
 prefixes; "round-robin" takes the healthy engines in turn (what a balancer that knows
 nothing of the engines does: with a shared KV store, every engine finds what any
 computed). A request counts toward its engine's load from the pick on, so a burst
@@ -41,7 +44,7 @@ from typing import Optional, Sequence
 from common.config import ROUTING_POLICIES
 from common.prefix_hash import prefix_hashes
 from common.protocol import Ready
-from engine_worker.client import EngineClient
+from engine_worker.client import EngineClient, StoreView
 from frontend.errors import APIError
 
 POLICIES = ROUTING_POLICIES
@@ -70,7 +73,9 @@ class RoutedEngine:
     def address(self) -> str:
         return self.client.address
 
-    def matched_blocks(self, hashes: list[bytes]) -> int:
+    def matched_blocks(self, hashes: list[bytes], store: Optional[StoreView] = None) -> int:
+        """The prompt's leading blocks this engine holds, or can pull from the shared
+        KV store it uses (``store``: what the store is thought to hold)."""
         if not self.client.ready.prefix_caching:
             return 0
         holds = self.client.cache.holds
@@ -79,12 +84,18 @@ class RoutedEngine:
             if not holds(h):
                 break
             n += 1
+        if store is not None and self.client.ready.kv_store:
+            while n < len(hashes) and store.holds(hashes[n]):
+                n += 1
         return n
 
 
 class EngineRouter:
     def __init__(self, clients: Sequence[EngineClient], policy: str = "prefix",
-                 min_prefill_tokens: int = 0) -> None:
+                 min_prefill_tokens: int = 0, store: Optional[StoreView] = None) -> None:
+        """store: what the shared KV store is thought to hold (engines that use it
+        report their puts): counted as held by every engine that uses it."""
+        self.store = store
         if policy not in POLICIES:
             raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}, "
                              f"got {policy!r}")
@@ -160,7 +171,7 @@ class EngineRouter:
             for e in healthy:
                 if e.load > bound:
                     continue
-                n = e.matched_blocks(hashes(e))
+                n = e.matched_blocks(hashes(e), self.store)
                 if n > best or (n == best and n and chosen is not None and e.load < chosen.load):
                     best, chosen = n, e
             if chosen is not None:
@@ -173,7 +184,7 @@ class EngineRouter:
         prefill = None
         if disaggregate and chosen.client.ready.role != "prefill":
             # What the decode engine holds, before this request's blocks are expected.
-            uncached = len(prompt_token_ids) - (chosen.matched_blocks(hashes(chosen))
+            uncached = len(prompt_token_ids) - (chosen.matched_blocks(hashes(chosen), self.store)
                                                 * chosen.client.ready.block_size)
             if uncached >= max(1, self.min_prefill_tokens):
                 prefill = self._pick_prefill(chosen.client.ready.block_size, hashes(chosen))
@@ -192,7 +203,8 @@ class EngineRouter:
                    and e.client.ready.block_size == block_size]
         if not healthy:
             return None
-        chosen = min(healthy, key=lambda e: (-e.matched_blocks(hashes), e.load, e.num_routed))
+        chosen = min(healthy, key=lambda e: (-e.matched_blocks(hashes, self.store), e.load,
+                                               e.num_routed))
         if chosen.client.ready.prefix_caching:
             chosen.client.cache.expect(hashes, chosen.client.ready.num_kv_blocks)
         chosen.load += 1

@@ -68,6 +68,8 @@ class PipelineSnapshot:
     tokenizer_queue: int
     # Requests sent to another engine (frontend/output_processor.py).
     num_retries: int
+    # Blocks the shared KV store is thought to hold (engine_worker/client.py StoreView).
+    store_blocks_known: int = 0
 
 
 class Pipeline:
@@ -122,7 +124,8 @@ class Pipeline:
             num_jobs=self.num_jobs, admitted_requests=self.admission.requests,
             admitted_tokens=self.admission.tokens,
             tokenizer_queue=(pool.num_pending if pool else 0) + self.tokenizer_client.num_pending,
-            num_retries=self.outputs.num_retries)
+            num_retries=self.outputs.num_retries,
+            store_blocks_known=len(self.engines.store.held) if self.engines.store else 0)
 
     def check_model(self, model: str) -> None:
         if model not in self.model_names:

@@ -12,6 +12,7 @@ import time
 
 import httpx
 
+from common.prefix_hash import prefix_hashes
 from helpers import make_engine, random_prompts
 from hf_reference import hf_greedy
 from processes import Serve, metric
@@ -79,6 +80,11 @@ def test_a_prefix_computed_on_one_engine_is_served_on_the_other_from_the_store(
         time.sleep(1.5)
         assert metric(serve.url, "roseserve_kv_store_hits_total") == FULL
         assert metric(serve.url, "roseserve_kv_store_up") == 2
+        # The engines' puts, as the router knows them: every full block either turn
+        # computed (the last token's KV never is).
+        put = {h for tokens in (A + expected[0], second + expected[1])
+               for h in prefix_hashes(tokens[:-1], 4, 100)}
+        assert metric(serve.url, "roseserve_kv_store_blocks_known") == len(put) == 13
         [store] = serve.pids()["kv_store"]
         os.kill(store, signal.SIGKILL)
         for prompt, tokens in ((B, expected[2]), (second, expected[1]), (A, expected[0])):

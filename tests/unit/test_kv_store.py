@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 from common.protocol import (STORE_REPLIES, STORE_REQUESTS, Codec, KvBlock, KvPull, KvPut,
-                             Ping)
+                             Ping, StorePong)
 from engine_worker.io_thread import PUT_CHANNEL
 from engine_worker.kv_store_link import BACKOFF_FIRST_S
 from helpers import greedy, make_engine, random_prompts
@@ -103,7 +103,11 @@ class Pump:
             assert isinstance(message, KvPut) == address.startswith(PUT_CHANNEL)
             self.sock.send_multipart(self.codec.encode(message))
         while self.sock.poll(wait_ms):
-            self.engine.receive_kv(self.address, self.codec.decode(self.sock.recv_multipart()))
+            reply = self.codec.decode(self.sock.recv_multipart())
+            if isinstance(reply, StorePong):
+                self.engine.kv_store.pong(reply)
+            else:
+                self.engine.receive_kv(self.address, reply)
         self.engine.expire_kv()
 
     def run(self, request_id: str, prompt, max_tokens: int = 6) -> list[int]:
@@ -150,6 +154,10 @@ def test_a_prefix_computed_on_one_engine_is_served_to_another(tiny_llama_dir, st
     assert stats.kv_store_hits == FULL and stats.kv_store_misses == 0
     assert b.num_prompt_tokens_computed - before == len(A) - FULL * 4
     assert stats.prefix_cache_hit_tokens == FULL * 4
+    # the store's own figures, as it answered b's ping: a's blocks (b put none new
+    # but its reply's)
+    assert stats.kv_store_blocks["memory"] == (len(A) + 6 - 1) // 4
+    assert stats.kv_store_bytes["memory"] == 11 * b.kv_store.store.block_bytes
     assert b.block_manager.num_used_blocks == 0
 
 

@@ -11,10 +11,11 @@ from typing import Optional
 
 import pytest
 
-from common.protocol import (FinishReason, Ready, RequestError, RequestErrorKind, RequestOutput,
-                             SamplingParams)
+from common.protocol import (CacheEvents, FinishReason, Ready, RequestError, RequestErrorKind,
+                             RequestOutput, SamplingParams)
 from common.tokenizer import load_tokenizer
-from engine_worker.client import CacheView, EngineDeadError, EngineRequestError
+from common.prefix_hash import prefix_hashes
+from engine_worker.client import CacheView, EngineDeadError, EngineRequestError, StoreView
 from frontend.admission import Admission
 from frontend.choice import Choice
 from frontend.detokenizer import IncrementalDetokenizer, StopStringMatcher
@@ -29,11 +30,12 @@ PROMPT = [5, 6, 7, 8, 9]
 class FakeEngine:
     """What the router and the output processor use of an EngineClient."""
 
-    def __init__(self, name: str, max_model_len: int = 512, role: str = "mixed") -> None:
+    def __init__(self, name: str, max_model_len: int = 512, role: str = "mixed",
+                 kv_store: bool = False) -> None:
         self.address = f"fake://{name}"
         self.ready = Ready(engine_id=name, protocol_version=1, model_name="tiny",
                            max_model_len=max_model_len, vocab_size=1000, num_kv_blocks=64,
-                           block_size=4, eos_token_ids=[2], role=role)
+                           block_size=4, eos_token_ids=[2], role=role, kv_store=kv_store)
         self.dead_reason: Optional[str] = None
         self.draining = False
         self.sinks: dict = {}
@@ -157,6 +159,23 @@ def test_round_robin_takes_the_healthy_engines_in_turn():
     assert [router.pick(PROMPT) for _ in range(4)] == [a, b, c, a]   # loads ignored
     b.draining = True
     assert [router.pick(PROMPT) for _ in range(3)] == [a, c, a]
+
+
+def test_blocks_in_the_kv_store_count_as_held_by_every_engine_that_uses_it():
+    a, b = FakeEngine("a", kv_store=True), FakeEngine("b", kv_store=True)
+    c = FakeEngine("c")                                     # uses no store
+    store = StoreView()
+    router = EngineRouter([a, b, c], policy="prefix", store=store)
+    long = list(range(10, 30))                              # 5 full blocks
+    hashes = prefix_hashes(long, 4, 100)
+    a.cache.apply(CacheEvents(seq=1, stored=hashes[:2], snapshot=True), 0.0)
+    assert [e.matched_blocks(hashes, store) for e in router.engines] == [2, 0, 0]
+    store.apply(CacheEvents(seq=1, store_put=hashes[:4]))   # puts, as an engine reports them
+    assert [e.matched_blocks(hashes, store) for e in router.engines] == [4, 4, 0]
+    assert router.pick([1, 2, 3]) is a                      # (a busy now)
+    assert router.pick(long) is b                           # a tie: the least loaded
+    store.apply(CacheEvents(seq=2, store_lost=True))        # an engine lost the store
+    assert store.held == {} and c.cache.held == set()
 
 
 def test_a_request_refused_by_a_draining_engine_completes_on_another(tokenizer):
