@@ -344,6 +344,8 @@ class LLMEngine:
         everything that is known good."""
         inflight, self._inflight = self._inflight, None
         self.runner.prompt_logits = []  # this call's, if it runs a forward pass
+        if self.kv_offload is not None:
+            self.kv_offload.poll()   # (CUDA: evicted blocks' bytes that reached the host)
         outputs: list[RequestOutput] = []
         if inflight is not None and self._may_run_ahead(inflight):
             self._hold_places(inflight)

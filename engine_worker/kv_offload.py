@@ -17,6 +17,12 @@ anything is written into it) is copied, as bytes in the cache's own dtype
     and found again by an engine that restarts on the same directory. The host tier's
     evicted slots go there; without a host tier, the pool's do.
 
+The shared KV store (kv_store_link.py) gets the evicted blocks too, and those of every
+request that ends. Where bytes must reach the host from a GPU (the disk, the store),
+they are copied into pinned memory on the side stream and handed over by a later
+``poll()`` (every step) once there; a host slot pushed out to disk before its own copy
+has landed is dropped, not waited for. So the step's path never waits for a copy.
+
 On admission (Scheduler: ``onload``) a request's prompt blocks beyond what the pool
 holds are looked up tier by tier, in prompt order; the leading run found is copied
 into fresh blocks, registered in the prefix cache and attached as if they had been
@@ -30,10 +36,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -126,8 +132,12 @@ class KvOffload:
         self._disk: Optional[DiskTier] = None
         self.link = link
         self.stats = OffloadStats()
-        # CUDA: the tiers' copies run here; the step's stream waits for them.
+        # CUDA: the tiers' copies run here; the step's stream waits for them. Copies to
+        # the host under way (an event, the pinned rows, what takes their bytes), and
+        # when each host slot's last copy is done.
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._deferred: deque = deque()
+        self._written: dict[int, torch.cuda.Event] = {}
         block_manager.on_evict = self.evicted
 
     @property
@@ -162,18 +172,54 @@ class KvOffload:
             rows = self.store.read_rows([b[0] for b in new])
             if self.host is None:
                 assert disk is not None
-                for (_, block_hash, tokens), row in zip(new, rows.cpu()):
-                    disk.put(block_hash, tokens, row.numpy().tobytes())
+                self._to_host(rows, lambda data: [disk.put(h, tokens, d) for (_, h, tokens), d
+                                                  in zip(new, data)])
                 self.stats.stored["disk"] += len(new)
                 return
+            slots = []
             for (_, block_hash, tokens), row in zip(new, rows):
                 slot, victim = self.host.slot_for(block_hash, tokens)
                 if victim is not None and disk is not None:
-                    self._sync()   # the victim's bytes reached the slab
-                    disk.put(victim[0], victim[1], self.host.slab[slot].numpy().tobytes())
-                    self.stats.stored["disk"] += 1
+                    self._spill(slot, victim, disk)
                 self.host.slab[slot].copy_(row, non_blocking=True)
+                slots.append(slot)
+            if self._stream is not None:   # when these slots' bytes are there
+                done = self._stream.record_event()
+                self._written.update((slot, done) for slot in slots)
             self.stats.stored["host"] += len(new)
+
+    def _spill(self, slot: int, victim: tuple[bytes, Tokens], disk: DiskTier) -> None:
+        """The host tier's least recently used block, about to be overwritten, to disk:
+        only if its bytes are in the slot already (CUDA: the copy there may still be
+        on its way, and the host does not wait; such a block is not kept)."""
+        written = self._written.pop(slot, None)
+        if written is not None and not written.query():
+            self.stats.errors["spill_busy"] += 1
+            return
+        disk.put(victim[0], victim[1], self.host.slab[slot].numpy().tobytes())
+        self.stats.stored["disk"] += 1
+
+    def _to_host(self, rows: torch.Tensor, then: Callable[[list[bytes]], object]) -> None:
+        """Hand the rows' bytes (a device tensor, inside _copies) to ``then`` once they
+        are on the host, the host never waiting for the device: on CUDA they are copied
+        into pinned memory on the side stream and handed over by the first poll() after
+        the copy is done."""
+        if self._stream is None:
+            then([row.numpy().tobytes() for row in rows.cpu()])
+            return
+        pinned = torch.empty(rows.shape, dtype=torch.uint8, pin_memory=True)
+        pinned.copy_(rows, non_blocking=True)
+        self._deferred.append((self._stream.record_event(), pinned, then))
+
+    def poll(self) -> None:
+        """Hand over the copies to the host that are done (CUDA: every step); never
+        waits."""
+        while self._deferred and self._deferred[0][0].query():
+            _, pinned, then = self._deferred.popleft()
+            try:
+                then([row.numpy().tobytes() for row in pinned])
+            except Exception as e:
+                self._failed("put", e)
 
     def finished(self, request: Request) -> None:
         """A request ends: its blocks in the prefix cache go to the shared store. Never
@@ -194,8 +240,10 @@ class KvOffload:
             return
         todo = self.link.unknown(hashes)
         if todo:
-            rows = self.store.read_rows([block_ids[i] for i in todo]).cpu()
-            self.link.put([(hashes[i], row.numpy().tobytes()) for i, row in zip(todo, rows)])
+            link, named = self.link, [hashes[i] for i in todo]
+            with self._copies():
+                rows = self.store.read_rows([block_ids[i] for i in todo])
+                self._to_host(rows, lambda data: link.put(list(zip(named, data))))
 
     def _failed(self, what: str, e: Exception) -> None:
         if not self.stats.errors[what]:
