@@ -11,20 +11,17 @@ import logging
 import time
 from typing import Iterable, Optional, Sequence
 
-import msgspec
 import torch
 
 from common.config import EngineConfig
 from common.errors import InvalidRequestError
 from common.model_files import resolve_model_dir, weights_fingerprint
-from common.protocol import (EngineStats, FinishReason, KvBlocks, KvPull, KvSource,
-                             RequestOutput, SamplingParams, TokenLogprobs)
+from common.protocol import (EngineStats, FinishReason, KvSource, RequestOutput,
+                             SamplingParams, TokenLogprobs)
 from common.structured import GrammarCompiler
 from common.validation import check_token_ids, checked_prompt
 from engine_worker.block_manager import BlockManager
-from engine_worker.kv_offload import KvOffload
-from engine_worker.kv_store_link import KvStoreLink
-from engine_worker.kv_transfer import KvBlockStore, KvLeases, KvReceiver, KvTransfer
+from engine_worker.kv_paths import KvPaths
 from engine_worker.model_runner import ModelRunner
 from engine_worker.models.registry import load_model_config
 from engine_worker.platform import make_platform
@@ -94,36 +91,12 @@ class LLMEngine:
         self.scheduler = Scheduler(scheduler_config, self.block_manager)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}
-        # Prefill/decode disaggregation: prompt blocks held for decode engines, and
-        # transfers from prefill engines (kv_transfer.py).
-        # (the layout names the weights: KV of other weights, or of these in another
-        # format, is never taken for theirs)
+        # KV from and to elsewhere: P/D transfers, the tiers below the pool, the KV
+        # store (kv_paths.py); their blocks' layout names the weights.
         weights = weights_fingerprint(self.model_dir, config.load_format, config.seed)
-        store = KvBlockStore(self.runner.kv_caches, f"{self.model_config.kv_signature}|"
-                             f"weights={self.runner.weight_format}:{weights}",
-                             self.runner.kv_scales)
-        self.kv_leases = KvLeases(self.block_manager, store)
-        self.kv_receiver = KvReceiver(self.block_manager, store, cache.kv_transfer_timeout_s,
-                                      cache.kv_transfer_window_bytes,
-                                      cache.kv_transfer_max_inflight_bytes)
-        # Tiers below the pool: evicted blocks kept and copied back (kv_offload.py),
-        # and the shared KV store (kv_store_link.py).
-        self.kv_offload: Optional[KvOffload] = None
-        self.kv_store: Optional[KvStoreLink] = None
-        if cache.kv_offload_memory_bytes or cache.kv_offload_dir or cache.kv_store_address:
-            if self.runner.window or not cache.enable_prefix_caching:
-                raise ValueError("the KV offload tiers and the KV store keep prefix-cache "
-                                 "blocks of whole tables: they need the prefix cache, and an "
-                                 "engine that holds every layer's blocks (no sliding-window "
-                                 "pool)")
-            if cache.kv_store_address:
-                self.kv_store = KvStoreLink(cache.kv_store_address, self.block_manager, store,
-                                            cache.kv_store_timeout_s,
-                                            cache.kv_transfer_window_bytes)
-            self.kv_offload = KvOffload(self.block_manager, store,
-                                        cache.kv_offload_memory_bytes, cache.kv_offload_dir,
-                                        cache.kv_offload_disk_bytes, self.kv_store)
-            self.scheduler.onload = self.kv_offload.onload
+        self.kv = KvPaths(config, runner, self.block_manager, self.scheduler,
+                          f"{self.model_config.kv_signature}|"
+                          f"weights={runner.weight_format}:{weights}")
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
@@ -209,36 +182,19 @@ class LLMEngine:
                           self.eos_token_ids, grammar, output_token_ids)
         request.kv_lease_s = kv_lease_s
         self.requests[request_id] = request
-        # (an engine that lets blocks go computes the prompt itself: a transfer moves
-        # whole tables)
-        now = time.monotonic()
-        if kv_source is not None and not self.runner.window:
-            if not self.kv_receiver.start(request, kv_source, now):
-                self.scheduler.add(request)
-        elif not self._pull_from_store(request, now):
+        if not self.kv.start(request, kv_source, time.monotonic()):
             self.scheduler.add(request)
-
-    def _pull_from_store(self, request: Request, now: float) -> bool:
-        """Ask the KV store for the prompt blocks neither the pool nor the tiers below
-        it hold; whether the request now waits for them."""
-        if self.kv_store is None or request.needs_prompt_logits or not self.kv_store.up(now):
-            return False
-        assert self.kv_offload is not None
-        cached = self.block_manager.find_cached_prefix(request.blocks, request.token_ids)
-        return self.kv_store.start(request, self.kv_offload.tier_run(request, len(cached)),
-                                   now)
 
     def abort_requests(self, request_ids: Iterable[str]) -> list[str]:
         """Stop requests and free their blocks. Returns the ids that were active."""
         aborted = []
         for request_id in request_ids:
-            # A finished prefill's lease: the decode engine will not come for it.
-            self.kv_leases.release(request_id)
+            # (a finished prefill's lease ends too: the decode engine will not come)
+            waiting = self.kv.abort(request_id)
             request = self.requests.pop(request_id, None)
             if request is None:
                 continue
-            if self.kv_receiver.cancel(request_id) or (
-                    self.kv_store is not None and self.kv_store.receiver.cancel(request_id)):
+            if waiting:
                 request.status = RequestStatus.FINISHED
             else:
                 self.scheduler.finish(request)
@@ -253,70 +209,6 @@ class LLMEngine:
         """Whether step() has anything to compute or a step in flight to finish
         (requests waiting only for their KV to arrive do not count)."""
         return bool(self._inflight or self.scheduler.running or self.scheduler.waiting)
-
-    # -- KV transfers (prefill/decode disaggregation) ----------------------------
-
-    def kv_pulls(self) -> list[tuple[str, msgspec.Struct]]:
-        """(address, KvPull or KvPut) to send now: to prefill engines, and to the KV
-        store."""
-        store = self.kv_store.messages() if self.kv_store is not None else []
-        return self.kv_receiver.pulls() + store
-
-    def answer_kv_pull(self, pull: KvPull) -> KvBlocks:
-        return self.kv_leases.answer(pull, self.config.cache.kv_transfer_window_bytes)
-
-    def receive_kv(self, address: str, reply: KvBlocks) -> None:
-        now = time.monotonic()
-        if self._is_store(address):
-            assert self.kv_store is not None
-            self._kv_ended(self.kv_store.receive(reply, now), store=True)
-        else:
-            self._kv_ended(self.kv_receiver.receive(address, reply, now))
-
-    def kv_source_failed(self, address: str, reason: str) -> None:
-        """A prefill engine (or the KV store) is gone: its transfers end, the rest
-        computed here."""
-        now = time.monotonic()
-        if self._is_store(address):
-            assert self.kv_store is not None
-            logger.warning("the KV store at %s is unreachable (%s): computing without it "
-                           "for a while", address, reason)
-            self._kv_ended(self.kv_store.failed(reason, now), store=True)
-        else:
-            self._kv_ended(self.kv_receiver.fail_source(address, reason, now))
-
-    def _is_store(self, address: str) -> bool:
-        return self.kv_store is not None and address == self.kv_store.address
-
-    def expire_kv(self) -> Optional[float]:
-        """End leases and transfers past their time; the next transfer deadline."""
-        now = time.monotonic()
-        self.kv_leases.expire(now)
-        self._kv_ended(self.kv_receiver.expire(now))
-        deadlines = [self.kv_receiver.next_deadline()]
-        if self.kv_store is not None:
-            self._kv_ended(self.kv_store.expire(now), store=True)
-            deadlines.append(self.kv_store.receiver.next_deadline())
-        return min((d for d in deadlines if d is not None), default=None)
-
-    def _kv_ended(self, transfers: list[KvTransfer], store: bool = False) -> None:
-        for t in transfers:
-            request = t.request
-            if store:   # (the KV store's: counted by kv_store_link, not reported)
-                if t.outcome not in ("complete", "source"):
-                    logger.warning("KV store transfer for %s ended early (%s) after %d of "
-                                   "%d block(s); computing the rest", request.request_id,
-                                   t.outcome, t.num_done, len(t.hashes))
-                self.scheduler.add(request)
-                continue
-            request.kv_outcome = t.outcome
-            request.kv_blocks_received = t.num_done
-            request.kv_transfer_ms = (t.finished - t.started) * 1e3
-            if t.outcome != "complete":
-                logger.warning("KV transfer for %s from %s ended early (%s) after %d of %d "
-                               "block(s); computing the rest here", request.request_id,
-                               t.source.address, t.outcome, t.num_done, len(t.hashes))
-            self.scheduler.add(request)
 
     # -- stepping --------------------------------------------------------------
 
@@ -344,8 +236,7 @@ class LLMEngine:
         everything that is known good."""
         inflight, self._inflight = self._inflight, None
         self.runner.prompt_logits = []  # this call's, if it runs a forward pass
-        if self.kv_offload is not None:
-            self.kv_offload.poll()   # (CUDA: evicted blocks' bytes that reached the host)
+        self.kv.poll()
         outputs: list[RequestOutput] = []
         if inflight is not None and self._may_run_ahead(inflight):
             self._hold_places(inflight)
@@ -453,10 +344,7 @@ class LLMEngine:
             reason = request.check_stop(self.max_model_len)
             if reason is not None:
                 request.finish_reason = reason
-                if request.kv_lease_s:
-                    self.kv_leases.hold(request, request.kv_lease_s, now)
-                if self.kv_offload is not None:
-                    self.kv_offload.finished(request)
+                self.kv.finished(request, now)
                 self.scheduler.finish(request)
                 del self.requests[request.request_id]
                 break
@@ -582,7 +470,7 @@ class LLMEngine:
     # -- introspection ---------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        bm, sched, kv = self.block_manager, self.scheduler, self.kv_receiver.stats
+        bm, sched = self.block_manager, self.scheduler
         local = getattr(bm, "local", None)  # the sliding layers' pool (window_blocks.py)
         return EngineStats(
             num_running=len(sched.running),
@@ -601,35 +489,8 @@ class LLMEngine:
             num_generated_tokens=self.num_generated_tokens,
             num_draft_tokens=self.speculator.num_draft_tokens if self.speculator else 0,
             num_accepted_tokens=self.speculator.num_accepted_tokens if self.speculator else 0,
-            kv_transfers=kv.num_transfers,
-            kv_blocks_received=kv.num_blocks_received,
-            kv_bytes_received=kv.num_bytes_received,
-            kv_blocks_skipped=kv.num_blocks_skipped,
-            kv_transfer_seconds=kv.transfer_seconds,
-            kv_fallbacks=dict(kv.fallbacks),
-            kv_blocks_sent=self.kv_leases.num_blocks_sent,
-            kv_bytes_sent=self.kv_leases.num_bytes_sent,
-            kv_leases=len(self.kv_leases.leases),
-            **self._offload_stats(),
+            **self.kv.stats(),
         )
-
-    def _offload_stats(self) -> dict:
-        tiers = self.kv_offload
-        if tiers is None:
-            return {}
-        held = tiers.snapshot()
-        return dict(kv_offload_blocks=held["blocks"], kv_offload_bytes=held["bytes"],
-                    kv_offload_stored=dict(tiers.stats.stored),
-                    kv_offload_loaded=dict(tiers.stats.loaded),
-                    kv_offload_missed=tiers.stats.missed, kv_offload_errors=tiers.errors(),
-                    **(self.kv_store.stats() if self.kv_store is not None else {}))
-
-    def shutdown(self) -> None:
-        """Before the process exits: the prefix cache left on the disk tier, if any,
-        for the next engine on its directory."""
-        if self.kv_offload is not None and self.kv_offload.disk is not None:
-            count = self.kv_offload.persist()
-            logger.info("KV disk tier: %d cached block(s) written for the next engine", count)
 
     def generate(self, prompts: Sequence[Sequence[int]],
                  params: Optional[SamplingParams] = None) -> list[list[int]]:

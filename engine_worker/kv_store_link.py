@@ -22,6 +22,7 @@ the store is forgotten then too (a store that restarts may have come back empty)
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter, OrderedDict
 from typing import Optional, Sequence
@@ -31,6 +32,8 @@ from engine_worker.block_manager import BlockManager
 from engine_worker.io_thread import PUT_CHANNEL
 from engine_worker.kv_transfer import KvBlockStore, KvReceiver, KvTransfer, checksum
 from engine_worker.request import Request
+
+logger = logging.getLogger(__name__)
 
 # A KvPut frame holds at most this many bytes of blocks (one block, where a block is
 # more), well within any peer's frame limit.
@@ -123,14 +126,15 @@ class KvStoreLink:
 
     # -- pull --------------------------------------------------------------------
 
-    def start(self, request: Request, skip: int, now: float) -> bool:
-        """Ask the store for the request's prompt blocks after its cached prefix and
-        the ``skip`` blocks after that (held by the tiers below the pool); False when
-        nothing is asked (schedule the request now)."""
+    def start(self, request: Request, cached: list[int], skip: int, now: float) -> bool:
+        """Ask the store for the request's prompt blocks after its ``cached`` prefix
+        (BlockManager.find_cached_prefix) and the ``skip`` blocks after that (held by
+        the tiers below the pool); False when nothing is asked (schedule the request
+        now)."""
         if not self.up(now):
             return False
         source = KvSource(address=self.address, request_id=request.request_id)
-        return self.receiver.start(request, source, now, skip)
+        return self.receiver.start(request, source, now, skip, cached)
 
     def receive(self, reply: KvBlocks, now: float) -> list[KvTransfer]:
         return self._ended(self.receiver.receive(self.address, reply, now), now)
@@ -147,6 +151,10 @@ class KvStoreLink:
 
     def _ended(self, transfers: list[KvTransfer], now: float) -> list[KvTransfer]:
         for t in transfers:
+            if t.outcome not in ("complete", "source"):
+                logger.warning("KV store transfer for %s ended early (%s) after %d of %d "
+                               "block(s); computing the rest", t.request.request_id,
+                               t.outcome, t.num_done, len(t.hashes))
             self.num_hits += t.num_done
             for block_hash in t.hashes[:t.num_done]:
                 self._remember(block_hash)

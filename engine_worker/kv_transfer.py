@@ -258,12 +258,15 @@ class KvReceiver:
     def next_deadline(self) -> Optional[float]:
         return min((t.deadline for t in self.transfers.values()), default=None)
 
-    def start(self, request: Request, source: KvSource, now: float, skip: int = 0) -> bool:
+    def start(self, request: Request, source: KvSource, now: float, skip: int = 0,
+              cached: Optional[list[int]] = None) -> bool:
         """Begin pulling the prompt blocks this engine lacks (beyond the ``skip``
         blocks after its cached prefix, which it has elsewhere); False when there is
-        nothing to pull (or no room to receive it): schedule the request now."""
+        nothing to pull (or no room to receive it): schedule the request now.
+        ``cached``: the cached prefix, where the caller has looked it up already."""
         bm = self.block_manager
-        cached = bm.find_cached_prefix(request.blocks, request.token_ids)
+        if cached is None:
+            cached = bm.find_cached_prefix(request.blocks, request.token_ids)
         first = len(cached) + skip
         # find_cached_prefix hashed every full block before the last token, which
         # for a continued request is exactly the prompt's full blocks.

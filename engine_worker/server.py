@@ -106,7 +106,7 @@ class EngineServer:
             block_size=engine.block_manager.block_size,
             eos_token_ids=sorted(engine.eos_token_ids),
             prefix_caching=engine.block_manager.enable_prefix_caching, role=config.role,
-            kv_store=engine.kv_store is not None)
+            kv_store=engine.kv.store is not None)
         # The number of the last CacheEvents change sent (0: none yet).
         self.cache_seq = 0
         if self.ready.prefix_caching:
@@ -135,7 +135,7 @@ class EngineServer:
         failed = self.io.failed
         self._broadcast(Dead(reason="engine I/O failed" if failed else "engine stopped"))
         try:
-            self.engine.shutdown()
+            self.engine.kv.shutdown()
         except Exception:  # its cache is lost to the next engine, nothing else
             logger.exception("saving the KV cache on the way out failed")
         self._close()
@@ -179,14 +179,14 @@ class EngineServer:
             draining = self._signalled()
             self._handle(messages)
             self._reap_unreachable_clients()
-            kv_deadline = self.engine.expire_kv()
+            kv_deadline = self.engine.kv.expire()
             self._send_kv_pulls()
             if draining:
                 overdue = time.monotonic() - self.draining_since > self.config.drain_timeout_s
                 if self.num_signals > 1 or overdue:
                     self._abort(list(self.owner), "the engine is shutting down")
                 # Leases held for decode engines are served until they end too.
-                holding = self.engine.has_unfinished_requests() or self.engine.kv_leases.leases
+                holding = self.engine.has_unfinished_requests() or self.engine.kv.leases.leases
                 if not holding or overdue or self.num_signals > 1:
                     return
             if self.io.failed:
@@ -236,7 +236,7 @@ class EngineServer:
                 self._from_peer(identity.address, message)
                 continue
             if isinstance(message, KvPull):  # another engine, not a client
-                self._send(identity, self.engine.answer_kv_pull(message))
+                self._send(identity, self.engine.kv.answer(message))
                 continue
             if identity not in self.clients:
                 self.clients[identity] = _Client(identity)
@@ -260,17 +260,17 @@ class EngineServer:
 
     def _from_peer(self, address: str, message) -> None:
         if isinstance(message, KvBlocks):
-            self.engine.receive_kv(address, message)
+            self.engine.kv.receive(address, message)
         elif isinstance(message, StorePong):
-            if self.engine.kv_store is not None:
-                self.engine.kv_store.pong(message)
+            if self.engine.kv.store is not None:
+                self.engine.kv.store.pong(message)
         elif isinstance(message, Dead):
-            self.engine.kv_source_failed(address, "source_dead")
+            self.engine.kv.source_failed(address, "source_dead")
         else:  # PeerLost
-            self.engine.kv_source_failed(address, "disconnected")
+            self.engine.kv.source_failed(address, "disconnected")
 
     def _send_kv_pulls(self) -> None:
-        for address, pull in self.engine.kv_pulls():
+        for address, pull in self.engine.kv.pulls():
             self.peer_outbox.send_multipart([address.encode(), *self.peer_codec.encode(pull)])
 
     def _hello(self, identity: bytes, hello: Hello) -> None:
@@ -317,7 +317,7 @@ class EngineServer:
         """Abort requests. A client may abort only its own; when the engine aborts on
         its own (``reason`` set), each owner is told with an ABORT output."""
         if requester is not None:
-            leases = self.engine.kv_leases
+            leases = self.engine.kv.leases
             for r in request_ids:  # a finished prefill's blocks, not wanted after all
                 if self.lease_owner.get(r) == requester:
                     leases.release(r)
@@ -347,7 +347,7 @@ class EngineServer:
             if out.finish_reason is not None:
                 del self.owner[out.request_id]
                 self.clients[identity].request_ids.discard(out.request_id)
-                if out.request_id in self.engine.kv_leases.leases:
+                if out.request_id in self.engine.kv.leases.leases:
                     self.lease_owner[out.request_id] = identity
         for identity, batch in by_client.items():
             if self.config.per_token_frames:
@@ -377,7 +377,7 @@ class EngineServer:
         if not self.ready.prefix_caching:
             return
         stored, removed = self.engine.block_manager.take_changes()
-        put, lost = self.engine.kv_store.news() if self.engine.kv_store else ([], False)
+        put, lost = self.engine.kv.store.news() if self.engine.kv.store else ([], False)
         if stored or removed or put or lost:
             self.cache_seq += 1
             self._broadcast(CacheEvents(seq=self.cache_seq, stored=stored, removed=removed,

@@ -3,7 +3,7 @@
     python -m kv_store --memory 64 --disk-dir /var/cache/roseserve-kv \
         --bind tcp://0.0.0.0:5559 --curve-key-file cluster.key   # beyond loopback: only
                                                                   # holders of the key
-Engines use it with ``--kv-store tcp://HOST:5559``.
+Engines use it with ``--kv-store-address tcp://HOST:5559``.
 """
 
 from __future__ import annotations

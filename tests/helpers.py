@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import random
 
+import torch
+
 from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.protocol import RequestOutput, SamplingParams
 from engine_worker.engine import LLMEngine
+
+# the CUDA path's tests (tests/gpu): on the GPU, else through Triton's interpreter
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def make_engine(model_dir, block_size=4, num_blocks=512, budget=None, max_batch=64,
@@ -25,6 +30,17 @@ def make_engine(model_dir, block_size=4, num_blocks=512, budget=None, max_batch=
                           window_pool=window_pool, **cache),
         scheduler=SchedulerConfig(max_batch_size=max_batch, prefill_max_batch_size=prefill_batch,
                                   max_num_batched_tokens=budget)))
+
+
+def triton_engine(model_dir, budget=None, max_batch=8, enforce_eager=True,
+                  num_blocks=256, async_scheduling=None) -> LLMEngine:
+    """An engine on the CUDA path's kernels (Triton), on the GPU where there is one,
+    else on the CPU through Triton's interpreter."""
+    return LLMEngine(EngineConfig(
+        model=str(model_dir), device=DEVICE, dtype="float32", attention_backend="triton",
+        enforce_eager=enforce_eager, async_scheduling=async_scheduling,
+        cache=CacheConfig(block_size=4, num_blocks=num_blocks),
+        scheduler=SchedulerConfig(max_batch_size=max_batch, max_num_batched_tokens=budget)))
 
 
 def random_prompts(lengths, seed=0, vocab=50257) -> list[list[int]]:

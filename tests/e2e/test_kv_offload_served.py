@@ -41,7 +41,7 @@ def test_evicted_blocks_come_back_from_memory_then_from_disk_after_a_restart(
     expected = {i: ref.token_ids for i, ref in
                 enumerate(hf_greedy(tiny_llama_dir, [A, B, C], 6))}
     block_bytes = make_engine(tiny_llama_dir, kv_offload_memory_bytes=1 << 20
-                              ).kv_offload.store.block_bytes
+                              ).kv.offload.store.block_bytes
     flags = ("--kv-cache-memory-gb", f"{16.5 * block_bytes / 2**30:.12f}",
              "--kv-offload-memory-gb", "0.01", "--kv-offload-dir", str(tmp_path / "kv"))
     serve = Serve(tiny_llama_dir, tmp_path / "serve.log", *flags)

@@ -128,6 +128,11 @@ def test_a_component_that_fails_to_start_is_named_and_the_command_fails(tiny_lla
     (["--otlp-traces-endpoint", "collector:4318"], "must be an http:// or https:// URL"),
     (["--ssl-certfile", os.path.join(TLS, "key.pem"), "--ssl-keyfile",
       os.path.join(TLS, "key.pem")], "cannot load the TLS certificate"),
+    (["--kv-store", "--kv-store-address", "tcp://127.0.0.1:5559"],
+     "--kv-store runs a KV store here; --kv-store-address names"),
+    (["--kv-store", "--kv-store-memory", "0"], "--kv-store-memory must be positive"),
+    (["--kv-offload-memory", "0"], "a size in GiB must be positive, got 0.0"),
+    (["--kv-store-timeout", "-1"], "kv_store_timeout_s must be positive"),
 ])
 def test_bad_flags_are_refused(args, message, tiny_llama_dir):
     proc = subprocess.run([sys.executable, "-m", "roseserve", "serve", "--model",

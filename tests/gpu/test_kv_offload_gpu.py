@@ -30,16 +30,16 @@ def test_blocks_evicted_to_pinned_memory_and_disk_come_back_token_identical(tiny
                                                                             tmp_path):
     ref = engine(tiny_llama_dir, 256)
     expected = [ref.generate([p], greedy(6))[0] for p in (A, B, C)]
-    block_bytes = ref.kv_receiver.store.block_bytes
+    block_bytes = ref.kv.receiver.store.block_bytes
     # a pool of 16 blocks (one prompt and its reply), a host tier of 6 that spills
     e = engine(tiny_llama_dir, 16, kv_offload_memory_bytes=6 * block_bytes,
                kv_offload_dir=str(tmp_path))
     if DEVICE == "cuda":
-        assert e.kv_offload.host.slab.is_pinned() and e.async_scheduling
+        assert e.kv.offload.host.slab.is_pinned() and e.async_scheduling
     for prompt, tokens in zip((A, B, C), expected):
         assert e.generate([prompt], greedy(6))[0] == tokens
-    e.kv_offload.poll()
-    e.kv_offload.disk.flush()
+    e.kv.offload.poll()
+    e.kv.offload.disk.flush()
     before = e.num_prompt_tokens_computed
     assert e.generate([A], greedy(6))[0] == expected[0]
     assert e.num_prompt_tokens_computed - before == len(A) - FULL * 4

@@ -41,7 +41,7 @@ def cached(e: LLMEngine, layer: int, slots: int) -> tuple[torch.Tensor, torch.Te
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_first_prompt_sets_each_layers_scales_and_they_stay(tiny_llama_dir, backend):
     e = engine(tiny_llama_dir, backend=backend)
-    store = e.kv_leases.store
+    store = e.kv.leases.store
     assert store.layout.endswith("|uncalibrated")   # (no peer's blocks taken before)
     prompt = random_prompts([24], seed=3)[0]
     e.add_request("a", prompt, SamplingParams(max_tokens=1))

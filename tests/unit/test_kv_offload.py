@@ -66,7 +66,7 @@ def test_blocks_evicted_to_host_memory_come_back_token_identical(tiny_llama_dir,
     assert stats.kv_offload_stored["host"] >= FULL
     assert stats.kv_offload_blocks["host"] == stats.kv_offload_stored["host"]
     assert stats.kv_offload_bytes["host"] == (stats.kv_offload_blocks["host"]
-                                              * engine.kv_offload.store.block_bytes)
+                                              * engine.kv.offload.store.block_bytes)
     assert engine.block_manager.num_used_blocks == 0    # nothing held after
 
 
@@ -79,12 +79,12 @@ def test_without_a_tier_the_evicted_prefix_is_computed_again(tiny_llama_dir, exp
 def test_a_small_host_tier_spills_to_disk_and_both_give_blocks_back(tiny_llama_dir, expected,
                                                                   tmp_path):
     probe = make_engine(tiny_llama_dir, **POOL, kv_offload_memory_bytes=1 << 20)
-    block_bytes = probe.kv_offload.store.block_bytes
+    block_bytes = probe.kv.offload.store.block_bytes
     engine = make_engine(tiny_llama_dir, **POOL, kv_offload_memory_bytes=4 * block_bytes,
                          kv_offload_dir=str(tmp_path))
     for prompt in (A, B, C):
         engine.generate([prompt], greedy(6))
-    engine.kv_offload.disk.flush()
+    engine.kv.offload.disk.flush()
     assert engine.generate([A], greedy(6))[0] == expected[0]
     loaded = engine.stats().kv_offload_loaded
     assert loaded["disk"] > 0 and loaded.get("host", 0) + loaded["disk"] == FULL
@@ -93,9 +93,9 @@ def test_a_small_host_tier_spills_to_disk_and_both_give_blocks_back(tiny_llama_d
 def test_the_disk_tier_is_found_again_by_the_next_engine(tiny_llama_dir, expected, tmp_path):
     first = make_engine(tiny_llama_dir, **POOL, kv_offload_dir=str(tmp_path))
     assert first.generate([A], greedy(6))[0] == expected[0]
-    first.shutdown()   # the pool's cached blocks left on disk
+    first.kv.shutdown()   # the pool's cached blocks left on disk
     second = make_engine(tiny_llama_dir, **POOL, kv_offload_dir=str(tmp_path))
-    assert len(second.kv_offload.disk) >= FULL
+    assert len(second.kv.offload.disk) >= FULL
     before = second.num_prompt_tokens_computed
     assert second.generate([A], greedy(6))[0] == expected[0]
     assert second.num_prompt_tokens_computed - before == len(A) - FULL * 4
@@ -106,9 +106,9 @@ def test_a_bad_block_on_disk_is_refused_deleted_and_computed(tiny_llama_dir, exp
                                                             tmp_path):
     first = make_engine(tiny_llama_dir, **POOL, kv_offload_dir=str(tmp_path))
     first.generate([A], greedy(6))
-    first.shutdown()
+    first.kv.shutdown()
     second = make_engine(tiny_llama_dir, **POOL, kv_offload_dir=str(tmp_path))
-    bad = second.kv_offload.disk.path(engine_hashes(second, A)[3])
+    bad = second.kv.offload.disk.path(engine_hashes(second, A)[3])
     raw = bytearray(bad.read_bytes())
     raw[-5] ^= 0x40   # one bit of the fourth block's values
     bad.write_bytes(bytes(raw))
@@ -125,7 +125,7 @@ def test_a_disk_tier_of_another_layout_is_never_read(tiny_llama_dir, tiny_llama_
                                                      tmp_path):
     first = make_engine(tiny_llama_dir, **POOL, kv_offload_dir=str(tmp_path))
     first.generate([A], greedy(6))
-    first.shutdown()
+    first.kv.shutdown()
     # Another model; the same in blocks of another size; the same with other weights
     # (one value of its last tensor changed in place): their own directories.
     retrained = tmp_path / "retrained" / tiny_llama_dir.name   # (the same model name)
@@ -138,13 +138,13 @@ def test_a_disk_tier_of_another_layout_is_never_read(tiny_llama_dir, tiny_llama_
                   make_engine(tiny_llama_dir, **{**POOL, "block_size": 8},
                               kv_offload_dir=str(tmp_path)),
                   make_engine(retrained, **POOL, kv_offload_dir=str(tmp_path))):
-        assert other.kv_offload.disk.dir != first.kv_offload.disk.dir
-        assert len(other.kv_offload.disk) == 0
+        assert other.kv.offload.disk.dir != first.kv.offload.disk.dir
+        assert len(other.kv.offload.disk) == 0
         other.generate([A], greedy(6))
         assert other.stats().kv_offload_loaded == {}
-    (first.kv_offload.disk.dir / "LAYOUT").write_text("another model's")
+    (first.kv.offload.disk.dir / "LAYOUT").write_text("another model's")
     with pytest.raises(ValueError, match="another layout"):
-        DiskTier(str(tmp_path), first.kv_offload.store.layout, 1 << 20, 100)
+        DiskTier(str(tmp_path), first.kv.offload.store.layout, 1 << 20, 100)
 
 
 def test_offload_needs_the_prefix_cache(tiny_llama_dir):

@@ -66,6 +66,17 @@ def test_memory_is_least_recently_used_first_out_to_disk_and_found_after_a_resta
     assert not (tmp_path / "other").exists() and len(list(tmp_path.iterdir())) == 1
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--memory", "0"], "--memory and --disk must be positive"),
+    (["--disk", "nan"], "--memory and --disk must be positive"),
+    (["--bind", "tcp://0.0.0.0:5559"], "CURVE"),   # beyond loopback: a key, or said so
+])
+def test_bad_flags_are_refused(args, message):
+    proc = subprocess.run([sys.executable, "-m", "kv_store", *args], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
 # -- engines and the store process ---------------------------------------------------
 
 class StoreProcess:
@@ -97,7 +108,7 @@ class Pump:
         self.sock.connect(address)
 
     def carry(self, wait_ms: int = 20) -> None:
-        for address, message in self.engine.kv_pulls():
+        for address, message in self.engine.kv.pulls():
             # (puts on a socket of their own: PUT_CHANNEL)
             assert address.removeprefix(PUT_CHANNEL) == self.address
             assert isinstance(message, KvPut) == address.startswith(PUT_CHANNEL)
@@ -105,10 +116,10 @@ class Pump:
         while self.sock.poll(wait_ms):
             reply = self.codec.decode(self.sock.recv_multipart())
             if isinstance(reply, StorePong):
-                self.engine.kv_store.pong(reply)
+                self.engine.kv.store.pong(reply)
             else:
-                self.engine.receive_kv(self.address, reply)
-        self.engine.expire_kv()
+                self.engine.kv.receive(self.address, reply)
+        self.engine.kv.expire()
 
     def run(self, request_id: str, prompt, max_tokens: int = 6) -> list[int]:
         e = self.engine
@@ -157,7 +168,7 @@ def test_a_prefix_computed_on_one_engine_is_served_to_another(tiny_llama_dir, st
     # the store's own figures, as it answered b's ping: a's blocks (b put none new
     # but its reply's)
     assert stats.kv_store_blocks["memory"] == (len(A) + 6 - 1) // 4
-    assert stats.kv_store_bytes["memory"] == 11 * b.kv_store.store.block_bytes
+    assert stats.kv_store_bytes["memory"] == 11 * b.kv.store.store.block_bytes
     assert b.block_manager.num_used_blocks == 0
 
 

@@ -32,7 +32,7 @@ def clean(engines):
     yield
     for e in engines:
         assert not e.has_unfinished_requests()
-        assert not e.kv_leases.leases and not e.kv_receiver.transfers
+        assert not e.kv.leases.leases and not e.kv.receiver.transfers
         assert e.block_manager.num_used_blocks == 0, e
 
 
@@ -48,16 +48,16 @@ def carry(p, d, fault=None):
     """Deliver the decode engine's pulls to the prefill engine and the answers back
     until none is left; ``fault(reply) -> reply or None`` may tamper or drop."""
     while True:
-        pulls = d.kv_pulls()
+        pulls = d.kv.pulls()
         if not pulls:
             return
         for address, pull in pulls:
             assert address == ADDRESS
-            reply = p.answer_kv_pull(pull)
+            reply = p.kv.answer(pull)
             if fault is not None and reply.blocks:  # not a release's empty answer
                 reply = fault(reply)
             if reply is not None:
-                d.receive_kv(address, reply)
+                d.kv.receive(address, reply)
 
 
 def disaggregated(p, d, request_id, prompt, params, fault=None):
@@ -83,7 +83,7 @@ def test_decode_continues_from_the_prefill_engine_token_identical(engines):
         p.block_manager.reset_prefix_cache()
         d.block_manager.reset_prefix_cache()
     assert p.stats().kv_blocks_sent == d.stats().kv_blocks_received == 2 + 8 + 1
-    assert d.stats().kv_bytes_received == 11 * d.kv_receiver.store.block_bytes
+    assert d.stats().kv_bytes_received == 11 * d.kv.receiver.store.block_bytes
     assert not d.stats().kv_fallbacks
 
 
@@ -201,15 +201,15 @@ def test_a_transfer_past_its_deadline_falls_back(engines, monkeypatch):
     first = prefill(p, "late", prompt, greedy(6))
     d.add_request("late", prompt, greedy(6), output_token_ids=first,
                   kv_source=KvSource(address=ADDRESS, request_id="late"))
-    pulls = d.kv_pulls()
+    pulls = d.kv.pulls()
     assert len(pulls) == 1 and not d.has_steps_to_run()  # waiting for its KV
     now = time.monotonic()
     monkeypatch.setattr(time, "monotonic", lambda: now + d.config.cache.kv_transfer_timeout_s)
-    assert d.expire_kv() is None
+    assert d.kv.expire() is None
     monkeypatch.undo()
     assert d.has_steps_to_run()
-    reply = p.answer_kv_pull(pulls[0][1])  # arrives late: dropped
-    d.receive_kv(ADDRESS, reply)
+    reply = p.kv.answer(pulls[0][1])  # arrives late: dropped
+    d.kv.receive(ADDRESS, reply)
     outs = run_to_end(d)["late"]
     assert first + tokens(outs) == expected
     assert outs[0].kv_outcome == "deadline" and outs[0].kv_blocks_received == 0
@@ -223,14 +223,14 @@ def test_the_prefill_engine_dying_mid_transfer_falls_back(engines):
     first = prefill(p, "dies", prompt, greedy(5))
     d.add_request("dies", prompt, greedy(5), output_token_ids=first,
                   kv_source=KvSource(address=ADDRESS, request_id="dies"))
-    [(_, pull)] = d.kv_pulls()
-    reply = p.answer_kv_pull(msgspec.structs.replace(pull, hashes=pull.hashes[:3]))
-    d.receive_kv(ADDRESS, reply)
-    d.kv_source_failed(ADDRESS, "disconnected")
+    [(_, pull)] = d.kv.pulls()
+    reply = p.kv.answer(msgspec.structs.replace(pull, hashes=pull.hashes[:3]))
+    d.kv.receive(ADDRESS, reply)
+    d.kv.source_failed(ADDRESS, "disconnected")
     outs = run_to_end(d)["dies"]
     assert first + tokens(outs) == expected
     assert outs[0].kv_outcome == "disconnected" and outs[0].kv_blocks_received == 3
-    p.kv_leases.release("dies")
+    p.kv.leases.release("dies")
 
 
 def test_abort_mid_transfer_frees_everything_on_both_engines(engines):
@@ -241,12 +241,12 @@ def test_abort_mid_transfer_frees_everything_on_both_engines(engines):
     d.add_request("gone", prompt, greedy(5), output_token_ids=first,
                   kv_source=KvSource(address=ADDRESS, request_id="gone"))
     assert d.block_manager.num_used_blocks == 7  # reserved for the transfer
-    d.kv_pulls()
+    d.kv.pulls()
     assert d.abort_requests(["gone"]) == ["gone"]
     assert d.block_manager.num_used_blocks == 0
-    [(_, release)] = d.kv_pulls()
+    [(_, release)] = d.kv.pulls()
     assert release.release and not release.hashes
-    assert p.answer_kv_pull(release).blocks == []
+    assert p.kv.answer(release).blocks == []
     assert p.block_manager.num_used_blocks == 0
 
 
@@ -255,7 +255,7 @@ def test_a_lease_nobody_pulls_expires(engines):
     prefill(p, "unclaimed", random_prompts([12], seed=11)[0], greedy(3), lease_s=0.05)
     assert p.stats().kv_leases == 1 and p.block_manager.num_used_blocks == 3
     time.sleep(0.06)
-    p.expire_kv()
+    p.kv.expire()
     assert p.stats().kv_leases == 0 and p.block_manager.num_used_blocks == 0
 
 
@@ -263,7 +263,7 @@ def test_pulls_are_windowed_and_bounded_in_flight(engines, tiny_llama_dir):
     from common.config import CacheConfig, EngineConfig
     from engine_worker.engine import LLMEngine
 
-    block_bytes = engines[0].kv_receiver.store.block_bytes
+    block_bytes = engines[0].kv.receiver.store.block_bytes
     p, d = (LLMEngine(EngineConfig(
         model=str(tiny_llama_dir), device="cpu", max_model_len=256,
         cache=CacheConfig(block_size=4, num_blocks=96,
@@ -274,12 +274,12 @@ def test_pulls_are_windowed_and_bounded_in_flight(engines, tiny_llama_dir):
         first = prefill(p, f"w{i}", prompt, greedy(3))
         d.add_request(f"w{i}", prompt, greedy(3), output_token_ids=first,
                       kv_source=KvSource(address=ADDRESS, request_id=f"w{i}"))
-    pulls = d.kv_pulls()
+    pulls = d.kv.pulls()
     # Windows of 3 blocks; 4 blocks in flight at most over both transfers.
     assert [len(pull.hashes) for _, pull in pulls] == [3, 1]
-    assert d.kv_pulls() == []
+    assert d.kv.pulls() == []
     for _, pull in pulls:
-        d.receive_kv(ADDRESS, p.answer_kv_pull(pull))
+        d.kv.receive(ADDRESS, p.kv.answer(pull))
     carry(p, d)
     outs = run_to_end(d)
     assert {o[0].kv_outcome for o in outs.values()} == {"complete"}
@@ -292,7 +292,7 @@ def test_windows_in_flight_together_and_a_source_with_smaller_windows(engines, t
     from engine_worker.engine import LLMEngine
 
     mixed = engines[0]
-    block_bytes = mixed.kv_receiver.store.block_bytes
+    block_bytes = mixed.kv.receiver.store.block_bytes
 
     def engine(window_blocks):
         return LLMEngine(EngineConfig(
@@ -306,16 +306,16 @@ def test_windows_in_flight_together_and_a_source_with_smaller_windows(engines, t
     first = prefill(p, "s", prompt, greedy(6))
     d.add_request("s", prompt, greedy(6), output_token_ids=first,
                   kv_source=KvSource(address=ADDRESS, request_id="s"))
-    pulls = d.kv_pulls()
+    pulls = d.kv.pulls()
     # Every window of the 7 blocks asked for at once (a busy source answers them all
     # between two of its steps); only the last pull releases the lease.
     assert [len(pull.hashes) for _, pull in pulls] == [3, 3, 1]
     assert [pull.release for _, pull in pulls] == [False, False, True]
-    replies = [p.answer_kv_pull(pull) for _, pull in pulls]
+    replies = [p.kv.answer(pull) for _, pull in pulls]
     assert [len(r.blocks) for r in replies] == [2, 2, 1]
     for reply in replies:  # the 1st is short: the 2nd and 3rd answers are dropped
-        d.receive_kv(ADDRESS, reply)
-    assert d.kv_receiver.transfers["s"].num_done == 2
+        d.kv.receive(ADDRESS, reply)
+    assert d.kv.receiver.transfers["s"].num_done == 2
     carry(p, d)  # the rest asked for again
     outs = run_to_end(d)["s"]
     assert first + tokens(outs) == mixed.generate([prompt], greedy(6))[0]
@@ -343,10 +343,10 @@ def test_a_layout_mismatch_is_refused_by_the_prefill_engine(engines):
     first = prefill(p, "layout", prompt, greedy(4))
     d.add_request("layout", prompt, greedy(4), output_token_ids=first,
                   kv_source=KvSource(address=ADDRESS, request_id="layout"))
-    [(_, pull)] = d.kv_pulls()
-    reply = p.answer_kv_pull(msgspec.structs.replace(pull, layout="another model"))
+    [(_, pull)] = d.kv.pulls()
+    reply = p.kv.answer(msgspec.structs.replace(pull, layout="another model"))
     assert reply.blocks == [] and "KV layout mismatch" in reply.error
-    d.receive_kv(ADDRESS, reply)
+    d.kv.receive(ADDRESS, reply)
     outs = run_to_end(d)["layout"]
     assert first + tokens(outs) == mixed.generate([prompt], greedy(4))[0]
     assert outs[0].kv_outcome == "source"
@@ -424,7 +424,7 @@ def test_engines_that_took_other_longrope_factors_do_not_share_blocks(tiny_phi4_
     short = make_engine(tiny_phi4_mini_dir, max_model_len=64)
     long = make_engine(tiny_phi4_mini_dir)
     again = make_engine(tiny_phi4_mini_dir, max_model_len=200)
-    layouts = [e.kv_leases.store.layout for e in (short, long, again)]
+    layouts = [e.kv.leases.store.layout for e in (short, long, again)]
     assert layouts[0] != layouts[1] and layouts[1] == layouts[2]
     assert "longrope=" in layouts[0]
 
@@ -441,11 +441,11 @@ def test_fp8_engines_share_their_scales_through_the_blocks(tiny_llama_dir):
     mixed, p, d = fp8(), fp8(), fp8()
     prompt = random_prompts([21], seed=14)[0]
     expected = mixed.generate([prompt], greedy(6))[0]
-    assert d.kv_leases.store.layout.endswith("|uncalibrated")
+    assert d.kv.leases.store.layout.endswith("|uncalibrated")
     got, first_out = disaggregated(p, d, "s", prompt, greedy(6))
     assert got == expected and first_out.kv_outcome == "complete"
     assert d.runner.kv_scales.values() == p.runner.kv_scales.values() != [1.0] * 4
-    assert d.kv_leases.store.layout == p.kv_leases.store.layout
+    assert d.kv.leases.store.layout == p.kv.leases.store.layout
     # an engine whose scales came from another prompt: its pulls are refused, and it
     # computes the prompt by its own scales (as a twin set by the same prompt does)
     other, twin = fp8(), fp8()

@@ -185,7 +185,7 @@ def test_an_engine_of_two_pools_lends_no_kv_and_computes_what_it_would_pull(tiny
     assert "lease" not in engine.requests
     engine.add_request("pulled", prompt, greedy(4),
                        kv_source=KvSource(address="tcp://127.0.0.1:1", request_id="x"))
-    assert engine.kv_receiver.stats.num_transfers == 0
+    assert engine.kv.receiver.stats.num_transfers == 0
     outputs = run_to_end(engine)["pulled"]
     assert [t for out in outputs for t in out.new_token_ids] == engine.generate(
         [prompt], greedy(4))[0]
