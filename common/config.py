@@ -208,6 +208,10 @@ class EngineConfig:
     # up to this many tokens from its own text a step, checked in the step; 0: off.
     # The CPU engine, without run-ahead.
     speculative_tokens: int = 0
+    # Ranks the model is split over (tensor parallelism: engine_worker/models/layers/
+    # parallel.py), each in a process of torch.distributed's default group, which
+    # must be set up before the engine is made; 1: not split.
+    tensor_parallel_size: int = 1
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -235,6 +239,9 @@ class EngineConfig:
         if self.speculative_tokens and self.device.startswith("cuda"):
             raise ValueError("speculative tokens run on the CPU engine; a GPU's decode "
                              "steps are CUDA graphs of one token a request")
+        if not 1 <= self.tensor_parallel_size <= 64:
+            raise ValueError(f"tensor_parallel_size must be in 1..64, got "
+                             f"{self.tensor_parallel_size}")
         if self.speculative_tokens and self.async_scheduling:
             raise ValueError("speculative tokens need the step's tokens before the next "
                              "step is scheduled: not with async scheduling")

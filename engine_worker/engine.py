@@ -94,9 +94,11 @@ class LLMEngine:
         # KV from and to elsewhere: P/D transfers, the tiers below the pool, the KV
         # store (kv_paths.py); their blocks' layout names the weights.
         weights = weights_fingerprint(self.model_dir, config.load_format, config.seed)
+        split = runner.parallel
         self.kv = KvPaths(config, runner, self.block_manager, self.scheduler,
                           f"{self.model_config.kv_signature}|"
-                          f"weights={runner.weight_format}:{weights}")
+                          f"weights={runner.weight_format}:{weights}"
+                          + (f"|rank={split.rank}/{split.size}" if split.size > 1 else ""))
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None

@@ -50,6 +50,9 @@ class KvPaths:
         if not (cache.kv_offload_memory_bytes or cache.kv_offload_dir
                 or cache.kv_store_address):
             return
+        if config.tensor_parallel_size > 1:
+            raise ValueError("the KV offload tiers and the KV store hold whole blocks: not "
+                             "with the model split over tensor-parallel ranks yet")
         if runner.window or not cache.enable_prefix_caching:
             raise ValueError("the KV offload tiers and the KV store keep prefix-cache "
                              "blocks of whole tables: they need the prefix cache, and an "

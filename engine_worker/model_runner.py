@@ -11,6 +11,7 @@ compiles first, and what runs a step.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 from pathlib import Path
@@ -26,6 +27,7 @@ from engine_worker.models.loader import load_model
 from engine_worker.models.config import ModelConfig
 from engine_worker.models.gguf import gguf_file
 from engine_worker.models.layers.linear import Linear, WeightFormats
+from engine_worker.models.layers.parallel import join
 from engine_worker.ops import FP8
 from engine_worker.platform import Platform
 from engine_worker.sampler import Sampler
@@ -47,14 +49,18 @@ class ModelRunner:
         max_seqs = max(scheduler.decode_batch_size, scheduler.prefill_batch_size)
         gguf_path = gguf_file(model_dir) if config.load_format != "dummy" else None
         formats, self.dtype, kv_dtype = platform.formats(config, model_config, gguf_path)
-        self.attn, ops = platform.attention(model_config, kv_dtype, cache.block_size, max_seqs)
-        self.model = load_model(model_config, model_dir, platform.backends(self.attn, ops, formats),
-                                self.device, self.dtype, gguf_path, config.load_format,
-                                config.seed)
+        # split over tensor-parallel ranks: this rank's heads (attention, KV cache)
+        self.parallel = join(config.tensor_parallel_size)
+        local = self.parallel.local(model_config)
+        self.attn, ops = platform.attention(local, kv_dtype, cache.block_size, max_seqs)
+        backends = dataclasses.replace(platform.backends(self.attn, ops, formats),
+                                       parallel=self.parallel)
+        self.model = load_model(model_config, model_dir, backends, self.device, self.dtype,
+                                gguf_path, config.load_format, config.seed)
         platform.prepare(self.model)
         self.weight_format = self._weight_format(formats, gguf_path is not None, platform)
         self.kv_dtype = kv_dtype or platform.auto_kv_dtype(self.weight_format, self.dtype)
-        self.kv = KvCache(model_config, cache.block_size, self.kv_dtype, self.device,
+        self.kv = KvCache(local, cache.block_size, self.kv_dtype, self.device,
                           cache.window_pool, max_seqs, scheduler.token_budget)
         self.kv_scales = KvScales(self.model, self.device) if self.kv_dtype == FP8 else None
         max_len = min(model_config.max_model_len, config.max_model_len or 1 << 62)

@@ -131,7 +131,7 @@ class FusedLlama:
         decoder's layers (a family's own layer or attention computes otherwise: OLMo-2's
         norms), every linear layer packed, a mixture's experts each projection's in one
         format (not the GPU's grouped experts)."""
-        if type(model) is not DecoderModel:
+        if type(model) is not DecoderModel or model.parallel.size > 1:
             return False
         for layer in model.layers:
             if (type(layer) is not DecoderLayer or type(layer.self_attn) is not Attention

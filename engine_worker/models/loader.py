@@ -39,6 +39,8 @@ def load_model(cfg: ModelConfig, model_dir: Path, backends: Backends, device: to
     weights read from ``model_dir``'s checkpoint, or from ``gguf_path`` where the folder
     stands for a GGUF file (load_format "dummy": random ones, made on the device)."""
     arch = registry.architecture(cfg.architecture)
+    if backends.parallel.size > 1:
+        _check_splits(arch, gguf_path)
     # Built on the meta device, then given uninitialized memory: random init of
     # weights that are overwritten next would be wasted work.
     with torch.device("meta"):
@@ -57,6 +59,15 @@ def load_model(cfg: ModelConfig, model_dir: Path, backends: Backends, device: to
             load_checkpoint(model, ckpt, arch, dtype)
             ckpt.finish()
     return model.eval()
+
+
+def _check_splits(arch: Architecture, gguf_path: Optional[Path]) -> None:
+    """Whether this model can be split over tensor-parallel ranks (ModelLoadError)."""
+    if gguf_path is not None:
+        raise ModelLoadError(f"{gguf_path.name}: a GGUF file is not split over tensor-"
+                             f"parallel ranks yet; serve its safetensors checkpoint")
+    if not getattr(arch.model, "splits", False) or arch.loaders:
+        raise ModelLoadError(f"{arch.name} is not split over tensor-parallel ranks yet")
 
 
 def load_checkpoint(model: nn.Module, ckpt: Checkpoint, arch: Architecture,
@@ -86,8 +97,12 @@ def load_checkpoint(model: nn.Module, ckpt: Checkpoint, arch: Architecture,
         elif isinstance(module, Linear):
             _load_linear(module, names(path)[0], ckpt, _wildcard(path) in transposed, dense)
         else:
+            # (a tensor split over ranks: the module's ``shards``, name -> (its whole
+            # shape, the rank's rows); the embeddings' vocabulary, the sinks' heads)
+            shards = getattr(module, "shards", {})
             for name, param in module.named_parameters(recurse=False):
-                param.copy_(ckpt.take(names(f"{path}.{name}")[0][0], tuple(param.shape)))
+                shape, rows = shards.get(name, (tuple(param.shape), slice(None)))
+                param.copy_(ckpt.take(names(f"{path}.{name}")[0][0], shape)[rows])
             for name, child in module.named_children():
                 load(f"{path}.{name}", child)
 
@@ -115,11 +130,13 @@ def _load_linear(linear: Linear, parts: tuple[str, ...], ckpt: Checkpoint,
     an fp8 checkpoint's model dtype, which a layer it left unquantized keeps."""
     if linear.weight is None:   # a tied lm_head
         return
-    sizes = (linear.out_features,) if len(parts) == 1 else linear.output_sizes
+    # (the whole layer's: one split over ranks takes its part, Linear.load)
+    sizes = (sum(linear.full_sizes),) if len(parts) == 1 else linear.full_sizes
     if len(parts) != len(sizes):
         raise ModelLoadError(f"{parts} are not the {len(sizes)} parts of a layer")
-    weights = [ckpt.take(f"{p}.weight", (linear.in_features, rows) if transposed
-                         else (rows, linear.in_features)) for p, rows in zip(parts, sizes)]
+    inputs = linear.full_in
+    weights = [ckpt.take(f"{p}.weight", (inputs, rows) if transposed else (rows, inputs))
+               for p, rows in zip(parts, sizes)]
     weights = [w.t() if transposed else w for w in weights]
     scales = [_fp8_scale(ckpt, p, w) for p, w in zip(parts, weights)]
     if all(s is None for s in scales):
@@ -132,8 +149,8 @@ def _load_linear(linear: Linear, parts: tuple[str, ...], ckpt: Checkpoint,
         linear.load(torch.cat([w for w, _ in quantized]),
                     torch.cat([s.reshape(-1) for _, s in quantized]))
     if linear.bias is not None:
-        linear.bias.copy_(torch.cat([ckpt.take(f"{p}.bias", (rows,))
-                                     for p, rows in zip(parts, sizes)]))
+        linear.load_bias(torch.cat([ckpt.take(f"{p}.bias", (rows,))
+                                    for p, rows in zip(parts, sizes)]))
 
 
 def _fp8_scale(ckpt: Checkpoint, part: str, weight: torch.Tensor) -> Optional[torch.Tensor]:

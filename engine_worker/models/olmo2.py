@@ -77,6 +77,9 @@ class Olmo2Layer(nn.Module):
 
 
 class Olmo2Model(DecoderModel):
+    # (its q and k norms span every head: not split over ranks yet)
+    splits = False
+
     def __init__(self, cfg: ModelConfig, backends: Backends) -> None:
         super().__init__(cfg, backends, Olmo2Layer)
 

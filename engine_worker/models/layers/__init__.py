@@ -11,6 +11,7 @@ from torch import nn
 
 from engine_worker.attention import AttentionBackend
 from engine_worker.models.layers.linear import Linear, Role, WeightFormats
+from engine_worker.models.layers.parallel import NOT_SPLIT, Parallel, Shard
 from engine_worker.ops import Ops
 
 
@@ -27,7 +28,10 @@ class Backends:
     # hidden, intermediate, gate, bias) -> the module: the GPU's grouped experts);
     # None: each expert a pair of linear layers
     mxfp4_experts: Optional[Callable[..., nn.Module]] = None
+    # the rank's place among the tensor-parallel ranks the model is split over
+    parallel: Parallel = NOT_SPLIT
 
     def linear(self, in_features: int, output_sizes: Union[int, Sequence[int]],
-               bias: bool = False, role: Role = Role.WEIGHT) -> Linear:
-        return Linear(in_features, output_sizes, bias, self.formats(role))
+               bias: bool = False, role: Role = Role.WEIGHT, shard: Optional[Shard] = None
+               ) -> Linear:
+        return Linear(in_features, output_sizes, bias, self.formats(role), shard)

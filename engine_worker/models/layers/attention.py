@@ -27,18 +27,27 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, backends: Backends, window: int = 0) -> None:
         super().__init__()
         self.window = window  # > 0: a sliding window of that many keys
-        self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads
-        self.head_dim = cfg.head_dim
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        # (split over ranks: this rank's heads, models/layers/parallel.py)
+        self.parallel = p = backends.parallel
+        q_heads, kv_heads = p.heads(cfg.num_heads, cfg.num_kv_heads)
+        self.num_heads = q_heads.stop - q_heads.start
+        self.num_kv_heads = kv_heads.stop - kv_heads.start
+        d = self.head_dim = cfg.head_dim
+        q_size, kv_size = cfg.num_heads * d, cfg.num_kv_heads * d
+        q_rows, kv_rows = slice(q_heads.start * d, q_heads.stop * d), \
+            slice(kv_heads.start * d, kv_heads.stop * d)
         self.qkv_proj = backends.linear(cfg.hidden_size, (q_size, kv_size, kv_size),
-                                        cfg.qkv_bias)
-        self.o_proj = backends.linear(q_size, cfg.hidden_size, cfg.o_bias)
+                                        cfg.qkv_bias, shard=p.column(q_rows, kv_rows, kv_rows))
+        self.o_proj = backends.linear(q_size, cfg.hidden_size, cfg.o_bias,
+                                      shard=p.row(q_rows))
         # each head of q and k RMS-normed before RoPE
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         # gpt-oss: each head's sink logit
-        self.sinks = (nn.Parameter(torch.zeros(cfg.num_heads), requires_grad=False)
+        self.sinks = (nn.Parameter(torch.zeros(self.num_heads), requires_grad=False)
                       if cfg.attn_sinks else None)
+        # (the loader's: the whole tensor's shape, this rank's part of it)
+        self.shards = {"sinks": ((cfg.num_heads,), q_heads)}
         self.attn = backends.attn
         self.ops = backends.ops
         # An fp8 cache's scales (engine_worker/kv_scales.py): (key's, value's), float32
@@ -84,10 +93,10 @@ class Attention(nn.Module):
         return self.attn.attend(q, k, v, kv_cache, meta, self.window, self.sinks)
 
     def finish(self, out: torch.Tensor) -> torch.Tensor:
-        """(N, Hq D) -> (N, C)."""
+        """(N, Hq D) -> (N, C) (split over ranks: summed over them)."""
         if self.kv_scale is not None:
             out = out * self.kv_scale[1]
-        return self.o_proj(out)
+        return self.parallel.all_reduce(self.o_proj(out))
 
     def project(self, x: torch.Tensor) -> torch.Tensor:
         """(N, C) -> q, k and v side by side, (N, (Hq + 2 Hkv) D)."""

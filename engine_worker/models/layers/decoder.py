@@ -88,6 +88,9 @@ class DecoderModel(nn.Module):
     cuda_graphs = True
     # its blocks, loaded and finished one at a time (models/loader.py)
     blocks = "layers"
+    # Whether it may be split over tensor-parallel ranks (parallel.py): the shared
+    # layers split themselves (a family whose layers compute otherwise says no)
+    splits = True
 
     def __init__(self, cfg: ModelConfig, backends: Backends,
                  layer: Callable[[ModelConfig, "Backends", int], nn.Module] = DecoderLayer
@@ -96,14 +99,17 @@ class DecoderModel(nn.Module):
         assert cfg.rope is not None
         self.cfg = cfg
         self.ops = backends.ops
-        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
+        # split over ranks: the vocabulary's rows (embeddings, lm_head), parallel.py
+        self.parallel = p = backends.parallel
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, p)
         self.rotary = Rotary(cfg.rope, cfg.head_dim, cfg.rotary_dim)
         # Gemma 3's sliding layers' own RoPE
         self.rotary_local = (None if cfg.rope_local is None
                              else Rotary(cfg.rope_local, cfg.head_dim, cfg.rotary_dim))
         self.layers = nn.ModuleList(layer(cfg, backends, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.lm_head = backends.linear(cfg.hidden_size, cfg.vocab_size, role=Role.LM_HEAD)
+        self.lm_head = backends.linear(cfg.hidden_size, cfg.vocab_size, role=Role.LM_HEAD,
+                                       shard=p.column(p.vocab(cfg.vocab_size)))
         if cfg.tie_word_embeddings:   # the loader ties it to the embeddings
             self.lm_head.weight = None
 
@@ -137,7 +143,8 @@ class DecoderModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(S, C) -> (S, V) (Gemma 2's soft-capped)."""
-        return soft_cap(self.lm_head(hidden), self.cfg.logit_softcap)
+        logits = self.parallel.gather_vocab(self.lm_head(hidden), self.cfg.vocab_size)
+        return soft_cap(logits, self.cfg.logit_softcap)
 
     @torch.no_grad()
     def finish_layer(self, layer: nn.Module) -> None:

@@ -15,9 +15,13 @@ Which method a layer gets is ``WeightFormats``'s choice, made once for the model
 platform from --dtype, --quantization and the file (engine_worker/platform.py), with
 the exceptions a layer's role asks for (``Role``).
 
-Room for what comes next: a layer split across ranks (tensor parallelism) loads its
-shard of each part (``output_sizes`` say where the parts lie), and per-request adapters
-add their low-rank update to ``forward``'s result.
+A layer split across tensor-parallel ranks (models/layers/parallel.py) is built with
+its ``Shard``: it is the shape of its part, and takes its part of each whole tensor the
+checkpoint gives it (``load``, ``load_bias``); ``full_sizes`` and ``full_in`` are the
+whole layer's, as the checkpoint holds it.
+
+Room for what comes next: per-request adapters add their low-rank update to
+``forward``'s result.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine_worker.models.layers.parallel import Shard
 
 
 class Role(enum.Enum):
@@ -109,13 +115,19 @@ class WeightFormats:
 
 class Linear(nn.Module):
     """A linear layer; ``output_sizes``: the parts of its output, fused into one matmul
-    (their weights stacked in that order)."""
+    (their weights stacked in that order); ``shard``: the part of it this rank holds
+    (None: all of it)."""
 
     def __init__(self, in_features: int, output_sizes: Union[int, Sequence[int]],
-                 bias: bool, method: LinearMethod) -> None:
+                 bias: bool, method: LinearMethod, shard: Optional[Shard] = None) -> None:
         super().__init__()
-        self.output_sizes = ((output_sizes,) if isinstance(output_sizes, int)
-                             else tuple(output_sizes))
+        self.full_sizes = ((output_sizes,) if isinstance(output_sizes, int)
+                           else tuple(output_sizes))
+        self.full_in = in_features
+        self.shard = shard
+        self.output_sizes = shard.sizes(self.full_sizes) if shard else self.full_sizes
+        if shard is not None and shard.cols is not None:
+            in_features = len(range(in_features)[shard.cols])
         self.in_features, self.out_features = in_features, sum(self.output_sizes)
         self.method = method
         # made on the meta device and given memory by the loader; empty until loaded
@@ -134,8 +146,23 @@ class Linear(nn.Module):
 
     def load(self, weight: torch.Tensor, scale: Optional[torch.Tensor] = None) -> None:
         """Its weight (out, in) from a checkpoint, in the method's form; ``scale``: an
-        fp8 weight's row scales."""
+        fp8 weight's row scales. Whole: a split layer takes its part."""
+        if self.shard is not None:
+            weight = self.shard.take(weight, self.full_sizes)
+            if scale is not None:
+                scale = self.shard.take_rows(scale, self.full_sizes)
         self.method.load(self, weight, scale)
+
+    def load_bias(self, bias: torch.Tensor) -> None:
+        """Its bias from a checkpoint, whole (a split layer takes its part; a
+        row-parallel layer's is added by one rank alone)."""
+        assert self.bias is not None
+        if self.shard is None:
+            self.bias.copy_(bias)
+        elif self.shard.bias:
+            self.bias.copy_(self.shard.take_rows(bias, self.full_sizes))
+        else:
+            self.bias.zero_()
 
     def keep_dense(self, method: "DenseMethod") -> None:
         """Computes with a dense weight in ``method``'s dtype instead (a layer an fp8
@@ -179,7 +206,8 @@ class Linear(nn.Module):
         self.register_buffer("packed", packed, persistent=False)
 
     def extra_repr(self) -> str:
-        return (f"in={self.in_features}, out={self.output_sizes}, "
+        shard = "" if self.shard is None else f", of in={self.full_in}, out={self.full_sizes}"
+        return (f"in={self.in_features}, out={self.output_sizes}{shard}, "
                 f"bias={self.bias is not None}, format={self.fmt}")
 
 

@@ -29,16 +29,23 @@ def gate_of(cfg: ModelConfig, ops: Ops, expert: bool = False
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, backends: Backends,
                  intermediate: Optional[int] = None, expert: bool = False,
-                 role: Role = Role.WEIGHT) -> None:
+                 role: Role = Role.WEIGHT, reduce: bool = True) -> None:
         """expert: one of a mixture's experts (gpt-oss's have biases and a gate of
-        their own); role: its linear layers' (linear.py)."""
+        their own); role: its linear layers' (linear.py). Split over ranks, each holds
+        a run of the intermediate features, and its output is summed over them
+        (``reduce``; a mixture's experts' are summed once, by the mixture)."""
         super().__init__()
         intermediate = intermediate or cfg.intermediate_size
         bias = cfg.mlp_bias or (expert and cfg.expert_bias)
+        self.parallel = p = backends.parallel
+        features = p.even(intermediate, "the MLP's intermediate features")
         self.gate_up_proj = backends.linear(cfg.hidden_size, (intermediate, intermediate),
-                                            bias, role)
-        self.down_proj = backends.linear(intermediate, cfg.hidden_size, bias, role)
+                                            bias, role, p.column(features, features))
+        self.down_proj = backends.linear(intermediate, cfg.hidden_size, bias, role,
+                                         p.row(features))
         self.act = gate_of(cfg, backends.ops, expert)
+        self.reduce = reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        out = self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.parallel.all_reduce(out) if self.reduce else out

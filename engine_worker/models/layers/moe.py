@@ -41,13 +41,15 @@ class MoE(nn.Module):
         else:
             role = Role.MXFP4 if mxfp4 else Role.WEIGHT
             self.experts = nn.ModuleList(
-                MLP(cfg, backends, cfg.expert_intermediate_size, expert=True, role=role)
-                for _ in range(cfg.num_experts))
+                MLP(cfg, backends, cfg.expert_intermediate_size, expert=True, role=role,
+                    reduce=False) for _ in range(cfg.num_experts))
         self.top_k, self.norm_topk = cfg.experts_per_token, cfg.norm_topk
         self.softmax_chosen = cfg.expert_bias
         # Qwen2-MoE's shared expert, gated by a sigmoid of its own
-        self.shared_expert = (MLP(cfg, backends, cfg.shared_expert_size)
+        self.shared_expert = (MLP(cfg, backends, cfg.shared_expert_size, reduce=False)
                               if cfg.shared_expert_size else None)
+        # split over ranks: each expert's a run of its features; summed once, at the end
+        self.parallel = backends.parallel
         self.shared_expert_gate = (backends.linear(cfg.hidden_size, 1, False, Role.ROUTER)
                                    if cfg.shared_expert_size else None)
 
@@ -74,7 +76,7 @@ class MoE(nn.Module):
             out = self._each_expert(x, weights, chosen)
         if self.shared_expert is not None:
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return self.parallel.all_reduce(out)
 
     def _each_expert(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
                      ) -> torch.Tensor:

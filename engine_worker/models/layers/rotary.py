@@ -64,17 +64,20 @@ def _yarn_inv_freq(rope: RopeConfig, head_dim: int, inv_freq: torch.Tensor) -> t
     return inv_freq / rope.factor * ramp + inv_freq * (1 - ramp)
 
 
-def partial_rotary_order(cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def partial_rotary_order(cfg: ModelConfig, num_heads: Optional[int] = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Where RoPE turns only a head's first R dimensions (pairs i and i + R/2): the
     order of q's and k's rows in the fused q/k/v weight (q's heads, then k's), and of
     a head's dimensions (its norms'), that puts those pairs where the kernels'
     full-head RoPE turns pairs (i and i + D/2, for i < R/2), and the rest where Rotary
-    gives frequency 0. Each head alike, q and k alike, so q.k is unchanged."""
+    gives frequency 0. Each head alike, q and k alike, so q.k is unchanged.
+    num_heads: q's and k's heads in the weight (a rank's, where the model is split;
+    default: the model's)."""
     d, half, r = cfg.head_dim, cfg.head_dim // 2, cfg.rotary_dim // 2
     rest = list(range(2 * r, d))
     order = torch.tensor(list(range(r)) + rest[:half - r]
                          + list(range(r, 2 * r)) + rest[half - r:])
-    heads = torch.arange(cfg.num_heads + cfg.num_kv_heads).unsqueeze(1) * d
+    heads = torch.arange(num_heads or cfg.num_heads + cfg.num_kv_heads).unsqueeze(1) * d
     return (heads + order).flatten(), order
 
 
@@ -116,7 +119,7 @@ def reorder_partial_rotary(attn, cfg: ModelConfig) -> None:
     """An attention layer's loaded weights put in partial_rotary_order: q's and k's
     rows of the fused q/k/v weight (and bias), and a head's dimensions of the q and k
     norms (v, and so every output, is untouched)."""
-    rows, order = partial_rotary_order(cfg)
+    rows, order = partial_rotary_order(cfg, attn.num_heads + attn.num_kv_heads)
     attn.qkv_proj.reorder_outputs(rows)
     for norm in (attn.q_norm, attn.k_norm):
         if norm is not None:

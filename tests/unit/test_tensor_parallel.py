@@ -1,0 +1,161 @@
+"""Tensor parallelism in the model layer (engine_worker/models/layers/parallel.py): each
+rank's part of every layer is the whole model's, cut where the scheme says, in every
+weight format; and engines on two ranks (processes joined by gloo) generate the tokens
+one engine does."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import socket
+
+import pytest
+import torch
+from torch import nn
+
+from common.config import CacheConfig, EngineConfig, SchedulerConfig
+from common.errors import ModelLoadError
+from engine_worker.engine import LLMEngine
+from engine_worker.models.layers.embedding import VocabShard
+from engine_worker.models.layers.linear import Linear
+from engine_worker.models.layers.parallel import NOT_SPLIT, Parallel
+from engine_worker.models.loader import load_model
+from engine_worker.models.registry import load_model_config
+from engine_worker.platform import make_platform
+from helpers import greedy, random_prompts
+
+# (the torch path's dense weights, and the C kernels' packed formats)
+FORMATS = [("torch", None), ("float32", None), ("bfloat16", None), ("int8", "int8"),
+           ("q4", "q4")]
+
+
+def load(model_dir, parallel: Parallel, fmt: str, quantization) -> tuple[nn.Module, object]:
+    """The model as a rank's runner builds it, and its platform's kernels."""
+    config = EngineConfig(model=str(model_dir), device="cpu", cpu_kernels=fmt != "torch",
+                          dtype="bfloat16" if fmt == "bfloat16" else "auto",
+                          quantization=quantization)
+    platform = make_platform(config)
+    cfg = load_model_config(model_dir)
+    formats, dtype, _ = platform.formats(config, cfg, None)
+    attn, ops = platform.attention(parallel.local(cfg), None, 4, 4)
+    backends = dataclasses.replace(platform.backends(attn, ops, formats), parallel=parallel)
+    return load_model(cfg, model_dir, backends, torch.device("cpu"), dtype), platform.kernels
+
+
+def dense(layer: Linear, kernels) -> torch.Tensor:
+    if layer.weight is not None:
+        return layer.weight.float()
+    return kernels.unpack(layer.packed, layer.out_features, layer.in_features, layer.fmt)
+
+
+@pytest.mark.parametrize("fmt, quantization", FORMATS, ids=[f for f, _ in FORMATS])
+def test_each_ranks_shard_is_the_whole_models_cut_where_the_scheme_says(
+        tiny_llama_dir, fmt, quantization):
+    """Every linear layer: a rank's weight (unpacked) equals the whole model's, cut by
+    its shard, exactly (a packed format's blocks run along the input, and the
+    row-parallel layers are cut on block boundaries); biases too, and the rows of the
+    vocabulary. The query heads' rows of the two ranks are the whole's, each once."""
+    whole, kernels = load(tiny_llama_dir, NOT_SPLIT, fmt, quantization)
+    layers = {n: m for n, m in whole.named_modules() if isinstance(m, Linear)}
+    q_rows = 0
+    for rank in range(2):
+        part, _ = load(tiny_llama_dir, Parallel(rank, 2), fmt, quantization)
+        for name, layer in part.named_modules():
+            if not isinstance(layer, Linear):
+                continue
+            full = layers[name]
+            assert layer.shard is not None, name
+            cut = layer.shard.take(dense(full, kernels), full.output_sizes)
+            assert torch.equal(dense(layer, kernels), cut), (name, rank)
+            if name.endswith("qkv_proj"):
+                q_rows += layer.output_sizes[0]
+        emb = part.embed_tokens
+        assert isinstance(emb, VocabShard)
+        assert torch.equal(emb.weight, whole.embed_tokens.weight[emb.shards["weight"][1]])
+        # 4 query heads, 2 KV heads: 2 and 1 a rank; the MLP's 128 features, 64 a rank
+        attn = part.layers[0].self_attn
+        assert (attn.num_heads, attn.num_kv_heads) == (2, 1)
+        assert part.layers[0].mlp.down_proj.in_features == 64
+    assert q_rows == 2 * layers["layers.0.self_attn.qkv_proj"].output_sizes[0]
+
+
+def test_heads_are_split_or_shared_and_uneven_splits_are_refused():
+    assert Parallel(1, 2).heads(8, 4) == (slice(4, 8), slice(2, 4))
+    # fewer KV heads than ranks: each rank holds the one its query heads read
+    assert [Parallel(r, 4).heads(8, 2)[1] for r in range(4)] == [
+        slice(0, 1), slice(0, 1), slice(1, 2), slice(1, 2)]
+    with pytest.raises(ValueError, match=r"the attention heads \(6\) do not split evenly "
+                                         r"over 4 tensor-parallel ranks"):
+        Parallel(0, 4).heads(6, 2)
+    with pytest.raises(ValueError, match="3 KV heads cannot be shared evenly by 4"):
+        Parallel(0, 4).heads(12, 3)
+    # the vocabulary: ceil(V / W) rows a rank, the last rank's fewer
+    assert [Parallel(r, 2).vocab(50257) for r in range(2)] == [slice(0, 25129),
+                                                               slice(25129, 50257)]
+
+
+def test_models_that_do_not_split_are_refused(tiny_olmo2_dir, tiny_gpt2_dir):
+    for model_dir in (tiny_olmo2_dir, tiny_gpt2_dir):
+        with pytest.raises(ModelLoadError, match="is not split over tensor-parallel ranks"):
+            load(model_dir, Parallel(0, 2), "torch", None)
+    with pytest.raises(ValueError, match="needs torch.distributed's default group of 2"):
+        LLMEngine(EngineConfig(model=str(tiny_olmo2_dir), device="cpu",
+                               tensor_parallel_size=2, cache=CacheConfig(num_blocks=16)))
+
+
+# -- engines on two ranks -------------------------------------------------------------
+
+PROMPTS = random_prompts([5, 17, 9, 30], seed=21)
+SHARED = random_prompts([12], seed=22)[0]
+PROMPTS += [SHARED + [7, 8], SHARED + [9, 10, 11]]   # (prefix-cache hits)
+
+
+def engine_config(model_dir, size: int, cpu_kernels: bool) -> EngineConfig:
+    # a budget of 16 tokens: chunked prompts, and steps of prompt chunks and decodes
+    return EngineConfig(model=str(model_dir), device="cpu", cpu_kernels=cpu_kernels,
+                        num_threads=1, tensor_parallel_size=size,
+                        cache=CacheConfig(block_size=4, num_blocks=256),
+                        scheduler=SchedulerConfig(max_batch_size=8, max_num_batched_tokens=16))
+
+
+def rank_main(rank: int, size: int, port: int, model_dir: str, cpu_kernels: bool,
+              results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=size)
+    try:
+        engine = LLMEngine(engine_config(model_dir, size, cpu_kernels))
+        results.put((rank, engine.generate(PROMPTS, greedy(8))))
+    except BaseException as e:
+        results.put((rank, repr(e)))
+        raise
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def on_ranks(model_dir, size: int, cpu_kernels: bool) -> list:
+    """Each rank's generated tokens (a rank that failed: its error, in words)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=rank_main, args=(r, size, port, str(model_dir), cpu_kernels,
+                                                 results)) for r in range(size)]
+    for p in procs:
+        p.start()
+    got = dict(results.get(timeout=300) for _ in procs)
+    for p in procs:
+        p.join(60)
+    return [got[r] for r in range(size)]
+
+
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen3_moe_dir"])
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["kernels", "torch"])
+def test_two_ranks_generate_the_tokens_one_engine_does(model, cpu_kernels, request):
+    """Greedy, float32: chunked prompts, mixed steps and prefix hits, on Llama (grouped
+    KV heads, a vocabulary of odd size split unevenly) and a mixture of experts (each
+    expert split, the router whole), on the C kernels' packed weights and torch's."""
+    model_dir = request.getfixturevalue(model)
+    expected = LLMEngine(engine_config(model_dir, 1, cpu_kernels)).generate(PROMPTS, greedy(8))
+    assert on_ranks(model_dir, 2, cpu_kernels) == [expected, expected]
