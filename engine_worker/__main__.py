@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from typing import Optional, Sequence
@@ -44,7 +45,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "e4m3 weights, a scale per output channel, activations quantized "
                         "per token (W8A8). An fp8 checkpoint is served in fp8 on CUDA and "
                         "as int8 on the CPU by itself")
-    g.add_argument("--threads", type=int, default=None, help="CPU threads for the model")
+    g.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for the model (a tensor-parallel rank's: default, a "
+                        "thread for each of its cores)")
+    g.add_argument("--tensor-parallel-size", type=int,
+                   default=env_default("TENSOR_PARALLEL_SIZE", "1"), metavar="N",
+                   help="split the model over N ranks, a process each in one "
+                        "torch.distributed group: N GPUs over NCCL, or N shares of the "
+                        "CPU's cores over gloo (each rank pinned to its share: one "
+                        "socket each on a server of N sockets). One engine to its clients "
+                        "(ROSESERVE_TENSOR_PARALLEL_SIZE)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--max-batch-size", type=int, default=None,
                    help="decode batch (default: 64 on CPU, 256 on CUDA)")
@@ -132,6 +142,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         load_format=args.load_format, attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
         speculative_tokens=args.speculative_tokens,
+        tensor_parallel_size=args.tensor_parallel_size,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=memory,
                           kv_cache_dtype=args.kv_cache_dtype,
                           gpu_memory_utilization=args.gpu_memory_utilization,
@@ -184,7 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    setup_logging("engine", args.log_level)
+    from engine_worker import tensor_parallel
+
+    rank = tensor_parallel.rank_from_environment() if args.tensor_parallel_size > 1 else None
+    setup_logging(f"engine-rank{rank}" if rank else "engine", args.log_level)
     try:
         server_config = EngineServerConfig(bind=args.bind, drain_timeout_s=args.drain_timeout,
                                            client_timeout_s=args.client_timeout,
@@ -201,14 +215,38 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        server_config.bind, "clients must hold the cluster's CURVE key"
                        if server_config.curve_key else "WITHOUT authentication")
 
+    # Split over ranks: this process is rank 0, which starts the others, unless a
+    # launcher (torchrun) started each (tensor_parallel.py).
+    size, ranks = engine_config.tensor_parallel_size, None
+    if size > 1:
+        if rank is None:
+            ranks, rank = tensor_parallel.Ranks(sys.argv[1:] if argv is None else argv,
+                                                size), 0
+        device, threads = tensor_parallel.join(rank, size, engine_config.device,
+                                               engine_config.num_threads)
+        engine_config = dataclasses.replace(engine_config, device=device, num_threads=threads)
+    try:
+        return _serve(engine_config, server_config, rank or 0, ranks)
+    finally:
+        if ranks is not None:
+            ranks.stop()
+
+
+def _serve(engine_config: EngineConfig, server_config: EngineServerConfig, rank: int,
+           ranks) -> int:
+    from engine_worker import tensor_parallel
     from engine_worker.engine import LLMEngine
     from engine_worker.server import EngineServer
 
     try:
         engine = LLMEngine(engine_config)
     except (ModelLoadError, RuntimeError, ValueError) as e:
-        logger.error("cannot start the engine: %s", e)
+        logger.error("cannot start the engine%s: %s", f" (rank {rank})" if rank else "", e)
         return 2
+    if rank > 0:
+        return tensor_parallel.follow(engine)
+    if ranks is not None:
+        ranks.watch()
     try:
         engine.grammars  # built now, not inside the first structured request's step
     except InvalidRequestError as e:
@@ -221,7 +259,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     faults.install("engine", server)
     logger.info("start-up heap frozen: %d objects left out of garbage collections",
                 freeze_startup_heap())
-    return server.serve()
+    try:
+        return server.serve()
+    finally:
+        if engine.runner.parallel.size > 1:
+            engine.runner.inputs.stop()   # the ranks that follow leave too
 
 
 if __name__ == "__main__":

@@ -101,8 +101,12 @@ class LLMEngine:
                           + (f"|rank={split.rank}/{split.size}" if split.size > 1 else ""))
         self.num_prompt_tokens_computed = 0
         self.num_generated_tokens = 0
+        # (split over ranks: a step's ids are all on the host, for the other ranks)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
-                                 else self.platform.runs_ahead)
+                                 else self.platform.runs_ahead and split.size == 1)
+        if self.async_scheduling and split.size > 1:
+            raise ValueError("async scheduling does not run with the model split over "
+                             "tensor-parallel ranks yet")
         # The step queued ahead whose tokens the host has not read yet (step()), and
         # how many steps were queued while the one before was in flight.
         self._inflight: Optional[_Step] = None

@@ -36,8 +36,11 @@ def kv_cache_dtype(name: str) -> Optional[torch.dtype]:
 class KvCache:
     def __init__(self, cfg: ModelConfig, block_size: int, dtype: torch.dtype,
                  device: torch.device, window_pool: bool, max_seqs: int,
-                 token_budget: int) -> None:
+                 token_budget: int, ranks: int = 1) -> None:
+        """cfg: as this rank sees it (its KV heads); ranks: the tensor-parallel ranks
+        that share a byte budget the config gives (the engine's, in all)."""
         self.cfg, self.block_size, self.dtype, self.device = cfg, block_size, dtype, device
+        self.ranks = ranks
         windows = cfg.windows or (0,)
         self.window = max(windows) if window_pool else 0
         self.windowed = self.window > 0 and 0 in windows
@@ -71,7 +74,12 @@ class KvCache:
         its byte budget holds (DEFAULT_KV_BYTES where it gives none)."""
         if cache.num_blocks:
             return self.given(cache.num_blocks)
-        return self.blocks_in(cache.kv_cache_memory_bytes or DEFAULT_KV_BYTES)
+        return self.given_bytes(cache.kv_cache_memory_bytes or DEFAULT_KV_BYTES)
+
+    def given_bytes(self, budget: int) -> tuple[int, int]:
+        """The blocks of a byte budget the config gives the engine (its ranks share it:
+        each holds its heads of every block)."""
+        return self.blocks_in(budget // self.ranks)
 
     def given(self, num_blocks: int) -> tuple[int, int]:
         """--num-blocks: the full layers' pool; the sliding layers' holds what its

@@ -51,6 +51,8 @@ class ModelRunner:
         formats, self.dtype, kv_dtype = platform.formats(config, model_config, gguf_path)
         # split over tensor-parallel ranks: this rank's heads (attention, KV cache)
         self.parallel = join(config.tensor_parallel_size)
+        self.parallel.agree(repr({k: v for k, v in dataclasses.asdict(config).items()
+                                  if k not in ("device", "num_threads")}))
         local = self.parallel.local(model_config)
         self.attn, ops = platform.attention(local, kv_dtype, cache.block_size, max_seqs)
         backends = dataclasses.replace(platform.backends(self.attn, ops, formats),
@@ -61,12 +63,13 @@ class ModelRunner:
         self.weight_format = self._weight_format(formats, gguf_path is not None, platform)
         self.kv_dtype = kv_dtype or platform.auto_kv_dtype(self.weight_format, self.dtype)
         self.kv = KvCache(local, cache.block_size, self.kv_dtype, self.device,
-                          cache.window_pool, max_seqs, scheduler.token_budget)
+                          cache.window_pool, max_seqs, scheduler.token_budget,
+                          self.parallel.size)
         self.kv_scales = KvScales(self.model, self.device) if self.kv_dtype == FP8 else None
         max_len = min(model_config.max_model_len, config.max_model_len or 1 << 62)
         self.inputs = StepInputs(scheduler.token_budget, max_seqs, -(-max_len // self.block_size),
                                  self.block_size, self.device, self.attn.tile_tokens,
-                                 self.windowed, self.attn.chunk_tiles)
+                                 self.windowed, self.attn.chunk_tiles, self.parallel)
         self.sampler = Sampler(self.device, config.seed, platform.kernels)
         # Set by each forward: (request, first position, logits rows) of prompt
         # positions whose logprobs are wanted; and (request, logits rows) of the
@@ -75,11 +78,13 @@ class ModelRunner:
         self.draft_logits: list[tuple] = []
         self.eager = EagerForward(self.model, self.inputs, self.kv.layers,
                                   self.attn.decode_splits)
-        self.kv.num_blocks, self.kv.num_local_blocks = platform.kv_blocks(
-            self.kv, cache, scheduler, self.eager, self.sampler)
+        blocks = platform.kv_blocks(self.kv, cache, scheduler, self.eager, self.sampler)
+        self.kv.num_blocks, self.kv.num_local_blocks = self.parallel.least(blocks)
         self.kv.allocate(self.num_blocks + self.sliding, self.num_local_blocks)  # null block
         platform.warm_up(self.eager, self.kv, scheduler)
-        self.step = platform.forward(self.eager, self.attn, self.kv, scheduler)
+        # (split over ranks: every step eager, the one the other ranks follow)
+        self.step = (platform.forward(self.eager, self.attn, self.kv, scheduler)
+                     if self.parallel.size == 1 else self.eager)
         if self.kv_scales is not None:
             self.kv_scales.calibrate_next()   # (from the first real prompts, not the above)
         self._log_cache()
@@ -118,6 +123,14 @@ class ModelRunner:
         logger.info("KV cache: %d blocks x %d tokens, %s (%.0f MiB)%s", self.num_blocks,
                     self.block_size, str(self.kv_dtype).removeprefix("torch."),
                     self.kv.nbytes / 2**20, local)
+
+    @torch.inference_mode()
+    def follow(self) -> None:
+        """A tensor-parallel rank other than 0: every step rank 0 prepares, run on this
+        rank's shards (its logits are rank 0's to sample), until rank 0 stops."""
+        while (batch := self.inputs.receive()) is not None:
+            self.eager.logits(self.model(batch.input_ids, batch.positions, self.kv.layers,
+                                         batch.meta), batch)
 
     @torch.inference_mode()
     def forward(self, scheduled: list[ScheduledRequest],

@@ -19,6 +19,11 @@ rewritten. Entries past a sequence's context are never read.
 Padded rows (a CUDA graph's batch filled up to its size) have context length 0, token
 id 0, position 0 and slot -1: attention reads nothing for them and the KV write skips
 them.
+
+A model split over tensor-parallel ranks (models/layers/parallel.py): rank 0 prepares
+each step and broadcasts its buffers (the header of where each vector lies, the
+vectors, the block table rows) to the other ranks, which take them into their own
+(``receive``) and run the same step on their shards.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch
 
 from engine_worker.attention import AttentionMetadata
 from engine_worker.block_manager import NULL_BLOCK
+from engine_worker.models.layers.parallel import NOT_SPLIT, Parallel
 from engine_worker.scheduler import ScheduledRequest
 
 
@@ -45,6 +51,16 @@ _ALIGN = 16
 
 def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
+
+
+# A step's header (int64): the vectors' end, the padded sequences, the sequences and
+# tokens before padding, the sampled rows, the attention's decode rows and splits, then
+# each vector's (start, stop) in the order of _VECTORS (a vector that is absent: -1, -1).
+_VECTORS = ("ids", "positions", "slots", "local_slots", "seq_lens", "query_start",
+            "logits_rows", "tile_seq", "tile_offset", "fill_rows", "fill_sources")
+_HEADER = 7 + 2 * len(_VECTORS)
+# A header whose first entry is this: no more steps (the ranks that follow stop).
+_STOP = -1
 
 
 class _Packer:
@@ -97,11 +113,16 @@ class StepBatch:
 class StepInputs:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int,
                  block_size: int, device: torch.device, tile_tokens: int = 1,
-                 windowed: bool = False, chunk_tiles: Optional[Callable] = None) -> None:
+                 windowed: bool = False, chunk_tiles: Optional[Callable] = None,
+                 parallel: Parallel = NOT_SPLIT) -> None:
         """tile_tokens and chunk_tiles: the attention kernel's tiles of a step's chunks
         (AttentionBackend's; 1 and None: no tiles are needed). windowed: the sliding
         layers' blocks are a pool of their own (window_blocks.py): a second block table
-        and slots, in meta.local."""
+        and slots, in meta.local. parallel: the tensor-parallel ranks, to which rank 0
+        broadcasts every step it prepares (the others ``receive`` it)."""
+        self.parallel = parallel
+        self._header = torch.zeros(_HEADER, dtype=torch.int64,
+                                   device=device if device.type == "cuda" else "cpu")
         self.block_size = block_size
         self.device = device
         self.tile_tokens = tile_tokens
@@ -203,30 +224,90 @@ class StepInputs:
         fill_rows = pack.put(len(fills), [row for row, _ in fills])
         fill_sources = pack.put(len(fills), [source for _, source in fills])
 
+        vectors = (ids, pos, slot, local_slot or slice(-1, -1), seq_lens, qs, rows, tiles,
+                   offsets, fill_rows, fill_sources)
+        header = [pack.used, s, num_seqs, num_tokens, num_sampled,
+                  num_decode if pad_to is None else s, num_splits]
+        header += [i for v in vectors for i in (v.start, v.stop)]
+        self._to_device(pack.used, s)
+        if self.parallel.size > 1:
+            self._send(header)
+        return self._batch(header, ends.tolist(), query_start[:num_seqs + 1].tolist())
+
+    def _to_device(self, used: int, s: int) -> None:
+        """The host buffers' step copied to the device's (CUDA)."""
+        if self._device_ints is self._host_ints:
+            return
+        self._device_ints[:used].copy_(self._host_ints[:used], non_blocking=True)
+        self.block_tables[:s].copy_(self._host_tables[:s], non_blocking=True)
+        if self._host_local is not None:
+            self.local_block_tables[:s].copy_(self._host_local[:s], non_blocking=True)
+        self._copied.record()
+
+    def _batch(self, header: Sequence[int], seq_lens_host: list[int],
+               query_start_host: list[int]) -> StepBatch:
+        """The step the header describes, as views of the device buffers."""
+        _, s, num_seqs, num_tokens, num_sampled, num_decode, num_splits = header[:7]
         dev = self._device_ints
-        if dev is not self._host_ints:
-            dev[:pack.used].copy_(self._host_ints[:pack.used], non_blocking=True)
-            self.block_tables[:s].copy_(self._host_tables[:s], non_blocking=True)
-            if self._host_local is not None:
-                self.local_block_tables[:s].copy_(self._host_local[:s], non_blocking=True)
-            self._copied.record()
+        v = {name: dev[header[7 + 2 * i]:header[8 + 2 * i]]
+             for i, name in enumerate(_VECTORS)}
         meta = AttentionMetadata(
-            slot_mapping=dev[slot],
-            num_decode=num_decode if pad_to is None else s,
+            slot_mapping=v["slots"],
+            num_decode=num_decode,
             block_tables=self.block_tables[:s],
-            seq_lens=dev[seq_lens],
-            query_start=dev[qs],
-            tile_seq=dev[tiles],
-            tile_offset=dev[offsets],
+            seq_lens=v["seq_lens"],
+            query_start=v["query_start"],
+            tile_seq=v["tile_seq"],
+            tile_offset=v["tile_offset"],
             num_splits=num_splits,
-            seq_lens_host=ends.tolist(),
-            query_start_host=query_start[:num_seqs + 1].tolist(),
+            seq_lens_host=seq_lens_host,
+            query_start_host=query_start_host,
         )
-        if local_slot is not None:
-            meta.local = dataclasses.replace(meta, slot_mapping=dev[local_slot],
+        if header[7 + 2 * _VECTORS.index("local_slots")] >= 0:
+            meta.local = dataclasses.replace(meta, slot_mapping=v["local_slots"],
                                              block_tables=self.local_block_tables[:s])
-        return StepBatch(dev[ids], dev[pos], meta, dev[rows], num_sampled, num_seqs,
-                         num_tokens, dev[fill_rows], dev[fill_sources])
+        return StepBatch(v["ids"], v["positions"], meta, v["logits_rows"], num_sampled,
+                         num_seqs, num_tokens, v["fill_rows"], v["fill_sources"])
+
+    # -- tensor parallelism: the step broadcast from rank 0 ---------------------------
+
+    def _buffers(self, used: int, s: int) -> list[torch.Tensor]:
+        """What a step broadcasts besides its header: the vectors, the table rows (the
+        device's buffers on CUDA, which NCCL moves; the host's on the CPU)."""
+        out = [self._device_ints[:used], self.block_tables[:s]]
+        if self.local_block_tables is not None:
+            out.append(self.local_block_tables[:s])
+        return out
+
+    def _send(self, header: list[int]) -> None:
+        group = self.parallel.group
+        self._header.copy_(torch.tensor(header, dtype=torch.int64))
+        torch.distributed.broadcast(self._header, 0, group=group)
+        for t in self._buffers(header[0], header[1]):
+            torch.distributed.broadcast(t, 0, group=group)
+
+    def stop(self) -> None:
+        """Rank 0: tell the ranks that follow its steps that there are no more."""
+        self._header.fill_(_STOP)
+        torch.distributed.broadcast(self._header, 0, group=self.parallel.group)
+
+    def receive(self) -> Optional[StepBatch]:
+        """A rank other than 0: the next step rank 0 prepared, in this rank's buffers;
+        None when rank 0 stopped."""
+        group = self.parallel.group
+        torch.distributed.broadcast(self._header, 0, group=group)
+        header = self._header.tolist()
+        if header[0] == _STOP:
+            return None
+        for t in self._buffers(header[0], header[1]):
+            torch.distributed.broadcast(t, 0, group=group)
+        num_seqs = header[2]
+        dev = self._device_ints
+        at = 7 + 2 * _VECTORS.index("seq_lens")
+        seq_lens = dev[header[at]:header[at] + num_seqs].tolist()
+        at = 7 + 2 * _VECTORS.index("query_start")
+        query_start = dev[header[at]:header[at] + num_seqs + 1].tolist()
+        return self._batch(header, seq_lens, query_start)
 
     def _padded_sizes(self, num_tokens: int, num_seqs: int, num_decode: int,
                       pad_to: Optional[int], pad_chunks: Optional[tuple[int, int]],

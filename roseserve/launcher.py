@@ -147,7 +147,8 @@ ENGINE_FLAGS = ["device", "dtype", "quantization", "max_model_len", "max_batch_s
                 "enforce_eager", "speculative_tokens", "attention_backend", "no_prefix_cache",
                 "no_cpu_kernels", "seed", "per_token_output_frames", "kv_transfer_timeout",
                 "kv_transfer_window_bytes", "kv_offload_memory_gb", "kv_offload_dir",
-                "kv_offload_disk_gb", "kv_store_address", "kv_store_timeout", "drain_timeout"]
+                "kv_offload_disk_gb", "kv_store_address", "kv_store_timeout", "drain_timeout",
+                "tensor_parallel_size"]
 # The API key is not among them: a command line is visible to every local user, so
 # the key reaches the frontend through its environment.
 FRONTEND_FLAGS = ["host", "api_key_file", "served_model_name", "max_body_bytes",
@@ -169,11 +170,11 @@ def engine_roles(args: argparse.Namespace) -> list[str]:
 
 def engine_threads(args: argparse.Namespace) -> Optional[int]:
     """--threads, else the cores shared out among the engines (None for one engine:
-    torch's default)."""
+    torch's default; a rank of one split over tensor-parallel ranks: its share)."""
     n = len(engine_roles(args))
     if args.threads is not None or n == 1:
         return args.threads
-    return max(1, (os.cpu_count() or 1) // n)
+    return max(1, (os.cpu_count() or 1) // (n * args.tensor_parallel_size))
 
 
 def components(args: argparse.Namespace, model_dir: str, run_dir: str) -> list[Component]:

@@ -136,7 +136,7 @@ class CudaPlatform:
         if cache.num_blocks is not None:
             return kv.given(cache.num_blocks)
         if cache.kv_cache_memory_bytes is not None:
-            return kv.blocks_in(cache.kv_cache_memory_bytes)
+            return kv.given_bytes(cache.kv_cache_memory_bytes)
         free, total = torch.cuda.mem_get_info(self.device)
         torch_held = torch.cuda.memory_reserved(self.device)
         weights = torch.cuda.memory_allocated(self.device)

@@ -218,19 +218,33 @@ def _to_empty(model: nn.Module, device: torch.device, dtype: torch.dtype) -> Non
                     if isinstance(t, nn.Parameter) else empty
 
 
+def _whole(module: nn.Module, leaf: str, param: torch.Tensor
+           ) -> tuple[tuple[int, ...], Callable[[torch.Tensor], None]]:
+    """The whole shape of a parameter (split over ranks, or an fp8 weight), and what
+    takes its part of a whole tensor."""
+    if isinstance(module, Linear) and leaf == "weight":
+        return (sum(module.full_sizes), module.full_in), module.load
+    shape, rows = module.shards[leaf]
+    return shape, lambda t: param.copy_(t[rows])
+
+
 def dummy_weights(model: nn.Module, seed: int) -> None:
     """Random weights in place, made on the model's device from ``seed``: normal with
     std 0.02 (Hugging Face's initializer range), norm scales 1, biases 0. For
     benchmarks: the numbers flow like a real model's, the tokens mean nothing. An fp8
-    layer quantizes its own (Linear.load)."""
+    layer quantizes its own (Linear.load). A model split over tensor-parallel ranks
+    draws each whole tensor and takes its part: the same model as one not split."""
     generator = None
     for name, param in model.named_parameters():
         if generator is None:
             generator = torch.Generator(device=param.device).manual_seed(seed)
-        if param.dtype == FP8:
-            layer = model.get_submodule(name.rpartition(".")[0])
-            layer.load(torch.empty(param.shape, device=param.device).normal_(
-                0.0, 0.02, generator=generator))
+        path, _, leaf = name.rpartition(".")
+        module = model.get_submodule(path)
+        if param.dtype == FP8 or leaf in getattr(module, "shards", {}) or (
+                isinstance(module, Linear) and module.shard is not None and leaf == "weight"):
+            shape, put = _whole(module, leaf, param)
+            put(torch.empty(shape, dtype=torch.float32 if param.dtype == FP8 else param.dtype,
+                            device=param.device).normal_(0.0, 0.02, generator=generator))
         elif param.dtype == torch.uint8:   # MXFP4 experts: random codes, scales near 2^-6
             if name.endswith("scales"):
                 param.fill_(121)

@@ -133,6 +133,7 @@ def test_a_component_that_fails_to_start_is_named_and_the_command_fails(tiny_lla
     (["--kv-store", "--kv-store-memory", "0"], "--kv-store-memory must be positive"),
     (["--kv-offload-memory", "0"], "a size in GiB must be positive, got 0.0"),
     (["--kv-store-timeout", "-1"], "kv_store_timeout_s must be positive"),
+    (["--tensor-parallel-size", "0"], "tensor_parallel_size must be in 1..64"),
 ])
 def test_bad_flags_are_refused(args, message, tiny_llama_dir):
     proc = subprocess.run([sys.executable, "-m", "roseserve", "serve", "--model",
@@ -184,13 +185,17 @@ def test_a_cluster_sets_the_new_knobs_from_its_environment(monkeypatch):
     monkeypatch.setenv("ROSESERVE_SPECULATIVE_TOKENS", "3")
     monkeypatch.setenv("ROSESERVE_REASONING_PARSER", "qwen3")
     monkeypatch.setenv("ROSESERVE_CHAT_TEMPLATE", "/models/t.jinja")
+    monkeypatch.setenv("ROSESERVE_TENSOR_PARALLEL_SIZE", "2")
     assert engine_parser().parse_args([]).speculative_tokens == 3
+    assert engine_parser().parse_args([]).tensor_parallel_size == 2
     front = frontend_parser().parse_args([])
     assert (front.reasoning_parser, front.chat_template) == ("qwen3", "/models/t.jinja")
     assert pool_parser().parse_args([]).chat_template == "/models/t.jinja"
-    for name in ("ROSESERVE_SPECULATIVE_TOKENS", "ROSESERVE_REASONING_PARSER"):
+    for name in ("ROSESERVE_SPECULATIVE_TOKENS", "ROSESERVE_REASONING_PARSER",
+                 "ROSESERVE_TENSOR_PARALLEL_SIZE"):
         monkeypatch.setenv(name, "")  # compose's ${VAR:-}: unset
     assert engine_parser().parse_args([]).speculative_tokens == 0
+    assert engine_parser().parse_args([]).tensor_parallel_size == 1
     assert frontend_parser().parse_args([]).reasoning_parser is None
 
 

@@ -80,16 +80,24 @@ def test_each_ranks_shard_is_the_whole_models_cut_where_the_scheme_says(
     assert q_rows == 2 * layers["layers.0.self_attn.qkv_proj"].output_sizes[0]
 
 
-def test_heads_are_split_or_shared_and_uneven_splits_are_refused():
+def test_heads_are_split_or_shared_and_impossible_splits_are_refused():
     assert Parallel(1, 2).heads(8, 4) == (slice(4, 8), slice(2, 4))
+    # SmolLM2-135M's: whole KV heads with their query heads, as evenly as they go
+    assert [Parallel(r, 2).heads(9, 3) for r in range(2)] == [
+        (slice(0, 3), slice(0, 1)), (slice(3, 9), slice(1, 3))]
     # fewer KV heads than ranks: each rank holds the one its query heads read
-    assert [Parallel(r, 4).heads(8, 2)[1] for r in range(4)] == [
-        slice(0, 1), slice(0, 1), slice(1, 2), slice(1, 2)]
-    with pytest.raises(ValueError, match=r"the attention heads \(6\) do not split evenly "
-                                         r"over 4 tensor-parallel ranks"):
-        Parallel(0, 4).heads(6, 2)
-    with pytest.raises(ValueError, match="3 KV heads cannot be shared evenly by 4"):
-        Parallel(0, 4).heads(12, 3)
+    assert [Parallel(r, 4).heads(8, 2) for r in range(4)] == [
+        (slice(0, 2), slice(0, 1)), (slice(2, 4), slice(0, 1)),
+        (slice(4, 6), slice(1, 2)), (slice(6, 8), slice(1, 2))]
+    for heads in ((6, 2), (12, 3)):
+        with pytest.raises(ValueError, match=f"{heads[0]} query heads reading {heads[1]} KV "
+                                             f"heads do not split over 4"):
+            Parallel(0, 4).heads(*heads)
+    # the MLP's features: in runs of whole 32-value blocks where they can be
+    assert [Parallel(r, 2).split(1536 + 32, "f", unit=32) for r in range(2)] == [
+        slice(0, 768), slice(768, 1568)]
+    with pytest.raises(ValueError, match=r"the KV heads \(1\) are too few for 2"):
+        Parallel(0, 2).split(1, "the KV heads")
     # the vocabulary: ceil(V / W) rows a rank, the last rank's fewer
     assert [Parallel(r, 2).vocab(50257) for r in range(2)] == [slice(0, 25129),
                                                                slice(25129, 50257)]
@@ -106,8 +114,8 @@ def test_models_that_do_not_split_are_refused(tiny_olmo2_dir, tiny_gpt2_dir):
 
 # -- engines on two ranks -------------------------------------------------------------
 
-PROMPTS = random_prompts([5, 17, 9, 30], seed=21)
-SHARED = random_prompts([12], seed=22)[0]
+PROMPTS = random_prompts([5, 17, 9, 30], seed=21, vocab=49152)   # (every model's ids)
+SHARED = random_prompts([12], seed=22, vocab=49152)[0]
 PROMPTS += [SHARED + [7, 8], SHARED + [9, 10, 11]]   # (prefix-cache hits)
 
 
@@ -150,12 +158,14 @@ def on_ranks(model_dir, size: int, cpu_kernels: bool) -> list:
     return [got[r] for r in range(size)]
 
 
-@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen3_moe_dir"])
-@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["kernels", "torch"])
+@pytest.mark.parametrize("model, cpu_kernels", [
+    ("tiny_llama_dir", True), ("tiny_llama_dir", False), ("tiny_qwen3_moe_dir", True),
+    ("tiny_qwen3_moe_dir", False), ("default_model_dir", True)])
 def test_two_ranks_generate_the_tokens_one_engine_does(model, cpu_kernels, request):
     """Greedy, float32: chunked prompts, mixed steps and prefix hits, on Llama (grouped
-    KV heads, a vocabulary of odd size split unevenly) and a mixture of experts (each
-    expert split, the router whole), on the C kernels' packed weights and torch's."""
+    KV heads, a vocabulary of odd size split unevenly), a mixture of experts (each
+    expert split, the router whole) and the default model (its 3 KV heads split 1 and
+    2, with 3 and 6 query heads), on the C kernels' packed weights and torch's."""
     model_dir = request.getfixturevalue(model)
     expected = LLMEngine(engine_config(model_dir, 1, cpu_kernels)).generate(PROMPTS, greedy(8))
     assert on_ranks(model_dir, 2, cpu_kernels) == [expected, expected]

@@ -38,7 +38,7 @@ class MLP(nn.Module):
         intermediate = intermediate or cfg.intermediate_size
         bias = cfg.mlp_bias or (expert and cfg.expert_bias)
         self.parallel = p = backends.parallel
-        features = p.even(intermediate, "the MLP's intermediate features")
+        features = p.split(intermediate, "the MLP's intermediate features", unit=32)
         self.gate_up_proj = backends.linear(cfg.hidden_size, (intermediate, intermediate),
                                             bias, role, p.column(features, features))
         self.down_proj = backends.linear(intermediate, cfg.hidden_size, bias, role,

@@ -20,6 +20,7 @@ Norms, RoPE, the router and everything outside the layers are every rank's whole
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
@@ -68,24 +69,38 @@ class Parallel:
     # the ranks' torch.distributed process group (None: the default group)
     group: Any = None
 
-    def even(self, n: int, what: str) -> slice:
-        """The rank's run of ``n`` things split evenly (ValueError where they do not)."""
-        if n % self.size:
-            raise ValueError(f"{what} ({n}) do not split evenly over {self.size} tensor-"
-                             f"parallel ranks")
-        k = n // self.size
-        return slice(self.rank * k, (self.rank + 1) * k)
+    def split(self, n: int, what: str, unit: int = 1) -> slice:
+        """The rank's run of ``n`` things, shared as evenly as runs of ``unit`` allow
+        (a packed weight format's blocks of 32 inputs: a run of whole blocks is packed
+        as the whole layer's are), the later ranks' the larger (rank 0 schedules and
+        samples besides). ValueError where a rank would get none."""
+        if n % unit or n // unit < self.size:
+            unit = 1
+        units = n // unit
+        if units < self.size:
+            raise ValueError(f"{what} ({n}) are too few for {self.size} tensor-parallel "
+                             f"ranks")
+        return slice(self.rank * units // self.size * unit,
+                     (self.rank + 1) * units // self.size * unit)
 
     def heads(self, num_heads: int, num_kv_heads: int) -> tuple[slice, slice]:
-        """The query heads and the KV heads this rank holds (the module docstring)."""
-        q = self.even(num_heads, "the attention heads")
+        """The query heads and the KV heads this rank holds (the module docstring):
+        whole KV heads, as evenly as they go, with the query heads that read them
+        (SmolLM2-135M's 3 and 9 over 2 ranks: 1 and 3, and 2 and 6); where there are
+        fewer KV heads than ranks, the query heads of each split evenly among the ranks
+        that share it."""
+        group = num_heads // num_kv_heads
         if num_kv_heads >= self.size:
-            return q, self.even(num_kv_heads, "the KV heads")
-        if self.size % num_kv_heads:
-            raise ValueError(f"{num_kv_heads} KV heads cannot be shared evenly by "
-                             f"{self.size} tensor-parallel ranks")
-        head = self.rank // (self.size // num_kv_heads)
-        return q, slice(head, head + 1)
+            kv = self.split(num_kv_heads, "the KV heads")
+            return slice(kv.start * group, kv.stop * group), kv
+        share = self.size // num_kv_heads
+        if self.size % num_kv_heads or group % share:
+            raise ValueError(f"{num_heads} query heads reading {num_kv_heads} KV heads do "
+                             f"not split over {self.size} tensor-parallel ranks (the ranks "
+                             f"that share a KV head split its query heads evenly)")
+        head, part = divmod(self.rank, share)
+        first = head * group + part * (group // share)
+        return slice(first, first + group // share), slice(head, head + 1)
 
     def vocab(self, vocab_size: int) -> slice:
         """The rank's rows of the vocabulary: ceil(V / W) each, the last rank's fewer."""
@@ -113,6 +128,32 @@ class Parallel:
         if self.size > 1:
             dist.all_reduce(x, group=self.group)
         return x
+
+    def agree(self, settings: str) -> None:
+        """Every rank was started with the same ``settings`` (ValueError naming the
+        ranks that were not: their steps would not line up)."""
+        if self.size == 1:
+            return
+        mine = self._on_backend(torch.tensor([zlib.crc32(settings.encode())]))
+        every = [torch.zeros_like(mine) for _ in range(self.size)]
+        dist.all_gather(every, mine, group=self.group)
+        other = [r for r, t in enumerate(every) if t.item() != every[0].item()]
+        if other:
+            raise ValueError(f"tensor-parallel rank(s) {other} were started with settings "
+                             f"other than rank 0's: every rank needs the same model and "
+                             f"engine flags")
+
+    def least(self, counts: Sequence[int]) -> tuple[int, ...]:
+        """Each of ``counts``' least over the ranks (what every rank has room for)."""
+        if self.size == 1:
+            return tuple(counts)
+        t = self._on_backend(torch.tensor(counts, dtype=torch.int64))
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return tuple(t.tolist())
+
+    def _on_backend(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` where the group's backend moves tensors (NCCL: the rank's GPU)."""
+        return t.cuda() if dist.get_backend(self.group) == "nccl" else t
 
     def gather_vocab(self, x: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """(S, the rank's rows of the vocabulary) on each rank -> (S, V): the logits'
