@@ -9,7 +9,9 @@
     python benchmarks/engine.py --device cuda --load-format dummy --model-config llama-3-8b
 
 With --device cuda, benchmarks/engine_gpu.py runs instead (its own flags and report:
-concurrency 1/64/256, HF generate in bf16, the GPU roofline, TTFT).
+concurrency 1/64/256, HF generate in bf16, the GPU roofline, TTFT); with
+--tensor-parallel-size N, benchmarks/engine_tp.py (an engine split over N ranks against
+one that is not, at batch 1, 8 and 64).
 
 Runs the engine on a workload of random token-id prompts (all forced to their full
 output length), then Hugging Face ``generate`` on the same weights and prompts at
@@ -221,11 +223,18 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     device = argparse.ArgumentParser(add_help=False)
     device.add_argument("--device", default="cpu")
-    if device.parse_known_args(argv)[0].device.startswith("cuda"):
+    device.add_argument("--tensor-parallel-size", type=int, default=1)
+    known = device.parse_known_args(argv)[0]
+    if known.device.startswith("cuda"):
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         import engine_gpu
 
         return engine_gpu.main(argv)
+    if known.tensor_parallel_size > 1:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import engine_tp
+
+        return engine_tp.main(argv)
     args = parse_args(argv)
     if args.zmq and args.kernel_isa != "native":
         raise SystemExit("--zmq runs the engine process with its native kernels: "

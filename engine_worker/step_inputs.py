@@ -37,7 +37,7 @@ import torch
 
 from engine_worker.attention import AttentionMetadata
 from engine_worker.block_manager import NULL_BLOCK
-from engine_worker.models.layers.parallel import NOT_SPLIT, Parallel
+from engine_worker.models.layers.parallel import NOT_SPLIT, CollectiveClock, Parallel
 from engine_worker.scheduler import ScheduledRequest
 
 
@@ -282,9 +282,8 @@ class StepInputs:
     def _send(self, header: list[int]) -> None:
         group = self.parallel.group
         self._header.copy_(torch.tensor(header, dtype=torch.int64))
-        torch.distributed.broadcast(self._header, 0, group=group)
-        for t in self._buffers(header[0], header[1]):
-            torch.distributed.broadcast(t, 0, group=group)
+        for t in [self._header, *self._buffers(header[0], header[1])]:
+            CollectiveClock.timed("broadcast", torch.distributed.broadcast, t, 0, group=group)
 
     def stop(self) -> None:
         """Rank 0: tell the ranks that follow its steps that there are no more."""

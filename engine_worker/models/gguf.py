@@ -66,6 +66,7 @@ from engine_worker.cpu.kernels import GGUF_FORMATS, CpuKernels
 from engine_worker.models.gguf_types import (DENSE_FORMATS, PANEL, Q8_0, as_q8_0, in_chunks,
                                              restored_types, served)
 from engine_worker.models.layers.linear import Linear, WeightFormats
+from engine_worker.models.layers.parallel import Shard
 from engine_worker.models.names import TensorNames
 
 if TYPE_CHECKING:
@@ -179,12 +180,14 @@ class GgufWeights:
 
     def pack(self, names: list[str], in_features: int,
              orders: Optional[list[Optional[np.ndarray]]] = None,
-             expert: Optional[int] = None) -> Packed:
+             expert: Optional[int] = None, shard: Optional[Shard] = None,
+             sizes: tuple[int, ...] = ()) -> Packed:
         """The tensors ``names``, rows stacked in that order (q, k, v; gate, up), as
         one packed weight in the format their type packs as. ``orders``: per tensor, the
         order to take its rows in, or None (as they are). ``expert``: of tensors
         holding every expert of a mixture (ffn_gate_exps...), that expert's rows.
-        Tensors of types that pack as different formats (llama.cpp's mixes give v more
+        ``shard``: a tensor-parallel rank's part (of the layer's parts ``sizes``): its
+        rows, or its columns on the tensors' block boundaries. Tensors of types that pack as different formats (llama.cpp's mixes give v more
         bits than q and k), or as one format but not in whole panels each, are all made
         Q8_0 (int8): as_q8_0."""
         from gguf import quants
@@ -199,6 +202,8 @@ class GgufWeights:
                                                                 t.data.shape[1])[expert]
             parts.append(data if order is None else data[order])
             types.append(t.ggml_type)
+        if shard is not None:
+            parts, types, in_features = self._shard(parts, types, in_features, shard, sizes)
         packs_as = [self.restored.get(g, (g,))[0] for g in types]
         formats = {GGUF_FORMATS.get(g) or DENSE_FORMATS[g] for g in packs_as}
         dense = formats & set(DENSE_FORMATS.values())
@@ -234,6 +239,33 @@ class GgufWeights:
                                                        len(rows), in_features)[0]
                                 for rows, g in zip(parts, packs_as)])
         return Packed(packed, fmt, out_features, in_features)
+
+    def _shard(self, parts: list, types: list[int], in_features: int, shard: Shard,
+               sizes: tuple[int, ...]) -> tuple[list, list[int], int]:
+        """A rank's part of a layer's tensors (``sizes``: the layer's parts; one tensor
+        may hold them all, as Phi-3's fused q/k/v)."""
+        from gguf.constants import GGML_QUANT_SIZES
+
+        if shard.rows is not None:
+            if len(parts) == 1 and len(sizes) > 1:
+                bounds = np.cumsum(sizes)[:-1]
+                parts, types = np.split(parts[0], bounds), types * len(sizes)
+            parts = [rows[s] for rows, s in zip(parts, shard.rows)]
+        if shard.cols is not None:
+            cols = shard.cols
+            out = []
+            for rows, g in zip(parts, types):
+                block = GGML_QUANT_SIZES[g][0]
+                if cols.start % block or cols.stop % block:
+                    raise ModelLoadError(
+                        f"{self.path.name}: a {ggml_type_name(g)} tensor's blocks of {block} "
+                        f"inputs do not split at input {cols.start}-{cols.stop} for this "
+                        f"tensor-parallel rank; serve it over fewer ranks")
+                per_block = rows.shape[1] // (in_features // block)   # (bytes, or values)
+                out.append(rows[:, cols.start // block * per_block:
+                                cols.stop // block * per_block])
+            parts, in_features = out, cols.stop - cols.start
+        return parts, types, in_features
 
     def finish(self) -> None:
         left = sorted(set(self.tensors) - self.taken)
@@ -283,8 +315,10 @@ def load_gguf(model: nn.Module, path: Path, arch: Architecture, formats: WeightF
             _load_linear(module, w, parts, orders, expert[0] if expert else None,
                          formats.packing)
             return
+        shards = getattr(module, "shards", {})   # (split over ranks: models/loader.py)
         for name, param in module.named_parameters(recurse=False):
-            param.copy_(w.dense(names(f"{path}.{name}")[0][0], tuple(param.shape)))
+            shape, rows = shards.get(name, (tuple(param.shape), slice(None)))
+            param.copy_(w.dense(names(f"{path}.{name}")[0][0], shape)[rows])
         for name, child in module.named_children():
             load(f"{path}.{name}", child)
 
@@ -309,14 +343,15 @@ def load_gguf(model: nn.Module, path: Path, arch: Architecture, formats: WeightF
 
 def _load_linear(linear: Linear, w: GgufWeights, parts: tuple[str, ...],
                  orders: Optional[list], expert: Optional[int], packing) -> None:
-    packed = w.pack([f"{p}.weight" for p in parts], linear.in_features, orders, expert)
+    packed = w.pack([f"{p}.weight" for p in parts], linear.full_in, orders, expert,
+                    linear.shard, linear.full_sizes)
     if packed.out_features != linear.out_features:
         raise ModelLoadError(f"{w.path.name}: {', '.join(parts)} have {packed.out_features} "
                              f"rows, expected {linear.out_features}")
     linear.load_packed(packed.packed, packing.method(packed.fmt))
     if linear.bias is None:
         return
-    sizes = (linear.out_features,) if len(parts) == 1 else linear.output_sizes
-    linear.bias.copy_(torch.cat([w.rows(f"{p}.bias", rows, expert)
-                                 for p, rows in zip(parts, sizes)]))
+    sizes = (sum(linear.full_sizes),) if len(parts) == 1 else linear.full_sizes
+    linear.load_bias(torch.cat([w.rows(f"{p}.bias", rows, expert)
+                                for p, rows in zip(parts, sizes)]))
 

@@ -40,7 +40,7 @@ def load_model(cfg: ModelConfig, model_dir: Path, backends: Backends, device: to
     stands for a GGUF file (load_format "dummy": random ones, made on the device)."""
     arch = registry.architecture(cfg.architecture)
     if backends.parallel.size > 1:
-        _check_splits(arch, gguf_path)
+        _check_splits(arch)
     # Built on the meta device, then given uninitialized memory: random init of
     # weights that are overwritten next would be wasted work.
     with torch.device("meta"):
@@ -61,11 +61,8 @@ def load_model(cfg: ModelConfig, model_dir: Path, backends: Backends, device: to
     return model.eval()
 
 
-def _check_splits(arch: Architecture, gguf_path: Optional[Path]) -> None:
+def _check_splits(arch: Architecture) -> None:
     """Whether this model can be split over tensor-parallel ranks (ModelLoadError)."""
-    if gguf_path is not None:
-        raise ModelLoadError(f"{gguf_path.name}: a GGUF file is not split over tensor-"
-                             f"parallel ranks yet; serve its safetensors checkpoint")
     if not getattr(arch.model, "splits", False) or arch.loaders:
         raise ModelLoadError(f"{arch.name} is not split over tensor-parallel ranks yet")
 

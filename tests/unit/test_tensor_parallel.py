@@ -20,6 +20,8 @@ from engine_worker.engine import LLMEngine
 from engine_worker.models.layers.embedding import VocabShard
 from engine_worker.models.layers.linear import Linear
 from engine_worker.models.layers.parallel import NOT_SPLIT, Parallel
+from common.model_files import resolve_model_dir
+from engine_worker.models.gguf import gguf_file
 from engine_worker.models.loader import load_model
 from engine_worker.models.registry import load_model_config
 from engine_worker.platform import make_platform
@@ -30,23 +32,35 @@ FORMATS = [("torch", None), ("float32", None), ("bfloat16", None), ("int8", "int
            ("q4", "q4")]
 
 
-def load(model_dir, parallel: Parallel, fmt: str, quantization) -> tuple[nn.Module, object]:
-    """The model as a rank's runner builds it, and its platform's kernels."""
-    config = EngineConfig(model=str(model_dir), device="cpu", cpu_kernels=fmt != "torch",
+def load(model, parallel: Parallel, fmt: str, quantization) -> tuple[nn.Module, object]:
+    """The model (a folder, or a GGUF file) as a rank's runner builds it, and its
+    platform's kernels."""
+    config = EngineConfig(model=str(model), device="cpu", cpu_kernels=fmt != "torch",
                           dtype="bfloat16" if fmt == "bfloat16" else "auto",
                           quantization=quantization)
     platform = make_platform(config)
+    model_dir = resolve_model_dir(str(model))
+    gguf = gguf_file(model_dir)
     cfg = load_model_config(model_dir)
-    formats, dtype, _ = platform.formats(config, cfg, None)
+    formats, dtype, _ = platform.formats(config, cfg, gguf)
     attn, ops = platform.attention(parallel.local(cfg), None, 4, 4)
     backends = dataclasses.replace(platform.backends(attn, ops, formats), parallel=parallel)
-    return load_model(cfg, model_dir, backends, torch.device("cpu"), dtype), platform.kernels
+    return (load_model(cfg, model_dir, backends, torch.device("cpu"), dtype, gguf),
+            platform.kernels)
 
 
 def dense(layer: Linear, kernels) -> torch.Tensor:
     if layer.weight is not None:
         return layer.weight.float()
     return kernels.unpack(layer.packed, layer.out_features, layer.in_features, layer.fmt)
+
+
+@pytest.fixture(scope="module", params=["F32", "Q8_0", "Q4_0"])
+def tiny_llama_gguf(request, tiny_llama_dir, tmp_path_factory):
+    from gguf_files import gguf_from_hf
+
+    path = tmp_path_factory.mktemp("gguf") / f"tiny-llama.{request.param}.gguf"
+    return gguf_from_hf(tiny_llama_dir, path, "llama", request.param)
 
 
 @pytest.mark.parametrize("fmt, quantization", FORMATS, ids=[f for f, _ in FORMATS])
@@ -56,11 +70,21 @@ def test_each_ranks_shard_is_the_whole_models_cut_where_the_scheme_says(
     its shard, exactly (a packed format's blocks run along the input, and the
     row-parallel layers are cut on block boundaries); biases too, and the rows of the
     vocabulary. The query heads' rows of the two ranks are the whole's, each once."""
-    whole, kernels = load(tiny_llama_dir, NOT_SPLIT, fmt, quantization)
+    check_shards(tiny_llama_dir, fmt, quantization)
+
+
+def test_a_gguf_files_blocks_are_cut_as_they_are(tiny_llama_gguf):
+    """A GGUF file's tensors, cut by rows or on their blocks before they are packed:
+    each rank's layers are the whole file's, cut (F32, Q8_0, Q4_0)."""
+    check_shards(tiny_llama_gguf, "float32", None)
+
+
+def check_shards(model, fmt: str, quantization) -> None:
+    whole, kernels = load(model, NOT_SPLIT, fmt, quantization)
     layers = {n: m for n, m in whole.named_modules() if isinstance(m, Linear)}
     q_rows = 0
     for rank in range(2):
-        part, _ = load(tiny_llama_dir, Parallel(rank, 2), fmt, quantization)
+        part, _ = load(model, Parallel(rank, 2), fmt, quantization)
         for name, layer in part.named_modules():
             if not isinstance(layer, Linear):
                 continue
@@ -169,3 +193,8 @@ def test_two_ranks_generate_the_tokens_one_engine_does(model, cpu_kernels, reque
     model_dir = request.getfixturevalue(model)
     expected = LLMEngine(engine_config(model_dir, 1, cpu_kernels)).generate(PROMPTS, greedy(8))
     assert on_ranks(model_dir, 2, cpu_kernels) == [expected, expected]
+
+
+def test_two_ranks_serve_a_gguf_file_as_one_engine_does(tiny_llama_gguf):
+    expected = LLMEngine(engine_config(tiny_llama_gguf, 1, True)).generate(PROMPTS, greedy(8))
+    assert on_ranks(tiny_llama_gguf, 2, True) == [expected, expected]

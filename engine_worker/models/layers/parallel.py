@@ -20,7 +20,9 @@ Norms, RoPE, the router and everything outside the layers are every rank's whole
 from __future__ import annotations
 
 import dataclasses
+import time
 import zlib
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
@@ -29,6 +31,25 @@ import torch.distributed as dist
 
 if TYPE_CHECKING:
     from engine_worker.models.config import ModelConfig
+
+
+# Seconds spent in the ranks' collectives, by kind ("all_reduce", "gather", and the
+# step's "broadcast" from rank 0: step_inputs.py), while ``on`` (benchmarks time them).
+class CollectiveClock:
+    on = False
+    seconds: Counter = Counter()
+    # (and how many were called from Python: a CUDA graph's replays call none)
+    calls: Counter = Counter()
+
+    @classmethod
+    def timed(cls, kind: str, collective, *args, **kw) -> None:
+        if not cls.on:
+            collective(*args, **kw)
+            return
+        start = time.perf_counter()
+        collective(*args, **kw)
+        cls.seconds[kind] += time.perf_counter() - start
+        cls.calls[kind] += 1
 
 
 @dataclass(frozen=True)
@@ -68,6 +89,9 @@ class Parallel:
     size: int = 1
     # the ranks' torch.distributed process group (None: the default group)
     group: Any = None
+    # Whether the collectives run: in a group (of one too: an engine in a group of
+    # its own runs the code a split one does, CUDA graphs capturing its collectives)
+    joined: bool = False
 
     def split(self, n: int, what: str, unit: int = 1) -> slice:
         """The rank's run of ``n`` things, shared as evenly as runs of ``unit`` allow
@@ -125,8 +149,8 @@ class Parallel:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's ``x``, in place."""
-        if self.size > 1:
-            dist.all_reduce(x, group=self.group)
+        if self.joined:
+            CollectiveClock.timed("all_reduce", dist.all_reduce, x, group=self.group)
         return x
 
     def agree(self, settings: str) -> None:
@@ -158,13 +182,14 @@ class Parallel:
     def gather_vocab(self, x: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """(S, the rank's rows of the vocabulary) on each rank -> (S, V): the logits'
         columns of every rank side by side."""
-        if self.size == 1:
+        if not self.joined:
             return x
         per = -(-vocab_size // self.size)
         if x.shape[-1] < per:   # (the last rank's fewer rows, padded for the gather)
             x = torch.nn.functional.pad(x, (0, per - x.shape[-1]))
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        CollectiveClock.timed("gather", dist.all_gather, parts, x.contiguous(),
+                              group=self.group)
         return torch.cat(parts, dim=-1)[..., :vocab_size]
 
 
@@ -173,10 +198,12 @@ NOT_SPLIT = Parallel()
 
 def join(size: int) -> Parallel:
     """This process's place among ``size`` tensor-parallel ranks: torch.distributed's
-    default group, set up by the caller (every rank a process of its own)."""
-    if size == 1:
+    default group, set up by the caller (every rank a process of its own). Size 1:
+    not split; in a group of one, where the caller set one up, it runs the
+    collectives (gpu-check captures them in CUDA graphs that way)."""
+    if size == 1 and not (dist.is_initialized() and dist.get_world_size() == 1):
         return NOT_SPLIT
     if not dist.is_initialized() or dist.get_world_size() != size:
         raise ValueError(f"tensor_parallel_size {size} needs torch.distributed's default "
                          f"group of {size} processes set up first")
-    return Parallel(dist.get_rank(), size)
+    return Parallel(dist.get_rank(), size, joined=True)
