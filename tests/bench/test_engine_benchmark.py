@@ -369,3 +369,18 @@ def test_gpu_report_gathers_what_the_steps_wrote(tmp_path):
     assert set(report["runs"]) == {"llama-3-8b", "llama-3-8b-fp8", "llama-3-70b-fp8",
                                    "trtllm-8b-1000-1000", "parity_fp8"}
     assert gather(tmp_path, passed=True, tests_passed=False)["tests"]["passed"] is False
+
+
+def test_tensor_parallel_benchmark_smoke(tiny_llama_dir, tmp_path):
+    """benchmarks/engine.py --tensor-parallel-size 2 (engine_tp.py): the split engine's
+    tokens are the whole one's, and every figure is in its report."""
+    out = tmp_path / "tp.json"
+    proc = engine_benchmark("--tensor-parallel-size", "2", "--model", str(tiny_llama_dir),
+                            "--batches", "1,3", "--output-len", "4", "--repeats", "1",
+                            "--json", str(out))
+    assert "tokens identical" in proc.stdout and "DIFFER" not in proc.stdout
+    result = json.loads(out.read_text())
+    assert [r["batch"] for r in result["results"]] == [1, 3]
+    for r in result["results"]:
+        assert r["identical"] and r["ratio"] > 0
+        assert r["collective_share"]["all_reduce"] > 0
