@@ -212,6 +212,12 @@ class EngineConfig:
     # parallel.py), each in a process of torch.distributed's default group, which
     # must be set up before the engine is made; 1: not split.
     tensor_parallel_size: int = 1
+    # LoRA adapters (engine_worker/lora.py): (name, PEFT folder) loaded at start; at
+    # most max_loras loaded at once (more can be loaded as others are unloaded), of
+    # ranks up to max_lora_rank.
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 4
+    max_lora_rank: int = 64
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
@@ -239,6 +245,12 @@ class EngineConfig:
         if self.speculative_tokens and self.device.startswith("cuda"):
             raise ValueError("speculative tokens run on the CPU engine; a GPU's decode "
                              "steps are CUDA graphs of one token a request")
+        if not 0 <= self.max_loras <= 256 or not 1 <= self.max_lora_rank <= 512:
+            raise ValueError(f"max_loras must be in 0..256 and max_lora_rank in 1..512, got "
+                             f"{self.max_loras} and {self.max_lora_rank}")
+        if len(self.lora_modules) > self.max_loras:
+            raise ValueError(f"{len(self.lora_modules)} LoRA modules given, more than "
+                             f"max_loras {self.max_loras}")
         if not 1 <= self.tensor_parallel_size <= 64:
             raise ValueError(f"tensor_parallel_size must be in 1..64, got "
                              f"{self.tensor_parallel_size}")

@@ -26,11 +26,16 @@ def chain_hash(parent: Optional[bytes], token_ids: Sequence[int]) -> bytes:
     return h.digest()
 
 
-def salt_root(cache_salt: Optional[str]) -> Optional[bytes]:
-    """The parent of a salted request's first block (None without a salt)."""
-    if cache_salt is None:
+def salt_root(cache_salt: Optional[str], adapter: Optional[str] = None) -> Optional[bytes]:
+    """The parent of a salted request's first block (None without a salt); a LoRA
+    adapter's key (engine_worker/lora.py) salts it too: KV computed under one adapter
+    is never another's."""
+    if cache_salt is None and adapter is None:
         return None
-    return hashlib.blake2b(b"cache_salt\0" + cache_salt.encode(), digest_size=16).digest()
+    salt = b"cache_salt\0" + (cache_salt or "").encode()
+    if adapter is not None:
+        salt += b"\0adapter\0" + adapter.encode()
+    return hashlib.blake2b(salt, digest_size=16).digest()
 
 
 def prefix_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int,

@@ -90,6 +90,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     # vLLM's: the prefix cache serves this request only blocks computed for requests
     # with the same salt (common/prefix_hash.py); None: the unsalted cache.
     cache_salt: Optional[str] = None
+    # The LoRA adapter the request runs with (engine_worker/lora.py: loaded by this
+    # name), as the OpenAI API's ``model`` names it; None: the base model.
+    adapter: Optional[str] = None
     # OpenAI's predicted output, as token ids: where the engine speculates
     # (--speculative-tokens), its proposals come from here; the output is the same.
     prediction: list[int] = []
@@ -164,6 +167,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
             raise InvalidRequestError(
                 f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} "
                 f"characters, got {len(self.cache_salt)}", "cache_salt")
+        if self.adapter is not None and not 0 < len(self.adapter) <= MAX_CACHE_SALT_CHARS:
+            raise InvalidRequestError("adapter must be a non-empty name", "adapter")
         if len(self.prediction) > MAX_PREDICTION_TOKENS:
             raise InvalidRequestError(
                 f"prediction has {len(self.prediction)} tokens, more than the "

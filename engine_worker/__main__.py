@@ -48,6 +48,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None,
                    help="CPU threads for the model (a tensor-parallel rank's: default, a "
                         "thread for each of its cores)")
+    g.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters to serve (PEFT folders: adapter_config.json and "
+                        "adapter_model.safetensors); a request runs with one by naming it "
+                        "as its model")
+    g.add_argument("--max-loras", type=int, default=4,
+                   help="the most LoRA adapters loaded at once (default 4)")
+    g.add_argument("--max-lora-rank", type=int, default=64,
+                   help="the highest LoRA rank served (default 64)")
     g.add_argument("--tensor-parallel-size", type=int,
                    default=env_default("TENSOR_PARALLEL_SIZE", "1"), metavar="N",
                    help="split the model over N ranks, a process each in one "
@@ -143,6 +151,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
         speculative_tokens=args.speculative_tokens,
         tensor_parallel_size=args.tensor_parallel_size,
+        lora_modules=_lora_modules(args.lora_modules), max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=memory,
                           kv_cache_dtype=args.kv_cache_dtype,
                           gpu_memory_utilization=args.gpu_memory_utilization,
@@ -159,6 +169,19 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduler=SchedulerConfig(max_batch_size=args.max_batch_size,
                                   prefill_max_batch_size=args.prefill_max_batch_size,
                                   max_num_batched_tokens=args.max_num_batched_tokens))
+
+
+def _lora_modules(specs: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    """--lora-modules NAME=PATH ... (ValueError naming a spec without both)."""
+    out = []
+    for spec in specs:
+        name, sep, path = spec.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules takes NAME=PATH, got {spec!r}")
+        out.append((name, path))
+    if len({name for name, _ in out}) < len(out):
+        raise ValueError("--lora-modules names an adapter twice")
+    return tuple(out)
 
 
 def _bytes(gib: Optional[float]) -> Optional[int]:

@@ -22,8 +22,9 @@ from common.structured import GrammarCompiler
 from common.validation import check_token_ids, checked_prompt
 from engine_worker.block_manager import BlockManager
 from engine_worker.kv_paths import KvPaths
+from engine_worker.lora import AdapterError, Adapters
 from engine_worker.model_runner import ModelRunner
-from engine_worker.models.registry import load_model_config
+from engine_worker.models.registry import architecture, load_model_config
 from engine_worker.platform import make_platform
 from engine_worker.request import Request, RequestStatus
 from engine_worker.sampler import PendingSamples, Samples, token_logprobs
@@ -89,6 +90,16 @@ class LLMEngine:
             logger.info("context capped at %d tokens (model: %d, KV pool: %d)",
                         self.max_model_len, self.model_config.max_model_len, pool_tokens)
         self.scheduler = Scheduler(scheduler_config, self.block_manager)
+        # LoRA adapters, applied by the layers they target to their requests' rows
+        self.adapters = Adapters(runner.model, architecture(self.model_config.architecture),
+                                 self.model_config.checkpoint_prefixes, config.max_loras,
+                                 config.max_lora_rank, self.device, runner.dtype)
+        runner.eager.lora = self.adapters.context
+        for name, path in config.lora_modules:
+            try:
+                self.load_adapter(name, path)
+            except AdapterError as e:
+                raise ValueError(f"--lora-modules {name}={path}: {e}") from e
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
         self.requests: dict[str, Request] = {}
         # KV from and to elsewhere: P/D transfers, the tiers below the pool, the KV
@@ -184,8 +195,12 @@ class LLMEngine:
         grammar = None
         if params.structured is not None:
             grammar = self.grammars.matcher(params.structured)  # InvalidRequestError
+        adapter = None
+        if params.adapter is not None:   # (InvalidRequestError: no such adapter)
+            adapter = self.adapters.acquire(params.adapter)
         request = Request(request_id, prompt, params, params.max_tokens or room,
-                          self.eos_token_ids, grammar, output_token_ids)
+                          self.eos_token_ids, grammar, output_token_ids,
+                          adapter.slot if adapter else 0, adapter.key if adapter else None)
         request.kv_lease_s = kv_lease_s
         self.requests[request_id] = request
         if not self.kv.start(request, kv_source, time.monotonic()):
@@ -197,7 +212,7 @@ class LLMEngine:
         for request_id in request_ids:
             # (a finished prefill's lease ends too: the decode engine will not come)
             waiting = self.kv.abort(request_id)
-            request = self.requests.pop(request_id, None)
+            request = self._forget(request_id)
             if request is None:
                 continue
             if waiting:
@@ -207,6 +222,27 @@ class LLMEngine:
             request.finish_reason = FinishReason.ABORT
             aborted.append(request_id)
         return aborted
+
+    def _forget(self, request_id: str) -> Optional[Request]:
+        """A request that ended, no longer the engine's (its adapter let go of)."""
+        request = self.requests.pop(request_id, None)
+        if request is not None and request.lora_slot:
+            self.adapters.release(request.lora_slot)
+        return request
+
+    # -- LoRA adapters (lora.py) -------------------------------------------------
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Load a LoRA adapter (lora.AdapterError, a 400, where it cannot be)."""
+        if self.runner.parallel.size > 1:
+            raise AdapterError("LoRA adapters are not served with the model split over "
+                               "tensor-parallel ranks yet")
+        self.adapters.load(name, path)
+        logger.info("LoRA adapter %s loaded from %s", name, path)
+
+    def unload_adapter(self, name: str) -> bool:
+        """Unload a LoRA adapter once the requests using it end; whether it was loaded."""
+        return self.adapters.unload(name)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -352,7 +388,7 @@ class LLMEngine:
                 request.finish_reason = reason
                 self.kv.finished(request, now)
                 self.scheduler.finish(request)
-                del self.requests[request.request_id]
+                self._forget(request.request_id)
                 break
         return self._output(request, added, None if logprobs is None else [logprobs])
 
@@ -469,7 +505,7 @@ class LLMEngine:
     def _fail(self, request: Request, message: str) -> RequestOutput:
         """End one request with finish reason "error"."""
         self.scheduler.finish(request)
-        self.requests.pop(request.request_id, None)
+        self._forget(request.request_id)
         request.finish_reason = FinishReason.ERROR
         return self._output(request, [], None, error=message)
 

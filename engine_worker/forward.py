@@ -18,6 +18,7 @@ from typing import Callable, Optional, Protocol, Sequence
 import torch
 from torch import nn
 
+from engine_worker.models.layers.lora import LoraContext
 from engine_worker.scheduler import ScheduledRequest
 from engine_worker.step_inputs import StepInputs, step_layout
 
@@ -68,6 +69,8 @@ class EagerForward:
         """kv_caches: each layer's (the runner's list, filled once the cache is sized);
         splits: programs each decode row's context is split over (the platform's)."""
         self.model, self.inputs, self.kv_caches, self.splits = model, inputs, kv_caches, splits
+        # LoRA adapters' rows (models/layers/lora.py): set for each step that has any
+        self.lora: Optional[LoraContext] = None
 
     def __call__(self, scheduled: Sequence[ScheduledRequest], fills: Sequence[Fill],
                  tokens: Optional[torch.Tensor], extra: Sequence[Row]
@@ -78,8 +81,17 @@ class EagerForward:
         batch = self.inputs.prepare(rows.layout, rows.sampled + rows.extra, len(rows.sampled),
                                     num_splits=self.splits(rows.num_decode), fills=rows.fills)
         batch.fill_ids(tokens)
-        return self.logits(self.model(batch.input_ids, batch.positions, self.kv_caches,
-                                      batch.meta), batch)
+        lora = self.lora
+        if lora is None or not any(s.request.lora_slot for s in rows.layout):
+            return self.logits(self.model(batch.input_ids, batch.positions, self.kv_caches,
+                                          batch.meta), batch)
+        lora.set_rows([s.request.lora_slot for s in rows.layout
+                       for _ in range(s.num_tokens)], batch.input_ids.device)
+        try:
+            return self.logits(self.model(batch.input_ids, batch.positions, self.kv_caches,
+                                          batch.meta), batch)
+        finally:
+            lora.clear()
 
     def logits(self, hidden: torch.Tensor, batch) -> Optional[torch.Tensor]:
         """The logits of a step's rows that want them, from its final hidden states."""

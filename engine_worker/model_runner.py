@@ -153,8 +153,10 @@ class ModelRunner:
         fills = self._fills(scheduled, pending)
         extra = self._extra_rows(scheduled)
         calibrating = self.kv_scales is not None and self.kv_scales.calibrating
-        # (the first step sets an fp8 cache's scales, eagerly)
-        step = self.eager if calibrating else self.step
+        # (the first step sets an fp8 cache's scales, eagerly; a step with LoRA
+        # adapters' rows runs eagerly too: models/layers/lora.py)
+        eager = calibrating or any(s.request.lora_slot for s in scheduled)
+        step = self.eager if eager else self.step
         logits = step(scheduled, fills, pending[0] if pending is not None else None, extra)
         if calibrating:
             self.kv_scales.calibrated()

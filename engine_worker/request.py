@@ -30,9 +30,11 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  max_tokens: int, eos_token_ids: frozenset[int],
                  grammar: Optional[GrammarMatcher] = None,
-                 output_token_ids: Sequence[int] = ()) -> None:
+                 output_token_ids: Sequence[int] = (), lora_slot: int = 0,
+                 adapter_key: Optional[str] = None) -> None:
         """``output_token_ids``: tokens generated for it elsewhere (a prefill engine);
-        it continues after them."""
+        it continues after them. ``lora_slot``, ``adapter_key``: its LoRA adapter's
+        slot and key (engine_worker/lora.py)."""
         self.request_id = request_id
         self.params = params
         # Prompt then generated tokens: the sequence whose KV the cache holds.
@@ -89,7 +91,9 @@ class Request:
         self.finish_reason: Optional[FinishReason] = None
         # Tokens whose KV is in the cache (or is written in the current step).
         self.num_computed_tokens = 0
-        self.blocks = BlockTable(root=salt_root(params.cache_salt))
+        self.blocks = BlockTable(root=salt_root(params.cache_salt, adapter_key))
+        # Its LoRA adapter's slot in the layers (0: none; engine_worker/lora.py)
+        self.lora_slot = lora_slot
         # Prompt tokens served by the prefix cache at first admission.
         self.num_cached_tokens: Optional[int] = None
         self.num_preemptions = 0

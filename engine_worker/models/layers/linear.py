@@ -20,8 +20,9 @@ its ``Shard``: it is the shape of its part, and takes its part of each whole ten
 checkpoint gives it (``load``, ``load_bias``); ``full_sizes`` and ``full_in`` are the
 whole layer's, as the checkpoint holds it.
 
-Room for what comes next: per-request adapters add their low-rank update to
-``forward``'s result.
+LoRA adapters (models/layers/lora.py) add each row's low-rank product to ``forward``'s
+result; what the loader did to the outputs (``output_factor``, ``output_rows``) is
+done to theirs too.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine_worker.models.layers.lora import LoraWeights
 from engine_worker.models.layers.parallel import Shard
 
 
@@ -130,6 +132,11 @@ class Linear(nn.Module):
             in_features = len(range(in_features)[shard.cols])
         self.in_features, self.out_features = in_features, sum(self.output_sizes)
         self.method = method
+        # LoRA adapters on it (lora.py), and what the loader did to its outputs since
+        # the checkpoint: a factor folded in, and its first rows' order
+        self.lora: Optional[LoraWeights] = None
+        self.output_factor = 1.0
+        self.output_rows: Optional[torch.Tensor] = None
         # made on the meta device and given memory by the loader; empty until loaded
         self.weight: Optional[nn.Parameter] = nn.Parameter(
             torch.empty(self.out_features, in_features,
@@ -142,7 +149,8 @@ class Linear(nn.Module):
         return self.method.name
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x)
+        y = self.method.apply(self, x)
+        return y if self.lora is None else self.lora.add(x, y)
 
     def load(self, weight: torch.Tensor, scale: Optional[torch.Tensor] = None) -> None:
         """Its weight (out, in) from a checkpoint, in the method's form; ``scale``: an
@@ -178,6 +186,7 @@ class Linear(nn.Module):
         self.method.scale_rows(self, factor)
         if self.bias is not None:
             self.bias *= factor
+        self.output_factor *= factor
 
     def reorder_outputs(self, rows: torch.Tensor) -> None:
         """Its first len(rows) outputs taken in the order of ``rows`` (before
@@ -187,6 +196,8 @@ class Linear(nn.Module):
             if t.element_size() == 1:   # fp8: moved as bytes (not every index op takes it)
                 t = t.view(torch.uint8)
             t[:len(rows)] = t[rows.to(t.device)]
+        before = self.output_rows
+        self.output_rows = rows if before is None else before[rows]
 
     def finish(self) -> None:
         """Called once its weight is loaded (models/loader.py)."""

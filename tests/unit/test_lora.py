@@ -1,0 +1,175 @@
+"""LoRA adapters on the engine (engine_worker/lora.py, models/layers/lora.py): adapters
+made with peft on the tiny Llama, random and non-zero, on every module type; requests
+of four adapters and of none in one batch each give the tokens of Hugging Face's model
+with that adapter merged by peft; the prefix cache never serves one adapter's KV to
+another; bad adapters are refused with a message naming why."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from common.config import CacheConfig, EngineConfig, SchedulerConfig
+from common.errors import InvalidRequestError
+from common.protocol import SamplingParams
+from engine_worker.engine import LLMEngine
+from engine_worker.lora import AdapterError
+from helpers import random_prompts
+from hf_reference import Reference, _greedy, assert_matches, hf_model
+
+MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# (name, rank, alpha, target modules, rsLoRA)
+ADAPTERS = [("every", 8, 16, MODULES, False), ("qv", 4, 8, ["q_proj", "v_proj"], False),
+            ("mlp", 16, 8, ["gate_proj", "up_proj", "down_proj"], False),
+            ("rs", 8, 4, MODULES, True)]
+PROMPTS = random_prompts([7, 19, 12], seed=51)
+
+
+def make_adapter(model_dir, out, seed: int, rank: int, alpha: int, modules, rslora: bool,
+                 **extra):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    base = hf_model(model_dir)
+    model = get_peft_model(base, LoraConfig(
+        r=rank, lora_alpha=alpha, target_modules=modules, use_rslora=rslora,
+        init_lora_weights=False, **extra))
+    with torch.no_grad():   # B made large enough to change the greedy tokens
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(out)
+    model.unload()   # (the cached base model is left as it was)
+    return out
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_llama_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("adapters")
+    return {name: make_adapter(tiny_llama_dir, root / name, i, rank, alpha, modules, rs)
+            for i, (name, rank, alpha, modules, rs) in enumerate(ADAPTERS)}
+
+
+@torch.inference_mode()
+def merged_greedy(model_dir, adapter_dir, prompts, n: int) -> list[Reference]:
+    from peft import PeftModel
+
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    base.generation_config.eos_token_id = None
+    merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload().eval()
+    return _greedy(merged, prompts, n)
+
+
+def engine(model_dir, adapters=(), cpu_kernels=True, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(
+        model=str(model_dir), device="cpu", cpu_kernels=cpu_kernels,
+        lora_modules=tuple((n, str(p)) for n, p in adapters), **kw,
+        cache=CacheConfig(block_size=4, num_blocks=256),
+        scheduler=SchedulerConfig(max_batch_size=32, max_num_batched_tokens=64)))
+
+
+def run(e: LLMEngine, jobs: list[tuple[list[int], SamplingParams]]) -> list[list[int]]:
+    for i, (prompt, params) in enumerate(jobs):
+        e.add_request(f"r{i}", prompt, params)
+    out: dict[str, list[int]] = {f"r{i}": [] for i in range(len(jobs))}
+    while e.has_unfinished_requests():
+        for o in e.step():
+            assert o.error is None, o.error
+            out[o.request_id] += o.new_token_ids
+    return list(out.values())
+
+
+def greedy(n: int, adapter=None, **kw) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, adapter=adapter,
+                          **kw)
+
+
+@pytest.mark.parametrize("cpu_kernels", [True, False], ids=["kernels", "torch"])
+def test_four_adapters_and_the_base_in_one_batch_match_peft_merged(
+        tiny_llama_dir, adapters, cpu_kernels):
+    """Every module type, ranks 4 to 16, alpha scaling and rsLoRA; the rows of each
+    adapter grouped within one step (the C kernels' packed base weights, and torch's)."""
+    refs = {name: merged_greedy(tiny_llama_dir, path, PROMPTS, 8)
+            for name, path in adapters.items()}
+    refs[None] = _greedy(hf_model(tiny_llama_dir), PROMPTS, 8)
+    # each adapter changes the output (a test of adapters that do nothing proves none)
+    assert all(refs[n][0].token_ids != refs[None][0].token_ids for n in adapters)
+    e = engine(tiny_llama_dir, adapters.items(), cpu_kernels)
+    names = [*adapters, None]
+    jobs = [(p, greedy(8, name)) for name in names for p in PROMPTS]
+    got = run(e, jobs)
+    for k, name in enumerate(names):
+        assert_matches(got[k * len(PROMPTS):(k + 1) * len(PROMPTS)], refs[name], str(name))
+    assert e.stats().num_blocks_used == 0
+    assert all(a.users == 0 for a in e.adapters.by_name.values())
+
+
+def test_the_prefix_cache_never_serves_one_adapters_kv_to_another(tiny_llama_dir, adapters):
+    e = engine(tiny_llama_dir, [("every", adapters["every"]), ("qv", adapters["qv"])])
+    prompt = PROMPTS[1]   # 19 tokens: 4 full blocks of 4
+
+    def hits(params) -> int:
+        before = e.scheduler.prefix_cache_hit_tokens
+        tokens = run(e, [(prompt, params)])[0]
+        return e.scheduler.prefix_cache_hit_tokens - before, tokens
+
+    first = hits(greedy(6, "every"))
+    assert first[0] == 0
+    assert hits(greedy(6, "every")) == (16, first[1])       # its own KV, reused
+    assert hits(greedy(6, "qv"))[0] == 0                    # another adapter's: not
+    assert hits(greedy(6))[0] == 0                          # the base model's: not
+    assert hits(greedy(6, "every", cache_salt="s"))[0] == 0  # salted apart too
+
+
+def test_bad_adapters_are_refused_with_the_reason(tiny_llama_dir, tiny_llama_hd8_dir,
+                                                 adapters, tmp_path):
+    e = engine(tiny_llama_dir, max_lora_rank=8, max_loras=2)
+    with pytest.raises(AdapterError, match="is not a LoRA adapter folder"):
+        e.load_adapter("a", str(tmp_path / "missing"))
+    with pytest.raises(AdapterError, match=r"rank 16 \(layers.0.mlp.gate_proj\) is above "
+                                           r"this engine's --max-lora-rank 8"):
+        e.load_adapter("a", str(adapters["mlp"]))
+    other = make_adapter(tiny_llama_hd8_dir, tmp_path / "other", 0, 4, 8, ["q_proj"], False)
+    with pytest.raises(AdapterError, match="is not an adapter of this model: "
+                                           "layers.0.self_attn.q_proj has A"):
+        e.load_adapter("a", str(other))
+    config = json.loads((adapters["qv"] / "adapter_config.json").read_text())
+    dora = tmp_path / "dora"
+    dora.mkdir()
+    (dora / "adapter_model.safetensors").write_bytes(
+        (adapters["qv"] / "adapter_model.safetensors").read_bytes())
+    (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(AdapterError, match="DoRA is not served"):
+        e.load_adapter("a", str(dora))
+    with pytest.raises(AdapterError, match="an adapter's name is 1 to 128 characters"):
+        e.load_adapter("a b", str(adapters["qv"]))
+    e.load_adapter("qv", str(adapters["qv"]))
+    with pytest.raises(AdapterError, match="'qv' is loaded already"):
+        e.load_adapter("qv", str(adapters["qv"]))
+    e.load_adapter("every", str(adapters["every"]))
+    with pytest.raises(AdapterError, match="2 adapters are loaded, the most"):
+        e.load_adapter("rs", str(adapters["rs"]))
+    with pytest.raises(InvalidRequestError, match="the model 'nope' does not exist"):
+        e.add_request("x", PROMPTS[0], greedy(4, "nope"))
+    assert not e.requests
+
+
+def test_an_adapter_unloaded_in_use_finishes_its_requests_first(tiny_llama_dir, adapters):
+    e = engine(tiny_llama_dir, [("every", adapters["every"])], max_loras=1)
+    expected = run(e, [(PROMPTS[0], greedy(8, "every"))])[0]
+    e.block_manager.reset_prefix_cache()
+    e.add_request("busy", PROMPTS[0], greedy(8, "every"))
+    got = [t for o in e.step() for t in o.new_token_ids]
+    assert e.unload_adapter("every")
+    with pytest.raises(InvalidRequestError, match="does not exist"):
+        e.add_request("late", PROMPTS[0], greedy(8, "every"))
+    while e.has_unfinished_requests():
+        got += [t for o in e.step() for t in o.new_token_ids]
+    assert got == expected
+    assert "every" not in e.adapters and e.adapters.free_slots == [1]
+    e.load_adapter("rs", str(adapters["rs"]))   # its slot taken by another
+    assert e.adapters.by_name["rs"].slot == 1
