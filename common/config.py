@@ -254,6 +254,12 @@ class EngineConfig:
         if not 1 <= self.tensor_parallel_size <= 64:
             raise ValueError(f"tensor_parallel_size must be in 1..64, got "
                              f"{self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.async_scheduling:
+            raise ValueError("async scheduling does not run with the model split over "
+                             "tensor-parallel ranks yet")
+        if self.tensor_parallel_size > 1 and self.lora_modules:
+            raise ValueError("LoRA adapters are not served with the model split over "
+                             "tensor-parallel ranks yet")
         if self.speculative_tokens and self.async_scheduling:
             raise ValueError("speculative tokens need the step's tokens before the next "
                              "step is scheduled: not with async scheduling")

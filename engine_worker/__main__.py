@@ -231,6 +231,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                            curve_key=key_for_bind(args.bind, args.curve_key_file,
                                                                   args.insecure_no_curve))
         engine_config = engine_config_from_args(args)
+        if engine_config.tensor_parallel_size > 1 and args.role != "mixed":
+            raise ValueError("a prefill or decode engine moves its KV to others: not with "
+                             "the model split over tensor-parallel ranks yet")
     except ValueError as e:
         parser.error(str(e))
     if not is_loopback(server_config.bind):
@@ -241,15 +244,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # Split over ranks: this process is rank 0, which starts the others, unless a
     # launcher (torchrun) started each (tensor_parallel.py).
     size, ranks = engine_config.tensor_parallel_size, None
-    if size > 1:
-        if rank is None:
-            ranks, rank = tensor_parallel.Ranks(sys.argv[1:] if argv is None else argv,
-                                                size), 0
-        device, threads = tensor_parallel.join(rank, size, engine_config.device,
-                                               engine_config.num_threads)
-        engine_config = dataclasses.replace(engine_config, device=device, num_threads=threads)
     try:
+        if size > 1:
+            if rank is None:
+                ranks, rank = tensor_parallel.Ranks(sys.argv[1:] if argv is None else argv,
+                                                    size), 0
+                ranks.watch()   # (a rank that fails to start ends this one too)
+            device, threads = tensor_parallel.join(rank, size, engine_config.device,
+                                                   engine_config.num_threads)
+            engine_config = dataclasses.replace(engine_config, device=device,
+                                                num_threads=threads)
         return _serve(engine_config, server_config, rank or 0, ranks)
+    except ValueError as e:   # (the ranks' place: a launcher's variables that do not fit)
+        logger.error("cannot start the engine: %s", e)
+        return 2
     finally:
         if ranks is not None:
             ranks.stop()
@@ -259,7 +267,6 @@ def _serve(engine_config: EngineConfig, server_config: EngineServerConfig, rank:
            ranks) -> int:
     from engine_worker import tensor_parallel
     from engine_worker.engine import LLMEngine
-    from engine_worker.server import EngineServer
 
     try:
         engine = LLMEngine(engine_config)
@@ -268,8 +275,22 @@ def _serve(engine_config: EngineConfig, server_config: EngineServerConfig, rank:
         return 2
     if rank > 0:
         return tensor_parallel.follow(engine)
-    if ranks is not None:
-        ranks.watch()
+    code = 1
+    try:
+        code = _serve_rank0(engine, server_config)
+        return code
+    finally:
+        if engine.runner.parallel.size > 1:
+            if ranks is not None:
+                ranks.stopping.set()   # (their exits from here on are expected)
+            if code in (0, 2):   # (drained, or never served: the ranks wait for a step)
+                engine.runner.inputs.stop()   # the ranks that follow leave too
+            # (failed mid-step, the ranks are out of step: they die with this process)
+
+
+def _serve_rank0(engine, server_config: EngineServerConfig) -> int:
+    from engine_worker.server import EngineServer
+
     try:
         engine.grammars  # built now, not inside the first structured request's step
     except InvalidRequestError as e:
@@ -282,11 +303,7 @@ def _serve(engine_config: EngineConfig, server_config: EngineServerConfig, rank:
     faults.install("engine", server)
     logger.info("start-up heap frozen: %d objects left out of garbage collections",
                 freeze_startup_heap())
-    try:
-        return server.serve()
-    finally:
-        if engine.runner.parallel.size > 1:
-            engine.runner.inputs.stop()   # the ranks that follow leave too
+    return server.serve()
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ in-process benchmark drive it directly. Not thread-safe: one caller steps it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -64,6 +65,8 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.model_dir = resolve_model_dir(config.model)
         self.model_config = load_model_config(self.model_dir, config.max_model_len)
+        if config.tensor_parallel_size > 1:   # (a split engine's steps are eager)
+            config = dataclasses.replace(config, enforce_eager=True)
         # the device and its kernels, chosen once (platform.py)
         self.platform = make_platform(config)
         self.device = self.platform.device
@@ -115,9 +118,6 @@ class LLMEngine:
         # (split over ranks: a step's ids are all on the host, for the other ranks)
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
                                  else self.platform.runs_ahead and split.size == 1)
-        if self.async_scheduling and split.size > 1:
-            raise ValueError("async scheduling does not run with the model split over "
-                             "tensor-parallel ranks yet")
         # The step queued ahead whose tokens the host has not read yet (step()), and
         # how many steps were queued while the one before was in flight.
         self._inflight: Optional[_Step] = None
@@ -186,6 +186,10 @@ class LLMEngine:
         prompt = checked_prompt(prompt_token_ids, params, self.vocab_size, self.max_model_len)
         _check_continuation(prompt, output_token_ids, params, self.vocab_size,
                             self.max_model_len, kv_lease_s)
+        if self.runner.parallel.size > 1 and (kv_lease_s or kv_source is not None):
+            raise InvalidRequestError(
+                "this engine's model is split over tensor-parallel ranks, whose KV is not "
+                "moved between engines yet", "kv_source" if kv_source else "kv_lease_s")
         if self.runner.window and kv_lease_s:
             raise InvalidRequestError(
                 "this engine lets go of its sliding-window layers' blocks as the window "
@@ -325,6 +329,10 @@ class LLMEngine:
             self._record_logits()
         except Exception as e:
             raise_if_fatal(e)
+            if self.runner.parallel.size > 1:   # (its ranks may be inside another step)
+                raise FatalDeviceError(f"a step failed on rank 0 of a model split over "
+                                       f"tensor-parallel ranks, which cannot stay in step: "
+                                       f"{type(e).__name__}: {e}") from e
             logger.exception("the forward pass failed for %d request(s); running them one "
                              "by one", len(scheduled))
             if after is not None:  # its tokens first: they fill the placeholders

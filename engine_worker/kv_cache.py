@@ -36,11 +36,12 @@ def kv_cache_dtype(name: str) -> Optional[torch.dtype]:
 class KvCache:
     def __init__(self, cfg: ModelConfig, block_size: int, dtype: torch.dtype,
                  device: torch.device, window_pool: bool, max_seqs: int,
-                 token_budget: int, ranks: int = 1) -> None:
-        """cfg: as this rank sees it (its KV heads); ranks: the tensor-parallel ranks
-        that share a byte budget the config gives (the engine's, in all)."""
+                 token_budget: int, share: float = 1.0) -> None:
+        """cfg: as this rank sees it (its KV heads); share: this rank's part of a byte
+        budget the config gives (the engine's, in all: its tensor-parallel ranks share
+        it by the KV heads each holds)."""
         self.cfg, self.block_size, self.dtype, self.device = cfg, block_size, dtype, device
-        self.ranks = ranks
+        self.share = share
         windows = cfg.windows or (0,)
         self.window = max(windows) if window_pool else 0
         self.windowed = self.window > 0 and 0 in windows
@@ -79,7 +80,7 @@ class KvCache:
     def given_bytes(self, budget: int) -> tuple[int, int]:
         """The blocks of a byte budget the config gives the engine (its ranks share it:
         each holds its heads of every block)."""
-        return self.blocks_in(budget // self.ranks)
+        return self.blocks_in(int(budget * self.share))
 
     def given(self, num_blocks: int) -> tuple[int, int]:
         """--num-blocks: the full layers' pool; the sliding layers' holds what its

@@ -64,7 +64,8 @@ class ModelRunner:
         self.kv_dtype = kv_dtype or platform.auto_kv_dtype(self.weight_format, self.dtype)
         self.kv = KvCache(local, cache.block_size, self.kv_dtype, self.device,
                           cache.window_pool, max_seqs, scheduler.token_budget,
-                          self.parallel.size)
+                          self.parallel.kv_share(model_config.num_heads,
+                                                 model_config.num_kv_heads))
         self.kv_scales = KvScales(self.model, self.device) if self.kv_dtype == FP8 else None
         max_len = min(model_config.max_model_len, config.max_model_len or 1 << 62)
         self.inputs = StepInputs(scheduler.token_budget, max_seqs, -(-max_len // self.block_size),
@@ -129,8 +130,11 @@ class ModelRunner:
         """A tensor-parallel rank other than 0: every step rank 0 prepares, run on this
         rank's shards (its logits are rank 0's to sample), until rank 0 stops."""
         while (batch := self.inputs.receive()) is not None:
+            calibrating = self.kv_scales is not None and self.kv_scales.calibrating
             self.eager.logits(self.model(batch.input_ids, batch.positions, self.kv.layers,
                                          batch.meta), batch)
+            if calibrating:   # (rank 0's first step set its fp8 scales; this one, these)
+                self.kv_scales.calibrated()
 
     @torch.inference_mode()
     def forward(self, scheduled: list[ScheduledRequest],

@@ -7,7 +7,7 @@ The decoder layers call these through an ``ops`` object (``Ops``): ``TorchOps`` 
 
 from __future__ import annotations
 
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -105,11 +105,16 @@ HEADROOM = 2.0
 
 
 def calibrate_kv_scale(scale: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                       amax_over: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
+                       ) -> None:
     """Sets a layer's fp8 cache's (key, value) scales from this step's keys and values
     (on the device, no sync; engine_worker/kv_scales.py) and rewrites them into the
-    cache by the new scales."""
+    cache by the new scales. ``amax_over``: the largest over the tensor-parallel ranks
+    (each holds some heads; the scales are the layer's, as one engine's)."""
     amax = torch.stack((k.abs().amax(), v.abs().amax())).float()
+    if amax_over is not None:
+        amax = amax_over(amax)
     scale.copy_((amax * HEADROOM / FP8_MAX).clamp(min=1e-8))
     written = slot_mapping >= 0   # (a padded row writes nothing)
     write_kv(kv_cache, k[written] / scale[0], v[written] / scale[1], slot_mapping[written])

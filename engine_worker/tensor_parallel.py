@@ -63,9 +63,10 @@ class Ranks:
             port = s.getsockname()[1]
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                           WORLD_SIZE=str(size), RANK="0", LOCAL_RANK="0")
+        parent = os.getpid()
         self.procs = [subprocess.Popen([sys.executable, "-m", "engine_worker", *argv],
                                        env=dict(os.environ, RANK=str(r), LOCAL_RANK=str(r)),
-                                       preexec_fn=_die_with_parent)
+                                       preexec_fn=lambda: _die_with_parent(parent))
                       for r in range(1, size)]
         self.stopping = threading.Event()
 
@@ -99,9 +100,17 @@ class Ranks:
 
 
 def join(rank: int, size: int, device: str, threads: Optional[int]) -> tuple[str, int]:
-    """Join the group as ``rank``; (the device this rank computes on, its threads)."""
+    """Join the group as ``rank``; (the device this rank computes on, its threads).
+    ValueError where a launcher's variables do not fit."""
+    world = int(os.environ.get("WORLD_SIZE", size))
+    if world != size or not 0 <= rank < size:
+        raise ValueError(f"rank {rank} of WORLD_SIZE {world} does not fit "
+                         f"--tensor-parallel-size {size}")
     if device.startswith("cuda"):
         local = int(os.environ.get("LOCAL_RANK", rank))
+        if local >= torch.cuda.device_count():
+            raise ValueError(f"tensor-parallel rank {rank} needs cuda:{local}; this machine "
+                             f"has {torch.cuda.device_count()} GPU(s)")
         torch.cuda.set_device(local)
         backend, device = "nccl", f"cuda:{local}"
     else:
@@ -112,9 +121,11 @@ def join(rank: int, size: int, device: str, threads: Optional[int]) -> tuple[str
 
 
 def _pin(rank: int, size: int, threads: Optional[int]) -> int:
-    """The rank's share of this process's cores (whole sockets where the shares are):
-    pinned to them; its threads."""
-    cores = sorted(os.sched_getaffinity(0))
+    """The rank's share of this process's cores, pinned to them; its threads. The cores
+    are taken socket by socket (a share is whole sockets where the sockets divide
+    among the ranks), each socket's in order of its physical cores, so that a share
+    holds both threads of a core rather than one of each of two."""
+    cores = sorted(os.sched_getaffinity(0), key=_placement)
     if len(cores) < size:
         logger.warning("%d cores for %d tensor-parallel ranks: ranks share cores",
                        len(cores), size)
@@ -126,12 +137,32 @@ def _pin(rank: int, size: int, threads: Optional[int]) -> int:
     return threads or len(share)
 
 
-def _die_with_parent() -> None:
-    """(In a rank rank 0 starts, before it runs.) Killed when rank 0 exits."""
+def _placement(cpu: int) -> tuple[int, int, int]:
+    """(socket, physical core, cpu) of a logical cpu, as sysfs says (else its number)."""
+    topology = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:   # not glibc: the broadcast that fails ends it instead
-        pass
+        with open(topology + "physical_package_id") as f:
+            socket_id = int(f.read())
+        with open(topology + "core_id") as f:
+            core = int(f.read())
+    except (OSError, ValueError):
+        return (0, cpu, cpu)
+    return (socket_id, core, cpu)
+
+
+try:   # (loaded here, not in the child between fork and exec)
+    _LIBC: Optional[ctypes.CDLL] = ctypes.CDLL("libc.so.6", use_errno=True)
+except OSError:   # not glibc
+    _LIBC = None
+
+
+def _die_with_parent(parent: int) -> None:
+    """(In a rank rank 0 starts, between fork and exec.) Killed when rank 0 exits;
+    gone at once if it exited already."""
+    if _LIBC is not None:
+        _LIBC.prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def follow(engine) -> int:

@@ -43,7 +43,11 @@ def test_two_ranks_serve_what_one_engine_does(engine_factory, tiny_llama_dir):
     split = engine_factory("--tensor-parallel-size", "2", name="split")
     assert [served(split.address, PROMPTS, p) for p in (greedy(8), sampled)] == expected
     (rank1,) = ranks_of(split)
-    assert len(rank1.cpu_affinity()) == 1 or len(psutil.Process().cpu_affinity()) < 2
+    rank0 = psutil.Process(split.proc.pid)
+    cores = psutil.Process().cpu_affinity()
+    if len(cores) >= 2:   # each rank on its own half of the cores
+        assert not set(rank0.cpu_affinity()) & set(rank1.cpu_affinity())
+        assert len(rank0.cpu_affinity()) + len(rank1.cpu_affinity()) == len(cores)
     assert "tensor-parallel rank 1 of 2: following rank 0's steps" in split.output()
 
 
@@ -91,3 +95,17 @@ def test_a_dead_rank_takes_the_engine_down_and_it_is_restarted_whole(tmp_path,
                 time.sleep(0.5)
     finally:
         serve.stop()
+
+
+def test_what_a_split_engine_does_not_do_yet_is_refused(tiny_llama_dir):
+    import subprocess
+    import sys
+
+    for flags, message in ((["--role", "decode"], "a prefill or decode engine moves its KV"),
+                           (["--kv-offload-memory", "1"], "the KV offload tiers and the KV "
+                                                           "store hold whole blocks")):
+        proc = subprocess.run([sys.executable, "-m", "engine_worker", "--model",
+                               str(tiny_llama_dir), "--device", "cpu", "--bind",
+                               "ipc:///tmp/rs-tp-refused.sock", "--tensor-parallel-size", "2",
+                               *flags], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]

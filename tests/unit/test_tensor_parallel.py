@@ -143,21 +143,28 @@ SHARED = random_prompts([12], seed=22, vocab=49152)[0]
 PROMPTS += [SHARED + [7, 8], SHARED + [9, 10, 11]]   # (prefix-cache hits)
 
 
-def engine_config(model_dir, size: int, cpu_kernels: bool) -> EngineConfig:
+def engine_config(model_dir, size: int, cpu_kernels: bool, kv: str = "auto") -> EngineConfig:
     # a budget of 16 tokens: chunked prompts, and steps of prompt chunks and decodes
     return EngineConfig(model=str(model_dir), device="cpu", cpu_kernels=cpu_kernels,
                         num_threads=1, tensor_parallel_size=size,
-                        cache=CacheConfig(block_size=4, num_blocks=256),
+                        attention_backend="auto" if cpu_kernels else "torch",
+                        cache=CacheConfig(block_size=4, num_blocks=256, kv_cache_dtype=kv),
                         scheduler=SchedulerConfig(max_batch_size=8, max_num_batched_tokens=16))
 
 
-def rank_main(rank: int, size: int, port: int, model_dir: str, cpu_kernels: bool,
+def rank_main(rank: int, size: int, port: int, model_dir: str, cpu_kernels: bool, kv: str,
               results) -> None:
+    """Rank 0 generates; the others follow its steps, as an engine's ranks do."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=size)
     try:
-        engine = LLMEngine(engine_config(model_dir, size, cpu_kernels))
-        results.put((rank, engine.generate(PROMPTS, greedy(8))))
+        engine = LLMEngine(engine_config(model_dir, size, cpu_kernels, kv))
+        if rank == 0:
+            results.put((rank, engine.generate(PROMPTS, greedy(8))))
+            engine.runner.inputs.stop()
+        else:
+            engine.runner.follow()
+            results.put((rank, "followed"))
     except BaseException as e:
         results.put((rank, repr(e)))
         raise
@@ -165,36 +172,44 @@ def rank_main(rank: int, size: int, port: int, model_dir: str, cpu_kernels: bool
         torch.distributed.destroy_process_group()
 
 
-def on_ranks(model_dir, size: int, cpu_kernels: bool) -> list:
-    """Each rank's generated tokens (a rank that failed: its error, in words)."""
+def on_ranks(model_dir, size: int, cpu_kernels: bool, kv: str = "auto") -> list:
+    """Rank 0's generated tokens and the others' "followed" (a rank that failed: its
+    error, in words)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=rank_main, args=(r, size, port, str(model_dir), cpu_kernels,
-                                                 results)) for r in range(size)]
+                                                 kv, results)) for r in range(size)]
     for p in procs:
         p.start()
-    got = dict(results.get(timeout=300) for _ in procs)
-    for p in procs:
-        p.join(60)
+    try:
+        got = dict(results.get(timeout=300) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
     return [got[r] for r in range(size)]
 
 
-@pytest.mark.parametrize("model, cpu_kernels", [
-    ("tiny_llama_dir", True), ("tiny_llama_dir", False), ("tiny_qwen3_moe_dir", True),
-    ("tiny_qwen3_moe_dir", False), ("default_model_dir", True)])
-def test_two_ranks_generate_the_tokens_one_engine_does(model, cpu_kernels, request):
+@pytest.mark.parametrize("model, cpu_kernels, kv", [
+    ("tiny_llama_dir", True, "auto"), ("tiny_llama_dir", False, "auto"),
+    ("tiny_llama_dir", False, "fp8"), ("tiny_qwen3_moe_dir", True, "auto"),
+    ("tiny_qwen3_moe_dir", False, "auto"), ("default_model_dir", True, "auto")])
+def test_two_ranks_generate_the_tokens_one_engine_does(model, cpu_kernels, kv, request):
     """Greedy, float32: chunked prompts, mixed steps and prefix hits, on Llama (grouped
     KV heads, a vocabulary of odd size split unevenly), a mixture of experts (each
     expert split, the router whole) and the default model (its 3 KV heads split 1 and
-    2, with 3 and 6 query heads), on the C kernels' packed weights and torch's."""
+    2, with 3 and 6 query heads), on the C kernels' packed weights and torch's; an fp8
+    KV cache's scales set by the first step on every rank (torch's path reads fp8)."""
     model_dir = request.getfixturevalue(model)
-    expected = LLMEngine(engine_config(model_dir, 1, cpu_kernels)).generate(PROMPTS, greedy(8))
-    assert on_ranks(model_dir, 2, cpu_kernels) == [expected, expected]
+    expected = LLMEngine(engine_config(model_dir, 1, cpu_kernels, kv)).generate(
+        PROMPTS, greedy(8))
+    assert on_ranks(model_dir, 2, cpu_kernels, kv) == [expected, "followed"]
 
 
 def test_two_ranks_serve_a_gguf_file_as_one_engine_does(tiny_llama_gguf):
     expected = LLMEngine(engine_config(tiny_llama_gguf, 1, True)).generate(PROMPTS, greedy(8))
-    assert on_ranks(tiny_llama_gguf, 2, True) == [expected, expected]
+    assert on_ranks(tiny_llama_gguf, 2, True) == [expected, "followed"]

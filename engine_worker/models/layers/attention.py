@@ -80,7 +80,8 @@ class Attention(nn.Module):
         if scale is None:
             return q, k, v
         if self.kv_calibrating:
-            calibrate_kv_scale(scale, k, v, kv_cache, meta.slot_mapping)
+            calibrate_kv_scale(scale, k, v, kv_cache, meta.slot_mapping,
+                               self.parallel.all_max if self.parallel.joined else None)
         # The cache holds k / k_scale and v / v_scale: q k = (q k_scale) (k / k_scale),
         # and the output, a mean of values, is v_scale times the cached values'.
         return q * scale[0], k, v

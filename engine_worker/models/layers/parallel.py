@@ -131,6 +131,16 @@ class Parallel:
         per = -(-vocab_size // self.size)
         return slice(min(self.rank * per, vocab_size), min((self.rank + 1) * per, vocab_size))
 
+    def kv_share(self, num_heads: int, num_kv_heads: int) -> float:
+        """This rank's part of the KV heads the ranks hold in all (replicated ones
+        counted on each rank that holds one): of an engine's KV byte budget."""
+        if self.size == 1:
+            return 1.0
+        held = [Parallel(r, self.size).heads(num_heads, num_kv_heads)[1]
+                for r in range(self.size)]
+        mine = held[self.rank]
+        return (mine.stop - mine.start) / sum(h.stop - h.start for h in held)
+
     def local(self, cfg: ModelConfig) -> ModelConfig:
         """``cfg`` as this rank's attention and KV cache see it: its heads."""
         if self.size == 1:
@@ -178,6 +188,12 @@ class Parallel:
     def _on_backend(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` where the group's backend moves tensors (NCCL: the rank's GPU)."""
         return t.cuda() if dist.get_backend(self.group) == "nccl" else t
+
+    def all_max(self, x: torch.Tensor) -> torch.Tensor:
+        """The elementwise largest of every rank's ``x``, in place."""
+        CollectiveClock.timed("all_reduce", dist.all_reduce, x, op=dist.ReduceOp.MAX,
+                              group=self.group)
+        return x
 
     def gather_vocab(self, x: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """(S, the rank's rows of the vocabulary) on each rank -> (S, V): the logits'
