@@ -133,6 +133,8 @@ class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
     # holds, by tier ("memory", "disk").
     kv_store_blocks: dict[str, int] = {}
     kv_store_bytes: dict[str, int] = {}
+    # The LoRA adapters it serves, by name (as of the loop's last iteration).
+    adapters: list[str] = []
 
 
 # -- Engine worker <-> its clients (frontends, benchmarks, tests) ------------------
@@ -152,6 +154,7 @@ class MessageType(enum.IntEnum):
     CACHE_SYNC = 5  # CacheSync: send me a snapshot of your prefix cache
     KV_PULL = 6  # KvPull: a decode engine asks a prefill engine (or the KV store) for blocks
     KV_PUT = 7  # KvPut: an engine gives the KV store blocks to keep
+    ADAPTER = 8  # AdapterCommand: load or unload a LoRA adapter; AdapterResult answers
     # engine -> client
     READY = 16  # Ready
     OUTPUTS = 17  # OutputBatch: everything one step produced for this client
@@ -161,13 +164,14 @@ class MessageType(enum.IntEnum):
     CACHE_EVENTS = 21  # CacheEvents: the prefix cache's changes, or a snapshot of it
     KV_BLOCKS = 22  # KvBlocks: the answer to a KvPull
     STORE_PONG = 23  # StorePong: the KV store's answer to a Ping
+    ADAPTER_RESULT = 24  # AdapterResult: the answer to an AdapterCommand
 
 
 # The version of every message in this module. Bump it when a message changes: the
 # two ends of a connection refuse each other when theirs differ (an older peer would
 # silently drop fields a newer one sends). A peer whose messages lack the field is
 # version 0.
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 
 def version_mismatch(peer: str, theirs: int) -> Optional[str]:
@@ -225,6 +229,29 @@ class Ping(msgspec.Struct, frozen=True, kw_only=True):
     nonce: int
 
 
+class AdapterInfo(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    path: str
+    rank: int
+
+
+class AdapterCommand(msgspec.Struct, frozen=True, kw_only=True):
+    """Load the LoRA adapter at ``path`` as ``name``, or (no path) unload ``name``;
+    answered by an AdapterResult with the same nonce."""
+    nonce: int
+    name: str
+    path: Optional[str] = None
+
+
+class AdapterResult(msgspec.Struct, frozen=True, kw_only=True):
+    nonce: int
+    ok: bool
+    # why not (ok False): the adapter's fault, in words (an HTTP 400's)
+    message: str = ""
+    # the adapters the engine serves now
+    adapters: list[AdapterInfo] = []
+
+
 class Ready(msgspec.Struct, frozen=True, kw_only=True):
     engine_id: str
     protocol_version: int = 0
@@ -243,6 +270,8 @@ class Ready(msgspec.Struct, frozen=True, kw_only=True):
     role: str = "mixed"
     # It uses the shared KV store: a prompt's blocks the store holds reach it too.
     kv_store: bool = False
+    # The LoRA adapters it serves (engine_worker/lora.py).
+    adapters: list[AdapterInfo] = []
 
 
 class OutputBatch(msgspec.Struct, frozen=True, kw_only=True):
@@ -465,6 +494,7 @@ CLIENT_MESSAGES: dict[int, type] = {
     MessageType.PING: Ping,
     MessageType.CACHE_SYNC: CacheSync,
     MessageType.KV_PULL: KvPull,
+    MessageType.ADAPTER: AdapterCommand,
 }
 ENGINE_MESSAGES: dict[int, type] = {
     MessageType.READY: Ready,
@@ -474,6 +504,7 @@ ENGINE_MESSAGES: dict[int, type] = {
     MessageType.DEAD: Dead,
     MessageType.CACHE_EVENTS: CacheEvents,
     MessageType.KV_BLOCKS: KvBlocks,
+    MessageType.ADAPTER_RESULT: AdapterResult,
 }
 # An engine (or a health check) -> the KV store (kv_store/), and back.
 STORE_REQUESTS: dict[int, type] = {

@@ -21,7 +21,8 @@ from typing import AsyncIterator, Callable, Optional, Sequence, Union
 
 import msgspec
 
-from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, AbortRequests, AddRequest,
+from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, AbortRequests, AdapterCommand,
+                             AdapterResult, AddRequest,
                              CacheEvents, CacheSync, Codec, OutputBatch, Pong, Ready, RequestError, RequestErrorKind,
                              RequestOutput, SamplingParams)
 from common.service_client import ServiceClient, ServiceDeadError, ServiceRequestError
@@ -139,13 +140,22 @@ class EngineClient(ServiceClient):
     pong_type = Pong
     dead_error = EngineDeadError
 
-    def __init__(self, address: str, store: Optional[StoreView] = None, **kw) -> None:
+    def __init__(self, address: str, store: Optional[StoreView] = None,
+                 wanted_adapters: Optional[dict[str, str]] = None, **kw) -> None:
         """store: the frontend's view of the shared KV store, which this engine's
-        reports of its puts feed."""
+        reports of its puts feed. wanted_adapters: LoRA adapters (name -> folder) the
+        frontend loaded, which an engine that says Ready without them is given."""
         super().__init__(address, Codec(CLIENT_MESSAGES, ENGINE_MESSAGES), **kw)
         self._sinks: dict[str, Sink] = {}
         self.cache = CacheView()
         self.store = store
+        self._adapter_calls: dict[int, asyncio.Future] = {}
+        # The LoRA adapters the engine serves, as it last said (Ready, an
+        # AdapterResult, or a heartbeat's stats)
+        self.adapters: set[str] = set()
+        self.adapter_paths: dict[str, str] = {}
+        self.wanted_adapters = wanted_adapters if wanted_adapters is not None else {}
+        self._restoring: set[str] = set()
 
     def submit(self, request_id: str, prompt_token_ids: Sequence[int],
                params: Optional[SamplingParams], sink: Sink, **disaggregation) -> None:
@@ -193,6 +203,24 @@ class EngineClient(ServiceClient):
     async def abort(self, request_ids: Sequence[str]) -> None:
         self.cancel(request_ids)
 
+    async def adapter(self, name: str, path: Optional[str] = None,
+                      timeout_s: float = 120.0) -> AdapterResult:
+        """Load the LoRA adapter at ``path`` as ``name`` (no path: unload it); the
+        engine's answer. Raises the dead error if it is gone or does not answer."""
+        self.check_alive()
+        nonce = next(self._nonces)
+        future = asyncio.get_running_loop().create_future()
+        self._adapter_calls[nonce] = future
+        try:
+            self._send(AdapterCommand(nonce=nonce, name=name, path=path))
+            return await asyncio.wait_for(future, timeout_s)
+        except asyncio.TimeoutError:
+            raise self.dead_error(f"no answer from the engine at {self.address} to "
+                                  f"{'load' if path else 'unload'} {name!r} within "
+                                  f"{timeout_s:.0f} s") from None
+        finally:
+            self._adapter_calls.pop(nonce, None)
+
     def _dispatch(self, message: msgspec.Struct) -> None:
         if isinstance(message, OutputBatch):
             sinks = self._sinks
@@ -211,6 +239,11 @@ class EngineClient(ServiceClient):
             sink = self._sinks.pop(message.request_id, None)
             if sink is not None:
                 sink(EngineRequestError(message))
+        elif isinstance(message, AdapterResult):
+            self._served(message.adapters)
+            future = self._adapter_calls.get(message.nonce)
+            if future is not None and not future.done():
+                future.set_result(message)
         elif isinstance(message, CacheEvents):
             if self.store is not None and (message.store_put or message.store_lost):
                 self.store.apply(message)
@@ -223,9 +256,38 @@ class EngineClient(ServiceClient):
     def _on_ready(self, ready: Ready) -> None:
         if self.ready is None or ready.engine_id != self.ready.engine_id:
             self.cache.reset()
+        self._served(ready.adapters)
         super()._on_ready(ready)
+        missing = {n: p for n, p in self.wanted_adapters.items()
+                   if n not in self.adapters and n not in self._restoring}
+        if missing:
+            self._restoring.update(missing)
+            asyncio.get_running_loop().create_task(self._restore(missing))
+
+    async def _restore(self, adapters: dict[str, str]) -> None:
+        """Give a (re)started engine the adapters loaded over HTTP since it started."""
+        for name, path in adapters.items():
+            try:
+                result = await self.adapter(name, path)
+            except Exception as e:   # gone again: its next Ready tries again
+                logger.warning("could not load LoRA adapter %s on %s: %s", name,
+                               self.address, e)
+                self._restoring.difference_update(adapters)
+                return
+            finally:
+                self._restoring.discard(name)
+            if not result.ok:
+                logger.warning("the engine at %s refused LoRA adapter %s: %s",
+                               self.address, name, result.message)
+
+    def _served(self, adapters) -> None:
+        self.adapters = {a.name for a in adapters}
+        self.adapter_paths = {a.name: a.path for a in adapters}
 
     def _fail_pending(self, error: Exception) -> None:
+        for future in self._adapter_calls.values():
+            if not future.done():
+                future.set_exception(type(error)(str(error)))
         sinks, self._sinks = self._sinks, {}
         for sink in sinks.values():
             sink(type(error)(str(error)))  # one instance per waiter

@@ -540,6 +540,7 @@ class LLMEngine:
             num_draft_tokens=self.speculator.num_draft_tokens if self.speculator else 0,
             num_accepted_tokens=self.speculator.num_accepted_tokens if self.speculator else 0,
             **self.kv.stats(),
+            adapters=sorted(self.adapters.by_name),
         )
 
     def generate(self, prompts: Sequence[Sequence[int]],

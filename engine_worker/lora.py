@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from common.errors import InvalidRequestError
+from common.protocol import AdapterInfo
 from engine_worker.models.layers.linear import Linear
 from engine_worker.models.layers.lora import LoraContext, LoraWeights
 from engine_worker.models.names import SPLIT, TensorNames
@@ -79,6 +80,12 @@ class Adapters:
     def __contains__(self, name: str) -> bool:
         return name in self.by_name
 
+    def infos(self) -> list[AdapterInfo]:
+        """The adapters served (not those unloading), as the protocol lists them."""
+        return [AdapterInfo(name=a.name, path=a.path, rank=a.rank)
+                for a in sorted(self.by_name.values(), key=lambda a: a.name)
+                if not a.unloading]
+
     # -- loading -----------------------------------------------------------------
 
     def load(self, name: str, path: str) -> Adapter:
@@ -89,13 +96,13 @@ class Adapters:
                                f"without whitespace, got {name!r}")
         if name in self.by_name:
             raise AdapterError(f"an adapter named {name!r} is loaded already")
+        folder = Path(path)
+        config, tensors = _read(folder)
+        weights = self._weights(folder, config, tensors)
         if not self.free_slots:
             raise AdapterError(f"{len(self.by_name)} adapters are loaded, the most this "
                                f"engine holds (--max-loras); unload one first")
-        folder = Path(path)
-        config, tensors = _read(folder)
         slot = self.free_slots[0]
-        weights = self._weights(folder, config, tensors)
         rank = max(ab[0].shape[0] for parts in weights.values() for ab in parts
                    if ab is not None)
         for layer_path, parts in weights.items():

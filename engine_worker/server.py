@@ -50,8 +50,9 @@ from common.config import EngineServerConfig
 from common.curve import CurveServer
 from common.errors import InvalidRequestError
 from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, PROTOCOL_VERSION,
-                             AbortRequests, AddRequest, CacheEvents, CacheSync, Codec, Dead,
-                             FinishReason, KvBlocks, KvPull, Hello, OutputBatch, Pong, Ready,
+                             AbortRequests, AdapterCommand, AdapterResult, AddRequest,
+                             CacheEvents, CacheSync, Codec, Dead, FinishReason, KvBlocks,
+                             KvPull, Hello, OutputBatch, Pong, Ready,
                              RequestError, RequestErrorKind, RequestOutput, STORE_REQUESTS,
                              StorePong, version_mismatch)
 from common.sockets import make_socket
@@ -106,7 +107,7 @@ class EngineServer:
             block_size=engine.block_manager.block_size,
             eos_token_ids=sorted(engine.eos_token_ids),
             prefix_caching=engine.block_manager.enable_prefix_caching, role=config.role,
-            kv_store=engine.kv.store is not None)
+            kv_store=engine.kv.store is not None, adapters=engine.adapters.infos())
         # The number of the last CacheEvents change sent (0: none yet).
         self.cache_seq = 0
         if self.ready.prefix_caching:
@@ -254,9 +255,27 @@ class EngineServer:
                 self._hello(identity, message)
             elif isinstance(message, CacheSync):
                 self._send_cache_snapshot(identity)
+            elif isinstance(message, AdapterCommand):
+                self._send(identity, self._adapter(message))
         for identity, add in adds:  # batched: all of a loop's adds before one step
             self._add(identity, add)
         self._expire_silent_clients(time.monotonic())
+
+    def _adapter(self, command: AdapterCommand) -> AdapterResult:
+        """Load or unload a LoRA adapter (engine_worker/lora.py), as a client asks."""
+        engine = self.engine
+        try:
+            if command.path is not None:
+                engine.load_adapter(command.name, command.path)
+            elif not engine.unload_adapter(command.name):
+                raise InvalidRequestError(f"no LoRA adapter named {command.name!r} is "
+                                          f"loaded", "lora_name")
+            else:
+                logger.info("LoRA adapter %s unloaded (once its requests end)", command.name)
+        except InvalidRequestError as e:
+            return AdapterResult(nonce=command.nonce, ok=False, message=str(e),
+                                 adapters=engine.adapters.infos())
+        return AdapterResult(nonce=command.nonce, ok=True, adapters=engine.adapters.infos())
 
     def _from_peer(self, address: str, message) -> None:
         if isinstance(message, KvBlocks):
@@ -290,7 +309,8 @@ class EngineServer:
         logger.log(logging.DEBUG if client.greeted else logging.INFO,
                    "client %s connected", hello.client_id)
         client.greeted = True
-        self._send(identity, self.ready)
+        self._send(identity, msgspec.structs.replace(   # (the adapters it serves now)
+            self.ready, adapters=self.engine.adapters.infos()))
         self._send_cache_snapshot(identity)
 
     def _add(self, identity: bytes, add: AddRequest) -> None:

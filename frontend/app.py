@@ -238,14 +238,18 @@ async def start_pipeline(config: FrontendConfig, metrics: Metrics,
     tok_client = TokenizerClient(config.tokenizer_address, curve_key=config.curve_key)
     await tok_client.connect()
     store = StoreView()   # the shared KV store, as the engines that use it report it
+    # LoRA adapters loaded over HTTP (name -> folder): given again to an engine that
+    # (re)starts without them
+    loaded_adapters: dict[str, str] = {}
     engines = EngineRouter([], config.routing, config.disagg_min_prompt_tokens, store)
     tracer = Tracer(config.otlp_traces_endpoint) if config.otlp_traces_endpoint else None
     pipe = Pipeline(engines, tok_client, tokenizer, metrics,
                     Admission(config.max_waiting_requests, config.max_waiting_tokens),
                     model_names, config, template, grammars, reasoning, sampling, tracer)
+    pipe.loaded_adapters = loaded_adapters
     pipe.membership = Membership(
         config.engine_addresses, engines,
-        lambda address: EngineClient(address, store=store,
+        lambda address: EngineClient(address, store=store, wanted_adapters=loaded_adapters,
                                      heartbeat_timeout_s=config.engine_heartbeat_timeout_s,
                                      stall_timeout_s=config.engine_stall_timeout_s,
                                      curve_key=config.curve_key),

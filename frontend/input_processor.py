@@ -160,7 +160,8 @@ class InputProcessor:
         if predicted:
             constraints["prediction"] = await self._predicted_ids(predicted, job.deadline)
         job.ticket.resize(job.n * sum(len(p) for p in job.prompts))
-        job.engine, job.prefill = self.engines.route(job.prompts[0], body.cache_salt)
+        job.engine, job.prefill = self.engines.route(job.prompts[0], body.cache_salt,
+                                                     job.adapter)
         job.prefill_held = job.prefill is not None
         job.engine_address = job.engine.address
         job.num_logprobs = inputs.num_logprobs
@@ -241,6 +242,8 @@ class InputProcessor:
                 index = p * job.n + j
                 params = body.sampling_params(1 if max_tokens == 0 else max_tokens,
                                               engine_logprobs, j, **constraints)
+                if job.adapter is not None:
+                    params = msgspec.structs.replace(params, adapter=job.adapter)
                 if job.reasoning is not None:
                     job.thinks_first.append(job.reasoning.thinking_at_start(prompt_ids))
                     if params.structured is not None and job.thinks_first[-1]:

@@ -43,6 +43,8 @@ class Job:
     on_close: Callable[["Job"], None]
     # Monotonic time by which it must be done (request_timeout_s), or None.
     deadline: Optional[float] = None
+    # The LoRA adapter the model field names (None: the base model)
+    adapter: Optional[str] = None
 
     # -- held, given back by close() ---------------------------------------------
     ticket: Optional[Ticket] = None

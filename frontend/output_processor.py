@@ -216,7 +216,8 @@ class OutputProcessor:
         old = job.engine
         assert old is not None
         try:
-            new = self.router.pick(job.prompts[0], job.params[0].cache_salt, exclude=old)
+            new = self.router.pick(job.prompts[0], job.params[0].cache_salt, exclude=old,
+                                   adapter=job.adapter)
         except APIError:  # no other engine: the error stands
             return self._fail(job, error)
         if not _takes_what(new.ready, old.ready):

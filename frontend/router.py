@@ -129,23 +129,43 @@ class EngineRouter:
         return next((e.client.ready for e in self.engines if e.client.ready is not None), None)
 
     def pick(self, prompt_token_ids: Sequence[int], cache_salt: Optional[str] = None,
-             exclude: Optional[EngineClient] = None) -> EngineClient:
+             exclude: Optional[EngineClient] = None, adapter: Optional[str] = None
+             ) -> EngineClient:
         """The engine for a request with this prompt and cache salt (other than
         ``exclude``, the one a retried request left); counts it toward that engine's
         load until release()."""
-        return self._pick(prompt_token_ids, cache_salt, exclude, False)[0]
+        return self._pick(prompt_token_ids, cache_salt, exclude, False, adapter)[0]
 
-    def route(self, prompt_token_ids: Sequence[int], cache_salt: Optional[str] = None
+    def route(self, prompt_token_ids: Sequence[int], cache_salt: Optional[str] = None,
+              adapter: Optional[str] = None
               ) -> tuple[EngineClient, Optional[EngineClient]]:
         """The engine that decodes a request with this prompt and cache salt, and the
         prefill engine that computes its prompt (or None); each counted toward its
-        engine's load until release()."""
-        return self._pick(prompt_token_ids, cache_salt, None, True)
+        engine's load until release(). ``adapter``: the request's LoRA adapter, which
+        only engines that serve it take."""
+        return self._pick(prompt_token_ids, cache_salt, None, True, adapter)
+
+    def live(self) -> list[EngineClient]:
+        """The engines that are up (not retired, not known dead)."""
+        return [e.client for e in self.engines
+                if not e.retired and e.client.dead_reason is None and e.client.ready]
+
+    def adapters(self) -> dict[str, str]:
+        """The LoRA adapters some engine serves (name -> path)."""
+        out: dict[str, str] = {}
+        for e in self.engines:
+            if not e.retired:
+                out.update({a: e.client.adapter_paths.get(a, "") for a in e.client.adapters})
+        return out
 
     def _pick(self, prompt_token_ids: Sequence[int], cache_salt: Optional[str],
-              exclude: Optional[EngineClient], disaggregate: bool
-              ) -> tuple[EngineClient, Optional[EngineClient]]:
-        candidates = [e for e in self.engines if not e.retired and e.client is not exclude]
+              exclude: Optional[EngineClient], disaggregate: bool,
+              adapter: Optional[str] = None) -> tuple[EngineClient, Optional[EngineClient]]:
+        candidates = [e for e in self.engines if not e.retired and e.client is not exclude
+                      and (adapter is None or adapter in e.client.adapters)]
+        if adapter is not None and not candidates:
+            raise APIError(404, f"the model '{adapter}' is not loaded on any engine",
+                           param="model", code="model_not_found")
         healthy = [e for e in candidates if e.client.accepting]
         # Prefill engines decode only when nothing else can.
         healthy = [e for e in healthy if e.client.ready.role != "prefill"] or healthy

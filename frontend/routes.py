@@ -207,24 +207,87 @@ async def responses(request: Request) -> Response:
                        lambda job, strings: ResponsesFormatter(job, strings, body))
 
 
-def model_card(request: Request, name: str) -> dict:
+def model_card(request: Request, name: str, adapter_path: Optional[str] = None) -> dict:
+    """A model's card; a LoRA adapter's has its folder as root and the base model as
+    parent (vLLM's shape)."""
     pipe = pipeline(request)
     ready = pipe.engines.ready()
-    return {"id": name, "object": "model", "created": request.app.state.created,
-            "owned_by": "roseserve", "root": pipe.model_name,
+    card = {"id": name, "object": "model", "created": request.app.state.created,
+            "owned_by": "roseserve", "root": pipe.model_name if adapter_path is None
+            else adapter_path, "parent": None if adapter_path is None else pipe.model_name,
             "max_model_len": None if ready is None else ready.max_model_len}
+    return card
 
 
 @router.get("/v1/models")
 async def models(request: Request) -> Response:
+    pipe = pipeline(request)
+    adapters = pipe.engines.adapters()
     return json_response({"object": "list", "data": [
-        model_card(request, m) for m in pipeline(request).model_names]})
+        *(model_card(request, m) for m in pipe.model_names),
+        *(model_card(request, name, path) for name, path in sorted(adapters.items()))]})
 
 
 @router.get("/v1/models/{model:path}")
 async def model(request: Request, model: str) -> Response:
-    pipeline(request).check_model(model)
-    return json_response(model_card(request, model))
+    pipe = pipeline(request)
+    adapter = pipe.check_model(model)
+    return json_response(model_card(request, model, None if adapter is None
+                                    else pipe.engines.adapters()[adapter]))
+
+
+class LoadAdapterBody(BaseModel):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadAdapterBody(BaseModel):
+    lora_name: str
+
+
+@router.post("/v1/load_lora_adapter")
+async def load_lora_adapter(request: Request) -> Response:
+    """vLLM's: load a LoRA adapter (a PEFT folder the engines can read) on every engine;
+    400 naming why where any refuses it (those that took it let go of it again)."""
+    body: LoadAdapterBody = await parse(request, LoadAdapterBody)
+    pipe = pipeline(request)
+    if body.lora_name in pipe.model_names or body.lora_name in pipe.engines.adapters():
+        raise APIError(400, f"the model '{body.lora_name}' exists already", param="lora_name")
+    engines = pipe.engines.live()
+    if not engines:
+        raise APIError(503, "no engine is available", code="engine_unavailable")
+    results = await asyncio.gather(*(e.adapter(body.lora_name, body.lora_path)
+                                     for e in engines), return_exceptions=True)
+    failed = [(e, r) for e, r in zip(engines, results)
+              if isinstance(r, BaseException) or not r.ok]
+    if failed:
+        await asyncio.gather(*(e.adapter(body.lora_name) for e, r in zip(engines, results)
+                               if not isinstance(r, BaseException) and r.ok),
+                             return_exceptions=True)
+        engine, why = failed[0]
+        message = str(why) if isinstance(why, BaseException) else why.message
+        raise APIError(400, f"the LoRA adapter '{body.lora_name}' was not loaded: "
+                            f"{message}", param="lora_path")
+    pipe.loaded_adapters[body.lora_name] = body.lora_path
+    return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.",
+                    media_type="text/plain")
+
+
+@router.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(request: Request) -> Response:
+    """vLLM's: unload a LoRA adapter from every engine (each finishes the requests
+    using it first); 404 where no engine serves it."""
+    body: UnloadAdapterBody = await parse(request, UnloadAdapterBody)
+    pipe = pipeline(request)
+    pipe.loaded_adapters.pop(body.lora_name, None)
+    engines = [e for e in pipe.engines.live() if body.lora_name in e.adapters]
+    if not engines:
+        raise APIError(404, f"no LoRA adapter named '{body.lora_name}' is loaded",
+                       param="lora_name", code="model_not_found")
+    await asyncio.gather(*(e.adapter(body.lora_name) for e in engines),
+                         return_exceptions=True)
+    return Response(f"Success: LoRA adapter '{body.lora_name}' removed successfully.",
+                    media_type="text/plain")
 
 
 @router.get("/version")

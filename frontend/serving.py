@@ -108,6 +108,9 @@ class Pipeline:
         # Keeps the router's engines equal to what the engine addresses name (set by
         # the app, which runs it).
         self.membership: Optional[Membership] = None
+        # LoRA adapters loaded over HTTP (name -> folder; app.py shares it with the
+        # engine clients, which give them to engines that restart)
+        self.loaded_adapters: dict[str, str] = {}
 
     def snapshot(self) -> PipelineSnapshot:
         pool = self.tokenizer_client.last_pong
@@ -127,11 +130,16 @@ class Pipeline:
             num_retries=self.outputs.num_retries,
             store_blocks_known=len(self.engines.store.held) if self.engines.store else 0)
 
-    def check_model(self, model: str) -> None:
-        if model not in self.model_names:
-            served = ", ".join(f"'{m}'" for m in self.model_names)
-            raise APIError(404, f"the model '{model}' does not exist; this server serves "
-                                f"{served}", param="model", code="model_not_found")
+    def check_model(self, model: str) -> Optional[str]:
+        """The LoRA adapter ``model`` names, None for the base model (APIError 404:
+        neither)."""
+        if model in self.model_names:
+            return None
+        if model in self.engines.adapters():
+            return model
+        served = ", ".join(f"'{m}'" for m in [*self.model_names, *self.engines.adapters()])
+        raise APIError(404, f"the model '{model}' does not exist; this server serves "
+                            f"{served}", param="model", code="model_not_found")
 
     def open(self, body, received: float, prefix: Optional[str] = None,
              trace: Optional[dict] = None) -> Job:
@@ -140,8 +148,7 @@ class Pipeline:
         request that names no model gets the first name served, one that leaves a
         sampling field out the model's recommended value, if any. ``trace``: the
         caller's trace context (frontend/tracing.py)."""
-        if body.model is not None:
-            self.check_model(body.model)
+        adapter = self.check_model(body.model) if body.model is not None else None
         for key, value in self.sampling.items():
             if key not in body.model_fields_set:
                 setattr(body, key, value)
@@ -152,7 +159,8 @@ class Pipeline:
                    model=body.model or self.model_name, received=received,
                    stream=bool(body.stream), trace=trace or {},
                    on_close=self._closed,
-                   deadline=None if timeout is None else received + timeout)
+                   deadline=None if timeout is None else received + timeout,
+                   adapter=adapter)
 
     def _closed(self, job: Job) -> None:
         self.num_jobs -= 1

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.errors import InvalidRequestError
@@ -17,7 +16,8 @@ from common.protocol import SamplingParams
 from engine_worker.engine import LLMEngine
 from engine_worker.lora import AdapterError
 from helpers import random_prompts
-from hf_reference import Reference, _greedy, assert_matches, hf_model
+from hf_reference import _greedy, assert_matches, hf_model
+from lora_adapters import make_adapter, merged_greedy
 
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # (name, rank, alpha, target modules, rsLoRA)
@@ -27,41 +27,11 @@ ADAPTERS = [("every", 8, 16, MODULES, False), ("qv", 4, 8, ["q_proj", "v_proj"],
 PROMPTS = random_prompts([7, 19, 12], seed=51)
 
 
-def make_adapter(model_dir, out, seed: int, rank: int, alpha: int, modules, rslora: bool,
-                 **extra):
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    base = hf_model(model_dir)
-    model = get_peft_model(base, LoraConfig(
-        r=rank, lora_alpha=alpha, target_modules=modules, use_rslora=rslora,
-        init_lora_weights=False, **extra))
-    with torch.no_grad():   # B made large enough to change the greedy tokens
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0.0, 0.5)
-    model.save_pretrained(out)
-    model.unload()   # (the cached base model is left as it was)
-    return out
-
-
 @pytest.fixture(scope="module")
 def adapters(tiny_llama_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("adapters")
     return {name: make_adapter(tiny_llama_dir, root / name, i, rank, alpha, modules, rs)
             for i, (name, rank, alpha, modules, rs) in enumerate(ADAPTERS)}
-
-
-@torch.inference_mode()
-def merged_greedy(model_dir, adapter_dir, prompts, n: int) -> list[Reference]:
-    from peft import PeftModel
-
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    base.generation_config.eos_token_id = None
-    merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload().eval()
-    return _greedy(merged, prompts, n)
 
 
 def engine(model_dir, adapters=(), cpu_kernels=True, **kw) -> LLMEngine:
