@@ -110,8 +110,7 @@ class Adapters:
             a, b = _fused(layer, parts)
             if layer.lora is None:
                 layer.lora = LoraWeights(self.context)
-            layer.lora.slots[slot] = (a.to(self.device, self.dtype),
-                                      b.to(self.device, self.dtype))
+            layer.lora.set(slot, a.to(self.device, self.dtype), b.to(self.device, self.dtype))
         self.free_slots.pop(0)
         digest = hashlib.blake2b(digest_size=8)
         for key in sorted(tensors):
@@ -194,7 +193,7 @@ class Adapters:
     def _free(self, adapter: Adapter) -> None:
         for layer, _ in self.targets.values():
             if layer.lora is not None:
-                layer.lora.slots.pop(adapter.slot, None)
+                layer.lora.drop(adapter.slot)
         del self.by_name[adapter.name]
         self.free_slots.append(adapter.slot)
         self.free_slots.sort()
