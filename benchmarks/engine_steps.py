@@ -15,6 +15,25 @@ import torch
 from common.protocol import SamplingParams
 
 
+def timed_generate(engine, prompts, params) -> tuple[float, list[list[int]]]:
+    """Every prompt added at once (``params``: one SamplingParams for all, or one a
+    prompt) and run to the end: (seconds, each request's tokens); the prefix cache is
+    emptied after, so that the next run computes as this one did."""
+    if isinstance(params, SamplingParams):
+        params = [params] * len(prompts)
+    ids = [f"r{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
+    out: dict[str, list[int]] = {i: [] for i in ids}
+    start = time.perf_counter()
+    for request_id, prompt, p in zip(ids, prompts, params):
+        engine.add_request(request_id, prompt, p)
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out[o.request_id] += o.new_token_ids
+    elapsed = time.perf_counter() - start
+    engine.block_manager.reset_prefix_cache()
+    return elapsed, [out[i] for i in ids]
+
+
 def sustained_rate(fn, ops: float, seconds: float = 1.0) -> float:
     """ops per second of ``fn`` (which does ``ops``), called for ``seconds``."""
     for _ in range(3):

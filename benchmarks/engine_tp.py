@@ -27,7 +27,6 @@ import os
 import random
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -67,18 +66,10 @@ def engine_argv(args, batch: int) -> list[str]:
 
 def generate(engine, prompts, output_len: int) -> tuple[float, list[list[int]]]:
     """Every prompt at once, greedy: (seconds, each request's tokens)."""
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    ids = [f"r{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
-    out: dict[str, list[int]] = {i: [] for i in ids}
-    start = time.perf_counter()
-    for request_id, prompt in zip(ids, prompts):
-        engine.add_request(request_id, prompt, params)
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            out[o.request_id] += o.new_token_ids
-    elapsed = time.perf_counter() - start
-    engine.block_manager.reset_prefix_cache()
-    return elapsed, [out[i] for i in ids]
+    from benchmarks.engine_steps import timed_generate
+
+    return timed_generate(engine, prompts, SamplingParams(
+        max_tokens=output_len, temperature=0.0, ignore_eos=True))
 
 
 def main(argv=None) -> int:

@@ -20,7 +20,6 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -76,18 +75,12 @@ def make_adapter(folder: Path, cfg, rank: int, seed: int) -> None:
 
 
 def run(engine, prompts, names, output_len: int) -> tuple[float, list[list[int]]]:
-    ids = [f"r{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
-    out: dict[str, list[int]] = {i: [] for i in ids}
-    start = time.perf_counter()
-    for request_id, prompt, name in zip(ids, prompts, names):
-        engine.add_request(request_id, prompt, SamplingParams(
-            max_tokens=output_len, temperature=0.0, ignore_eos=True, adapter=name))
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            out[o.request_id] += o.new_token_ids
-    elapsed = time.perf_counter() - start
-    engine.block_manager.reset_prefix_cache()
-    return elapsed, [out[i] for i in ids]
+    """Greedy, each prompt with its adapter (None: the base model)."""
+    from benchmarks.engine_steps import timed_generate
+
+    return timed_generate(engine, prompts, [SamplingParams(
+        max_tokens=output_len, temperature=0.0, ignore_eos=True, adapter=name)
+        for name in names])
 
 
 def main(argv=None) -> int:

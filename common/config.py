@@ -216,6 +216,9 @@ class EngineConfig:
     # most max_loras loaded at once (more can be loaded as others are unloaded), of
     # ranks up to max_lora_rank.
     lora_modules: tuple[tuple[str, str], ...] = ()
+    # Embeddings (SamplingParams.embed): the prompt's final hidden states pooled as
+    # "last" (the last token's: decoder models' embeddings) or "mean".
+    pooling: str = "last"
     max_loras: int = 4
     max_lora_rank: int = 64
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -245,6 +248,8 @@ class EngineConfig:
         if self.speculative_tokens and self.device.startswith("cuda"):
             raise ValueError("speculative tokens run on the CPU engine; a GPU's decode "
                              "steps are CUDA graphs of one token a request")
+        if self.pooling not in ("last", "mean"):
+            raise ValueError(f"pooling must be last or mean, got {self.pooling!r}")
         if not 0 <= self.max_loras <= 256 or not 1 <= self.max_lora_rank <= 512:
             raise ValueError(f"max_loras must be in 0..256 and max_lora_rank in 1..512, got "
                              f"{self.max_loras} and {self.max_lora_rank}")

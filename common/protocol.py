@@ -65,6 +65,9 @@ class RequestOutput(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     kv_outcome: Optional[str] = None
     kv_blocks_received: Optional[int] = None
     kv_transfer_ms: Optional[float] = None
+    # An embedding request's (SamplingParams.embed) vector, L2-normalized, on its only
+    # output.
+    embedding: Optional[list[float]] = None
 
 
 class EngineStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -259,6 +262,8 @@ class Ready(msgspec.Struct, frozen=True, kw_only=True):
     # Longest prompt + output the engine accepts.
     max_model_len: int
     vocab_size: int
+    # The model's hidden size: an embedding's dimensions.
+    hidden_size: int = 0
     num_kv_blocks: int
     block_size: int
     # EOS token ids of the model (the frontend hides them from text).

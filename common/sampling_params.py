@@ -93,6 +93,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     # The LoRA adapter the request runs with (engine_worker/lora.py: loaded by this
     # name), as the OpenAI API's ``model`` names it; None: the base model.
     adapter: Optional[str] = None
+    # An embedding, not a generation (/v1/embeddings): the prompt's final hidden
+    # states pooled as the engine's --pooling says, normalized; nothing is sampled.
+    embed: bool = False
     # OpenAI's predicted output, as token ids: where the engine speculates
     # (--speculative-tokens), its proposals come from here; the output is the same.
     prediction: list[int] = []

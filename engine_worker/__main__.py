@@ -52,6 +52,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="LoRA adapters to serve (PEFT folders: adapter_config.json and "
                         "adapter_model.safetensors); a request runs with one by naming it "
                         "as its model")
+    g.add_argument("--pooling", choices=["last", "mean"], default="last",
+                   help="/v1/embeddings: the prompt's final hidden states pooled as the "
+                        "last token's (default: decoder models' embeddings) or their mean")
     g.add_argument("--max-loras", type=int, default=4,
                    help="the most LoRA adapters loaded at once (default 4)")
     g.add_argument("--max-lora-rank", type=int, default=64,
@@ -152,7 +155,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         speculative_tokens=args.speculative_tokens,
         tensor_parallel_size=args.tensor_parallel_size,
         lora_modules=_lora_modules(args.lora_modules), max_loras=args.max_loras,
-        max_lora_rank=args.max_lora_rank,
+        max_lora_rank=args.max_lora_rank, pooling=args.pooling,
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=memory,
                           kv_cache_dtype=args.kv_cache_dtype,
                           gpu_memory_utilization=args.gpu_memory_utilization,

@@ -267,8 +267,13 @@ class EngineClient(ServiceClient):
     async def _restore(self, adapters: dict[str, str]) -> None:
         """Give a (re)started engine the adapters loaded over HTTP since it started."""
         for name, path in adapters.items():
+            if self.wanted_adapters.get(name) != path:   # (unloaded meanwhile)
+                self._restoring.discard(name)
+                continue
             try:
                 result = await self.adapter(name, path)
+                if name not in self.wanted_adapters and result.ok:   # (unloaded since)
+                    await self.adapter(name)
             except Exception as e:   # gone again: its next Ready tries again
                 logger.warning("could not load LoRA adapter %s on %s: %s", name,
                                self.address, e)

@@ -12,6 +12,7 @@ import logging
 import time
 from typing import Iterable, Optional, Sequence
 
+import msgspec
 import torch
 
 from common.config import EngineConfig
@@ -184,6 +185,12 @@ class LLMEngine:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use",
                                       "request_id")
         prompt = checked_prompt(prompt_token_ids, params, self.vocab_size, self.max_model_len)
+        if params.embed and (output_token_ids or kv_lease_s or kv_source is not None
+                             or params.structured is not None or params.prompt_logprobs
+                             is not None):
+            raise InvalidRequestError("an embedding request takes a prompt alone (no "
+                                      "continuation, KV transfer, structured output or "
+                                      "prompt logprobs)", "embed")
         _check_continuation(prompt, output_token_ids, params, self.vocab_size,
                             self.max_model_len, kv_lease_s)
         if self.runner.parallel.size > 1 and (kv_lease_s or kv_source is not None):
@@ -205,6 +212,8 @@ class LLMEngine:
         request = Request(request_id, prompt, params, params.max_tokens or room,
                           self.eos_token_ids, grammar, output_token_ids,
                           adapter.slot if adapter else 0, adapter.key if adapter else None)
+        if params.embed:
+            request.embed = self.config.pooling
         request.kv_lease_s = kv_lease_s
         self.requests[request_id] = request
         if not self.kv.start(request, kv_source, time.monotonic()):
@@ -341,13 +350,36 @@ class LLMEngine:
             scheduled, logits, failures = self._forward_one_by_one(scheduled)
             early += failures
         sampling = [s.request for s in scheduled if s.samples]
+        embedded = [r for r in sampling if r.embed is not None]
+        if embedded:   # (pooled, not sampled: their rows of the logits are dropped)
+            keep = [i for i, r in enumerate(sampling) if r.embed is None]
+            sampling = [sampling[i] for i in keep]
+            logits = logits[keep] if keep and logits is not None else None
         for s in scheduled:
             request = s.request
             start = request.num_computed_tokens
             request.num_computed_tokens += s.num_tokens
             self.num_prompt_tokens_computed += max(
                 0, min(request.num_computed_tokens, request.num_prompt_tokens) - start)
+        early += [self._embedded(r) for r in embedded]
         return _Step(sampling, self._sample(logits, sampling), early)
+
+    def _embedded(self, request: Request) -> RequestOutput:
+        """An embedding request whose prompt is computed: its pooled hidden states,
+        normalized, and its end (its blocks stay in the prefix cache, as any
+        prompt's: an embedding of the same text again, with last-token pooling, or a
+        generation on it, reads them)."""
+        pooled = request.pooled
+        if request.embed == "mean":
+            pooled = pooled / request.num_prompt_tokens
+        vector = torch.nn.functional.normalize(pooled, dim=0)
+        if not torch.isfinite(vector).all():
+            return self._fail(request, "the embedding is not finite")
+        request.finish_reason = FinishReason.STOP
+        self.scheduler.finish(request)
+        self._forget(request.request_id)
+        out = self._output(request, [], None)
+        return msgspec.structs.replace(out, embedding=vector.tolist())
 
     def _finish(self, step: "_Step") -> list[RequestOutput]:
         """Wait for a step's tokens and hand them to its requests (once)."""
@@ -540,7 +572,7 @@ class LLMEngine:
             num_draft_tokens=self.speculator.num_draft_tokens if self.speculator else 0,
             num_accepted_tokens=self.speculator.num_accepted_tokens if self.speculator else 0,
             **self.kv.stats(),
-            adapters=sorted(self.adapters.by_name),
+            adapters=[a.name for a in self.adapters.infos()],
         )
 
     def generate(self, prompts: Sequence[Sequence[int]],

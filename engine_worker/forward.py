@@ -60,6 +60,26 @@ class StepRows:
         return sum(1 for s in self.layout if s.num_tokens == 1)
 
 
+def pool(layout: Sequence[ScheduledRequest], hidden: torch.Tensor) -> None:
+    """Embedding requests (Request.embed) take their rows' final hidden states:
+    the last one ("last") or their sum ("mean"), kept on the request."""
+    at = 0
+    for s in layout:
+        r = s.request
+        if r.embed is not None:
+            rows = hidden[at:at + s.num_tokens].float()
+            start = r.num_computed_tokens   # (this step's first position)
+            if start == 0:   # (from the start: again, after a preemption)
+                r.pooled, r.pooled_upto = None, 0
+            if r.embed == "last":
+                r.pooled = rows[-1].clone()
+            elif start + s.num_tokens > r.pooled_upto:   # (rows pooled once each)
+                total = rows[max(0, r.pooled_upto - start):].sum(0)
+                r.pooled = total if r.pooled is None else r.pooled + total
+            r.pooled_upto = max(r.pooled_upto, start + s.num_tokens)
+        at += s.num_tokens
+
+
 class EagerForward:
     """The model's modules, layer by layer (its attention backend, its ops), on the
     step's inputs in persistent buffers (step_inputs.py)."""
@@ -82,16 +102,17 @@ class EagerForward:
                                     num_splits=self.splits(rows.num_decode), fills=rows.fills)
         batch.fill_ids(tokens)
         lora = self.lora
-        if lora is None or not any(s.request.lora_slot for s in rows.layout):
-            return self.logits(self.model(batch.input_ids, batch.positions, self.kv_caches,
-                                          batch.meta), batch)
-        lora.set_rows([s.request.lora_slot for s in rows.layout
-                       for _ in range(s.num_tokens)], batch.input_ids.device)
+        if lora is not None and any(s.request.lora_slot for s in rows.layout):
+            lora.set_rows([s.request.lora_slot for s in rows.layout
+                           for _ in range(s.num_tokens)], batch.input_ids.device)
         try:
-            return self.logits(self.model(batch.input_ids, batch.positions, self.kv_caches,
-                                          batch.meta), batch)
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
         finally:
-            lora.clear()
+            if lora is not None:
+                lora.clear()
+        logits = self.logits(hidden, batch)
+        pool(rows.layout, hidden)   # (once the step's forward is through)
+        return logits
 
     def logits(self, hidden: torch.Tensor, batch) -> Optional[torch.Tensor]:
         """The logits of a step's rows that want them, from its final hidden states."""

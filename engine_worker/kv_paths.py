@@ -74,7 +74,7 @@ class KvPaths:
         if source is not None:
             return self.moves_tables and self.receiver.start(request, source, now)
         link = self.store
-        if link is None or request.needs_prompt_logits or not link.up(now):
+        if link is None or request.computes_prompt or not link.up(now):
             return False
         assert self.offload is not None
         cached = self.block_manager.find_cached_prefix(request.blocks, request.token_ids)

@@ -105,12 +105,17 @@ class Adapters:
         slot = self.free_slots[0]
         rank = max(ab[0].shape[0] for parts in weights.values() for ab in parts
                    if ab is not None)
-        for layer_path, parts in weights.items():
-            layer = self.targets[layer_path][0]
-            a, b = _fused(layer, parts)
-            if layer.lora is None:
-                layer.lora = LoraWeights(self.context)
-            layer.lora.set(slot, a.to(self.device, self.dtype), b.to(self.device, self.dtype))
+        try:
+            for layer_path, parts in weights.items():
+                layer = self.targets[layer_path][0]
+                a, b = _fused(layer, parts)
+                if layer.lora is None:
+                    layer.lora = LoraWeights(self.context)
+                layer.lora.set(slot, a.to(self.device, self.dtype),
+                               b.to(self.device, self.dtype))
+        except Exception as e:   # (out of memory): no layer keeps any of it
+            self._clear(slot)
+            raise AdapterError(f"{folder}: loading the adapter failed: {e}") from e
         self.free_slots.pop(0)
         digest = hashlib.blake2b(digest_size=8)
         for key in sorted(tensors):
@@ -190,10 +195,13 @@ class Adapters:
             self._free(adapter)
         return True
 
-    def _free(self, adapter: Adapter) -> None:
+    def _clear(self, slot: int) -> None:
         for layer, _ in self.targets.values():
             if layer.lora is not None:
-                layer.lora.drop(adapter.slot)
+                layer.lora.drop(slot)
+
+    def _free(self, adapter: Adapter) -> None:
+        self._clear(adapter.slot)
         del self.by_name[adapter.name]
         self.free_slots.append(adapter.slot)
         self.free_slots.sort()

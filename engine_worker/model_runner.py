@@ -158,8 +158,10 @@ class ModelRunner:
         extra = self._extra_rows(scheduled)
         calibrating = self.kv_scales is not None and self.kv_scales.calibrating
         # (the first step sets an fp8 cache's scales, eagerly; a step with LoRA
-        # adapters' rows runs eagerly too: models/layers/lora.py)
-        eager = calibrating or any(s.request.lora_slot for s in scheduled)
+        # adapters' rows, or embeddings', runs eagerly too: models/layers/lora.py,
+        # forward.pool)
+        eager = calibrating or any(s.request.lora_slot or s.request.embed
+                                   for s in scheduled)
         step = self.eager if eager else self.step
         logits = step(scheduled, fills, pending[0] if pending is not None else None, extra)
         if calibrating:

@@ -94,6 +94,11 @@ class Request:
         self.blocks = BlockTable(root=salt_root(params.cache_salt, adapter_key))
         # Its LoRA adapter's slot in the layers (0: none; engine_worker/lora.py)
         self.lora_slot = lora_slot
+        # An embedding request: "last" or "mean" (the engine's pooling), and the pooled
+        # final hidden states so far (mean: their sum; forward.py adds each step's)
+        self.embed: Optional[str] = None
+        self.pooled: Optional[torch.Tensor] = None
+        self.pooled_upto = 0   # (positions pooled: a row is added once)
         # Prompt tokens served by the prefix cache at first admission.
         self.num_cached_tokens: Optional[int] = None
         self.num_preemptions = 0
@@ -119,6 +124,14 @@ class Request:
         """Whether the prompt's logits are still wanted (prompt_logprobs)."""
         return (self.params.prompt_logprobs is not None
                 and len(self.prompt_logprobs) < self.num_prompt_tokens - 1)
+
+    @property
+    def computes_prompt(self) -> bool:
+        """Whether every prompt token is computed, none read from the prefix cache
+        or elsewhere: its logits are wanted (prompt_logprobs), or its hidden states'
+        mean (an embedding's)."""
+        return self.needs_prompt_logits or (self.embed == "mean" and
+                                            self.num_computed_tokens < self.num_prompt_tokens)
 
     @property
     def num_tokens(self) -> int:

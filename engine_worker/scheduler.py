@@ -190,10 +190,10 @@ class Scheduler:
             request = self.waiting.first()
             # A request that wants its prompt's logprobs computes the prompt (their
             # logits are not cached) until it has them.
-            cached = ([] if request.needs_prompt_logits else
+            cached = ([] if request.computes_prompt else
                       self.block_manager.find_cached_prefix(request.blocks, request.token_ids))
             onloaded = None
-            if self.onload is not None and not request.needs_prompt_logits:
+            if self.onload is not None and not request.computes_prompt:
                 onloaded = self.onload(request, cached)
                 if onloaded is not None:  # now in the pool: found there
                     cached = self.block_manager.find_cached_prefix(request.blocks,
@@ -216,7 +216,7 @@ class Scheduler:
             self._release_staged(request)
             if request.num_cached_tokens is None:  # first admission, not a recompute
                 request.num_cached_tokens = num_cached
-                if not request.needs_prompt_logits:  # looked up
+                if not request.computes_prompt:  # looked up
                     self.prefix_cache_query_tokens += request.num_prompt_tokens
                     self.prefix_cache_hit_tokens += num_cached
             request.num_computed_tokens = num_cached
@@ -258,7 +258,7 @@ class Scheduler:
              if r.params.priority > first.params.priority), reverse=True)]
         if not victims:
             return
-        cached = ([] if first.needs_prompt_logits else
+        cached = ([] if first.computes_prompt else
                   self.block_manager.find_cached_prefix(first.blocks, first.token_ids))
         target = min(first.num_tokens,
                      len(cached) * self.block_manager.block_size + self.token_budget)

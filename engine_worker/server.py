@@ -103,6 +103,7 @@ class EngineServer:
             engine_id=self.engine_id, protocol_version=PROTOCOL_VERSION,
             model_name=engine.model_name,
             max_model_len=engine.max_model_len, vocab_size=engine.vocab_size,
+            hidden_size=engine.model_config.hidden_size,
             num_kv_blocks=engine.block_manager.num_blocks,
             block_size=engine.block_manager.block_size,
             eos_token_ids=sorted(engine.eos_token_ids),

@@ -184,7 +184,10 @@ class EngineRouter:
             return hashes_by_size[size]
 
         chosen: Optional[RoutedEngine] = None
-        if self.policy == "prefix":
+        # (an adapter's blocks are salted by the engine with a key the router does not
+        # know: its requests go by load alone, and set no expectations)
+        by_prefix = self.policy == "prefix" and adapter is None
+        if by_prefix:
             min_load = min(e.load for e in healthy)
             bound = min_load + max(MIN_SLACK, SLACK_FRACTION * min_load)
             best = 0
@@ -202,13 +205,13 @@ class EngineRouter:
         if chosen is None:
             chosen = min(healthy, key=lambda e: (e.load, e.num_routed))
         prefill = None
-        if disaggregate and chosen.client.ready.role != "prefill":
+        if disaggregate and adapter is None and chosen.client.ready.role != "prefill":
             # What the decode engine holds, before this request's blocks are expected.
             uncached = len(prompt_token_ids) - (chosen.matched_blocks(hashes(chosen), self.store)
                                                 * chosen.client.ready.block_size)
             if uncached >= max(1, self.min_prefill_tokens):
                 prefill = self._pick_prefill(chosen.client.ready.block_size, hashes(chosen))
-        if self.policy == "prefix" and chosen.client.ready.prefix_caching:
+        if by_prefix and chosen.client.ready.prefix_caching:
             chosen.client.cache.expect(hashes(chosen), chosen.client.ready.num_kv_blocks)
         chosen.load += 1
         chosen.num_routed += 1

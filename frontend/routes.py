@@ -26,6 +26,7 @@ from common.errors import InvalidRequestError
 from common.tokenizer import TokenStrings
 from common.validation import check_token_ids
 from common.version import __version__
+from frontend.embeddings import EmbeddingRequest, embed
 from frontend.errors import APIError, from_validation_error
 from frontend.formatters import Formatter
 from frontend.input_processor import chat_message, template_options, tool_dicts
@@ -256,19 +257,24 @@ async def load_lora_adapter(request: Request) -> Response:
     engines = pipe.engines.live()
     if not engines:
         raise APIError(503, "no engine is available", code="engine_unavailable")
+    # (wanted from now on: an engine that becomes ready meanwhile is given it too)
+    pipe.loaded_adapters[body.lora_name] = body.lora_path
     results = await asyncio.gather(*(e.adapter(body.lora_name, body.lora_path)
                                      for e in engines), return_exceptions=True)
     failed = [(e, r) for e, r in zip(engines, results)
               if isinstance(r, BaseException) or not r.ok]
     if failed:
+        pipe.loaded_adapters.pop(body.lora_name, None)
         await asyncio.gather(*(e.adapter(body.lora_name) for e, r in zip(engines, results)
                                if not isinstance(r, BaseException) and r.ok),
                              return_exceptions=True)
         engine, why = failed[0]
-        message = str(why) if isinstance(why, BaseException) else why.message
+        if isinstance(why, BaseException):   # (an engine gone meanwhile)
+            raise APIError(503, f"the LoRA adapter '{body.lora_name}' was not loaded: the "
+                                f"engine at {engine.address} did not answer: {why}",
+                           code="engine_unavailable", headers={"Retry-After": "1"})
         raise APIError(400, f"the LoRA adapter '{body.lora_name}' was not loaded: "
-                            f"{message}", param="lora_path")
-    pipe.loaded_adapters[body.lora_name] = body.lora_path
+                            f"{why.message}", param="lora_path")
     return Response(f"Success: LoRA adapter '{body.lora_name}' added successfully.",
                     media_type="text/plain")
 
@@ -293,6 +299,13 @@ async def unload_lora_adapter(request: Request) -> Response:
 @router.get("/version")
 async def version() -> Response:
     return json_response({"version": __version__})
+
+
+@router.post("/v1/embeddings")
+async def embeddings(request: Request) -> Response:
+    """OpenAI's embeddings (frontend/embeddings.py)."""
+    body: EmbeddingRequest = await parse(request, EmbeddingRequest)
+    return json_response(await embed(pipeline(request), body))
 
 
 @router.post("/tokenize")

@@ -148,7 +148,8 @@ ENGINE_FLAGS = ["device", "dtype", "quantization", "max_model_len", "max_batch_s
                 "no_cpu_kernels", "seed", "per_token_output_frames", "kv_transfer_timeout",
                 "kv_transfer_window_bytes", "kv_offload_memory_gb", "kv_offload_dir",
                 "kv_offload_disk_gb", "kv_store_address", "kv_store_timeout", "drain_timeout",
-                "tensor_parallel_size", "lora_modules", "max_loras", "max_lora_rank"]
+                "tensor_parallel_size", "lora_modules", "max_loras", "max_lora_rank",
+                "pooling"]
 # The API key is not among them: a command line is visible to every local user, so
 # the key reaches the frontend through its environment.
 FRONTEND_FLAGS = ["host", "api_key_file", "served_model_name", "max_body_bytes",

@@ -197,9 +197,11 @@ def test_a_request_without_a_model_gets_the_first_name_served(url):
 
 
 def test_an_unknown_route_or_method_is_told_what_is_served(url):
-    r = httpx.post(url + "/v1/embeddings", json={"model": "tiny-llama", "input": "x"})
+    r = httpx.post(url + "/v1/images/generations", json={"model": "tiny-llama",
+                                                         "prompt": "x"})
     message = r.json()["error"]["message"]
-    assert r.status_code == 404 and message.startswith("there is no route /v1/embeddings;")
+    assert r.status_code == 404 and message.startswith(
+        "there is no route /v1/images/generations;")
     assert "POST /v1/chat/completions" in message and "GET /v1/models;" in message
     r = httpx.get(url + "/v1/completions")
     assert r.status_code == 405 and r.headers["allow"] == "POST"

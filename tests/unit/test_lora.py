@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.errors import InvalidRequestError
@@ -143,3 +144,27 @@ def test_an_adapter_unloaded_in_use_finishes_its_requests_first(tiny_llama_dir, 
     assert "every" not in e.adapters and e.adapters.free_slots == [1]
     e.load_adapter("rs", str(adapters["rs"]))   # its slot taken by another
     assert e.adapters.by_name["rs"].slot == 1
+
+
+def test_an_embedding_runs_with_its_adapter(tiny_llama_dir, adapters):
+    """/v1/embeddings naming an adapter: the hidden states of the model with the adapter
+    merged by peft, beside the base model's in the same step."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    prompt = PROMPTS[1]
+    e = engine(tiny_llama_dir, [("every", adapters["every"])])
+    e.add_request("base", prompt, SamplingParams(max_tokens=1, embed=True))
+    e.add_request("lora", prompt, SamplingParams(max_tokens=1, embed=True, adapter="every"))
+    outs = {}
+    while e.has_unfinished_requests():
+        outs.update({o.request_id: o.embedding for o in e.step()})
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    merged = PeftModel.from_pretrained(base, adapters["every"]).merge_and_unload().eval()
+    plain = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    for name, model in (("lora", merged), ("base", plain)):
+        with torch.no_grad():
+            h = model.model(torch.tensor([prompt])).last_hidden_state[0, -1]
+        ref = torch.nn.functional.normalize(h, dim=0)
+        assert float(torch.tensor(outs[name]) @ ref) >= 0.9999, name
+    assert outs["lora"] != outs["base"]
