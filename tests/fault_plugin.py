@@ -133,7 +133,7 @@ def _kv_faults(engine, fault: str) -> None:
 
     from common.protocol import KvBlock
 
-    answer = engine.answer_kv_pull
+    answer = engine.kv.answer
     kind, _, arg = fault.partition(":")
     answered = []
 
@@ -157,7 +157,7 @@ def _kv_faults(engine, fault: str) -> None:
             time.sleep(float(arg))
         return reply
 
-    engine.answer_kv_pull = spoiled
+    engine.kv.answer = spoiled
 
 
 def _sticky_cuda_error(engine, token: int) -> None:
