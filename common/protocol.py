@@ -174,7 +174,7 @@ class MessageType(enum.IntEnum):
 # two ends of a connection refuse each other when theirs differ (an older peer would
 # silently drop fields a newer one sends). A peer whose messages lack the field is
 # version 0.
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 
 
 def version_mismatch(peer: str, theirs: int) -> Optional[str]:
@@ -236,6 +236,9 @@ class AdapterInfo(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     path: str
     rank: int
+    # its name and a fingerprint of its weights, which salt its requests' prefix
+    # hashes (common/prefix_hash.py: salt_root): the router's too
+    key: str
 
 
 class AdapterCommand(msgspec.Struct, frozen=True, kw_only=True):

@@ -175,16 +175,17 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def _lora_modules(specs: Sequence[str]) -> tuple[tuple[str, str], ...]:
-    """--lora-modules NAME=PATH ... (ValueError naming a spec without both)."""
-    out = []
+    """--lora-modules NAME=PATH ... (ValueError naming a spec without both, or a name
+    given twice)."""
+    out: dict[str, str] = {}
     for spec in specs:
         name, sep, path = spec.partition("=")
         if not sep or not name or not path:
             raise ValueError(f"--lora-modules takes NAME=PATH, got {spec!r}")
-        out.append((name, path))
-    if len({name for name, _ in out}) < len(out):
-        raise ValueError("--lora-modules names an adapter twice")
-    return tuple(out)
+        if name in out:
+            raise ValueError(f"--lora-modules names the adapter {name!r} twice")
+        out[name] = path
+    return tuple(out.items())
 
 
 def _bytes(gib: Optional[float]) -> Optional[int]:

@@ -23,6 +23,7 @@ from common.protocol import (EngineStats, FinishReason, KvSource, RequestOutput,
 from common.structured import GrammarCompiler
 from common.validation import check_token_ids, checked_prompt
 from engine_worker.block_manager import BlockManager
+from engine_worker.forward import unit_vector
 from engine_worker.kv_paths import KvPaths
 from engine_worker.lora import AdapterError, Adapters
 from engine_worker.model_runner import ModelRunner
@@ -97,11 +98,12 @@ class LLMEngine:
         # LoRA adapters, applied by the layers they target to their requests' rows
         self.adapters = Adapters(runner.model, architecture(self.model_config.architecture),
                                  self.model_config.checkpoint_prefixes, config.max_loras,
-                                 config.max_lora_rank, self.device, runner.dtype)
-        runner.eager.lora = self.adapters.context
+                                 config.max_lora_rank, self.device, runner.dtype,
+                                 split=runner.parallel.size > 1)
+        runner.use_lora(self.adapters.context)
         for name, path in config.lora_modules:
             try:
-                self.load_adapter(name, path)
+                self.adapters.load(name, path)
             except AdapterError as e:
                 raise ValueError(f"--lora-modules {name}={path}: {e}") from e
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids)
@@ -216,6 +218,7 @@ class LLMEngine:
             request.embed = self.config.pooling
         request.kv_lease_s = kv_lease_s
         self.requests[request_id] = request
+        self.runner.num_special += bool(request.lora_slot or request.embed)
         if not self.kv.start(request, kv_source, time.monotonic()):
             self.scheduler.add(request)
 
@@ -239,23 +242,11 @@ class LLMEngine:
     def _forget(self, request_id: str) -> Optional[Request]:
         """A request that ended, no longer the engine's (its adapter let go of)."""
         request = self.requests.pop(request_id, None)
-        if request is not None and request.lora_slot:
-            self.adapters.release(request.lora_slot)
+        if request is not None and (request.lora_slot or request.embed):
+            self.runner.num_special -= 1
+            if request.lora_slot:
+                self.adapters.release(request.lora_slot)
         return request
-
-    # -- LoRA adapters (lora.py) -------------------------------------------------
-
-    def load_adapter(self, name: str, path: str) -> None:
-        """Load a LoRA adapter (lora.AdapterError, a 400, where it cannot be)."""
-        if self.runner.parallel.size > 1:
-            raise AdapterError("LoRA adapters are not served with the model split over "
-                               "tensor-parallel ranks yet")
-        self.adapters.load(name, path)
-        logger.info("LoRA adapter %s loaded from %s", name, path)
-
-    def unload_adapter(self, name: str) -> bool:
-        """Unload a LoRA adapter once the requests using it end; whether it was loaded."""
-        return self.adapters.unload(name)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -365,21 +356,17 @@ class LLMEngine:
         return _Step(sampling, self._sample(logits, sampling), early)
 
     def _embedded(self, request: Request) -> RequestOutput:
-        """An embedding request whose prompt is computed: its pooled hidden states,
-        normalized, and its end (its blocks stay in the prefix cache, as any
-        prompt's: an embedding of the same text again, with last-token pooling, or a
-        generation on it, reads them)."""
-        pooled = request.pooled
-        if request.embed == "mean":
-            pooled = pooled / request.num_prompt_tokens
-        vector = torch.nn.functional.normalize(pooled, dim=0)
-        if not torch.isfinite(vector).all():
+        """An embedding request whose prompt is computed: its vector (forward.py)
+        and its end (its blocks stay in the prefix cache, as any prompt's: an
+        embedding of the same text again, with last-token pooling, or a generation on
+        it, reads them)."""
+        vector = unit_vector(request.pooled)
+        if vector is None:
             return self._fail(request, "the embedding is not finite")
         request.finish_reason = FinishReason.STOP
         self.scheduler.finish(request)
         self._forget(request.request_id)
-        out = self._output(request, [], None)
-        return msgspec.structs.replace(out, embedding=vector.tolist())
+        return msgspec.structs.replace(self._output(request, [], None), embedding=vector)
 
     def _finish(self, step: "_Step") -> list[RequestOutput]:
         """Wait for a step's tokens and hand them to its requests (once)."""

@@ -33,6 +33,9 @@ class Forward(Protocol):
                  tokens: Optional[torch.Tensor], extra: Sequence[Row]
                  ) -> Optional[torch.Tensor]: ...
 
+    def serves_lora(self) -> bool:
+        """Whether steps with LoRA adapters' rows may run here (else eagerly)."""
+
 
 @dataclass
 class StepRows:
@@ -80,6 +83,13 @@ def pool(layout: Sequence[ScheduledRequest], hidden: torch.Tensor) -> None:
         at += s.num_tokens
 
 
+def unit_vector(pooled: torch.Tensor) -> Optional[list[float]]:
+    """An embedding request's vector: its pooled rows (their sum for "mean" pooling,
+    whose direction is their mean's) normalized, or None where that is not finite."""
+    vector = torch.nn.functional.normalize(pooled, dim=0)
+    return vector.tolist() if torch.isfinite(vector).all() else None
+
+
 class EagerForward:
     """The model's modules, layer by layer (its attention backend, its ops), on the
     step's inputs in persistent buffers (step_inputs.py)."""
@@ -91,6 +101,11 @@ class EagerForward:
         self.model, self.inputs, self.kv_caches, self.splits = model, inputs, kv_caches, splits
         # LoRA adapters' rows (models/layers/lora.py): set for each step that has any
         self.lora: Optional[LoraContext] = None
+        # the step has embedding requests' rows to pool (set by ModelRunner.forward)
+        self.pooling = False
+
+    def serves_lora(self) -> bool:
+        return True
 
     def __call__(self, scheduled: Sequence[ScheduledRequest], fills: Sequence[Fill],
                  tokens: Optional[torch.Tensor], extra: Sequence[Row]
@@ -102,7 +117,7 @@ class EagerForward:
                                     num_splits=self.splits(rows.num_decode), fills=rows.fills)
         batch.fill_ids(tokens)
         lora = self.lora
-        if lora is not None and any(s.request.lora_slot for s in rows.layout):
+        if lora is not None and lora.active:
             lora.set_rows([s.request.lora_slot for s in rows.layout
                            for _ in range(s.num_tokens)], batch.input_ids.device)
         try:
@@ -111,7 +126,8 @@ class EagerForward:
             if lora is not None:
                 lora.clear()
         logits = self.logits(hidden, batch)
-        pool(rows.layout, hidden)   # (once the step's forward is through)
+        if self.pooling:
+            pool(rows.layout, hidden)   # (once the step's forward is through)
         return logits
 
     def logits(self, hidden: torch.Tensor, batch) -> Optional[torch.Tensor]:

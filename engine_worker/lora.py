@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass
@@ -36,6 +37,8 @@ from engine_worker.models.spec import Architecture
 # PEFT's prefix of a saved adapter's tensor names (its wrapper of the model)
 PEFT_PREFIX = "base_model.model."
 MAX_NAME_CHARS = 128
+
+logger = logging.getLogger(__name__)
 
 
 class AdapterError(InvalidRequestError):
@@ -60,10 +63,11 @@ class Adapter:
 
 class Adapters:
     def __init__(self, model: nn.Module, arch: Architecture, checkpoint_prefixes: tuple,
-                 max_loras: int, max_rank: int, device: torch.device, dtype: torch.dtype
-                 ) -> None:
-        """dtype: the activations' (the model computes in)."""
-        self.device, self.dtype = device, dtype
+                 max_loras: int, max_rank: int, device: torch.device, dtype: torch.dtype,
+                 split: bool = False) -> None:
+        """dtype: the activations' (the model computes in); split: whether the model
+        is split over tensor-parallel ranks (no adapter is loaded then)."""
+        self.device, self.dtype, self.split = device, dtype, split
         self.context = LoraContext()
         self.max_rank = max_rank
         self.by_name: dict[str, Adapter] = {}
@@ -82,7 +86,7 @@ class Adapters:
 
     def infos(self) -> list[AdapterInfo]:
         """The adapters served (not those unloading), as the protocol lists them."""
-        return [AdapterInfo(name=a.name, path=a.path, rank=a.rank)
+        return [AdapterInfo(name=a.name, path=a.path, rank=a.rank, key=a.key)
                 for a in sorted(self.by_name.values(), key=lambda a: a.name)
                 if not a.unloading]
 
@@ -90,6 +94,9 @@ class Adapters:
 
     def load(self, name: str, path: str) -> Adapter:
         """Load the adapter at ``path`` as ``name`` (AdapterError where it cannot)."""
+        if self.split:
+            raise AdapterError("LoRA adapters are not served with the model split over "
+                               "tensor-parallel ranks yet")
         if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS \
                 or any(c.isspace() for c in name):
             raise AdapterError(f"an adapter's name is 1 to {MAX_NAME_CHARS} characters "
@@ -108,11 +115,11 @@ class Adapters:
         try:
             for layer_path, parts in weights.items():
                 layer = self.targets[layer_path][0]
-                a, b = _fused(layer, parts)
+                a, b, ranks = _fused(layer, parts)
                 if layer.lora is None:
-                    layer.lora = LoraWeights(self.context)
+                    layer.lora = LoraWeights(self.context, _row_parts(layer, len(parts)))
                 layer.lora.set(slot, a.to(self.device, self.dtype),
-                               b.to(self.device, self.dtype))
+                               b.to(self.device, self.dtype), ranks)
         except Exception as e:   # (out of memory): no layer keeps any of it
             self._clear(slot)
             raise AdapterError(f"{folder}: loading the adapter failed: {e}") from e
@@ -122,6 +129,7 @@ class Adapters:
             digest.update(key.encode() + tensors[key].float().numpy().tobytes())
         adapter = Adapter(name, str(folder), slot, rank, f"{name}:{digest.hexdigest()}")
         self.by_name[name] = adapter
+        logger.info("LoRA adapter %s loaded from %s", name, path)
         return adapter
 
     def _weights(self, folder: Path, config: dict, tensors: dict[str, torch.Tensor]
@@ -269,28 +277,45 @@ def _check_shapes(folder: Path, layer: Linear, parts: tuple[str, ...], found: li
                                f"outputs")
 
 
-def _fused(layer: Linear, parts: list) -> tuple[torch.Tensor, torch.Tensor]:
+def _fused(layer: Linear, parts: list
+           ) -> tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]:
     """A layer's (A, B) from its parts': A's rows stacked, B block-diagonal; then what
-    the loader did to the layer's outputs, and the rank's part of a split layer."""
+    the loader did to the layer's outputs, and the rank's part of a split layer. Also
+    each part's rank (0: the adapter has none of it)."""
     sizes = layer.full_sizes if len(parts) > 1 else (sum(layer.full_sizes),)
-    rank = sum(ab[0].shape[0] for ab in parts if ab is not None)
-    a = torch.zeros(rank, layer.full_in)
-    b = torch.zeros(sum(sizes), rank)
+    ranks = tuple(0 if ab is None else ab[0].shape[0] for ab in parts)
+    a = torch.zeros(sum(ranks), layer.full_in)
+    b = torch.zeros(sum(sizes), sum(ranks))
     row = col = 0
-    for size, ab in zip(sizes, parts):
+    for size, ab, r in zip(sizes, parts, ranks):
         if ab is not None:
-            r = ab[0].shape[0]
             a[col:col + r] = ab[0]
             b[row:row + size, col:col + r] = ab[1]
             col += r
         row += size
+    return (*_outputs(layer, a, b), ranks)
+
+
+def _row_parts(layer: Linear, num_parts: int) -> torch.Tensor:
+    """Each of the layer's output rows' part (0, 1, ...), in the order _fused leaves B's
+    rows."""
+    sizes = layer.full_sizes if num_parts > 1 else (sum(layer.full_sizes),)
+    part = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    rows = _outputs(layer, torch.zeros(0, layer.full_in), part[:, None], scaled=False)[1]
+    return rows[:, 0].int()
+
+
+def _outputs(layer: Linear, a: torch.Tensor, b: torch.Tensor, scaled: bool = True
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, B) as the layer's outputs are: the rank's part of a split layer, then what
+    the loader did to them (a factor, unless not ``scaled``; rows reordered)."""
     if layer.shard is not None:
         b = layer.shard.take_rows(b, layer.full_sizes)
         if layer.shard.cols is not None:
             a = a[:, layer.shard.cols]
-    b = b * layer.output_factor
+    if scaled:
+        b = b * layer.output_factor
     if layer.output_rows is not None:
         rows = layer.output_rows
         b[:len(rows)] = b[rows].clone()
     return a.contiguous(), b.contiguous()
-

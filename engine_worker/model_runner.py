@@ -27,6 +27,7 @@ from engine_worker.models.loader import load_model
 from engine_worker.models.config import ModelConfig
 from engine_worker.models.gguf import gguf_file
 from engine_worker.models.layers.linear import Linear, WeightFormats
+from engine_worker.models.layers.lora import LoraContext
 from engine_worker.models.layers.parallel import join
 from engine_worker.ops import FP8
 from engine_worker.platform import Platform
@@ -86,6 +87,10 @@ class ModelRunner:
         # (split over ranks: every step eager, the one the other ranks follow)
         self.step = (platform.forward(self.eager, self.attn, self.kv, scheduler)
                      if self.parallel.size == 1 else self.eager)
+        self.lora: Optional[LoraContext] = None   # (use_lora)
+        # Requests of LoRA adapters or embeddings the engine holds (it counts them):
+        # none, and forward does not look through a step's requests for them.
+        self.num_special = 0
         if self.kv_scales is not None:
             self.kv_scales.calibrate_next()   # (from the first real prompts, not the above)
         self._log_cache()
@@ -136,6 +141,12 @@ class ModelRunner:
             if calibrating:   # (rank 0's first step set its fp8 scales; this one, these)
                 self.kv_scales.calibrated()
 
+    def use_lora(self, context: LoraContext) -> None:
+        """Serve LoRA adapters (engine_worker/lora.py), whose rows ``context`` tells."""
+        self.lora = self.eager.lora = context
+        if self.step is not self.eager:
+            self.step.lora = context
+
     @torch.inference_mode()
     def forward(self, scheduled: list[ScheduledRequest],
                 pending: Optional[tuple[torch.Tensor, dict[int, int]]] = None
@@ -157,13 +168,23 @@ class ModelRunner:
         fills = self._fills(scheduled, pending)
         extra = self._extra_rows(scheduled)
         calibrating = self.kv_scales is not None and self.kv_scales.calibrating
-        # (the first step sets an fp8 cache's scales, eagerly; a step with LoRA
-        # adapters' rows, or embeddings', runs eagerly too: models/layers/lora.py,
-        # forward.pool)
-        eager = calibrating or any(s.request.lora_slot or s.request.embed
-                                   for s in scheduled)
+        special = self.num_special > 0
+        adapters = special and self.lora is not None and any(s.request.lora_slot
+                                                             for s in scheduled)
+        pooling = special and any(s.request.embed for s in scheduled)
+        # (the first step sets an fp8 cache's scales, eagerly; a step with embeddings'
+        # rows runs eagerly too, as one with LoRA adapters' rows where the step cannot
+        # apply them: forward.pool, models/layers/lora.py)
+        eager = calibrating or pooling or (adapters and not self.step.serves_lora())
         step = self.eager if eager else self.step
-        logits = step(scheduled, fills, pending[0] if pending is not None else None, extra)
+        if self.lora is not None:
+            self.lora.active = adapters
+        self.eager.pooling = pooling
+        try:
+            logits = step(scheduled, fills, pending[0] if pending is not None else None, extra)
+        finally:
+            if self.lora is not None:
+                self.lora.active = False
         if calibrating:
             self.kv_scales.calibrated()
         return self._split_extra_logits(logits, sum(1 for s in scheduled if s.samples))

@@ -267,8 +267,8 @@ class EngineServer:
         engine = self.engine
         try:
             if command.path is not None:
-                engine.load_adapter(command.name, command.path)
-            elif not engine.unload_adapter(command.name):
+                engine.adapters.load(command.name, command.path)
+            elif not engine.adapters.unload(command.name):
                 raise InvalidRequestError(f"no LoRA adapter named {command.name!r} is "
                                           f"loaded", "lora_name")
             else:

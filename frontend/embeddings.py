@@ -73,7 +73,8 @@ async def embed(pipe, body: EmbeddingRequest) -> dict:
                                          pipe.config.request_timeout_s)
     except asyncio.TimeoutError:
         raise APIError(504, f"the embeddings took longer than the request timeout "
-                            f"({pipe.config.request_timeout_s:g} s)") from None
+                            f"({pipe.config.request_timeout_s:g} s)",
+                       code="request_timeout") from None
     finally:
         for task in tasks:
             task.cancel()

@@ -19,6 +19,8 @@ on by a test-only environment variable:
                                    illegal-address error (a sticky error)
     ROSESERVE_FAULT_KV             a prefill engine's answers to KV pulls spoiled:
                                    "corrupt", "drop", "delay:S" or "exit:N" (_kv_faults)
+    ROSESERVE_FAULT_ADAPTER_EXIT   the engine exits (code 7) as it starts loading the
+                                   LoRA adapter of this name (a crash mid-load)
   tokenizer_worker
     ROSESERVE_FAULT_CRASH_MARKER   a batch holding this text kills the worker...
     ROSESERVE_FAULT_CRASH_SLOTS    ...if its slot is listed (comma-separated)
@@ -101,6 +103,17 @@ def _engine(server) -> None:
         _sticky_cuda_error(engine, int(cuda_token))
     if _env("KV"):
         _kv_faults(engine, _env("KV"))
+    doomed = _env("ADAPTER_EXIT")
+    if doomed:
+        load = engine.adapters.load
+
+        def exit_mid_load(name, path):
+            if name == doomed:
+                print(f"injected exit loading LoRA adapter {name}", flush=True)
+                os._exit(7)
+            return load(name, path)
+
+        engine.adapters.load = exit_mid_load
 
 
 def _scripts(engine, scripts: dict[int, list[int]]) -> None:

@@ -28,11 +28,15 @@ def make_adapter(model_dir, out, seed: int, rank: int, alpha: int, modules, rslo
 
 @torch.inference_mode()
 def merged_greedy(model_dir, adapter_dir, prompts, n: int) -> list[Reference]:
+    """With adapter_dir None: the base model's, from a model of its own (not the
+    shared one, whose RoPE tables another test may have left as inference tensors)."""
     from peft import PeftModel
 
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     base.generation_config.eos_token_id = None
+    if adapter_dir is None:
+        return _greedy(base.eval(), prompts, n)
     merged = PeftModel.from_pretrained(base, adapter_dir).merge_and_unload().eval()
     return _greedy(merged, prompts, n)

@@ -15,6 +15,7 @@ from engine_worker.forward import Fill, Row
 from engine_worker.models.layers.attention import Attention
 from engine_worker.models.layers.decoder import DecoderLayer, DecoderModel
 from engine_worker.models.layers.linear import Linear
+from engine_worker.models.layers.lora import LoraContext
 from engine_worker.models.layers.mlp import MLP
 from engine_worker.models.layers.moe import MoE
 from engine_worker.ops import soft_cap
@@ -34,6 +35,14 @@ class _Moe(ctypes.Structure):
         ("shared_intermediate", ctypes.c_int64)]
 
 
+class _Lora(ctypes.Structure):
+    _fields_ = [("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("row_part", ctypes.c_void_p),
+                *((name, ctypes.c_int64) for name in ("rank", "parts", "slots"))]
+
+
+LORA_TARGETS = ("lora_qkv", "lora_o", "lora_gate_up", "lora_down")
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [*((name, ctypes.c_void_p) for name in (
         "attn_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "mlp_norm",
@@ -41,7 +50,8 @@ class _Layer(ctypes.Structure):
         *((name, ctypes.c_int64) for name in (
             "qkv_format", "o_format", "gate_up_format", "down_format", "rope", "window")),
         ("attn_out_norm", ctypes.c_void_p), ("mlp_out_norm", ctypes.c_void_p),
-        ("moe", ctypes.POINTER(_Moe)), ("sinks", ctypes.c_void_p)]
+        ("moe", ctypes.POINTER(_Moe)), ("sinks", ctypes.c_void_p),
+        *((name, ctypes.POINTER(_Lora)) for name in LORA_TARGETS)]
 
 
 class _Llama(ctypes.Structure):
@@ -53,7 +63,8 @@ class _Llama(ctypes.Structure):
         ("embed", ctypes.c_void_p), ("lm_head", ctypes.c_void_p), ("norm", ctypes.c_void_p),
         ("layers", ctypes.POINTER(_Layer)), ("gelu", ctypes.c_int64),
         ("softcap", ctypes.c_float),
-        *((name, ctypes.c_int64) for name in ("moe_experts", "moe_top_k", "moe_intermediate"))]
+        *((name, ctypes.c_int64) for name in (
+            "moe_experts", "moe_top_k", "moe_intermediate", "lora_width"))]
 
 
 class _Step(ctypes.Structure):
@@ -66,7 +77,7 @@ class _Step(ctypes.Structure):
                 ("scratch", ctypes.c_void_p), ("logits", ctypes.c_void_p),
                 ("profile", ctypes.c_void_p), ("cos_local", ctypes.c_void_p),
                 ("sin_local", ctypes.c_void_p), ("local_slots", ctypes.c_void_p),
-                ("local_block_tables", ctypes.c_void_p)]
+                ("local_block_tables", ctypes.c_void_p), ("lora_slots", ctypes.c_void_p)]
 
 
 class FusedLlama:
@@ -85,6 +96,12 @@ class FusedLlama:
         self._vocab = cfg.vocab_size
         self._logit_softcap = cfg.logit_softcap
         self._keep: list = [model, kv_caches]  # everything the pointers point into
+        # Each layer's linear layers in LORA_TARGETS' order (a mixture's MLP: none), and
+        # those whose adapters this call does not apply (a mixture's shared expert's)
+        self._lora_targets: list[tuple[Optional[Linear], ...]] = []
+        self._lora_others: list[Linear] = []
+        self._lora_version, self._lora_served = -1, True
+        self._lora_keep: list = []
         layers = []
         for layer, kv in zip(model.layers, kv_caches):
             attn, mlp = layer.self_attn, layer.mlp
@@ -94,6 +111,10 @@ class FusedLlama:
                 self._keep.append(moe)
                 mlp = mlp.shared_expert
             dense = (None, None) if mlp is None else (mlp.gate_up_proj, mlp.down_proj)
+            self._lora_targets.append((attn.qkv_proj, attn.o_proj,
+                                       *(dense if moe is None else (None, None))))
+            if moe is not None:
+                self._lora_others += [lin for lin in dense if lin is not None]
             layers.append(_Layer(
                 ptr_or_none(layer.input_layernorm.weight), ptr_or_none(attn.qkv_proj.packed),
                 ptr_or_none(attn.qkv_proj.bias),
@@ -122,8 +143,36 @@ class FusedLlama:
             ptr_or_none(model.norm.weight), self._layers, int(cfg.hidden_act != "silu"),
             cfg.attn_softcap, max((m.num_experts for m in mixtures), default=0),
             max((m.top_k for m in mixtures), default=0),
-            max((max(m.intermediate, m.shared_intermediate) for m in mixtures), default=0))
+            max((max(m.intermediate, m.shared_intermediate) for m in mixtures), default=0), 0)
         self._scratch = torch.empty(0)
+
+    def serves_lora(self, context: LoraContext) -> bool:
+        """Whether this call applies the adapters loaded now (their weights pointed
+        to afresh after any load or unload): not where one targets a mixture's shared
+        expert."""
+        if context.version != self._lora_version:
+            # (every layer's packed first: one that fails leaves the structs as they were)
+            keep, width, pointers = [], 0, []
+            for targets in self._lora_targets:
+                for lin in targets:
+                    lora = None
+                    if lin is not None and lin.lora is not None and lin.lora.slots:
+                        a, b, row_part, rank, parts, num = lin.lora.packed()
+                        lora = _Lora(a.data_ptr(), b.data_ptr(), row_part.data_ptr(), rank,
+                                     parts, num)
+                        keep.append((a, b, row_part, lora))
+                        width = max(width, parts * rank)
+                    pointers.append(None if lora is None else ctypes.pointer(lora))
+            at = iter(pointers)
+            for layer in self._layers:
+                for name in LORA_TARGETS:
+                    setattr(layer, name, next(at))
+            self._lora_keep = keep   # (what the structs point into, until the next)
+            self._model.lora_width = width
+            self._lora_served = not any(lin.lora is not None and lin.lora.slots
+                                        for lin in self._lora_others)
+            self._lora_version = context.version
+        return self._lora_served
 
     @staticmethod
     def supports(model) -> bool:
@@ -177,13 +226,14 @@ class FusedLlama:
                 slots: torch.Tensor, seq: torch.Tensor, ctx_lens: torch.Tensor,
                 block_tables: torch.Tensor, sample_rows: torch.Tensor, max_ctx: int,
                 num_threads: int, local: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-                local_pool: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-                ) -> torch.Tensor:
+                local_pool: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+                lora_slots: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Per token (N,) int64: ids, slots, seq (its row of block_tables) and ctx_lens
         (keys it attends to, itself included); cos, sin (N, D/2), and ``local`` those of
         the layers with a RoPE of their own (Gemma 3's sliding ones); ``local_pool``
         the sliding layers' slots and block tables where their blocks are a pool of their
-        own (window_blocks.py); sample_rows (S,).
+        own (window_blocks.py); sample_rows (S,); ``lora_slots`` each token's LoRA
+        adapter (N,) int64 (0: none), where any has one (after serves_lora).
         Writes the step's keys and values; returns the logits (S, V)."""
         n, num_samples = ids.shape[0], sample_rows.shape[0]
         if self._local_rope and local is None:
@@ -198,7 +248,8 @@ class FusedLlama:
                      block_tables.shape[1], max_ctx, num_samples, sample_rows.data_ptr(),
                      num_threads, self._scratch.data_ptr(), logits.data_ptr(),
                      ptr_or_none(self.profile), *(ptr_or_none(t) for t in (local or (None, None))),
-                     *(ptr_or_none(t) for t in (local_pool or (None, None))))
+                     *(ptr_or_none(t) for t in (local_pool or (None, None))),
+                     ptr_or_none(lora_slots))
         rc = self._kernels._llama_forward(ctypes.byref(self._model), ctypes.byref(step))
         if rc == -2:
             raise ValueError("the fused forward needs head_dim a multiple of 16, <= 256")
@@ -215,16 +266,31 @@ class FusedForward:
                  windowed: bool) -> None:
         """windowed: the sliding layers' blocks are a pool of their own (kv_cache.py)."""
         self.fused, self.model, self.block_size, self.windowed = fused, model, block_size, windowed
+        self.lora: Optional[LoraContext] = None   # the adapters' (ModelRunner.use_lora)
+
+    def serves_lora(self) -> bool:
+        return self.lora is not None and self.fused.serves_lora(self.lora)
 
     def __call__(self, scheduled: Sequence[ScheduledRequest], fills: Sequence[Fill],
                  tokens: Optional[torch.Tensor], extra: Sequence[Row]
                  ) -> Optional[torch.Tensor]:
+        # (the adapters' weights pointed to as they are now: after an unload too, so
+        # that what it held is let go of)
+        served = self.serves_lora()
+        adapters = self.lora is not None and self.lora.active
+        assert served or not adapters, "adapters' rows in a step the C forward cannot apply"
+        return self._run(scheduled, fills, tokens, extra, adapters)
+
+    def _run(self, scheduled: Sequence[ScheduledRequest], fills: Sequence[Fill],
+             tokens: Optional[torch.Tensor], extra: Sequence[Row], adapters: bool
+             ) -> Optional[torch.Tensor]:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
         seq: list[int] = []
         sample_rows: list[int] = []
         first_rows: list[int] = []
+        lora_slots: list[int] = []
         # per pool (the full layers', then the sliding layers' where windowed): the
         # tokens' slots and the sequences' block tables
         pools: list[tuple[list, list]] = [([], []) for _ in range(1 + self.windowed)]
@@ -234,6 +300,8 @@ class FusedForward:
             start, end = r.num_computed_tokens, r.num_computed_tokens + s.num_tokens
             input_ids.extend(r.token_ids[start:end])
             positions.extend(range(start, end))
+            if adapters:
+                lora_slots += [r.lora_slot] * s.num_tokens
             # A request checking proposed tokens: each of its rows a sequence of its
             # own, so that it attends as a decode row does (the same sums, in the same
             # order: the tokens are the ones decoding one at a time gives).
@@ -253,7 +321,7 @@ class FusedForward:
         flat = torch.tensor(input_ids + positions + [p + 1 for p in positions] + seq
                             + [x for slots, tables in pools for x in slots
                                + [b for t in tables for b in t + [0] * (width - len(t))]]
-                            + sample_rows + wanted, dtype=torch.int64)
+                            + sample_rows + wanted + lora_slots, dtype=torch.int64)
         ids, positions_t, ctx_lens, seq_t = flat[:4 * n].view(4, n)
         for i, offset, source in fills:  # placeholders: the ids the last step sampled
             ids[first_rows[i] + offset] = tokens[source]
@@ -262,10 +330,11 @@ class FusedForward:
             views.append((flat[at:at + n], flat[at + n:at + n + num_seqs * width]
                           .view(num_seqs, width)))
             at += n + num_seqs * width
+        samples = flat[at:at + len(sample_rows) + len(wanted)]
         cos, sin = self.model.rotary(positions_t, torch.float32)
         local = (None if self.model.rotary_local is None
                  else self.model.rotary_local(positions_t, torch.float32))
         return self.fused.forward(
-            ids, cos, sin, views[0][0], seq_t, ctx_lens, views[0][1], flat[at:],
+            ids, cos, sin, views[0][0], seq_t, ctx_lens, views[0][1], samples,
             max(positions) + 1, torch.get_num_threads(), local,
-            views[1] if self.windowed else None)
+            views[1] if self.windowed else None, flat[at + samples.numel():] if adapters else None)

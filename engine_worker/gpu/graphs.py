@@ -273,6 +273,9 @@ class GraphForward:
             return None
         return self.prompt_sizes[i]
 
+    def serves_lora(self) -> bool:
+        return False   # (the graphs hold no adapters' products: such steps run eagerly)
+
     def __call__(self, scheduled: Sequence[ScheduledRequest], fills: Sequence[Fill],
                  tokens: Optional[torch.Tensor], extra: Sequence[Row]
                  ) -> Optional[torch.Tensor]:

@@ -229,3 +229,19 @@ def test_a_job_left_mid_setup_gives_back_what_it_took_even_if_the_setup_finished
     assert sent[0]["status"] == 499
     assert (admission.requests, admission.tokens) == (0, 0)
     assert [job.request_id for job in closed] == ["cmpl-1"]
+
+
+def test_embeddings_past_the_request_timeout_give_504_and_are_aborted_in_the_engine(limited):
+    url = limited["url"]
+    before = engine_stats(limited["engine"].address).num_prompt_tokens_computed
+    # 400 inputs, one engine step of 20 ms each (one at a time): 8 s; the limit is 4 s.
+    r = httpx.post(url + "/v1/embeddings", timeout=60,
+                   json={"model": "tiny-llama", "input": [[9, 10]] * 400})
+    assert r.status_code == 504, r.text[:300]
+    assert r.json()["error"] == {
+        "message": "the embeddings took longer than the request timeout (4 s)",
+        "type": "error", "param": None, "code": "request_timeout"}
+    stats = wait_engine_idle(limited["engine"].address)
+    assert stats.num_running == 0 and stats.num_waiting == 0 and stats.num_blocks_used == 0
+    # the inputs not embedded by then were aborted, not computed
+    assert stats.num_prompt_tokens_computed - before < 700

@@ -12,6 +12,7 @@ import time
 
 import httpx
 
+import processes
 from helpers import random_prompts
 from hf_reference import hf_greedy
 from lora_adapters import make_adapter, merged_greedy
@@ -101,3 +102,19 @@ def test_adapters_over_http(tiny_llama_dir, tiny_llama_hd8_dir, tmp_path):
         assert "c" not in [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]]
     finally:
         serve.stop()
+
+
+def test_an_engine_that_dies_loading_an_adapter_gives_503(tiny_llama_dir, tmp_path):
+    adapter = make_adapter(tiny_llama_dir, tmp_path / "doomed", 0, 4, 8, ["q_proj"], False)
+    with processes.local_stack(tiny_llama_dir, tmp_path, engine_env={
+            "ROSESERVE_FAULT_ADAPTER_EXIT": "doomed"}) as front:
+        r = httpx.post(f"{front.url}/v1/load_lora_adapter", timeout=60,
+                       json={"lora_name": "doomed", "lora_path": str(adapter)})
+        assert r.status_code == 503, r.text
+        assert r.headers["Retry-After"] == "1"
+        error = r.json()["error"]
+        assert error["code"] == "engine_unavailable" and error["type"] == "service_unavailable"
+        assert error["message"] == (
+            f"the LoRA adapter 'doomed' was not loaded: the engine at ipc://{tmp_path}/"
+            f"engine.sock did not answer: lost the connection to the engine at "
+            f"ipc://{tmp_path}/engine.sock")

@@ -64,6 +64,26 @@ def test_an_embedding_takes_a_prompt_alone(tiny_llama_dir):
     assert not e.requests
 
 
+def test_a_pooled_vector_is_its_unit_vector_and_one_not_finite_fails_its_request(
+        tiny_llama_dir):
+    """forward.unit_vector: the pooled rows normalized, or None where that is not
+    finite; the engine then ends the request with an error."""
+    from engine_worker.forward import unit_vector
+    from helpers import make_engine
+
+    assert unit_vector(torch.tensor([6.0, 8.0])) == pytest.approx([0.6, 0.8])
+    assert unit_vector(torch.tensor([1.0, float("nan")])) is None
+    assert unit_vector(torch.tensor([float("inf"), 1.0])) is None
+    e = make_engine(tiny_llama_dir, cpu_kernels=False)
+    with torch.no_grad():
+        e.runner.model.norm.weight.fill_(float("nan"))   # every hidden state NaN
+    e.add_request("x", [1, 2, 3], SamplingParams(max_tokens=1, embed=True))
+    (out,) = e.step()
+    assert (out.finish_reason.value, out.error, out.embedding) == (
+        "error", "the embedding is not finite", None)
+    assert not e.requests and e.stats().num_blocks_used == 0
+
+
 def test_a_preempted_embedding_pools_each_row_once(default_model_dir):
     """Mean pooling over a prompt in chunks whose request is preempted after its first
     chunk: computed again from the start, each row counted once (it counted the first

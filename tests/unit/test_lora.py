@@ -15,7 +15,8 @@ from common.config import CacheConfig, EngineConfig, SchedulerConfig
 from common.errors import InvalidRequestError
 from common.protocol import SamplingParams
 from engine_worker.engine import LLMEngine
-from engine_worker.lora import AdapterError
+from engine_worker.lora import AdapterError, Adapters
+from engine_worker.models.registry import architecture
 from helpers import random_prompts
 from hf_reference import _greedy, assert_matches, hf_model
 from lora_adapters import make_adapter, merged_greedy
@@ -100,14 +101,14 @@ def test_bad_adapters_are_refused_with_the_reason(tiny_llama_dir, tiny_llama_hd8
                                                  adapters, tmp_path):
     e = engine(tiny_llama_dir, max_lora_rank=8, max_loras=2)
     with pytest.raises(AdapterError, match="is not a LoRA adapter folder"):
-        e.load_adapter("a", str(tmp_path / "missing"))
+        e.adapters.load("a", str(tmp_path / "missing"))
     with pytest.raises(AdapterError, match=r"rank 16 \(layers.0.mlp.gate_proj\) is above "
                                            r"this engine's --max-lora-rank 8"):
-        e.load_adapter("a", str(adapters["mlp"]))
+        e.adapters.load("a", str(adapters["mlp"]))
     other = make_adapter(tiny_llama_hd8_dir, tmp_path / "other", 0, 4, 8, ["q_proj"], False)
     with pytest.raises(AdapterError, match="is not an adapter of this model: "
                                            "layers.0.self_attn.q_proj has A"):
-        e.load_adapter("a", str(other))
+        e.adapters.load("a", str(other))
     config = json.loads((adapters["qv"] / "adapter_config.json").read_text())
     dora = tmp_path / "dora"
     dora.mkdir()
@@ -115,18 +116,45 @@ def test_bad_adapters_are_refused_with_the_reason(tiny_llama_dir, tiny_llama_hd8
         (adapters["qv"] / "adapter_model.safetensors").read_bytes())
     (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     with pytest.raises(AdapterError, match="DoRA is not served"):
-        e.load_adapter("a", str(dora))
+        e.adapters.load("a", str(dora))
     with pytest.raises(AdapterError, match="an adapter's name is 1 to 128 characters"):
-        e.load_adapter("a b", str(adapters["qv"]))
-    e.load_adapter("qv", str(adapters["qv"]))
+        e.adapters.load("a b", str(adapters["qv"]))
+    e.adapters.load("qv", str(adapters["qv"]))
     with pytest.raises(AdapterError, match="'qv' is loaded already"):
-        e.load_adapter("qv", str(adapters["qv"]))
-    e.load_adapter("every", str(adapters["every"]))
+        e.adapters.load("qv", str(adapters["qv"]))
+    e.adapters.load("every", str(adapters["every"]))
     with pytest.raises(AdapterError, match="2 adapters are loaded, the most"):
-        e.load_adapter("rs", str(adapters["rs"]))
+        e.adapters.load("rs", str(adapters["rs"]))
     with pytest.raises(InvalidRequestError, match="the model 'nope' does not exist"):
         e.add_request("x", PROMPTS[0], greedy(4, "nope"))
     assert not e.requests
+
+
+def test_malformed_lora_modules_flags_are_refused_naming_the_spec():
+    from engine_worker.__main__ import build_parser, engine_config_from_args
+
+    def modules(*specs: str):
+        args = build_parser().parse_args(["--lora-modules", *specs])
+        return engine_config_from_args(args).lora_modules
+
+    assert modules("a=/x", "b=/y=z") == (("a", "/x"), ("b", "/y=z"))
+    for spec in ("a", "a=", "=/x"):
+        with pytest.raises(ValueError, match=f"^--lora-modules takes NAME=PATH, got "
+                                             f"'{spec}'$"):
+            modules("b=/y", spec)
+    with pytest.raises(ValueError, match="^--lora-modules names the adapter 'a' twice$"):
+        modules("a=/x", "b=/y", "a=/z")
+
+
+def test_a_model_split_over_ranks_loads_no_adapter(tiny_llama_dir, adapters):
+    e = engine(tiny_llama_dir)
+    split = Adapters(e.runner.model, architecture(e.model_config.architecture),
+                     e.model_config.checkpoint_prefixes, 2, 8, e.device, e.runner.dtype,
+                     split=True)
+    with pytest.raises(AdapterError, match="^LoRA adapters are not served with the model "
+                                           "split over tensor-parallel ranks yet$"):
+        split.load("qv", str(adapters["qv"]))
+    assert "qv" not in split and split.free_slots == [1, 2]
 
 
 def test_an_adapter_unloaded_in_use_finishes_its_requests_first(tiny_llama_dir, adapters):
@@ -135,15 +163,18 @@ def test_an_adapter_unloaded_in_use_finishes_its_requests_first(tiny_llama_dir, 
     e.block_manager.reset_prefix_cache()
     e.add_request("busy", PROMPTS[0], greedy(8, "every"))
     got = [t for o in e.step() for t in o.new_token_ids]
-    assert e.unload_adapter("every")
+    assert e.adapters.unload("every")
     with pytest.raises(InvalidRequestError, match="does not exist"):
         e.add_request("late", PROMPTS[0], greedy(8, "every"))
     while e.has_unfinished_requests():
         got += [t for o in e.step() for t in o.new_token_ids]
     assert got == expected
     assert "every" not in e.adapters and e.adapters.free_slots == [1]
-    e.load_adapter("rs", str(adapters["rs"]))   # its slot taken by another
+    e.adapters.load("rs", str(adapters["rs"]))   # its slot taken by another
     assert e.adapters.by_name["rs"].slot == 1
+    # (the C forward's weights for the slot are the new adapter's)
+    assert run(e, [(PROMPTS[0], greedy(8, "rs"))])[0] == merged_greedy(
+        tiny_llama_dir, adapters["rs"], PROMPTS[:1], 8)[0].token_ids
 
 
 def test_an_embedding_runs_with_its_adapter(tiny_llama_dir, adapters):
@@ -168,3 +199,31 @@ def test_an_embedding_runs_with_its_adapter(tiny_llama_dir, adapters):
         ref = torch.nn.functional.normalize(h, dim=0)
         assert float(torch.tensor(outs[name]) @ ref) >= 0.9999, name
     assert outs["lora"] != outs["base"]
+
+
+@pytest.mark.parametrize("model", ["granite", "phi4_mini", "gemma3"])
+def test_the_one_call_cpu_forward_applies_adapters_as_peft_merges_them(request, model,
+                                                                      tmp_path):
+    """The C forward's own products (cpu/csrc/llama.c), never the layer-by-layer path:
+    a residual multiplier folded into B (Granite), q/k/v and gate/up stored fused with
+    a partial RoPE's reordered rows (Phi-4-mini), norms of o's and down's outputs after
+    the adapter's product (Gemma 3); two adapters and the base model in one batch."""
+    model_dir = request.getfixturevalue(f"tiny_{model}_dir")
+    modules = (["qkv_proj", "o_proj", "gate_up_proj", "down_proj"] if model == "phi4_mini"
+               else MODULES)
+    alpha = 64 if model == "granite" else 8   # (Granite's residual branches are x0.22)
+    made = {"a": make_adapter(model_dir, tmp_path / "a", 1, 8, alpha, modules, False),
+            "b": make_adapter(model_dir, tmp_path / "b", 2, 4, alpha // 2, modules[1:], True)}
+    refs = {name: merged_greedy(model_dir, path, PROMPTS, 6)
+            for name, path in {**made, None: None}.items()}
+    assert all(any(r.token_ids != base.token_ids for r, base in zip(refs[n], refs[None]))
+               for n in made)   # (each adapter changes some tokens)
+    # (Phi-4-mini's short factors, as Hugging Face's at these lengths)
+    e = engine(model_dir, made.items(), max_model_len=64 if model == "phi4_mini" else None)
+    eager = e.runner.eager.run
+    e.runner.eager.run = lambda *a: pytest.fail("a step ran layer by layer")
+    names = [*made, None]
+    got = run(e, [(p, greedy(6, name)) for name in names for p in PROMPTS])
+    e.runner.eager.run = eager
+    for k, name in enumerate(names):
+        assert_matches(got[k * len(PROMPTS):(k + 1) * len(PROMPTS)], refs[name], str(name))

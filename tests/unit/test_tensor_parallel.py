@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import socket
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -19,7 +20,7 @@ from common.errors import ModelLoadError
 from engine_worker.engine import LLMEngine
 from engine_worker.models.layers.embedding import VocabShard
 from engine_worker.models.layers.linear import Linear
-from engine_worker.models.layers.parallel import NOT_SPLIT, Parallel
+from engine_worker.models.layers.parallel import NOT_SPLIT, Parallel, Shard
 from common.model_files import resolve_model_dir
 from engine_worker.models.gguf import gguf_file
 from engine_worker.models.loader import load_model
@@ -77,6 +78,38 @@ def test_a_gguf_files_blocks_are_cut_as_they_are(tiny_llama_gguf):
     """A GGUF file's tensors, cut by rows or on their blocks before they are packed:
     each rank's layers are the whole file's, cut (F32, Q8_0, Q4_0)."""
     check_shards(tiny_llama_gguf, "float32", None)
+
+
+def test_a_k_quant_tensor_cut_inside_its_blocks_is_refused(tmp_path):
+    """A row-parallel layer's inputs cut for two ranks: Q4_K's blocks of 256 inputs
+    split where each rank's half is whole blocks (512 inputs), and are refused, naming
+    the type and the cut, where each half is inside a block (256)."""
+    from gguf import GGMLQuantizationType as T, GGUFWriter
+
+    from engine_worker.cpu import build
+    from engine_worker.models.gguf import GgufWeights
+
+    w = GGUFWriter(str(tmp_path / "k.gguf"), "llama")
+    w.add_block_count(1)
+    for name, blocks in (("blk.0.ffn_down.weight", 1), ("blk.1.ffn_down.weight", 2)):
+        w.add_tensor(name, np.zeros((8, 144 * blocks), np.uint8), raw_dtype=T.Q4_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    weights = GgufWeights(tmp_path / "k.gguf", build.cpu_kernels())
+
+    def pack(name: str, inputs: int, rank: int):
+        cols = Parallel(rank, 2).split(inputs, "the MLP's intermediate features", unit=32)
+        return weights.pack([name], inputs, shard=Shard(cols=cols), sizes=(8,))
+
+    assert [pack("blk.1.ffn_down.weight", 512, r).in_features for r in range(2)] == [256, 256]
+    for rank, cut in enumerate(("0-128", "128-256")):
+        with pytest.raises(ModelLoadError, match=f"^k\\.gguf: a Q4_K tensor's blocks of 256 "
+                                                 f"inputs do not split at input {cut} for "
+                                                 f"this tensor-parallel rank; serve it over "
+                                                 f"fewer ranks$"):
+            pack("blk.0.ffn_down.weight", 256, rank)
 
 
 def check_shards(model, fmt: str, quantization) -> None:

@@ -22,6 +22,13 @@
  * rows, in the experts' order and each expert's rows in theirs, the outputs weighted
  * and summed as transformers sums them (engine_worker/models/llama.py, MoE).
  *
+ * LoRA adapters (models/layers/lora.py) add each token row's own adapter's low-rank
+ * product to the linear layers they target, inside the same call: x A^T into a few
+ * floats a row, then those times B^T added to the layer's output (before its bias-free
+ * residual add, its activation or its norm, where the module adds it too). A token's
+ * adapter is its slot (0: none); a layer's adapters are every slot's A and B, zero-padded
+ * to the layer's rank, a fused layer's (q, k and v; gate and up) part by part.
+ *
  * With a profile array, the first thread adds the wall time of each kind of work to it
  * (each ends at a barrier, so the time is the slowest thread's): linear layers,
  * attention, the rest (embedding, norms, RoPE and KV writes, SiLU); a mixture of
@@ -55,6 +62,15 @@ struct rs_moe {
     int64_t shared_gate_format, shared_intermediate;
 };
 
+/* A linear layer's LoRA adapters, by slot (1 first): A [slots, parts x rank, K], each
+   part's rank rows in turn; B [slots, O, rank], each output row reading its part's
+   (row_part [O]); B scaled. */
+struct rs_lora {
+    const float *a, *b;
+    const int32_t *row_part;
+    int64_t rank, parts, slots;
+};
+
 struct rs_llama_layer {
     const float *attn_norm;                 /* [C] */
     const void *qkv;                        /* packed [(Hq + 2 Hkv) D, C] */
@@ -78,6 +94,8 @@ struct rs_llama_layer {
     const float *attn_out_norm, *mlp_out_norm;
     const struct rs_moe *moe;               /* the MLP a mixture of experts, or NULL */
     const float *sinks;                     /* [Hq] each head's sink logit (gpt-oss), or NULL */
+    /* LoRA adapters on qkv, o, gate_up and down (a dense MLP's), each or NULL */
+    const struct rs_lora *lora_qkv, *lora_o, *lora_gate_up, *lora_down;
 };
 
 struct rs_llama {
@@ -95,6 +113,7 @@ struct rs_llama {
     /* The largest of the layers' mixtures (0 without any): experts, experts a token,
        and intermediate size (each expert's or a shared expert's), for the scratch */
     int64_t moe_experts, moe_top_k, moe_intermediate;
+    int64_t lora_width;      /* the layers' largest LoRA parts x rank (0: no adapters) */
 };
 
 struct rs_step {
@@ -113,6 +132,7 @@ struct rs_step {
     /* The sliding layers' own slots [N] and block tables [num_seqs, max_blocks] where
        their blocks are a pool of their own (window_blocks.py), or NULL */
     const int64_t *local_slots, *local_block_tables;
+    const int64_t *lora_slots;                     /* [N] each token's adapter, or NULL */
 };
 
 enum { PROFILE_LINEAR, PROFILE_ATTENTION, PROFILE_OTHER };
@@ -126,8 +146,8 @@ enum { PROFILE_LINEAR, PROFILE_ATTENTION, PROFILE_OTHER };
         }                                                  \
     } while (0)
 
-/* The attention's tiles (N + 1 int64) in floats, one more to align them: they come
-   last in the scratch. */
+/* The attention's tiles (N + 1 int64) in floats, one more to align them: after them in
+   the scratch, only a mixture's and the LoRA products' own. */
 static inline int64_t tile_floats(int64_t N) { return 2 * (N + 1) + 1; }
 
 /* A thread's attention scratch, rounded up to 16 floats (each starts aligned). */
@@ -161,7 +181,47 @@ int64_t rs_llama_scratch_floats(const struct rs_llama *m, int64_t N, int64_t S,
     return N * (2 * C + qkv + m->num_heads * D + 3 * I) + S * C
            + threads * attention_floats(m, max_ctx)
            + rs_attention_partial_floats(m->num_heads, m->num_kv_heads, D, threads)
-           + tile_floats(N) + moe_floats(m, N);
+           + tile_floats(N) + moe_floats(m, N) + N * m->lora_width;
+}
+
+/* y [N, O] += each token row's adapter's (x A^T) B^T, x [N, K]; rows of slot 0 (or of a
+   slot the layer has no adapter in) add nothing. t: [N, parts x rank] scratch. Inside
+   the forward's parallel region: A's rows, then B's, split over the threads, each read
+   once for all the rows of its slot. */
+static void lora_add(const struct rs_lora *L, const int64_t *slots, const float *x,
+                     int64_t N, int64_t K, float *y, int64_t O, float *t)
+{
+    if (L == NULL || slots == NULL)
+        return;
+    const int64_t R = L->rank, PR = L->parts * R;
+#pragma omp for schedule(static)
+    for (int64_t j = 0; j < L->slots * PR; j++) {
+        const int64_t slot = j / PR + 1;
+        const float *a = L->a + j * K;
+        for (int64_t n = 0; n < N; n++) {
+            if (slots[n] != slot)
+                continue;
+            const float *xn = x + n * K;
+            float acc = 0.0f;
+            for (int64_t k = 0; k < K; k++)
+                acc += xn[k] * a[k];
+            t[n * PR + j % PR] = acc;
+        }
+    }
+#pragma omp for schedule(static)
+    for (int64_t o = 0; o < O; o++) {
+        const int64_t part = L->row_part[o] * R;
+        for (int64_t n = 0; n < N; n++) {
+            const int64_t slot = slots[n];
+            if (slot < 1 || slot > L->slots)
+                continue;
+            const float *b = L->b + ((slot - 1) * O + o) * R, *tn = t + n * PR + part;
+            float acc = 0.0f;
+            for (int64_t r = 0; r < R; r++)
+                acc += b[r] * tn[r];
+            y[n * O + o] += acc;
+        }
+    }
 }
 
 /* out = RMSNorm(h) * w, a row. */
@@ -176,16 +236,22 @@ static inline void rms_norm_row(const float *h, const float *w, float *out, int6
         out[c] = w[c] * (h[c] * inv);
 }
 
-/* x += in W^T (+ bias), [N, C]: the GEMM accumulates into the residual stream, or
-   with a norm (Gemma's), writes tmp, whose normed rows are then added. Inside the
-   forward's parallel region (work-sharing loops, each ending at a barrier). */
+/* x += in W^T (+ bias) (+ the rows' adapters' products), [N, C]: the GEMM accumulates
+   into the residual stream, or with a norm (Gemma's), writes tmp, whose normed rows are
+   then added. Inside the forward's parallel region (work-sharing loops, each ending at
+   a barrier). */
 static int out_to_residual(const float *in, int64_t N, int64_t K, const void *w,
                            const float *bias, int format, const float *norm, float *tmp,
-                           float *x, int64_t C, float eps)
+                           float *x, int64_t C, float eps, const struct rs_lora *lora,
+                           const int64_t *slots, float *t)
 {
-    if (norm == NULL)
-        return rs_linear_ws(in, N, K, w, C, bias, x, 1, format);
+    if (norm == NULL) {
+        const int bad = rs_linear_ws(in, N, K, w, C, bias, x, 1, format);
+        lora_add(lora, slots, in, N, K, x, C, t);
+        return bad;
+    }
     const int bad = rs_linear_ws(in, N, K, w, C, bias, tmp, 0, format);
+    lora_add(lora, slots, in, N, K, tmp, C, t);
 #pragma omp for schedule(static)
     for (int64_t n = 0; n < N; n++) {
         rms_norm_row(tmp + n * C, norm, tmp + n * C, C, eps);
@@ -373,6 +439,8 @@ int rs_llama_forward(const struct rs_llama *m, const struct rs_step *s)
     moe.chosen = (int32_t *)(moe.y + N * C);
     moe.order = moe.chosen + N * K;
     moe.start = moe.order + N * K;
+    float *lora_t = (float *)(tiles + N + 1) + moe_floats(m, N);   /* [N, lora_width] */
+    const int64_t *lora_slots = m->lora_width ? s->lora_slots : NULL;
 
 #pragma omp parallel num_threads(s->num_threads)
     {
@@ -399,6 +467,7 @@ int rs_llama_forward(const struct rs_llama *m, const struct rs_step *s)
             PHASE(PROFILE_OTHER);
             bad |= rs_linear_ws(h, N, C, L->qkv, QKV, L->qkv_bias, qkv, 0,
                                  (int)L->qkv_format);
+            lora_add(L->lora_qkv, lora_slots, h, N, C, qkv, QKV, lora_t);
             PHASE(PROFILE_LINEAR);
 
             /* Each head of q and k RMS-normed (Qwen3), RoPE on q and k (unless the
@@ -425,7 +494,8 @@ int rs_llama_forward(const struct rs_llama *m, const struct rs_step *s)
                             L->sinks, L->window, my_scratch, partial);
             PHASE(PROFILE_ATTENTION);
             bad |= out_to_residual(attn, N, QD, L->o, L->o_bias, (int)L->o_format,
-                                   L->attn_out_norm, h, x, C, m->eps);
+                                   L->attn_out_norm, h, x, C, m->eps, L->lora_o, lora_slots,
+                                   lora_t);
             PHASE(PROFILE_LINEAR);
 
 #pragma omp for schedule(static)
@@ -439,6 +509,7 @@ int rs_llama_forward(const struct rs_llama *m, const struct rs_step *s)
             }
             bad |= rs_linear_ws(h, N, C, L->gate_up, 2 * I, L->gate_up_bias, gu, 0,
                                  (int)L->gate_up_format);
+            lora_add(L->lora_gate_up, lora_slots, h, N, C, gu, 2 * I, lora_t);
             PHASE(PROFILE_LINEAR);
 
 #pragma omp for schedule(static)
@@ -446,7 +517,8 @@ int rs_llama_forward(const struct rs_llama *m, const struct rs_step *s)
                 rs_act_mul_row(gu + n * 2 * I, act + n * I, I, (int)m->gelu);
             PHASE(PROFILE_OTHER);
             bad |= out_to_residual(act, N, I, L->down, L->down_bias, (int)L->down_format,
-                                   L->mlp_out_norm, h, x, C, m->eps);
+                                   L->mlp_out_norm, h, x, C, m->eps, L->lora_down, lora_slots,
+                                   lora_t);
             PHASE(PROFILE_LINEAR);
         }
 

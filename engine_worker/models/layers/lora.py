@@ -4,14 +4,16 @@ adapter, never merged into the weights (as S-LoRA and Punica do), so that reques
 of different adapters and of none share every step.
 
 A layer an adapter targets holds that adapter's A (r, in) and B (out, r) by slot
-(``LoraWeights``, which computes a step's products for all of them in two matmuls); a fused layer's (q, k and v; gate and up) are its parts' stacked:
-A's rows one part's after another, B block-diagonal. B carries the adapter's scaling
-(alpha / r, or alpha / sqrt(r) for rsLoRA) and what the loader did to the layer's
-outputs (a residual multiplier folded in, rows reordered for a partial RoPE), and a
-layer split over tensor-parallel ranks holds its part (B's rows of a column-parallel
-layer; A's columns of a row-parallel one, whose products are then partial sums like
-its own). Which slot each row of a step takes is the step's ``LoraContext``, set by
-the forward before the model runs (engine_worker/forward.py).
+(``LoraWeights``, which computes a step's products for all of them in two matmuls); a
+fused layer's (q, k and v; gate and up) are its parts' stacked: A's rows one part's
+after another, B block-diagonal. B carries the adapter's scaling (alpha / r, or
+alpha / sqrt(r) for rsLoRA) and what the loader did to the layer's outputs (a residual
+multiplier folded in, rows reordered for a partial RoPE), and a layer split over
+tensor-parallel ranks holds its part (B's rows of a column-parallel layer; A's columns
+of a row-parallel one, whose products are then partial sums like its own). Which slot
+each row of a step takes is the step's ``LoraContext``, set by the forward before the
+model runs (engine_worker/forward.py). The CPU's one-call forward computes the same
+products inside its call, from ``LoraWeights.packed`` (cpu/fused.py).
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ class LoraContext:
         self.num_rows = 0
         self.slots: Optional[torch.Tensor] = None   # (N,) int64, or None: no adapter rows
         self.only = 0
+        # this step has adapters' rows (set by ModelRunner.forward for the step's forward)
+        self.active = False
+        # bumped by every adapter's load and unload, on any layer (what the C forward
+        # holds pointers to is then stale: cpu/fused.py)
+        self.version = 0
         self._masks: dict[tuple[int, int, torch.dtype], torch.Tensor] = {}
 
     def set_rows(self, slots: Sequence[int], device: torch.device) -> None:
@@ -62,33 +69,71 @@ class LoraWeights:
     the step, where a loop over them cost four small ops each (0.40x the base model's
     tokens/s with 8 streams over 4 adapters, against 0.61x)."""
 
-    def __init__(self, context: LoraContext) -> None:
+    def __init__(self, context: LoraContext, row_part: Optional[torch.Tensor] = None
+                 ) -> None:
+        """row_part: a fused layer's part (0, 1, ...) of each output row, as its
+        outputs are ordered; None: one part."""
         self.context = context
-        self.slots: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.row_part = row_part
+        # slot -> (A, B, each part's rank: its rows of A and columns of B, in turn)
+        self.slots: dict[int, tuple[torch.Tensor, torch.Tensor, tuple[int, ...]]] = {}
         self._stacked: Optional[tuple[torch.Tensor, torch.Tensor, int, int]] = None
+        self._packed: Optional[tuple] = None
 
-    def set(self, slot: int, a: torch.Tensor, b: torch.Tensor) -> None:
-        self.slots[slot] = (a, b)
-        self._stacked = None
+    def set(self, slot: int, a: torch.Tensor, b: torch.Tensor,
+            ranks: Optional[tuple[int, ...]] = None) -> None:
+        self.slots[slot] = (a, b, (a.shape[0],) if ranks is None else tuple(ranks))
+        self._stacked = self._packed = None
+        self.context.version += 1
 
     def drop(self, slot: int) -> None:
-        self.slots.pop(slot, None)
-        self._stacked = None
+        if slot not in self.slots:
+            return
+        del self.slots[slot]
+        self._stacked = self._packed = None
+        self.context.version += 1
 
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor, int, int]:
         """(every slot's A stacked (S R, in), B side by side (out, S R), R, S)."""
         if self._stacked is None:
-            rank = max(a.shape[0] for a, _ in self.slots.values())
+            rank = max(a.shape[0] for a, _, _ in self.slots.values())
             num = max(self.slots)
-            a0, b0 = next(iter(self.slots.values()))
+            a0, b0, _ = next(iter(self.slots.values()))
             a_all = a0.new_zeros(num * rank, a0.shape[1])
             b_all = b0.new_zeros(b0.shape[0], num * rank)
-            for slot, (a, b) in self.slots.items():
+            for slot, (a, b, _) in self.slots.items():
                 at = (slot - 1) * rank
                 a_all[at:at + a.shape[0]] = a
                 b_all[:, at:at + a.shape[0]] = b
             self._stacked = (a_all, b_all, rank, num)
         return self._stacked
+
+    def packed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int]:
+        """The C forward's layout (cpu/csrc/llama.c, struct rs_lora), float32: (A
+        (S, P R, in), each part's R rows in turn; B (S, out, R), each output row its
+        part's columns alone (not block-diagonal); each row's part (out,) int32; R, P,
+        S), R the largest part's rank, P the parts, S the largest slot."""
+        if self._packed is None:
+            a0, b0, ranks0 = next(iter(self.slots.values()))
+            parts = len(ranks0)
+            row_part = (torch.zeros(b0.shape[0], dtype=torch.int32) if self.row_part is None
+                        else self.row_part.to(torch.int32))
+            # (the C reads t's part of each row: every slot has the layer's parts)
+            assert all(len(ranks) == parts for _, _, ranks in self.slots.values())
+            assert row_part.shape == (b0.shape[0],) and int(row_part.max()) < parts
+            rank = max(max(ranks) for _, _, ranks in self.slots.values())
+            num = max(self.slots)
+            a_all = torch.zeros(num, parts * rank, a0.shape[1])
+            b_all = torch.zeros(num, b0.shape[0], rank)
+            for slot, (a, b, ranks) in self.slots.items():
+                col = 0
+                for part, r in enumerate(ranks):
+                    rows = row_part == part
+                    a_all[slot - 1, part * rank:part * rank + r] = a[col:col + r].float()
+                    b_all[slot - 1, rows, :r] = b[rows, col:col + r].float()
+                    col += r
+            self._packed = (a_all, b_all, row_part.contiguous(), rank, parts, num)
+        return self._packed
 
     def add(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (N, out), the layer's output for x (N, in), with each row's adapter's
