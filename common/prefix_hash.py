@@ -39,11 +39,12 @@ def salt_root(cache_salt: Optional[str], adapter: Optional[str] = None) -> Optio
 
 
 def prefix_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int,
-                  cache_salt: Optional[str] = None) -> list[bytes]:
+                  cache_salt: Optional[str] = None, adapter: Optional[str] = None
+                  ) -> list[bytes]:
     """The chained hashes of the leading full blocks of ``token_ids`` (at most
-    ``max_blocks`` of them), salted with ``cache_salt``."""
+    ``max_blocks`` of them), salted with ``cache_salt`` and a LoRA adapter's key."""
     hashes: list[bytes] = []
-    parent = salt_root(cache_salt)
+    parent = salt_root(cache_salt, adapter)
     for i in range(min(len(token_ids) // block_size, max_blocks)):
         parent = chain_hash(parent, token_ids[i * block_size:(i + 1) * block_size])
         hashes.append(parent)

@@ -22,8 +22,8 @@ from typing import AsyncIterator, Callable, Optional, Sequence, Union
 import msgspec
 
 from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, AbortRequests, AdapterCommand,
-                             AdapterResult, AddRequest,
-                             CacheEvents, CacheSync, Codec, OutputBatch, Pong, Ready, RequestError, RequestErrorKind,
+                             AdapterInfo, AdapterResult, AddRequest, CacheEvents, CacheSync,
+                             Codec, OutputBatch, Pong, Ready, RequestError, RequestErrorKind,
                              RequestOutput, SamplingParams)
 from common.service_client import ServiceClient, ServiceDeadError, ServiceRequestError
 
@@ -150,10 +150,9 @@ class EngineClient(ServiceClient):
         self.cache = CacheView()
         self.store = store
         self._adapter_calls: dict[int, asyncio.Future] = {}
-        # The LoRA adapters the engine serves, as it last said (Ready, an
-        # AdapterResult, or a heartbeat's stats)
-        self.adapters: set[str] = set()
-        self.adapter_paths: dict[str, str] = {}
+        # The LoRA adapters the engine serves, as it last said (Ready or an
+        # AdapterResult)
+        self.adapters: dict[str, AdapterInfo] = {}
         self.wanted_adapters = wanted_adapters if wanted_adapters is not None else {}
         self._restoring: set[str] = set()
 
@@ -286,8 +285,7 @@ class EngineClient(ServiceClient):
                                self.address, name, result.message)
 
     def _served(self, adapters) -> None:
-        self.adapters = {a.name for a in adapters}
-        self.adapter_paths = {a.name: a.path for a in adapters}
+        self.adapters = {a.name: a for a in adapters}
 
     def _fail_pending(self, error: Exception) -> None:
         for future in self._adapter_calls.values():

@@ -26,6 +26,12 @@ picked; an engine that comes back as a new instance is known to hold nothing unt
 its snapshot arrives.
 With no healthy engine the answer is 503 with Retry-After.
 
+A LoRA adapter's request (the model field naming it) goes only to engines that serve
+that adapter, and its blocks are hashed salted with the adapter's key on each engine
+(its name and a fingerprint of its weights, AdapterInfo.key), as the engine hashes
+them: it follows the prefix that adapter computed, never another's or the base
+model's. It is not split between prefill and decode engines.
+
 Prefill/decode disaggregation: engines say their role in Ready. ``pick`` chooses the
 engine that decodes (and owns) a request among the engines that are not prefill
 engines, as above, and takes a prefill engine only when no other engine is left.
@@ -155,7 +161,7 @@ class EngineRouter:
         out: dict[str, str] = {}
         for e in self.engines:
             if not e.retired:
-                out.update({a: e.client.adapter_paths.get(a, "") for a in e.client.adapters})
+                out.update({a.name: a.path for a in e.client.adapters.values()})
         return out
 
     def _pick(self, prompt_token_ids: Sequence[int], cache_salt: Optional[str],
@@ -174,19 +180,20 @@ class EngineRouter:
                                 for e in candidates)
             raise APIError(503, f"no engine is available ({reasons or 'none is known'})",
                            code="engine_unavailable", headers={"Retry-After": "1"})
-        hashes_by_size: dict[int, list[bytes]] = {}
+        hashes_by: dict[tuple[int, Optional[str]], list[bytes]] = {}
 
         def hashes(e: RoutedEngine) -> list[bytes]:
-            size = e.client.ready.block_size
-            if size not in hashes_by_size:
-                hashes_by_size[size] = prefix_hashes(prompt_token_ids, size, MAX_ROUTING_BLOCKS,
-                                                     cache_salt)
-            return hashes_by_size[size]
+            # (by block size, and by the adapter's key on that engine: its name and
+            # weights, which salt the engine's own hashes of the request's blocks)
+            key = (e.client.ready.block_size,
+                   None if adapter is None else e.client.adapters[adapter].key)
+            if key not in hashes_by:
+                hashes_by[key] = prefix_hashes(prompt_token_ids, key[0], MAX_ROUTING_BLOCKS,
+                                               cache_salt, key[1])
+            return hashes_by[key]
 
         chosen: Optional[RoutedEngine] = None
-        # (an adapter's blocks are salted by the engine with a key the router does not
-        # know: its requests go by load alone, and set no expectations)
-        by_prefix = self.policy == "prefix" and adapter is None
+        by_prefix = self.policy == "prefix"
         if by_prefix:
             min_load = min(e.load for e in healthy)
             bound = min_load + max(MIN_SLACK, SLACK_FRACTION * min_load)

@@ -174,6 +174,29 @@ def test_without_events_a_frontend_follows_only_its_own_expectations():
     assert [r.engines[i].matched_blocks(hashes) for r in routers for i in (0, 1)].count(10) == 1
 
 
+def test_an_adapters_request_follows_the_prefix_its_adapter_computed():
+    """An adapter's blocks are salted by the engine with its key (its name and a
+    fingerprint of its weights), which engines report: the router hashes an adapter's
+    request with that engine's key, so that it follows the blocks that adapter computed
+    there, never the base model's or another adapter's, and expects its blocks salted."""
+    from common.protocol import AdapterInfo
+
+    engines = [Engine("e0"), Engine("e1")]
+    for e, key in zip(engines, ("lora-a:1", "lora-a:2")):   # (the same name, other weights)
+        e.adapters = {"lora-a": AdapterInfo(name="lora-a", path="/a", rank=8, key=key)}
+    router = EngineRouter(engines)
+    held, fresh = list(range(100, 140)), list(range(200, 240))   # ten blocks of 4 each
+    engines[0].publish(stored=prefix_hashes(held, 4, 256))       # the base model's
+    engines[1].publish(stored=prefix_hashes(held, 4, 256, None, "lora-a:2"))
+    assert router.pick(held, adapter="lora-a").address == "fake://e1"   # its own blocks
+    assert router.pick(held, adapter="lora-a").address == "fake://e1"
+    assert [e.num_prefix_routed for e in router.engines] == [0, 2]
+    assert router.pick(held).address == "fake://e0"   # the base model's, beside them
+    chosen = router.pick(fresh, adapter="lora-a")
+    assert chosen.address == "fake://e0"   # (the least loaded: no one holds it)
+    assert list(chosen.cache.expected)[-10:] == prefix_hashes(fresh, 4, 256, None, "lora-a:1")
+
+
 # -- against a real engine process ---------------------------------------------------
 
 
