@@ -395,9 +395,12 @@ class FrontendConfig:
     # long for the decode engine to pull (it lets go of them at once once pulled).
     disagg_min_prompt_tokens: int = 256
     kv_lease_s: float = 30.0
-    # A request whose engine refused it (draining) or died before any of its output
-    # was read is sent to another engine, at most this many times.
+    # A request whose engine refused it (draining) or died is sent to another engine,
+    # at most this many times: whole before any of its output was read, else as a
+    # continuation (failover, frontend/output_processor.py), which waits this long at
+    # most for an engine to take it (the only engine's restart).
     request_retries: int = 2
+    failover_timeout_s: float = 30.0
     # A stream's tokens are sent this many at a time, by the engine (merged outputs)
     # and to the client (its first token, a choice's last and an error at once): fewer
     # messages and wake-ups per token, as vLLM's and SGLang's --stream-interval, for
@@ -470,6 +473,9 @@ class FrontendConfig:
             raise ValueError(f"kv_lease_s must be in (0, 600], got {self.kv_lease_s}")
         if self.request_retries < 0:
             raise ValueError(f"request_retries must be 0 or more, got {self.request_retries}")
+        if not self.failover_timeout_s >= 0:   # (NaN too)
+            raise ValueError(f"failover_timeout_s must be 0 or more, got "
+                             f"{self.failover_timeout_s}")
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}, got "
                              f"{self.routing!r}")

@@ -108,7 +108,12 @@ def add_frontend_args(parser: argparse.ArgumentParser) -> None:
                         "finish reasons, time to first token and engine)")
     g.add_argument("--request-retries", type=int, default=2,
                    help="times a request is sent to another engine when its engine refused "
-                        "it (draining) or failed before any output (default 2; 0: never)")
+                        "it (draining) or failed: whole before any output, else continuing "
+                        "after the tokens sent (default 2; 0: never)")
+    g.add_argument("--failover-timeout", type=float, default=30.0,
+                   help="seconds a request whose engine failed mid-stream waits for an "
+                        "engine to continue it on (the only engine's restart) before its "
+                        "stream ends with an error (default 30)")
 
 
 def api_keys_from_args(args: argparse.Namespace) -> tuple[str, ...]:
@@ -140,6 +145,7 @@ def frontend_config_from_args(args: argparse.Namespace, engines: Sequence[str],
         max_choices_per_request=args.max_choices_per_request,
         tokenize_timeout_s=args.tokenize_timeout, request_timeout_s=args.request_timeout,
         routing=args.routing, request_retries=args.request_retries,
+        failover_timeout_s=args.failover_timeout,
         dns_refresh_s=args.dns_refresh, disagg_min_prompt_tokens=args.disagg_min_prompt_tokens,
         kv_lease_s=args.kv_lease, stream_interval=args.stream_interval,
         drain_timeout_s=args.drain_timeout, access_log=not args.no_access_log,

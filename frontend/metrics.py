@@ -164,6 +164,10 @@ class _StateCollector:
                                   "Requests sent to another engine: theirs refused them "
                                   "(draining) or failed before any output",
                                   value=snap.num_retries)
+        yield CounterMetricFamily("roseserve_request_failovers",
+                                  "Requests continued on another engine (or the same one "
+                                  "restarted) after theirs failed mid-stream",
+                                  value=snap.num_failovers)
         yield GaugeMetricFamily("roseserve_kv_store_blocks_known",
                                 "KV blocks the shared store is thought to hold (as the "
                                 "engines report their puts): routed as held by every engine "

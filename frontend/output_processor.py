@@ -16,9 +16,17 @@ gets the error as its last event, a full response the error's status.
 Retries: a job none of whose outputs has been read yet is sent whole to another
 engine (up to ``retries`` times) when its engine refused it for draining, died, or
 aborted it on its own (a drain past its timeout); the client sees nothing of it.
-Once any output has been read the job stays where it is: what was sent cannot be
-taken back, and sampling elsewhere would not continue it. An error of the request's
-own (invalid, or failed in a step) is never retried.
+
+Failover: a job some of whose output was read when that happens (or that the engine
+drained past its timeout, or whose engine was cut off) moves too, mid-stream: each
+choice not finished continues on another engine, or on the same one restarted, as a
+continuation (its prompt and every token read so far, as a decode engine takes a
+prefill engine's first token): the engine carries what depends on the output (penalty
+counts, min_tokens, the grammar's state, a seed's draws, the n-gram history), and the
+choice here its text, stop strings and logprobs, so the client's stream goes on with
+no error and no token twice or missing. It waits up to ``failover_timeout_s`` for an
+engine that takes it (the only engine's restart), and counts toward ``retries``. An
+error of the request's own (invalid, or failed in a step) is never retried.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ import msgspec
 
 from common.protocol import (FinishReason, KvSource, Ready, RequestErrorKind, RequestOutput,
                              SamplingParams)
-from engine_worker.client import EngineDeadError, EngineRequestError
+from engine_worker.client import EngineClient, EngineDeadError, EngineRequestError
 from frontend.choice import Choice, ChoiceFailed
 from frontend.errors import APIError
 from frontend.job import Job
@@ -42,15 +50,19 @@ logger = logging.getLogger(__name__)
 
 class OutputProcessor:
     def __init__(self, router: EngineRouter, retries: int, kv_lease_s: float = 30.0,
-                 stream_interval: int = 1) -> None:
+                 stream_interval: int = 1, failover_timeout_s: float = 30.0) -> None:
         self.router = router
         self.retries = retries
+        # How long a started job waits for an engine to continue it on (failover).
+        self.failover_timeout_s = failover_timeout_s
         # How long a prefill engine keeps a prompt's blocks for the decode engine.
         self.kv_lease_s = kv_lease_s
         # A job's waiting events are written once this many tokens are among them.
         self.stream_interval = stream_interval
-        # Jobs sent to another engine since start (each time counts).
+        # Jobs sent to another engine since start (each time counts), before any
+        # output (retries) and mid-stream (failovers).
         self.num_retries = 0
+        self.num_failovers = 0
 
     def submit(self, job: Job) -> None:
         """Send the job's engine requests, each with this processor as its receiver,
@@ -211,8 +223,10 @@ class OutputProcessor:
         job.ended = True
 
     def _retry_or_fail(self, job: Job, error: BaseException) -> None:
-        if job.started or job.attempt >= self.retries or not _retriable(error):
+        if job.attempt >= self.retries or not _retriable(error):
             return self._fail(job, error)
+        if job.started:
+            return self._fail_over(job, error)
         old = job.engine
         assert old is not None
         try:
@@ -238,6 +252,58 @@ class OutputProcessor:
                     new.address, job.attempt)
         self._send(job)
 
+    def _fail_over(self, job: Job, error: BaseException) -> None:
+        """Move a started job's unfinished choices off its engine (which failed it),
+        to continue elsewhere (_continue)."""
+        old = job.engine
+        assert old is not None
+        unfinished = [c.request_id for c in job.choices if c.finish_reason is None]
+        old.cancel(unfinished)   # (where it is alive: drained past its timeout)
+        self.router.release(old)
+        if job.prefill is not None:
+            job.prefill.cancel(unfinished)
+            self.release_prefill(job)
+            job.prefill, job.num_prefilling = None, 0
+        job.engine = None
+        job.attempt += 1   # (what the old engines still send is not read)
+        loop = asyncio.get_running_loop()
+        self._continue(job, error, old, loop.time() + self.failover_timeout_s)
+
+    def _continue(self, job: Job, error: BaseException, old: "EngineClient",
+                  deadline: float) -> None:
+        """Send a failed-over job's unfinished choices to an engine that takes them, as
+        continuations; until ``deadline``, waiting for one where none is up."""
+        if job.ended:   # (its client left, or its request deadline passed, meanwhile)
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            new = self.router.pick(job.prompts[0], job.params[0].cache_salt,
+                                   adapter=job.adapter)
+        except APIError:
+            if loop.time() < deadline:
+                loop.call_later(FAILOVER_POLL_S, self._continue, job, error, old, deadline)
+                return
+            return self._fail(job, error)
+        if not _takes_what(new.ready, old.ready):
+            self.router.release(new)
+            return self._fail(job, error)
+        job.engine, job.engine_address = new, new.address
+        self.num_failovers += 1
+        logger.warning("%s: %s; continued on %s after %s (failover %d)", job.request_id,
+                       error, new.address, old.address, job.attempt)
+        try:
+            for choice, params in zip(job.choices, job.params):
+                if choice.finish_reason is not None:
+                    continue
+                if choice.token_ids:
+                    self._submit(job, choice, msgspec.structs.replace(params,
+                                                                      prompt_logprobs=None),
+                                 output_token_ids=list(choice.token_ids))
+                else:
+                    self._submit(job, choice, params)
+        except EngineDeadError as e:   # (it died since it was picked)
+            self._retry_or_fail(job, e)
+
     def _fail(self, job: Job, error: BaseException) -> None:
         job.error = as_api_error(error)
         if job.stream:  # the stream has started: the error is its last event
@@ -251,6 +317,10 @@ class OutputProcessor:
         timeout = job.deadline - job.received
         self._fail(job, APIError(504, f"the request did not finish within {timeout:g} s (the "
                                       f"server's request timeout)", code="request_timeout"))
+
+
+# How often a job failing over polls for an engine to take it, while none is up.
+FAILOVER_POLL_S = 0.1
 
 
 def _takes_what(new: Ready, old: Ready) -> bool:

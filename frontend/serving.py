@@ -68,6 +68,7 @@ class PipelineSnapshot:
     tokenizer_queue: int
     # Requests sent to another engine (frontend/output_processor.py).
     num_retries: int
+    num_failovers: int
     # Blocks the shared KV store is thought to hold (engine_worker/client.py StoreView).
     store_blocks_known: int = 0
 
@@ -102,7 +103,7 @@ class Pipeline:
                                      None if grammars is None else CheckedGrammars(grammars),
                                      reasoning)
         self.outputs = OutputProcessor(engines, config.request_retries, config.kv_lease_s,
-                                       config.stream_interval)
+                                       config.stream_interval, config.failover_timeout_s)
         # Jobs opened and not closed (HTTP requests being served).
         self.num_jobs = 0
         # Keeps the router's engines equal to what the engine addresses name (set by
@@ -127,7 +128,7 @@ class Pipeline:
             num_jobs=self.num_jobs, admitted_requests=self.admission.requests,
             admitted_tokens=self.admission.tokens,
             tokenizer_queue=(pool.num_pending if pool else 0) + self.tokenizer_client.num_pending,
-            num_retries=self.outputs.num_retries,
+            num_retries=self.outputs.num_retries, num_failovers=self.outputs.num_failovers,
             store_blocks_known=len(self.engines.store.held) if self.engines.store else 0)
 
     def check_model(self, model: str) -> Optional[str]:

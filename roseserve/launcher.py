@@ -155,10 +155,10 @@ ENGINE_FLAGS = ["device", "dtype", "quantization", "max_model_len", "max_batch_s
 FRONTEND_FLAGS = ["host", "api_key_file", "served_model_name", "max_body_bytes",
                   "max_waiting_requests", "max_waiting_tokens", "max_choices_per_request",
                   "tokenize_timeout", "request_timeout", "routing", "request_retries",
-                  "dns_refresh", "disagg_min_prompt_tokens", "kv_lease", "stream_interval",
-                  "drain_timeout", "no_access_log", "allowed_origins", "ssl_certfile",
-                  "ssl_keyfile", "reasoning_parser", "chat_template", "generation_config",
-                  "return_tokens_as_token_ids", "otlp_traces_endpoint"]
+                  "failover_timeout", "dns_refresh", "disagg_min_prompt_tokens", "kv_lease",
+                  "stream_interval", "drain_timeout", "no_access_log", "allowed_origins",
+                  "ssl_certfile", "ssl_keyfile", "reasoning_parser", "chat_template",
+                  "generation_config", "return_tokens_as_token_ids", "otlp_traces_endpoint"]
 
 
 def engine_roles(args: argparse.Namespace) -> list[str]:

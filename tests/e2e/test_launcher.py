@@ -120,6 +120,7 @@ def test_a_component_that_fails_to_start_is_named_and_the_command_fails(tiny_lla
     (["--port", "0"], "port must be in 1..65535"),
     (["--max-batch-size", "0"], "max_batch_size must be a positive integer"),
     (["--stream-interval", "0"], "stream_interval must be a positive integer"),
+    (["--failover-timeout", "-1"], "failover_timeout_s must be 0 or more"),
     (["--drain-timeout", "0"], "drain_timeout_s must be positive"),
     (["--threads", "99999"], "num_threads must be in 1..1024"),   # OpenMP crashed at start
     (["--allowed-origins", "https://ui.example/app"], "an allowed origin is * or scheme://host"),
@@ -149,6 +150,7 @@ def test_serve_gives_its_drain_timeout_to_every_process_and_waits_past_it(tmp_pa
 
     args = build_parser().parse_args(["serve", "--engines", "2", "--drain-timeout", "7",
                                       "--stream-interval", "3", "--no-access-log",
+                                      "--failover-timeout", "5",
                                       "--allowed-origins", "https://a.example", "*"])
     stack = components(args, "model", str(tmp_path))
     for c in stack:
@@ -157,6 +159,7 @@ def test_serve_gives_its_drain_timeout_to_every_process_and_waits_past_it(tmp_pa
             assert c.cmd[c.cmd.index("--drain-timeout") + 1] == "7.0", c.name
     (front,) = [c for c in stack if c.name == "frontend"]
     assert front.cmd[front.cmd.index("--stream-interval") + 1] == "3"
+    assert front.cmd[front.cmd.index("--failover-timeout") + 1] == "5.0"
     assert "--no-access-log" in front.cmd
     at = front.cmd.index("--allowed-origins")
     assert front.cmd[at + 1:at + 3] == ["https://a.example", "*"]

@@ -1,6 +1,7 @@
-"""Drain and retry in the frontend: the router skips a draining engine, and a job
-whose engine refused it (draining) or failed before any output is sent whole to
-another engine, unseen by its client. The real router, output processor, job and
+"""Drain, retry and failover in the frontend: the router skips a draining engine, a
+job whose engine refused it (draining) or failed before any output is sent whole to
+another engine, and one whose engine failed mid-stream continues on another, each
+unseen by its client. The real router, output processor, job and
 choices; the engines are fakes that record what they were sent and answer as a test
 tells them (the end-to-end rolling restart is in test_reliability.py)."""
 
@@ -95,11 +96,11 @@ def tokenizer(tiny_llama_dir):
 
 
 def run_job(tokenizer, engines: list[FakeEngine], retries: int = 2, n: int = 1,
-            first: int = 0, min_prefill_tokens: int = 0):
+            first: int = 0, min_prefill_tokens: int = 0, failover_timeout_s: float = 30.0):
     """A non-streamed job of ``n`` choices sent to ``engines[first]`` (and to a prefill
     engine when there is one), with the router's and processor's state to inspect."""
     router = EngineRouter(engines, policy="least-loaded", min_prefill_tokens=min_prefill_tokens)
-    processor = OutputProcessor(router, retries)
+    processor = OutputProcessor(router, retries, failover_timeout_s=failover_timeout_s)
     released = []
     job = Job(request_id="cmpl-t", created=0, model="tiny", received=0.0, stream=False,
               on_close=lambda j: released.append(j.engine))
@@ -228,17 +229,48 @@ def test_an_engine_abort_before_any_output_moves_but_an_error_of_its_own_does_no
     assert invalid.error.status == 400 and invalid.error.message == "prompt too long"
 
 
-def test_a_request_that_streamed_tokens_is_not_retried(tokenizer):
+def test_a_request_that_streamed_tokens_continues_on_another_engine(tokenizer):
+    """Failover: each unfinished choice goes on as a continuation of the tokens read
+    (its prompt logprobs not asked again), a finished one stays finished; the result
+    is whole, each token once."""
     def scenario():
         a, b = FakeEngine("a"), FakeEngine("b")
-        job, router, processor = run_job(tokenizer, [a, b])
+        job, router, processor = run_job(tokenizer, [a, b], n=2)
+        job.params[0] = SamplingParams(max_tokens=3, prompt_logprobs=1)
+        a.sinks.pop("cmpl-t-1")(RequestOutput(request_id="cmpl-t-1", new_token_ids=[21, 22, 23],
+                                              finish_reason=FinishReason.LENGTH))
         a.emit([11])
         a.die()
-        assert b.submitted == [] and processor.num_retries == 0
+        assert b.submitted == ["cmpl-t-0"] and load(router) == [0, 1]
+        params, continuation = b.sent[0]
+        assert continuation == {"output_token_ids": [11]} and params.prompt_logprobs is None
+        assert processor.num_failovers == 1 and processor.num_retries == 0
+        a.emit([99])   # (from the engine it left: not read)
+        b.emit([12])
+        b.emit([13], FinishReason.LENGTH)
         return job
     job = in_loop(scenario)
-    assert job.ended and job.error.status == 503
-    assert "lost the connection" in job.error.message
+    assert job.ended and job.error is None
+    assert [c.token_ids for c in job.choices] == [[11, 12, 13], [21, 22, 23]]
+
+
+def test_failovers_stop_at_the_limit_and_when_no_engine_comes(tokenizer):
+    def scenario():
+        a, b = FakeEngine("a"), FakeEngine("b")
+        job, _, processor = run_job(tokenizer, [a, b], retries=1)
+        a.emit([11])
+        a.die()
+        b.emit([12])
+        b.die()   # (a second failover: over --request-retries 1)
+        alone = FakeEngine("alone")
+        single, _, p1 = run_job(tokenizer, [alone], failover_timeout_s=0.0)
+        alone.emit([11])
+        alone.die()   # (no engine within --failover-timeout)
+        return job, processor, single, p1
+    job, processor, single, p1 = in_loop(scenario)
+    assert processor.num_failovers == 1 and job.error.status == 503
+    assert "lost the connection" in job.error.message and job.choices[0].token_ids == [11, 12]
+    assert p1.num_failovers == 0 and single.error.status == 503
 
 
 def test_retries_stop_at_the_limit_and_with_no_other_engine(tokenizer):

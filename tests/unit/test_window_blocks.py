@@ -248,7 +248,7 @@ def test_the_sliding_layers_pool_is_in_the_stats_and_the_metrics(tiny_gemma3_dir
         address="tcp://e:1", role="mixed", healthy=True, draining=False, load=1,
         num_routed=1, num_prefix_routed=0, num_blocks_known=0, num_cache_resyncs=0,
         stats=stats)], num_jobs=1, admitted_requests=0, admitted_tokens=0,
-        tokenizer_queue=0, num_retries=0)
+        tokenizer_queue=0, num_retries=0, num_failovers=0)
     families = {f.name: f for f in _engine_families(snap, "m", lambda address: "0")}
     window = {s.labels["state"]: s.value
               for s in families["roseserve_engine_window_kv_blocks"].samples}
