@@ -21,6 +21,9 @@ two to three times the registers (228 against 64-120 for the decode kernel at he
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import functools
+import multiprocessing
 import os
 import re
 import subprocess
@@ -267,25 +270,33 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="model shape or directory (repeatable; default: every shipped shape)")
     p.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: Hopper)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="models compiled at once, each in a process of its own (default: "
+                        "one per core; compiling is single-threaded)")
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         p.error("unset TRITON_INTERPRET: the interpreter compiles nothing")
     from common.model_files import model_shapes
 
+    models = args.model or model_shapes()
     failed = False
-    for model in args.model or model_shapes():
-        for row in check(model, args.arch, args.dtype):
-            if row["error"] or row["spill_bytes"]:
-                failed = True
-            status = row["error"] or (f"{row['registers']:3d} registers, "
-                                      f"{row['spill_bytes']} bytes spilled, "
-                                      f"{row['shared_bytes']} bytes shared, "
-                                      f"{row['async_copies']} async copies, "
-                                      + (f"{row['loop_instructions']} instructions a pass "
-                                         f"of {row['loop_keys']} keys on {row['warps']} warps, "
-                                         if row["loop_keys"] else "")
-                                      + f"{row['shared_byte_loads']} byte loads from shared")
-            print(f"{model:14s} {row['kernel']:32s} {status}", flush=True)
+    with concurrent.futures.ProcessPoolExecutor(
+            max(1, min(args.jobs, len(models))),
+            mp_context=multiprocessing.get_context("spawn")) as pool:
+        results = pool.map(functools.partial(check, arch=args.arch, dtype=args.dtype), models)
+        rows = [row for model_rows in results for row in model_rows]   # (in models' order)
+    for row in rows:
+        if row["error"] or row["spill_bytes"]:
+            failed = True
+        status = row["error"] or (f"{row['registers']:3d} registers, "
+                                  f"{row['spill_bytes']} bytes spilled, "
+                                  f"{row['shared_bytes']} bytes shared, "
+                                  f"{row['async_copies']} async copies, "
+                                  + (f"{row['loop_instructions']} instructions a pass "
+                                     f"of {row['loop_keys']} keys on {row['warps']} warps, "
+                                     if row["loop_keys"] else "")
+                                  + f"{row['shared_byte_loads']} byte loads from shared")
+        print(f"{row['model']:14s} {row['kernel']:32s} {status}", flush=True)
     return 1 if failed else 0
 
 

@@ -18,12 +18,12 @@ def test_moe_benchmark_smoke(tiny_qwen3_moe_dir, tiny_gpt_oss_dir, tmp_path):
             (False, ["--model-config", str(tiny_gpt_oss_dir), "--layers", "1"])):
         proc = subprocess.run(
             [sys.executable, "benchmarks/moe.py", *model, "--quantization", "int8",
-             "--concurrency", "1,3", "--input-len", "5", "--output-len", "3",
+             "--concurrency", "3", "--input-len", "5", "--output-len", "3",
              "--repeats", "1", "--json", str(out)],
             capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         report = json.loads(out.read_text())
-        assert report["weights"] == "int8" and set(report["results"]) == {"1", "3"}
+        assert report["weights"] == "int8" and set(report["results"]) == {"3"}
         for row in report["results"].values():
             assert row["fused_tokens_per_s"] > 0 and row["layered_tokens_per_s"] > 0
         assert "fused / layered" in proc.stdout
