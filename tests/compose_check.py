@@ -4,9 +4,8 @@ official openai client (run by scripts/compose-test once the cluster is up).
     python tests/compose_check.py --url http://127.0.0.1:8000 --project roseserve-ci
 
 Checks: both engines healthy; a completion and a streamed chat; then
-``docker compose kill engine-0`` during streams: the streams on it end with an
-explicit error within 5 s, those on engine-1 complete, new requests are served by
-engine-1 meanwhile; ``docker compose start engine-0`` and it rejoins (requests are
+``docker compose kill engine-0`` during streams: the streams on it fail over to
+engine-1 and every stream completes, new requests are served by engine-1 meanwhile; ``docker compose start engine-0`` and it rejoins (requests are
 routed to it again). Docker counts a kill through its API as a manual stop, to which
 restart policies do not apply, so the restart policy is checked with a crash: the
 engine process of engine-1 is SIGKILLed from the host, and the container must be
@@ -26,6 +25,7 @@ engines', each computed by the prefill engine and decoded by the decode engine.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import os
 import signal
 import subprocess
@@ -40,8 +40,6 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.stack import metric as parse_metric, scrape  # noqa: E402
-
-END_WITHIN_S = 5.0
 
 
 def metric(url: str, name: str, **labels) -> float:
@@ -87,10 +85,13 @@ def engine_address(compose: list[str], service: str) -> str:
 
 
 def routed_again(url: str, client, model: str, engine: str) -> None:
-    """Requests reach ``engine`` again (distinct one-token prompts: spread by load)."""
+    """Requests reach ``engine`` again (distinct one-token prompts at once: spread by
+    load; one after another, each would go to the engine routed the fewest so far,
+    which the one that took over the other's streams is not)."""
     before = metric(url, "roseserve_engine_routed_requests_total", engine=engine)
-    for i in range(6):
-        client.completions.create(model=model, prompt=[100 + i], max_tokens=2)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: client.completions.create(model=model, prompt=[100 + i],
+                                                          max_tokens=16), range(8)))
     after = metric(url, "roseserve_engine_routed_requests_total", engine=engine)
     assert after > before, f"nothing routed to {engine}: {before} -> {after}"
 
@@ -169,10 +170,14 @@ def main() -> int:
             stream = client.completions.create(
                 model=model, prompt=f"Count to one hundred, {i}:", max_tokens=400,
                 stream=True, extra_body={"ignore_eos": True})
-            n = 0
+            n, last = 0, None
             for chunk in stream:
                 n += 1
-                r["first"] = r.get("first") or time.monotonic()
+                now = time.monotonic()
+                r["first"] = r.get("first") or now
+                if last is not None:   # (the longest wait between two chunks)
+                    r["gap"] = max(r.get("gap", 0.0), now - last)
+                last = now
                 if chunk.choices and chunk.choices[0].finish_reason:
                     r["finish"] = chunk.choices[0].finish_reason
             r["chunks"] = n
@@ -195,17 +200,14 @@ def main() -> int:
     served_after = time.monotonic() - killed
     for t in threads:
         t.join(300)
-    failed = [r for r in results if "error" in r]
-    finished = [r for r in results if r.get("finish") == "length"]
-    assert failed, f"no stream was on the killed engine: {results}"
-    assert finished, f"no stream was on the surviving engine: {results}"
-    assert len(failed) + len(finished) == len(results), results
-    late = [r for r in failed if r["ended"] - killed > END_WITHIN_S]
-    assert not late, late
-    assert all("engine" in r["error"] for r in failed), failed
-    phases.done(f"engine-0 killed: {len(failed)} streams on it ended with an explicit error "
-                f"within {max(r['ended'] - killed for r in failed):.2f} s, {len(finished)} on "
-                f"engine-1 completed; new requests served {served_after:.2f} s after the kill")
+    failed = [r for r in results if "error" in r or r.get("finish") != "length"]
+    assert not failed, failed
+    moved = metric(url, "roseserve_request_failovers_total")
+    assert 0 < moved < len(results), f"{moved} streams failed over: {results}"
+    phases.done(f"engine-0 killed: the {moved:.0f} streams on it continued on engine-1 "
+                f"(failover), all {len(results)} complete, the longest stall "
+                f"{max(r.get('gap', 0.0) for r in results):.2f} s; new requests served "
+                f"{served_after:.2f} s after the kill")
 
     subprocess.run(compose + ["start", "engine-0"], check=True, capture_output=True)
     back = wait_for(lambda: metric(url, "roseserve_engines_healthy") == 2, 300,
