@@ -204,7 +204,7 @@ class EngineServer:
         """Whether a signal asked to stop (logged here, outside the handler)."""
         if self.num_signals and self.draining_since is None:
             self.draining_since = time.monotonic()
-            logger.info("signal: draining %d request(s) (up to %.0f s)", len(self.owner),
+            logger.info("signal: draining %d request(s) (up to %g s)", len(self.owner),
                         self.config.drain_timeout_s)
             self.io.draining = True
             self._broadcast(Pong(nonce=0, stats=self.io.stats, draining=True))

@@ -237,35 +237,35 @@ class OutputProcessor:
         if not _takes_what(new.ready, old.ready):
             self.router.release(new)
             return self._fail(job, error)
-        old.cancel([c.request_id for c in job.choices])
-        self.router.release(old)
-        if job.prefill is not None:  # the new engine computes it all
-            job.prefill.cancel([c.request_id for c in job.choices])
-            self.release_prefill(job)
-            job.prefill, job.num_prefilling = None, 0
-            for c in job.choices:
-                c.prefill_engine = None
+        self._leave(job, [c.request_id for c in job.choices])
+        for c in job.choices:  # the new engine computes it all
+            c.prefill_engine = None
         job.engine, job.engine_address = new, new.address
-        job.attempt += 1
         self.num_retries += 1
         logger.info("%s: %s; sent to %s instead (retry %d)", job.request_id, error,
                     new.address, job.attempt)
         self._send(job)
+
+    def _leave(self, job: Job, request_ids: list[str]) -> None:
+        """Take the job's requests ``request_ids`` off its engines (where they are
+        alive: drained past their timeout), which no longer count it toward their load;
+        what they still send is not read (the job's next attempt)."""
+        assert job.engine is not None
+        job.engine.cancel(request_ids)
+        self.router.release(job.engine)
+        if job.prefill is not None:
+            job.prefill.cancel(request_ids)
+            self.release_prefill(job)
+            job.prefill, job.num_prefilling = None, 0
+        job.attempt += 1
 
     def _fail_over(self, job: Job, error: BaseException) -> None:
         """Move a started job's unfinished choices off its engine (which failed it),
         to continue elsewhere (_continue)."""
         old = job.engine
         assert old is not None
-        unfinished = [c.request_id for c in job.choices if c.finish_reason is None]
-        old.cancel(unfinished)   # (where it is alive: drained past its timeout)
-        self.router.release(old)
-        if job.prefill is not None:
-            job.prefill.cancel(unfinished)
-            self.release_prefill(job)
-            job.prefill, job.num_prefilling = None, 0
+        self._leave(job, [c.request_id for c in job.choices if c.finish_reason is None])
         job.engine = None
-        job.attempt += 1   # (what the old engines still send is not read)
         loop = asyncio.get_running_loop()
         self._continue(job, error, old, loop.time() + self.failover_timeout_s)
 

@@ -12,6 +12,10 @@ on by a test-only environment variable:
                                    queued or running long enough to observe)
     ROSESERVE_FAULT_STALL          "N:S": step number N takes S seconds more (one
                                    stall, as a hung loop that recovers)
+    ROSESERVE_FAULT_DIE_FILE       while this file exists, holding a number N, the
+                                   engine kills itself (SIGKILL) in the step where a
+                                   request's output reaches N tokens, before it sends
+                                   that step's outputs; the file is removed first
     ROSESERVE_FAULT_FAIL_TOKEN     a request whose prompt holds this token id fails
                                    in its logits processing at its third token
     ROSESERVE_FAULT_CUDA_ERROR_TOKEN  once a request whose prompt holds this token id
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 
 
@@ -70,13 +75,16 @@ def _engine(server) -> None:
     engine = server.engine
     delay = float(_env("STEP_DELAY_S") or 0)
     stall_step, _, stall_s = _env("STALL").partition(":")
-    if delay or stall_step:
+    die_file = _env("DIE_FILE")
+    if delay or stall_step or die_file:
         step = engine.step
         steps = []
 
         def slow_step():
             outputs = step()
             steps.append(1)
+            if die_file:
+                _die_at(die_file, engine)
             time.sleep(delay + (float(stall_s) if str(len(steps)) == stall_step else 0.0))
             return outputs
 
@@ -114,6 +122,21 @@ def _engine(server) -> None:
             return load(name, path)
 
         engine.adapters.load = exit_mid_load
+
+
+def _die_at(path: str, engine) -> None:
+    """SIGKILL this engine, before it sends the step's outputs, once a request's output
+    reaches the number of tokens the file ``path`` holds (removing the file: one death
+    a write)."""
+    try:
+        with open(path) as f:
+            n = int(f.read())
+    except FileNotFoundError:
+        return
+    if any(r.num_output_tokens >= n for r in engine.requests.values()):
+        os.remove(path)
+        print(f"injected SIGKILL at {n} output tokens", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _scripts(engine, scripts: dict[int, list[int]]) -> None:

@@ -294,21 +294,26 @@ def test_one_of_two_engines_killed(tiny_llama_dir, tmp_path):
 def test_a_rolling_restart_under_load_fails_nothing(tiny_llama_dir, tmp_path):
     """SIGHUP to ``roseserve serve --engines 2`` while 8 clients stream 48-token
     completions without pause: each engine drains and is restarted in turn, and every
-    request completes in full (none fails, none is cut short)."""
-    stack = processes.Serve(tiny_llama_dir, tmp_path / "serve.log", engines=2,
-                            env={"ROSESERVE_FAULT_STEP_DELAY_S": "0.02"})
+    request completes in full (none fails, none is cut short). The drain timeout is
+    shorter than a request: what a draining engine still runs then fails over to the
+    other, with the tokens it would have had."""
+    stack = processes.Serve(tiny_llama_dir, tmp_path / "serve.log", "--drain-timeout", "0.1",
+                            engines=2, env={"ROSESERVE_FAULT_STEP_DELAY_S": "0.02"})
     try:
         stack.wait_ready()
         wait_for(lambda: metric(stack.url, "roseserve_engines_healthy") == 2, 60, "both up")
         before = set(stack.pids()["engine"])
         outcomes: list[Outcome] = []
+        bodies: list[dict] = []
         restarted = asyncio.Event()
 
         async def client(i: int, http: httpx.AsyncClient) -> None:
             n = 0
             while not restarted.is_set():
-                outcomes.append(await stream(http, f"{stack.url}/v1/completions",
-                                             completion_body([100 + 8 * n + i])))
+                bodies.append(completion_body([100 + 8 * n + i], temperature=0.0,
+                                              return_token_ids=True))
+                outcomes.append(Outcome())
+                await stream(http, f"{stack.url}/v1/completions", bodies[-1], outcomes[-1])
                 n += 1
 
         async def run() -> float:
@@ -331,12 +336,17 @@ def test_a_rolling_restart_under_load_fails_nothing(tiny_llama_dir, tmp_path):
         after = set(stack.pids()["engine"])
         failed = [o for o in outcomes if not o.complete]
         retries = metric(stack.url, "roseserve_request_retries_total")
-        print(f"\nrolling restart of 2 engines under 8 streaming clients: {len(outcomes)} "
-              f"requests, {len(failed)} failed, {retries:.0f} retried on the other engine; "
-              f"the restart took {took:.1f} s")
+        moved = metric(stack.url, "roseserve_request_failovers_total")
+        print(f"\nrolling restart of 2 engines (drain timeout 0.1 s) under 8 streaming "
+              f"clients: {len(outcomes)} requests, {len(failed)} failed, {retries:.0f} "
+              f"retried and {moved:.0f} failed over mid-stream to the other engine; the "
+              f"restart took {took:.1f} s")
         assert not failed, failed
         assert len(outcomes) >= 16
         assert len(after) == 2 and not after & before  # both were restarted
+        assert moved > 0   # (a drain that outlasts its timeout)
+        reference = asyncio.run(_streams(stack.url, bodies))
+        assert [o.token_ids for o in outcomes] == [o.token_ids for o in reference]
     finally:
         assert stack.stop() == 0, stack.log()
 
