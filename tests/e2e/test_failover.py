@@ -7,7 +7,7 @@ known token). Each stream waits for the restarted engine and continues as a
 continuation. Each test below compares one kind of request with its reference and
 fails if that kind's state does not cross the seam: the frontend's stop-string match
 and logprobs numbering, the engine's penalty counts, grammar state and seeded draws,
-every choice of n>1, the usage. A request whose failovers run out ends with the error
+every choice of n>1 and of best_of, a response not streamed, the usage. A request whose failovers run out ends with the error
 event.
 """
 
@@ -57,6 +57,14 @@ class Result:
 
 
 async def stream(client: httpx.AsyncClient, url: str, body: dict, out: Result) -> Result:
+    if not body["stream"]:
+        r = await client.post(f"{url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        reply = r.json()
+        out.usage, out.done = reply["usage"], True
+        for c in reply["choices"]:
+            out.choices[c["index"]] = Choice(c["text"], c["token_ids"], c["finish_reason"])
+        return out
     async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as r:
         assert r.status_code == 200, await r.aread()
         async for line in r.aiter_lines():
@@ -79,8 +87,8 @@ async def stream(client: httpx.AsyncClient, url: str, body: dict, out: Result) -
 
 def body(prompt: list[int], **kw) -> dict:
     return {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True},
-            "return_token_ids": True, "temperature": 0.0, **kw}
+            "stream": True, "return_token_ids": True, "temperature": 0.0, **kw,
+            **({"stream_options": {"include_usage": True}} if kw.get("stream", True) else {})}
 
 
 # The requests, one per piece of state, each a distinct prompt. "stop" leads: it starts
@@ -95,6 +103,8 @@ BODIES = {
     "seeded": body([51, 52, 53], temperature=1.0, top_p=0.9, seed=7),
     "n2": body([61, 62, 63], temperature=1.0, seed=3, n=2),
     "greedy": body([71, 72, 73]),
+    "whole": body([81, 82, 83], stream=False),   # (not streamed: the response whole)
+    "best_of": body([91, 92, 93], stream=False, temperature=1.0, seed=5, best_of=3),
 }
 
 
@@ -166,11 +176,12 @@ def test_every_stream_failed_over_at_both_kills_but_the_stopped_one(failed_over)
     assert all(r.error is None and r.done for r in results.values()), results
 
 
-@pytest.mark.parametrize("name", ["greedy", "seeded", "penalties", "json_schema", "n2"])
+@pytest.mark.parametrize("name", ["greedy", "seeded", "penalties", "json_schema", "n2",
+                                  "whole", "best_of"])
 def test_output_continues_exactly_as_without_the_kills(failed_over, name):
     reference, results, _, _ = failed_over
     same_output(name, reference, results)
-    assert len(results[name].choices) == (2 if name == "n2" else 1)
+    assert len(results[name].choices) == (2 if name == "n2" else 1)   # (best_of: its best)
     assert len(results[name].choices[0].token_ids) == MAX_TOKENS
 
 
