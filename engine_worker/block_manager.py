@@ -57,8 +57,11 @@ class BlockTable:
     block_ids: list[int] = field(default_factory=list)
     # Chained hashes of the request's full blocks, computed once per block.
     block_hashes: list[bytes] = field(default_factory=list)
-    # Leading blocks already offered to the prefix cache.
+    # Leading blocks already offered to the prefix cache...
     num_registered: int = 0
+    # ...and, of those, to the shared KV store while the request runs
+    # (kv_offload.KvOffload.running).
+    num_offered: int = 0
     # The first block's parent hash: the request's cache salt's (None: unsalted).
     root: Optional[bytes] = None
     # Leading entries let go of (the null block's id, NULL_BLOCK, in their place):

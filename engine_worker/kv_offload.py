@@ -39,7 +39,7 @@ import time
 from collections import Counter, OrderedDict, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -227,12 +227,30 @@ class KvOffload:
         if self.link is None:
             return
         try:
-            block_ids, hashes = request_blocks(request)
-            for start in range(0, len(block_ids), CHUNK_BLOCKS):
-                self._put(block_ids[start:start + CHUNK_BLOCKS],
-                          hashes[start:start + CHUNK_BLOCKS])
+            self._put_all(*request_blocks(request))
         except Exception as e:
             self._failed("put", e)
+
+    def running(self, requests: Iterable[Request]) -> None:
+        """Running requests' blocks go to the shared store as they fill, so that a
+        request whose engine dies continues on another (a failover) that pulls them
+        rather than computing its prompt and output again. Never raises."""
+        if self.link is None:
+            return
+        try:
+            for request in requests:
+                table = request.blocks
+                if table.num_registered > table.num_offered:
+                    block_ids, hashes = request_blocks(request)
+                    start = max(table.num_offered - table.released, 0)
+                    self._put_all(block_ids[start:], hashes[start:])
+                    table.num_offered = table.num_registered
+        except Exception as e:
+            self._failed("put", e)
+
+    def _put_all(self, block_ids: list[int], hashes: list[bytes]) -> None:
+        for start in range(0, len(block_ids), CHUNK_BLOCKS):
+            self._put(block_ids[start:start + CHUNK_BLOCKS], hashes[start:start + CHUNK_BLOCKS])
 
     def _put(self, block_ids: list[int], hashes: list[bytes]) -> None:
         assert self.link is not None

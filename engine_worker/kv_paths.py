@@ -95,9 +95,11 @@ class KvPaths:
             self.offload.finished(request)
 
     def poll(self) -> None:
-        """Before each step (CUDA: evicted blocks' bytes that reached the host)."""
+        """Before each step: running requests' newly filled blocks to the KV store
+        (CUDA: evicted blocks' bytes that reached the host)."""
         if self.offload is not None:
             self.offload.poll()
+            self.offload.running(self.scheduler.running)
 
     # -- the peers: prefill engines, decode engines, the KV store ----------------
 

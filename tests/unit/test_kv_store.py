@@ -172,6 +172,34 @@ def test_a_prefix_computed_on_one_engine_is_served_to_another(tiny_llama_dir, st
     assert b.block_manager.num_used_blocks == 0
 
 
+def test_a_running_requests_blocks_reach_the_store_as_they_fill(tiny_llama_dir, store,
+                                                                 expected):
+    """A failover: engine a stops answering mid-request (it never finishes it), and
+    engine b continues the request after the tokens a sent. b pulls every block a had
+    computed, prompt and output, rather than computing them again."""
+    (a, pa), (b, pb) = engine(tiny_llama_dir, store), engine(tiny_llama_dir, store)
+    a.add_request("a", A, greedy(6))
+    sent: list[int] = []
+    while len(sent) < 4:
+        pa.carry()
+        for out in a.step():
+            sent += out.new_token_ids
+    a.kv.poll()   # (a's next step would put what this one filled)
+    pa.carry()
+    computed = len(A) + len(sent) - 1   # (the last token's KV is not computed yet)
+    assert a.has_unfinished_requests() and a.stats().kv_store_put_blocks == computed // 4
+    b.add_request("b", A, greedy(6), output_token_ids=sent)
+    rest: list[int] = []
+    while b.has_unfinished_requests():
+        pb.carry()
+        for out in b.step():
+            assert out.error is None, out.error
+            rest += out.new_token_ids
+    assert sent + rest == expected[0]
+    assert b.stats().kv_store_hits == computed // 4
+    assert b.stats().prefix_cache_hit_tokens == computed // 4 * 4
+
+
 def test_the_store_dying_mid_transfer_costs_recomputation(tiny_llama_dir, store, expected):
     (a, pa), (b, pb) = engine(tiny_llama_dir, store), engine(tiny_llama_dir, store)
     pa.run("a", A)
