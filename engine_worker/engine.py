@@ -33,32 +33,10 @@ from engine_worker.request import Request, RequestStatus
 from engine_worker.sampler import PendingSamples, Samples, token_logprobs
 from engine_worker.scheduler import ScheduledRequest, Scheduler
 from engine_worker.speculation import PREDICTED_TOKENS, Speculator, max_step_rows
+from engine_worker.step_failures import forward_one_by_one, raise_if_fatal, sample_one_by_one
 from engine_worker.window_blocks import SlidingBlockManager, WindowedBlockManager
 
 logger = logging.getLogger(__name__)
-
-# CUDA errors after which the context is unusable: every later kernel fails too.
-_STICKY_DEVICE_ERRORS = ("illegal memory access", "unspecified launch failure",
-                         "device-side assert", "illegal instruction", "misaligned address",
-                         "an illegal address", "uncorrectable ECC", "launch timed out",
-                         "CUDA-capable device(s) is/are busy or unavailable")
-
-
-class FatalDeviceError(RuntimeError):
-    """The device is broken for this process (a sticky CUDA error): the engine cannot
-    go on, and its process exits so that its supervisor restarts it."""
-
-
-def raise_if_fatal(e: BaseException) -> None:
-    """Raise FatalDeviceError for a sticky CUDA error; anything else (an out-of-memory
-    error included) is left to the caller, as one request's failure."""
-    if isinstance(e, torch.cuda.OutOfMemoryError):
-        torch.cuda.empty_cache()
-        return
-    message = str(e)
-    if isinstance(e, RuntimeError) and any(s in message for s in _STICKY_DEVICE_ERRORS):
-        raise FatalDeviceError(f"fatal CUDA error, the engine cannot continue: {message}") from e
-
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
@@ -278,7 +256,7 @@ class LLMEngine:
         One request's failure is its own: a request whose logits or sampling go bad,
         or whose post-processing raises, ends with finish reason "error" and the others
         go on. When the batch's forward pass itself raises, every request is run alone
-        to find the one(s) that fail (see _forward_one_by_one); the prefix cache keeps
+        to find the one(s) that fail (step_failures.forward_one_by_one); the prefix cache keeps
         everything that is known good."""
         inflight, self._inflight = self._inflight, None
         self.runner.prompt_logits = []  # this call's, if it runs a forward pass
@@ -338,7 +316,7 @@ class LLMEngine:
             if after is not None:  # its tokens first: they fill the placeholders
                 early = self._finish(after)
                 scheduled = [s for s in scheduled if s.request.status is RequestStatus.RUNNING]
-            scheduled, logits, failures = self._forward_one_by_one(scheduled)
+            scheduled, logits, failures = forward_one_by_one(self, scheduled)
             early += failures
         sampling = [s.request for s in scheduled if s.samples]
         embedded = [r for r in sampling if r.embed is not None]
@@ -441,7 +419,8 @@ class LLMEngine:
             raise_if_fatal(e)
             logger.exception("sampling failed for %d request(s); sampling them one by one",
                              len(requests))
-        return PendingSamples.ready(self._sample_one_by_one(logits, requests), self.device)
+        return PendingSamples.ready(sample_one_by_one(self.runner.sampler, logits, requests),
+                                    self.device)
 
     def _read_samples(self, step: "_Step") -> Samples:
         try:
@@ -452,55 +431,6 @@ class LLMEngine:
             message = f"sampling failed: {type(e).__name__}: {e}"
             return Samples([None] * len(step.sampling), [None] * len(step.sampling),
                            {i: message for i in range(len(step.sampling))})
-
-    def _sample_one_by_one(self, logits: torch.Tensor, requests: list[Request]) -> Samples:
-        sampler = self.runner.sampler
-        samples = Samples([None] * len(requests), [None] * len(requests))
-        for i, request in enumerate(requests):
-            try:
-                one = sampler(logits[i:i + 1].clone(), [request])
-            except Exception as e:
-                raise_if_fatal(e)
-                samples.errors[i] = f"sampling failed: {type(e).__name__}: {e}"
-                continue
-            samples.token_ids[i], samples.logprobs[i] = one.token_ids[0], one.logprobs[0]
-            if 0 in one.errors:
-                samples.errors[i] = one.errors[0]
-        return samples
-
-    def _forward_one_by_one(self, scheduled: list[ScheduledRequest]
-                            ) -> tuple[list[ScheduledRequest], Optional[torch.Tensor],
-                                       list[RequestOutput]]:
-        """After a batch's forward pass raised: run each request alone, in schedule
-        order (a request may attend to blocks an earlier one fills in this step).
-        A request that fails alone ends with an error, and the blocks it was filling
-        leave the prefix cache; a later request that attached any of them (in-batch
-        dedup) read that KV, so it is preempted and recomputed, not failed. Returns
-        the requests that ran, their logits, and the failures' outputs."""
-        ran: list[ScheduledRequest] = []
-        rows: list[torch.Tensor] = []
-        outputs: list[RequestOutput] = []
-        poisoned: set[int] = set()
-        for s in scheduled:
-            request = s.request
-            if poisoned.intersection(request.blocks.block_ids):
-                self.scheduler.preempt(request)
-                continue
-            try:
-                logits = self.runner.forward([s])
-            except Exception as e:
-                raise_if_fatal(e)
-                logger.exception("the forward pass of %s failed on its own", request.request_id)
-                poisoned.update(self.block_manager.forget_from(request.blocks,
-                                                               request.num_computed_tokens))
-                outputs.append(self._fail(request, f"engine step failed: {type(e).__name__}: "
-                                                   f"{e}"))
-                continue
-            ran.append(s)
-            self._record_logits()
-            if logits is not None:
-                rows.append(logits)
-        return ran, (torch.cat(rows) if rows else None), outputs
 
     def _output(self, request: Request, new_token_ids: list[int],
                 logprobs: Optional[list], error: Optional[str] = None) -> RequestOutput:

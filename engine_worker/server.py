@@ -21,7 +21,7 @@ snapshot instead. Routers route by them (frontend/router.py).
 
 Failure handling: a request the engine refuses gets a RequestError; a request that
 fails inside a step ends with finish reason "error" (engine.py isolates it; the
-engine goes on); a sticky CUDA error (engine.FatalDeviceError) or anything else is a
+engine goes on); a sticky CUDA error (step_failures.FatalDeviceError) or anything else is a
 broken invariant, and the process sends DEAD to every client and exits nonzero.
 SIGTERM/SIGINT drain: every client is told at once (a Pong with ``draining`` set,
 which later pongs repeat) so that routers send nothing more; new requests are
@@ -56,7 +56,8 @@ from common.protocol import (CLIENT_MESSAGES, ENGINE_MESSAGES, PROTOCOL_VERSION,
                              RequestError, RequestErrorKind, RequestOutput, STORE_REQUESTS,
                              StorePong, version_mismatch)
 from common.sockets import make_socket
-from engine_worker.engine import FatalDeviceError, LLMEngine
+from engine_worker.engine import LLMEngine
+from engine_worker.step_failures import FatalDeviceError
 from engine_worker.io_thread import PEER_OUTBOX_ADDRESS, IOThread, Peer, Wake
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from common.protocol import FinishReason, SamplingParams
-from engine_worker.engine import FatalDeviceError
+from engine_worker.step_failures import FatalDeviceError
 from engine_worker.cpu.fused import FusedForward
 from helpers import greedy, make_engine, random_prompts, run_to_end, tokens
 
