@@ -227,3 +227,24 @@ def test_the_one_call_cpu_forward_applies_adapters_as_peft_merges_them(request, 
     e.runner.eager.run = eager
     for k, name in enumerate(names):
         assert_matches(got[k * len(PROMPTS):(k + 1) * len(PROMPTS)], refs[name], str(name))
+
+
+def test_an_adapter_on_a_mixtures_shared_expert_runs_layer_by_layer(tiny_qwen2_moe_dir,
+                                                                    tmp_path):
+    """The C forward does not apply adapters to a mixture's shared expert: a step with
+    such an adapter's rows runs layer by layer (the modules apply it), one with only the
+    base model's rows runs in C; both as peft's merge computes them."""
+    modules = r".*(self_attn\.(q|v)_proj|shared_expert\.(gate|up|down)_proj)"
+    made = make_adapter(tiny_qwen2_moe_dir, tmp_path / "shared", 3, 8, 16, modules, False)
+    refs = {name: merged_greedy(tiny_qwen2_moe_dir, path, PROMPTS, 6)
+            for name, path in (("shared", made), (None, None))}
+    assert any(r.token_ids != base.token_ids for r, base in zip(refs["shared"], refs[None]))
+    e = engine(tiny_qwen2_moe_dir, [("shared", made)])
+    calls = []
+    eager = e.runner.eager.run
+    e.runner.eager.run = lambda *a: calls.append(1) or eager(*a)
+    assert_matches(run(e, [(p, greedy(6)) for p in PROMPTS]), refs[None], "base")
+    assert not calls   # (the base model alone: the one C call)
+    assert_matches(run(e, [(p, greedy(6, "shared")) for p in PROMPTS]), refs["shared"],
+                   "shared")
+    assert calls

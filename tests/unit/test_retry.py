@@ -273,6 +273,36 @@ def test_failovers_stop_at_the_limit_and_when_no_engine_comes(tokenizer):
     assert p1.num_failovers == 0 and single.error.status == 503
 
 
+def test_a_drain_past_its_timeout_fails_a_started_job_over(tokenizer):
+    """The engine aborts a request it was streaming (its drain timed out): the job
+    continues on another engine after the tokens read."""
+    def scenario():
+        a, b = FakeEngine("a"), FakeEngine("b")
+        job, router, processor = run_job(tokenizer, [a, b])
+        a.emit([11])
+        a.emit([], FinishReason.ABORT, error="the engine is shutting down")
+        assert b.sent[0][1] == {"output_token_ids": [11]} and load(router) == [0, 1]
+        b.emit([12, 13], FinishReason.LENGTH)
+        return job, processor
+    job, processor = in_loop(scenario)
+    assert job.ended and job.error is None and processor.num_failovers == 1
+    assert job.choices[0].token_ids == [11, 12, 13]
+
+
+def test_a_failover_refuses_an_engine_with_a_shorter_context(tokenizer):
+    """The only engine left could not take every request validated against the dead
+    one's limits: the stream ends with the error, and nothing stays counted."""
+    def scenario():
+        a, short = FakeEngine("a"), FakeEngine("short", max_model_len=64)
+        job, router, processor = run_job(tokenizer, [a, short])
+        a.emit([11])
+        a.die()
+        return job, router, processor, short
+    job, router, processor, short = in_loop(scenario)
+    assert job.error is not None and job.error.status == 503
+    assert processor.num_failovers == 0 and short.submitted == [] and load(router) == [0, 0]
+
+
 def test_retries_stop_at_the_limit_and_with_no_other_engine(tokenizer):
     def scenario():
         engines = [FakeEngine(x) for x in "abcd"]
