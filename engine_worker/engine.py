@@ -33,7 +33,8 @@ from engine_worker.request import Request, RequestStatus
 from engine_worker.sampler import PendingSamples, Samples, token_logprobs
 from engine_worker.scheduler import ScheduledRequest, Scheduler
 from engine_worker.speculation import PREDICTED_TOKENS, Speculator, max_step_rows
-from engine_worker.step_failures import forward_one_by_one, raise_if_fatal, sample_one_by_one
+from engine_worker.step_failures import (FatalDeviceError, forward_one_by_one, raise_if_fatal,
+                                         sample_one_by_one)
 from engine_worker.window_blocks import SlidingBlockManager, WindowedBlockManager
 
 logger = logging.getLogger(__name__)

@@ -5,12 +5,14 @@ alone, and the prefix cache keeps what is known good."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from common.protocol import FinishReason, SamplingParams
-from engine_worker.step_failures import FatalDeviceError
 from engine_worker.cpu.fused import FusedForward
+from engine_worker.step_failures import FatalDeviceError
 from helpers import greedy, make_engine, random_prompts, run_to_end, tokens
 
 PROMPTS = random_prompts([9, 14, 5], seed=11)
@@ -234,4 +236,20 @@ def test_a_sticky_cuda_error_is_fatal_to_the_engine(tiny_llama_dir):
     engine.runner.forward = broken
     engine.add_request("a", PROMPTS[0], greedy(3))
     with pytest.raises(FatalDeviceError, match="unspecified launch failure"):
+        engine.step()
+
+
+def test_a_failed_step_of_a_model_split_over_ranks_is_fatal(tiny_llama_dir, monkeypatch):
+    """Rank 0 cannot rerun requests one by one while its peers wait in the step: the
+    engine exits (to be restarted) with the reason."""
+    engine = make_engine(tiny_llama_dir)
+
+    def broken(scheduled):
+        raise RuntimeError("injected")
+
+    engine.runner.forward = broken
+    monkeypatch.setattr(engine.runner, "parallel",
+                        dataclasses.replace(engine.runner.parallel, size=2))
+    engine.add_request("a", PROMPTS[0], greedy(3))
+    with pytest.raises(FatalDeviceError, match="tensor-parallel ranks.*injected"):
         engine.step()
