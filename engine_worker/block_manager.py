@@ -60,7 +60,8 @@ class BlockTable:
     # Leading blocks already offered to the prefix cache...
     num_registered: int = 0
     # ...and, of those, to the shared KV store while the request runs
-    # (kv_offload.KvOffload.running).
+    # (kv_offload.KvOffload.running; kept when the request is preempted: its blocks,
+    # computed again, have the same hashes).
     num_offered: int = 0
     # The first block's parent hash: the request's cache salt's (None: unsalted).
     root: Optional[bytes] = None
@@ -294,6 +295,7 @@ class BlockManager:
             block.block_hash = None
             block.token_ids = None
         table.num_registered = min(table.num_registered, first)
+        table.num_offered = min(table.num_offered, first)
         return block_ids
 
     def reset_prefix_cache(self) -> None:

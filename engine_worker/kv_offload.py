@@ -18,7 +18,8 @@ anything is written into it) is copied, as bytes in the cache's own dtype
     evicted slots go there; without a host tier, the pool's do.
 
 The shared KV store (kv_store_link.py) gets the evicted blocks too, and those of every
-request that ends. Where bytes must reach the host from a GPU (the disk, the store),
+request as they fill (a request that fails over to another engine is pulled there) and
+as it ends. Where bytes must reach the host from a GPU (the disk, the store),
 they are copied into pinned memory on the side stream and handed over by a later
 ``poll()`` (every step) once there; a host slot pushed out to disk before its own copy
 has landed is dropped, not waited for. So the step's path never waits for a copy.
@@ -121,7 +122,7 @@ class KvOffload:
                  host_bytes: Optional[int], disk_dir: Optional[str], disk_bytes: int,
                  link: Optional[KvStoreLink] = None) -> None:
         """link: the shared KV store's (kv_store_link.py), which evicted blocks and
-        those of requests that end are put to."""
+        those of requests, as they fill and as they end, are put to."""
         self.block_manager = block_manager
         self.store = store
         device = store.kv_caches[0].device
@@ -235,16 +236,19 @@ class KvOffload:
         """Running requests' blocks go to the shared store as they fill, so that a
         request whose engine dies continues on another (a failover) that pulls them
         rather than computing its prompt and output again. Never raises."""
-        if self.link is None:
-            return
+        if self.link is None or not self._putting():
+            return   # (what fills meanwhile goes when the request ends)
         try:
+            named: dict[bytes, int] = {}   # (one copy of a block requests share)
             for request in requests:
                 table = request.blocks
                 if table.num_registered > table.num_offered:
                     block_ids, hashes = request_blocks(request)
                     start = max(table.num_offered - table.released, 0)
-                    self._put_all(block_ids[start:], hashes[start:])
+                    named.update(zip(hashes[start:], block_ids[start:]))
                     table.num_offered = table.num_registered
+            if named:
+                self._put_all(list(named.values()), list(named))
         except Exception as e:
             self._failed("put", e)
 
@@ -252,9 +256,13 @@ class KvOffload:
         for start in range(0, len(block_ids), CHUNK_BLOCKS):
             self._put(block_ids[start:start + CHUNK_BLOCKS], hashes[start:start + CHUNK_BLOCKS])
 
-    def _put(self, block_ids: list[int], hashes: list[bytes]) -> None:
+    def _putting(self) -> bool:
+        """Whether blocks are put to the store now: it is up, and the layout final."""
         assert self.link is not None
-        if not self.link.up(time.monotonic()) or not self.store.settled:
+        return self.link.up(time.monotonic()) and self.store.settled
+
+    def _put(self, block_ids: list[int], hashes: list[bytes]) -> None:
+        if not self._putting():
             return
         todo = self.link.unknown(hashes)
         if todo:

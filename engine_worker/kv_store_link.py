@@ -1,8 +1,8 @@
 """One engine's side of the shared KV store (kv_store/): blocks put, prompt blocks
 pulled, and a store that fails left alone for a while.
 
-Put: the blocks the pool evicts (kv_offload.py) and the full blocks of every request
-that ends, unless this engine put or pulled them lately (``known``), in KvPut frames of
+Put: the blocks the pool evicts (kv_offload.py) and the full blocks of every request,
+as they fill and as it ends, unless this engine put or pulled them lately (``known``), in KvPut frames of
 at most PUT_FRAME_BYTES, sent by the I/O thread without waiting on a socket of their
 own (a store that is not reading has them dropped: it is a cache; pulls are never
 queued behind them).

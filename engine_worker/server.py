@@ -198,7 +198,7 @@ class EngineServer:
                 outputs = self.engine.step()
                 self._publish_cache_changes()  # before the outputs they explain
                 self._send_outputs(outputs)
-                self._send_kv_pulls()  # (blocks of requests that ended, to the KV store)
+                self._send_kv_pulls()  # (blocks the step filled or ended, to the KV store)
             self.io.stats = self.engine.stats()
 
     def _signalled(self) -> bool:

@@ -1,8 +1,8 @@
 """The shared KV store's contents: blocks by (KV layout, chained hash).
 
-Model: engines put the full blocks their pools evict or their finished requests hold
-(KvPut), each named by the prefix cache's chained hash (common/prefix_hash.py) and
-tagged with its KV layout (model, dtype, block size, layer count and shapes:
+Model: engines put the full blocks their pools evict or their requests fill (KvPut),
+each named by the prefix cache's chained hash (common/prefix_hash.py) and tagged with
+its KV layout (model, dtype, block size, layer count and shapes:
 KvBlockStore.layout); engines pull the leading blocks of a prompt they lack (KvPull).
 A block is kept only when its CRC-32 matches and its size is its layout's (the size
 of the layout's first block); a pull of one layout never sees another's blocks. Held
