@@ -4,7 +4,8 @@
     python benchmarks/experiments.py http-ratio
 
 Every variant starts its own ``roseserve serve`` on the default model with the
-variant's server flags, runs benchmarks/stream.py against it (writing
+variant's server flags (with ``--smoke``, one after another with the same flags share
+one), runs benchmarks/stream.py against it (writing
 docs/bench/<experiment>-<variant>.json), and stops it; then the variants are printed
 side by side (benchmarks/compare.py). ``http-ratio`` alternates in-process engine runs
 and HTTP runs of one workload and prints HTTP tokens/s as a ratio of in-process.
@@ -26,6 +27,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -127,17 +129,36 @@ def stream(url: str, args: list[str], out: Path, label: str) -> dict:
     return json.loads(out.read_text())
 
 
-def run_experiment(name: str, args: argparse.Namespace) -> None:
+class Servers:
+    """The server each variant runs against: its own, started afresh; with --smoke,
+    the one running when the last variant had the same flags (what the smoke checks
+    is that each variant's flags serve, not its figures)."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.current: Optional[tuple[list[str], Server]] = None
+
+    def get(self, flags: list[str]) -> Server:
+        if self.current is not None and not (self.args.smoke and self.current[0] == flags):
+            self.close()
+        if self.current is None:
+            self.current = (flags, Server(flags + self.args.server_flags, self.args.port))
+        return self.current[1]
+
+    def close(self) -> None:
+        if self.current is not None:
+            self.current[1].stop()
+            self.current = None
+
+
+def run_experiment(name: str, args: argparse.Namespace, servers: Servers) -> None:
     print(f"##### {name}", flush=True)
     summaries = []
     for variant, server_flags, stream_args in EXPERIMENTS[name]:
         print(f"--- {variant}: roseserve serve {' '.join(server_flags)}", flush=True)
-        server = Server(server_flags + args.server_flags, args.port)
-        try:
-            summaries.append(stream(server.url, smoke(stream_args) if args.smoke else stream_args,
-                                    args.out / f"{name}-{variant}.json", variant))
-        finally:
-            server.stop()
+        server = servers.get(server_flags)
+        summaries.append(stream(server.url, smoke(stream_args) if args.smoke else stream_args,
+                                args.out / f"{name}-{variant}.json", variant))
     for other in summaries[1:]:
         print("\n".join(compare(summaries[0], other)), flush=True)
 
@@ -198,11 +219,16 @@ def main(argv=None) -> int:
     args.server_flags = argv[cut + 1:]   # for every roseserve serve
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    for name in args.experiments:
-        if name == "http-ratio":
-            http_ratio(args)
-        else:
-            run_experiment(name, args)
+    servers = Servers(args)
+    try:
+        for name in args.experiments:
+            if name == "http-ratio":
+                servers.close()   # (its server has flags of its own, on the same port)
+                http_ratio(args)
+            else:
+                run_experiment(name, args, servers)
+    finally:
+        servers.close()
     return 0
 
 

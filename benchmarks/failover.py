@@ -166,7 +166,8 @@ async def run(stack: Stack, reqs: list[dict], fault: str = "") -> list[Stream]:
                             "roseserve_engines_healthy") < len(victims):
                         check()
                         await asyncio.sleep(0.1)
-                    await until(lambda: all(s.last > time.monotonic() - 0.5 for s in streams))
+                    await until(lambda: all(s.done or s.last > time.monotonic() - 0.5
+                                            for s in streams))
                     os.kill(victims[1], signal.SIGKILL)
         await asyncio.gather(*tasks)
     return streams

@@ -133,7 +133,9 @@ def _die_at(path: str, engine) -> None:
             n = int(f.read())
     except FileNotFoundError:
         return
-    if any(r.num_output_tokens >= n for r in engine.requests.values()):
+    # (tokens sampled: not a placeholder's, nor proposals)
+    if any(r.num_output_tokens - r.num_pending - r.num_draft >= n
+           for r in engine.requests.values()):
         os.remove(path)
         print(f"injected SIGKILL at {n} output tokens", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)

@@ -121,6 +121,10 @@ async def run(url: str, bodies: dict, die_file=None, kills=()) -> dict[str, Resu
             await asyncio.sleep(0.01)
         tasks = [lead] + [asyncio.create_task(stream(client, url, bodies[n], results[n]))
                           for n in names[1:]]
+        while kills and not all(r.num_tokens for n, r in results.items()
+                                if bodies[n]["stream"]):   # (all under way)
+            assert time.monotonic() - started < 60, results
+            await asyncio.sleep(0.01)
         for n in kills:
             with open(die_file, "w") as f:
                 f.write(str(n))
